@@ -1,0 +1,865 @@
+"""The streaming engine: host store, device window, hooks and the gradient path.
+
+Legend: N = a unit's flat element count (padded), T = its trainable prefix.
+
+[Note: units and views]
+Each unit owns one flat fp32 master buffer on the host (N,), one flat pinned wire buffer in
+the wire dtype (N,) (the master itself when the dtypes agree), and one flat device tensor
+(N,) whose storage is allocated while the unit is on the device and resized to zero while
+it is not. The module's host parameters are views into the master; the device parameters
+are views into the device tensor, created once. Autograd saves those device views for
+backward; because the storage object never changes (only its allocation), a reload before
+backward makes every saved view valid again (the trick of FSDP2's unsharded parameters).
+Copies into the device tensor go through a second tensor on the same storage with its own
+version counter, so that a reload does not trip autograd's in-place check.
+
+[Note: pins and the schedule]
+A unit is pinned while something needs its device copy: a forward call (pre- to post-
+forward hook), a backward call (from the first gradient of its outputs to the gradients of
+its inputs, see ``_PostBackward``), or a recomputation under activation checkpointing. An
+unpinned unit stays cached in the window until room is needed (least recently used goes
+first). Forward prefetches the units that followed in the previous forward (module order on
+the first), backward the units that preceded in this forward, ``prefetch_depth`` ahead.
+A wrong guess costs bandwidth, never correctness: every use acquires and waits.
+
+[Note: when the step runs]
+The first optimizer step is applied by ``opt.step()`` (deferred). If that step saw exactly
+one backward and nobody changed the gradients in between (no clipping, no unscaling; seen
+through the gradients' version counters), later backward passes step each unit as soon as
+its gradients have landed (eager, see [Note: optimizer overlap]). A loop that changes
+pattern afterwards gets a RuntimeError, never a silently wrong step. Deferred steps run on
+the worker too: ``opt.step()`` returns at once and each unit's next forward waits for that
+unit's step only.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ._plan import OffloadPlan, format_bytes, make_plan
+from ._streams import CopyStreams, alloc_host
+from ._units import UnitSpec
+from ._worker import LAND, STEP, HostWorker
+
+if TYPE_CHECKING:
+    from .optim import HostOptimizer
+
+_ALIGN = 64  # elements; keeps every view 128-byte aligned for fp32, 64 for bf16
+
+# Which engine owns a model or a host parameter. Weak: an engine lives as long as its model.
+ENGINE_OF_MODEL: WeakIdKeyDictionary = WeakIdKeyDictionary()
+ENGINE_OF_PARAM: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Unit:
+    """Runtime state of one unit. See [Note: units and views]."""
+
+    def __init__(self, index: int, spec: UnitSpec) -> None:
+        self.index = index
+        self.name = spec.name
+        self.rest = spec.rest
+        self.modules = spec.modules
+        self.owned = spec.owned
+        self.num_trainable = sum(1 for p in spec.owned if p.requires_grad)
+        self.offsets: list[int] = []
+        n = 0
+        for p in spec.owned:
+            self.offsets.append(n)
+            n += -(-p.numel() // _ALIGN) * _ALIGN
+            if len(self.offsets) == self.num_trainable:
+                self.trainable_numel = n
+        if self.num_trainable == 0:
+            self.trainable_numel = 0
+        self.numel = n
+        self.resident = False
+        self.deps: list[_Unit] = [self]
+        # (module, name, host parameter, device parameter) for every slot the forward reads
+        self.slots: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+        self.orig_dtypes = [p.dtype for p in spec.owned]
+        # host store
+        self.master: torch.Tensor
+        self.wire: torch.Tensor
+        self.staging: torch.Tensor | None = None
+        self.host_grad: torch.Tensor | None = None
+        self.host_grad_views: list[torch.Tensor] = []
+        self.grad_versions: list[int] = []
+        # device side
+        self.device_flat: torch.Tensor
+        self.device_alias: torch.Tensor
+        self.device_params: list[nn.Parameter] = []
+        self.allocated = False
+        self.device_version = -1
+        self.host_version = 0
+        self.h2d_event: torch.cuda.Event | None = None
+        self.wire_read_event: torch.cuda.Event | None = None
+        self.used_streams: set[torch.cuda.Stream] = set()
+        self.pins = 0
+        self.backward_pins = 0
+        self.wire_ready = threading.Event()
+        self.wire_ready.set()
+        self.h2d_issued = threading.Event()
+        self.h2d_issued.set()
+        self.load_requested = False
+        # gradients
+        self.device_grad: torch.Tensor | None = None
+        self.fired = 0
+        self.dispatched_this_backward = False
+        self.land_future: Future | None = None
+        self.call_stack: list[_Call | None] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.wire.element_size()
+
+    @property
+    def grad_nbytes(self) -> int:
+        return self.trainable_numel * self.wire.element_size()
+
+    def views(self, flat: torch.Tensor, *, trainable_only: bool = False) -> list[torch.Tensor]:
+        params = self.owned[: self.num_trainable] if trainable_only else self.owned
+        return [
+            flat[off : off + p.numel()].view(p.shape)
+            for off, p in zip(self.offsets, params)
+        ]
+
+    def __repr__(self) -> str:
+        return f"Unit({self.index}, {self.name!r})"
+
+
+class _Call:
+    """One forward call of a unit that autograd may run backward through."""
+
+    __slots__ = ("deps", "order", "position", "pre_backward_done", "bw_pinned", "rc_pinned")
+
+    def __init__(self, deps: list[_Unit], order: list[_Unit] | None, position: int) -> None:
+        self.deps = deps
+        self.order = order
+        self.position = position
+        self.pre_backward_done = False
+        self.bw_pinned = False
+        self.rc_pinned = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx, engine: Engine, call: _Call, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.engine = engine
+        ctx.call = call
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.engine._post_backward(ctx.call)
+        return (None, None, *grads)
+
+
+class Engine:
+    """Owns one offloaded model: its units, host store, window, hooks and worker.
+
+    Built by ``ramflow.offload``; see its docstring for the arguments.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        specs: list[UnitSpec],
+        *,
+        device: torch.device,
+        wire_dtype: torch.dtype,
+        gpu_memory_bytes: int | None,
+        prefetch_depth: int,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.wire_dtype = wire_dtype
+        self.prefetch_depth = prefetch_depth
+        self.streams = CopyStreams(device)
+        self.worker = HostWorker(device)
+        self._lock = threading.RLock()
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.units = [_Unit(i, s) for i, s in enumerate(specs)]
+        self._unit_of_param: dict[int, _Unit] = {}
+        for u in self.units:
+            for p in u.owned:
+                self._unit_of_param[id(p)] = u
+        self._check_host_memory()
+
+        # fixed device bytes: buffers stay on the device (tiny, and BatchNorm-style running
+        # statistics are updated in forward)
+        buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+        wire_size = torch.empty((), dtype=wire_dtype).element_size()
+        self.plan: OffloadPlan = make_plan(
+            device=str(device),
+            wire_dtype=str(wire_dtype).replace("torch.", ""),
+            unit_names=[u.name for u in self.units],
+            unit_bytes=[u.numel * wire_size for u in self.units],
+            unit_grad_bytes=[u.trainable_numel * wire_size for u in self.units],
+            always_resident=[u.rest for u in self.units],
+            fixed_bytes=buffer_bytes,
+            gpu_memory_bytes=gpu_memory_bytes,
+            prefetch_depth=prefetch_depth,
+        )
+        resident = set(self.plan.resident)
+        for u in self.units:
+            u.resident = u.name in resident
+
+        self._build_host_store()
+        self._build_device_side(specs)
+        self._window_capacity = self.plan.window_bytes
+        self._window_used = 0
+        self._lru: OrderedDict[_Unit, None] = OrderedDict()
+        for u in self.units:
+            if u.resident:
+                with self._lock:
+                    self._allocate(u)
+                    self._issue_h2d(u)
+
+        # per-forward and per-backward state
+        self._order: list[_Unit] = []
+        self._prev_order: list[_Unit] = []
+        self._positions: dict[_Unit, int] = {u: u.index for u in self.units}
+        self._outstanding: set[_Call] = set()
+        self._backward_dirty = False
+        self._end_backward_queued_for = -1
+        self._landing: list[Future] = []
+        # step policy, see [Note: when the step runs]
+        self.optimizers: list[HostOptimizer] = []
+        self._eager_allowed = False
+        self._eager_now: bool | None = None
+        self._last_backward_eager = False
+        self._final_backwards = 0
+        self._clip_used = False
+        self._eager_units: list[_Unit] = []
+        self._install_hooks()
+        ENGINE_OF_MODEL[model] = self
+        for u in self.units:
+            for p in u.owned:
+                ENGINE_OF_PARAM[p] = self
+
+    # ------------------------------------------------------------------ set-up
+
+    def _check_host_memory(self) -> None:
+        wire_size = torch.empty((), dtype=self.wire_dtype).element_size()
+        need = 0
+        for u in self.units:
+            need += u.numel * 4
+            if self.wire_dtype != torch.float32:
+                need += u.numel * wire_size
+            need += u.trainable_numel * (4 + wire_size)  # host gradients + D2H staging
+        avail = psutil.virtual_memory().available
+        if need > avail:
+            raise MemoryError(
+                f"ramflow needs about {format_bytes(need)} of host RAM for this model "
+                f"(fp32 master weights, wire copies, gradients) but only {format_bytes(avail)} "
+                "is available. Free memory, freeze parameters you do not train "
+                "(requires_grad=False), or use a smaller model."
+            )
+
+    def _build_host_store(self) -> None:
+        pin = self.device.type == "cuda"
+        for u in self.units:
+            u.master = alloc_host(
+                u.numel, torch.float32, pin=pin and self.wire_dtype == torch.float32,
+                what=f"the master weights of unit {u.name!r}",
+            )
+            u.master.zero_()  # padding between views stays defined
+            with torch.no_grad():
+                for view, p in zip(u.views(u.master), u.owned):
+                    view.copy_(p.detach())
+                    p.data = view
+            if self.wire_dtype == torch.float32:
+                u.wire = u.master
+            else:
+                u.wire = alloc_host(u.numel, self.wire_dtype, pin=pin, what=f"the wire copy of {u.name!r}")
+                u.wire.copy_(u.master)
+
+    def _build_device_side(self, specs: list[UnitSpec]) -> None:
+        for u in self.units:
+            u.device_flat = torch.empty(u.numel, dtype=self.wire_dtype, device=self.device)
+            u.device_alias = torch.empty(0, dtype=self.wire_dtype, device=self.device).set_(
+                u.device_flat.untyped_storage(), 0, (u.numel,)
+            )
+            for k, (view, p) in enumerate(zip(u.views(u.device_flat), u.owned)):
+                dp = nn.Parameter(view, requires_grad=p.requires_grad)
+                if p.requires_grad:
+                    self._hooks.append(
+                        dp.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u, k))
+                    )
+                u.device_params.append(dp)
+            u.device_flat.untyped_storage().resize_(0)
+        device_param = {
+            id(p): dp for u in self.units for p, dp in zip(u.owned, u.device_params)
+        }
+        for u, spec in zip(self.units, specs):
+            for module, name in spec.slots:
+                host = module._parameters[name]
+                u.slots.append((module, name, host, device_param[id(host)]))
+                owner = self._unit_of_param[id(host)]
+                if owner not in u.deps:
+                    u.deps.append(owner)
+        for module in self.model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device != self.device:
+                    module._buffers[name] = buf.to(self.device)
+
+    def _install_hooks(self) -> None:
+        root = self.model
+        self._hooks.append(
+            root.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True, prepend=True)
+        )
+        self._hooks.append(
+            root.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
+        )
+        for u in self.units:
+            if u.rest:
+                continue
+            for m in u.modules:
+                self._hooks.append(
+                    m.register_forward_pre_hook(
+                        functools.partial(self._pre_forward, u), with_kwargs=True
+                    )
+                )
+                self._hooks.append(
+                    m.register_forward_hook(
+                        functools.partial(self._post_forward, u), with_kwargs=True, always_call=True
+                    )
+                )
+        self._hooks.append(root.register_state_dict_pre_hook(lambda *a, **k: self.synchronize()))
+        self._hooks.append(root.register_load_state_dict_post_hook(self._after_load_state_dict))
+
+    # ------------------------------------------------------------------ window
+
+    def _allocate(self, u: _Unit) -> None:
+        """Give ``u`` device storage (lock held). Allocated on the H2D stream so that the
+        caching allocator orders its reuse after that stream; users add record_stream."""
+        nbytes = u.numel * u.device_flat.element_size()
+        if self.streams.is_cuda:
+            with torch.cuda.stream(self.streams.h2d_stream):
+                u.device_flat.untyped_storage().resize_(nbytes)
+        else:
+            u.device_flat.untyped_storage().resize_(nbytes)
+        u.allocated = True
+        if not u.resident:
+            self._window_used += u.nbytes
+            self._lru[u] = None
+
+    def _evict(self, u: _Unit) -> None:
+        """Free ``u``'s device storage (lock held); pending kernels keep it via record_stream."""
+        assert u.pins == 0 and not u.resident and u.allocated
+        for stream in u.used_streams:
+            u.device_flat.record_stream(stream)
+        u.used_streams.clear()
+        u.device_flat.untyped_storage().resize_(0)
+        u.allocated = False
+        u.device_version = -1
+        self._window_used -= u.nbytes
+        self._lru.pop(u, None)
+
+    def _make_room(self, u: _Unit, protect: Iterable[_Unit] = ()) -> bool:
+        """Evict least recently used unpinned units until ``u`` fits (lock held)."""
+        keep = set(protect)
+        keep.add(u)
+        while self._window_used + u.nbytes > self._window_capacity:
+            victim = next((v for v in self._lru if v.pins == 0 and v not in keep), None)
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
+    def _issue_h2d(self, u: _Unit) -> None:
+        """Copy ``u``'s wire buffer into its device storage (lock held, storage allocated)."""
+        event = self.streams.h2d(u.device_alias, u.wire)
+        u.h2d_event = event
+        u.wire_read_event = event
+        u.device_version = u.host_version
+        u.load_requested = False
+        u.h2d_issued.set()
+
+    def _request(self, u: _Unit, *, must: bool, protect: Iterable[_Unit] = ()) -> bool:
+        """Make sure a fresh copy of ``u`` is on its way (lock held).
+
+        With ``must`` the window may overflow rather than fail (a forward that needs more
+        units at once than the window holds); a prefetch returns False instead.
+        """
+        if u.allocated and u.device_version == u.host_version:
+            if not u.resident:
+                self._lru.move_to_end(u)
+            return True
+        if u.load_requested:
+            return True
+        if not u.allocated:
+            if not self._make_room(u, protect) and not must:
+                return False
+            self._allocate(u)
+        else:
+            self._lru.move_to_end(u)
+        if u.wire_ready.is_set():
+            self._issue_h2d(u)
+        else:  # its optimizer step is still running; the worker issues the copy after it
+            u.load_requested = True
+            u.h2d_issued.clear()
+        return True
+
+    def _acquire(self, units: list[_Unit], *, backward: bool = False) -> None:
+        with self._lock:
+            for u in units:
+                self._request(u, must=True)
+                u.pins += 1
+                if backward:
+                    u.backward_pins += 1
+        stream = self.streams.compute_stream()
+        for u in units:
+            while not u.h2d_issued.wait(timeout=1.0):
+                self.worker.raise_error()
+            if stream is not None:
+                if u.h2d_event is not None:
+                    stream.wait_event(u.h2d_event)  # See [Note: copies and events]
+                u.used_streams.add(stream)
+
+    def _release(self, units: list[_Unit], *, backward: bool = False) -> None:
+        with self._lock:
+            for u in units:
+                u.pins -= 1
+                if backward:
+                    u.backward_pins -= 1
+                assert u.pins >= 0 and u.backward_pins >= 0
+
+    def _prefetch(self, units: list[_Unit]) -> None:
+        with self._lock:
+            for u in units:
+                if u.resident:
+                    continue
+                if not self._request(u, must=False, protect=units):
+                    break
+
+    def _expand(self, units: Iterable[_Unit]) -> list[_Unit]:
+        out: list[_Unit] = []
+        for u in units:
+            for d in u.deps:
+                if d not in out:
+                    out.append(d)
+        return out
+
+    def _forward_prediction(self, u: _Unit, position: int) -> list[_Unit]:
+        prev = self._prev_order
+        depth = self.prefetch_depth
+        if position < len(prev) and prev[position] is u:
+            nxt = prev[position + 1 : position + 1 + depth]
+        else:
+            nxt = [v for v in self.units[u.index + 1 :] if not v.resident and not v.rest][:depth]
+        return self._expand(nxt)
+
+    def _backward_prediction(self, order: list[_Unit], position: int) -> list[_Unit]:
+        lo = max(0, position - self.prefetch_depth)
+        return self._expand(reversed(order[lo:position]))
+
+    # ------------------------------------------------------------------ hooks
+
+    def _swap(self, u: _Unit, *, to_device: bool) -> None:
+        for module, name, host, dev in u.slots:
+            module._parameters[name] = dev if to_device else host
+
+    def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.worker.raise_error()
+        if _in_backward():
+            return args, kwargs
+        if self._backward_dirty:  # a backward that did not reach the root's outputs
+            self._end_backward()
+        if self._order:
+            self._prev_order = self._order
+        self._order = []
+        rest = [u for u in self.units if u.rest]
+        if rest:
+            self._acquire(rest)
+            for u in rest:
+                self._swap(u, to_device=True)
+        cast = (
+            self.wire_dtype
+            if self.wire_dtype != torch.float32 and not torch.is_autocast_enabled(self.device.type)
+            else None
+        )
+
+        def move(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            if x.device != self.device:
+                x = x.to(self.device)
+            if cast is not None and x.is_floating_point() and x.dtype != cast:
+                x = x.to(cast)
+            return x
+
+        return pytree.tree_map(move, args), pytree.tree_map(move, kwargs)
+
+    def _root_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if _in_backward():
+            return
+        rest = [u for u in self.units if u.rest]
+        for u in rest:
+            self._swap(u, to_device=False)
+        self._release(rest)
+        positions: dict[_Unit, int] = {}
+        for i, u in enumerate(self._order):
+            positions.setdefault(u, i)
+        self._positions.update(positions)
+        if torch.is_grad_enabled():
+            for t in pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._root_output_grad)
+
+    def _root_output_grad(self, grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._end_backward_queued_for != task:
+            self._end_backward_queued_for = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict):
+        in_bw = _in_backward()
+        position = len(self._order)
+        if not in_bw:
+            self._order.append(u)
+        with torch.profiler.record_function(f"ramflow.wait:{u.name}"):
+            self._acquire(u.deps)
+        self._swap(u, to_device=True)
+        if not in_bw:
+            self._prefetch(self._forward_prediction(u, position))
+        else:  # recomputation under checkpointing: backward goes on to earlier units
+            last = max((i for i, v in enumerate(self._order) if v is u), default=None)
+            if last is not None:
+                self._prefetch(self._backward_prediction(self._order, last))
+        call = None
+        if torch.is_grad_enabled():
+            call = _Call(u.deps, None if in_bw else self._order, position)
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+            if idx:
+                wrapped = _PostBackward.apply(self, call, *[leaves[i] for i in idx])
+                for i, t in zip(idx, wrapped):
+                    leaves[i] = t
+                args, kwargs = pytree.tree_unflatten(leaves, spec)
+        u.call_stack.append(call)
+        return args, kwargs
+
+    def _post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        self._swap(u, to_device=False)
+        call = u.call_stack.pop()
+        if call is None or not _in_backward():
+            self._release(u.deps)
+            if call is not None:
+                tensors = [
+                    t for t in pytree.tree_leaves(output)
+                    if isinstance(t, torch.Tensor) and t.requires_grad
+                ]
+                hook = functools.partial(self._pre_backward, call)
+                for t in tensors:
+                    t.register_hook(hook)
+            return
+        # Recomputation inside backward. Non-reentrant checkpointing: the original call
+        # holds backward pins, so this one can go. Reentrant: nothing else holds the unit
+        # until the nested backward through this recomputation reaches its inputs.
+        if all(d.backward_pins > 0 for d in u.deps):
+            self._release(u.deps)
+        else:
+            call.rc_pinned = True
+            self._outstanding.add(call)
+            self._backward_dirty = True
+
+    def _pre_backward(self, call: _Call, grad: torch.Tensor) -> None:
+        if call.pre_backward_done:
+            return
+        call.pre_backward_done = True
+        self._backward_dirty = True
+        with torch.profiler.record_function("ramflow.wait_backward"):
+            self._acquire(call.deps, backward=True)
+        call.bw_pinned = True
+        self._outstanding.add(call)
+        if call.order is not None:
+            self._prefetch(self._backward_prediction(call.order, call.position))
+
+    def _post_backward(self, call: _Call) -> None:
+        if call.bw_pinned:
+            call.bw_pinned = False
+            self._release(call.deps, backward=True)
+        if call.rc_pinned:
+            call.rc_pinned = False
+            self._release(call.deps)
+        self._outstanding.discard(call)
+
+    # ------------------------------------------------------------------ gradients
+
+    def _on_grad(self, u: _Unit, k: int, dparam: nn.Parameter) -> None:
+        """Post-accumulate hook of device parameter ``k`` of ``u``: into the flat buffer."""
+        self._backward_dirty = True
+        if u.device_grad is None:
+            u.device_grad = torch.zeros(u.trainable_numel, dtype=self.wire_dtype, device=self.device)
+        off = u.offsets[k]
+        u.device_grad[off : off + dparam.numel()].view(dparam.shape).copy_(dparam.grad)
+        dparam.grad = None
+        u.fired += 1
+        if u.fired == u.num_trainable:
+            self._dispatch_grads(u)
+
+    def _dispatch_grads(self, u: _Unit) -> None:
+        """One D2H copy of ``u``'s gradients, then landing (and maybe the step) on the worker."""
+        eager = self._decide_eager()
+        if u.dispatched_this_backward and eager:
+            raise RuntimeError(
+                f"unit {u.name!r} received gradients twice in one backward pass (a unit called "
+                "in two reentrant checkpoint regions), so its step cannot run during backward. "
+                "Construct the ramflow optimizer with overlap=False."
+            )
+        u.dispatched_this_backward = True
+        if u.land_future is not None and not u.land_future.done():
+            u.land_future.result()  # the staging buffer is still being read
+        if u.staging is None:
+            u.staging = alloc_host(
+                u.trainable_numel, self.wire_dtype, pin=self.streams.is_cuda,
+                what=f"the gradient staging buffer of {u.name!r}",
+            )
+        with torch.profiler.record_function(f"ramflow.d2h_grads:{u.name}"):
+            event = self.streams.d2h(u.staging, u.device_grad)
+        u.device_grad = None
+        u.fired = 0
+        if eager:
+            with self._lock:
+                u.host_version += 1
+                u.wire_ready.clear()
+            self._eager_units.append(u)
+        u.land_future = self.worker.submit(
+            LAND, len(self._landing), functools.partial(self._land, u, event, eager)
+        )
+        self._landing.append(u.land_future)
+
+    def _land(self, u: _Unit, event: torch.cuda.Event | None, eager: bool) -> None:
+        """Worker: add the staged gradients into the fp32 host gradients of ``u``."""
+        if event is not None:
+            event.synchronize()
+        params = u.owned[: u.num_trainable]
+        if u.host_grad is None:
+            u.host_grad = torch.empty(u.trainable_numel, dtype=torch.float32)
+            u.host_grad_views = u.views(u.host_grad, trainable_only=True)
+        staging = u.staging
+        assert staging is not None
+        with torch.no_grad():
+            if all(p.grad is None for p in params):
+                u.host_grad.copy_(staging)
+                for p, view in zip(params, u.host_grad_views):
+                    p.grad = view
+            elif all(p.grad is v for p, v in zip(params, u.host_grad_views)):
+                u.host_grad.add_(staging)
+            else:
+                for p, view, s in zip(params, u.host_grad_views, u.views(staging, trainable_only=True)):
+                    if p.grad is None:
+                        view.copy_(s)
+                        p.grad = view
+                    else:
+                        p.grad.add_(s)
+        u.grad_versions = [p.grad._version for p in params]
+        if eager:
+            self.worker.submit(
+                STEP, self._positions.get(u, u.index),
+                functools.partial(self._step_unit, u, self._step_items(u, self.optimizers)),
+            )
+
+    def _decide_eager(self) -> bool:
+        if self._eager_now is None:
+            no_step = any(opt._no_step_depth for opt in self.optimizers)
+            if self._last_backward_eager and not no_step:
+                raise RuntimeError(
+                    "a second backward pass ran before opt.step(), but ramflow had already "
+                    "applied the step during the first (it saw one backward per step so far). "
+                    "For gradient accumulation, run the non-final micro-batches under "
+                    "`with opt.no_step():`, or construct the optimizer with overlap=False."
+                )
+            self._eager_now = (
+                self._eager_allowed
+                and not no_step
+                and self._final_backwards == 0
+                and len(self.optimizers) == 1
+            )
+        return self._eager_now
+
+    def _end_backward(self) -> None:
+        """End of a backward pass: release what it held, send leftover gradients, and wait
+        until every gradient has landed in the host gradients (so ``p.grad`` is complete)."""
+        for call in list(self._outstanding):
+            self._post_backward(call)
+        for u in self.units:
+            if u.fired:
+                self._dispatch_grads(u)
+            u.dispatched_this_backward = False
+        landing, self._landing = self._landing, []
+        for fut in landing:
+            fut.result()
+        if self._eager_now is not None:
+            no_step = any(opt._no_step_depth for opt in self.optimizers)
+            if not no_step:
+                self._final_backwards += 1
+            self._last_backward_eager = self._eager_now
+        self._eager_now = None
+        self._backward_dirty = False
+        self._end_backward_queued_for = -1
+
+    # ------------------------------------------------------------------ steps
+
+    def _step_items(self, u: _Unit, optimizers: list[HostOptimizer]) -> list[tuple]:
+        """What a step of ``u`` needs, captured now: per optimizer its hyperparameters, and
+        the parameters it holds with their gradients (the user may zero_grad before the
+        worker gets to the step)."""
+        items = []
+        for opt in optimizers:
+            params = [p for p in u.owned[: u.num_trainable] if p.grad is not None and opt._holds(p)]
+            if params:
+                items.append((opt, opt._hyperparameters(), params, [p.grad for p in params]))
+        return items
+
+    def _step_unit(self, u: _Unit, items: list[tuple]) -> None:
+        """Worker: step ``u``'s master weights with each optimizer, then refresh its wire copy."""
+        with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
+            for opt, hyper, params, grads in items:
+                opt._step_params(params, grads, hyper)
+        self._refresh_wire(u)
+
+    def _refresh_wire(self, u: _Unit) -> None:
+        """Worker: rewrite the wire copy from the master and re-issue any waiting load."""
+        if u.wire is not u.master:
+            if u.wire_read_event is not None:
+                u.wire_read_event.synchronize()  # no host buffer is rewritten under a DMA
+            u.wire.copy_(u.master)
+        with self._lock:
+            u.wire_ready.set()
+            if u.load_requested or (u.resident and u.allocated):
+                self._issue_h2d(u)
+
+    def schedule_step(self, opt: HostOptimizer) -> None:
+        """Called by ``opt.step()``: check or schedule the step of every unit it holds."""
+        if self._backward_dirty:
+            self._end_backward()
+        self.worker.raise_error()
+        modified = self._grads_modified(opt)
+        if self._last_backward_eager:
+            if modified:
+                raise RuntimeError(
+                    "gradients were changed after backward (clipping, unscaling or a manual "
+                    "edit), but ramflow had already applied this step during backward. Use "
+                    "ramflow.clip_grad_norm_ from the first step on, or construct the "
+                    "optimizer with overlap=False."
+                )
+        else:
+            for u in sorted(self.units, key=lambda v: self._positions.get(v, v.index)):
+                items = self._step_items(u, [opt])
+                if not items:
+                    continue
+                with self._lock:
+                    u.host_version += 1
+                    u.wire_ready.clear()
+                self.worker.submit(
+                    STEP, self._positions.get(u, u.index),
+                    functools.partial(self._step_unit, u, items),
+                )
+        self._eager_allowed = (
+            opt.overlap and self._final_backwards == 1 and not modified and not self._clip_used
+        )
+        self._final_backwards = 0
+        self._last_backward_eager = False
+        self._eager_units = []
+
+    def _grads_modified(self, opt: HostOptimizer) -> bool:
+        for u in self.units:
+            params = u.owned[: u.num_trainable]
+            if not u.grad_versions:
+                continue
+            for p, view, version in zip(params, u.host_grad_views, u.grad_versions):
+                if p.grad is None or not opt._holds(p):
+                    continue
+                if p.grad is not view or p.grad._version != version:
+                    return True
+        return False
+
+    def note_clip(self) -> None:
+        """Called by ``ramflow.clip_grad_norm_`` before it reads the gradients."""
+        if self._backward_dirty:
+            self._end_backward()
+        if self._last_backward_eager:
+            raise RuntimeError(
+                "ramflow.clip_grad_norm_ was called after ramflow had already applied the step "
+                "during backward (it saw no clipping at the first step). Clip from the first "
+                "step on, or construct the optimizer with overlap=False."
+            )
+        self._clip_used = True
+        self._eager_allowed = False
+
+    # ------------------------------------------------------------------ public-ish
+
+    def attach(self, opt: HostOptimizer) -> None:
+        if opt not in self.optimizers:
+            self.optimizers.append(opt)
+            self._eager_allowed = False
+
+    def unit_of(self, p: torch.Tensor) -> _Unit | None:
+        return self._unit_of_param.get(id(p))
+
+    def synchronize(self) -> None:
+        """Wait for every pending gradient landing and optimizer step on the host."""
+        if self._backward_dirty and not _in_backward():
+            self._end_backward()
+        self.worker.wait_idle()
+
+    def _after_load_state_dict(self, module: nn.Module, incompatible: Any) -> None:
+        self.refresh_from_host()
+
+    def refresh_from_host(self) -> None:
+        """The host master weights changed outside ramflow: rewrite wire and device copies."""
+        self.worker.wait_idle()
+        for u in self.units:
+            with self._lock:
+                u.host_version += 1
+                u.wire_ready.clear()
+            self._refresh_wire(u)
+
+    def remove(self) -> None:
+        """Undo everything: hooks off, device memory freed, plain parameters back."""
+        self.synchronize()
+        self.worker.stop()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        with self._lock:
+            for u in self.units:
+                u.pins = u.backward_pins = 0
+                if u.allocated and u.resident:  # let _evict account for it like a window unit
+                    u.resident = False
+                    self._window_used += u.nbytes
+                if u.allocated:
+                    self._evict(u)
+        with torch.no_grad():
+            for u in self.units:
+                for p, dtype in zip(u.owned, u.orig_dtypes):
+                    grad = p.grad
+                    p.data = p.data.to(dtype=dtype, copy=True)
+                    p.grad = None if grad is None else grad.to(dtype=dtype, copy=True)
+        for module in self.model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.cpu()
+        ENGINE_OF_MODEL.pop(self.model, None)
+        for u in self.units:
+            for p in u.owned:
+                ENGINE_OF_PARAM.pop(p, None)
+

@@ -1,0 +1,87 @@
+"""Copy streams: one H2D and one D2H stream per device, and an event for every copy.
+
+[Note: copies and events]
+Every asynchronous copy records an event on its copy stream right after it is issued, and
+its consumer waits on exactly that event: the compute stream with ``wait_event`` before it
+reads the device copy, a host thread with ``event.synchronize()`` before it reads pinned
+memory that a D2H copy wrote, or before it rewrites pinned memory that an H2D copy reads.
+A D2H copy first makes its stream wait on an event recorded on the producing stream. On
+the CPU there are no streams: copies are synchronous and the events are None.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._plan import format_bytes
+
+
+class CopyStreams:
+    """The copy streams of one device, created lazily on first use (never at import)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self._h2d: torch.cuda.Stream | None = None
+        self._d2h: torch.cuda.Stream | None = None
+
+    @property
+    def h2d_stream(self) -> torch.cuda.Stream:
+        if self._h2d is None:
+            self._h2d = torch.cuda.Stream(self.device)
+        return self._h2d
+
+    @property
+    def d2h_stream(self) -> torch.cuda.Stream:
+        if self._d2h is None:
+            self._d2h = torch.cuda.Stream(self.device)
+        return self._d2h
+
+    def compute_stream(self) -> torch.cuda.Stream | None:
+        """The stream the calling thread computes on (None on the CPU)."""
+        return torch.cuda.current_stream(self.device) if self.is_cuda else None
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy pinned ``src`` into device ``dst`` on the H2D stream. See [Note: copies and events]."""
+        if not self.is_cuda:
+            dst.copy_(src)
+            return None
+        stream = self.h2d_stream
+        with torch.cuda.stream(stream), torch.profiler.record_function("ramflow.h2d"):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy device ``src`` (written on the calling thread's stream) into pinned ``dst``.
+
+        ``src`` is kept alive for the copy with ``record_stream``. See [Note: copies and events].
+        """
+        if not self.is_cuda:
+            dst.copy_(src)
+            return None
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        stream = self.d2h_stream
+        with torch.cuda.stream(stream), torch.profiler.record_function("ramflow.d2h"):
+            stream.wait_event(produced)
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+
+def alloc_host(numel: int, dtype: torch.dtype, *, pin: bool, what: str) -> torch.Tensor:
+    """A flat host tensor, pinned when ``pin``; a clear MemoryError when the host cannot give it."""
+    try:
+        return torch.empty(numel, dtype=dtype, pin_memory=pin)
+    except RuntimeError as err:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        kind = "pinned" if pin else "pageable"
+        raise MemoryError(
+            f"ramflow could not allocate {format_bytes(nbytes)} of {kind} host memory for {what}: "
+            f"{err}. Free host memory, lower the model size, or (pinned) raise the locked-memory "
+            "limit (ulimit -l)."
+        ) from err

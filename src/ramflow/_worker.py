@@ -1,0 +1,91 @@
+"""The host worker: one thread that lands gradients and steps the optimizer on the CPU.
+
+[Note: optimizer overlap]
+Gradients of a unit leave the GPU as soon as the unit's backward is done (one D2H copy).
+The worker waits on that copy's event, adds the gradients into the fp32 host gradients and,
+when the step is already known to follow (see ``Engine._eager_step``), steps the unit's fp32
+master weights and refreshes its wire copy, while the GPU runs backward on earlier units
+(the overlap of ZeRO-Offload, Ren et al. 2021). Tasks run by priority: landing gradients
+first (backward waits on them at its end), then steps in forward order, so that the next
+forward, which waits for each unit's step only, can start with the first unit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+
+LAND = 0
+STEP = 1
+
+
+class HostWorker:
+    """A daemon thread running prioritised tasks; started on the first submit."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._heap: list[tuple[int, int, int, Callable[[], None], Future]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._pending = 0
+        self.error: BaseException | None = None
+
+    def submit(self, kind: int, order: int, fn: Callable[[], None]) -> Future:
+        """Run ``fn`` on the worker; lower ``(kind, order)`` runs first. Returns its future."""
+        future: Future = Future()
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ramflow-host", daemon=True)
+                self._thread.start()
+            heapq.heappush(self._heap, (kind, order, next(self._seq), fn, future))
+            self._pending += 1
+            self._cond.notify_all()
+        return future
+
+    def _run(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        while True:
+            with self._cond:
+                while not self._heap and not self._stopping:
+                    self._cond.wait()
+                if not self._heap:
+                    return
+                _, _, _, fn, future = heapq.heappop(self._heap)
+            try:
+                fn()
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                with self._cond:
+                    self.error = self.error or err
+                future.set_exception(err)
+            else:
+                future.set_result(None)
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def wait_idle(self) -> None:
+        """Block until every submitted task has run; re-raise the first task error."""
+        with self._cond:
+            while self._pending:
+                self._cond.wait()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise RuntimeError(f"ramflow host worker failed: {err}") from err
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()

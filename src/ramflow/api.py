@@ -1,0 +1,151 @@
+"""The drop-in entry points: ``offload``, ``undo``, ``synchronize``, ``clip_grad_norm_``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ._engine import ENGINE_OF_MODEL, ENGINE_OF_PARAM, Engine
+from ._plan import OffloadPlan, parse_bytes
+from ._units import find_units
+
+
+def offload(
+    model: nn.Module,
+    *,
+    gpu_memory: int | str | None = None,
+    device: torch.device | str | None = None,
+    units: Iterable[nn.Module | str] | None = None,
+    wire_dtype: torch.dtype | None = None,
+    prefetch_depth: int = 2,
+) -> nn.Module:
+    """Keep ``model``'s weights in CPU RAM and stream them through the device per unit.
+
+    Returns the same module, ready for an ordinary loop (``model(x)``, ``loss.backward()``,
+    ``opt.step()`` with a ``ramflow.optim`` optimizer). Parameters keep their identity: each
+    becomes an fp32 view into its unit's flat master buffer on the host. Buffers move to
+    the device and stay there. Inputs on another device are moved to ``device``; with a
+    low-precision wire dtype and no autocast active, floating-point inputs are cast to it
+    (the model then computes in that dtype, as after ``model.to(wire_dtype)``).
+
+    Args:
+        model: any ``nn.Module`` with floating-point parameters, on the CPU or a GPU.
+        gpu_memory: cap on what ramflow itself allocates on the device (window slots,
+            resident units, gradient buffers; activations are the caller's), in bytes or as a
+            string like ``"12GiB"``. Units that fit in what is left stay resident. None: no
+            unit is kept resident beyond the window.
+        device: compute device; default ``cuda`` (current device) when available, else CPU.
+        units: modules (or dotted names) to use as units instead of the automatic rule
+            (repeated ``ModuleList``/``Sequential`` children; embeddings, final norm and
+            head on their own; see ``ramflow._units.find_units``).
+        wire_dtype: dtype of the weights on the wire and on the device: bfloat16 by
+            default on CUDA, float32 on the CPU. float32 gives the resident model's results
+            bit for bit; bfloat16 halves the PCIe bytes and rounds weights to bf16.
+        prefetch_depth: how many units ahead to load (>= 1; 2 is the default).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``wire_dtype`` is not floating point.
+        ValueError: no parameters; parameters on the meta device; already offloaded;
+            ``gpu_memory`` too small (the message gives the smallest budget that works).
+        MemoryError: the host lacks the RAM or pinned memory for the host store.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ramflow.offload expects an nn.Module, got {type(model).__name__}")
+    if model in ENGINE_OF_MODEL:
+        raise ValueError("this model is already offloaded; call ramflow.undo(model) first")
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(
+            f"{type(model).__name__} has no parameters: there is nothing to offload. "
+            "Run it as it is."
+        )
+    if any(p.is_meta for p in params):
+        raise ValueError(
+            "the model has parameters on the meta device (no data); load its weights first, "
+            "e.g. with ramflow.load_pretrained(...) or model.to_empty(...) and a state dict"
+        )
+    if any(p in ENGINE_OF_PARAM for p in params):
+        raise ValueError("some parameters already belong to another offloaded model")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device {device} is not supported; use a CUDA device or the CPU")
+    if wire_dtype is None:
+        wire_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point:
+        raise TypeError(f"wire_dtype must be a floating-point torch.dtype, got {wire_dtype!r}")
+    budget = None if gpu_memory is None else parse_bytes(gpu_memory)
+    specs = find_units(model, units)
+    Engine(
+        model, specs, device=device, wire_dtype=wire_dtype,
+        gpu_memory_bytes=budget, prefetch_depth=prefetch_depth,
+    )
+    return model
+
+
+def _engine(model: nn.Module) -> Engine:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    engine = ENGINE_OF_MODEL.get(model)
+    if engine is None:
+        raise ValueError("this model is not offloaded by ramflow (call ramflow.offload first)")
+    return engine
+
+
+def undo(model: nn.Module) -> nn.Module:
+    """Give back an ordinary module with the current weights, on the CPU, in the
+    parameters' original dtypes; hooks removed, device memory freed. Pending optimizer
+    steps finish first. Raises ValueError if ``model`` is not offloaded."""
+    _engine(model).remove()
+    return model
+
+
+def synchronize(model: nn.Module) -> None:
+    """Wait until every gradient landing and optimizer step in flight on the host is done,
+    so that the host master weights and ``p.grad`` can be read."""
+    _engine(model).synchronize()
+
+
+def get_plan(model: nn.Module) -> OffloadPlan:
+    """The plan ramflow chose for an offloaded model (resident units, window, budget)."""
+    return _engine(model).plan
+
+
+def is_offloaded(model: nn.Module) -> bool:
+    """True if ``model`` is currently offloaded by ramflow."""
+    return model in ENGINE_OF_MODEL
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip the global gradient norm exactly, as ``torch.nn.utils.clip_grad_norm_``.
+
+    For parameters of offloaded models it first waits for every gradient to land on the
+    host, and tells the engine that this loop clips, so later steps are not applied during
+    backward (the norm must be known first). Returns the total norm (a CPU tensor).
+
+    Raises:
+        RuntimeError: the step was already applied during backward (clipping started after
+            the first step); clip from the first step on, or use ``overlap=False``.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    engines = []
+    for p in params:
+        engine = ENGINE_OF_PARAM.get(p)
+        if engine is not None and engine not in engines:
+            engines.append(engine)
+    for engine in engines:
+        engine.note_clip()
+    return torch.nn.utils.clip_grad_norm_(
+        params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+    )

@@ -1,0 +1,274 @@
+"""CPU optimizers over the fp32 master weights of offloaded models.
+
+``AdamW`` and ``SGD`` are ``torch.optim.Optimizer`` subclasses: param groups, LR schedulers,
+``state_dict``/``load_state_dict`` and ``zero_grad`` work as usual. For parameters of a
+model given to ``ramflow.offload`` they step the host masters on a worker thread, unit by
+unit, overlapped with the GPU (see [Note: when the step runs] in ``_engine.py``); other
+parameters are stepped in ``step()`` like a plain optimizer would. The arithmetic is
+PyTorch's own: its fused CPU kernels (``torch.optim.adam.adam(..., fused=True)``), with a
+fallback to the single-tensor path where fused is not available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.optim import adam as _adam
+from torch.optim import sgd as _sgd
+
+from ._engine import ENGINE_OF_PARAM, Engine, _Unit
+
+
+class HostOptimizer(torch.optim.Optimizer):
+    """Shared machinery of ramflow's optimizers; use ``AdamW`` or ``SGD``."""
+
+    def __init__(self, params: Iterable, defaults: dict[str, Any], *, overlap: bool) -> None:
+        self.overlap = overlap
+        self._no_step_depth = 0
+        self._group_of: dict[int, int] = {}
+        self._engines: list[Engine] = []
+        self._unmanaged: list[torch.Tensor] = []
+        self._unit_state: dict[_Unit, dict[str, torch.Tensor]] = {}
+        self._fused_ok = True
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        for p in self.param_groups[-1]["params"]:
+            self._group_of[id(p)] = index
+            engine = ENGINE_OF_PARAM.get(p)
+            if engine is None:
+                self._unmanaged.append(p)
+            elif engine not in self._engines:
+                self._engines.append(engine)
+                engine.attach(self)
+
+    # ------------------------------------------------------------------ used by the engine
+
+    def _holds(self, p: torch.Tensor) -> bool:
+        return id(p) in self._group_of
+
+    def _hyperparameters(self) -> list[dict[str, Any]]:
+        """A copy of every group's settings, taken when a step is scheduled, so that an LR
+        scheduler stepping on the main thread never races the worker."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+
+    def _step_params(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor], hyper: list[dict[str, Any]]
+    ) -> None:
+        by_group: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for p, g in zip(params, grads):
+            ps, gs = by_group.setdefault(self._group_of[id(p)], ([], []))
+            ps.append(p)
+            gs.append(g)
+        with torch.no_grad():
+            for index, (ps, gs) in sorted(by_group.items()):
+                self._update(ps, gs, hyper[index])
+
+    def _update(self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _run_kernel(self, fn: Callable[..., None], **kwargs: Any) -> None:
+        """Call a torch.optim functional with the fused kernel, or without it where the
+        build has none for these tensors (decided once)."""
+        if self._fused_ok:
+            try:
+                fn(fused=True, foreach=False, **kwargs)
+                return
+            except RuntimeError as err:
+                if "fused" not in str(err).lower() and "support" not in str(err).lower():
+                    raise
+                self._fused_ok = False
+        fn(fused=False, foreach=False, **kwargs)
+
+    def _flat_state(self, p: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """State tensors of a managed parameter: views into one flat fp32 buffer per unit
+        and name, so that a unit's optimizer states are contiguous like its masters."""
+        engine = ENGINE_OF_PARAM[p]
+        unit = engine.unit_of(p)
+        assert unit is not None
+        flats = self._unit_state.get(unit)
+        if flats is None:
+            flats = {n: torch.zeros(unit.trainable_numel, dtype=torch.float32) for n in names}
+            self._unit_state[unit] = flats
+        k = next(i for i, q in enumerate(unit.owned) if q is p)
+        off = unit.offsets[k]
+        return {n: flats[n][off : off + p.numel()].view(p.shape) for n in names}
+
+    def _state_buffers(self, p: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        if p in ENGINE_OF_PARAM:
+            return self._flat_state(p, names)
+        return {n: torch.zeros_like(p, memory_format=torch.preserve_format) for n in names}
+
+    # ------------------------------------------------------------------ public
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Apply (or, for offloaded units, schedule) one step.
+
+        Offloaded units are stepped on the worker thread; ``step`` returns before they are
+        done, and each unit's next forward waits for its own step. Call
+        ``ramflow.synchronize(model)`` (or ``model.state_dict()``) to read the new weights.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for engine in self._engines:
+            engine.schedule_step(self)
+        params = [p for p in self._unmanaged if p.grad is not None]
+        if params:
+            self._step_params(params, [p.grad for p in params], self._hyperparameters())
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``. Zeroing in place first waits for the
+        steps in flight, which read the gradients."""
+        if not set_to_none:
+            for engine in self._engines:
+                engine.synchronize()
+        super().zero_grad(set_to_none=set_to_none)
+
+    @contextlib.contextmanager
+    def no_step(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients: use it for the non-final
+        micro-batches of gradient accumulation (like DDP's ``no_sync``), so that the final
+        backward can still step each unit as soon as its gradients land."""
+        self._no_step_depth += 1
+        try:
+            yield
+        finally:
+            self._no_step_depth -= 1
+
+    def state_dict(self) -> dict[str, Any]:
+        for engine in self._engines:
+            engine.synchronize()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``; managed states are copied into the
+        flat per-unit buffers so they stay contiguous."""
+        for engine in self._engines:
+            engine.synchronize()
+        super().load_state_dict(state_dict)
+        for p, st in self.state.items():
+            if p not in ENGINE_OF_PARAM:
+                continue
+            names = tuple(k for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor))
+            views = self._flat_state(p, names)
+            for n, view in views.items():
+                view.copy_(st[n])
+                st[n] = view
+
+
+class AdamW(HostOptimizer):
+    """AdamW (Loshchilov & Hutter, 2019) over host fp32 master weights.
+
+    Args:
+        params: parameters or param groups, as for ``torch.optim.AdamW``; typically
+            ``model.parameters()`` of a model given to ``ramflow.offload``.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (defaults equal).
+        overlap: allow stepping units during backward once the loop is seen to take one
+            backward per step without touching the gradients (see ``no_step``). False
+            steps only in ``step()`` (still asynchronously, overlapped with the next forward).
+
+    State per parameter: ``step`` (float32 scalar), ``exp_avg`` and ``exp_avg_sq`` (fp32, the
+    parameter's shape, on the host). Raises ``ValueError`` for out-of-range settings.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        overlap: bool = True,
+    ) -> None:
+        if lr < 0.0:
+            raise ValueError(f"invalid learning rate: {lr}")
+        if eps < 0.0:
+            raise ValueError(f"invalid epsilon: {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas: {betas}")
+        if weight_decay < 0.0:
+            raise ValueError(f"invalid weight_decay: {weight_decay}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, overlap=overlap)
+
+    def _update(self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]) -> None:
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in params:
+            st = self.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                st.update(self._state_buffers(p, ("exp_avg", "exp_avg_sq")))
+            exp_avgs.append(st["exp_avg"])
+            exp_avg_sqs.append(st["exp_avg_sq"])
+            steps.append(st["step"])
+        beta1, beta2 = group["betas"]
+        self._run_kernel(
+            _adam.adam,
+            params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+            max_exp_avg_sqs=[], state_steps=steps, decoupled_weight_decay=True,
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )
+
+
+class SGD(HostOptimizer):
+    """SGD with optional momentum and Nesterov, over host fp32 master weights.
+
+    Args:
+        params: parameters or param groups, as for ``torch.optim.SGD``.
+        lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``.
+        overlap: as for ``AdamW``.
+
+    State per parameter: ``momentum_buffer`` (fp32, host) when ``momentum > 0``.
+    Raises ``ValueError`` for out-of-range settings.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        overlap: bool = True,
+    ) -> None:
+        if lr < 0.0:
+            raise ValueError(f"invalid learning rate: {lr}")
+        if momentum < 0.0 or weight_decay < 0.0:
+            raise ValueError(f"invalid momentum {momentum} or weight_decay {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
+        )
+        super().__init__(params, defaults, overlap=overlap)
+
+    def _update(self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]) -> None:
+        momentum = group["momentum"]
+        buffers: list[torch.Tensor | None] = []
+        for p in params:
+            buffers.append(self.state[p].get("momentum_buffer") if momentum else None)
+        self._run_kernel(
+            _sgd.sgd,
+            params=params, d_p_list=grads, momentum_buffer_list=buffers,
+            weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
+            dampening=group["dampening"], nesterov=group["nesterov"], maximize=False,
+        )
+        if momentum:
+            for p, buf in zip(params, buffers):
+                self.state[p]["momentum_buffer"] = buf
+
+
+__all__ = ["AdamW", "SGD", "HostOptimizer"]
