@@ -121,6 +121,7 @@ class _Unit:
         self.dispatched_this_backward = False
         self.land_future: Future | None = None
         self.call_stack: list[_Call | None] = []
+        self.swaps = 0
 
     @property
     def nbytes(self) -> int:
@@ -132,10 +133,7 @@ class _Unit:
 
     def views(self, flat: torch.Tensor, *, trainable_only: bool = False) -> list[torch.Tensor]:
         params = self.owned[: self.num_trainable] if trainable_only else self.owned
-        return [
-            flat[off : off + p.numel()].view(p.shape)
-            for off, p in zip(self.offsets, params)
-        ]
+        return [flat[off : off + p.numel()].view(p.shape) for off, p in zip(self.offsets, params)]
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r})"
@@ -276,7 +274,9 @@ class Engine:
         pin = self.device.type == "cuda"
         for u in self.units:
             u.master = alloc_host(
-                u.numel, torch.float32, pin=pin and self.wire_dtype == torch.float32,
+                u.numel,
+                torch.float32,
+                pin=pin and self.wire_dtype == torch.float32,
                 what=f"the master weights of unit {u.name!r}",
             )
             u.master.zero_()  # padding between views stays defined
@@ -287,7 +287,9 @@ class Engine:
             if self.wire_dtype == torch.float32:
                 u.wire = u.master
             else:
-                u.wire = alloc_host(u.numel, self.wire_dtype, pin=pin, what=f"the wire copy of {u.name!r}")
+                u.wire = alloc_host(
+                    u.numel, self.wire_dtype, pin=pin, what=f"the wire copy of {u.name!r}"
+                )
                 u.wire.copy_(u.master)
 
     def _build_device_side(self, specs: list[UnitSpec]) -> None:
@@ -300,13 +302,13 @@ class Engine:
                 dp = nn.Parameter(view, requires_grad=p.requires_grad)
                 if p.requires_grad:
                     self._hooks.append(
-                        dp.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u, k))
+                        dp.register_post_accumulate_grad_hook(
+                            functools.partial(self._on_grad, u, k)
+                        )
                     )
                 u.device_params.append(dp)
             u.device_flat.untyped_storage().resize_(0)
-        device_param = {
-            id(p): dp for u in self.units for p, dp in zip(u.owned, u.device_params)
-        }
+        device_param = {id(p): dp for u in self.units for p, dp in zip(u.owned, u.device_params)}
         for u, spec in zip(self.units, specs):
             for module, name in spec.slots:
                 host = module._parameters[name]
@@ -408,7 +410,7 @@ class Engine:
             if not self._make_room(u, protect) and not must:
                 return False
             self._allocate(u)
-        else:
+        elif not u.resident:
             self._lru.move_to_end(u)
         if u.wire_ready.is_set():
             self._issue_h2d(u)
@@ -473,8 +475,14 @@ class Engine:
     # ------------------------------------------------------------------ hooks
 
     def _swap(self, u: _Unit, *, to_device: bool) -> None:
-        for module, name, host, dev in u.slots:
-            module._parameters[name] = dev if to_device else host
+        """Point the unit's module slots at the device parameters while a forward call or
+        a backward call of the unit is in flight (counted: they nest under checkpointing,
+        whose recomputation may call submodules directly, without the unit's hooks)."""
+        u.swaps += 1 if to_device else -1
+        assert u.swaps >= 0
+        if u.swaps == (1 if to_device else 0):
+            for module, name, host, dev in u.slots:
+                module._parameters[name] = dev if to_device else host
 
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.worker.raise_error()
@@ -547,7 +555,9 @@ class Engine:
         if torch.is_grad_enabled():
             call = _Call(u.deps, None if in_bw else self._order, position)
             leaves, spec = pytree.tree_flatten((args, kwargs))
-            idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+            idx = [
+                i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
+            ]
             if idx:
                 wrapped = _PostBackward.apply(self, call, *[leaves[i] for i in idx])
                 for i, t in zip(idx, wrapped):
@@ -563,7 +573,8 @@ class Engine:
             self._release(u.deps)
             if call is not None:
                 tensors = [
-                    t for t in pytree.tree_leaves(output)
+                    t
+                    for t in pytree.tree_leaves(output)
                     if isinstance(t, torch.Tensor) and t.requires_grad
                 ]
                 hook = functools.partial(self._pre_backward, call)
@@ -587,6 +598,7 @@ class Engine:
         self._backward_dirty = True
         with torch.profiler.record_function("ramflow.wait_backward"):
             self._acquire(call.deps, backward=True)
+        self._swap(call.deps[0], to_device=True)
         call.bw_pinned = True
         self._outstanding.add(call)
         if call.order is not None:
@@ -595,6 +607,7 @@ class Engine:
     def _post_backward(self, call: _Call) -> None:
         if call.bw_pinned:
             call.bw_pinned = False
+            self._swap(call.deps[0], to_device=False)
             self._release(call.deps, backward=True)
         if call.rc_pinned:
             call.rc_pinned = False
@@ -607,7 +620,9 @@ class Engine:
         """Post-accumulate hook of device parameter ``k`` of ``u``: into the flat buffer."""
         self._backward_dirty = True
         if u.device_grad is None:
-            u.device_grad = torch.zeros(u.trainable_numel, dtype=self.wire_dtype, device=self.device)
+            u.device_grad = torch.zeros(
+                u.trainable_numel, dtype=self.wire_dtype, device=self.device
+            )
         off = u.offsets[k]
         u.device_grad[off : off + dparam.numel()].view(dparam.shape).copy_(dparam.grad)
         dparam.grad = None
@@ -629,7 +644,9 @@ class Engine:
             u.land_future.result()  # the staging buffer is still being read
         if u.staging is None:
             u.staging = alloc_host(
-                u.trainable_numel, self.wire_dtype, pin=self.streams.is_cuda,
+                u.trainable_numel,
+                self.wire_dtype,
+                pin=self.streams.is_cuda,
                 what=f"the gradient staging buffer of {u.name!r}",
             )
         with torch.profiler.record_function(f"ramflow.d2h_grads:{u.name}"):
@@ -664,7 +681,9 @@ class Engine:
             elif all(p.grad is v for p, v in zip(params, u.host_grad_views)):
                 u.host_grad.add_(staging)
             else:
-                for p, view, s in zip(params, u.host_grad_views, u.views(staging, trainable_only=True)):
+                for p, view, s in zip(
+                    params, u.host_grad_views, u.views(staging, trainable_only=True)
+                ):
                     if p.grad is None:
                         view.copy_(s)
                         p.grad = view
@@ -673,7 +692,8 @@ class Engine:
         u.grad_versions = [p.grad._version for p in params]
         if eager:
             self.worker.submit(
-                STEP, self._positions.get(u, u.index),
+                STEP,
+                self._positions.get(u, u.index),
                 functools.partial(self._step_unit, u, self._step_items(u, self.optimizers)),
             )
 
@@ -770,7 +790,8 @@ class Engine:
                     u.host_version += 1
                     u.wire_ready.clear()
                 self.worker.submit(
-                    STEP, self._positions.get(u, u.index),
+                    STEP,
+                    self._positions.get(u, u.index),
                     functools.partial(self._step_unit, u, items),
                 )
         self._eager_allowed = (
@@ -862,4 +883,3 @@ class Engine:
         for u in self.units:
             for p in u.owned:
                 ENGINE_OF_PARAM.pop(p, None)
-

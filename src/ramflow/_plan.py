@@ -33,7 +33,9 @@ def parse_bytes(value: int | float | str, *, what: str = "gpu_memory") -> int:
             raise ValueError(f"{what}: cannot read {value!r}; write bytes or a size like '12GiB'")
         n = float(m.group(1)) * _UNITS[m.group(2).lower()]
     else:
-        raise TypeError(f"{what}: expected bytes or a size like '12GiB', got {type(value).__name__}")
+        raise TypeError(
+            f"{what}: expected bytes or a size like '12GiB', got {type(value).__name__}"
+        )
     if n < 0:
         raise ValueError(f"{what}: must not be negative, got {value!r}")
     return int(n)

@@ -69,7 +69,11 @@ def offload(
     if any(p in ENGINE_OF_PARAM for p in params):
         raise ValueError("some parameters already belong to another offloaded model")
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -82,8 +86,12 @@ def offload(
     budget = None if gpu_memory is None else parse_bytes(gpu_memory)
     specs = find_units(model, units)
     Engine(
-        model, specs, device=device, wire_dtype=wire_dtype,
-        gpu_memory_bytes=budget, prefetch_depth=prefetch_depth,
+        model,
+        specs,
+        device=device,
+        wire_dtype=wire_dtype,
+        gpu_memory_bytes=budget,
+        prefetch_depth=prefetch_depth,
     )
     return model
 
@@ -147,5 +155,9 @@ def clip_grad_norm_(
     for engine in engines:
         engine.note_clip()
     return torch.nn.utils.clip_grad_norm_(
-        params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+        params,
+        max_norm,
+        norm_type=norm_type,
+        error_if_nonfinite=error_if_nonfinite,
+        foreach=foreach,
     )

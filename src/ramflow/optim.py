@@ -69,7 +69,9 @@ class HostOptimizer(torch.optim.Optimizer):
             for index, (ps, gs) in sorted(by_group.items()):
                 self._update(ps, gs, hyper[index])
 
-    def _update(self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]) -> None:
+    def _update(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]
+    ) -> None:
         raise NotImplementedError
 
     def _run_kernel(self, fn: Callable[..., None], **kwargs: Any) -> None:
@@ -201,7 +203,9 @@ class AdamW(HostOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, overlap=overlap)
 
-    def _update(self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]) -> None:
+    def _update(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]
+    ) -> None:
         exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in params:
             st = self.state[p]
@@ -214,10 +218,20 @@ class AdamW(HostOptimizer):
         beta1, beta2 = group["betas"]
         self._run_kernel(
             _adam.adam,
-            params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
-            max_exp_avg_sqs=[], state_steps=steps, decoupled_weight_decay=True,
-            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            params=params,
+            grads=grads,
+            exp_avgs=exp_avgs,
+            exp_avg_sqs=exp_avg_sqs,
+            max_exp_avg_sqs=[],
+            state_steps=steps,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
         )
 
 
@@ -251,20 +265,32 @@ class SGD(HostOptimizer):
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(
-            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
         )
         super().__init__(params, defaults, overlap=overlap)
 
-    def _update(self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]) -> None:
+    def _update(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]
+    ) -> None:
         momentum = group["momentum"]
         buffers: list[torch.Tensor | None] = []
         for p in params:
             buffers.append(self.state[p].get("momentum_buffer") if momentum else None)
         self._run_kernel(
             _sgd.sgd,
-            params=params, d_p_list=grads, momentum_buffer_list=buffers,
-            weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
-            dampening=group["dampening"], nesterov=group["nesterov"], maximize=False,
+            params=params,
+            d_p_list=grads,
+            momentum_buffer_list=buffers,
+            weight_decay=group["weight_decay"],
+            momentum=momentum,
+            lr=group["lr"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=False,
         )
         if momentum:
             for p, buf in zip(params, buffers):
