@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--gpu-memory", default=None)
+    ap.add_argument("--checkpointing", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"H2D pinned 1 GiB: {h2d_bandwidth() / 1e9:.1f} GB/s")
@@ -99,7 +100,7 @@ def main() -> None:
         for p in model.parameters():
             p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
     t0 = time.perf_counter()
-    ramflow.offload(model, gpu_memory=args.gpu_memory)
+    ramflow.offload(model, gpu_memory=args.gpu_memory, activation_checkpointing=args.checkpointing)
     print(f"offload: {time.perf_counter() - t0:.1f} s")
     print(ramflow.get_plan(model).describe())
     wire_bytes = ramflow.get_plan(model).streamed_bytes_per_pass

@@ -361,3 +361,24 @@ def test_load_state_dict_refreshes_device_copies(device):
     model.load_state_dict(other.state_dict())
     with torch.no_grad():
         assert max_rel(model(x), other.to(device)(x)) < 1e-6
+
+
+def test_activation_checkpointing_option(device):
+    """offload(..., activation_checkpointing=True) recomputes every unit; same curve."""
+    torch.manual_seed(0)
+    model = tiny_llama(tie=True)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 128, (2, 16), generator=g).to(device) for _ in range(2)]
+    ref = copy.deepcopy(model).to(device)
+    ramflow.offload(model, device=device, wire_dtype=torch.float32, activation_checkpointing=True)
+    opt = ramflow.optim.AdamW(model.parameters(), lr=3e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    for step in range(6):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            lm_loss(m, batches[step % 2]).backward()
+            o.step()
+            o.zero_grad()
+    ramflow.synchronize(model)
+    assert params_rel(model, ref) < (1e-5 if device.type == "cpu" else 1e-4)
+    ramflow.undo(model)
+    assert "forward" not in model.model.layers[0].__dict__

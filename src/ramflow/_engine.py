@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
@@ -183,6 +184,7 @@ class Engine:
         wire_dtype: torch.dtype,
         gpu_memory_bytes: int | None,
         prefetch_depth: int,
+        activation_checkpointing: bool = False,
     ) -> None:
         self.model = model
         self.device = device
@@ -246,6 +248,9 @@ class Engine:
         self._clip_used = False
         self._eager_units: list[_Unit] = []
         self._install_hooks()
+        self._checkpointed: list[nn.Module] = []
+        if activation_checkpointing:
+            self._checkpoint_units()
         ENGINE_OF_MODEL[model] = self
         for u in self.units:
             for p in u.owned:
@@ -345,6 +350,29 @@ class Engine:
                 )
         self._hooks.append(root.register_state_dict_pre_hook(lambda *a, **k: self.synchronize()))
         self._hooks.append(root.register_load_state_dict_post_hook(self._after_load_state_dict))
+
+    def _checkpoint_units(self) -> None:
+        """Recompute each block's activations in backward instead of keeping them
+        (``torch.utils.checkpoint``, non-reentrant; Chen et al. 2016). The wrapper sits
+        inside the unit's forward, so the unit's hooks still run once per call and the
+        recomputation finds the unit pinned and its device parameters in place."""
+        for u in self.units:
+            if u.rest or len(u.modules) != 1 or u.modules[0] is self.model:
+                continue
+            module = u.modules[0]
+            if "forward" in module.__dict__:
+                continue  # already wrapped by someone else; leave it alone
+            original = module.forward
+
+            def forward(*args: Any, _original=original, **kwargs: Any) -> Any:
+                if not torch.is_grad_enabled():
+                    return _original(*args, **kwargs)
+                return torch.utils.checkpoint.checkpoint(
+                    _original, *args, use_reentrant=False, **kwargs
+                )
+
+            module.forward = forward
+            self._checkpointed.append(module)
 
     # ------------------------------------------------------------------ window
 
@@ -861,6 +889,9 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for module in self._checkpointed:
+            del module.forward
+        self._checkpointed.clear()
         with self._lock:
             for u in self.units:
                 u.pins = u.backward_pins = 0

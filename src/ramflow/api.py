@@ -20,6 +20,7 @@ def offload(
     units: Iterable[nn.Module | str] | None = None,
     wire_dtype: torch.dtype | None = None,
     prefetch_depth: int = 2,
+    activation_checkpointing: bool = False,
 ) -> nn.Module:
     """Keep ``model``'s weights in CPU RAM and stream them through the device per unit.
 
@@ -44,6 +45,10 @@ def offload(
             default on CUDA, float32 on the CPU. float32 gives the resident model's results
             bit for bit; bfloat16 halves the PCIe bytes and rounds weights to bf16.
         prefetch_depth: how many units ahead to load (>= 1; 2 is the default).
+        activation_checkpointing: recompute each unit's activations in backward instead of
+            keeping them (``torch.utils.checkpoint``, non-reentrant): activation memory falls
+            to about one unit's plus the unit boundaries, for about one more forward of
+            compute. The root and the rest unit are not wrapped.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``wire_dtype`` is not floating point.

@@ -1,0 +1,306 @@
+"""The training text: finding documents, tokenising them, and a resumable batch order.
+
+Legend: B = sequences per micro-batch, T = tokens per sequence.
+
+[Note: data position]
+The documents are shuffled once with a fixed seed (the same for every training seed, so
+that runs share one validation set), tokenised, joined with ``<bos> ... <eos>`` around each
+document, and the last ``val_fraction`` of that stream is held out. The training part is
+cut into ``len // T`` sequences. Epoch ``e`` visits them in the order of
+``randperm(num_sequences)`` drawn from a generator seeded with ``(seed, e)``; so the
+position in the data is one integer, the number of sequences consumed, and a resumed run
+that knows it sees exactly the sequences the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .tokenizer import ByteTokenizer, Tokenizer
+
+TEXT_SUFFIXES = frozenset(
+    {".txt", ".md", ".rst", ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go",
+     ".java", ".js", ".ts", ".html", ".css", ".tex", ".csv", ".toml", ".yaml", ".yml", ".cfg",
+     ".ini", ".sh", ".text", ""}
+)  # fmt: skip
+JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
+_SPLIT_SEED = 1234  # fixed: the validation set does not depend on the training seed
+
+
+@dataclass(frozen=True)
+class Document:
+    """One text of the corpus.
+
+    Attributes:
+        name: where it came from (a path, or ``path:line`` for JSON lines).
+        text: its content.
+    """
+
+    name: str
+    text: str
+
+
+def stdlib_root() -> Path:
+    """The folder of the running interpreter's standard library sources."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _walk_files(root: Path, suffixes: frozenset[str]) -> list[Path]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d for d in dirnames
+            if not d.startswith(".") and d not in ("__pycache__", "site-packages", "dist-packages")
+        )  # fmt: skip
+        for f in sorted(filenames):
+            p = Path(dirpath, f)
+            if not f.startswith(".") and (
+                p.suffix.lower() in suffixes or p.suffix.lower() in JSONL_SUFFIXES
+            ):
+                out.append(p)
+    return out
+
+
+def _read_jsonl(path: Path) -> list[Document]:
+    docs = []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not a JSON object ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ValueError(
+                    f"{path}:{lineno}: expected a JSON object with a string field 'text'"
+                )
+            if record["text"]:
+                docs.append(Document(f"{path}:{lineno}", record["text"]))
+    return docs
+
+
+def _read_file(path: Path) -> list[Document]:
+    if path.suffix.lower() in JSONL_SUFFIXES:
+        return _read_jsonl(path)
+    text = path.read_text(encoding="utf-8", errors="replace")
+    return [Document(str(path), text)] if text else []
+
+
+def find_documents(data: str | os.PathLike | None) -> list[Document]:
+    """The documents of a corpus, in a fixed order.
+
+    Args:
+        data: None for the Python standard library's ``.py`` sources of the running
+            interpreter; a text file (one document); a JSON-lines file (``.jsonl``, one
+            document per line's ``text`` field); or a folder, searched recursively for text
+            files (by suffix: ``.txt``, ``.md``, ``.py``, ... and files without one) and
+            JSON-lines files. Hidden files and folders are skipped.
+
+    Returns:
+        The non-empty documents, sorted by path.
+
+    Raises:
+        FileNotFoundError: ``data`` does not exist.
+        ValueError: no text was found (the message says where it looked), or a JSON line
+            is malformed.
+    """
+    if data is None:
+        root = stdlib_root()
+        files = _walk_files(root, frozenset({".py"}))
+        where = f"the Python standard library at {root}"
+    else:
+        root = Path(data)
+        if not root.exists():
+            raise FileNotFoundError(f"--data {root}: no such file or folder")
+        if root.is_dir():
+            files = _walk_files(root, TEXT_SUFFIXES)
+            where = f"folder {root}"
+        else:
+            files = [root]
+            where = f"file {root}"
+    docs: list[Document] = []
+    for f in files:
+        docs.extend(_read_file(f))
+    if not docs:
+        raise ValueError(
+            f"no text found in {where} ({len(files)} text files, all empty). Give --data a text "
+            "file, a folder of text files, or JSON lines with a 'text' field."
+        )
+    return docs
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A tokenised corpus split into training and validation streams.
+
+    Attributes:
+        train_tokens: (N_train,) int32 token ids, documents joined with bos/eos.
+        val_tokens: (N_val,) int32 token ids, the held-out tail.
+        num_documents: how many documents went in.
+        source: a short description of where the text came from.
+        fingerprint: sha256 of both token streams, to check a resumed run reads the same data.
+    """
+
+    train_tokens: torch.Tensor
+    val_tokens: torch.Tensor
+    num_documents: int
+    source: str
+    fingerprint: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.train_tokens.numel() + self.val_tokens.numel()
+
+
+def _token_tensor(tokenizer: Tokenizer, texts: list[str]) -> list[torch.Tensor]:
+    if isinstance(tokenizer, ByteTokenizer):
+        return [
+            torch.frombuffer(bytearray(t.encode("utf-8")), dtype=torch.uint8).to(torch.int32)
+            for t in texts
+        ]
+    return [torch.tensor(ids, dtype=torch.int32) for ids in tokenizer.encode_batch(texts)]
+
+
+def build_corpus(
+    documents: list[Document],
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int,
+    val_fraction: float = 0.01,
+    source: str = "",
+) -> Corpus:
+    """Tokenise ``documents`` and hold out the validation tail. See [Note: data position].
+
+    Args:
+        documents: from ``find_documents``.
+        tokenizer: turns each text into ids; bos/eos (when it has them) wrap each document.
+        seq_len: tokens per training sequence (T); both splits need at least one sequence.
+        val_fraction: share of the token stream held out for validation (0 < f < 1); at
+            least ``seq_len`` tokens are held out.
+        source: description kept for the summary.
+
+    Raises:
+        ValueError: the corpus holds fewer than two sequences of ``seq_len`` tokens, or
+            ``val_fraction`` is out of range.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+    order = torch.randperm(len(documents), generator=torch.Generator().manual_seed(_SPLIT_SEED))
+    texts = [documents[i].text for i in order.tolist()]
+    pieces = []
+    bos = (
+        torch.tensor([tokenizer.bos_id], dtype=torch.int32)
+        if tokenizer.bos_id is not None
+        else None
+    )
+    eos = (
+        torch.tensor([tokenizer.eos_id], dtype=torch.int32)
+        if tokenizer.eos_id is not None
+        else None
+    )
+    for ids in _token_tensor(tokenizer, texts):
+        if bos is not None:
+            pieces.append(bos)
+        pieces.append(ids)
+        if eos is not None:
+            pieces.append(eos)
+    stream = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int32)
+    n = stream.numel()
+    num_val = max(int(n * val_fraction), seq_len)
+    if n - num_val < seq_len:
+        raise ValueError(
+            f"the corpus is too small: {n} tokens from {len(documents)} documents, but training "
+            f"and validation need at least one sequence of --seq-len {seq_len} each "
+            f"({2 * seq_len} tokens). Give more text or a shorter --seq-len."
+        )
+    train, val = stream[: n - num_val].clone(), stream[n - num_val :].clone()
+    digest = hashlib.sha256()
+    digest.update(train.numpy().tobytes())
+    digest.update(val.numpy().tobytes())
+    return Corpus(train, val, len(documents), source, digest.hexdigest())
+
+
+class BatchStream:
+    """Training micro-batches in a fixed, resumable order. See [Note: data position].
+
+    Args:
+        tokens: (N,) int32 training stream.
+        batch_size: sequences per micro-batch (B).
+        seq_len: tokens per sequence (T).
+        seed: seeds each epoch's order.
+        position: sequences already consumed (to resume).
+    """
+
+    def __init__(
+        self, tokens: torch.Tensor, *, batch_size: int, seq_len: int, seed: int, position: int = 0
+    ) -> None:
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(
+                f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}"
+            )
+        self.num_sequences = tokens.numel() // seq_len
+        if self.num_sequences < 1:
+            raise ValueError(
+                f"the training stream ({tokens.numel()} tokens) is shorter than one sequence"
+            )
+        self._sequences = tokens[: self.num_sequences * seq_len].view(self.num_sequences, seq_len)
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
+        self.position = position
+        self._epoch = -1
+        self._order = torch.empty(0, dtype=torch.long)
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._order = torch.randperm(self.num_sequences, generator=g)
+            self._epoch = epoch
+        return self._order
+
+    @property
+    def epoch(self) -> float:
+        """Passes over the training stream so far (fractional)."""
+        return self.position / self.num_sequences
+
+    def next_batch(self) -> torch.Tensor:
+        """The next micro-batch: (B, T) int64 token ids; advances ``position`` by B."""
+        rows = []
+        for k in range(self.position, self.position + self.batch_size):
+            epoch, i = divmod(k, self.num_sequences)
+            rows.append(int(self._epoch_order(epoch)[i]))
+        self.position += self.batch_size
+        return self._sequences[rows].long()
+
+
+def validation_batches(
+    tokens: torch.Tensor, *, batch_size: int, seq_len: int, max_batches: int
+) -> Iterator[torch.Tensor]:
+    """The held-out stream as (B, T) int64 batches, in order, at most ``max_batches``
+    (the last one may have fewer rows)."""
+    n = tokens.numel() // seq_len
+    sequences = tokens[: n * seq_len].view(n, seq_len)
+    for b in range(min(max_batches, -(-n // batch_size))):
+        yield sequences[b * batch_size : (b + 1) * batch_size].long()
+
+
+__all__ = [
+    "BatchStream",
+    "Corpus",
+    "Document",
+    "build_corpus",
+    "find_documents",
+    "stdlib_root",
+    "validation_batches",
+]

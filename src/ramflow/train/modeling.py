@@ -1,0 +1,252 @@
+"""Building and loading causal language models on the host, before ``ramflow.offload``.
+
+Models are ``transformers`` ``AutoModelForCausalLM`` instances in fp32 on the CPU: a preset
+is built from its config with a seeded random initialisation; a checkpoint folder (config
+plus safetensors, what ``save_pretrained`` or ``ramflow train`` writes) is read one tensor
+at a time into an uninitialised model, after its shapes were checked against the config
+from the file headers alone. The GPU never sees the whole model: ``ramflow.offload`` then
+moves the weights into the host store and streams them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .presets import get_preset
+from .tokenizer import Tokenizer
+
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+
+def _no_init_weights() -> contextlib.AbstractContextManager:
+    try:  # transformers >= 5
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+def read_config(directory: str | os.PathLike):
+    """The ``transformers`` config stored in ``directory/config.json``.
+
+    Raises:
+        FileNotFoundError: the folder or its ``config.json`` is missing.
+        ValueError: the config cannot be read or is not a causal language model.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise FileNotFoundError(f"model folder {d} does not exist")
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{d} has no config.json; --model needs a Hugging Face checkpoint folder"
+        )
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(d), local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"cannot read {d / 'config.json'}: {err}") from err
+    return config
+
+
+def model_config(*, preset: str | None, model_dir: str | os.PathLike | None, tokenizer: Tokenizer):
+    """The config of the model to train: the preset's (sized for ``tokenizer``) or the folder's.
+
+    Raises:
+        ValueError: both or neither of ``preset`` and ``model_dir``; an unknown preset; a
+            tokenizer with more tokens than the model's embedding has rows.
+        FileNotFoundError: ``model_dir`` or its config is missing.
+    """
+    if (preset is None) == (model_dir is None):
+        raise ValueError("give either a preset or a model folder (--preset or --model), not both")
+    if preset is not None:
+        return get_preset(preset).to_config(
+            vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+            eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+        )  # fmt: skip
+    config = read_config(model_dir)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model in {model_dir} has "
+            f"only {config.vocab_size} embedding rows; give the model's own tokenizer (--tokenizer DIR)"
+        )
+    return config
+
+
+def meta_model(config) -> nn.Module:
+    """The model of ``config`` on the meta device: shapes only, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as err:
+        raise ValueError(f"{type(config).__name__} is not a causal language model: {err}") from err
+
+
+def build_model(config, *, seed: int) -> nn.Module:
+    """A freshly initialised fp32 model of ``config`` on the CPU (``torch.manual_seed(seed)`` first)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model
+
+
+def weight_files(directory: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint folder: those of the index if there is one,
+    else ``model.safetensors``, else every ``*.safetensors`` file.
+
+    Raises:
+        FileNotFoundError: the folder holds no safetensors weights (``.bin`` pickles are
+            refused: loading them could run arbitrary code).
+        ValueError: the index is not valid JSON.
+    """
+    d = Path(directory)
+    index = d / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{index} is not a valid safetensors index: {err}") from err
+        files = [d / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{d}: the index lists weight files that are missing: {', '.join(missing)}"
+            )
+        return files
+    if (d / WEIGHTS_FILE).is_file():
+        return [d / WEIGHTS_FILE]
+    files = sorted(p for p in d.glob("*.safetensors") if not p.name.startswith("optimizer"))
+    if files:
+        return files
+    extra = (
+        " (only pickled .bin weights, which ramflow does not load)" if any(d.glob("*.bin")) else ""
+    )
+    raise FileNotFoundError(f"{d} holds no safetensors weights{extra}")
+
+
+def _open_safetensors(path: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(
+            f"{path} is not a readable safetensors file (truncated or corrupt?): {err}"
+        ) from err
+
+
+def _expected_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """Shapes of the persistent state of ``model``, and the names that may be absent
+    because they share storage with another entry (a tied head)."""
+    expected: dict[str, tuple[int, ...]] = {}
+    optional: set[str] = set()
+    seen: dict[int, str] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        expected[name] = tuple(t.shape)
+        if id(t) in seen:
+            optional.add(name)
+        else:
+            seen[id(t)] = name
+    return expected, optional
+
+
+def check_weights(directory: str | os.PathLike, config) -> None:
+    """Check, from the safetensors headers only, that ``directory`` holds every tensor of
+    the model of ``config`` with the right shape.
+
+    Raises:
+        FileNotFoundError: no weights (see ``weight_files``).
+        ValueError: a file is unreadable; tensors are missing or have other shapes (the
+            message lists them: the weights belong to another model shape).
+    """
+    expected, optional = _expected_tensors(meta_model(config))
+    found: dict[str, tuple[int, ...]] = {}
+    for path in weight_files(directory):
+        with _open_safetensors(path) as f:
+            for key in f.keys():
+                found[key] = tuple(f.get_slice(key).get_shape())
+    wrong = [
+        f"{k}: file {found[k]}, model {shape}"
+        for k, shape in expected.items()
+        if k in found and found[k] != shape
+    ]
+    missing = [k for k in expected if k not in found and k not in optional]
+    if wrong or missing:
+        lines = wrong[:5] + [f"{k}: missing" for k in missing[:5]]
+        more = len(wrong) + len(missing) - len(lines)
+        raise ValueError(
+            f"the weights in {directory} do not fit the model of its config "
+            f"({config.num_hidden_layers} layers, hidden size {config.hidden_size}, vocab "
+            f"{config.vocab_size}): another model shape, or an incomplete checkpoint.\n  "
+            + "\n  ".join(lines)
+            + (f"\n  ... and {more} more" if more > 0 else "")
+        )
+
+
+def load_model(directory: str | os.PathLike, *, config=None) -> nn.Module:
+    """Read a checkpoint folder into an fp32 model on the CPU, one tensor at a time.
+
+    Args:
+        directory: a folder with ``config.json`` and safetensors weights.
+        config: the config to build (default: the folder's own).
+
+    Returns:
+        The model in train mode, parameters fp32 on the CPU.
+
+    Raises:
+        FileNotFoundError, ValueError: see ``read_config`` and ``check_weights``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = read_config(directory) if config is None else config
+    check_weights(directory, config)
+    with _no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    targets = model.state_dict(keep_vars=True)
+    unexpected = []
+    with torch.no_grad():
+        for path in weight_files(directory):
+            with _open_safetensors(path) as f:
+                for key in f.keys():
+                    if key not in targets:
+                        unexpected.append(key)
+                        continue
+                    targets[key].copy_(f.get_tensor(key))
+    if unexpected:
+        warnings.warn(
+            f"{directory}: ignored {len(unexpected)} tensors the model does not have "
+            f"(e.g. {unexpected[0]})",
+            stacklevel=2,
+        )
+    model.train()
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters' elements (a tied weight counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+__all__ = [
+    "WEIGHTS_FILE",
+    "WEIGHTS_INDEX_FILE",
+    "build_model",
+    "check_weights",
+    "count_parameters",
+    "load_model",
+    "meta_model",
+    "model_config",
+    "read_config",
+    "weight_files",
+]
