@@ -246,7 +246,6 @@ class Engine:
         self._last_backward_eager = False
         self._final_backwards = 0
         self._clip_used = False
-        self._eager_units: list[_Unit] = []
         self._install_hooks()
         self._checkpointed: list[nn.Module] = []
         if activation_checkpointing:
@@ -414,7 +413,14 @@ class Engine:
         return True
 
     def _issue_h2d(self, u: _Unit) -> None:
-        """Copy ``u``'s wire buffer into its device storage (lock held, storage allocated)."""
+        """Copy ``u``'s wire buffer into its device storage (lock held, storage allocated).
+
+        Overwriting a copy that is still on the device (a resident unit after its step, a
+        stale cached one) waits for the streams that read it, so queued kernels never see
+        half-new weights."""
+        if u.device_version != -1:
+            for stream in u.used_streams:
+                self.streams.h2d_stream.wait_stream(stream)
         event = self.streams.h2d(u.device_alias, u.wire)
         u.h2d_event = event
         u.wire_read_event = event
@@ -685,7 +691,6 @@ class Engine:
             with self._lock:
                 u.host_version += 1
                 u.wire_ready.clear()
-            self._eager_units.append(u)
         u.land_future = self.worker.submit(
             LAND, len(self._landing), functools.partial(self._land, u, event, eager)
         )
@@ -827,7 +832,6 @@ class Engine:
         )
         self._final_backwards = 0
         self._last_backward_eager = False
-        self._eager_units = []
 
     def _grads_modified(self, opt: HostOptimizer) -> bool:
         for u in self.units:
