@@ -121,6 +121,7 @@ class _Unit:
         self.fired = 0
         self.dispatched_this_backward = False
         self.land_future: Future | None = None
+        self.staging_reader: Future | None = None  # a step that reads the staging buffer
         self.call_stack: list[_Call | None] = []
         self.swaps = 0
 
@@ -674,8 +675,10 @@ class Engine:
                 "Construct the ramflow optimizer with overlap=False."
             )
         u.dispatched_this_backward = True
-        if u.land_future is not None and not u.land_future.done():
-            u.land_future.result()  # the staging buffer is still being read
+        for reader in (u.land_future, u.staging_reader):
+            if reader is not None and not reader.done():
+                reader.result()  # the staging buffer is still being read
+        u.staging_reader = None
         if u.staging is None:
             u.staging = alloc_host(
                 u.trainable_numel,
@@ -697,7 +700,13 @@ class Engine:
         self._landing.append(u.land_future)
 
     def _land(self, u: _Unit, event: torch.cuda.Event | None, eager: bool) -> None:
-        """Worker: add the staged gradients into the fp32 host gradients of ``u``."""
+        """Worker: add the staged gradients into the fp32 host gradients of ``u``.
+
+        When the step follows at once and one optimizer steps the whole unit in one pass
+        (``flat_group``), landing is folded into that pass: the kernel reads the staged
+        gradients and writes the fp32 gradients (``p.grad``) as it steps. ``p.grad`` points
+        at them already, so a change by the user is still seen by the version check; their
+        contents are complete once the step is (``ramflow.synchronize``)."""
         if event is not None:
             event.synchronize()
         params = u.owned[: u.num_trainable]
@@ -706,12 +715,20 @@ class Engine:
             u.host_grad_views = u.views(u.host_grad, trainable_only=True)
         staging = u.staging
         assert staging is not None
+        fresh = all(p.grad is None for p in params)
+        ours = not fresh and all(p.grad is v for p, v in zip(params, u.host_grad_views))
+        fused = (
+            eager
+            and (fresh or ours)
+            and len(self.optimizers) == 1
+            and self.optimizers[0].flat_group(u) is not None
+        )
         with torch.no_grad():
-            if all(p.grad is None for p in params):
+            if fused:
+                pass  # See the docstring: the step writes the gradients.
+            elif fresh:
                 u.host_grad.copy_(staging)
-                for p, view in zip(params, u.host_grad_views):
-                    p.grad = view
-            elif all(p.grad is v for p, v in zip(params, u.host_grad_views)):
+            elif ours:
                 u.host_grad.add_(staging)
             else:
                 for p, view, s in zip(
@@ -722,8 +739,20 @@ class Engine:
                         p.grad = view
                     else:
                         p.grad.add_(s)
+            if fresh:
+                for p, view in zip(params, u.host_grad_views):
+                    p.grad = view
         u.grad_versions = [p.grad._version for p in params]
-        if eager:
+        if fused:
+            opt = self.optimizers[0]
+            u.staging_reader = self.worker.submit(
+                STEP,
+                self._positions.get(u, u.index),
+                functools.partial(
+                    self._step_staged, u, opt, opt._hyperparameters(), accumulate=ours
+                ),
+            )
+        elif eager:
             self.worker.submit(
                 STEP,
                 self._positions.get(u, u.index),
@@ -783,18 +812,61 @@ class Engine:
         return items
 
     def _step_unit(self, u: _Unit, items: list[tuple]) -> None:
-        """Worker: step ``u``'s master weights with each optimizer, then refresh its wire copy."""
+        """Worker: step ``u``'s master weights with each optimizer, then refresh its wire
+        copy (in the same pass when one optimizer steps the whole unit flat)."""
+        self._before_host_write(u)
+        wire_written = False
         with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
-            for opt, hyper, params, grads in items:
-                opt._step_params(params, grads, hyper)
-        self._refresh_wire(u)
+            if len(items) == 1 and self._whole_unit(u, items[0]):
+                opt, hyper, _, _ = items[0]
+                opt.flat_step(u, hyper, grad=u.host_grad, wire_out=self._wire_prefix(u))
+                wire_written = True
+            else:
+                for opt, hyper, params, grads in items:
+                    opt._step_params(params, grads, hyper)
+        self._refresh_wire(u, written=wire_written)
 
-    def _refresh_wire(self, u: _Unit) -> None:
-        """Worker: rewrite the wire copy from the master and re-issue any waiting load."""
+    def _step_staged(
+        self, u: _Unit, opt: HostOptimizer, hyper: list[dict], *, accumulate: bool
+    ) -> None:
+        """Worker: land and step ``u`` in one pass from the staged gradients. See ``_land``."""
+        self._before_host_write(u)
+        with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
+            opt.flat_step(
+                u,
+                hyper,
+                grad=u.staging,
+                accumulate=u.host_grad if accumulate else None,
+                grad_out=None if accumulate else u.host_grad,
+                wire_out=self._wire_prefix(u),
+            )
+        self._refresh_wire(u, written=True)
+
+    def _whole_unit(self, u: _Unit, item: tuple) -> bool:
+        opt, _, params, grads = item
+        return (
+            opt.flat_group(u) is not None
+            and len(params) == u.num_trainable
+            and all(g is v for g, v in zip(grads, u.host_grad_views))
+        )
+
+    @staticmethod
+    def _wire_prefix(u: _Unit) -> torch.Tensor | None:
+        return None if u.wire is u.master else u.wire[: u.trainable_numel]
+
+    @staticmethod
+    def _before_host_write(u: _Unit) -> None:
+        """No host buffer is rewritten while a DMA reads it: wait for the unit's last H2D."""
+        if u.wire_read_event is not None:
+            u.wire_read_event.synchronize()
+
+    def _refresh_wire(self, u: _Unit, *, written: bool = False) -> None:
+        """Worker: rewrite the wire copy from the master (unless the step already did) and
+        re-issue any waiting load."""
         if u.wire is not u.master:
-            if u.wire_read_event is not None:
-                u.wire_read_event.synchronize()  # no host buffer is rewritten under a DMA
-            u.wire.copy_(u.master)
+            if not written:
+                self._before_host_write(u)
+                u.wire.copy_(u.master)
         with self._lock:
             u.wire_ready.set()
             if u.load_requested or (u.resident and u.allocated):

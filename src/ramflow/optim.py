@@ -19,6 +19,7 @@ import torch
 from torch.optim import adam as _adam
 from torch.optim import sgd as _sgd
 
+from ._cpu_kernels import fused_adamw_step_
 from ._engine import ENGINE_OF_PARAM, Engine, _Unit
 
 
@@ -72,6 +73,24 @@ class HostOptimizer(torch.optim.Optimizer):
     def _update(
         self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]
     ) -> None:
+        raise NotImplementedError
+
+    def flat_group(self, unit: _Unit) -> int | None:
+        """The param group index if this optimizer can step ``unit``'s trainable prefix as
+        one flat buffer (it holds all of them, in one group, at one step count), else None."""
+        return None
+
+    def flat_step(
+        self,
+        unit: _Unit,
+        hyper: list[dict[str, Any]],
+        *,
+        grad: torch.Tensor,
+        accumulate: torch.Tensor | None = None,
+        grad_out: torch.Tensor | None = None,
+        wire_out: torch.Tensor | None = None,
+    ) -> None:
+        """Step ``unit``'s trainable prefix in one pass (see ``ramflow._cpu_kernels``)."""
         raise NotImplementedError
 
     def _run_kernel(self, fn: Callable[..., None], **kwargs: Any) -> None:
@@ -202,6 +221,47 @@ class AdamW(HostOptimizer):
             raise ValueError(f"invalid weight_decay: {weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, overlap=overlap)
+
+    def flat_group(self, unit: _Unit) -> int | None:
+        params = unit.owned[: unit.num_trainable]
+        if not params:
+            return None
+        groups = {self._group_of.get(id(p)) for p in params}
+        if len(groups) != 1 or None in groups:
+            return None
+        steps = {float(self.state[p]["step"]) if self.state.get(p) else 0.0 for p in params}
+        return groups.pop() if len(steps) == 1 else None
+
+    def flat_step(
+        self,
+        unit: _Unit,
+        hyper: list[dict[str, Any]],
+        *,
+        grad: torch.Tensor,
+        accumulate: torch.Tensor | None = None,
+        grad_out: torch.Tensor | None = None,
+        wire_out: torch.Tensor | None = None,
+    ) -> None:
+        index = self.flat_group(unit)
+        assert index is not None
+        group = hyper[index]
+        params = unit.owned[: unit.num_trainable]
+        for p in params:
+            if not self.state[p]:
+                self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
+                self.state[p].update(self._flat_state(p, ("exp_avg", "exp_avg_sq")))
+        flats = self._unit_state[unit]
+        step = int(self.state[params[0]]["step"]) + 1
+        beta1, beta2 = group["betas"]
+        n = unit.trainable_numel
+        fused_adamw_step_(
+            unit.master[:n], grad[:n], flats["exp_avg"], flats["exp_avg_sq"],
+            step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+            eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+            accumulate=accumulate, grad_out=grad_out, wire_out=wire_out,
+        )  # fmt: skip
+        for p in params:
+            self.state[p]["step"].add_(1)
 
     def _update(
         self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]

@@ -1,0 +1,392 @@
+"""The one-pass CPU AdamW step is bit-identical to PyTorch's fused CPU AdamW.
+
+Every comparison is of bit patterns (``torch.equal`` on an integer view), so a last-bit
+difference, a flipped sign of zero or a different NaN fails. Both implementations are
+checked: the native kernel (``impl="native"``, skipped where it is not available) and the
+pure-PyTorch path used without a compiler (``impl="torch"``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.optim import adam as torch_adam
+
+from ramflow import _cpu_kernels
+from ramflow._cpu_kernels import fused_adamw_step_
+
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    if not torch.equal(bits(actual), bits(expected)):
+        differ = (bits(actual) != bits(expected)).nonzero().flatten()
+        i = differ[0].item()
+        raise AssertionError(
+            f"{what}: {differ.numel()} of {actual.numel()} elements differ, first at {i}: "
+            f"{actual[i].item()!r} != {expected[i].item()!r}"
+        )
+
+
+def reference_step(state, grad, *, step, grad_scale=1.0, accumulate=None, **hyper):
+    """Upcast (+ accumulate) (* grad_scale), then torch.optim.adam.adam(fused=True) AdamW."""
+    param, exp_avg, exp_avg_sq = state
+    g32 = grad.to(torch.float32)
+    if accumulate is not None:
+        g32 = accumulate + g32
+    if grad_scale != 1.0:
+        g32 = g32 * grad_scale
+    torch_adam.adam(
+        params=[param],
+        grads=[g32],
+        exp_avgs=[exp_avg],
+        exp_avg_sqs=[exp_avg_sq],
+        max_exp_avg_sqs=[],
+        state_steps=[torch.tensor(float(step - 1))],
+        foreach=False,
+        fused=True,
+        decoupled_weight_decay=True,
+        amsgrad=False,
+        maximize=False,
+        **hyper,
+    )
+    return g32
+
+
+def run(impl: str, param, grad, exp_avg, exp_avg_sq, **kwargs) -> None:
+    streaming = kwargs.pop("streaming", -1)
+    force_scalar = kwargs.pop("force_scalar", False)
+    if impl == "torch":
+        _cpu_kernels._step_torch(param, grad, exp_avg, exp_avg_sq, **kwargs)
+    elif impl == "native":
+        if not _cpu_kernels.native_kernel_available():
+            pytest.skip(f"native kernel not available: {_cpu_kernels._NATIVE.reason}")
+        _cpu_kernels._step_native(
+            _cpu_kernels._NATIVE,
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            streaming=streaming,
+            force_scalar=force_scalar,
+            **kwargs,
+        )
+    else:  # the public entry point, whichever implementation it picks
+        fused_adamw_step_(param, grad, exp_avg, exp_avg_sq, **kwargs)
+
+
+def check_steps(
+    impl,
+    n,
+    *,
+    grad_dtype=torch.bfloat16,
+    mode="plain",
+    wire_dtype=None,
+    grad_scale=1.0,
+    weight_decay=0.1,
+    num_steps=3,
+    hyper=HYPER,
+    seed=0,
+    make=torch.empty,
+    **extra,
+):
+    """Step ours and the reference ``num_steps`` times in a row on the same random data."""
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=gen)
+    ours = [make(n, dtype=torch.float32) for _ in range(3)]
+    ref = [torch.empty(n, dtype=torch.float32) for _ in range(3)]
+    for x, y in zip(ours, ref):
+        x.zero_()
+        y.zero_()
+    ours[0].copy_(p0)
+    ref[0].copy_(p0)
+    acc = acc_ref = grad_out = wire = None
+    if mode == "accumulate":
+        acc = make(n, dtype=torch.float32)
+        acc.copy_(torch.randn(n, generator=gen))
+        acc_ref = acc.clone()
+    if mode == "grad_out":
+        grad_out = make(n, dtype=torch.float32)
+    if wire_dtype is not None:
+        wire = make(n, dtype=wire_dtype)
+    for step in range(1, num_steps + 1):
+        grad = (torch.randn(n, generator=gen) * 10 ** (step - 2)).to(grad_dtype)
+        grad_before = grad.clone()
+        kwargs = dict(hyper, weight_decay=weight_decay, grad_scale=grad_scale, step=step)
+        g32 = reference_step(ref, grad, accumulate=acc_ref, **kwargs)
+        outputs = dict(accumulate=acc, grad_out=grad_out, wire_out=wire)
+        run(impl, ours[0], grad, ours[1], ours[2], **outputs, **kwargs, **extra)
+        what = (
+            f"{impl} n={n} {grad_dtype} {mode} wire={wire_dtype} scale={grad_scale} "
+            f"wd={weight_decay} step={step}"
+        )
+        for name, x, y in zip(("param", "exp_avg", "exp_avg_sq"), ours, ref):
+            assert_bits_equal(x, y, f"{what}: {name}")
+        assert_bits_equal(grad, grad_before, f"{what}: grad must not change")
+        if acc is not None:
+            assert_bits_equal(acc, g32, f"{what}: accumulate")
+            acc_ref = acc.clone()
+        if grad_out is not None:
+            assert_bits_equal(grad_out, g32, f"{what}: grad_out")
+        if wire is not None:
+            assert_bits_equal(wire, ref[0].to(wire_dtype), f"{what}: wire_out")
+
+
+IMPLS = ["native", "torch"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("mode", ["plain", "accumulate", "grad_out"])
+def test_matches_torch_fused_adamw(impl, grad_dtype, mode):
+    for n, wire_dtype, grad_scale, weight_decay in itertools.product(
+        (1, 7, 8, 9, 64, 1003), (None, torch.bfloat16, torch.float16), (1.0, 0.37), (0.0, 0.1)
+    ):
+        check_steps(
+            impl,
+            n,
+            grad_dtype=grad_dtype,
+            mode=mode,
+            wire_dtype=wire_dtype,
+            grad_scale=grad_scale,
+            weight_decay=weight_decay,
+        )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("n", [10**6, 10**6 + 3])
+def test_large(impl, n):
+    check_steps(impl, n, mode="grad_out", wire_dtype=torch.bfloat16)
+    check_steps(
+        impl,
+        n,
+        grad_dtype=torch.float32,
+        mode="accumulate",
+        grad_scale=0.5,
+        weight_decay=0.0,
+        num_steps=2,
+        seed=1,
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "hyper",
+    [
+        dict(lr=3e-4, beta1=0.3, beta2=0.95, eps=1e-6),  # 1 - beta1 >= 0.5: the other lerp form
+        dict(lr=1.0, beta1=0.0, beta2=0.0, eps=0.0),
+        dict(lr=1e-3, beta1=0.99, beta2=0.9999, eps=1e-12),
+    ],
+)
+def test_other_hyperparameters(impl, hyper):
+    for n in (5, 1003):
+        check_steps(impl, n, wire_dtype=torch.bfloat16, hyper=hyper, num_steps=4)
+        check_steps(impl, n, grad_dtype=torch.float32, hyper=hyper, weight_decay=0.0, seed=2)
+
+
+def test_scalar_loop_matches():
+    """The portable loop (CPUs without AVX2) gives the same bits as the SIMD loop."""
+    for mode, wire in (("grad_out", torch.bfloat16), ("accumulate", torch.float16)):
+        check_steps("native", 1003, mode=mode, wire_dtype=wire, force_scalar=True)
+
+
+@pytest.mark.parametrize("streaming", [0, 1])
+def test_unaligned_views_and_streaming(streaming):
+    """Buffers at odd addresses (views into larger ones), with and without non-temporal stores."""
+
+    def odd_view(n, dtype):
+        return torch.empty(n + 3, dtype=dtype)[3:]
+
+    for n in (37, 4099):
+        for make in (torch.empty, odd_view):
+            check_steps(
+                "native",
+                n,
+                mode="grad_out",
+                wire_dtype=torch.bfloat16,
+                make=make,
+                streaming=streaming,
+            )
+
+
+def test_thread_count_does_not_change_results():
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            check_steps("native", 200_003, wire_dtype=torch.bfloat16, num_steps=2)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("wire_dtype", [torch.bfloat16, torch.float16])
+def test_wire_rounding_edge_cases(impl, wire_dtype):
+    """With lr = 0 and no weight decay the step leaves param as is, so wire_out shows the
+    rounding alone: ties, subnormals, overflow, signed zeros, infinities."""
+    # bf16 ties (to even up / down) and near-ties, float max, the smallest subnormals, fp16
+    # subnormal boundaries, fp16 max with its round-up tie and neighbours, +-inf, +-0, 0.1, -123.456
+    edges = (
+        "3F808000 3F818000 3F807FFF 3F808001 7F7FFFFF 00000001 80000001 33800000 33000000 "
+        "387FC000 477FF000 477FEFFF 477FF001 7F800000 FF800000 80000000 00000000 3DCCCCCD "
+        "C2F6E979"
+    )
+    u = torch.tensor([int(x, 16) for x in edges.split()], dtype=torch.int64).to(torch.int32)
+    values = torch.cat([u.view(torch.float32), torch.randn(1000) * 1e4])
+    param = values.clone()
+    wire = torch.empty(param.numel(), dtype=wire_dtype)
+    zeros = torch.zeros_like(param)
+    hyper = dict(HYPER, lr=0.0, weight_decay=0.0)
+    run(impl, param, zeros.clone(), zeros.clone(), zeros.clone(), step=1, wire_out=wire, **hyper)
+    assert_bits_equal(param, values, "param")
+    assert_bits_equal(wire, values.to(wire_dtype), "wire_out")
+
+
+def test_grad_out_may_be_grad():
+    """Writing the scaled gradient back over an fp32 gradient, as clipping does to p.grad."""
+    n = 1003
+    gen = torch.Generator().manual_seed(3)
+    grad = torch.randn(n, generator=gen)
+    ref = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)]
+    ours = [t.clone() for t in ref]
+    g32 = reference_step(ref, grad, step=1, grad_scale=0.25, weight_decay=0.1, **HYPER)
+    fused_adamw_step_(
+        ours[0],
+        grad,
+        ours[1],
+        ours[2],
+        step=1,
+        grad_scale=0.25,
+        grad_out=grad,
+        weight_decay=0.1,
+        **HYPER,
+    )
+    assert_bits_equal(grad, g32, "grad")
+    for x, y in zip(ours, ref):
+        assert_bits_equal(x, y, "state")
+
+
+def test_any_shape_and_empty():
+    gen = torch.Generator().manual_seed(4)
+    ref = [torch.randn(6, 7, generator=gen), torch.zeros(6, 7), torch.zeros(6, 7)]
+    ours = [t.clone() for t in ref]
+    grad = torch.randn(42, generator=gen).to(torch.bfloat16)
+    reference_step(ref, grad.view(6, 7), step=1, weight_decay=0.1, **HYPER)
+    fused_adamw_step_(ours[0], grad, ours[1], ours[2], step=1, weight_decay=0.1, **HYPER)
+    for x, y in zip(ours, ref):
+        assert_bits_equal(x, y, "state")
+    empty = torch.empty(0)
+    fused_adamw_step_(empty, empty, empty.clone(), empty.clone(), step=1, weight_decay=0.1, **HYPER)
+
+
+# ---------------------------------------------------------------------- choosing the path
+
+
+def test_env_var_forces_torch_path(monkeypatch):
+    monkeypatch.setenv("RAMFLOW_DISABLE_CPU_KERNELS", "1")
+    loader = _cpu_kernels._NativeKernel()
+    monkeypatch.setattr(_cpu_kernels, "_NATIVE", loader)
+    assert not _cpu_kernels.native_kernel_available()
+    assert "RAMFLOW_DISABLE_CPU_KERNELS" in loader.reason
+    check_steps("public", 1003, mode="grad_out", wire_dtype=torch.bfloat16)
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch):
+    def broken_build():
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.delenv("RAMFLOW_DISABLE_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(_cpu_kernels, "_build", broken_build)
+    loader = _cpu_kernels._NativeKernel()
+    monkeypatch.setattr(_cpu_kernels, "_NATIVE", loader)
+    with pytest.warns(RuntimeWarning, match="could not be built.*no compiler here"):
+        assert not _cpu_kernels.native_kernel_available()
+    check_steps("public", 1003, mode="accumulate", wire_dtype=torch.float16)  # no second warning
+
+
+def test_public_entry_uses_native_kernel_when_built():
+    if not _cpu_kernels.native_kernel_available():
+        pytest.skip(f"native kernel not available: {_cpu_kernels._NATIVE.reason}")
+    assert _cpu_kernels._NATIVE.reason == ""
+    check_steps("public", 4099, mode="grad_out", wire_dtype=torch.bfloat16)
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def good_args(n=8):
+    return dict(
+        param=torch.zeros(n),
+        grad=torch.zeros(n, dtype=torch.bfloat16),
+        exp_avg=torch.zeros(n),
+        exp_avg_sq=torch.zeros(n),
+    )
+
+
+HP = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(param=[0.0] * 8), TypeError, "param must be a torch.Tensor"),
+        (dict(param=torch.zeros(8, dtype=torch.float64)), TypeError, "param must be float32"),
+        (
+            dict(grad=torch.zeros(8, dtype=torch.float64)),
+            TypeError,
+            "grad must be float32 or bfloat16",
+        ),
+        (dict(exp_avg=torch.zeros(8, dtype=torch.bfloat16)), TypeError, "exp_avg must be float32"),
+        (dict(wire_out=torch.zeros(8)), TypeError, "wire_out must be bfloat16 or float16"),
+        (
+            dict(grad_out=torch.zeros(8, dtype=torch.bfloat16)),
+            TypeError,
+            "grad_out must be float32",
+        ),
+        (dict(exp_avg_sq=torch.zeros(9)), ValueError, "exp_avg_sq has 9 elements"),
+        (dict(exp_avg=torch.zeros(16)[::2]), ValueError, "exp_avg must be contiguous"),
+        (dict(grad=torch.zeros(8, device="meta")), ValueError, "grad must be on the CPU"),
+        (dict(accumulate=torch.zeros(8), grad_out=torch.zeros(8)), ValueError, "not both"),
+        (dict(step=0), ValueError, "step must be >= 1"),
+        (dict(step=1.0), TypeError, "step must be an int"),
+        (dict(step=True), TypeError, "step must be an int"),
+    ],
+)
+def test_bad_input(change, error, match):
+    kwargs = {**good_args(), **HP, **change}
+    with pytest.raises(error, match=match):
+        fused_adamw_step_(**kwargs)
+
+
+def test_overlapping_buffers_are_refused():
+    buf = torch.zeros(12)
+    args = good_args()
+    args["exp_avg"], args["exp_avg_sq"] = buf[:8], buf[4:]
+    with pytest.raises(ValueError, match="exp_avg and exp_avg_sq overlap"):
+        fused_adamw_step_(**args, **HP)
+    args = good_args()
+    args["grad"] = torch.zeros(8)
+    with pytest.raises(ValueError, match="overlap"):
+        fused_adamw_step_(**args, **HP, accumulate=args["grad"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_weight_decay_factor_rounding(impl):
+    """At these (lr, wd), float32(1 - lr * wd) depends on whether PyTorch fuses the product
+    (its AVX2 build does): a zero gradient leaves param = 1 * that factor."""
+    lr, wd = _cpu_kernels.DECAY_PROBE_LR, _cpu_kernels.DECAY_PROBE_WD
+    for n in (16, 19):
+        check_steps(impl, n, hyper=dict(HYPER, lr=lr), weight_decay=wd, wire_dtype=torch.bfloat16)
+        ref = [torch.ones(n), torch.zeros(n), torch.zeros(n)]
+        ours = [t.clone() for t in ref]
+        grad = torch.zeros(n, dtype=torch.bfloat16)
+        hyper = dict(HYPER, lr=lr, weight_decay=wd)
+        reference_step(ref, grad, step=1, **hyper)
+        run(impl, ours[0], grad, ours[1], ours[2], step=1, **hyper)
+        assert_bits_equal(ours[0], ref[0], "param")
