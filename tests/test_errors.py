@@ -120,3 +120,20 @@ def test_torch_clip_after_eager_step_is_detected():
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     with pytest.raises(RuntimeError, match="changed after backward"):
         opt.step()
+
+
+def test_step_with_gradients_set_by_hand():
+    """Gradients assigned by the user (no backward) are stepped like torch.optim.AdamW."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    ref = copy.deepcopy(model)
+    ramflow.offload(model, device="cpu")
+    for m in (model, ref):
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+    opt = ramflow.optim.AdamW(model.parameters())
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True)
+    opt.step()
+    ref_opt.step()
+    ramflow.synchronize(model)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)

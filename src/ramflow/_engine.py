@@ -22,6 +22,15 @@ first). Forward prefetches the units that followed in the previous forward (modu
 the first), backward the units that preceded in this forward, ``prefetch_depth`` ahead.
 A wrong guess costs bandwidth, never correctness: every use acquires and waits.
 
+[Note: the window is real memory]
+The CPU issues kernels far ahead of the GPU. If evicting a unit only handed its storage back
+to the caching allocator (with ``record_stream``), every unit whose kernels are still queued
+would stay allocated, and peak memory would follow how far the CPU runs ahead, not the
+window. So releasing a unit's last pin records an event on each stream that used it, and
+evicting waits for those events on the host before it frees the storage: the CPU never runs
+more than a window ahead of the GPU (FSDP1's ``limit_all_gathers`` does the same for its
+all-gathers). Gradient buffers are limited the same way: a third waits for the oldest D2H.
+
 [Note: when the step runs]
 The first optimizer step is applied by ``opt.step()`` (deferred). If that step saw exactly
 one backward and nobody changed the gradients in between (no clipping, no unscaling; seen
@@ -36,7 +45,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -109,6 +118,7 @@ class _Unit:
         self.h2d_event: torch.cuda.Event | None = None
         self.wire_read_event: torch.cuda.Event | None = None
         self.used_streams: set[torch.cuda.Stream] = set()
+        self.idle_events: list[torch.cuda.Event] = []  # recorded when the last pin went
         self.pins = 0
         self.backward_pins = 0
         self.wire_ready = threading.Event()
@@ -240,6 +250,7 @@ class Engine:
         self._backward_dirty = False
         self._end_backward_queued_for = -1
         self._landing: list[Future] = []
+        self._grads_in_flight: deque[torch.cuda.Event | None] = deque()
         # step policy, see [Note: when the step runs]
         self.optimizers: list[HostOptimizer] = []
         self._eager_allowed = False
@@ -249,6 +260,7 @@ class Engine:
         self._clip_used = False
         self._install_hooks()
         self._checkpointed: list[nn.Module] = []
+        self._hf_checkpointing = False
         if activation_checkpointing:
             self._checkpoint_units()
         ENGINE_OF_MODEL[model] = self
@@ -353,9 +365,20 @@ class Engine:
 
     def _checkpoint_units(self) -> None:
         """Recompute each block's activations in backward instead of keeping them
-        (``torch.utils.checkpoint``, non-reentrant; Chen et al. 2016). The wrapper sits
-        inside the unit's forward, so the unit's hooks still run once per call and the
-        recomputation finds the unit pinned and its device parameters in place."""
+        (``torch.utils.checkpoint``, non-reentrant; Chen et al. 2016).
+
+        A Hugging Face model gets its own switch (it also turns the KV cache off, which a
+        recomputation would otherwise extend twice). Other models get a wrapper inside each
+        unit's forward, so the unit's hooks still run once per call and the recomputation
+        finds the unit pinned and its device parameters in place."""
+        if getattr(self.model, "supports_gradient_checkpointing", False):
+            kwargs = {"use_reentrant": False}
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            self._hf_checkpointing = True
+            return
         for u in self.units:
             if u.rest or len(u.modules) != 1 or u.modules[0] is self.model:
                 continue
@@ -377,8 +400,8 @@ class Engine:
     # ------------------------------------------------------------------ window
 
     def _allocate(self, u: _Unit) -> None:
-        """Give ``u`` device storage (lock held). Allocated on the H2D stream so that the
-        caching allocator orders its reuse after that stream; users add record_stream."""
+        """Give ``u`` device storage (lock held), on the H2D stream that writes it first;
+        ``_evict`` frees it only after every reader is done."""
         nbytes = u.numel * u.device_flat.element_size()
         if self.streams.is_cuda:
             with torch.cuda.stream(self.streams.h2d_stream):
@@ -391,10 +414,11 @@ class Engine:
             self._lru[u] = None
 
     def _evict(self, u: _Unit) -> None:
-        """Free ``u``'s device storage (lock held); pending kernels keep it via record_stream."""
+        """Free ``u``'s device storage (lock held). See [Note: the window is real memory]."""
         assert u.pins == 0 and not u.resident and u.allocated
-        for stream in u.used_streams:
-            u.device_flat.record_stream(stream)
+        for event in u.idle_events:
+            event.synchronize()
+        u.idle_events = []
         u.used_streams.clear()
         u.device_flat.untyped_storage().resize_(0)
         u.allocated = False
@@ -477,6 +501,8 @@ class Engine:
                 if backward:
                     u.backward_pins -= 1
                 assert u.pins >= 0 and u.backward_pins >= 0
+                if u.pins == 0 and u.used_streams:
+                    u.idle_events = [s.record_event() for s in u.used_streams]
 
     def _prefetch(self, units: list[_Unit]) -> None:
         with self._lock:
@@ -655,6 +681,10 @@ class Engine:
         """Post-accumulate hook of device parameter ``k`` of ``u``: into the flat buffer."""
         self._backward_dirty = True
         if u.device_grad is None:
+            while len(self._grads_in_flight) >= 2:  # the plan's two gradient buffers
+                done = self._grads_in_flight.popleft()
+                if done is not None:
+                    done.synchronize()
             u.device_grad = torch.zeros(
                 u.trainable_numel, dtype=self.wire_dtype, device=self.device
             )
@@ -688,6 +718,7 @@ class Engine:
             )
         with torch.profiler.record_function(f"ramflow.d2h_grads:{u.name}"):
             event = self.streams.d2h(u.staging, u.device_grad)
+        self._grads_in_flight.append(event)
         u.device_grad = None
         u.fired = 0
         if eager:
@@ -845,8 +876,9 @@ class Engine:
     def _whole_unit(self, u: _Unit, item: tuple) -> bool:
         opt, _, params, grads = item
         return (
-            opt.flat_group(u) is not None
-            and len(params) == u.num_trainable
+            u.host_grad is not None
+            and opt.flat_group(u) is not None
+            and len(params) == u.num_trainable == len(u.host_grad_views)
             and all(g is v for g, v in zip(grads, u.host_grad_views))
         )
 
@@ -968,6 +1000,12 @@ class Engine:
         for module in self._checkpointed:
             del module.forward
         self._checkpointed.clear()
+        if self._hf_checkpointing:
+            disable = (
+                getattr(self.model, "activation_checkpointing_disable", None)
+                or self.model.gradient_checkpointing_disable
+            )
+            disable()
         with self._lock:
             for u in self.units:
                 u.pins = u.backward_pins = 0

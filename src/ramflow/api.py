@@ -97,6 +97,7 @@ def offload(
         wire_dtype=wire_dtype,
         gpu_memory_bytes=budget,
         prefetch_depth=prefetch_depth,
+        activation_checkpointing=activation_checkpointing,
     )
     return model
 

@@ -137,12 +137,14 @@ def _save_sharded(
 
 
 def _weights_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with tied duplicates dropped (``from_pretrained`` re-ties them)."""
+    """The model's state dict with tied duplicates dropped (the first name of a shared
+    tensor is kept, as ``save_pretrained`` does; loading re-ties the others)."""
     out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
     for name, t in model.state_dict().items():
-        key = id(t)
-        if key in seen or t.untyped_storage().nbytes() == 0:
+        # state_dict() detaches, so a tied weight shows as two tensor objects on one storage
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
             continue
         seen.add(key)
         out[name] = t.detach().contiguous()
@@ -253,9 +255,14 @@ def save_checkpoint(
             _fsync(f)
             files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
         payload = {
-            "format": FORMAT, "version": VERSION, "step": step, **state,
-            "python_random": _python_random_state(), "optimizer": opt_meta, "files": files,
-        }  # fmt: skip
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            **state,
+            "python_random": _python_random_state(),
+            "optimizer": opt_meta,
+            "files": files,
+        }
         (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n")
         _fsync(tmp / STATE_FILE)
         _fsync(tmp)

@@ -27,10 +27,36 @@ import torch
 from .tokenizer import ByteTokenizer, Tokenizer
 
 TEXT_SUFFIXES = frozenset(
-    {".txt", ".md", ".rst", ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go",
-     ".java", ".js", ".ts", ".html", ".css", ".tex", ".csv", ".toml", ".yaml", ".yml", ".cfg",
-     ".ini", ".sh", ".text", ""}
-)  # fmt: skip
+    {
+        ".txt",
+        ".md",
+        ".rst",
+        ".py",
+        ".pyi",
+        ".c",
+        ".h",
+        ".cc",
+        ".cpp",
+        ".hpp",
+        ".rs",
+        ".go",
+        ".java",
+        ".js",
+        ".ts",
+        ".html",
+        ".css",
+        ".tex",
+        ".csv",
+        ".toml",
+        ".yaml",
+        ".yml",
+        ".cfg",
+        ".ini",
+        ".sh",
+        ".text",
+        "",
+    }
+)
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
 _SPLIT_SEED = 1234  # fixed: the validation set does not depend on the training seed
 
@@ -57,9 +83,10 @@ def _walk_files(root: Path, suffixes: frozenset[str]) -> list[Path]:
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(
-            d for d in dirnames
+            d
+            for d in dirnames
             if not d.startswith(".") and d not in ("__pycache__", "site-packages", "dist-packages")
-        )  # fmt: skip
+        )
         for f in sorted(filenames):
             p = Path(dirpath, f)
             if not f.startswith(".") and (
@@ -131,9 +158,10 @@ def find_documents(data: str | os.PathLike | None) -> list[Document]:
     for f in files:
         docs.extend(_read_file(f))
     if not docs:
+        found = f"its {len(files)} text files are empty" if files else "it holds no text files"
         raise ValueError(
-            f"no text found in {where} ({len(files)} text files, all empty). Give --data a text "
-            "file, a folder of text files, or JSON lines with a 'text' field."
+            f"no text found in {where}: {found}. Give --data a text file, a folder of text "
+            "files, or JSON lines with a 'text' field."
         )
     return docs
 
@@ -287,12 +315,19 @@ class BatchStream:
 def validation_batches(
     tokens: torch.Tensor, *, batch_size: int, seq_len: int, max_batches: int
 ) -> Iterator[torch.Tensor]:
-    """The held-out stream as (B, T) int64 batches, in order, at most ``max_batches``
-    (the last one may have fewer rows)."""
+    """At most ``max_batches`` (B, T) int64 batches of the held-out (N,) stream (the last
+    may have fewer rows). The sequences are spread evenly over the whole stream, so that a
+    few batches sample all of it rather than its first documents."""
     n = tokens.numel() // seq_len
     sequences = tokens[: n * seq_len].view(n, seq_len)
-    for b in range(min(max_batches, -(-n // batch_size))):
-        yield sequences[b * batch_size : (b + 1) * batch_size].long()
+    count = min(n, max_batches * batch_size)
+    rows = (
+        torch.linspace(0, n - 1, count).round().long()
+        if count > 1
+        else torch.zeros(count, dtype=torch.long)
+    )
+    for b in range(0, count, batch_size):
+        yield sequences[rows[b : b + batch_size]].long()
 
 
 __all__ = [

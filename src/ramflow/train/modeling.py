@@ -69,9 +69,11 @@ def model_config(*, preset: str | None, model_dir: str | os.PathLike | None, tok
         raise ValueError("give either a preset or a model folder (--preset or --model), not both")
     if preset is not None:
         return get_preset(preset).to_config(
-            vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
-            eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-        )  # fmt: skip
+            vocab_size=tokenizer.vocab_size,
+            bos_token_id=tokenizer.bos_id,
+            eos_token_id=tokenizer.eos_id,
+            pad_token_id=tokenizer.pad_id,
+        )
     config = read_config(model_dir)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
@@ -213,6 +215,9 @@ def load_model(directory: str | os.PathLike, *, config=None) -> nn.Module:
     check_weights(directory, config)
     with _no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # no_init_weights skips the tying that post_init would do: a tied head must share the
+    # embedding's storage before loading, or it keeps uninitialised memory
+    model.tie_weights()
     targets = model.state_dict(keep_vars=True)
     unexpected = []
     with torch.no_grad():
@@ -223,6 +228,9 @@ def load_model(directory: str | os.PathLike, *, config=None) -> nn.Module:
                         unexpected.append(key)
                         continue
                     targets[key].copy_(f.get_tensor(key))
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if getattr(config, "tie_word_embeddings", False) and head is not None and embed is not None:
+        assert head.weight is embed.weight, "the tied head was not tied to the embedding"
     if unexpected:
         warnings.warn(
             f"{directory}: ignored {len(unexpected)} tensors the model does not have "

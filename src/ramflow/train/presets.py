@@ -54,7 +54,7 @@ class ModelPreset:
     head_dim: int | None = None
     batch_size: int = 4
     seq_len: int = 2048
-    lr: float = 3e-4
+    lr: float = 1.5e-4
     steps: int = 100
 
     def num_parameters(self, *, vocab_size: int | None = None) -> int:
@@ -125,9 +125,13 @@ class ModelPreset:
 
 
 _LLAMA3_ROPE_32 = {
-    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-}  # fmt: skip
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 _LLAMA3_ROPE_8 = {**_LLAMA3_ROPE_32, "factor": 8.0}
 
 PRESETS: dict[str, ModelPreset] = {
@@ -136,39 +140,75 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset(
             name="tiny",
             description="3.5 M parameters, 4 layers of width 256; trains on a CPU in minutes",
-            hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=4,
-            vocab_size=None, max_position_embeddings=2048, tie_word_embeddings=False,
-            batch_size=16, seq_len=256, lr=2e-3, steps=300,
+            hidden_size=256,
+            intermediate_size=768,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=4,
+            vocab_size=None,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+            batch_size=16,
+            seq_len=256,
+            lr=2e-3,
+            steps=300,
         ),
         ModelPreset(
             name="llama-1b",
             description="the shape of Llama 3.2-1B (1.24 B parameters, tied head)",
-            hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
-            head_dim=64, vocab_size=128256, max_position_embeddings=131072,
-            tie_word_embeddings=True, rope_parameters=_LLAMA3_ROPE_32,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_layers=16,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            tie_word_embeddings=True,
+            rope_parameters=_LLAMA3_ROPE_32,
         ),
         ModelPreset(
             name="llama-3b",
             description="the shape of Llama 3.2-3B (3.21 B parameters, tied head)",
-            hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24, num_kv_heads=8,
-            head_dim=128, vocab_size=128256, max_position_embeddings=131072,
-            tie_word_embeddings=True, rope_parameters=_LLAMA3_ROPE_32,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_layers=28,
+            num_heads=24,
+            num_kv_heads=8,
+            head_dim=128,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            tie_word_embeddings=True,
+            rope_parameters=_LLAMA3_ROPE_32,
         ),
         ModelPreset(
             name="llama-8b",
             description="the shape of Llama 3.1-8B (8.03 B parameters)",
-            hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-            head_dim=128, vocab_size=128256, max_position_embeddings=131072,
-            tie_word_embeddings=False, rope_parameters=_LLAMA3_ROPE_8,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            tie_word_embeddings=False,
+            rope_parameters=_LLAMA3_ROPE_8,
         ),
         ModelPreset(
             name="anchor-2.7b",
             description="the reference model of ANCHORS.md (2.69 B parameters, 12 layers of width 4096)",
-            hidden_size=4096, intermediate_size=11008, num_layers=12, num_heads=32, num_kv_heads=32,
-            vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_layers=12,
+            num_heads=32,
+            num_kv_heads=32,
+            vocab_size=32000,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
         ),
     )
-}  # fmt: skip
+}
 
 
 def get_preset(name: str) -> ModelPreset:

@@ -65,8 +65,13 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
     def save(self, directory: str | os.PathLike) -> None:
-        spec = {"type": "byte", "vocab_size": self.vocab_size, "bos_id": self.bos_id,
-                "eos_id": self.eos_id, "pad_id": self.pad_id}  # fmt: skip
+        spec = {
+            "type": "byte",
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+        }
         Path(directory, BYTE_TOKENIZER_FILE).write_text(json.dumps(spec, indent=2) + "\n")
 
 

@@ -1,0 +1,338 @@
+"""The ``ramflow`` command: ``train``, ``generate`` and ``plan``.
+
+Thin by design: it parses options and calls ``ramflow.train``; the logic lives there.
+Exit status: 0 done, 1 the plan does not fit this machine, 2 a usage or input error
+(the message says what to change), 130 stopped by Ctrl-C (after saving a checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+_TRAIN_OPTIONS = (
+    "preset",
+    "model",
+    "tokenizer",
+    "data",
+    "steps",
+    "batch_size",
+    "seq_len",
+    "grad_accum",
+    "lr",
+    "min_lr_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "clip_grad",
+    "precision",
+    "checkpointing",
+    "seed",
+    "device",
+    "gpu_memory",
+    "save_every",
+    "keep_checkpoints",
+    "eval_every",
+    "eval_batches",
+    "val_fraction",
+)
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    from .train.presets import PRESETS
+
+    p.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default=None,
+        help="model shape to build (default: tiny): "
+        + "; ".join(f"{k}: {v.description}" for k, v in PRESETS.items()),
+    )
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="a local Hugging Face checkpoint folder (config.json + safetensors) instead of a preset",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        default=None,
+        help="a local Hugging Face tokenizer folder (default: the model folder's, else byte-level)",
+    )
+    p.add_argument(
+        "--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)"
+    )
+    p.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp16", "fp32"],
+        default=None,
+        help="compute precision (default auto: bf16 on CUDA, fp32 on the CPU); fp16 uses a GradScaler",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        default=None,
+        help="device budget for the whole run, e.g. 12GiB (default: 90%% of free GPU memory)",
+    )
+
+
+def _shape_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="sequences per micro-batch (default: the preset's)",
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)"
+    )
+    p.add_argument(
+        "--checkpointing",
+        choices=["auto", "on", "off"],
+        default=None,
+        help="activation checkpointing (default auto: on when activations would not fit the budget)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ramflow", description="Train and run models whose weights live in CPU RAM."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,plan}")
+
+    t = sub.add_parser(
+        "train",
+        help="train a causal language model (default: tiny preset on the stdlib sources)",
+        description="Train a causal language model with ramflow. With no options: the tiny "
+        "preset on the Python standard library's sources, on the CPU when there is no GPU.",
+    )
+    _model_options(t)
+    _shape_options(t)
+    t.add_argument(
+        "--data",
+        metavar="PATH",
+        default=None,
+        help="text file, folder of text files, or JSON lines with a 'text' field (default: the stdlib sources)",
+    )
+    t.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps (default: the preset's; tiny: 300)"
+    )
+    t.add_argument(
+        "--grad-accum", type=int, default=None, help="micro-batches per optimizer step (default 1)"
+    )
+    t.add_argument(
+        "--lr", type=float, default=None, help="peak learning rate (default: the preset's)"
+    )
+    t.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="linear warmup steps (default: steps/5, at most 200)",
+    )
+    t.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=None,
+        help="cosine decay floor as a share of --lr (default 0.1)",
+    )
+    t.add_argument(
+        "--weight-decay", type=float, default=None, help="AdamW weight decay (default 0.1)"
+    )
+    t.add_argument(
+        "--clip-grad",
+        type=float,
+        default=None,
+        help="global gradient-norm limit, 0 for none (default 1.0)",
+    )
+    t.add_argument(
+        "--seed", type=int, default=None, help="seed of initialisation and data order (default 0)"
+    )
+    t.add_argument(
+        "--save-every",
+        type=int,
+        default=None,
+        help="checkpoint every N steps, 0: only at the end (default 500)",
+    )
+    t.add_argument(
+        "--keep-checkpoints", type=int, default=None, help="checkpoints kept on disk (default 1)"
+    )
+    t.add_argument(
+        "--eval-every", type=int, default=None, help="validation every N steps (default: steps/5)"
+    )
+    t.add_argument(
+        "--eval-batches", type=int, default=None, help="micro-batches per validation (default 8)"
+    )
+    t.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="share of the corpus held out (default 0.01)",
+    )
+    t.add_argument(
+        "--out", metavar="DIR", default=None, help="run folder (default: runs/<timestamp>)"
+    )
+    t.add_argument(
+        "--resume", metavar="DIR", default=None, help="continue from a run or checkpoint folder"
+    )
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    g = sub.add_parser(
+        "generate",
+        help="continue prompts with a trained or Hugging Face checkpoint",
+        description="Generate text with offloaded weights and a KV cache; several prompts run as one batch.",
+    )
+    g.add_argument(
+        "--model",
+        metavar="DIR",
+        required=True,
+        help="run folder, checkpoint folder or Hugging Face model folder",
+    )
+    g.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    g.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="tokens to generate per prompt (default 128)",
+    )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 for greedy (default), else sampling temperature",
+    )
+    g.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="sample among the k most likely tokens (default 0: all)",
+    )
+    g.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: all)"
+    )
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument(
+        "--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens"
+    )
+    g.add_argument(
+        "--tokenizer", metavar="DIR", default=None, help="tokenizer folder (default: the model's)"
+    )
+    g.add_argument(
+        "--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)"
+    )
+    g.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp16", "fp32"],
+        default="auto",
+        help="compute precision",
+    )
+    g.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        default=None,
+        help="cap on the weights ramflow keeps on the device",
+    )
+
+    pl = sub.add_parser(
+        "plan",
+        help="print the memory plan of a training run without allocating the model",
+        description="Print GPU, CPU RAM (pinned and pageable) and disk needs of a training run, "
+        "from the model's shapes on the meta device, and whether it fits this machine.",
+    )
+    _model_options(pl)
+    _shape_options(pl)
+    pl.add_argument(
+        "--out", metavar="DIR", default=None, help="where checkpoints would go, for the disk check"
+    )
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .train import open_checkpoint, resume_config, train
+    from .train.trainer import TrainConfig
+
+    options: dict[str, Any] = {k: getattr(args, k) for k in _TRAIN_OPTIONS}
+    if args.resume is not None:
+        ckpt = open_checkpoint(args.resume)
+        config = resume_config(ckpt, **options)
+        result = train(config, out=args.out, resume=ckpt, progress=not args.no_progress)
+    else:
+        config = TrainConfig.from_options(**options)
+        result = train(config, out=args.out, progress=not args.no_progress)
+    return 130 if result.interrupted else 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import ramflow
+
+    from .train import SamplingConfig, generate, load_for_generation
+
+    sampling = SamplingConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_at_eos=not args.ignore_eos,
+    )
+    model, tokenizer, policy = load_for_generation(
+        args.model,
+        tokenizer=args.tokenizer,
+        device=args.device,
+        precision=args.precision,
+        gpu_memory=args.gpu_memory,
+    )
+    try:
+        results = generate(model, tokenizer, args.prompt, sampling=sampling, policy=policy)
+    finally:
+        ramflow.synchronize(model)
+    for i, r in enumerate(results, start=1):
+        print(f"--- prompt {i} ({len(r.token_ids)} new tokens) ---")
+        print(r.prompt + r.text)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .train import plan_run
+    from .train.trainer import TrainConfig
+
+    options = {
+        k: getattr(args, k)
+        for k in (
+            "preset",
+            "model",
+            "tokenizer",
+            "device",
+            "precision",
+            "gpu_memory",
+            "batch_size",
+            "seq_len",
+            "checkpointing",
+        )
+    }
+    estimate = plan_run(TrainConfig.from_options(**options), out_dir=args.out)
+    print(estimate.describe())
+    return 0 if estimate.fits_ram and estimate.fits_disk else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``ramflow`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    args = build_parser().parse_args(argv)
+    handlers = {"train": _train, "generate": _generate, "plan": _plan}
+    try:
+        return handlers[args.command](args)
+    except (
+        ValueError,
+        MemoryError,
+        OSError,
+    ) as err:  # user mistakes and machine limits: no traceback
+        print(f"ramflow {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ramflow {args.command}: aborted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

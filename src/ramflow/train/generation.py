@@ -1,0 +1,263 @@
+"""Text generation with offloaded weights and a KV cache: ``ramflow generate``.
+
+Legend: n = prompts in the batch, L = longest prompt (tokens), V = vocabulary size.
+
+The loop is written out rather than delegated to ``transformers``' ``generate``: the
+model's parameters live on the host between forward calls (``model.device`` says CPU)
+while its inputs, KV cache and logits live on the compute device, and a short explicit
+loop keeps every tensor where it belongs. Prompts are left-padded into one batch with an
+attention mask and explicit position ids; the prompt goes through the model once
+(prefill), then one token per step reuses the ``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import ramflow
+
+from .._plan import parse_bytes
+from .checkpoint import STATE_FILE, find_checkpoint
+from .modeling import load_model, read_config
+from .precision import ComputePolicy, resolve_compute
+from .tokenizer import Tokenizer, has_tokenizer, load_tokenizer
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is picked.
+
+    Attributes:
+        max_new_tokens: tokens to generate per prompt (at most).
+        temperature: 0 picks the most likely token (greedy); above 0 samples from the
+            softmax of ``logits / temperature``.
+        top_k: sample only among the ``top_k`` most likely tokens (0: all).
+        top_p: sample only among the most likely tokens whose probabilities add up to
+            ``top_p`` (nucleus sampling, Holtzman et al. 2020; 1.0: all).
+        seed: seeds the sampling generator.
+        stop_at_eos: a prompt's generation ends at the end-of-text token.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_at_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0 (0 keeps all tokens), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One prompt's result.
+
+    Attributes:
+        prompt: the prompt text.
+        token_ids: the generated ids (the end-of-text token, if reached, included).
+        text: the generated text (special tokens dropped).
+    """
+
+    prompt: str
+    token_ids: list[int]
+    text: str
+
+
+def _pick(
+    logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
+) -> torch.Tensor:
+    """Next ids from (n, V) fp32 logits: (n,) int64."""
+    if sampling.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        k = min(sampling.top_k, logits.shape[-1])
+        kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = (
+            cumulative - sorted_logits.softmax(dim=-1) >= sampling.top_p
+        )  # keeps the first token always
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    prompts: list[str],
+    *,
+    sampling: SamplingConfig,
+    policy: ComputePolicy,
+) -> list[Generation]:
+    """Continue each prompt, all prompts in one batch.
+
+    Args:
+        model: a causal LM (offloaded or not) whose forward takes ``attention_mask``,
+            ``position_ids``, ``past_key_values`` and ``logits_to_keep``.
+        tokenizer: encodes the prompts (after its bos token, when it has one) and decodes.
+        prompts: the texts to continue (at least one; each non-empty unless the
+            tokenizer has a bos token).
+        sampling: greedy or sampled, and how long.
+        policy: the compute device and precision.
+
+    Returns:
+        One ``Generation`` per prompt, in order.
+
+    Raises:
+        ValueError: no prompts, or an empty prompt with a tokenizer that has no bos token.
+    """
+    from transformers import DynamicCache
+
+    if not prompts:
+        raise ValueError("give at least one --prompt")
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    encoded = [bos + tokenizer.encode(p) for p in prompts]
+    if any(not ids for ids in encoded):
+        raise ValueError(
+            "an empty prompt cannot be continued by a model whose tokenizer has no bos token"
+        )
+    n, longest = len(encoded), max(len(ids) for ids in encoded)
+    dev = policy.device
+    ids = torch.full((n, longest), tokenizer.pad_id, dtype=torch.long)  # (n, L)
+    mask = torch.zeros((n, longest), dtype=torch.long)  # (n, L)
+    for i, row in enumerate(encoded):
+        ids[i, longest - len(row) :] = torch.tensor(row)
+        mask[i, longest - len(row) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, positions = ids.to(dev), mask.to(dev), positions.to(dev)
+    # tokens the model must not produce: rows past the tokenizer's vocabulary, padding, bos
+    vocab = model.config.vocab_size
+    banned = torch.zeros(vocab, dtype=torch.bool)
+    banned[tokenizer.vocab_size :] = True
+    for special in (
+        tokenizer.bos_id,
+        tokenizer.pad_id if tokenizer.pad_id != tokenizer.eos_id else None,
+    ):
+        if special is not None and special < vocab:
+            banned[special] = True
+    generator = torch.Generator().manual_seed(sampling.seed)
+    cache = DynamicCache(config=model.config)
+    new: list[list[int]] = [[] for _ in range(n)]
+    finished = torch.zeros(n, dtype=torch.bool)
+    was_training = model.training
+    model.eval()
+    try:
+        with policy.autocast():
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        for t in range(sampling.max_new_tokens):
+            logits = out.logits[:, -1, :].float().cpu().masked_fill(banned, float("-inf"))  # (n, V)
+            nxt = _pick(logits, sampling, generator)
+            for i in range(n):
+                if not finished[i]:
+                    new[i].append(int(nxt[i]))
+            if sampling.stop_at_eos and tokenizer.eos_id is not None:
+                finished |= nxt == tokenizer.eos_id
+            if bool(finished.all()) or t == sampling.max_new_tokens - 1:
+                break
+            nxt = nxt.masked_fill(finished, tokenizer.pad_id)
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=dev)], dim=1)
+            positions = positions[:, -1:] + 1
+            with policy.autocast():
+                out = model(
+                    input_ids=nxt[:, None].to(dev),
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+    finally:
+        model.train(was_training)
+    return [Generation(p, toks, tokenizer.decode(toks)) for p, toks in zip(prompts, new)]
+
+
+def resolve_model_dir(path: str | os.PathLike) -> Path:
+    """The model folder meant by ``path``: a run folder gives its latest checkpoint; a
+    checkpoint folder or a Hugging Face folder is itself.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist or holds no model.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"--model {p}: no such folder")
+    if (p / "config.json").is_file():
+        return p
+    if (p / "checkpoints").is_dir():
+        ckpt = find_checkpoint(p)
+        if (ckpt / STATE_FILE).is_file():
+            return ckpt
+    raise FileNotFoundError(
+        f"--model {p}: neither a model folder (config.json) nor a run folder with checkpoints"
+    )
+
+
+def load_for_generation(
+    path: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    device: str | None = None,
+    precision: str = "auto",
+    gpu_memory: str | int | None = None,
+) -> tuple[nn.Module, Tokenizer, ComputePolicy]:
+    """Load a checkpoint (see ``resolve_model_dir``) and offload it for inference.
+
+    Args:
+        path: run, checkpoint or Hugging Face model folder.
+        tokenizer: a tokenizer folder; None: the model folder's own, else the byte tokenizer.
+        device, precision: see ``resolve_compute``.
+        gpu_memory: cap on what ramflow keeps on the device (weights); the KV cache and
+            activations come on top.
+
+    Returns:
+        ``(model, tokenizer, policy)``; the model is offloaded with ``ramflow.offload``.
+
+    Raises:
+        FileNotFoundError, ValueError: a missing folder, unreadable or mismatched weights
+            (another model shape), a tokenizer larger than the model's vocabulary, a
+            budget too small.
+    """
+    policy = resolve_compute(device=device, precision=precision)
+    model_dir = resolve_model_dir(path)
+    tok_dir = (
+        tokenizer if tokenizer is not None else (model_dir if has_tokenizer(model_dir) else None)
+    )
+    tok = load_tokenizer(tok_dir)
+    config = read_config(model_dir)
+    if tok.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tok.vocab_size} tokens but the model has {config.vocab_size} embedding "
+            "rows; give the model's own tokenizer with --tokenizer DIR"
+        )
+    budget = None if gpu_memory is None else parse_bytes(gpu_memory, what="--gpu-memory")
+    model = load_model(model_dir, config=config)
+    ramflow.offload(model, gpu_memory=budget, device=policy.device, wire_dtype=policy.wire_dtype)
+    model.eval()
+    return model, tok, policy
+
+
+__all__ = ["Generation", "SamplingConfig", "generate", "load_for_generation", "resolve_model_dir"]

@@ -1,0 +1,124 @@
+"""``ramflow plan``: figures on the meta device against what a real run allocates."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+import ramflow
+from ramflow._engine import ENGINE_OF_MODEL
+from ramflow.train import TrainConfig, plan_run
+from ramflow.train.modeling import build_model, model_config
+from ramflow.train.tokenizer import ByteTokenizer
+
+
+def _within(estimate: int, measured: int, tolerance: float = 0.10) -> bool:
+    return abs(estimate - measured) <= tolerance * measured
+
+
+def test_plan_matches_the_measured_allocation_of_the_tiny_preset() -> None:
+    B, T = 4, 64
+    est = plan_run(TrainConfig.from_options(preset="tiny", batch_size=B, seq_len=T, device="cpu"))
+
+    model = build_model(
+        model_config(preset="tiny", model_dir=None, tokenizer=ByteTokenizer()), seed=0
+    )
+    ramflow.offload(model, device="cpu")
+    try:
+        opt = ramflow.optim.AdamW(model.parameters(), lr=1e-3)
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randint(0, 256, (B, T))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        ramflow.synchronize(model)
+        units = ENGINE_OF_MODEL[model].units
+        masters = sum(u.master.numel() * u.master.element_size() for u in units)
+        grads = sum(
+            u.host_grad.numel() * 4 + u.staging.numel() * u.staging.element_size() for u in units
+        )
+        states = sum(
+            f.numel() * f.element_size()
+            for flats in opt._unit_state.values()
+            for f in flats.values()
+        )
+        assert ramflow.get_plan(model) == est.plan
+    finally:
+        ramflow.undo(model)
+    assert _within(est.host_parameter_pageable_bytes, masters)
+    assert _within(est.host_gradient_pageable_bytes, grads)
+    assert _within(est.host_optimizer_bytes, states)
+    assert _within(est.activations.saved_bytes(checkpointing=False), sum(storages.values()))
+    assert est.host_pinned_bytes == 0  # nothing is pinned without CUDA
+
+
+def test_plan_of_an_8b_model_allocates_nothing() -> None:
+    before = psutil.Process().memory_info().rss
+    est = plan_run(
+        TrainConfig.from_options(
+            preset="llama-8b", device="cuda", gpu_memory="24GiB", batch_size=1, seq_len=2048
+        )
+    )
+    assert psutil.Process().memory_info().rss - before < 1 << 30  # the fp32 model alone is 30 GiB
+    assert est.num_parameters == 8_030_261_248
+    assert est.host_optimizer_bytes == 2 * 4 * est.num_trainable
+    assert est.device_total_bytes <= 24 << 30
+
+
+def test_plan_of_the_anchor_model_on_a_12_gib_gpu() -> None:
+    est = plan_run(
+        TrainConfig.from_options(preset="anchor-2.7b", device="cuda", gpu_memory="12GiB")
+    )
+    assert est.num_parameters == 2_690_748_416  # ANCHORS.md: 2.69 B
+    assert (est.batch_size, est.seq_len) == (4, 2048)
+    assert (
+        est.checkpointing
+    )  # 4 x 2048 tokens of activations do not fit in 12 GiB beside the weights
+    assert est.device_total_bytes <= 12 << 30
+    assert est.host_pinned_bytes > 0 and est.wire_dtype == "bfloat16"
+
+
+def test_plan_cli_prints_the_table(ramflow_cli, capsys) -> None:
+    rc = ramflow_cli(
+        "plan", "--preset", "tiny", "--device", "cpu", "--batch-size", "4", "--seq-len", "64"
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    for word in (
+        "parameters",
+        "gradients",
+        "optimizer states",
+        "activations",
+        "CPU pinned",
+        "CPU pageable",
+        "disk",
+        "RAM:",
+        "fits",
+    ):
+        assert word in out
+
+
+def test_checkpointing_shrinks_the_activations() -> None:
+    on, off = (
+        plan_run(
+            TrainConfig.from_options(preset="tiny", device="cpu", checkpointing=c, seq_len=128)
+        )
+        for c in ("on", "off")
+    )
+    assert on.checkpointing and not off.checkpointing
+    assert on.device_activation_bytes < off.device_activation_bytes
+
+
+@pytest.mark.parametrize("bad", [{"checkpointing": "sometimes"}, {"batch_size": 0}])
+def test_plan_refuses_bad_settings(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        plan_run(TrainConfig.from_options(preset="tiny", device="cpu", **bad))

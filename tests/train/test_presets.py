@@ -1,0 +1,49 @@
+"""Presets have the public shapes they are named after."""
+
+from __future__ import annotations
+
+import pytest
+
+from ramflow.train.modeling import count_parameters, meta_model
+from ramflow.train.presets import PRESETS, get_preset
+
+
+@pytest.mark.parametrize(
+    ("name", "num_parameters"),
+    [
+        ("llama-1b", 1_235_814_400),
+        ("llama-3b", 3_212_749_824),
+        ("llama-8b", 8_030_261_248),
+        ("anchor-2.7b", 2_690_748_416),
+    ],
+)
+def test_public_parameter_counts(name: str, num_parameters: int) -> None:
+    preset = get_preset(name)
+    assert preset.num_parameters() == num_parameters
+    assert count_parameters(meta_model(preset.to_config())) == num_parameters
+
+
+def test_anchor_is_the_reference_model() -> None:
+    config = get_preset("anchor-2.7b").to_config()
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (
+        4096,
+        11008,
+        12,
+    )
+    assert (config.num_attention_heads, config.vocab_size, config.tie_word_embeddings) == (
+        32,
+        32000,
+        False,
+    )
+    assert not config.attention_bias and not config.mlp_bias
+
+
+def test_tiny_takes_the_tokenizer_vocabulary() -> None:
+    config = get_preset("tiny").to_config(vocab_size=259)
+    assert config.vocab_size == 259
+    assert 2e6 < get_preset("tiny").num_parameters(vocab_size=259) < 5e6
+    with pytest.raises(ValueError, match="embedding rows"):
+        get_preset("anchor-2.7b").to_config(vocab_size=50000)
+    with pytest.raises(ValueError, match="choose one of"):
+        get_preset("gpt-5")
+    assert set(PRESETS) == {"tiny", "llama-1b", "llama-3b", "llama-8b", "anchor-2.7b"}

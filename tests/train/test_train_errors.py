@@ -1,0 +1,258 @@
+"""Bad input gets a clear error (exit status 2) and leaves no partial state behind."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ramflow.train import open_checkpoint
+from ramflow.train.report import read_log
+
+
+def _tree(path: Path) -> dict[str, int]:
+    """Every file under ``path`` with its size: to show that nothing changed."""
+    return {
+        str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()
+    }
+
+
+def _fails(ramflow_cli, capsys, *argv, expect: str) -> str:
+    rc = ramflow_cli(*argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "error:" in err and expect in err, err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.fixture
+def run_copy(tmp_path: Path, trained_run: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    return run
+
+
+def test_missing_data_path(tmp_path: Path, ramflow_cli, capsys, fast) -> None:
+    out = tmp_path / "out"
+    _fails(
+        ramflow_cli,
+        capsys,
+        "train",
+        "--data",
+        tmp_path / "nope.txt",
+        "--out",
+        out,
+        *fast,
+        expect="nope.txt",
+    )
+    assert not out.exists()
+
+
+def test_empty_corpus(tmp_path: Path, ramflow_cli, capsys, fast) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("")
+    (data / "b.md").write_text("")
+    out = tmp_path / "out"
+    _fails(
+        ramflow_cli, capsys, "train", "--data", data, "--out", out, *fast, expect="no text found"
+    )
+    assert not out.exists()
+
+
+def test_corpus_too_small_for_one_sequence(tmp_path: Path, ramflow_cli, capsys, fast) -> None:
+    data = tmp_path / "tiny.txt"
+    data.write_text("print('hi')\n")
+    out = tmp_path / "out"
+    _fails(ramflow_cli, capsys, "train", "--data", data, "--out", out, *fast, expect="too small")
+    assert not out.exists()
+
+
+def test_malformed_json_lines(tmp_path: Path, ramflow_cli, capsys, fast) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    _fails(
+        ramflow_cli,
+        capsys,
+        "train",
+        "--data",
+        data,
+        "--out",
+        tmp_path / "out",
+        *fast,
+        expect="d.jsonl:2",
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_budget_too_small(tmp_path: Path, corpus_file: Path, ramflow_cli, capsys, fast) -> None:
+    out = tmp_path / "out"
+    err = _fails(
+        ramflow_cli,
+        capsys,
+        "train",
+        "--data",
+        corpus_file,
+        "--gpu-memory",
+        "1MiB",
+        "--out",
+        out,
+        *fast,
+        expect="too small",
+    )
+    assert "--gpu-memory" in err  # says what to give instead
+    assert not out.exists()
+    _fails(
+        ramflow_cli, capsys, "plan", "--preset", "tiny", "--gpu-memory", "1MiB", expect="too small"
+    )
+
+
+def test_ram_too_small_is_refused_before_anything_is_built(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, capsys
+) -> None:
+    from ramflow.train import TrainConfig, plan_run
+
+    config = TrainConfig.from_options(preset="llama-8b", device="cpu")
+    est = plan_run(config)
+    if est.fits_ram:
+        pytest.skip("this machine has the RAM for an 8B model on the CPU")
+    out = tmp_path / "out"
+    err = _fails(
+        ramflow_cli, capsys, "train", "--preset", "llama-8b", "--device", "cpu", "--data",
+        corpus_file, "--out", out, expect="of RAM",
+    )  # fmt: skip
+    assert "available" in err
+    assert not out.exists()
+
+
+def test_unreadable_budget_and_bad_settings(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, capsys, fast
+) -> None:
+    out = tmp_path / "out"
+    _fails(ramflow_cli, capsys, "train", "--gpu-memory", "lots", "--out", out, expect="lots")
+    _fails(
+        ramflow_cli,
+        capsys,
+        "train",
+        "--data",
+        corpus_file,
+        "--seq-len",
+        "4096",
+        "--out",
+        out,
+        expect="context",
+    )
+    _fails(ramflow_cli, capsys, "train", "--steps", "0", "--out", out, expect="--steps")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "state"])
+def test_corrupt_checkpoint_is_refused_and_nothing_changes(
+    run_copy: Path, ramflow_cli, capsys, damage: str
+) -> None:
+    ckpt = open_checkpoint(run_copy).path
+    weights = ckpt / "model.safetensors"
+    if damage == "truncate":
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])
+        expect = "truncated"
+    elif damage == "flip":
+        data = bytearray(weights.read_bytes())
+        data[-100] ^= 0xFF
+        weights.write_bytes(bytes(data))
+        expect = "checksum"
+    elif damage == "delete":
+        (ckpt / "optimizer.safetensors").unlink()
+        expect = "missing"
+    else:
+        state = ckpt / "trainer_state.json"
+        state.write_text(state.read_text()[:200])
+        expect = "unreadable"
+    before = _tree(run_copy)
+    _fails(
+        ramflow_cli,
+        capsys,
+        "train",
+        "--resume",
+        run_copy,
+        "--steps",
+        "12",
+        "--no-progress",
+        expect=expect,
+    )
+    assert _tree(run_copy) == before
+
+
+def test_checkpoint_of_another_model_shape(run_copy: Path, ramflow_cli, capsys) -> None:
+    before = _tree(run_copy)
+    _fails(
+        ramflow_cli,
+        capsys,
+        "train",
+        "--resume",
+        run_copy,
+        "--preset",
+        "llama-1b",
+        expect="another model shape",
+    )
+    _fails(ramflow_cli, capsys, "train", "--resume", run_copy, "--lr", "0.5", expect="--lr")
+    assert _tree(run_copy) == before
+
+
+def test_weights_of_another_shape_than_their_config(
+    tmp_path: Path, run_copy: Path, ramflow_cli, capsys, fast
+) -> None:
+    """A model folder whose config no longer matches its weights (hidden size edited)."""
+    import json
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(open_checkpoint(run_copy).path, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["intermediate_size"] = 512
+    (model_dir / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    err = _fails(
+        ramflow_cli,
+        capsys,
+        "train",
+        "--model",
+        model_dir,
+        "--out",
+        out,
+        *fast,
+        expect="another model shape",
+    )
+    assert "mlp" in err  # names the tensors
+    assert not out.exists()
+    _fails(
+        ramflow_cli,
+        capsys,
+        "generate",
+        "--model",
+        model_dir,
+        "--prompt",
+        "x",
+        expect="another model shape",
+    )
+
+
+def test_no_checkpoint_to_resume(tmp_path: Path, ramflow_cli, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    _fails(ramflow_cli, capsys, "train", "--resume", tmp_path / "empty", expect="no checkpoint")
+    _fails(ramflow_cli, capsys, "train", "--resume", tmp_path / "absent", expect="absent")
+
+
+def test_interrupted_log_beyond_the_checkpoint_is_dropped_on_resume(
+    run_copy: Path, ramflow_cli
+) -> None:
+    """A crash after the last checkpoint leaves log lines of steps the resumed run redoes."""
+    log = run_copy / "log.jsonl"
+    records = read_log(log)
+    with log.open("a") as f:
+        f.write('{"event": "step", "step": 9, "loss": 1.0}\n{"event": "step", "step": 10, "lo')
+    assert ramflow_cli("train", "--resume", run_copy, "--steps", "10", "--no-progress") == 0
+    steps = [r["step"] for r in read_log(log) if r["event"] == "step"]
+    assert steps == list(range(1, 11))
+    assert read_log(log)[: len(records)] == records

@@ -1,0 +1,195 @@
+"""``ramflow train`` end to end on the CPU: the run folder, resume, Ctrl-C, and the loop's
+parity with itself under gradient accumulation and activation checkpointing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ramflow.train import TrainConfig, open_checkpoint, train
+from ramflow.train.report import read_log
+
+
+def _losses(run: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_log(run / "log.jsonl") if r["event"] == "step"]
+
+
+def _final(run: Path, name: str) -> dict[str, torch.Tensor]:
+    ckpt = open_checkpoint(run)
+    return load_file(str(ckpt.path / name))
+
+
+def test_train_writes_a_complete_run_folder(trained_run: Path) -> None:
+    run = trained_run
+    losses = _losses(run)
+    assert [s for s, _ in losses] == list(range(1, 9))
+    assert losses[-1][1] < losses[0][1] - 1.0  # byte-level loss starts near ln(259) = 5.56
+    evals = [r for r in read_log(run / "log.jsonl") if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 4, 8]
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    info = json.loads((run / "run.json").read_text())
+    assert info["config"]["preset"] == "tiny" and info["config"]["steps"] == 8
+    ckpt = open_checkpoint(run)
+    assert ckpt.step == 8 and ckpt.path.name == "step-00000008"
+    names = {p.name for p in ckpt.path.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "rng.safetensors",
+        "trainer_state.json",
+        "ramflow_tokenizer.json",
+    } <= names
+    assert not [
+        p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")
+    ]  # no temporaries left
+    step_record = next(r for r in read_log(run / "log.jsonl") if r["event"] == "step")
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "host_rss_bytes", "peak_gpu_bytes"} <= set(
+        step_record
+    )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_resume_equals_uninterrupted(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, fast, precision: str
+) -> None:
+    """fp16 adds the GradScaler's state to what the checkpoint must carry."""
+    settings = dict(steps=6, eval_every=3, save_every=2, precision=precision)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    assert (
+        ramflow_cli("train", "--data", corpus_file, *flags, *fast, "--out", tmp_path / "whole") == 0
+    )
+
+    # the same run stopped after step 3 (as Ctrl-C does), then resumed by the CLI
+    config = TrainConfig.from_options(
+        data=str(corpus_file), seq_len=32, batch_size=2, eval_batches=1, **settings
+    )
+    stop = threading.Event()
+    result = train(
+        config,
+        out=tmp_path / "split",
+        progress=False,
+        stop=stop,
+        on_step=lambda r: stop.set() if r["step"] == 3 else None,
+    )
+    assert result.interrupted and result.steps_done == 3
+    assert open_checkpoint(tmp_path / "split").step == 3
+    assert ramflow_cli("train", "--resume", tmp_path / "split", "--no-progress") == 0
+
+    assert _losses(tmp_path / "split") == _losses(tmp_path / "whole")  # bit for bit
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        a, b = _final(tmp_path / "whole", name), _final(tmp_path / "split", name)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_resume_can_extend_the_run(tmp_path: Path, trained_run: Path, ramflow_cli) -> None:
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    assert ramflow_cli("train", "--resume", run, "--steps", "10", "--no-progress") == 0
+    assert [s for s, _ in _losses(run)] == list(range(1, 11))
+    assert open_checkpoint(run).step == 10
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path: Path, corpus_file: Path, fast) -> None:
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "ramflow",
+        "train",
+        "--data",
+        str(corpus_file),
+        "--steps",
+        "100000",
+        "--eval-every",
+        "0",
+        "--out",
+        str(out),
+        *fast,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "log.jsonl").exists() or not _losses(out):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no training step within 120 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stdout
+    last_step = _losses(out)[-1][0]
+    assert open_checkpoint(out).step == last_step
+
+
+@pytest.mark.parametrize(
+    "variant", [("--grad-accum", "2", "--batch-size", "1"), ("--checkpointing", "on")]
+)
+def test_same_steps_under_accumulation_and_checkpointing(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, fast, variant: tuple[str, ...]
+) -> None:
+    """Two micro-batches of 1 read the same sequences as one of 2, so the steps agree up
+    to float rounding; activation checkpointing recomputes the same values exactly."""
+    common = ("--data", corpus_file, "--steps", "3", "--eval-every", "0", *fast)
+    assert ramflow_cli("train", *common, "--out", tmp_path / "base") == 0
+    assert ramflow_cli("train", *common, *variant, "--out", tmp_path / "variant") == 0
+    base, other = _losses(tmp_path / "base"), _losses(tmp_path / "variant")
+    if variant[0] == "--checkpointing":
+        assert other == base
+    else:
+        assert [s for s, _ in other] == [s for s, _ in base]
+        for (_, a), (_, b) in zip(base, other):
+            assert abs(a - b) < 1e-4 * abs(a)
+
+
+def test_bf16_autocast_on_the_cpu(tmp_path: Path, corpus_file: Path, ramflow_cli, fast) -> None:
+    assert (
+        ramflow_cli(
+            "train",
+            "--data",
+            corpus_file,
+            "--steps",
+            "2",
+            "--eval-every",
+            "0",
+            "--precision",
+            "bf16",
+            "--out",
+            tmp_path / "run",
+            *fast,
+        )
+        == 0
+    )
+    run_info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run_info["precision"] == "bf16"
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in _losses(tmp_path / "run"))
+
+
+def test_python_dash_m_runs_the_cli() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ramflow", "train", "--help"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0
+    assert "--gpu-memory" in proc.stdout and "--resume" in proc.stdout
