@@ -123,7 +123,9 @@ class Block(nn.Module):
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
 
-def _chunk_loss(h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
+def _chunk_loss(
+    h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor
+) -> torch.Tensor:
     logits_NV = F.linear(h_ND, weight_VD)
     return F.cross_entropy(logits_NV.float(), labels_N, reduction="sum")
 
@@ -236,6 +238,6 @@ def build_reference(
     ``fill_random_`` (built on the meta device first, so no default init runs)."""
     with torch.device("meta"):
         model = ReferenceModel(cfg)
+    model.to(dtype)  # on the meta device: free
     model.to_empty(device=device)
-    model.to(dtype)
     return fill_random_(model)

@@ -1,0 +1,175 @@
+"""The models the harness runs, their inputs, and what a step of each computes.
+
+Two models: ``reference`` (``reference_model.py``, the model of ANCHORS.md) and
+``llama-3b`` (``transformers``' ``LlamaForCausalLM`` in the shape of Llama 3.2 3B: width
+3072, 28 layers, 24 heads with 8 key/value heads, vocabulary 128256, tied embeddings). Both
+are built from a config with random weights: the GPU box has no network, and timing does not
+depend on the values. ``tiny=True`` gives a few-layer narrow version of each for CPU smoke
+tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from reference_model import REFERENCE, TINY, ReferenceModel, build_reference, fill_random_
+
+MODELS = ("reference", "llama-3b")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the floors need to know about a model.
+
+    Attributes:
+        num_params: parameter count (tied parameters once).
+        embed_params: parameters of the token embedding (no FLOPs: a lookup).
+        num_layers: decoder blocks.
+        dim: model width.
+        vocab_size: vocabulary.
+    """
+
+    num_params: int
+    embed_params: int
+    num_layers: int
+    dim: int
+    vocab_size: int
+
+    def forward_flops(self, batch: int, seq: int) -> float:
+        """FLOPs of one forward over ``batch`` x ``seq`` tokens: 2 per multiply-add of every
+        matmul weight, plus causal attention (QK^T and AV, half the square)."""
+        tokens = batch * seq
+        matmul = 2.0 * (self.num_params - self.embed_params) * tokens
+        attention = 2.0 * self.num_layers * batch * seq * seq * self.dim
+        return matmul + attention
+
+
+def build_model(
+    name: str,
+    *,
+    tiny: bool = False,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    num_layers: int | None = None,
+    checkpoint: bool = False,
+    loss_chunk_tokens: int = 0,
+) -> nn.Module:
+    """A model with random weights, allocated on ``device`` in ``dtype``.
+
+    ``checkpoint`` recomputes each block in backward; ``loss_chunk_tokens`` computes head and
+    loss in checkpointed chunks (reference model only; ignored for llama-3b, whose loss is
+    ``transformers``' own).
+    """
+    if name == "reference":
+        cfg = TINY if tiny else REFERENCE
+        cfg = cfg.replace(checkpoint=checkpoint, loss_chunk_tokens=loss_chunk_tokens)
+        if num_layers is not None:
+            cfg = cfg.replace(num_layers=num_layers)
+        return build_reference(cfg, device=device, dtype=dtype)
+    if name == "llama-3b":
+        return _build_llama(
+            tiny=tiny, device=device, dtype=dtype, num_layers=num_layers, checkpoint=checkpoint
+        )
+    raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")
+
+
+def _build_llama(
+    *,
+    tiny: bool,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    num_layers: int | None,
+    checkpoint: bool,
+) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    if tiny:
+        shape = dict(
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1024,
+        )
+    else:
+        shape = dict(
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            vocab_size=128256,
+        )
+    if num_layers is not None:
+        shape["num_hidden_layers"] = num_layers
+    config = LlamaConfig(
+        **shape,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to(dtype)  # on the meta device: free
+    model.to_empty(device=device)
+    with torch.device(device):
+        # to_empty left the rotary frequencies (an fp32 buffer) uninitialised: rebuild them
+        model.model.rotary_emb = LlamaRotaryEmbedding(config)
+    fill_random_(model)
+    if checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def model_shape(model: nn.Module) -> ModelShape:
+    """Parameter counts and sizes of a model built by ``build_model``."""
+    num_params = sum(p.numel() for p in model.parameters())  # parameters() dedups ties
+    if isinstance(model, ReferenceModel):
+        cfg = model.cfg
+        return ModelShape(
+            num_params, model.embed.weight.numel(), cfg.num_layers, cfg.dim, cfg.vocab_size
+        )
+    cfg = model.config
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    # tied: the head matmul still runs, so count the embedding's FLOPs through the head
+    embed_params = 0 if head is embed else embed.numel()
+    return ModelShape(
+        num_params, embed_params, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    )
+
+
+def vocab_size(model: nn.Module) -> int:
+    return model_shape(model).vocab_size
+
+
+def make_batch(
+    vocab: int, batch: int, seq: int, *, device: torch.device | str = "cpu", seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids and labels, both (batch, seq) int64, on ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    labels = torch.randint(0, vocab, (batch, seq), generator=gen)
+    return ids.to(device), labels.to(device)
+
+
+def loss_of(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The training loss (mean cross-entropy) of one batch, a scalar."""
+    if isinstance(model, ReferenceModel):
+        return model(input_ids, labels)
+    return model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+
+def logits_of(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The logits (B, T, V) of one forward."""
+    if isinstance(model, ReferenceModel):
+        return model(input_ids)
+    return model(input_ids=input_ids, use_cache=False).logits

@@ -1,0 +1,436 @@
+"""What runs inside one case's process: build, set up, time, and return a plain dict.
+
+Each ``run_*`` function takes a case (a JSON-able dict made by ``cases.py``) and returns the
+case's measurements. It never catches its own errors: ``bench.py`` runs every case in a
+process of its own and records a crash, an out-of-memory error or a timeout as that case's
+result.
+
+A training step is the drop-in loop of DESIGN.md: bf16 autocast forward with the loss,
+``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``. Inference is one forward under
+``torch.no_grad()`` returning the logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import measure
+from models import build_model, logits_of, loss_of, make_batch, model_shape
+
+LR = 1e-5
+
+
+def compute_device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def _model(
+    case: dict[str, Any],
+    *,
+    device: str | torch.device,
+    dtype: torch.dtype = torch.float32,
+    checkpoint: bool | None = None,
+):
+    return build_model(
+        case["model"],
+        tiny=case["tiny"],
+        device=device,
+        dtype=dtype,
+        num_layers=case.get("num_layers"),
+        checkpoint=case.get("checkpoint", False) if checkpoint is None else checkpoint,
+        loss_chunk_tokens=case.get("loss_chunk_tokens", 0),
+    )
+
+
+def _offload_kwargs(case: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """Whether the model checkpoints itself, and the extra ``ramflow.offload`` arguments."""
+    if case.get("checkpoint") and case.get("checkpointing_by") == "ramflow":
+        return False, {"activation_checkpointing": True}
+    return bool(case.get("checkpoint")), {}
+
+
+def _train_step(model, opt, ids, labels, device: torch.device, losses: list | None = None):
+    """The training step; with ``losses``, each step's loss (a detached device tensor) is
+    appended, read only after timing (``_last_loss``) so that no step waits for it."""
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = loss_of(model, ids, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if losses is not None:
+            losses.append(loss.detach())
+
+    return step
+
+
+def _last_loss(losses: list) -> float | None:
+    """The last step's loss: a sanity check that the run computed something finite."""
+    return float(losses[-1]) if losses else None
+
+
+def _shape_fields(model) -> dict[str, Any]:
+    return dataclasses.asdict(model_shape(model))
+
+
+# ---------------------------------------------------------------------------------- floors
+
+
+def run_floors(case: dict[str, Any]) -> dict[str, Any]:
+    """Copy bandwidths, matmul rate, CPU AdamW rates, DRAM copy rate.
+
+    The CPU AdamW rate is measured over ``adam_slice_params`` fp32 parameters and is used
+    as a rate (parameters per second): the floors scale it linearly to the model's size.
+    """
+    device = compute_device()
+    tiny = case["tiny"]
+    bw = measure.pinned_bandwidth(device, nbytes=measure.GiB if not tiny else 64 * measure.MiB)
+    slice_params = case.get("adam_slice_params", 16 << 20 if tiny else 256 << 20)
+    return {
+        "bandwidth_bytes_per_s": bw,
+        "matmul_flops_per_s": measure.matmul_flops(device),
+        "adam_slice_params": slice_params,
+        "cpu_adamw_fused_params_per_s": measure.cpu_adamw_rate(slice_params, fused=True),
+        "cpu_adamw_foreach_params_per_s": measure.cpu_adamw_rate(slice_params, fused=False),
+        "dram_copy_bytes_per_s": measure.dram_copy_bandwidth(
+            nbytes=measure.GiB if not tiny else 64 * measure.MiB
+        ),
+        "cpu_threads": torch.get_num_threads(),
+    }
+
+
+# ---------------------------------------------------------------------------------- ramflow
+
+
+def _plan_fields(plan) -> dict[str, Any]:
+    return {
+        "plan": plan.describe(),
+        "planned_bytes": plan.planned_bytes,
+        "resident_units": len(plan.resident),
+        "num_units": len(plan.unit_names),
+        "streamed_bytes_per_pass": plan.streamed_bytes_per_pass,
+        "resident_bytes": plan.resident_bytes,
+        "wire_bytes_total": sum(plan.unit_bytes),
+    }
+
+
+def _ramflow_budget(case, model, ids, labels, device) -> tuple[int | None, dict[str, Any]]:
+    """Find the ``gpu_memory`` that keeps the whole step under the case's cap.
+
+    ramflow's ``gpu_memory`` caps only what ramflow allocates (window, gradient buffers,
+    resident units); the cap of the issue is on the whole peak, activations included. One
+    calibration step with nothing resident measures the activations (peak minus ramflow's
+    planned bytes); the budget is the cap minus those and a margin. Then the model is given
+    back (``ramflow.undo``) and offloaded again with that budget.
+    """
+    import ramflow
+
+    cap = case.get("cap_gib")
+    if cap is None or device.type != "cuda":
+        return None, {"budget_rule": "none" if cap is None else "cap ignored on the CPU"}
+    ramflow.offload(model, gpu_memory=None, device=device, **_offload_kwargs(case)[1])
+    opt = ramflow.optim.AdamW(model.parameters(), lr=LR)
+    measure.reset_peak(device)
+    _train_step(model, opt, ids, labels, device)()
+    ramflow.synchronize(model)
+    peak = measure.peak_bytes(device)
+    plan = ramflow.get_plan(model)
+    activation = peak - plan.planned_bytes
+    margin = 256 * measure.MiB
+    budget = int(cap * measure.GiB) - activation - margin
+    ramflow.undo(model)
+    del opt
+    gc.collect()  # the engine's pinned host buffers go with it
+    torch.cuda.empty_cache()
+    info = {
+        "budget_rule": "cap - (calibration peak - planned bytes) - 256 MiB",
+        "calibration_peak_bytes": peak,
+        "calibration_activation_bytes": activation,
+    }
+    if budget < plan.min_gpu_memory_bytes:
+        info["budget_note"] = "activations leave less than the smallest plan: nothing resident"
+        return None, info
+    return budget, info
+
+
+def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
+    import ramflow
+
+    device = compute_device()
+    counter = measure.CopyCounter()
+    t0 = time.perf_counter()
+    model_checkpoints, offload_kwargs = _offload_kwargs(case)
+    model = _model(case, device="cpu", checkpoint=model_checkpoints)
+    ids, labels = make_batch(
+        model_shape(model).vocab_size, case["batch"], case["seq"], device=device
+    )
+    budget, budget_info = _ramflow_budget(case, model, ids, labels, device)
+    ramflow.offload(model, gpu_memory=budget, device=device, **offload_kwargs)
+    opt = ramflow.optim.AdamW(model.parameters(), lr=LR)
+    setup_s = time.perf_counter() - t0
+    losses: list = []
+    res = measure.time_steps(
+        _train_step(model, opt, ids, labels, device, losses),
+        device=device,
+        warmup=case["warmup"],
+        steps=case["steps"],
+        drain=lambda: ramflow.synchronize(model),
+        counter=counter,
+    )
+    plan = ramflow.get_plan(model)
+    out = {**res, **_shape_fields(model), **_plan_fields(plan), **budget_info}
+    out.update(
+        checkpointing_by=case.get("checkpointing_by") if case.get("checkpoint") else None,
+        loss=_last_loss(losses),
+        setup_s=setup_s,
+        gpu_memory_bytes=budget,
+        # every streamed unit crosses twice (forward, backward), resident units once
+        # (their refresh after the step); every gradient crosses once, in the wire dtype.
+        # An upper bound: units still cached in the window at the turn-around are not re-sent.
+        h2d_bytes_plan=2 * plan.streamed_bytes_per_pass + plan.resident_bytes,
+        d2h_bytes_plan=sum(plan.unit_bytes),
+    )
+    return out
+
+
+def run_ramflow_infer(case: dict[str, Any]) -> dict[str, Any]:
+    import ramflow
+
+    device = compute_device()
+    counter = measure.CopyCounter()
+    t0 = time.perf_counter()
+    model = _model(case, device="cpu")
+    model.eval()
+    ramflow.offload(model, gpu_memory=None, device=device)
+    plan = ramflow.get_plan(model)
+    setup_s = time.perf_counter() - t0
+    rows = []
+    for batch in case["batches"]:
+        ids, _ = make_batch(model_shape(model).vocab_size, batch, case["seq"], device=device)
+
+        def step(ids=ids) -> None:
+            with torch.no_grad():
+                logits_of(model, ids)
+
+        res = measure.time_steps(
+            step, device=device, warmup=case["warmup"], steps=case["steps"], counter=counter
+        )
+        rows.append(
+            {
+                "batch": batch,
+                **res,
+                "h2d_bytes_plan": plan.streamed_bytes_per_pass,
+                "d2h_bytes_plan": 0,
+            }
+        )
+    return {"rows": rows, "setup_s": setup_s, **_shape_fields(model), **_plan_fields(plan)}
+
+
+# ---------------------------------------------------------------------------------- resident
+
+
+def run_resident_train(case: dict[str, Any]) -> dict[str, Any]:
+    """Everything on the GPU: fp32 weights, bf16 autocast, fused AdamW on the device."""
+    device = compute_device()
+    model = _model(case, device=device)
+    ids, labels = make_batch(
+        model_shape(model).vocab_size, case["batch"], case["seq"], device=device
+    )
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=fused)
+    losses: list = []
+    res = measure.time_steps(
+        _train_step(model, opt, ids, labels, device, losses),
+        device=device,
+        warmup=case["warmup"],
+        steps=case["steps"],
+    )
+    return {
+        **res,
+        **_shape_fields(model),
+        "loss": _last_loss(losses),
+        "h2d_bytes": 0,
+        "d2h_bytes": 0,
+        "bytes_how": "none",
+    }
+
+
+def run_resident_infer(case: dict[str, Any]) -> dict[str, Any]:
+    """Everything on the GPU in bf16."""
+    device = compute_device()
+    model = _model(case, device=device, dtype=torch.bfloat16)
+    model.eval()
+    rows = []
+    for batch in case["batches"]:
+        ids, _ = make_batch(model_shape(model).vocab_size, batch, case["seq"], device=device)
+
+        def step(ids=ids) -> None:
+            with torch.no_grad():
+                logits_of(model, ids)
+
+        res = measure.time_steps(step, device=device, warmup=case["warmup"], steps=case["steps"])
+        rows.append({"batch": batch, **res, "h2d_bytes": 0, "d2h_bytes": 0, "bytes_how": "none"})
+    return {"rows": rows, **_shape_fields(model)}
+
+
+# ---------------------------------------------------------------------------------- CPU optimizer
+
+
+def run_cpu_optimizer(case: dict[str, Any]) -> dict[str, Any]:
+    """ramflow's AdamW over an offloaded model's host masters vs torch's CPU AdamW (fused and
+    foreach) over the very same parameter tensors and gradients, in this process.
+
+    One forward and backward (batch 1) lands every gradient in ramflow's host gradients; then
+    each timed ramflow step is ``opt.step()`` and ``ramflow.synchronize`` (no backward in
+    between, so every step is the deferred kind: the worker steps each unit's fp32 masters
+    from its fp32 host gradients and, with a bf16 wire, writes the wire copy). torch's
+    optimizers then step the same parameters with the same ``.grad`` tensors.
+
+    GB/s counts the least traffic each step needs, in one pass: AdamW reads param, grad,
+    exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq (28 B per fp32 parameter);
+    ramflow also writes the bf16 wire copy (2 B more).
+    """
+    import ramflow
+
+    device = compute_device()
+    model = _model(case, device="cpu")
+    ramflow.offload(model, gpu_memory=None, device=device)
+    rf_opt = ramflow.optim.AdamW(model.parameters(), lr=LR)
+    ids, labels = make_batch(model_shape(model).vocab_size, 1, case["seq"], device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = loss_of(model, ids, labels)
+    loss.backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    num = sum(p.numel() for p in params)
+    wire_refresh = ramflow.get_plan(model).wire_dtype != "float32"
+
+    def timed(step, drain=None) -> list[float]:
+        step()  # states are allocated here
+        if drain:
+            drain()
+        times = []
+        for _ in range(case["steps"]):
+            t0 = time.perf_counter()
+            step()
+            if drain:
+                drain()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    rf_times = timed(rf_opt.step, lambda: ramflow.synchronize(model))
+    missing = sum(1 for p in params if p.grad is None)
+    if missing:
+        raise RuntimeError(f"{missing} parameters have no gradient after backward")
+    fused_opt = torch.optim.AdamW(params, lr=LR, fused=True)
+    fused_times = timed(fused_opt.step)
+    del fused_opt
+    foreach_opt = torch.optim.AdamW(params, lr=LR, foreach=True)
+    foreach_times = timed(foreach_opt.step)
+    del foreach_opt
+    dram = measure.dram_copy_bandwidth(nbytes=measure.GiB if not case["tiny"] else 64 * measure.MiB)
+    adam_bytes = 28
+    rf_bytes = adam_bytes + (2 if wire_refresh else 0)
+    med = statistics.median
+    return {
+        "num_params": num,
+        "wire_refresh": wire_refresh,
+        "ramflow_step_s": med(rf_times),
+        "torch_fused_step_s": med(fused_times),
+        "torch_foreach_step_s": med(foreach_times),
+        "ramflow_params_per_s": num / med(rf_times),
+        "torch_fused_params_per_s": num / med(fused_times),
+        "torch_foreach_params_per_s": num / med(foreach_times),
+        "ramflow_bytes_per_s": num * rf_bytes / med(rf_times),
+        "torch_fused_bytes_per_s": num * adam_bytes / med(fused_times),
+        "bytes_per_param": {"torch_adamw": adam_bytes, "ramflow": rf_bytes},
+        "dram_copy_bytes_per_s": dram,
+        "cpu_threads": torch.get_num_threads(),
+        "step_times_s": {
+            "ramflow": rf_times,
+            "torch_fused": fused_times,
+            "torch_foreach": foreach_times,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------- trace
+
+
+def run_trace(case: dict[str, Any]) -> dict[str, Any]:
+    """One ramflow training step under ``torch.profiler``, written as a gzipped Chrome/Perfetto
+    trace, with the optimizer spans of ramflow's host worker added (the profiler does not
+    record ``record_function`` on threads it was not started from), and an overlap summary.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import ramflow
+    import trace_summary
+
+    device = compute_device()
+    host_spans = trace_summary.HostSpans()
+    host_spans.install()
+    model_checkpoints, offload_kwargs = _offload_kwargs(case)
+    model = _model(case, device="cpu", checkpoint=model_checkpoints)
+    ids, labels = make_batch(
+        model_shape(model).vocab_size, case["batch"], case["seq"], device=device
+    )
+    ramflow.offload(model, gpu_memory=None, device=device, **offload_kwargs)
+    opt = ramflow.optim.AdamW(model.parameters(), lr=LR)
+
+    def step() -> None:
+        with record_function("bench.forward"), torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = loss_of(model, ids, labels)
+        with record_function("bench.backward"):
+            loss.backward()
+        with record_function("bench.optimizer_step"):
+            opt.step()
+            opt.zero_grad()
+        with record_function("bench.drain"):
+            ramflow.synchronize(model)
+            measure.sync(device)
+
+    for _ in range(max(case["warmup"], 2)):  # the second step is the first with eager steps
+        step()
+    measure.sync(device)
+    host_spans.clear()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        clock = trace_summary.clock_marks()
+        t0 = time.perf_counter()
+        step()
+        step_s = time.perf_counter() - t0
+    out_dir = case["out_dir"]
+    os.makedirs(out_dir, exist_ok=True)
+    raw = os.path.join(out_dir, f"{case['trace_name']}.json")
+    prof.export_chrome_trace(raw)
+    path, summary = trace_summary.finish(raw, clock, host_spans.spans())
+    return {"trace_path": path, "step_s": step_s, "summary": summary, **_shape_fields(model)}
+
+
+RUNNERS = {
+    "floors": run_floors,
+    "ramflow_train": run_ramflow_train,
+    "ramflow_infer": run_ramflow_infer,
+    "resident_train": run_resident_train,
+    "resident_infer": run_resident_infer,
+    "cpu_optimizer": run_cpu_optimizer,
+    "trace": run_trace,
+}
+
+
+def run(case: dict[str, Any]) -> dict[str, Any]:
+    """Run one case in this process and return its measurements."""
+    torch.manual_seed(0)
+    return RUNNERS[case["kind"]](case)
