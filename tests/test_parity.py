@@ -424,6 +424,6 @@ def test_activation_checkpointing_plain_module(device):
             o.step()
             o.zero_grad()
     ramflow.synchronize(model)
-    assert params_rel(model, ref) < 1e-5
+    assert params_rel(model, ref) < (1e-5 if device.type == "cpu" else 1e-4)
     ramflow.undo(model)
     assert "forward" not in model.blocks[0].__dict__
