@@ -137,3 +137,20 @@ def test_step_with_gradients_set_by_hand():
     ramflow.synchronize(model)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+def test_exit_with_a_step_in_flight_is_clean():
+    """A script that ends right after opt.step() (steps still on the worker) exits 0."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, ramflow\n"
+        "m = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])\n"
+        "ramflow.offload(m, device='cpu')\n"
+        "opt = ramflow.optim.AdamW(m.parameters())\n"
+        "m(torch.randn(4, 512)).sum().backward()\n"
+        "opt.step()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]

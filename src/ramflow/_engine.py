@@ -43,6 +43,7 @@ unit's step only.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import threading
 from collections import OrderedDict, deque
@@ -70,6 +71,18 @@ _ALIGN = 64  # elements; keeps every view 128-byte aligned for fp32, 64 for bf16
 # Which engine owns a model or a host parameter. Weak: an engine lives as long as its model.
 ENGINE_OF_MODEL: WeakIdKeyDictionary = WeakIdKeyDictionary()
 ENGINE_OF_PARAM: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    """Let optimizer steps in flight finish before the interpreter tears torch down under
+    the worker thread (which aborts the process)."""
+    for engine in list(ENGINE_OF_MODEL.values()):
+        try:
+            engine.worker.wait_idle()
+        except RuntimeError:
+            pass  # the error was the user's to see earlier; exiting anyway
+        engine.worker.stop()
 
 
 def _in_backward() -> bool:

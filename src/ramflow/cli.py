@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="text file, folder of text files, or JSON lines with a 'text' field (default: the stdlib sources)",
     )
     t.add_argument(
-        "--steps", type=int, default=None, help="optimizer steps (default: the preset's; tiny: 300)"
+        "--steps", type=int, default=None, help="optimizer steps (default: the preset's; tiny: 150)"
     )
     t.add_argument(
         "--grad-accum", type=int, default=None, help="micro-batches per optimizer step (default 1)"
@@ -249,8 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train import open_checkpoint, resume_config, train
-    from .train.trainer import TrainConfig
+    from .train import TrainConfig, open_checkpoint, resume_config, train
 
     options: dict[str, Any] = {k: getattr(args, k) for k in _TRAIN_OPTIONS}
     if args.resume is not None:
@@ -294,8 +293,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .train import plan_run
-    from .train.trainer import TrainConfig
+    from .train import TrainConfig, plan_run
 
     options = {
         k: getattr(args, k)
@@ -322,12 +320,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {"train": _train, "generate": _generate, "plan": _plan}
     try:
         return handlers[args.command](args)
-    except (
-        ValueError,
-        MemoryError,
-        OSError,
-    ) as err:  # user mistakes and machine limits: no traceback
+    except (ValueError, MemoryError, OSError) as err:
+        # user mistakes and machine limits: a message that says what to change, no traceback
         print(f"ramflow {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        if err.name != "transformers":
+            raise
+        print(
+            f"ramflow {args.command}: error: this command needs transformers; "
+            "install it with: pip install 'ramflow[hf]'",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print(f"ramflow {args.command}: aborted", file=sys.stderr)

@@ -17,7 +17,10 @@ pytest.importorskip("transformers")
 from ramflow import cli  # noqa: E402
 
 # Options that make a training run take about a second on a 2-core CPU.
-FAST_OPTIONS = ("--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--no-progress")
+# On the CPU even where a GPU exists: these tests compare runs bit for bit.
+FAST_OPTIONS = (
+    "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--no-progress", "--device", "cpu",
+)  # fmt: skip
 
 
 def _run_cli(*argv: str | Path) -> int:

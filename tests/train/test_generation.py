@@ -43,6 +43,8 @@ def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_cli_generates_the_asked_length_for_a_batch(trained_run: Path, ramflow_cli, capsys) -> None:
     rc = ramflow_cli(
         "generate",
+        "--device",
+        "cpu",
         "--model",
         trained_run,
         "--prompt",
@@ -143,7 +145,16 @@ def test_train_from_a_hugging_face_folder_then_generate(
     capsys.readouterr()
     assert (
         ramflow_cli(
-            "generate", "--model", out, "--prompt", "def", "--max-new-tokens", "5", "--ignore-eos"
+            "generate",
+            "--device",
+            "cpu",
+            "--model",
+            out,
+            "--prompt",
+            "def",
+            "--max-new-tokens",
+            "5",
+            "--ignore-eos",
         )
         == 0
     )

@@ -78,6 +78,8 @@ def test_train_and_generate_with_a_local_hf_tokenizer(
     assert (
         ramflow_cli(
             "generate",
+            "--device",
+            "cpu",
             "--model",
             out,
             "--prompt",

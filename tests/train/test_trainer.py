@@ -72,7 +72,7 @@ def test_resume_equals_uninterrupted(
 
     # the same run stopped after step 3 (as Ctrl-C does), then resumed by the CLI
     config = TrainConfig.from_options(
-        data=str(corpus_file), seq_len=32, batch_size=2, eval_batches=1, **settings
+        data=str(corpus_file), seq_len=32, batch_size=2, eval_batches=1, device="cpu", **settings
     )
     stop = threading.Event()
     result = train(
@@ -84,7 +84,10 @@ def test_resume_equals_uninterrupted(
     )
     assert result.interrupted and result.steps_done == 3
     assert open_checkpoint(tmp_path / "split").step == 3
-    assert ramflow_cli("train", "--resume", tmp_path / "split", "--no-progress") == 0
+    assert (
+        ramflow_cli("train", "--resume", tmp_path / "split", "--no-progress", "--device", "cpu")
+        == 0
+    )
 
     assert _losses(tmp_path / "split") == _losses(tmp_path / "whole")  # bit for bit
     for name in ("model.safetensors", "optimizer.safetensors"):

@@ -5,14 +5,17 @@ Needs ``transformers`` (the ``hf`` extra). The modules, one concept each:
 ``presets`` (model shapes), ``tokenizer``, ``data`` (corpus and resumable batches),
 ``modeling`` (building and loading models), ``precision`` (device and dtypes),
 ``estimate`` (memory plans on the meta device), ``schedule`` (LR), ``checkpoint``,
-``report`` (progress, log, plot), ``trainer`` (the loop) and ``generation``.
+``report`` (progress, log, plot), ``config`` (a run's settings), ``setup`` (the checks
+before a run), ``trainer`` (the loop) and ``generation``.
 """
 
 from .checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from .config import TrainConfig, resume_config
 from .estimate import MemoryEstimate, estimate_memory
 from .generation import Generation, SamplingConfig, generate, load_for_generation
 from .presets import PRESETS, ModelPreset, get_preset
-from .trainer import TrainConfig, TrainResult, plan_run, resume_config, train
+from .setup import plan_run
+from .trainer import TrainResult, train
 
 __all__ = [
     "PRESETS",

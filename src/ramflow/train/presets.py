@@ -151,7 +151,7 @@ PRESETS: dict[str, ModelPreset] = {
             batch_size=16,
             seq_len=256,
             lr=2e-3,
-            steps=300,
+            steps=150,
         ),
         ModelPreset(
             name="llama-1b",

@@ -23,7 +23,6 @@ for bit.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import platform
@@ -42,228 +41,25 @@ import torch
 
 import ramflow
 
-from .._plan import format_bytes, parse_bytes
+from .._plan import format_bytes
 from .checkpoint import (
     Checkpoint,
-    CheckpointError,
     load_optimizer_state,
     open_checkpoint,
     restore_rng_state,
     save_checkpoint,
 )
-from .data import BatchStream, Corpus, build_corpus, find_documents, stdlib_root, validation_batches
-from .estimate import CHECKPOINTING_MODES, MemoryEstimate, default_gpu_budget, estimate_memory
-from .generation import resolve_model_dir
+from .config import TrainConfig, resume_config
+from .data import BatchStream, validation_batches
 from .modeling import (
     build_model,
-    check_weights,
     count_parameters,
     load_model,
-    model_config,
-    read_config,
 )
-from .precision import PRECISIONS, ComputePolicy, planned_compute, resolve_compute
-from .presets import get_preset
+from .precision import ComputePolicy
 from .report import RunReport, format_duration, mean_tail, summary_table
 from .schedule import make_scheduler, warmup_cosine
-from .tokenizer import Tokenizer, has_tokenizer, load_tokenizer
-
-# Settings a resumed run may change: they decide how long it runs, where, and how it uses
-# memory, not what a step computes.
-RESUMABLE_CHANGES = frozenset(
-    {
-        "steps",
-        "save_every",
-        "keep_checkpoints",
-        "eval_every",
-        "eval_batches",
-        "device",
-        "gpu_memory",
-        "checkpointing",
-    }
-)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """The settings of one training run (what ``ramflow train``'s options become).
-
-    Build it with ``TrainConfig.from_options``, which fills the preset's defaults.
-
-    Attributes:
-        preset: name of a model preset (``ramflow.train.presets.PRESETS``), or None with ``model``.
-        model: a Hugging Face checkpoint folder to start from, or None with ``preset``.
-        tokenizer: a local Hugging Face tokenizer folder; None: the model folder's own
-            tokenizer if it has one, else the byte tokenizer.
-        data: text file, folder or JSON lines; None: the Python standard library sources.
-        steps: optimizer steps to reach (a resumed run counts the steps already done).
-        batch_size: sequences per micro-batch (B).
-        seq_len: tokens per sequence (T).
-        grad_accum: micro-batches per optimizer step (tokens per step = grad_accum * B * T).
-        lr: peak learning rate.
-        min_lr_ratio: the cosine decay ends at ``lr * min_lr_ratio``.
-        warmup_steps: linear warmup steps.
-        weight_decay: AdamW decoupled weight decay of matrices (norm weights get none).
-        beta1, beta2, eps: AdamW's.
-        clip_grad: global gradient-norm limit; 0 turns clipping off.
-        precision: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``bf16``, ``fp16`` (with a
-            GradScaler) or ``fp32``.
-        checkpointing: activation checkpointing ``on``, ``off`` or ``auto`` (on when the
-            activations would not fit in the device budget beside ramflow's smallest plan).
-        seed: seeds the model's initialisation and the data order.
-        device: ``cuda``, ``cuda:N`` or ``cpu``; None: CUDA when available.
-        gpu_memory: the device budget for the whole run (weights, gradients, activations),
-            e.g. ``"12GiB"``; None: 90% of the free memory of a CUDA device, no cap on the CPU.
-        save_every: write a checkpoint every this many steps (0: only at the end and on Ctrl-C).
-        keep_checkpoints: finished checkpoints kept on disk.
-        eval_every: validation every this many steps (0: only at the end).
-        eval_batches: micro-batches of held-out text per validation.
-        val_fraction: share of the corpus held out for validation.
-    """
-
-    preset: str | None = "tiny"
-    model: str | None = None
-    tokenizer: str | None = None
-    data: str | None = None
-    steps: int = 300
-    batch_size: int = 16
-    seq_len: int = 256
-    grad_accum: int = 1
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 60
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    precision: str = "auto"
-    checkpointing: str = "auto"
-    seed: int = 0
-    device: str | None = None
-    gpu_memory: str | None = None
-    save_every: int = 500
-    keep_checkpoints: int = 1
-    eval_every: int = 60
-    eval_batches: int = 8
-    val_fraction: float = 0.01
-
-    def __post_init__(self) -> None:
-        if (self.preset is None) == (self.model is None):
-            raise ValueError("give either --preset or --model DIR, not both")
-        if self.preset is not None:
-            get_preset(self.preset)
-        positive = (
-            "steps",
-            "batch_size",
-            "seq_len",
-            "grad_accum",
-            "eval_batches",
-            "keep_checkpoints",
-        )
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}"
-                )
-        for name in ("warmup_steps", "save_every", "eval_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}"
-                )
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"--lr must be a positive number, got {self.lr}")
-        if self.clip_grad < 0:
-            raise ValueError(
-                f"--clip-grad must be >= 0 (0 turns clipping off), got {self.clip_grad}"
-            )
-        if self.precision not in PRECISIONS:
-            raise ValueError(
-                f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}"
-            )
-        if self.checkpointing not in CHECKPOINTING_MODES:
-            raise ValueError(
-                f"--checkpointing {self.checkpointing!r}: choose one of {', '.join(CHECKPOINTING_MODES)}"
-            )
-        if self.gpu_memory is not None:
-            parse_bytes(self.gpu_memory, what="--gpu-memory")
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.grad_accum * self.batch_size * self.seq_len
-
-    @classmethod
-    def from_options(cls, **options: Any) -> TrainConfig:
-        """A config from command-line style options; None (or absent) means the default.
-
-        Defaults that depend on the model: ``batch_size``, ``seq_len``, ``lr`` and
-        ``steps`` come from the preset (``tiny`` when neither preset nor model is given);
-        a ``model`` folder gets B=4, T=min(2048, its context), lr=2e-5 and 100 steps.
-        ``warmup_steps`` defaults to a fifth of the steps (at most 200), ``eval_every`` to
-        a fifth.
-
-        Raises:
-            ValueError: an unknown option or an invalid value (see the attributes).
-        """
-        unknown = set(options) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown training options: {', '.join(sorted(unknown))}")
-        given = {k: v for k, v in options.items() if v is not None}
-        if "model" in given:
-            given.setdefault("preset", None)
-            if given["preset"] is not None:
-                raise ValueError("give either --preset or --model DIR, not both")
-            given["model"] = str(
-                resolve_model_dir(given["model"])
-            )  # a run folder: its latest checkpoint
-            ctx = getattr(read_config(given["model"]), "max_position_embeddings", 2048)
-            base = {"batch_size": 4, "seq_len": min(2048, ctx), "lr": 2e-5, "steps": 100}
-        else:
-            preset = get_preset(given.setdefault("preset", "tiny"))
-            base = {
-                "batch_size": preset.batch_size,
-                "seq_len": preset.seq_len,
-                "lr": preset.lr,
-                "steps": preset.steps,
-            }
-        for k, v in base.items():
-            given.setdefault(k, v)
-        steps = given["steps"]
-        given.setdefault("warmup_steps", min(200, steps // 5))
-        given.setdefault("eval_every", max(1, steps // 5))
-        return cls(**given)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def resume_config(checkpoint: Checkpoint, **options: Any) -> TrainConfig:
-    """The settings of the run that wrote ``checkpoint``, with the changes in ``options``
-    (None means unchanged).
-
-    Raises:
-        ValueError: an option differs from the checkpoint's and is not one of
-            ``RESUMABLE_CHANGES`` (e.g. another preset: a checkpoint of another model shape).
-    """
-    stored = dict(checkpoint.state["train_config"])
-    for key, value in options.items():
-        if value is None or key not in stored or stored[key] == value:
-            continue
-        if key in ("preset", "model"):
-            raise CheckpointError(
-                f"--{key} {value} does not match the checkpoint {checkpoint.path}, which is of "
-                f"{'preset ' + str(stored['preset']) if stored['preset'] else 'the model in ' + str(stored['model'])} "
-                "(another model shape). Resume without --preset/--model, or start a new run."
-            )
-        if key not in RESUMABLE_CHANGES:
-            raise ValueError(
-                f"--{key.replace('_', '-')} {value} differs from the checkpoint's {stored[key]!r}; a resumed "
-                f"run keeps the settings that decide its steps (it may change only "
-                f"{', '.join('--' + k.replace('_', '-') for k in sorted(RESUMABLE_CHANGES))}). "
-                "Start a new run to change it."
-            )
-        stored[key] = value
-    return TrainConfig(**stored)
+from .setup import PreparedRun, prepare_run
 
 
 @dataclass(frozen=True)
@@ -299,19 +95,6 @@ class TrainResult:
     summary: str
 
 
-@dataclass
-class _Setup:
-    """Everything checked before the run folder exists."""
-
-    policy: ComputePolicy
-    tokenizer: Tokenizer
-    model_config: Any
-    corpus: Corpus
-    estimate: MemoryEstimate
-    ramflow_budget: int | None
-    checkpoint: Checkpoint | None
-
-
 def _peak_host_bytes() -> int:
     try:
         import resource
@@ -319,153 +102,6 @@ def _peak_host_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     except (ImportError, OSError):
         return psutil.Process().memory_info().rss
-
-
-def _model_name(config: TrainConfig) -> str:
-    return config.preset if config.preset is not None else str(config.model)
-
-
-def _tokenizer_and_config(
-    config: TrainConfig, checkpoint: Checkpoint | None
-) -> tuple[Tokenizer, Any]:
-    if checkpoint is not None:
-        return load_tokenizer(checkpoint.path), read_config(checkpoint.path)
-    tok_dir = config.tokenizer
-    if tok_dir is None and config.model is not None and has_tokenizer(config.model):
-        tok_dir = config.model
-    tokenizer = load_tokenizer(tok_dir)
-    return tokenizer, model_config(
-        preset=config.preset, model_dir=config.model, tokenizer=tokenizer
-    )
-
-
-def _estimate(
-    config: TrainConfig,
-    mconfig: Any,
-    *,
-    device_type: str,
-    precision: str,
-    compute_dtype: torch.dtype,
-    wire_dtype: torch.dtype,
-    budget: int | None,
-    out_dir: Path | None,
-) -> MemoryEstimate:
-    ctx = getattr(mconfig, "max_position_embeddings", None)
-    if ctx is not None and config.seq_len > ctx:
-        raise ValueError(f"--seq-len {config.seq_len} exceeds the model's context of {ctx} tokens")
-    return estimate_memory(
-        mconfig,
-        model_name=_model_name(config),
-        device_type=device_type,
-        precision=precision,
-        compute_dtype=compute_dtype,
-        wire_dtype=wire_dtype,
-        batch_size=config.batch_size,
-        seq_len=config.seq_len,
-        gpu_memory_bytes=budget,
-        checkpointing=config.checkpointing,
-        out_dir=out_dir if out_dir is not None else Path("runs"),
-    )
-
-
-def plan_run(config: TrainConfig, *, out_dir: str | os.PathLike | None = None) -> MemoryEstimate:
-    """The memory plan of a training run, without allocating the model (``ramflow plan``).
-
-    Unlike ``train``, the device need not be present: ``device="cuda"`` plans a GPU run
-    on a machine without one (with no budget unless ``gpu_memory`` is given).
-
-    Raises:
-        ValueError, FileNotFoundError: as ``train``'s checks (settings, model, tokenizer,
-            a device budget too small).
-    """
-    device_type, precision, compute, wire = planned_compute(
-        device=config.device, precision=config.precision
-    )
-    _, mconfig = _tokenizer_and_config(config, None)
-    if config.gpu_memory is not None:
-        budget = parse_bytes(config.gpu_memory, what="--gpu-memory")
-    elif device_type == "cuda" and torch.cuda.is_available():
-        budget = default_gpu_budget(
-            resolve_compute(device=config.device, precision=config.precision).device
-        )
-    else:
-        budget = None
-    return _estimate(
-        config,
-        mconfig,
-        device_type=device_type,
-        precision=precision,
-        compute_dtype=compute,
-        wire_dtype=wire,
-        budget=budget,
-        out_dir=Path(out_dir) if out_dir is not None else None,
-    )
-
-
-def _check_machine(estimate: MemoryEstimate, *, corpus_bytes: int) -> None:
-    """Refuse a run this machine's RAM or disk cannot hold (MemoryError / OSError)."""
-    need = estimate.ram_needed_bytes + corpus_bytes
-    if need > estimate.ram_available_bytes:
-        raise MemoryError(
-            f"this run needs about {format_bytes(need)} of RAM (host store "
-            f"{format_bytes(estimate.host_pinned_bytes + estimate.host_pageable_bytes)}"
-            + (
-                f", device side on the CPU {format_bytes(estimate.device_total_bytes)}"
-                if estimate.device_type == "cpu"
-                else ""
-            )
-            + (f", corpus {format_bytes(corpus_bytes)}" if corpus_bytes else "")
-            + f", runtime) but only {format_bytes(estimate.ram_available_bytes)} is available. "
-            "Use a smaller model, batch or sequence, or free memory; `ramflow plan` shows where "
-            "the bytes go."
-        )
-    if not estimate.fits_disk:
-        raise OSError(
-            f"a checkpoint of this model takes {format_bytes(estimate.checkpoint_bytes)}, but only "
-            f"{format_bytes(estimate.disk_free_bytes or 0)} is free where the run folder goes; "
-            "give --out on a larger disk"
-        )
-
-
-def _prepare(config: TrainConfig, checkpoint: Checkpoint | None, out_dir: Path | None) -> _Setup:
-    policy = resolve_compute(device=config.device, precision=config.precision)
-    tokenizer, mconfig = _tokenizer_and_config(config, checkpoint)
-    weights_dir = checkpoint.path if checkpoint is not None else config.model
-    if weights_dir is not None:
-        # shapes from the file headers, before anything is written
-        check_weights(weights_dir, mconfig)
-    budget = (
-        parse_bytes(config.gpu_memory, what="--gpu-memory")
-        if config.gpu_memory is not None
-        else default_gpu_budget(policy.device)
-    )
-    estimate = _estimate(
-        config,
-        mconfig,
-        device_type=policy.device.type,
-        precision=policy.precision,
-        compute_dtype=policy.compute_dtype,
-        wire_dtype=policy.wire_dtype,
-        budget=budget,
-        out_dir=out_dir,
-    )
-    _check_machine(estimate, corpus_bytes=0)  # before reading the data: fail fast
-    documents = find_documents(config.data)
-    source = (
-        f"Python {platform.python_version()} standard library ({stdlib_root()})"
-        if config.data is None
-        else str(config.data)
-    )
-    corpus = build_corpus(
-        documents,
-        tokenizer,
-        seq_len=config.seq_len,
-        val_fraction=config.val_fraction,
-        source=source,
-    )
-    _check_machine(estimate, corpus_bytes=corpus.num_tokens * 4)
-    ramflow_budget = None if budget is None else budget - estimate.device_activation_bytes
-    return _Setup(policy, tokenizer, mconfig, corpus, estimate, ramflow_budget, checkpoint)
 
 
 def _new_run_dir() -> Path:
@@ -593,7 +229,7 @@ def train(
     if ckpt is not None:
         resume_config(ckpt, **config.to_dict())  # refuses settings that would change the steps
     run_dir = Path(out) if out is not None else (ckpt.run_dir if ckpt is not None else None)
-    setup = _prepare(config, ckpt, run_dir)
+    setup = prepare_run(config, ckpt, run_dir)
     run_dir = run_dir if run_dir is not None else _new_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = stop if stop is not None else threading.Event()
@@ -613,7 +249,7 @@ def train(
         report.close()
 
 
-def _write_run_json(run_dir: Path, config: TrainConfig, setup: _Setup) -> None:
+def _write_run_json(run_dir: Path, config: TrainConfig, setup: PreparedRun) -> None:
     import json
 
     info = {
@@ -643,7 +279,7 @@ def _write_run_json(run_dir: Path, config: TrainConfig, setup: _Setup) -> None:
 
 def _train(
     config: TrainConfig,
-    setup: _Setup,
+    setup: PreparedRun,
     run_dir: Path,
     report: RunReport,
     stop: threading.Event,
@@ -653,7 +289,7 @@ def _train(
     _write_run_json(run_dir, config, setup)
     say = report.message
     say(
-        f"model {_model_name(config)}: {est.num_parameters / 1e6:,.2f} M parameters | device {policy.device}, "
+        f"model {config.model_name}: {est.num_parameters / 1e6:,.2f} M parameters | device {policy.device}, "
         f"{policy.precision}, activation checkpointing {'on' if est.checkpointing else 'off'}"
     )
     say(
@@ -929,7 +565,7 @@ def _loop(
         }
     )
     plot = report.write_plot(
-        title=f"ramflow train: {_model_name(config)}, {config.tokens_per_step:,} tokens per step"
+        title=f"ramflow train: {config.model_name}, {config.tokens_per_step:,} tokens per step"
     )
     all_losses = [r["loss"] for r in report.step_records()]
     first_loss = all_losses[0] if all_losses else math.nan
@@ -937,7 +573,7 @@ def _loop(
     rows = [
         (
             "model",
-            f"{_model_name(config)} ({setup.estimate.num_parameters / 1e6:,.2f} M parameters), "
+            f"{config.model_name} ({setup.estimate.num_parameters / 1e6:,.2f} M parameters), "
             f"{count_parameters(model) / 1e6:,.2f} M trained",
         ),
         (
@@ -985,12 +621,4 @@ def _loop(
     )
 
 
-__all__ = [
-    "RESUMABLE_CHANGES",
-    "TrainConfig",
-    "TrainResult",
-    "evaluate",
-    "plan_run",
-    "resume_config",
-    "train",
-]
+__all__ = ["TrainResult", "evaluate", "train"]

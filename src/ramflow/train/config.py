@@ -1,0 +1,221 @@
+"""The settings of a training run, and which of them a resumed run may change."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .._plan import parse_bytes
+from .checkpoint import Checkpoint, CheckpointError
+from .estimate import CHECKPOINTING_MODES
+from .generation import resolve_model_dir
+from .modeling import read_config
+from .precision import PRECISIONS
+from .presets import get_preset
+
+# Settings a resumed run may change: they decide how long it runs, where, and how it uses
+# memory, not what a step computes.
+RESUMABLE_CHANGES = frozenset(
+    {
+        "steps",
+        "save_every",
+        "keep_checkpoints",
+        "eval_every",
+        "eval_batches",
+        "device",
+        "gpu_memory",
+        "checkpointing",
+    }
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The settings of one training run (what ``ramflow train``'s options become).
+
+    Build it with ``TrainConfig.from_options``, which fills the preset's defaults.
+
+    Attributes:
+        preset: name of a model preset (``ramflow.train.presets.PRESETS``), or None with ``model``.
+        model: a Hugging Face checkpoint folder to start from, or None with ``preset``.
+        tokenizer: a local Hugging Face tokenizer folder; None: the model folder's own
+            tokenizer if it has one, else the byte tokenizer.
+        data: text file, folder or JSON lines; None: the Python standard library sources.
+        steps: optimizer steps to reach (a resumed run counts the steps already done).
+        batch_size: sequences per micro-batch (B).
+        seq_len: tokens per sequence (T).
+        grad_accum: micro-batches per optimizer step (tokens per step = grad_accum * B * T).
+        lr: peak learning rate.
+        min_lr_ratio: the cosine decay ends at ``lr * min_lr_ratio``.
+        warmup_steps: linear warmup steps.
+        weight_decay: AdamW decoupled weight decay of matrices (norm weights get none).
+        beta1, beta2, eps: AdamW's.
+        clip_grad: global gradient-norm limit; 0 turns clipping off.
+        precision: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``bf16``, ``fp16`` (with a
+            GradScaler) or ``fp32``.
+        checkpointing: activation checkpointing ``on``, ``off`` or ``auto`` (on when the
+            activations would not fit in the device budget beside ramflow's smallest plan).
+        seed: seeds the model's initialisation and the data order.
+        device: ``cuda``, ``cuda:N`` or ``cpu``; None: CUDA when available.
+        gpu_memory: the device budget for the whole run (weights, gradients, activations),
+            e.g. ``"12GiB"``; None: 90% of the free memory of a CUDA device, no cap on the CPU.
+        save_every: write a checkpoint every this many steps (0: only at the end and on Ctrl-C).
+        keep_checkpoints: finished checkpoints kept on disk.
+        eval_every: validation every this many steps (0: only at the end).
+        eval_batches: micro-batches of held-out text per validation.
+        val_fraction: share of the corpus held out for validation.
+    """
+
+    preset: str | None = "tiny"
+    model: str | None = None
+    tokenizer: str | None = None
+    data: str | None = None
+    steps: int = 150
+    batch_size: int = 16
+    seq_len: int = 256
+    grad_accum: int = 1
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    precision: str = "auto"
+    checkpointing: str = "auto"
+    seed: int = 0
+    device: str | None = None
+    gpu_memory: str | None = None
+    save_every: int = 500
+    keep_checkpoints: int = 1
+    eval_every: int = 30
+    eval_batches: int = 8
+    val_fraction: float = 0.01
+
+    def __post_init__(self) -> None:
+        if (self.preset is None) == (self.model is None):
+            raise ValueError("give either --preset or --model DIR, not both")
+        if self.preset is not None:
+            get_preset(self.preset)
+        positive = (
+            "steps",
+            "batch_size",
+            "seq_len",
+            "grad_accum",
+            "eval_batches",
+            "keep_checkpoints",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}"
+                )
+        for name in ("warmup_steps", "save_every", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}"
+                )
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if self.clip_grad < 0:
+            raise ValueError(
+                f"--clip-grad must be >= 0 (0 turns clipping off), got {self.clip_grad}"
+            )
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}"
+            )
+        if self.checkpointing not in CHECKPOINTING_MODES:
+            raise ValueError(
+                f"--checkpointing {self.checkpointing!r}: choose one of {', '.join(CHECKPOINTING_MODES)}"
+            )
+        if self.gpu_memory is not None:
+            parse_bytes(self.gpu_memory, what="--gpu-memory")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.grad_accum * self.batch_size * self.seq_len
+
+    @classmethod
+    def from_options(cls, **options: Any) -> TrainConfig:
+        """A config from command-line style options; None (or absent) means the default.
+
+        Defaults that depend on the model: ``batch_size``, ``seq_len``, ``lr`` and
+        ``steps`` come from the preset (``tiny`` when neither preset nor model is given);
+        a ``model`` folder gets B=4, T=min(2048, its context), lr=2e-5 and 100 steps.
+        ``warmup_steps`` defaults to a fifth of the steps (at most 200), ``eval_every`` to
+        a fifth.
+
+        Raises:
+            ValueError: an unknown option or an invalid value (see the attributes).
+        """
+        unknown = set(options) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown training options: {', '.join(sorted(unknown))}")
+        given = {k: v for k, v in options.items() if v is not None}
+        if "model" in given:
+            given.setdefault("preset", None)
+            if given["preset"] is not None:
+                raise ValueError("give either --preset or --model DIR, not both")
+            given["model"] = str(
+                resolve_model_dir(given["model"])
+            )  # a run folder: its latest checkpoint
+            ctx = getattr(read_config(given["model"]), "max_position_embeddings", 2048)
+            base = {"batch_size": 4, "seq_len": min(2048, ctx), "lr": 2e-5, "steps": 100}
+        else:
+            preset = get_preset(given.setdefault("preset", "tiny"))
+            base = {
+                "batch_size": preset.batch_size,
+                "seq_len": preset.seq_len,
+                "lr": preset.lr,
+                "steps": preset.steps,
+            }
+        for k, v in base.items():
+            given.setdefault(k, v)
+        steps = given["steps"]
+        given.setdefault("warmup_steps", min(200, steps // 5))
+        given.setdefault("eval_every", max(1, steps // 5))
+        return cls(**given)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def model_name(self) -> str:
+        """The preset, or the model folder, for messages."""
+        return self.preset if self.preset is not None else str(self.model)
+
+
+def resume_config(checkpoint: Checkpoint, **options: Any) -> TrainConfig:
+    """The settings of the run that wrote ``checkpoint``, with the changes in ``options``
+    (None means unchanged).
+
+    Raises:
+        ValueError: an option differs from the checkpoint's and is not one of
+            ``RESUMABLE_CHANGES`` (e.g. another preset: a checkpoint of another model shape).
+    """
+    stored = dict(checkpoint.state["train_config"])
+    for key, value in options.items():
+        if value is None or key not in stored or stored[key] == value:
+            continue
+        if key in ("preset", "model"):
+            raise CheckpointError(
+                f"--{key} {value} does not match the checkpoint {checkpoint.path}, which is of "
+                f"{'preset ' + str(stored['preset']) if stored['preset'] else 'the model in ' + str(stored['model'])} "
+                "(another model shape). Resume without --preset/--model, or start a new run."
+            )
+        if key not in RESUMABLE_CHANGES:
+            raise ValueError(
+                f"--{key.replace('_', '-')} {value} differs from the checkpoint's {stored[key]!r}; a resumed "
+                f"run keeps the settings that decide its steps (it may change only "
+                f"{', '.join('--' + k.replace('_', '-') for k in sorted(RESUMABLE_CHANGES))}). "
+                "Start a new run to change it."
+            )
+        stored[key] = value
+    return TrainConfig(**stored)
+
+
+__all__ = ["RESUMABLE_CHANGES", "TrainConfig", "resume_config"]

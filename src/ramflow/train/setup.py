@@ -1,0 +1,205 @@
+"""What a training run checks and builds before its run folder exists.
+
+``prepare_run`` is ``train``'s first half and ``plan_run`` is ``ramflow plan``: both take
+the same path through tokenizer, model config and memory estimate, so that ``train``
+refuses exactly the runs that ``plan`` says will not fit.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._plan import format_bytes, parse_bytes
+from .checkpoint import Checkpoint
+from .config import TrainConfig
+from .data import Corpus, build_corpus, find_documents, stdlib_root
+from .estimate import MemoryEstimate, default_gpu_budget, estimate_memory
+from .modeling import check_weights, model_config, read_config
+from .precision import ComputePolicy, planned_compute, resolve_compute
+from .tokenizer import Tokenizer, has_tokenizer, load_tokenizer
+
+
+@dataclass
+class PreparedRun:
+    """Everything ``prepare_run`` checked and built before the run folder exists.
+
+    Attributes:
+        policy: device and precision.
+        tokenizer: the run's tokenizer.
+        model_config: the ``transformers`` config of the model.
+        corpus: the tokenised training and validation text.
+        estimate: the memory plan (``ramflow plan``'s figures).
+        ramflow_budget: what ``ramflow.offload`` may allocate on the device (the budget
+            less the activations), bytes; None for no cap.
+        checkpoint: the verified checkpoint to resume, or None.
+    """
+
+    policy: ComputePolicy
+    tokenizer: Tokenizer
+    model_config: Any
+    corpus: Corpus
+    estimate: MemoryEstimate
+    ramflow_budget: int | None
+    checkpoint: Checkpoint | None
+
+
+def _tokenizer_and_config(
+    config: TrainConfig, checkpoint: Checkpoint | None
+) -> tuple[Tokenizer, Any]:
+    if checkpoint is not None:
+        return load_tokenizer(checkpoint.path), read_config(checkpoint.path)
+    tok_dir = config.tokenizer
+    if tok_dir is None and config.model is not None and has_tokenizer(config.model):
+        tok_dir = config.model
+    tokenizer = load_tokenizer(tok_dir)
+    return tokenizer, model_config(
+        preset=config.preset, model_dir=config.model, tokenizer=tokenizer
+    )
+
+
+def _estimate(
+    config: TrainConfig,
+    mconfig: Any,
+    *,
+    device_type: str,
+    precision: str,
+    compute_dtype: torch.dtype,
+    wire_dtype: torch.dtype,
+    budget: int | None,
+    out_dir: Path | None,
+) -> MemoryEstimate:
+    ctx = getattr(mconfig, "max_position_embeddings", None)
+    if ctx is not None and config.seq_len > ctx:
+        raise ValueError(f"--seq-len {config.seq_len} exceeds the model's context of {ctx} tokens")
+    return estimate_memory(
+        mconfig,
+        model_name=config.model_name,
+        device_type=device_type,
+        precision=precision,
+        compute_dtype=compute_dtype,
+        wire_dtype=wire_dtype,
+        batch_size=config.batch_size,
+        seq_len=config.seq_len,
+        gpu_memory_bytes=budget,
+        checkpointing=config.checkpointing,
+        out_dir=out_dir if out_dir is not None else Path("runs"),
+    )
+
+
+def plan_run(config: TrainConfig, *, out_dir: str | os.PathLike | None = None) -> MemoryEstimate:
+    """The memory plan of a training run, without allocating the model (``ramflow plan``).
+
+    Unlike ``train``, the device need not be present: ``device="cuda"`` plans a GPU run
+    on a machine without one (with no budget unless ``gpu_memory`` is given).
+
+    Raises:
+        ValueError, FileNotFoundError: as ``train``'s checks (settings, model, tokenizer,
+            a device budget too small).
+    """
+    device_type, precision, compute, wire = planned_compute(
+        device=config.device, precision=config.precision
+    )
+    _, mconfig = _tokenizer_and_config(config, None)
+    if config.gpu_memory is not None:
+        budget = parse_bytes(config.gpu_memory, what="--gpu-memory")
+    elif device_type == "cuda" and torch.cuda.is_available():
+        budget = default_gpu_budget(
+            resolve_compute(device=config.device, precision=config.precision).device
+        )
+    else:
+        budget = None
+    return _estimate(
+        config,
+        mconfig,
+        device_type=device_type,
+        precision=precision,
+        compute_dtype=compute,
+        wire_dtype=wire,
+        budget=budget,
+        out_dir=Path(out_dir) if out_dir is not None else None,
+    )
+
+
+def _check_machine(estimate: MemoryEstimate, *, corpus_bytes: int) -> None:
+    """Refuse a run this machine's RAM or disk cannot hold (MemoryError / OSError)."""
+    need = estimate.ram_needed_bytes + corpus_bytes
+    if need > estimate.ram_available_bytes:
+        raise MemoryError(
+            f"this run needs about {format_bytes(need)} of RAM (host store "
+            f"{format_bytes(estimate.host_pinned_bytes + estimate.host_pageable_bytes)}"
+            + (
+                f", device side on the CPU {format_bytes(estimate.device_total_bytes)}"
+                if estimate.device_type == "cpu"
+                else ""
+            )
+            + (f", corpus {format_bytes(corpus_bytes)}" if corpus_bytes else "")
+            + f", runtime) but only {format_bytes(estimate.ram_available_bytes)} is available. "
+            "Use a smaller model, batch or sequence, or free memory; `ramflow plan` shows where "
+            "the bytes go."
+        )
+    if not estimate.fits_disk:
+        raise OSError(
+            f"a checkpoint of this model takes {format_bytes(estimate.checkpoint_bytes)}, but only "
+            f"{format_bytes(estimate.disk_free_bytes or 0)} is free where the run folder goes; "
+            "give --out on a larger disk"
+        )
+
+
+def prepare_run(
+    config: TrainConfig, checkpoint: Checkpoint | None, out_dir: Path | None
+) -> PreparedRun:
+    """Check everything that can be refused, in order of cost, before anything is written:
+    device and precision, tokenizer and model config, the weights' shapes (file headers
+    only), the memory plan against the device budget and this machine's RAM and disk, and
+    the data.
+
+    Raises:
+        ValueError, FileNotFoundError, CheckpointError, MemoryError, OSError: see ``train``.
+    """
+    policy = resolve_compute(device=config.device, precision=config.precision)
+    tokenizer, mconfig = _tokenizer_and_config(config, checkpoint)
+    weights_dir = checkpoint.path if checkpoint is not None else config.model
+    if weights_dir is not None:
+        # shapes from the file headers, before anything is written
+        check_weights(weights_dir, mconfig)
+    budget = (
+        parse_bytes(config.gpu_memory, what="--gpu-memory")
+        if config.gpu_memory is not None
+        else default_gpu_budget(policy.device)
+    )
+    estimate = _estimate(
+        config,
+        mconfig,
+        device_type=policy.device.type,
+        precision=policy.precision,
+        compute_dtype=policy.compute_dtype,
+        wire_dtype=policy.wire_dtype,
+        budget=budget,
+        out_dir=out_dir,
+    )
+    _check_machine(estimate, corpus_bytes=0)  # before reading the data: fail fast
+    documents = find_documents(config.data)
+    source = (
+        f"Python {platform.python_version()} standard library ({stdlib_root()})"
+        if config.data is None
+        else str(config.data)
+    )
+    corpus = build_corpus(
+        documents,
+        tokenizer,
+        seq_len=config.seq_len,
+        val_fraction=config.val_fraction,
+        source=source,
+    )
+    _check_machine(estimate, corpus_bytes=corpus.num_tokens * 4)
+    ramflow_budget = None if budget is None else budget - estimate.device_activation_bytes
+    return PreparedRun(policy, tokenizer, mconfig, corpus, estimate, ramflow_budget, checkpoint)
+
+
+__all__ = ["PreparedRun", "plan_run", "prepare_run"]
