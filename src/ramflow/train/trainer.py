@@ -309,15 +309,13 @@ def _train(
         model = load_model(config.model, config=setup.model_config)
     else:
         model = build_model(setup.model_config, seed=config.seed)
-    if est.checkpointing:
-        enable = (
-            getattr(model, "activation_checkpointing_enable", None)
-            or model.gradient_checkpointing_enable
-        )
-        enable()
     model.train()
     ramflow.offload(
-        model, gpu_memory=setup.ramflow_budget, device=policy.device, wire_dtype=policy.wire_dtype
+        model,
+        gpu_memory=setup.ramflow_budget,
+        device=policy.device,
+        wire_dtype=policy.wire_dtype,
+        activation_checkpointing=est.checkpointing,
     )
     try:
         plan = ramflow.get_plan(model)
