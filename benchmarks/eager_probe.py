@@ -1,6 +1,6 @@
 """Does the engine step units during backward on this device? Prints its step state.
 
-    PYTHONPATH=src python benchmarks/eager_probe.py
+PYTHONPATH=src python benchmarks/eager_probe.py
 """
 
 from __future__ import annotations
