@@ -739,7 +739,10 @@ class Engine:
                 u.host_version += 1
                 u.wire_ready.clear()
         u.land_future = self.worker.submit(
-            LAND, len(self._landing), functools.partial(self._land, u, event, eager)
+            LAND,
+            len(self._landing),
+            functools.partial(self._land, u, event, eager),
+            ready=None if event is None else event.query,
         )
         self._landing.append(u.land_future)
 

@@ -29,7 +29,9 @@ class HostWorker:
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
-        self._heap: list[tuple[int, int, int, Callable[[], None], Future]] = []
+        self._heap: list[
+            tuple[int, int, int, Callable[[], None], Future, Callable[[], bool] | None]
+        ] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -37,14 +39,18 @@ class HostWorker:
         self._pending = 0
         self.error: BaseException | None = None
 
-    def submit(self, kind: int, order: int, fn: Callable[[], None]) -> Future:
-        """Run ``fn`` on the worker; lower ``(kind, order)`` runs first. Returns its future."""
+    def submit(
+        self, kind: int, order: int, fn: Callable[[], None], ready: Callable[[], bool] | None = None
+    ) -> Future:
+        """Run ``fn`` on the worker; lower ``(kind, order)`` runs first among the tasks whose
+        ``ready()`` is true (a gradient landing whose D2H copy is still in flight is not, so
+        it does not hold up a step that could run meanwhile). Returns its future."""
         future: Future = Future()
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ramflow-host", daemon=True)
                 self._thread.start()
-            heapq.heappush(self._heap, (kind, order, next(self._seq), fn, future))
+            heapq.heappush(self._heap, (kind, order, next(self._seq), fn, future, ready))
             self._pending += 1
             self._cond.notify_all()
         return future
@@ -58,7 +64,8 @@ class HostWorker:
                     self._cond.wait()
                 if not self._heap:
                     return
-                _, _, _, fn, future = heapq.heappop(self._heap)
+                entry = self._pick()
+                _, _, _, fn, future, _ = entry
             try:
                 fn()
             except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
@@ -70,6 +77,18 @@ class HostWorker:
             with self._cond:
                 self._pending -= 1
                 self._cond.notify_all()
+
+    def _pick(self) -> tuple:
+        """Remove and return the first ready task in priority order; if none is ready, the
+        first task (it will wait for its own event). Lock held."""
+        for entry in sorted(self._heap):
+            if entry[5] is None or entry[5]():
+                break
+        else:
+            entry = self._heap[0]
+        self._heap.remove(entry)
+        heapq.heapify(self._heap)
+        return entry
 
     def wait_idle(self) -> None:
         """Block until every submitted task has run; re-raise the first task error."""
