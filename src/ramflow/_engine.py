@@ -152,10 +152,6 @@ class _Unit:
     def nbytes(self) -> int:
         return self.numel * self.wire.element_size()
 
-    @property
-    def grad_nbytes(self) -> int:
-        return self.trainable_numel * self.wire.element_size()
-
     def views(self, flat: torch.Tensor, *, trainable_only: bool = False) -> list[torch.Tensor]:
         params = self.owned[: self.num_trainable] if trainable_only else self.owned
         return [flat[off : off + p.numel()].view(p.shape) for off, p in zip(self.offsets, params)]
@@ -219,6 +215,7 @@ class Engine:
         self._lock = threading.RLock()
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.units = [_Unit(i, s) for i, s in enumerate(specs)]
+        self._rest_units = [u for u in self.units if u.rest]
         self._unit_of_param: dict[int, _Unit] = {}
         for u in self.units:
             for p in u.owned:
@@ -567,7 +564,7 @@ class Engine:
         if self._order:
             self._prev_order = self._order
         self._order = []
-        rest = [u for u in self.units if u.rest]
+        rest = self._rest_units
         if rest:
             self._acquire(rest)
             for u in rest:
@@ -592,7 +589,7 @@ class Engine:
     def _root_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if _in_backward():
             return
-        rest = [u for u in self.units if u.rest]
+        rest = self._rest_units
         for u in rest:
             self._swap(u, to_device=False)
         self._release(rest)

@@ -69,7 +69,7 @@ def offload(
     if any(p.is_meta for p in params):
         raise ValueError(
             "the model has parameters on the meta device (no data); load its weights first, "
-            "e.g. with ramflow.load_pretrained(...) or model.to_empty(...) and a state dict"
+            "e.g. model.to_empty(device='cpu') and model.load_state_dict(...)"
         )
     if any(p in ENGINE_OF_PARAM for p in params):
         raise ValueError("some parameters already belong to another offloaded model")
