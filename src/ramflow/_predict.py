@@ -1,0 +1,638 @@
+"""The step-time model: how long one training (or inference) step of an offloaded model takes.
+
+Pure functions of plain numbers, standard library only, so that the benchmark's report (which
+never imports torch) can load this file by path. Units: seconds (``*_s``), bytes
+(``*_bytes``), bytes per second (``*_bytes_per_s``), parameters per second
+(``*_params_per_s``), FLOPs and FLOP/s.
+
+[Note: the step as a pipeline]
+A step is four resources working on one dependency graph of per-unit tasks, in forward
+order i = 0..n-1 and backward order n-1..0:
+
+- H2D link: the forward load of each streamed unit (after the unit's optimizer step of the
+  previous training step has rewritten its wire copy, and once the window has a slot: the
+  unit ``prefetch_depth + 2`` places earlier has finished computing); the backward reload of
+  the streamed units that are no longer in the window at the turn-around; after each CPU step
+  of a resident unit, its refresh. Copies run in the order they become ready.
+- GPU: forward of each unit in order (after its load), then backward in reverse order
+  (``BACKWARD_PER_FORWARD`` x its forward time, plus one more forward when the unit is
+  activation-checkpointed). A unit's backward waits for the gradient copy of the unit two
+  before it (ramflow keeps two gradient buffers in flight).
+- D2H link: each trainable unit's gradients in the wire dtype, after its backward.
+- CPU: the optimizer steps each unit as soon as its gradients have landed (eager steps, the
+  steady state of ``ramflow.optim``), one unit at a time, the earliest unit in forward order
+  first among those ready; the next forward of that unit waits for its step.
+
+While a backward pass runs both links are busy; each then gets half of the measured both-ways
+rate when that is given. The graph is simulated for several consecutive steps (each step's
+host loop ends when the gradients have landed, as the benchmark's loop does after
+``torch.cuda.synchronize``), and the last step's length is the prediction: per-unit maxima
+chain through the pipeline, so a slow optimizer shows up in the next forward and a slow link
+in the compute it delays. The critical path through that last step says how much of the step
+each resource accounts for; the resource with the largest share is the one that binds.
+
+Inference is the forward alone, from a cold window (the benchmark synchronizes between
+forwards, and the next forward's first units were evicted by the last ones).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# ----------------------------------------------------------------------------- constants
+# Calibrated against the H200 run of 2026-11-22 (benchmarks/results/2026-11-22-nvidia-h200-*):
+# see tests/test_predict.py, which reproduces those step times from their recorded inputs.
+
+BACKWARD_PER_FORWARD = 2.0
+"""GPU time of a unit's backward over its forward (2 FLOPs of backward per FLOP of forward)."""
+
+RECOMPUTE_PER_FORWARD = 1.0
+"""Extra GPU time of an activation-checkpointed unit's backward, in forwards (the recomputation)."""
+
+TRAIN_MATMUL_EFFICIENCY = 0.80
+"""Share of the measured bf16 matmul rate that a training forward sustains (bf16 weights on
+the device, autocast, norms and activations in between). The 2026-11-22 H200 trace: 70 ms of
+forward kernels at 4x2048 on the reference model (45 TFLOP), against 790 TFLOP/s measured."""
+
+INFER_MATMUL_EFFICIENCY = 0.75
+"""The same for an inference forward (resident bf16 1x2048 and 8x2048: 19.1 and 151.9 ms)."""
+
+RAMFLOW_ADAMW_PER_TORCH_FUSED = 0.855
+"""ramflow's one-pass CPU AdamW rate over torch's fused CPU AdamW rate as the floors measure it
+(3.72 against 4.35 G params/s on the H200 box: one more output, the bf16 wire copy, and a
+whole model's states instead of a 268 M-parameter slice)."""
+
+HOST_SECONDS_PER_UNIT = 0.002
+"""Host worker time per unit and step besides the optimizer's arithmetic: landing the unit's
+gradients and the Python around its step (the H200 trace: 28.9 ms of landing over 15 units)."""
+
+BOTH_WAYS_PER_ONE_WAY = 1.83
+"""H2D and D2H at once, total, over one direction alone (101.2 over 55.3 GB/s on the H200 box):
+what ``Rates.from_pcie`` assumes when only a one-way rate is known."""
+
+DEFAULT_H2D_BYTES_PER_S = 55.3e9
+DEFAULT_D2H_BYTES_PER_S = 55.3e9
+DEFAULT_BOTH_BYTES_PER_S = 101.2e9
+DEFAULT_MATMUL_FLOPS_PER_S = 790e12
+DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S = 3.72e9
+"""Rates measured on the H200 box of 2026-11-22 (PCIe 5.0 x16, 16 CPU threads), the defaults
+of ``ramflow plan``; give your machine's own (``--pcie-gbps``, ``--gpu-tflops``,
+``--cpu-adamw-gparams``)."""
+
+STEPS_SIMULATED = 3
+"""Training steps simulated before the last one is read (the first starts with every wire copy
+ready; by the third the pipeline has settled)."""
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def forward_flops(
+    matmul_params: int,
+    *,
+    batch: int,
+    seq: int,
+    attention_layers: int = 0,
+    hidden: int = 0,
+) -> float:
+    """FLOPs of one forward of a unit over ``batch`` x ``seq`` tokens.
+
+    2 per multiply-add of every weight that multiplies activations (``matmul_params``; not an
+    embedding table, which is a lookup), plus for each attention layer 4 x seq^2 x hidden per
+    sequence (Q K^T and the weighted sum of V, full square; a causal kernel skips about half,
+    which the calibrated efficiency absorbs).
+    """
+    tokens = batch * seq
+    return 2.0 * matmul_params * tokens + 4.0 * attention_layers * batch * seq * seq * hidden
+
+
+def forward_seconds(flops: float, matmul_flops_per_s: float, *, mode: str = "train") -> float:
+    """GPU time of a forward of ``flops`` at the measured bf16 matmul rate (FLOP/s), with the
+    calibrated efficiency of a training (``mode="train"``) or inference forward."""
+    eff = TRAIN_MATMUL_EFFICIENCY if mode == "train" else INFER_MATMUL_EFFICIENCY
+    return flops / (eff * matmul_flops_per_s)
+
+
+def ramflow_adamw_rate(torch_fused_params_per_s: float) -> float:
+    """ramflow's CPU AdamW rate (parameters/s) from torch's fused CPU AdamW rate."""
+    return torch_fused_params_per_s * RAMFLOW_ADAMW_PER_TORCH_FUSED
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """What the model needs to know about one unit (forward order).
+
+    Attributes:
+        name: the unit's name (for the report).
+        wire_bytes: bytes of the parameters it owns, in the wire dtype: one H2D per load.
+        trainable_params: parameters the CPU optimizer steps; their gradients cross D2H in
+            the wire dtype (``grad_bytes_per_param`` each).
+        forward_s: GPU time of its forward, seconds.
+        resident: kept on the device (no loads; refreshed by one H2D after each CPU step).
+        checkpointed: activation-checkpointed (its backward recomputes its forward).
+        deps: indices of other units whose device copies its forward reads (tied
+            parameters: a head that shares the embedding's weight).
+    """
+
+    name: str
+    wire_bytes: int
+    trainable_params: int
+    forward_s: float
+    resident: bool = False
+    checkpointed: bool = False
+    deps: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Measured (or assumed) rates of the machine.
+
+    Attributes:
+        h2d_bytes_per_s: pinned host-to-device copy rate, one direction alone.
+        d2h_bytes_per_s: pinned device-to-host copy rate, one direction alone.
+        both_bytes_per_s: both directions at once, total (None: the links are independent).
+        cpu_optimizer_params_per_s: the host optimizer's rate (ramflow's AdamW).
+    """
+
+    h2d_bytes_per_s: float = DEFAULT_H2D_BYTES_PER_S
+    d2h_bytes_per_s: float = DEFAULT_D2H_BYTES_PER_S
+    both_bytes_per_s: float | None = DEFAULT_BOTH_BYTES_PER_S
+    cpu_optimizer_params_per_s: float = DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S
+
+    @classmethod
+    def from_pcie(
+        cls,
+        bytes_per_s: float,
+        *,
+        cpu_optimizer_params_per_s: float = DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S,
+    ) -> Rates:
+        """Rates from one pinned one-way copy rate (bytes/s), the same each way; both ways at
+        once get ``BOTH_WAYS_PER_ONE_WAY`` times it in total."""
+        return cls(
+            h2d_bytes_per_s=bytes_per_s,
+            d2h_bytes_per_s=bytes_per_s,
+            both_bytes_per_s=bytes_per_s * BOTH_WAYS_PER_ONE_WAY,
+            cpu_optimizer_params_per_s=cpu_optimizer_params_per_s,
+        )
+
+    def duplex(self) -> tuple[float, float]:
+        """H2D and D2H rates while both directions run (backward)."""
+        if not self.both_bytes_per_s:
+            return self.h2d_bytes_per_s, self.d2h_bytes_per_s
+        half = self.both_bytes_per_s / 2
+        return min(self.h2d_bytes_per_s, half), min(self.d2h_bytes_per_s, half)
+
+
+RESOURCES = ("GPU compute", "PCIe H2D", "PCIe D2H", "CPU optimizer")
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """The predicted step and its parts.
+
+    Attributes:
+        mode: ``"train"`` or ``"infer"``.
+        step_s: the step time (steady state for training).
+        forward_s: from the step's start to the end of its last forward kernel (includes
+            waiting for loads and for the previous step's optimizer).
+        backward_s: from there until the last gradients have landed on the host.
+        optimizer_tail_s: CPU optimizer work left when the step's gradients have all landed;
+            the next step's forward overlaps it (0 for inference).
+        busy_s: per resource (``RESOURCES``), its busy time per step: each one's floor.
+        critical_s: per resource, its share of the step on the critical path (sums to
+            ``step_s``).
+        bound: the resource with the largest critical share: the floor that binds.
+        h2d_bytes: bytes host-to-device per step: ``h2d_stream_bytes + h2d_refresh_bytes``.
+        h2d_stream_bytes: loads of streamed units (forward and backward).
+        h2d_forward_bytes: the forward's share of those (each streamed unit once).
+        h2d_refresh_bytes: refreshes of resident units after their CPU steps.
+        d2h_bytes: gradient bytes device-to-host per step.
+    """
+
+    mode: str
+    step_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_tail_s: float
+    busy_s: dict[str, float] = field(default_factory=dict)
+    critical_s: dict[str, float] = field(default_factory=dict)
+    bound: str = ""
+    h2d_bytes: int = 0
+    h2d_stream_bytes: int = 0
+    h2d_forward_bytes: int = 0
+    h2d_refresh_bytes: int = 0
+    d2h_bytes: int = 0
+
+    @property
+    def floor_s(self) -> float:
+        """The largest busy time: no schedule can beat it."""
+        return max(self.busy_s.values(), default=0.0)
+
+    def describe(self) -> str:
+        """One line for people: total, parts, the binding floor."""
+        ms = 1e3
+        parts = f"forward {self.forward_s * ms:.0f} + backward {self.backward_s * ms:.0f} ms"
+        if self.mode == "train":
+            parts += (
+                f"; optimizer tail {self.optimizer_tail_s * ms:.0f} ms (overlaps the next forward)"
+            )
+        busy = ", ".join(f"{k} {v * ms:.0f}" for k, v in self.busy_s.items())
+        return (
+            f"{self.step_s * ms:.0f} ms per step ({parts}); bound by {self.bound}; "
+            f"busy per step (ms): {busy}"
+        )
+
+    def as_dict(self) -> dict:
+        """JSON-able."""
+        return {
+            "mode": self.mode,
+            "step_s": self.step_s,
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "optimizer_tail_s": self.optimizer_tail_s,
+            "busy_s": dict(self.busy_s),
+            "critical_s": dict(self.critical_s),
+            "bound": self.bound,
+            "floor_s": self.floor_s,
+            "h2d_bytes": self.h2d_bytes,
+            "h2d_stream_bytes": self.h2d_stream_bytes,
+            "h2d_forward_bytes": self.h2d_forward_bytes,
+            "h2d_refresh_bytes": self.h2d_refresh_bytes,
+            "d2h_bytes": self.d2h_bytes,
+        }
+
+
+# ----------------------------------------------------------------------------- simulation
+
+
+class _Task:
+    __slots__ = (
+        "resource",
+        "duration",
+        "deps",
+        "succ",
+        "key",
+        "pending",
+        "ready",
+        "start",
+        "end",
+        "cause",
+        "tag",
+    )
+
+    def __init__(self, resource: str | None, duration: float, key: float, tag: str) -> None:
+        self.resource = resource  # None: a marker that takes no time on any resource
+        self.duration = duration
+        self.deps: list[_Task] = []
+        self.succ: list[_Task] = []
+        self.key = key
+        self.pending = 0
+        self.ready = 0.0
+        self.start = 0.0
+        self.end = 0.0
+        self.cause: _Task | None = None
+        self.tag = tag
+
+
+class _Graph:
+    def __init__(self) -> None:
+        self.tasks: list[_Task] = []
+
+    def add(
+        self, resource: str | None, duration: float, deps=(), *, key: float = 0.0, tag: str = ""
+    ) -> _Task:
+        t = _Task(resource, max(0.0, duration), key, tag)
+        for d in deps:
+            if d is not None and d not in t.deps:
+                t.deps.append(d)
+                d.succ.append(t)
+        t.pending = len(t.deps)
+        self.tasks.append(t)
+        return t
+
+    def run(self) -> None:
+        """List scheduling: each resource runs one task at a time; among the tasks ready when
+        it is free, the GPU takes them in creation order (its stream is in order), the links in
+        the order they became ready (their streams are in issue order), the CPU by ``key``."""
+        order = {t: i for i, t in enumerate(self.tasks)}
+        seq = itertools.count()
+        queues: dict[str, list] = {}
+        busy: dict[str, _Task | None] = {}
+        last: dict[str, _Task | None] = {}
+        events: list = []
+        now = 0.0
+
+        def make_ready(t: _Task, at: float) -> None:
+            t.ready = at
+            if t.deps:
+                t.cause = max(t.deps, key=lambda d: d.end)
+            if t.resource is None:
+                t.start = t.end = at
+                heapq.heappush(events, (at, next(seq), t))
+                return
+            if t.resource == "GPU compute":
+                prio = (order[t],)
+            elif t.resource == "CPU optimizer":
+                prio = (t.key, at, order[t])
+            else:
+                prio = (at, order[t])
+            heapq.heappush(queues.setdefault(t.resource, []), (prio, next(seq), t))
+
+        for t in self.tasks:
+            if t.pending == 0:
+                make_ready(t, 0.0)
+        while True:
+            for res, q in queues.items():
+                if q and busy.get(res) is None:
+                    _, _, t = heapq.heappop(q)
+                    t.start = now
+                    t.end = now + t.duration
+                    prev = last.get(res)
+                    if prev is not None and prev.end > t.ready:
+                        t.cause = prev  # waited for the resource, not for its inputs
+                    busy[res] = t
+                    last[res] = t
+                    heapq.heappush(events, (t.end, next(seq), t))
+            if not events:
+                break
+            now = events[0][0]
+            while events and events[0][0] <= now:
+                _, _, t = heapq.heappop(events)
+                if t.resource is not None:
+                    busy[t.resource] = None
+                for s in t.succ:
+                    s.pending -= 1
+                    if s.pending == 0:
+                        make_ready(s, now)
+        stuck = [t.tag for t in self.tasks if t.pending]
+        if stuck:
+            raise RuntimeError(f"step-time model: tasks never became ready: {stuck[:5]}")
+
+
+def _turnaround_cached(units: Sequence[UnitCost], window_bytes: int) -> set[int]:
+    """Streamed units still in the window when backward starts: the last ones of forward
+    whose loads fit in the window together (they need no reload)."""
+    cached: set[int] = set()
+    used = 0
+    for i in reversed(range(len(units))):
+        nbytes = _load_bytes(units, i)
+        if nbytes == 0:
+            continue
+        if used + nbytes > window_bytes:
+            break
+        used += nbytes
+        cached.add(i)
+    return cached
+
+
+def window_bytes_of(units: Sequence[UnitCost], prefetch_depth: int) -> int:
+    """The plan's window: ``(prefetch_depth + 2) x`` the largest streamed unit."""
+    streamed = [u.wire_bytes for u in units if not u.resident]
+    return (prefetch_depth + 2) * max(streamed, default=0)
+
+
+def _optimizer_s(u: UnitCost, rates: Rates) -> float:
+    """Host worker time of one unit's step: landing, then the optimizer over its parameters."""
+    if u.trainable_params <= 0:
+        return 0.0
+    return HOST_SECONDS_PER_UNIT + u.trainable_params / rates.cpu_optimizer_params_per_s
+
+
+def _load_bytes(units: Sequence[UnitCost], i: int) -> int:
+    """H2D bytes of loading unit ``i`` for its forward: its own and its deps', unless resident."""
+    own = 0 if units[i].resident else units[i].wire_bytes
+    return own + sum(units[d].wire_bytes for d in units[i].deps if not units[d].resident)
+
+
+def predict_step(
+    units: Sequence[UnitCost],
+    *,
+    rates: Rates,
+    prefetch_depth: int = 2,
+    mode: str = "train",
+    grad_bytes_per_param: int = 2,
+    steps: int = STEPS_SIMULATED,
+) -> StepPrediction:
+    """Predict one step. See [Note: the step as a pipeline].
+
+    Args:
+        units: every unit in forward order (resident and checkpointed flags set).
+        rates: the machine's rates.
+        prefetch_depth: as for ``ramflow.offload`` (the window holds ``depth + 2`` units).
+        mode: ``"train"`` (forward, backward, CPU optimizer) or ``"infer"`` (forward only).
+        grad_bytes_per_param: bytes per gradient element on the wire (2 for bf16).
+        steps: training steps simulated; the last one is returned.
+
+    Raises:
+        ValueError: an unknown mode, a depth below 1, or no units.
+    """
+    if mode not in ("train", "infer"):
+        raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
+    if prefetch_depth < 1:
+        raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+    if not units:
+        raise ValueError("no units")
+    n = len(units)
+    slots = prefetch_depth + 2
+    h2d_fwd = rates.h2d_bytes_per_s
+    h2d_bwd, d2h_bwd = rates.duplex()
+    streamed = [i for i in range(n) if _load_bytes(units, i) > 0]
+    streamed_set = set(streamed)
+    cached = _turnaround_cached(units, window_bytes_of(units, prefetch_depth))
+    g = _Graph()
+    if mode == "infer":
+        fwd = _forward(
+            g, units, streamed, slots, (h2d_fwd, h2d_bwd), prev_opt=None, start=None, s=0
+        )
+        g.run()
+        span = fwd[-1].end
+        h2d = sum(_load_bytes(units, i) for i in streamed)
+        busy = {
+            "GPU compute": sum(u.forward_s for u in units),
+            "PCIe H2D": h2d / h2d_fwd,
+            "PCIe D2H": 0.0,
+            "CPU optimizer": 0.0,
+        }
+        critical = _critical(fwd[-1], 0.0)
+        return StepPrediction(
+            mode="infer",
+            step_s=span,
+            forward_s=span,
+            backward_s=0.0,
+            optimizer_tail_s=0.0,
+            busy_s=busy,
+            critical_s=critical,
+            bound=max(critical, key=critical.get),
+            h2d_bytes=h2d,
+            h2d_stream_bytes=h2d,
+            h2d_forward_bytes=h2d,
+            d2h_bytes=0,
+        )
+
+    steps = max(2, steps)
+    prev_opt: list[_Task | None] | None = None
+    barrier: _Task | None = None
+    ends: list[_Task] = []
+    fwd_ends: list[_Task] = []
+    opts: list[list[_Task | None]] = []
+    for s in range(steps):
+        fwd = _forward(
+            g, units, streamed, slots, (h2d_fwd, h2d_bwd), prev_opt=prev_opt, start=barrier, s=s
+        )
+        fwd_ends.append(fwd[-1])
+        bwd: list[_Task | None] = [None] * n
+        d2h: list[_Task | None] = [None] * n
+        opt: list[_Task | None] = [None] * n
+        backward_order = list(reversed(range(n)))
+        streamed_order = [i for i in backward_order if i in streamed_set]
+        trainable_done: list[_Task] = []
+        prev = fwd[-1]
+        for j in backward_order:
+            u = units[j]
+            deps = [prev]
+            if j in streamed_set and j not in cached:
+                k = streamed_order.index(j)
+                gate = streamed_order[k - slots] if k >= slots else None
+                load = g.add(
+                    "PCIe H2D",
+                    _load_bytes(units, j) / h2d_bwd,
+                    [fwd[-1], bwd[gate] if gate is not None else None],
+                    tag=f"s{s} reload {u.name}",
+                )
+                deps.append(load)
+            if len(trainable_done) >= 2:
+                deps.append(trainable_done[-2])
+            factor = BACKWARD_PER_FORWARD + (RECOMPUTE_PER_FORWARD if u.checkpointed else 0.0)
+            bwd[j] = g.add("GPU compute", factor * u.forward_s, deps, tag=f"s{s} backward {u.name}")
+            prev = bwd[j]
+            if u.trainable_params > 0:
+                d2h[j] = g.add(
+                    "PCIe D2H",
+                    u.trainable_params * grad_bytes_per_param / d2h_bwd,
+                    [bwd[j]],
+                    tag=f"s{s} grads {u.name}",
+                )
+                trainable_done.append(d2h[j])
+                opt[j] = g.add(
+                    "CPU optimizer",
+                    _optimizer_s(u, rates),
+                    [d2h[j]],
+                    key=j,
+                    tag=f"s{s} step {u.name}",
+                )
+        barrier = g.add(None, 0.0, [prev, *[t for t in d2h if t is not None]], tag=f"s{s} end")
+        ends.append(barrier)
+        opts.append(opt)
+        prev_opt = opt
+    g.run()
+
+    t0, t1 = ends[-2].end, ends[-1].end
+    last_opt = [t for t in opts[-1] if t is not None]
+    h2d_stream = sum(_load_bytes(units, i) for i in streamed) + sum(
+        _load_bytes(units, j) for j in streamed if j not in cached
+    )
+    refresh = sum(u.wire_bytes for u in units if u.resident and u.trainable_params > 0)
+    d2h_bytes = sum(u.trainable_params for u in units) * grad_bytes_per_param
+    fwd_s = sum(u.forward_s for u in units)
+    bwd_s = sum(
+        (BACKWARD_PER_FORWARD + (RECOMPUTE_PER_FORWARD if u.checkpointed else 0.0)) * u.forward_s
+        for u in units
+    )
+    stream_fwd = sum(_load_bytes(units, i) for i in streamed)
+    busy = {
+        "GPU compute": fwd_s + bwd_s,
+        "PCIe H2D": stream_fwd / h2d_fwd + (h2d_stream - stream_fwd + refresh) / h2d_bwd,
+        "PCIe D2H": d2h_bytes / d2h_bwd,
+        "CPU optimizer": sum(_optimizer_s(u, rates) for u in units),
+    }
+    critical = _critical(ends[-1], t0)
+    return StepPrediction(
+        mode="train",
+        step_s=t1 - t0,
+        forward_s=fwd_ends[-1].end - t0,
+        backward_s=t1 - fwd_ends[-1].end,
+        optimizer_tail_s=max(0.0, max((t.end for t in last_opt), default=t1) - t1),
+        busy_s=busy,
+        critical_s=critical,
+        bound=max(critical, key=critical.get),
+        h2d_bytes=h2d_stream + refresh,
+        h2d_stream_bytes=h2d_stream,
+        h2d_forward_bytes=stream_fwd,
+        h2d_refresh_bytes=refresh,
+        d2h_bytes=d2h_bytes,
+    )
+
+
+def _forward(
+    g: _Graph,
+    units: Sequence[UnitCost],
+    streamed: list[int],
+    slots: int,
+    h2d_rates: tuple[float, float],
+    *,
+    prev_opt: list[_Task | None] | None,
+    start: _Task | None,
+    s: int,
+) -> list[_Task]:
+    """Add one forward pass's tasks; returns the forward compute tasks in order.
+
+    ``h2d_rates``: (loads, refreshes): loads run while only H2D is busy, refreshes mostly
+    while the previous backward's gradients still cross D2H."""
+    n = len(units)
+    h2d_rate, refresh_rate = h2d_rates
+    fwd: list[_Task] = []
+    loads: dict[int, _Task] = {}
+    refreshes: dict[int, _Task] = {}
+    position = {i: k for k, i in enumerate(streamed)}
+    prev = start
+    for i in range(n):
+        u = units[i]
+        deps: list[_Task | None] = [prev]
+        if i in position:
+            k = position[i]
+            gate = fwd[streamed[k - slots]] if k >= slots else None
+            wire = [prev_opt[d] for d in (i, *u.deps) if prev_opt is not None]
+            loads[i] = g.add(
+                "PCIe H2D",
+                _load_bytes(units, i) / h2d_rate,
+                [start, gate, *wire],
+                tag=f"s{s} load {u.name}",
+            )
+            deps.append(loads[i])
+        if prev_opt is not None:
+            for d in (i, *u.deps):
+                if units[d].resident and prev_opt[d] is not None:
+                    if d not in refreshes:
+                        refreshes[d] = g.add(
+                            "PCIe H2D",
+                            units[d].wire_bytes / refresh_rate,
+                            [prev_opt[d]],
+                            tag=f"s{s} refresh {units[d].name}",
+                        )
+                    deps.append(refreshes[d])
+        fwd.append(g.add("GPU compute", u.forward_s, deps, tag=f"s{s} forward {u.name}"))
+        prev = fwd[-1]
+    return fwd
+
+
+def _critical(end: _Task, since: float) -> dict[str, float]:
+    """Walk the chain of causes back from ``end`` to time ``since``; the time each resource
+    spent on it (a wait with no task behind it counts as the resource that was waited for)."""
+    out = dict.fromkeys(RESOURCES, 0.0)
+    t: _Task | None = end
+    while t is not None and t.end > since:
+        if t.resource is not None:
+            out[t.resource] += t.end - max(t.start, since)
+        t = t.cause
+    total = sum(out.values())
+    span = end.end - since
+    if total < span and total > 0:  # idle gaps (none in a well-formed graph): spread evenly
+        for k in out:
+            out[k] *= span / total
+    return out

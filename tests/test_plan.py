@@ -1,0 +1,107 @@
+"""The planner (``ramflow._plan.make_plan``): without timing inputs it only fits the budget;
+with them it picks residents, prefetch depth and checkpointing for the least predicted step."""
+
+from __future__ import annotations
+
+import pytest
+
+from ramflow._plan import PlanTiming, make_plan
+from ramflow._predict import Rates
+
+MB = 1_000_000
+N = 12
+NAMES = ["embed", *[f"layers.{i}" for i in range(N)], "head"]
+BYTES = [200 * MB, *[400 * MB] * N, 200 * MB]
+PARAMS = [b // 2 for b in BYTES]
+
+
+def _plan(budget: int | None, timing: PlanTiming | None = None, **kw):
+    return make_plan(
+        device="cuda:0",
+        wire_dtype="bfloat16",
+        unit_names=NAMES,
+        unit_bytes=BYTES,
+        unit_grad_bytes=BYTES,
+        always_resident=[False] * len(NAMES),
+        fixed_bytes=0,
+        gpu_memory_bytes=budget,
+        timing=timing,
+        **kw,
+    )
+
+
+def _timing(**kw) -> PlanTiming:
+    fields = dict(
+        forward_s=[0.0] + [0.004] * N + [0.003],
+        trainable_params=PARAMS,
+        rates=Rates.from_pcie(25e9, cpu_optimizer_params_per_s=20e9),
+    )
+    fields.update(kw)
+    return PlanTiming(**fields)
+
+
+def test_more_budget_never_predicts_a_slower_step() -> None:
+    steps = [
+        _plan(budget, _timing()).prediction.step_s
+        for budget in (3000 * MB, 5000 * MB, 8000 * MB, 12000 * MB)
+    ]
+    for before, after in zip(steps, steps[1:]):
+        assert after <= before * 1.005
+
+
+def test_a_pcie_bound_step_keeps_units_resident() -> None:
+    none = _plan(3000 * MB, _timing())
+    some = _plan(8000 * MB, _timing())
+    assert len(some.resident) > len(none.resident)
+    assert some.prediction.step_s < none.prediction.step_s
+    assert some.planned_bytes <= 8000 * MB
+
+
+def test_the_engine_realises_the_timed_plan() -> None:
+    timed = _plan(8000 * MB, _timing())
+    kwargs = timed.offload_kwargs()
+    engine = _plan(kwargs["gpu_memory"], prefetch_depth=kwargs["prefetch_depth"])
+    assert engine.resident == timed.resident
+    assert engine.window_bytes == timed.window_bytes
+
+
+def test_a_tight_budget_checkpoints_only_as_many_units_as_it_must() -> None:
+    acts = dict(
+        activation_bytes=[0] + [1000 * MB] * N + [0],
+        checkpoint_bytes=[0] + [100 * MB] * N + [0],
+        other_activation_bytes=500 * MB,
+    )
+    roomy = _plan(40000 * MB, _timing(**acts))
+    assert roomy.checkpointed == ()
+    tight = _plan(12000 * MB, _timing(**acts))
+    assert 0 < len(tight.checkpointed) < N
+    assert tight.planned_bytes + tight.activation_bytes <= 12000 * MB
+    # one unit fewer checkpointed would not have fit beside the same plan
+    peaks = _timing(**acts).activation_peak_bytes
+    index = {n: i for i, n in enumerate(NAMES)}
+    fewer = {index[n] for n in tight.checkpointed[1:]}
+    assert tight.planned_bytes + peaks(fewer) > 12000 * MB
+
+
+def test_too_small_for_any_policy_says_so() -> None:
+    acts = dict(activation_bytes=[0] + [1000 * MB] * N + [0], other_activation_bytes=9000 * MB)
+    with pytest.raises(ValueError, match="too small"):
+        _plan(9000 * MB, _timing(**acts))
+
+
+def test_fixed_checkpointing_and_depths_are_kept() -> None:
+    plan = _plan(None, _timing(checkpointed=["layers.0", "layers.1"], prefetch_depths=(3,)))
+    assert plan.checkpointed == ("layers.0", "layers.1")
+    assert plan.prefetch_depth == 3
+    assert plan.resident == ()  # no budget: nothing resident beyond the window
+    with pytest.raises(ValueError, match="does not have"):
+        _plan(None, _timing(checkpointed=["layers.99"]))
+
+
+def test_without_timing_nothing_changes() -> None:
+    plan = _plan(5000 * MB)
+    assert plan.prediction is None and plan.checkpointed == ()
+    # window 4 x 400 MB and gradients 2 x 400 MB leave 2600 MB: the head and six blocks
+    assert plan.resident == (*[f"layers.{i}" for i in range(6, N)], "head")
+    assert "predicted" not in plan.describe()
+    assert "predicted step" in _plan(5000 * MB, _timing()).describe()

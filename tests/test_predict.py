@@ -1,0 +1,223 @@
+"""The step-time model (``ramflow._predict``): properties on synthetic units, and last
+session's H200 step times reproduced from the inputs recorded with them. Nothing is timed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from ramflow._predict import (
+    RESOURCES,
+    Rates,
+    UnitCost,
+    forward_flops,
+    forward_seconds,
+    predict_step,
+)
+
+GB = 1e9
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def _units(
+    n: int = 12,
+    *,
+    nbytes: int = 400_000_000,
+    forward_s: float = 0.006,
+    resident_last: int = 0,
+    checkpointed: bool = False,
+) -> list[UnitCost]:
+    return [
+        UnitCost(
+            name=f"layers.{i}",
+            wire_bytes=nbytes,
+            trainable_params=nbytes // 2,
+            forward_s=forward_s,
+            resident=i >= n - resident_last,
+            checkpointed=checkpointed,
+        )
+        for i in range(n)
+    ]
+
+
+RATES = Rates(h2d_bytes_per_s=50 * GB, d2h_bytes_per_s=50 * GB, both_bytes_per_s=90 * GB)
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_more_bytes_never_make_a_step_faster(mode: str) -> None:
+    times = [
+        predict_step(_units(nbytes=b), rates=RATES, mode=mode).step_s
+        for b in (100_000_000, 200_000_000, 400_000_000, 800_000_000)
+    ]
+    assert times == sorted(times)
+    assert times[-1] > times[0]
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_more_bandwidth_never_makes_a_step_slower(mode: str) -> None:
+    times = [
+        predict_step(_units(), rates=Rates.from_pcie(bw * GB), mode=mode).step_s
+        for bw in (10, 20, 40, 80)
+    ]
+    assert times == sorted(times, reverse=True)
+    assert times[0] > times[-1]
+
+
+@pytest.mark.parametrize("k", [0, 3, 6, 9])
+def test_residents_take_exactly_their_share_off_the_streamed_bytes(k: int) -> None:
+    n = 12
+    full = predict_step(_units(n), rates=RATES, mode="infer").h2d_stream_bytes
+    pred = predict_step(_units(n, resident_last=k), rates=RATES, mode="infer")
+    assert pred.h2d_stream_bytes * n == full * (n - k)
+    train_full = predict_step(_units(n), rates=RATES).h2d_forward_bytes
+    train = predict_step(_units(n, resident_last=k), rates=RATES)
+    assert train.h2d_forward_bytes * n == train_full * (n - k)
+    # a resident unit crosses once per training step: its refresh after the CPU step
+    assert train.h2d_refresh_bytes == k * 400_000_000
+
+
+def test_a_slow_cpu_optimizer_binds_and_sets_the_step() -> None:
+    slow = replace(RATES, cpu_optimizer_params_per_s=0.5e9)
+    pred = predict_step(_units(), rates=slow)
+    assert pred.bound == "CPU optimizer"
+    cpu = pred.busy_s["CPU optimizer"]
+    assert cpu <= pred.step_s <= cpu * 1.15  # only the pipeline's ends are not overlapped
+    assert pred.optimizer_tail_s > 0
+
+
+def test_inference_without_compute_is_the_pcie_floor() -> None:
+    pred = predict_step(_units(forward_s=1e-6), rates=RATES, mode="infer")
+    assert pred.bound == "PCIe H2D"
+    assert pred.step_s == pytest.approx(12 * 400_000_000 / RATES.h2d_bytes_per_s, rel=1e-3)
+
+
+def test_fast_links_and_cpu_leave_the_compute() -> None:
+    fast = Rates(1e15, 1e15, 2e15, cpu_optimizer_params_per_s=1e15)
+    pred = predict_step(_units(checkpointed=True), rates=fast)
+    assert pred.bound == "GPU compute"
+    assert pred.step_s == pytest.approx(12 * 0.006 * 4, rel=1e-2)  # forward, recompute, 2x
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+@pytest.mark.parametrize("rate", [5, 50, 500])
+def test_no_step_beats_a_floor_and_the_critical_path_adds_up(mode: str, rate: float) -> None:
+    pred = predict_step(_units(resident_last=4), rates=Rates.from_pcie(rate * GB), mode=mode)
+    assert pred.step_s >= pred.floor_s * (1 - 1e-9)
+    assert set(pred.critical_s) == set(RESOURCES)
+    assert sum(pred.critical_s.values()) == pytest.approx(pred.step_s, rel=1e-9)
+    assert pred.forward_s + pred.backward_s == pytest.approx(pred.step_s, rel=1e-9)
+
+
+def test_checkpointing_adds_one_forward_of_compute() -> None:
+    plain = predict_step(_units(), rates=RATES).busy_s["GPU compute"]
+    ckpt = predict_step(_units(checkpointed=True), rates=RATES).busy_s["GPU compute"]
+    assert ckpt - plain == pytest.approx(12 * 0.006)
+
+
+def test_a_deeper_prefetch_loads_more_under_the_compute() -> None:
+    # four compute-heavy units with few bytes, then four heavy in bytes with no compute: only
+    # a window deeper than the gap loads the last ones while the first ones compute
+    units = [UnitCost(f"c{i}", 64, 32, 0.1) for i in range(4)]
+    units += [UnitCost(f"b{i}", 2_000_000_000, 32, 0.0) for i in range(4)]
+    shallow = predict_step(units, rates=RATES, prefetch_depth=1, mode="infer").step_s
+    deep = predict_step(units, rates=RATES, prefetch_depth=4, mode="infer").step_s
+    assert deep < shallow
+    assert deep == pytest.approx(0.4, rel=1e-3)  # the compute alone: every load hidden
+
+
+def test_tied_weights_load_their_owner() -> None:
+    units = [
+        UnitCost("embed", 1000, 500, 0.0),
+        UnitCost("layers.0", 1000, 500, 0.001),
+        UnitCost("head", 0, 0, 0.001, deps=(0,)),
+    ]
+    pred = predict_step(units, rates=RATES, mode="infer")
+    assert pred.h2d_bytes == 3000  # the head's forward loads the embedding's weight again
+    assert pred.d2h_bytes == 0
+
+
+def test_flops_and_bad_input() -> None:
+    assert forward_flops(10, batch=2, seq=3) == 2 * 10 * 6
+    assert forward_flops(0, batch=1, seq=4, attention_layers=1, hidden=8) == 4 * 16 * 8
+    assert forward_seconds(1e12, 1e12, mode="infer") > forward_seconds(1e12, 1e12, mode="train")
+    with pytest.raises(ValueError):
+        predict_step(_units(), rates=RATES, mode="sideways")
+    with pytest.raises(ValueError):
+        predict_step(_units(), rates=RATES, prefetch_depth=0)
+
+
+# ----------------------------------------------------------------------------- last session
+
+
+def _reference_units(
+    shape: dict,
+    *,
+    batch: int,
+    seq: int,
+    resident: int,
+    ckpt: bool,
+    chunked: bool,
+    matmul: float,
+    mode: str,
+) -> list[UnitCost]:
+    """The reference model's units [embed, blocks, norm, head] from a result's shape fields."""
+    d, v, layers = shape["dim"], shape["vocab_size"], shape["num_layers"]
+    block = (shape["num_params"] - 2 * v * d - d) // layers
+    specs = [("embed", v * d, 0, 0)]
+    specs += [(f"layers.{i}", block, block - 2 * d, 1) for i in range(layers)]
+    specs += [("norm", d, 0, 0), ("head", v * d, v * d, 0)]
+    n = len(specs)
+    units = []
+    for i, (name, params, mm, attn) in enumerate(specs):
+        flops = forward_flops(mm, batch=batch, seq=seq, attention_layers=attn, hidden=d)
+        units.append(
+            UnitCost(
+                name=name,
+                wire_bytes=2 * params,
+                trainable_params=params,
+                forward_s=forward_seconds(flops, matmul, mode=mode),
+                resident=i >= n - resident,
+                # the model checkpoints its blocks, and with a chunked loss its head's chunks
+                checkpointed=ckpt and (attn == 1 or (chunked and name == "head")),
+            )
+        )
+    return units
+
+
+def test_last_sessions_h200_step_times_within_15_percent() -> None:
+    main = json.loads((RESULTS / "2026-11-22-nvidia-h200-main-merged.json").read_text())
+    ready = json.loads((RESULTS / "2026-11-22-nvidia-h200-ramflow-ready.json").read_text())
+    floors, cpu = main["floors"], main["cpu_optimizer"]
+    bw = floors["bandwidth_bytes_per_s"]
+    rates = Rates(bw["h2d"], bw["d2h"], bw["both"], cpu["ramflow_params_per_s"])
+    checked = 0
+    for rec in ready["cases"]:
+        case, res = rec["case"], rec["result"]
+        if case["kind"] == "ramflow_train":
+            runs = [(case["batch"], res["step_s"], res["resident_units"], "train")]
+        elif case["kind"] == "ramflow_infer":
+            runs = [(r["batch"], r["step_s"], res["resident_units"], "infer") for r in res["rows"]]
+        else:
+            continue
+        for batch, measured, resident, mode in runs:
+            units = _reference_units(
+                res,
+                batch=batch,
+                seq=case["seq"],
+                resident=resident,
+                ckpt=bool(case.get("checkpoint")),
+                chunked=bool(case.get("loss_chunk_tokens")),
+                matmul=floors["matmul_flops_per_s"],
+                mode=mode,
+            )
+            assert sum(u.wire_bytes for u in units) == res["wire_bytes_total"]
+            pred = predict_step(units, rates=rates, mode=mode)
+            assert pred.step_s == pytest.approx(measured, rel=0.15), (rec["id"], batch)
+            if res.get("h2d_bytes_counted") is not None and mode == "train":
+                counted = res["h2d_bytes_counted"] if "rows" not in res else None
+                assert pred.h2d_bytes == pytest.approx(counted, rel=0.05), rec["id"]
+            checked += 1
+    assert checked == 5  # 4x2048 <= 12 GiB, 16x2048 <= 16 GiB and no cap; inference 1 and 8
