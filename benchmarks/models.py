@@ -119,6 +119,7 @@ def _build_llama(
         model = LlamaForCausalLM(config)
     model.to(dtype)  # on the meta device: free
     model.to_empty(device=device)
+    model.tie_weights()  # to_empty gave the head a storage of its own: share the embedding's again
     with torch.device(device):
         # to_empty left the rotary frequencies (an fp32 buffer) uninitialised: rebuild them
         model.model.rotary_emb = LlamaRotaryEmbedding(config)
