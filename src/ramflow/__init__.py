@@ -1,20 +1,33 @@
 """ramflow: train and run PyTorch models whose weights live in CPU RAM, streamed through the GPU."""
 
-from . import optim
+from . import distributed, helpers, optim
+from ._linear import Linear
 from ._plan import OffloadPlan, format_bytes, parse_bytes
-from .api import clip_grad_norm_, get_plan, is_offloaded, offload, synchronize, undo
+from .api import (
+    clip_grad_norm_,
+    get_plan,
+    is_offloaded,
+    offload,
+    refresh,
+    synchronize,
+    undo,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Linear",
     "OffloadPlan",
     "clip_grad_norm_",
+    "distributed",
     "format_bytes",
     "get_plan",
+    "helpers",
     "is_offloaded",
     "offload",
     "optim",
     "parse_bytes",
+    "refresh",
     "synchronize",
     "undo",
 ]

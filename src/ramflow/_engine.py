@@ -59,11 +59,12 @@ from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._plan import OffloadPlan, format_bytes, make_plan
-from ._streams import CopyStreams, alloc_host
+from ._streams import CopyStreams, alloc_host, pin_in_place, unpin
 from ._units import UnitSpec
 from ._worker import LAND, STEP, HostWorker
 
 if TYPE_CHECKING:
+    from ._dist import DistributedState
     from .optim import HostOptimizer
 
 _ALIGN = 64  # elements; keeps every view 128-byte aligned for fp32, 64 for bf16
@@ -77,7 +78,7 @@ ENGINE_OF_PARAM: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def _drain_at_exit() -> None:
     """Let optimizer steps in flight finish before the interpreter tears torch down under
     the worker thread (which aborts the process)."""
-    for engine in list(ENGINE_OF_MODEL.values()):
+    for engine in {id(e): e for e in ENGINE_OF_PARAM.values()}.values():
         try:
             engine.worker.wait_idle()
         except RuntimeError:
@@ -114,6 +115,9 @@ class _Unit:
         # (module, name, host parameter, device parameter) for every slot the forward reads
         self.slots: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
         self.orig_dtypes = [p.dtype for p in spec.owned]
+        self.given_master = spec.master
+        self.given_wire = spec.wire
+        self.owner: int | None = None  # the rank that steps this unit (ZeRO), None: every rank
         # host store
         self.master: torch.Tensor
         self.wire: torch.Tensor
@@ -197,7 +201,7 @@ class Engine:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | None,
         specs: list[UnitSpec],
         *,
         device: torch.device,
@@ -205,57 +209,39 @@ class Engine:
         gpu_memory_bytes: int | None,
         prefetch_depth: int,
         activation_checkpointing: bool = False,
+        worker: HostWorker | None = None,
+        streams: CopyStreams | None = None,
     ) -> None:
+        # model None: a layer engine (see ``ramflow._linear``): no root module, units are
+        # added one by one with ``add_units``, worker and streams are shared per device.
         self.model = model
         self.device = device
         self.wire_dtype = wire_dtype
         self.prefetch_depth = prefetch_depth
-        self.streams = CopyStreams(device)
-        self.worker = HostWorker(device)
+        self.streams = streams if streams is not None else CopyStreams(device)
+        self.worker = worker if worker is not None else HostWorker(device)
+        self._owns_worker = worker is None
         self._lock = threading.RLock()
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self.units = [_Unit(i, s) for i, s in enumerate(specs)]
-        self._rest_units = [u for u in self.units if u.rest]
-        self._unit_of_param: dict[int, _Unit] = {}
-        for u in self.units:
-            for p in u.owned:
-                self._unit_of_param[id(p)] = u
-        self._check_host_memory()
-
+        self._gpu_memory_bytes = gpu_memory_bytes
         # fixed device bytes: buffers stay on the device (tiny, and BatchNorm-style running
         # statistics are updated in forward)
-        buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-        wire_size = torch.empty((), dtype=wire_dtype).element_size()
-        self.plan: OffloadPlan = make_plan(
-            device=str(device),
-            wire_dtype=str(wire_dtype).replace("torch.", ""),
-            unit_names=[u.name for u in self.units],
-            unit_bytes=[u.numel * wire_size for u in self.units],
-            unit_grad_bytes=[u.trainable_numel * wire_size for u in self.units],
-            always_resident=[u.rest for u in self.units],
-            fixed_bytes=buffer_bytes,
-            gpu_memory_bytes=gpu_memory_bytes,
-            prefetch_depth=prefetch_depth,
+        self._fixed_bytes = (
+            0 if model is None else sum(b.numel() * b.element_size() for b in model.buffers())
         )
-        resident = set(self.plan.resident)
-        for u in self.units:
-            u.resident = u.name in resident
-
-        self._build_host_store()
-        self._build_device_side(specs)
-        self._window_capacity = self.plan.window_bytes
+        self.units: list[_Unit] = []
+        self._rest_units: list[_Unit] = []
+        self._unit_of_param: dict[int, _Unit] = {}
         self._window_used = 0
         self._lru: OrderedDict[_Unit, None] = OrderedDict()
-        for u in self.units:
-            if u.resident:
-                with self._lock:
-                    self._allocate(u)
-                    self._issue_h2d(u)
+        self._pinned_in_place: list[torch.Tensor] = []
+        self.dist: DistributedState | None = None
 
         # per-forward and per-backward state
         self._order: list[_Unit] = []
+        self._in_order: set[_Unit] = set()
         self._prev_order: list[_Unit] = []
-        self._positions: dict[_Unit, int] = {u: u.index for u in self.units}
+        self._positions: dict[_Unit, int] = {}
         self._outstanding: set[_Call] = set()
         self._backward_dirty = False
         self._end_backward_queued_for = -1
@@ -268,22 +254,73 @@ class Engine:
         self._last_backward_eager = False
         self._final_backwards = 0
         self._clip_used = False
-        self._install_hooks()
         self._checkpointed: list[nn.Module] = []
         self._hf_checkpointing = False
-        if activation_checkpointing:
-            self._checkpoint_units()
-        ENGINE_OF_MODEL[model] = self
-        for u in self.units:
+
+        self.add_units(specs)
+        if model is not None:
+            for module in model.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None and buf.device != self.device:
+                        module._buffers[name] = buf.to(self.device)
+            self._install_root_hooks()
+            if activation_checkpointing:
+                self._checkpoint_units()
+            ENGINE_OF_MODEL[model] = self
+
+    def add_units(self, specs: list[UnitSpec]) -> list[_Unit]:
+        """Build the host store, device views and hooks of new units and plan again.
+
+        Called once by the constructor, and by ``ramflow.Linear`` for each layer that joins
+        a layer engine. Raises MemoryError (host RAM) or ValueError (GPU budget)."""
+        new = [_Unit(len(self.units) + i, s) for i, s in enumerate(specs)]
+        self._check_host_memory(new)
+        all_units = self.units + new
+        wire_size = torch.empty((), dtype=self.wire_dtype).element_size()
+        plan = make_plan(
+            device=str(self.device),
+            wire_dtype=str(self.wire_dtype).replace("torch.", ""),
+            unit_names=[u.name for u in all_units],
+            unit_bytes=[u.numel * wire_size for u in all_units],
+            unit_grad_bytes=[u.trainable_numel * wire_size for u in all_units],
+            always_resident=[u.rest for u in all_units],
+            fixed_bytes=self._fixed_bytes,
+            gpu_memory_bytes=self._gpu_memory_bytes,
+            prefetch_depth=self.prefetch_depth,
+        )
+        if self.units and set(plan.resident) != {u.name for u in self.units if u.resident}:
+            raise ValueError("adding units would change which units are resident")
+        self.plan: OffloadPlan = plan
+        resident = set(plan.resident)
+        for u in new:
+            u.resident = u.name in resident
+            for p in u.owned:
+                self._unit_of_param[id(p)] = u
+            self._positions[u] = u.index
+        self.units.extend(new)
+        self._rest_units = [u for u in self.units if u.rest]
+        self._build_host_store(new)
+        self._build_device_side(new, specs)
+        self._window_capacity = plan.window_bytes
+        for u in new:
+            if u.resident:
+                with self._lock:
+                    self._allocate(u)
+                    self._issue_h2d(u)
+        self._install_unit_hooks(new)
+        for u in new:
             for p in u.owned:
                 ENGINE_OF_PARAM[p] = self
+        return new
 
     # ------------------------------------------------------------------ set-up
 
-    def _check_host_memory(self) -> None:
+    def _check_host_memory(self, units: list[_Unit]) -> None:
         wire_size = torch.empty((), dtype=self.wire_dtype).element_size()
         need = 0
-        for u in self.units:
+        for u in units:
+            if u.given_master is not None:
+                need -= u.numel * 4  # the layer's own buffer becomes the master
             need += u.numel * 4
             if self.wire_dtype != torch.float32:
                 need += u.numel * wire_size
@@ -297,21 +334,37 @@ class Engine:
                 "(requires_grad=False), or use a smaller model."
             )
 
-    def _build_host_store(self) -> None:
+    def _build_host_store(self, units: list[_Unit]) -> None:
         pin = self.device.type == "cuda"
-        for u in self.units:
-            u.master = alloc_host(
-                u.numel,
-                torch.float32,
-                pin=pin and self.wire_dtype == torch.float32,
-                what=f"the master weights of unit {u.name!r}",
-            )
-            u.master.zero_()  # padding between views stays defined
-            with torch.no_grad():
-                for view, p in zip(u.views(u.master), u.owned):
-                    view.copy_(p.detach())
-                    p.data = view
-            if self.wire_dtype == torch.float32:
+        for u in units:
+            if u.given_master is not None:
+                # The layer laid its parameters out as this engine would (``_ALIGN``): its
+                # buffer is the master, shared memory included (``share_memory_()``).
+                u.master = u.given_master
+                assert all(
+                    p.data_ptr() == view.data_ptr() for p, view in zip(u.owned, u.views(u.master))
+                ), "a given master must hold the unit's parameters at the engine's offsets"
+                if pin and self.wire_dtype == torch.float32:
+                    pin_in_place(u.master, what=f"the master weights of {u.name!r}")
+                    self._pinned_in_place.append(u.master)
+            else:
+                u.master = alloc_host(
+                    u.numel,
+                    torch.float32,
+                    pin=pin and self.wire_dtype == torch.float32,
+                    what=f"the master weights of unit {u.name!r}",
+                )
+                u.master.zero_()  # padding between views stays defined
+                with torch.no_grad():
+                    for view, p in zip(u.views(u.master), u.owned):
+                        view.copy_(p.detach())
+                        p.data = view
+            if u.given_wire is not None:
+                u.wire = u.given_wire
+                if pin:
+                    pin_in_place(u.wire, what=f"the wire copy of {u.name!r}")
+                    self._pinned_in_place.append(u.wire)
+            elif self.wire_dtype == torch.float32:
                 u.wire = u.master
             else:
                 u.wire = alloc_host(
@@ -319,8 +372,8 @@ class Engine:
                 )
                 u.wire.copy_(u.master)
 
-    def _build_device_side(self, specs: list[UnitSpec]) -> None:
-        for u in self.units:
+    def _build_device_side(self, units: list[_Unit], specs: list[UnitSpec]) -> None:
+        for u in units:
             u.device_flat = torch.empty(u.numel, dtype=self.wire_dtype, device=self.device)
             u.device_alias = torch.empty(0, dtype=self.wire_dtype, device=self.device).set_(
                 u.device_flat.untyped_storage(), 0, (u.numel,)
@@ -336,27 +389,28 @@ class Engine:
                 u.device_params.append(dp)
             u.device_flat.untyped_storage().resize_(0)
         device_param = {id(p): dp for u in self.units for p, dp in zip(u.owned, u.device_params)}
-        for u, spec in zip(self.units, specs):
+        for u, spec in zip(units, specs):
             for module, name in spec.slots:
                 host = module._parameters[name]
                 u.slots.append((module, name, host, device_param[id(host)]))
                 owner = self._unit_of_param[id(host)]
                 if owner not in u.deps:
                     u.deps.append(owner)
-        for module in self.model.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None and buf.device != self.device:
-                    module._buffers[name] = buf.to(self.device)
 
-    def _install_hooks(self) -> None:
+    def _install_root_hooks(self) -> None:
         root = self.model
+        assert root is not None
         self._hooks.append(
             root.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True, prepend=True)
         )
         self._hooks.append(
             root.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
         )
-        for u in self.units:
+        self._hooks.append(root.register_state_dict_pre_hook(lambda *a, **k: self.synchronize()))
+        self._hooks.append(root.register_load_state_dict_post_hook(self._after_load_state_dict))
+
+    def _install_unit_hooks(self, units: list[_Unit]) -> None:
+        for u in units:
             if u.rest:
                 continue
             for m in u.modules:
@@ -370,8 +424,13 @@ class Engine:
                         functools.partial(self._post_forward, u), with_kwargs=True, always_call=True
                     )
                 )
-        self._hooks.append(root.register_state_dict_pre_hook(lambda *a, **k: self.synchronize()))
-        self._hooks.append(root.register_load_state_dict_post_hook(self._after_load_state_dict))
+                if self.model is None:  # a layer: its own state dict is the way in and out
+                    self._hooks.append(
+                        m.register_state_dict_pre_hook(lambda *a, **k: self.synchronize())
+                    )
+                    self._hooks.append(
+                        m.register_load_state_dict_post_hook(self._after_load_state_dict)
+                    )
 
     def _checkpoint_units(self) -> None:
         """Recompute each block's activations in backward instead of keeping them
@@ -564,6 +623,7 @@ class Engine:
         if self._order:
             self._prev_order = self._order
         self._order = []
+        self._in_order = set()
         rest = self._rest_units
         if rest:
             self._acquire(rest)
@@ -602,6 +662,18 @@ class Engine:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._root_output_grad)
 
+    def _layer_pass(self, u: _Unit) -> None:
+        """A layer engine has no root to mark a forward pass: a unit called again starts
+        the next one (and ends a backward pass that did not end on its own)."""
+        if self._backward_dirty:
+            self._end_backward()
+        if u in self._in_order:
+            self._prev_order = self._order
+            self._order = []
+            self._in_order = set()
+        if u not in self._in_order:
+            self._positions[u] = len(self._order)
+
     def _root_output_grad(self, grad: torch.Tensor) -> None:
         task = torch._C._current_graph_task_id()
         if self._end_backward_queued_for != task:
@@ -610,9 +682,12 @@ class Engine:
 
     def _pre_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict):
         in_bw = _in_backward()
+        if not in_bw and self.model is None:
+            self._layer_pass(u)
         position = len(self._order)
         if not in_bw:
             self._order.append(u)
+            self._in_order.add(u)
         with torch.profiler.record_function(f"ramflow.wait:{u.name}"):
             self._acquire(u.deps)
         self._swap(u, to_device=True)
@@ -667,6 +742,8 @@ class Engine:
             return
         call.pre_backward_done = True
         self._backward_dirty = True
+        if self.model is None:  # no root output to end the backward pass from
+            self._root_output_grad(grad)
         with torch.profiler.record_function("ramflow.wait_backward"):
             self._acquire(call.deps, backward=True)
         self._swap(call.deps[0], to_device=True)
@@ -715,6 +792,14 @@ class Engine:
                 "Construct the ramflow optimizer with overlap=False."
             )
         u.dispatched_this_backward = True
+        reduced = None
+        if self.dist is not None:  # data parallel: sum (or average) over the ranks first
+            reduced = self.dist.reduce_gradients(u, u.device_grad)
+            if not self.dist.keeps_gradients(u):  # ZeRO-2: another rank steps this unit
+                self._grads_in_flight.append(self.streams.retire(u.device_grad, after=reduced))
+                u.device_grad = None
+                u.fired = 0
+                return
         for reader in (u.land_future, u.staging_reader):
             if reader is not None and not reader.done():
                 reader.result()  # the staging buffer is still being read
@@ -727,10 +812,11 @@ class Engine:
                 what=f"the gradient staging buffer of {u.name!r}",
             )
         with torch.profiler.record_function(f"ramflow.d2h_grads:{u.name}"):
-            event = self.streams.d2h(u.staging, u.device_grad)
+            event = self.streams.d2h(u.staging, u.device_grad, after=reduced)
         self._grads_in_flight.append(event)
         u.device_grad = None
         u.fired = 0
+        eager = eager and self._steps_here(u)
         if eager:
             with self._lock:
                 u.host_version += 1
@@ -763,6 +849,7 @@ class Engine:
         ours = not fresh and all(p.grad is v for p, v in zip(params, u.host_grad_views))
         fused = (
             eager
+            and self._steps_here(u)
             and (fresh or ours)
             and len(self.optimizers) == 1
             and self.optimizers[0].flat_group(u) is not None
@@ -796,7 +883,7 @@ class Engine:
                     self._step_staged, u, opt, opt._hyperparameters(), accumulate=ours
                 ),
             )
-        elif eager:
+        elif eager and self._steps_here(u):
             self.worker.submit(
                 STEP,
                 self._positions.get(u, u.index),
@@ -833,6 +920,7 @@ class Engine:
         landing, self._landing = self._landing, []
         for fut in landing:
             fut.result()
+
         if self._eager_now is not None:
             no_step = any(opt._no_step_depth for opt in self.optimizers)
             if not no_step:
@@ -933,6 +1021,8 @@ class Engine:
                 )
         else:
             for u in sorted(self.units, key=lambda v: self._positions.get(v, v.index)):
+                if not self._steps_here(u):
+                    continue
                 items = self._step_items(u, [opt])
                 if not items:
                     continue
@@ -949,6 +1039,26 @@ class Engine:
         )
         self._final_backwards = 0
         self._last_backward_eager = False
+        if self.dist is not None:
+            self.dist.after_step(self)
+
+    def _steps_here(self, u: _Unit) -> bool:
+        """Whether this process steps ``u`` (under ZeRO, only the unit's owner does)."""
+        return self.dist is None or self.dist.owns(u)
+
+    def refresh_units(self, units: Iterable[_Unit], *, wire_written: bool) -> None:
+        """Another process stepped these units' master weights (ZeRO): rewrite their wire
+        copies (unless shared with the owner, who wrote them) on the worker, in forward
+        order, and reload them before their next use."""
+        for u in sorted(units, key=lambda v: self._positions.get(v, v.index)):
+            with self._lock:
+                u.host_version += 1
+                u.wire_ready.clear()
+            self.worker.submit(
+                STEP,
+                self._positions.get(u, u.index),
+                functools.partial(self._refresh_wire, u, written=wire_written),
+            )
 
     def _grads_modified(self, opt: HostOptimizer) -> bool:
         for u in self.units:
@@ -1006,7 +1116,11 @@ class Engine:
     def remove(self) -> None:
         """Undo everything: hooks off, device memory freed, plain parameters back."""
         self.synchronize()
-        self.worker.stop()
+        if self._owns_worker:
+            self.worker.stop()
+        for t in self._pinned_in_place:
+            unpin(t)
+        self._pinned_in_place.clear()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -1014,6 +1128,7 @@ class Engine:
             del module.forward
         self._checkpointed.clear()
         if self._hf_checkpointing:
+            assert self.model is not None
             disable = (
                 getattr(self.model, "activation_checkpointing_disable", None)
                 or self.model.gradient_checkpointing_disable
@@ -1033,11 +1148,12 @@ class Engine:
                     grad = p.grad
                     p.data = p.data.to(dtype=dtype, copy=True)
                     p.grad = None if grad is None else grad.to(dtype=dtype, copy=True)
-        for module in self.model.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None:
-                    module._buffers[name] = buf.cpu()
-        ENGINE_OF_MODEL.pop(self.model, None)
+        if self.model is not None:
+            for module in self.model.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[name] = buf.cpu()
+            ENGINE_OF_MODEL.pop(self.model, None)
         for u in self.units:
             for p in u.owned:
                 ENGINE_OF_PARAM.pop(p, None)

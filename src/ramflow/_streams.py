@@ -53,12 +53,16 @@ class CopyStreams:
             event.record(stream)
         return event
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, after=None) -> torch.cuda.Event | None:
         """Copy device ``src`` (written on the calling thread's stream) into pinned ``dst``.
 
-        ``src`` is kept alive for the copy with ``record_stream``. See [Note: copies and events].
+        ``src`` is kept alive for the copy with ``record_stream``. ``after``: a
+        ``torch.distributed`` work handle (an all-reduce of ``src``) that the copy waits
+        for. See [Note: copies and events].
         """
         if not self.is_cuda:
+            if after is not None:
+                after.wait()
             dst.copy_(src)
             return None
         produced = torch.cuda.Event()
@@ -66,7 +70,26 @@ class CopyStreams:
         stream = self.d2h_stream
         with torch.cuda.stream(stream), torch.profiler.record_function("ramflow.d2h"):
             stream.wait_event(produced)
+            if after is not None:
+                after.wait()  # makes this stream wait for the collective
             dst.copy_(src, non_blocking=True)
+            src.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def retire(self, src: torch.Tensor, *, after) -> torch.cuda.Event | None:
+        """Keep device ``src`` allocated until the collective ``after`` (a
+        ``torch.distributed`` work handle) that reads it is done; returns the event that
+        marks it, for the caller's throttle (None on the CPU, where ``after`` is waited)."""
+        if after is None:
+            return None
+        if not self.is_cuda:
+            after.wait()
+            return None
+        stream = self.d2h_stream
+        with torch.cuda.stream(stream):
+            after.wait()
             src.record_stream(stream)
             event = torch.cuda.Event()
             event.record(stream)
@@ -85,3 +108,25 @@ def alloc_host(numel: int, dtype: torch.dtype, *, pin: bool, what: str) -> torch
             f"{err}. Free host memory, lower the model size, or (pinned) raise the locked-memory "
             "limit (ulimit -l)."
         ) from err
+
+
+def pin_in_place(t: torch.Tensor, *, what: str) -> None:
+    """Page-lock the memory of a CPU tensor that already exists (shared memory included),
+    so that copies from it are asynchronous DMA (``cudaHostRegister``). Undo with ``unpin``.
+
+    Raises MemoryError when the driver refuses (the locked-memory limit, ``ulimit -l``)."""
+    if t.is_pinned():
+        return
+    nbytes = t.untyped_storage().nbytes()
+    err = torch.cuda.cudart().cudaHostRegister(t.untyped_storage().data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        raise MemoryError(
+            f"ramflow could not page-lock {format_bytes(nbytes)} of host memory for {what} "
+            f"(cudaHostRegister error {int(err)}). Raise the locked-memory limit (ulimit -l) or "
+            "free host memory."
+        )
+
+
+def unpin(t: torch.Tensor) -> None:
+    """Undo ``pin_in_place``."""
+    torch.cuda.cudart().cudaHostUnregister(t.untyped_storage().data_ptr())

@@ -25,6 +25,12 @@ class UnitSpec:
         owned: the parameters this unit owns (one owner per parameter), trainable first.
         rest: True for the unit that gathers parameters held directly by modules that also
             contain blocks (kept resident; usually empty or tiny).
+        master: a flat fp32 CPU tensor that already holds ``owned`` at the engine's offsets
+            (``ramflow.Linear`` lays its parameters out so); it becomes the unit's master
+            instead of a copy. None: the engine allocates one.
+        wire: likewise a flat CPU tensor in the wire dtype to use as the wire copy (ranks of
+            one host share it under ``ramflow.offload(..., zero_stage=...)``); it must hold
+            the master's values already.
     """
 
     name: str
@@ -32,6 +38,8 @@ class UnitSpec:
     slots: list[tuple[nn.Module, str]] = field(default_factory=list)
     owned: list[nn.Parameter] = field(default_factory=list)
     rest: bool = False
+    master: torch.Tensor | None = None
+    wire: torch.Tensor | None = None
 
 
 def _repeated_blocks(model: nn.Module) -> list[nn.Module]:

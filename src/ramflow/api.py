@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ._engine import ENGINE_OF_MODEL, ENGINE_OF_PARAM, Engine
+from ._dist import DistributedState, cpu_group, host_ranks, require_initialized, shared_host_store
+from ._engine import ENGINE_OF_MODEL, ENGINE_OF_PARAM, Engine, _Unit
 from ._plan import OffloadPlan, parse_bytes
 from ._units import find_units
 
@@ -21,6 +23,7 @@ def offload(
     wire_dtype: torch.dtype | None = None,
     prefetch_depth: int = 2,
     activation_checkpointing: bool = False,
+    zero_stage: int | None = None,
 ) -> nn.Module:
     """Keep ``model``'s weights in CPU RAM and stream them through the device per unit.
 
@@ -49,12 +52,21 @@ def offload(
             keeping them (``torch.utils.checkpoint``, non-reentrant): activation memory falls
             to about one unit's plus the unit boundaries, for about one more forward of
             compute. The root and the rest unit are not wrapped.
+        zero_stage: data parallelism over the initialized torch.distributed process group
+            (launch with ``torchrun``; every rank calls ``offload`` on the same model). 1:
+            gradients are averaged over the ranks, each unit is stepped by one rank per host
+            (optimizer states sharded); 2: also only that rank copies the unit's gradients
+            down and keeps them. The ranks of a host share one host copy of the master
+            weights and of the wire copy (shared memory, ``$RAMFLOW_SHM_DIR``, default
+            /dev/shm); each rank streams over its own PCIe link. None: one process.
+            See [Note: data parallelism on the engine] in ``ramflow._dist``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``wire_dtype`` is not floating point.
         ValueError: no parameters; parameters on the meta device; already offloaded;
             ``gpu_memory`` too small (the message gives the smallest budget that works).
         MemoryError: the host lacks the RAM or pinned memory for the host store.
+        RuntimeError: ``zero_stage`` without an initialized process group.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"ramflow.offload expects an nn.Module, got {type(model).__name__}")
@@ -90,7 +102,19 @@ def offload(
         raise TypeError(f"wire_dtype must be a floating-point torch.dtype, got {wire_dtype!r}")
     budget = None if gpu_memory is None else parse_bytes(gpu_memory)
     specs = find_units(model, units)
-    Engine(
+    owners = None
+    if zero_stage is not None:
+        if zero_stage not in (1, 2):
+            raise ValueError(f"zero_stage must be 1, 2 or None, got {zero_stage!r}")
+        require_initialized("ramflow.offload(..., zero_stage=...)")
+        layout = [_Unit(i, spec) for i, spec in enumerate(specs)]
+        owners = shared_host_store(
+            specs,
+            wire_dtype=wire_dtype,
+            numels=[u.numel for u in layout],
+            offsets=[u.offsets for u in layout],
+        )
+    engine = Engine(
         model,
         specs,
         device=device,
@@ -99,6 +123,13 @@ def offload(
         prefetch_depth=prefetch_depth,
         activation_checkpointing=activation_checkpointing,
     )
+    if owners is not None:
+        single_host = len(host_ranks(cpu_group())) == dist.get_world_size()
+        for u, owner in zip(engine.units, owners):
+            u.owner = owner
+        engine.dist = DistributedState(
+            zero_stage=zero_stage, average=True, reduce_to_owner=single_host
+        )
     return model
 
 
@@ -119,10 +150,38 @@ def undo(model: nn.Module) -> nn.Module:
     return model
 
 
+def _engines_of(model: nn.Module) -> list[Engine]:
+    """The engines holding ``model``'s parameters: its own (``offload``) or the layer
+    engines of its ``ramflow.Linear`` layers. Raises ValueError when there are none."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    engines: list[Engine] = []
+    for p in model.parameters():
+        engine = ENGINE_OF_PARAM.get(p)
+        if engine is not None and engine not in engines:
+            engines.append(engine)
+    if not engines:
+        raise ValueError(
+            "this model has no parameters managed by ramflow (call ramflow.offload, or use "
+            "ramflow.Linear layers and run the model once)"
+        )
+    return engines
+
+
 def synchronize(model: nn.Module) -> None:
     """Wait until every gradient landing and optimizer step in flight on the host is done,
-    so that the host master weights and ``p.grad`` can be read."""
-    _engine(model).synchronize()
+    so that the host master weights and ``p.grad`` can be read. Works for offloaded models
+    and for models with ``ramflow.Linear`` layers. Raises ValueError for neither."""
+    for engine in _engines_of(model):
+        engine.synchronize()
+
+
+def refresh(model: nn.Module) -> None:
+    """The host master weights were changed outside ramflow (another optimizer, an in-place
+    edit of ``p.data``): rewrite the wire and device copies before the next use. Not
+    needed after ``load_state_dict`` or ``ramflow.optim`` steps. Raises as ``synchronize``."""
+    for engine in _engines_of(model):
+        engine.refresh_from_host()
 
 
 def get_plan(model: nn.Module) -> OffloadPlan:

@@ -21,6 +21,7 @@ from torch.optim import sgd as _sgd
 
 from ._cpu_kernels import fused_adamw_step_
 from ._engine import ENGINE_OF_PARAM, Engine, _Unit
+from ._linear import attach_pending
 
 
 class HostOptimizer(torch.optim.Optimizer):
@@ -37,6 +38,10 @@ class HostOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):
+            param_group["params"] = list(params)  # read twice below
+        attach_pending([param_group])  # ramflow.Linear layers that have not run yet
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         for p in self.param_groups[-1]["params"]:

@@ -1,0 +1,251 @@
+"""The engine under torch.distributed: gradient reduction, ZeRO ownership, shared host store.
+
+[Note: data parallelism on the engine]
+Every rank runs the same model on its own micro-batch and its own GPU, streaming over its
+own PCIe link. When a unit's gradients are complete on the device, the rank reduces them
+over the process group (all-reduce; reduce to the owner under ZeRO-2 when one owner serves
+every rank) asynchronously; the D2H copy of the reduced gradients waits for it on the D2H
+stream. Each unit has one owner per host that steps it (ZeRO-1: optimizer states exist on
+the owner only; ZeRO-2: only the owner copies the gradients down and keeps them). After
+``opt.step()`` every rank waits for its own steps and for the others (a barrier on a gloo
+group), then rewrites the wire copies of the units others stepped and reloads them before
+their next use. Ranks of one host share one host copy of the master weights (and, under
+``ramflow.offload``, of the wire copy), so nothing crosses processes but the barrier.
+
+Collectives are issued in backward order, which is the same on every rank for the same
+model; a unit that receives gradients on some ranks and not on others would hang them
+(as in DDP without ``find_unused_parameters``): the process group's timeout ends it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ._plan import format_bytes
+from ._units import UnitSpec
+
+if TYPE_CHECKING:
+    from ._engine import Engine, _Unit
+
+_cpu_groups: dict[int, dist.ProcessGroup] = {}
+
+
+def require_initialized(what: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{what} needs torch.distributed: call torch.distributed.init_process_group "
+            "first (torchrun sets up the environment; use backend='nccl' on GPUs, 'gloo' on CPUs)"
+        )
+
+
+def cpu_group() -> dist.ProcessGroup:
+    """A gloo group over all ranks for host-side collectives (barriers, host tensors).
+    Every rank must reach the first call (it creates the group)."""
+    key = id(dist.group.WORLD)
+    group = _cpu_groups.get(key)
+    if group is None:
+        if dist.get_backend() == "gloo":
+            group = dist.group.WORLD
+        else:
+            group = dist.new_group(backend="gloo")
+        _cpu_groups[key] = group
+    return group
+
+
+def host_ranks(group: dist.ProcessGroup) -> list[int]:
+    """The global ranks on this host, in order (found by host name)."""
+    names: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    me = socket.gethostname()
+    return [r for r, n in enumerate(names) if n == me]
+
+
+class DistributedState:
+    """How one engine takes part in data parallelism; see [Note: data parallelism on the
+    engine]. ``unit.owner`` holds each unit's owner rank (None: every rank steps it)."""
+
+    def __init__(self, *, zero_stage: int, average: bool, reduce_to_owner: bool) -> None:
+        if zero_stage not in (1, 2):
+            raise ValueError(f"zero_stage must be 1 or 2, got {zero_stage}")
+        self.group = dist.group.WORLD
+        self.cpu_group = cpu_group()
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.zero_stage = zero_stage
+        self.average = average
+        self.reduce_to_owner = reduce_to_owner and zero_stage == 2
+
+    def owns(self, u: _Unit) -> bool:
+        return u.owner is None or u.owner == self.rank
+
+    def keeps_gradients(self, u: _Unit) -> bool:
+        return self.zero_stage < 2 or self.owns(u)
+
+    def reduce_gradients(self, u: _Unit, grad: torch.Tensor) -> dist.Work | None:
+        """Start the reduction of ``u``'s flat device gradients (in place; async)."""
+        if self.world_size == 1:
+            return None
+        if self.average:
+            grad.mul_(1.0 / self.world_size)
+        what = f"reducing the gradients of unit {u.name!r}"
+        with _explained(what, self.rank):
+            if self.reduce_to_owner and u.owner is not None:
+                work = dist.reduce(grad, dst=u.owner, group=self.group, async_op=True)
+            else:
+                work = dist.all_reduce(grad, group=self.group, async_op=True)
+        return _Work(work, what, self.rank)
+
+    def after_step(self, engine: Engine) -> None:
+        """After ``opt.step()`` on every rank: wait for this rank's steps and the others',
+        then bring the units stepped elsewhere up to date (a broadcast from the owner where
+        the master is not shared with it)."""
+        engine.worker.wait_idle()
+        with _explained("waiting for the other ranks' optimizer steps", self.rank):
+            dist.barrier(group=self.cpu_group)
+            for u in engine.units:
+                if u.owner is not None and u.num_trainable and not u.master.is_shared():
+                    dist.broadcast(u.master[: u.trainable_numel], src=u.owner, group=self.cpu_group)
+        # a wire copy that is the master, or shared with the owner, is up to date already
+        others = [u for u in engine.units if not self.owns(u) and u.num_trainable]
+        current = [u for u in others if u.wire is u.master or u.given_wire is not None]
+        engine.refresh_units(current, wire_written=True)
+        engine.refresh_units([u for u in others if u not in current], wire_written=False)
+
+
+@contextlib.contextmanager
+def _explained(what: str, rank: int) -> Iterator[None]:
+    """Turn a collective's failure into an error that says what to look at."""
+    try:
+        yield
+    except Exception as err:
+        raise RuntimeError(
+            f"ramflow: {what} failed on rank {rank}: another rank has probably died or "
+            f"stopped (the process group's timeout ends a hang); check the other ranks' logs. "
+            f"Cause: {err}"
+        ) from err
+
+
+class _Work:
+    """A collective's work handle whose ``wait`` explains a failure (see ``_explained``)."""
+
+    def __init__(self, work: dist.Work, what: str, rank: int) -> None:
+        self._work, self._what, self._rank = work, what, rank
+
+    def wait(self) -> None:
+        with _explained(self._what, self._rank):
+            self._work.wait()
+
+
+def assign_owners(numels: list[int], ranks: list[int]) -> list[int]:
+    """Give each item an owner among ``ranks``, largest first to the least loaded rank
+    (ties by rank): balanced optimizer work and state memory, the same on every rank."""
+    load = {r: 0 for r in ranks}
+    owners = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        r = min(ranks, key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += numels[i]
+    return owners
+
+
+def shared_host_store(
+    specs: list[UnitSpec], *, wire_dtype: torch.dtype, numels: list[int], offsets: list[list[int]]
+) -> list[int]:
+    """Put the units' masters (fp32) and wire copies in shared memory, one copy per host.
+
+    The first rank of each host writes its model's weights (after rank 0's have been
+    broadcast to the first ranks of the other hosts); the other ranks map the same pages
+    and point their parameters at them, dropping their own copies. Files live in
+    ``$RAMFLOW_SHM_DIR`` (default /dev/shm) only until every rank of the host has mapped
+    them. Returns each unit's owner (a global rank on this host).
+
+    Raises ValueError when the ranks' models differ, MemoryError when the shared-memory
+    directory lacks room.
+    """
+    group = cpu_group()
+    world = dist.get_world_size()
+    local = host_ranks(group)
+    me = dist.get_rank()
+    leader = local[0]
+    sizes: list[list[int] | None] = [None] * world
+    dist.all_gather_object(sizes, numels, group=group)
+    if any(s != numels for s in sizes):
+        raise ValueError(
+            "the ranks' models differ (unit sizes do not match); build the same model on "
+            "every rank before ramflow.offload"
+        )
+    token = [uuid.uuid4().hex if me == 0 else None]
+    dist.broadcast_object_list(token, src=0, group=group)
+    directory = os.environ.get("RAMFLOW_SHM_DIR", "/dev/shm")
+    base = os.path.join(directory, f"ramflow-{token[0]}-{socket.gethostname()}")
+    wire_size = torch.empty((), dtype=wire_dtype).element_size()
+    need = sum(n * (4 + (wire_size if wire_dtype != torch.float32 else 0)) for n in numels)
+    if me == leader:
+        free = os.statvfs(directory)
+        if free.f_bavail * free.f_frsize < need:
+            raise MemoryError(
+                f"ramflow needs {format_bytes(need)} of shared memory in {directory} for one "
+                f"host copy of the weights, but only {format_bytes(free.f_bavail * free.f_frsize)} "
+                "is free. Enlarge it (docker run --shm-size=...) or set RAMFLOW_SHM_DIR to a "
+                "tmpfs with room."
+            )
+    masters, wires = [], []
+    for i, n in enumerate(numels):
+        if me == leader:
+            master = torch.from_file(f"{base}-{i}.master", shared=True, size=n, dtype=torch.float32)
+            master.zero_()
+            with torch.no_grad():
+                for off, p in zip(offsets[i], specs[i].owned):
+                    master[off : off + p.numel()].view(p.shape).copy_(p.detach())
+            masters.append(master)
+    # the first ranks of the other hosts take rank 0's weights (every rank makes the group)
+    leaders = sorted(set(_gather_leaders(group, leader)))
+    if len(leaders) > 1:
+        leader_group = dist.new_group(ranks=leaders, backend="gloo")
+        if me == leader:
+            for master in masters:
+                dist.broadcast(master, src=0, group=leader_group)
+    if me == leader and wire_dtype != torch.float32:
+        for i, n in enumerate(numels):
+            wire = torch.from_file(f"{base}-{i}.wire", shared=True, size=n, dtype=wire_dtype)
+            wire.copy_(masters[i])
+            wires.append(wire)
+    dist.barrier(group=group)
+    if me != leader:
+        for i, n in enumerate(numels):
+            masters.append(
+                torch.from_file(f"{base}-{i}.master", shared=True, size=n, dtype=torch.float32)
+            )
+            if wire_dtype != torch.float32:
+                wires.append(
+                    torch.from_file(f"{base}-{i}.wire", shared=True, size=n, dtype=wire_dtype)
+                )
+    dist.barrier(group=group)
+    if me == leader:
+        for i in range(len(numels)):
+            for kind in ("master", "wire"):
+                try:
+                    os.unlink(f"{base}-{i}.{kind}")
+                except FileNotFoundError:
+                    pass
+    for i, spec in enumerate(specs):
+        spec.master = masters[i]
+        spec.wire = wires[i] if wires else None
+        with torch.no_grad():
+            for off, p in zip(offsets[i], spec.owned):
+                p.data = masters[i][off : off + p.numel()].view(p.shape)
+    return assign_owners(numels, local)
+
+
+def _gather_leaders(group: dist.ProcessGroup, leader: int) -> list[int]:
+    leaders: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(leaders, leader, group=group)
+    return [r for r in leaders if r is not None]

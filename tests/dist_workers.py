@@ -1,0 +1,143 @@
+"""Code that runs inside the processes of the distributed tests (one per rank).
+
+Each worker takes (rank, world_size, options) and writes what it measured to
+``options["out"]/rank{rank}.pt``; an exception is written there too, as text, so that the
+test can assert on it. Processes are real (``spawn``), the process group is gloo on the
+CPU (CI) or NCCL on GPUs (the GPU box).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from datetime import timedelta
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import ramflow
+from models import MLPStack
+
+STEPS = 4
+GLOBAL_BATCH = 8
+DIM = 16  # MLPStack input width
+
+
+def batches(steps: int = STEPS, batch: int = GLOBAL_BATCH, dim: int = DIM):
+    """The global batches every test uses: inputs (batch, dim) and targets (batch, 8)."""
+    g = torch.Generator().manual_seed(123)
+    return [
+        (torch.randn(batch, dim, generator=g), torch.randn(batch, 8, generator=g))
+        for _ in range(steps)
+    ]
+
+
+def reference_model(seed: int = 0, dim: int = 32) -> MLPStack:
+    torch.manual_seed(seed)
+    return MLPStack(dim=dim, depth=4, out=8)
+
+
+def run(fn, world_size: int, options: dict, *, timeout: float = 120.0) -> list[dict]:
+    """Start ``world_size`` processes running ``fn(rank, world_size, options)`` and return
+    each rank's result (a dict; ``{"error": text}`` for a rank that raised, ``{"exitcode":
+    n}`` for one that died). Ranks still running after ``timeout`` seconds are killed and
+    reported as ``{"timeout": True}``."""
+    ctx = mp.get_context("spawn")
+    out = options["out"]
+    os.makedirs(out, exist_ok=True)
+    options = {**options, "init": f"file://{os.path.join(out, 'rendezvous')}"}
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, options)) for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    results = []
+    for r, p in enumerate(procs):
+        if p.is_alive():
+            p.kill()
+            p.join()
+            results.append({"timeout": True})
+            continue
+        path = os.path.join(out, f"rank{r}.pt")
+        if os.path.exists(path):
+            results.append(torch.load(path, weights_only=False))
+        else:
+            results.append({"exitcode": p.exitcode})
+    return results
+
+
+def _entry(fn, rank: int, world_size: int, options: dict) -> None:
+    torch.set_num_threads(1)
+    backend = options.get("backend", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend,
+        init_method=options["init"],
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=options.get("pg_timeout", 60)),
+    )
+    try:
+        result = fn(rank, world_size, options)
+    except BaseException as err:  # noqa: BLE001 - reported to the test
+        result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    torch.save(result, os.path.join(options["out"], f"rank{rank}.pt"))
+    if "error" not in result:
+        dist.destroy_process_group()
+
+
+def _device(rank: int, options: dict) -> torch.device:
+    return torch.device("cuda", rank) if options.get("backend") == "nccl" else torch.device("cpu")
+
+
+def _shared_bytes(pattern: str) -> dict[str, int]:
+    """Resident bytes of this process's mappings whose path contains ``pattern``:
+    rss, pss (rss divided among the processes sharing each page) and private."""
+    rss = pss = private = 0
+    for m in psutil.Process().memory_maps(grouped=True):
+        if pattern in m.path:
+            rss += m.rss
+            pss += m.pss
+            private += m.private_clean + m.private_dirty
+    return {"rss": rss, "pss": pss, "private": private}
+
+
+def train_offload(rank: int, world_size: int, options: dict) -> dict:
+    """``ramflow.offload(model, zero_stage=...)`` on this rank's slice of each global batch.
+    Ranks other than 0 build their model from another seed: the shared host copy must
+    give them rank 0's weights. ``zero_stage`` None: each process offloads on its own
+    (private host copies, no gradient reduction; the memory baseline)."""
+    device = _device(rank, options)
+    model = reference_model(seed=rank, dim=options.get("dim", 32))
+    ramflow.offload(
+        model, device=device, zero_stage=options["zero_stage"], wire_dtype=torch.float32
+    )
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
+    per_rank = GLOBAL_BATCH // world_size
+    losses = []
+    for step, (x, y) in enumerate(batches()):
+        if options.get("die_after") is not None and rank == 1 and step == options["die_after"]:
+            os._exit(3)
+        sl = slice(rank * per_rank, (rank + 1) * per_rank)
+        loss = F.mse_loss(model(x[sl].to(device)), y[sl].to(device))
+        loss.backward()
+        if options.get("clip"):
+            ramflow.clip_grad_norm_(model.parameters(), options["clip"])
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+    ramflow.synchronize(model)
+    memory = _shared_bytes("ramflow-")  # after every rank has read every page
+    memory["uss"] = psutil.Process().memory_full_info().uss
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "state": state if rank == 0 else None, "memory": memory}
