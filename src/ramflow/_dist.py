@@ -82,6 +82,9 @@ class DistributedState:
         self.zero_stage = zero_stage
         self.average = average
         self.reduce_to_owner = reduce_to_owner and zero_stage == 2
+        # how many ranks own each unit: one per host when each host steps its own copy
+        # (``ramflow.offload``), one in all (``ramflow.distributed``)
+        self.copies = 1
 
     def owns(self, u: _Unit) -> bool:
         return u.owner is None or u.owner == self.rank

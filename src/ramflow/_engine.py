@@ -46,6 +46,7 @@ from __future__ import annotations
 import atexit
 import functools
 import threading
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -248,7 +249,7 @@ class Engine:
         self._landing: list[Future] = []
         self._grads_in_flight: deque[torch.cuda.Event | None] = deque()
         # step policy, see [Note: when the step runs]
-        self.optimizers: list[HostOptimizer] = []
+        self._optimizers: list[weakref.ref[HostOptimizer]] = []
         self._eager_allowed = False
         self._eager_now: bool | None = None
         self._last_backward_eager = False
@@ -1089,8 +1090,20 @@ class Engine:
 
     def attach(self, opt: HostOptimizer) -> None:
         if opt not in self.optimizers:
-            self.optimizers.append(opt)
+            # a new optimizer starts the step policy afresh (a layer engine outlives the
+            # models and optimizers of earlier runs in the same process)
+            self._optimizers.append(weakref.ref(opt))
+            self._last_backward_eager = False
+            self._final_backwards = 0
             self._eager_allowed = False
+
+    @property
+    def optimizers(self) -> list[HostOptimizer]:
+        """The live ramflow optimizers holding parameters of this engine (held weakly)."""
+        alive = [opt for ref in self._optimizers if (opt := ref()) is not None]
+        if len(alive) != len(self._optimizers):
+            self._optimizers = [weakref.ref(opt) for opt in alive]
+        return alive
 
     def unit_of(self, p: torch.Tensor) -> _Unit | None:
         return self._unit_of_param.get(id(p))

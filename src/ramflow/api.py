@@ -124,12 +124,14 @@ def offload(
         activation_checkpointing=activation_checkpointing,
     )
     if owners is not None:
-        single_host = len(host_ranks(cpu_group())) == dist.get_world_size()
+        local = len(host_ranks(cpu_group()))
+        single_host = local == dist.get_world_size()
         for u, owner in zip(engine.units, owners):
             u.owner = owner
         engine.dist = DistributedState(
             zero_stage=zero_stage, average=True, reduce_to_owner=single_host
         )
+        engine.dist.copies = dist.get_world_size() // local  # hosts (equal ranks per host)
     return model
 
 
@@ -210,6 +212,8 @@ def clip_grad_norm_(
     Raises:
         RuntimeError: the step was already applied during backward (clipping started after
             the first step); clip from the first step on, or use ``overlap=False``.
+        NotImplementedError: under ZeRO-2 (gradients sharded over the ranks, whose norms
+            are combined with an all-reduce), a ``norm_type`` other than 2 or inf.
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     engines = []
@@ -219,6 +223,9 @@ def clip_grad_norm_(
             engines.append(engine)
     for engine in engines:
         engine.note_clip()
+    sharded = [e.dist for e in engines if e.dist is not None and e.dist.zero_stage == 2]
+    if sharded:
+        return _clip_sharded(params, max_norm, float(norm_type), sharded[0], error_if_nonfinite)
     return torch.nn.utils.clip_grad_norm_(
         params,
         max_norm,
@@ -226,3 +233,42 @@ def clip_grad_norm_(
         error_if_nonfinite=error_if_nonfinite,
         foreach=foreach,
     )
+
+
+@torch.no_grad()
+def _clip_sharded(
+    params: list[torch.Tensor],
+    max_norm: float,
+    norm_type: float,
+    state: DistributedState,
+    error_if_nonfinite: bool,
+) -> torch.Tensor:
+    """Clipping when each rank holds only its share of the gradients (ZeRO-2): the local
+    norms are combined over the ranks (each host holds one full set), then every rank
+    scales its own share."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if norm_type == 2.0:
+        local = sum(
+            (g.double().pow(2).sum().cpu() for g in grads), torch.zeros((), dtype=torch.float64)
+        )
+        dist.all_reduce(local, group=state.cpu_group)
+        total = (local / state.copies).sqrt().float()
+    elif norm_type == float("inf"):
+        local = max(
+            (g.abs().max().double().cpu() for g in grads),
+            default=torch.zeros((), dtype=torch.float64),
+        )
+        local = torch.as_tensor(local, dtype=torch.float64)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=state.cpu_group)
+        total = local.float()
+    else:
+        raise NotImplementedError(
+            f"clip_grad_norm_ with norm_type={norm_type} under ZeRO-2; use 2.0 or inf"
+        )
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total

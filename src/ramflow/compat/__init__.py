@@ -1,0 +1,1 @@
+"""Compatibility layers: other libraries' APIs on ramflow's engine."""
