@@ -266,7 +266,7 @@ class Engine:
                         module._buffers[name] = buf.to(self.device)
             self._install_root_hooks()
             if activation_checkpointing:
-                self._checkpoint_units()
+                self._checkpoint_units(activation_checkpointing)
             ENGINE_OF_MODEL[model] = self
 
     def add_units(self, specs: list[UnitSpec]) -> list[_Unit]:
@@ -433,14 +433,33 @@ class Engine:
                         m.register_load_state_dict_post_hook(self._after_load_state_dict)
                     )
 
-    def _checkpoint_units(self) -> None:
-        """Recompute each block's activations in backward instead of keeping them
-        (``torch.utils.checkpoint``, non-reentrant; Chen et al. 2016).
+    def _checkpoint_units(self, which: bool | Iterable[str] = True) -> None:
+        """Recompute activations in backward instead of keeping them
+        (``torch.utils.checkpoint``, non-reentrant; Chen et al. 2016): every block
+        (``which=True``), or the units named in ``which`` (a plan's ``checkpointed``).
 
         A Hugging Face model gets its own switch (it also turns the KV cache off, which a
-        recomputation would otherwise extend twice). Other models get a wrapper inside each
-        unit's forward, so the unit's hooks still run once per call and the recomputation
-        finds the unit pinned and its device parameters in place."""
+        recomputation would otherwise extend twice); with names, the layers of the other
+        units have theirs turned off again. Other models (and named units that hold no
+        Hugging Face layer) get a wrapper inside the unit's forward, so the unit's hooks
+        still run once per call and the recomputation finds the unit pinned and its device
+        parameters in place.
+
+        Raises:
+            ValueError: ``which`` names a unit the model does not have (the model is given
+                back as it was).
+        """
+        names: set[str] | None = None
+        if which is not True:
+            names = {which} if isinstance(which, str) else set(which)
+            known = [u.name for u in self.units if not u.rest]
+            unknown = sorted(names - set(known))
+            if unknown:
+                self.remove()
+                raise ValueError(
+                    f"activation_checkpointing names units this model does not have: {unknown}. "
+                    f"Its units: {known}"
+                )
         if getattr(self.model, "supports_gradient_checkpointing", False):
             kwargs = {"use_reentrant": False}
             if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x
@@ -448,9 +467,25 @@ class Engine:
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
             self._hf_checkpointing = True
-            return
+            if names is None:
+                return
+            for u in self.units:
+                flagged = [
+                    m
+                    for root in u.modules
+                    if root is not self.model
+                    for m in root.modules()
+                    if getattr(m, "gradient_checkpointing", False) is True
+                ]
+                if u.name not in names:
+                    for m in flagged:
+                        m.gradient_checkpointing = False
+                elif flagged:
+                    names.discard(u.name)  # Hugging Face recomputes it
         for u in self.units:
             if u.rest or len(u.modules) != 1 or u.modules[0] is self.model:
+                continue
+            if names is not None and u.name not in names:
                 continue
             module = u.modules[0]
             if "forward" in module.__dict__:

@@ -22,7 +22,7 @@ def offload(
     units: Iterable[nn.Module | str] | None = None,
     wire_dtype: torch.dtype | None = None,
     prefetch_depth: int = 2,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | Iterable[str] = False,
     zero_stage: int | None = None,
 ) -> nn.Module:
     """Keep ``model``'s weights in CPU RAM and stream them through the device per unit.
@@ -51,7 +51,10 @@ def offload(
         activation_checkpointing: recompute each unit's activations in backward instead of
             keeping them (``torch.utils.checkpoint``, non-reentrant): activation memory falls
             to about one unit's plus the unit boundaries, for about one more forward of
-            compute. The root and the rest unit are not wrapped.
+            compute. The root and the rest unit are not wrapped. True: every unit (Hugging
+            Face models: every decoder layer, by their own switch); unit names (e.g.
+            ``OffloadPlan.checkpointed`` from ``ramflow plan``): only those units. A name
+            the model does not have raises ValueError.
         zero_stage: data parallelism over the initialized torch.distributed process group
             (launch with ``torchrun``; every rank calls ``offload`` on the same model). 1:
             gradients are averaged over the ranks, each unit is stepped by one rank per host
