@@ -69,14 +69,22 @@ def test_more_bandwidth_never_makes_a_step_slower(mode: str) -> None:
 @pytest.mark.parametrize("k", [0, 3, 6, 9])
 def test_residents_take_exactly_their_share_off_the_streamed_bytes(k: int) -> None:
     n = 12
-    full = predict_step(_units(n), rates=RATES, mode="infer").h2d_stream_bytes
-    pred = predict_step(_units(n, resident_last=k), rates=RATES, mode="infer")
-    assert pred.h2d_stream_bytes * n == full * (n - k)
     train_full = predict_step(_units(n), rates=RATES).h2d_forward_bytes
     train = predict_step(_units(n, resident_last=k), rates=RATES)
     assert train.h2d_forward_bytes * n == train_full * (n - k)
     # a resident unit crosses once per training step: its refresh after the CPU step
     assert train.h2d_refresh_bytes == k * 400_000_000
+    if k < 9:  # more streamed units than the window holds: each forward loads them all
+        full = predict_step(_units(n), rates=RATES, mode="infer").h2d_stream_bytes
+        pred = predict_step(_units(n, resident_last=k), rates=RATES, mode="infer")
+        assert pred.h2d_stream_bytes * n == full * (n - k)
+
+
+def test_inference_moves_nothing_when_the_window_holds_every_streamed_unit() -> None:
+    # three (or four) streamed units, a window of four: they stay on the device; five do not
+    pred = predict_step(_units(12, resident_last=9), rates=RATES, mode="infer")
+    assert pred.h2d_bytes == 0 and pred.bound == "GPU compute"
+    assert predict_step(_units(12, resident_last=7), rates=RATES, mode="infer").h2d_bytes > 0
 
 
 def test_a_slow_cpu_optimizer_binds_and_sets_the_step() -> None:
@@ -129,14 +137,14 @@ def test_a_deeper_prefetch_loads_more_under_the_compute() -> None:
 
 
 def test_tied_weights_load_their_owner() -> None:
-    units = [
-        UnitCost("embed", 1000, 500, 0.0),
-        UnitCost("layers.0", 1000, 500, 0.001),
-        UnitCost("head", 0, 0, 0.001, deps=(0,)),
-    ]
+    units = [UnitCost("embed", 1000, 500, 0.0)]
+    units += [UnitCost(f"layers.{i}", 1000, 500, 0.001) for i in range(6)]
+    units += [UnitCost("head", 0, 0, 0.001, deps=(0,))]
     pred = predict_step(units, rates=RATES, mode="infer")
-    assert pred.h2d_bytes == 3000  # the head's forward loads the embedding's weight again
+    assert pred.h2d_bytes == 8000  # the head's forward loads the embedding's weight again
     assert pred.d2h_bytes == 0
+    train = predict_step(units, rates=RATES)
+    assert train.d2h_bytes == 7 * 500 * 2  # the tied weight's gradients leave once
 
 
 def test_flops_and_bad_input() -> None:

@@ -78,6 +78,8 @@ class OffloadPlan:
         activation_bytes: activations at their peak under that policy (timed plans with
             activation sizes; None otherwise).
         prediction: the predicted step (timed plans only).
+        offload_budget_bytes: the ``gpu_memory`` that makes ``ramflow.offload`` keep exactly
+            these units (timed plans with a budget; at least ``planned_bytes``).
     """
 
     device: str
@@ -94,6 +96,7 @@ class OffloadPlan:
     checkpointed: tuple[str, ...] = ()
     activation_bytes: int | None = None
     prediction: StepPrediction | None = field(default=None, compare=False)
+    offload_budget_bytes: int | None = None
 
     @property
     def resident_bytes(self) -> int:
@@ -116,8 +119,9 @@ class OffloadPlan:
         """The ``ramflow.offload`` arguments that give this plan: ``gpu_memory`` (ramflow's
         own share, which makes the engine keep exactly these units), ``prefetch_depth`` and
         ``activation_checkpointing`` (the unit names)."""
+        budget = self.offload_budget_bytes or self.planned_bytes
         return {
-            "gpu_memory": None if self.gpu_memory_bytes is None else self.planned_bytes,
+            "gpu_memory": None if self.gpu_memory_bytes is None else budget,
             "prefetch_depth": self.prefetch_depth,
             "activation_checkpointing": list(self.checkpointed) if self.checkpointed else False,
         }
@@ -344,6 +348,19 @@ def make_plan(
 # is resident beyond the window, as in ``ramflow.offload(gpu_memory=None)``.
 
 
+def _ramflow_bytes(
+    unit_names: Sequence[str],
+    unit_bytes: Sequence[int],
+    resident: set[str],
+    slots: int,
+    overhead: int,
+) -> int:
+    """What ramflow allocates with these residents: window, residents and ``overhead``."""
+    streamed = [b for n, b in zip(unit_names, unit_bytes) if n not in resident]
+    kept = sum(b for n, b in zip(unit_names, unit_bytes) if n in resident)
+    return slots * max(streamed, default=0) + overhead + kept
+
+
 def _checkpoint_choice(
     timing: PlanTiming, room: int | None, n: int
 ) -> tuple[set[int], int | None] | None:
@@ -414,32 +431,34 @@ def _timed_plan(
         if depth < 1:
             raise ValueError(f"prefetch depths must be >= 1, got {depth}")
         slots = depth + 2
-        candidates: list[set[str]] = [set(forced)]
+        # (resident set, the least ramflow budget that makes the engine keep exactly it)
+        candidates: list[tuple[set[str], int]] = []
+        suffix: set[str] = set(forced)
+        need = _ramflow_bytes(unit_names, unit_bytes, suffix, slots, overhead)
+        candidates.append((set(suffix), need))
         if gpu_memory_bytes is not None:
-            suffix: set[str] = set(forced)
             for name in reversed(unit_names):
                 if name in suffix:
                     continue
                 suffix = suffix | {name}
-                candidates.append(set(suffix))
-        seen: list[set[str]] = []
-        for resident in candidates:
-            if resident in seen:
-                continue
-            seen.append(resident)
-            streamed = [b for nm, b in zip(unit_names, unit_bytes) if nm not in resident]
-            window = slots * max(streamed, default=0)
-            resident_bytes = sum(b for nm, b in zip(unit_names, unit_bytes) if nm in resident)
-            planned = window + overhead + resident_bytes
+                need = max(need, _ramflow_bytes(unit_names, unit_bytes, suffix, slots, overhead))
+                candidates.append((set(suffix), need))
+        for resident, need in candidates:
+            planned = _ramflow_bytes(unit_names, unit_bytes, resident, slots, overhead)
+            window = (
+                planned
+                - overhead
+                - sum(b for nm, b in zip(unit_names, unit_bytes) if nm in resident)
+            )
             if gpu_memory_bytes is not None:
-                # the engine, given ramflow's share, must keep exactly these units
+                room = gpu_memory_bytes - planned
+                if room < 0 or need > gpu_memory_bytes:
+                    continue
+                # the engine, given ``need`` as its budget, must keep exactly these units
                 if (
-                    _greedy_resident(unit_names, unit_bytes, forced, planned, overhead, slots)
+                    _greedy_resident(unit_names, unit_bytes, forced, need, overhead, slots)
                     != resident
                 ):
-                    continue
-                room = gpu_memory_bytes - planned
-                if room < 0:
                     continue
             else:
                 room = None
@@ -495,6 +514,7 @@ def _timed_plan(
                 checkpointed=tuple(unit_names[i] for i in sorted(ckpt)),
                 activation_bytes=act_peak,
                 prediction=pred,
+                offload_budget_bytes=need if gpu_memory_bytes is not None else None,
             )
             # fastest first; within 0.5 % the plan that takes fewer device bytes
             key = (pred.step_s, planned + (act_peak or 0))
