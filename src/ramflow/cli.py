@@ -236,14 +236,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser(
         "plan",
-        help="print the memory plan of a training run without allocating the model",
+        help="print the memory plan and predicted step time of a training run, allocating nothing",
         description="Print GPU, CPU RAM (pinned and pageable) and disk needs of a training run, "
-        "from the model's shapes on the meta device, and whether it fits this machine.",
+        "from the model's shapes on the meta device, and whether it fits this machine; for a "
+        "GPU run also the predicted step time and the fastest plan for the budget.",
     )
     _model_options(pl)
     _shape_options(pl)
     pl.add_argument(
         "--out", metavar="DIR", default=None, help="where checkpoints would go, for the disk check"
+    )
+    pl.add_argument(
+        "--pcie-gbps",
+        type=float,
+        default=None,
+        metavar="GB/S",
+        help="pinned host-device copy rate, each way, for the step-time prediction "
+        "(default 55.3, an H200 box's PCIe 5.0 x16)",
+    )
+    pl.add_argument(
+        "--gpu-tflops",
+        type=float,
+        default=None,
+        metavar="TFLOP/S",
+        help="the GPU's dense bf16 matmul rate as measured (default 790, an H200's)",
+    )
+    pl.add_argument(
+        "--cpu-adamw-gparams",
+        type=float,
+        default=None,
+        metavar="G/S",
+        help="the host's AdamW rate in billions of parameters per second (default 3.72: 16 threads)",
     )
     return parser
 
@@ -309,7 +332,27 @@ def _plan(args: argparse.Namespace) -> int:
             "checkpointing",
         )
     }
-    estimate = plan_run(TrainConfig.from_options(**options), out_dir=args.out)
+    from ._predict import DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S, Rates
+
+    for flag, value in (
+        ("--pcie-gbps", args.pcie_gbps),
+        ("--gpu-tflops", args.gpu_tflops),
+        ("--cpu-adamw-gparams", args.cpu_adamw_gparams),
+    ):
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+    cpu = (args.cpu_adamw_gparams or DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S / 1e9) * 1e9
+    rates = (
+        Rates.from_pcie(args.pcie_gbps * 1e9, cpu_optimizer_params_per_s=cpu)
+        if args.pcie_gbps
+        else Rates(cpu_optimizer_params_per_s=cpu)
+    )
+    estimate = plan_run(
+        TrainConfig.from_options(**options),
+        out_dir=args.out,
+        timing_rates=rates,
+        matmul_flops_per_s=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
+    )
     print(estimate.describe())
     return 0 if estimate.fits_ram and estimate.fits_disk else 1
 

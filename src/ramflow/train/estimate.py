@@ -34,8 +34,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .._costs import unit_costs, unit_shapes
 from .._engine import _Unit
-from .._plan import OffloadPlan, format_bytes, make_plan
+from .._plan import OffloadPlan, PlanTiming, format_bytes, make_plan
+from .._predict import (
+    DEFAULT_MATMUL_FLOPS_PER_S,
+    TRAIN_MATMUL_EFFICIENCY,
+    Rates,
+    StepPrediction,
+    predict_step,
+)
 from .._units import find_units
 from .modeling import meta_model
 
@@ -215,6 +223,13 @@ class MemoryEstimate:
         checkpoint_bytes: one checkpoint on disk (fp32 weights and optimizer states).
         ram_available_bytes: RAM this machine has available now.
         disk_free_bytes: free bytes where checkpoints go (None when not asked).
+        prediction: the predicted step time of ``plan`` as ``train`` runs it (GPU runs, when
+            asked; ``ramflow._predict``), from estimated inputs: ``timing_rates`` and
+            ``matmul_flops_per_s``.
+        timed_plan: the plan with the least predicted step time for the same budget
+            (residents, prefetch depth, per-unit checkpointing; ``make_plan`` with timing).
+        timing_rates: the copy and CPU optimizer rates assumed.
+        matmul_flops_per_s: the GPU bf16 matmul rate assumed, FLOP/s.
     """
 
     model_name: str
@@ -240,6 +255,10 @@ class MemoryEstimate:
     checkpoint_bytes: int
     ram_available_bytes: int
     disk_free_bytes: int | None
+    prediction: StepPrediction | None = None
+    timed_plan: OffloadPlan | None = None
+    timing_rates: Rates | None = None
+    matmul_flops_per_s: float | None = None
 
     @property
     def device_total_bytes(self) -> int:
@@ -360,7 +379,41 @@ class MemoryEstimate:
                     else "DOES NOT FIT"
                 )
             )
+        lines += self.speed_lines()
         return "\n".join(lines)
+
+    def speed_lines(self) -> list[str]:
+        """The predicted step time and the fastest plan, with the rates assumed."""
+        if self.prediction is None or self.timing_rates is None:
+            return []
+        r = self.timing_rates
+        both = f", both ways {r.both_bytes_per_s / 1e9:.1f} GB/s" if r.both_bytes_per_s else ""
+        lines = [
+            "",
+            f"step time (predicted, estimated inputs): {self.prediction.describe()}",
+            f"  assumed: pinned PCIe {r.h2d_bytes_per_s / 1e9:.1f} GB/s H2D, "
+            f"{r.d2h_bytes_per_s / 1e9:.1f} GB/s D2H{both}; GPU bf16 matmul "
+            f"{(self.matmul_flops_per_s or 0) / 1e12:.0f} TFLOP/s ({TRAIN_MATMUL_EFFICIENCY:.0%} of "
+            f"it in a training forward); CPU AdamW {r.cpu_optimizer_params_per_s / 1e9:.2f} G params/s",
+            "  (defaults: the H200 box's measurements; override with --pcie-gbps, --gpu-tflops, "
+            "--cpu-adamw-gparams; benchmarks/bench.py --floors measures them)",
+        ]
+        best = self.timed_plan
+        if best is not None and best.prediction is not None:
+            kwargs = best.offload_kwargs()
+            ckpt = kwargs["activation_checkpointing"]
+            budget = kwargs["gpu_memory"]
+            lines += [
+                f"fastest plan for this budget: {best.prediction.step_s * 1e3:.0f} ms per step, "
+                f"bound by {best.prediction.bound}",
+                "  " + best.describe().replace("\n", "\n  "),
+                "  ramflow.offload(model, gpu_memory="
+                + ("None" if budget is None else f"{budget}")
+                + f", prefetch_depth={kwargs['prefetch_depth']}, activation_checkpointing="
+                + (repr(ckpt) if len(ckpt or []) <= 4 else f"[{len(ckpt)} units above]")
+                + ")",
+            ]
+        return lines
 
 
 def _unit_figures(model: nn.Module) -> tuple[list[_Unit], int]:
@@ -408,6 +461,9 @@ def estimate_memory(
     prefetch_depth: int = 2,
     optimizer_states: int = 2,
     out_dir: str | os.PathLike | None = None,
+    predict: bool = False,
+    timing_rates: Rates | None = None,
+    matmul_flops_per_s: float | None = None,
 ) -> MemoryEstimate:
     """Estimate a training run's memory without allocating the model.
 
@@ -429,6 +485,10 @@ def estimate_memory(
         prefetch_depth: as for ``ramflow.offload``.
         optimizer_states: fp32 state tensors per parameter (2 for AdamW).
         out_dir: where checkpoints go, to report its free disk space (None: not reported).
+        predict: also predict the step time (CUDA runs; ``prediction``, ``timed_plan``).
+        timing_rates: copy and CPU optimizer rates for the prediction (default: the H200
+            box's, ``ramflow._predict``).
+        matmul_flops_per_s: the GPU's bf16 matmul rate, FLOP/s (default: the H200's).
 
     Raises:
         ValueError: ``checkpointing`` unknown; non-positive sizes; the budget is too small
@@ -499,6 +559,27 @@ def estimate_memory(
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
         disk_free = shutil.disk_usage(probe).free
+    timing: dict = {}
+    if predict and device_type == "cuda":
+        timing = _predict_speed(
+            model,
+            acts,
+            plan,
+            config=config,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            wire_size=torch.empty((), dtype=wire_dtype).element_size(),
+            checkpointing=checkpointing,
+            ckpt=ckpt,
+            gpu_memory_bytes=gpu_memory_bytes,
+            ramflow_budget=ramflow_budget,
+            units=units,
+            buffer_bytes=buffer_bytes,
+            device_type=device_type,
+            wire_dtype=wire_dtype,
+            rates=timing_rates or Rates(),
+            matmul_flops_per_s=matmul_flops_per_s or DEFAULT_MATMUL_FLOPS_PER_S,
+        )
     return MemoryEstimate(
         model_name=model_name,
         num_parameters=num_parameters,
@@ -523,7 +604,88 @@ def estimate_memory(
         checkpoint_bytes=num_parameters * 4 + optimizer_states * num_trainable * 4,
         ram_available_bytes=psutil.virtual_memory().available,
         disk_free_bytes=disk_free,
+        **timing,
     )
+
+
+def _predict_speed(
+    model: nn.Module,
+    acts: ActivationProfile,
+    plan: OffloadPlan,
+    *,
+    config,
+    batch_size: int,
+    seq_len: int,
+    wire_size: int,
+    checkpointing: str,
+    ckpt: bool,
+    gpu_memory_bytes: int | None,
+    ramflow_budget: int | None,
+    units: list[_Unit],
+    buffer_bytes: int,
+    device_type: str,
+    wire_dtype: torch.dtype,
+    rates: Rates,
+    matmul_flops_per_s: float,
+) -> dict:
+    """The step-time prediction of ``plan`` as ``train`` runs it, and the timed planner's
+    fastest plan for the same budget (``MemoryEstimate`` fields).
+
+    Blocks are the decoder layers, in order, with ``acts.layer_bytes``; with
+    ``checkpointing="auto"`` the timed planner chooses per-unit checkpointing within the
+    whole budget, otherwise it keeps the run's policy (all blocks or none)."""
+    shapes = unit_shapes(model)
+    blocks = [s.name for s in shapes if s.block]
+    hidden = config.hidden_size
+    costs = unit_costs(
+        shapes,
+        batch=batch_size,
+        seq=seq_len,
+        hidden=hidden,
+        wire_itemsize=wire_size,
+        matmul_flops_per_s=matmul_flops_per_s,
+        resident=plan.resident,
+        checkpointed=blocks if ckpt else (),
+    )
+    prediction = predict_step(
+        costs, rates=rates, prefetch_depth=plan.prefetch_depth, grad_bytes_per_param=wire_size
+    )
+    layer = iter(acts.layer_bytes)
+    act_bytes = [next(layer, 0) if s.block else 0 for s in shapes]
+    auto = checkpointing == "auto"
+    timing = PlanTiming(
+        forward_s=[c.forward_s for c in costs],
+        trainable_params=[c.trainable_params for c in costs],
+        rates=rates,
+        deps=[s.deps for s in shapes],
+        activation_bytes=act_bytes,
+        checkpoint_bytes=[acts.layer_input_bytes if s.block else 0 for s in shapes],
+        checkpointable=[s.block for s in shapes],
+        other_activation_bytes=acts.other_bytes + acts.logits_workspace_bytes,
+        checkpointed=None if auto else (blocks if ckpt else []),
+        grad_bytes_per_param=wire_size,
+    )
+    try:
+        timed = make_plan(
+            device=device_type,
+            wire_dtype=str(wire_dtype).replace("torch.", ""),
+            unit_names=[u.name for u in units],
+            unit_bytes=[u.numel * wire_size for u in units],
+            unit_grad_bytes=[u.trainable_numel * wire_size for u in units],
+            always_resident=[u.rest for u in units],
+            fixed_bytes=buffer_bytes,
+            # auto: the budget covers ramflow and the activations, the planner splits it
+            gpu_memory_bytes=gpu_memory_bytes if auto else ramflow_budget,
+            timing=timing,
+        )
+    except ValueError:
+        timed = None
+    return {
+        "prediction": prediction,
+        "timed_plan": timed,
+        "timing_rates": rates,
+        "matmul_flops_per_s": matmul_flops_per_s,
+    }
 
 
 def default_gpu_budget(device: torch.device) -> int | None:

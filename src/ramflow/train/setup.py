@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .._plan import format_bytes, parse_bytes
+from .._predict import Rates
 from .checkpoint import Checkpoint
 from .config import TrainConfig
 from .data import Corpus, build_corpus, find_documents, stdlib_root
@@ -73,6 +74,7 @@ def _estimate(
     wire_dtype: torch.dtype,
     budget: int | None,
     out_dir: Path | None,
+    **predict: Any,
 ) -> MemoryEstimate:
     ctx = getattr(mconfig, "max_position_embeddings", None)
     if ctx is not None and config.seq_len > ctx:
@@ -89,14 +91,29 @@ def _estimate(
         gpu_memory_bytes=budget,
         checkpointing=config.checkpointing,
         out_dir=out_dir if out_dir is not None else Path("runs"),
+        **predict,
     )
 
 
-def plan_run(config: TrainConfig, *, out_dir: str | os.PathLike | None = None) -> MemoryEstimate:
-    """The memory plan of a training run, without allocating the model (``ramflow plan``).
+def plan_run(
+    config: TrainConfig,
+    *,
+    out_dir: str | os.PathLike | None = None,
+    timing_rates: Rates | None = None,
+    matmul_flops_per_s: float | None = None,
+) -> MemoryEstimate:
+    """The memory plan of a training run, without allocating the model (``ramflow plan``),
+    with its predicted step time on a GPU (``MemoryEstimate.prediction`` and ``timed_plan``).
 
     Unlike ``train``, the device need not be present: ``device="cuda"`` plans a GPU run
     on a machine without one (with no budget unless ``gpu_memory`` is given).
+
+    Args:
+        config: the run's settings.
+        out_dir: where checkpoints would go, for the disk check.
+        timing_rates: copy and CPU optimizer rates for the prediction (default: the H200
+            box's, see ``ramflow._predict``).
+        matmul_flops_per_s: the GPU's bf16 matmul rate, FLOP/s (default: the H200's).
 
     Raises:
         ValueError, FileNotFoundError: as ``train``'s checks (settings, model, tokenizer,
@@ -123,6 +140,9 @@ def plan_run(config: TrainConfig, *, out_dir: str | os.PathLike | None = None) -
         wire_dtype=wire,
         budget=budget,
         out_dir=Path(out_dir) if out_dir is not None else None,
+        predict=True,
+        timing_rates=timing_rates,
+        matmul_flops_per_s=matmul_flops_per_s,
     )
 
 

@@ -1,0 +1,92 @@
+"""``ramflow plan``'s predicted step time: printed with its assumptions, and it follows them."""
+
+from __future__ import annotations
+
+import pytest
+
+from ramflow._plan import make_plan
+from ramflow._predict import Rates
+from ramflow.train import TrainConfig, plan_run
+
+
+def _plan(**rates):
+    config = TrainConfig.from_options(
+        preset="tiny", device="cuda", gpu_memory="1GiB", batch_size=4, seq_len=256
+    )
+    return plan_run(config, **rates)
+
+
+def test_plan_cli_prints_the_prediction_and_its_assumptions(ramflow_cli, capsys) -> None:
+    rc = ramflow_cli(
+        "plan", "--preset", "tiny", "--device", "cuda", "--gpu-memory", "1GiB",
+        "--pcie-gbps", "10", "--gpu-tflops", "100", "--cpu-adamw-gparams", "1",
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0
+    for text in (
+        "step time (predicted",
+        "bound by",
+        "pinned PCIe 10.0 GB/s",
+        "100 TFLOP/s",
+        "1.00 G params/s",
+        "fastest plan for this budget",
+        "resident units:",
+        "prefetch depth:",
+        "checkpointed units:",
+        "ramflow.offload(model, gpu_memory=",
+    ):
+        assert text in out
+
+
+def test_a_cpu_run_gets_no_prediction(ramflow_cli, capsys) -> None:
+    assert ramflow_cli("plan", "--preset", "tiny", "--device", "cpu") == 0
+    assert "predicted" not in capsys.readouterr().out
+
+
+def test_bad_rates_are_refused(ramflow_cli, capsys) -> None:
+    assert ramflow_cli("plan", "--preset", "tiny", "--device", "cuda", "--pcie-gbps", "0") == 2
+    assert "--pcie-gbps must be positive" in capsys.readouterr().err
+
+
+def test_the_prediction_follows_the_assumed_rates() -> None:
+    slow_cpu = _plan(timing_rates=Rates(cpu_optimizer_params_per_s=1e6)).prediction
+    assert slow_cpu.bound == "CPU optimizer"
+    slow_link = _plan(timing_rates=Rates.from_pcie(1e6, cpu_optimizer_params_per_s=1e15))
+    assert slow_link.prediction.bound.startswith("PCIe")
+    slow_gpu = _plan(
+        timing_rates=Rates.from_pcie(1e15, cpu_optimizer_params_per_s=1e15),
+        matmul_flops_per_s=1e9,
+    ).prediction
+    assert slow_gpu.bound == "GPU compute"
+
+
+def test_the_fastest_plan_fits_and_the_engine_can_follow_it() -> None:
+    est = _plan(timing_rates=Rates.from_pcie(1e8))  # a slow link: residents pay
+    best = est.timed_plan
+    assert best is not None and best.prediction is not None
+    assert best.planned_bytes + best.activation_bytes <= est.gpu_memory_bytes
+    assert best.prediction.step_s <= est.prediction.step_s * 1.005
+    assert best.resident  # the link binds, so the planner keeps units on the device
+    kwargs = best.offload_kwargs()
+    plan = est.plan
+    engine = make_plan(
+        device="cuda",
+        wire_dtype=plan.wire_dtype,
+        unit_names=plan.unit_names,
+        unit_bytes=plan.unit_bytes,
+        unit_grad_bytes=[plan.grad_bytes // 2] * len(plan.unit_names),
+        always_resident=[False] * len(plan.unit_names),
+        fixed_bytes=plan.fixed_bytes,
+        gpu_memory_bytes=kwargs["gpu_memory"],
+        prefetch_depth=kwargs["prefetch_depth"],
+    )
+    assert engine.resident == best.resident
+
+
+@pytest.mark.parametrize("checkpointing", ["on", "off"])
+def test_a_fixed_checkpointing_setting_is_kept(checkpointing: str) -> None:
+    config = TrainConfig.from_options(
+        preset="tiny", device="cuda", gpu_memory="1GiB", checkpointing=checkpointing
+    )
+    best = plan_run(config).timed_plan
+    assert bool(best.checkpointed) == (checkpointing == "on")
