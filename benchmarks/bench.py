@@ -1,7 +1,9 @@
-"""ramflow's benchmark harness: floors, ramflow, resident, peers, scaling, CPU optimizer, trace.
+"""ramflow's benchmark harness: floors, ramflow, resident, peers, k of n resident, scaling, CPU
+optimizer, trace; each ramflow step also against its predicted time (``ramflow._predict``).
 
 Run on the GPU box from the repository root, e.g.::
 
+    python benchmarks/bench.py --all --part 1 --budget-s 540 --out-dir $OUT
     python benchmarks/bench.py --floors --ramflow --resident --budget-s 520 --out-dir $OUT
 
 Each case runs in a process of its own, in priority order, and cases that no longer fit
@@ -63,9 +65,30 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="RamTorch, DeepSpeed ZeRO-3 offload, FSDP2 offload, accelerate",
     )
     g.add_argument(
-        "--all", action="store_true", help="everything above (needs several calls of ~9 minutes)"
+        "--kofn",
+        action="store_true",
+        help="k of the n blocks resident (k = 0, n/4, n/2, 3n/4): bytes each way and step time",
     )
-    p.add_argument("--model", choices=("reference", "llama-3b"), default="reference")
+    g.add_argument(
+        "--all",
+        action="store_true",
+        help="the whole suite, both models, in priority order (cases.suite_cases): about 15 "
+        "minutes on an H200, so on a 10-minute device call run it as --part 1 and --part 2 "
+        "and join them with --report",
+    )
+    p.add_argument(
+        "--part",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="with --all: only this half of the suite (each fits ~540 s on an H200)",
+    )
+    p.add_argument(
+        "--model",
+        choices=("reference", "llama-3b"),
+        default="reference",
+        help="the model of the group flags (--all runs both)",
+    )
     p.add_argument("--tiny", action="store_true", help="small model and sequences (CPU smoke test)")
     p.add_argument(
         "--steps", type=int, default=3, help="timed steps per case (the median is reported)"
@@ -140,28 +163,32 @@ def main(argv: list[str] | None = None) -> int:
         stem = harness.merge(paths, Path(args.out_dir) / (paths[0].stem + "-merged"))
         print(f"wrote {stem}.json and {stem}.md")
         return 0
+    if args.part is not None and not args.all:
+        print("bench.py: --part needs --all", file=sys.stderr)
+        return 2
     groups = [
-        g
-        for g in cases.GROUPS
-        if args.all or getattr(args, g) or (g == "trace" and args.trace is not None)
+        g for g in cases.GROUPS if getattr(args, g) or (g == "trace" and args.trace is not None)
     ]
     if not groups:
         groups = ["floors", "ramflow", "resident"]
     out_dir = Path(args.out_dir)
     trace_dir = args.trace if args.trace else str(out_dir)
-    tag = args.tag or "run"
-    selected = cases.build_cases(
-        groups,
-        model=args.model,
+    tag = args.tag or (
+        "run" if not args.all else "all" if args.part is None else f"part{args.part}"
+    )
+    options = dict(
         tiny=args.tiny,
         warmup=args.warmup,
         steps=args.steps,
         out_dir=trace_dir,
-        tag=f"{args.model}-{tag}",
         scaling_depths=[int(d) for d in args.scaling_depths.split(",")],
         peer_names=args.peer,
         checkpointing_by=args.checkpointing_by,
     )
+    if args.all:
+        selected = cases.suite_cases(part=args.part, tag=tag, **options)
+    else:
+        selected = cases.build_cases(groups, model=args.model, tag=f"{args.model}-{tag}", **options)
     if args.only:
         selected = [c for c in selected if any(t in c["id"] for t in args.only)]
     if args.list:
@@ -176,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         selected,
         budget_s=args.budget_s,
         out_dir=out_dir,
-        tag=args.tag,
+        tag=tag if args.all else args.tag,
         command=command,
         steps=args.steps,
         warmup=args.warmup,

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-GROUPS = ("floors", "ramflow", "resident", "trace", "cpu_optimizer", "scaling", "peers")
+GROUPS = ("floors", "ramflow", "resident", "kofn", "trace", "cpu_optimizer", "scaling", "peers")
+KOFN_FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # k = round(f x n) of the n blocks resident
 SEQ = 2048
 LOSS_CHUNK = 4096  # tokens per head + cross-entropy chunk in the capped cases
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
@@ -83,17 +84,28 @@ def build_cases(
     base = _base(model, tiny, warmup, steps)
     base["checkpointing_by"] = checkpointing_by
     seq = base["seq"]
-    scale = 0.1 if tiny else 1.0
+    # estimates are H200 wall times of the reference model (2026-11-22 runs, about 1.2x),
+    # llama-3b (3.2 B parameters, 28 layers) about 1.2x those
+    scale = 0.1 if tiny else (1.2 if model == "llama-3b" else 1.0)
     cases: list[dict[str, Any]] = []
 
-    def add(group: str, case_id: str, kind: str, estimate_s: float, **fields: Any) -> None:
+    def add(
+        group: str,
+        case_id: str,
+        kind: str,
+        estimate_s: float,
+        *,
+        per_model: bool = True,
+        **fields: Any,
+    ) -> None:
+        factor = scale if per_model or tiny else 1.0  # floors and the CPU optimizer: any model
         cases.append(
             {
                 **base,
                 "id": case_id,
                 "group": group,
                 "kind": kind,
-                "estimate_s": max(5.0, estimate_s * scale),
+                "estimate_s": max(5.0, estimate_s * factor),
                 **fields,
             }
         )
@@ -103,38 +115,70 @@ def build_cases(
         train = [shape | {"loss_chunk_tokens": 0} for shape in train]
     batches = inference_batches(tiny)
     if "floors" in groups:
-        add("floors", "floors", "floors", 25)
+        add("floors", "floors", "floors", 16, per_model=False)
     if "ramflow" in groups:
-        add("ramflow", _train_id("ramflow", model, train[0], seq), "ramflow_train", 55, **train[0])
+        add("ramflow", _train_id("ramflow", model, train[0], seq), "ramflow_train", 45, **train[0])
         infer_id = f"ramflow.{model}.infer.{'+'.join(map(str, batches))}x{seq}"
-        add("ramflow", infer_id, "ramflow_infer", 25, batches=batches)
-        add("ramflow", _train_id("ramflow", model, train[1], seq), "ramflow_train", 60, **train[1])
-        add("ramflow", _train_id("ramflow", model, train[2], seq), "ramflow_train", 40, **train[2])
+        add("ramflow", infer_id, "ramflow_infer", 22, batches=batches)
+        add("ramflow", _train_id("ramflow", model, train[1], seq), "ramflow_train", 45, **train[1])
+        if model == "reference":
+            # llama-3b's 16x2048 step without checkpointing keeps ~85 GB of layer activations
+            # and ~60 GB of fp32 logits: it fits no single GPU, so it is not run
+            add(
+                "ramflow",
+                _train_id("ramflow", model, train[2], seq),
+                "ramflow_train",
+                32,
+                **train[2],
+            )
     if "resident" in groups:
         # The compute floor of each ramflow case: the same model and step, all on the GPU.
         # 16x2048 without checkpointing is left out: about 4x the activations of the 4x2048
         # step on top of 43 GB of fp32 weights, gradients and AdamW states does not fit
-        # (ANCHORS.md estimates it from 4x2048; so does the report).
+        # (ANCHORS.md estimates it from 4x2048; so does the report). A case that would not fit
+        # this device (``models.resident_peak_bytes``) is recorded as skipped, not run.
         plain_small = {**train[2], "batch": train[0]["batch"]}
-        for shape, est in ((train[0], 20), (plain_small, 20), (train[1], 25)):
+        for shape, est in ((train[0], 14), (plain_small, 14), (train[1], 19)):
             resident_id = _resident_id(model, shape, seq)
             add("resident", resident_id, "resident_train", est, **shape | {"cap_gib": None})
         infer_id = f"resident.{model}.infer.{'+'.join(map(str, batches))}x{seq}"
-        add("resident", infer_id, "resident_infer", 15, batches=batches)
+        add("resident", infer_id, "resident_infer", 14, batches=batches)
+    if "kofn" in groups:
+        # k of the n blocks resident (budgets chosen so), training at the small batch with
+        # checkpointing and inference at batch 1; one process, the model built once
+        shape = train[0] | {"cap_gib": None}
+        kofn_id = f"kofn.{model}.train.{shape['batch']}x{seq}+infer.{batches[0]}x{seq}"
+        add(
+            "kofn",
+            kofn_id,
+            "ramflow_kofn",
+            60,
+            **shape,
+            infer_batch=batches[0],
+            fractions=list(KOFN_FRACTIONS),
+        )
     if "trace" in groups:
         shape = train[0] | {"cap_gib": None}
         trace_id = f"trace.{model}.train.{shape['batch']}x{seq}"
-        add("trace", trace_id, "trace", 45, **shape, out_dir=out_dir, trace_name=f"trace-{tag}")
+        add("trace", trace_id, "trace", 35, **shape, out_dir=out_dir, trace_name=f"trace-{tag}")
     if "cpu_optimizer" in groups:
         # four blocks of the reference model (1.07 B parameters): rates are per parameter
         depth = 2 if tiny else 4
         opt_id = f"cpu_optimizer.reference.{depth}-layers"
-        add("cpu_optimizer", opt_id, "cpu_optimizer", 35, model="reference", num_layers=depth)
+        add(
+            "cpu_optimizer",
+            opt_id,
+            "cpu_optimizer",
+            27,
+            per_model=False,
+            model="reference",
+            num_layers=depth,
+        )
     if "scaling" in groups:
         shape = train[0] | {"cap_gib": None}
         for depth in scaling_depths:
             scaling_id = f"scaling.{model}.train.{shape['batch']}x{seq}.{depth}-layers"
-            est = 20 + 2.5 * depth
+            est = 14 + 1.5 * depth
             add("scaling", scaling_id, "ramflow_train", est, **shape, num_layers=depth)
     if "peers" in groups:
         for case in peer_cases(model, tiny, train, batches, seq):
@@ -150,80 +194,33 @@ def peer_cases(
     """Peer runs, most informative first. Each names its script and arguments."""
     small, large = train[0]["batch"], train[1]["batch"]
     b = ",".join(map(str, batches))
+    # (peer, script, id suffix, arguments, H200 wall estimate (s), core): the core runs are
+    # the best peers of 2026-11-22 at inference, 4x2048 and 16x2048 (what the targets compare
+    # against); DeepSpeed's first case in a process tree also compiles its CPU Adam (~30 s)
     runs = [
-        (
-            "ramtorch",
-            "ramtorch_offload.py",
-            f"infer.bf16.{b}",
-            ["--mode", "infer", "--batches", b, "--weights", "bf16"],
-            30,
-        ),
-        (
-            "ramtorch",
-            "ramtorch_offload.py",
-            f"train.{small}.keep",
-            ["--mode", "train", "--batch", str(small), "--keep", "keep"],
-            40,
-        ),
-        (
-            "ramtorch",
-            "ramtorch_offload.py",
-            f"train.{small}.checkpoint",
-            ["--mode", "train", "--batch", str(small), "--keep", "checkpoint"],
-            40,
-        ),
-        (
-            "deepspeed",
-            "deepspeed_zero3.py",
-            f"train.{small}",
-            ["--mode", "train", "--batch", str(small)],
-            120,
-        ),
-        (
-            "accelerate",
-            "accelerate_offload.py",
-            f"infer.{b}",
-            ["--mode", "infer", "--batches", b],
-            35,
-        ),
-        (
-            "fsdp2",
-            "fsdp2_offload.py",
-            f"train.{small}",
-            ["--mode", "train", "--batch", str(small)],
-            75,
-        ),
-        (
-            "ramtorch",
-            "ramtorch_offload.py",
-            f"infer.fp32-autocast.{b}",
-            ["--mode", "infer", "--batches", b, "--weights", "fp32-autocast"],
-            35,
-        ),
-        (
-            "ramtorch",
-            "ramtorch_offload.py",
-            f"train.{large}.checkpoint",
-            ["--mode", "train", "--batch", str(large), "--keep", "checkpoint"],
-            50,
-        ),
-        (
-            "deepspeed",
-            "deepspeed_zero3.py",
-            f"train.{large}",
-            ["--mode", "train", "--batch", str(large)],
-            60,
-        ),
-        (
-            "ramtorch",
-            "ramtorch_offload.py",
-            f"train.{large}.keep",
-            ["--mode", "train", "--batch", str(large), "--keep", "keep"],
-            50,
-        ),
-    ]
+        ("ramtorch", "ramtorch_offload.py", f"infer.bf16.{b}",
+         ["--mode", "infer", "--batches", b, "--weights", "bf16"], 15, True),
+        ("ramtorch", "ramtorch_offload.py", f"train.{small}.keep",
+         ["--mode", "train", "--batch", str(small), "--keep", "keep"], 52, True),
+        ("deepspeed", "deepspeed_zero3.py", f"train.{large}",
+         ["--mode", "train", "--batch", str(large)], 95, True),
+        ("ramtorch", "ramtorch_offload.py", f"train.{large}.checkpoint",
+         ["--mode", "train", "--batch", str(large), "--keep", "checkpoint"], 50, True),
+        ("deepspeed", "deepspeed_zero3.py", f"train.{small}",
+         ["--mode", "train", "--batch", str(small)], 90, False),
+        ("ramtorch", "ramtorch_offload.py", f"train.{small}.checkpoint",
+         ["--mode", "train", "--batch", str(small), "--keep", "checkpoint"], 44, False),
+        ("accelerate", "accelerate_offload.py", f"infer.{b}",
+         ["--mode", "infer", "--batches", b], 20, False),
+        ("fsdp2", "fsdp2_offload.py", f"train.{small}",
+         ["--mode", "train", "--batch", str(small)], 60, False),
+        ("ramtorch", "ramtorch_offload.py", f"infer.fp32-autocast.{b}",
+         ["--mode", "infer", "--batches", b, "--weights", "fp32-autocast"], 22, False),
+        ("ramtorch", "ramtorch_offload.py", f"train.{large}.keep",
+         ["--mode", "train", "--batch", str(large), "--keep", "keep"], 48, False),
+    ]  # fmt: skip
     out = []
-    for peer, script, suffix, args, est in runs:
+    for peer, script, suffix, args, est, core in runs:
         out.append(
             {
                 "id": f"peer.{peer}.{model}.{suffix}",
@@ -231,6 +228,7 @@ def peer_cases(
                 "script": str(PEERS_DIR / script),
                 "args": args,
                 "estimate_s": est,
+                "core": core,
             }
         )
     return out
@@ -254,3 +252,29 @@ def peer_command(case: dict[str, Any]) -> list[str]:
     if case["tiny"]:
         cmd.append("--tiny")
     return cmd
+
+
+def suite_cases(*, part: int | None = None, **options: Any) -> list[dict[str, Any]]:
+    """Every case of issue 4, both models, in one priority order (``bench.py --all``).
+
+    Part 1: floors; ramflow's main cases, the resident steps and the best peers (inference,
+    4x2048, 16x2048) for the reference model; k of n resident; the CPU optimizer. Part 2:
+    floors again (so that it stands alone; ``--report`` keeps the later copy), llama-3b's
+    ramflow and resident cases, scaling, the trace, and the other peers. ``part=None`` runs
+    both in that order (the floors once). ``options`` are ``build_cases``' keywords but
+    ``model`` and ``groups``.
+    """
+    ref = {g: build_cases([g], model="reference", **options) for g in GROUPS}
+    llama = {g: build_cases([g], model="llama-3b", **options) for g in ("ramflow", "resident")}
+    core = [c for c in ref["peers"] if c.get("core")]
+    other = [c for c in ref["peers"] if not c.get("core")]
+    first = ref["floors"] + ref["ramflow"] + ref["resident"] + core + ref["kofn"]
+    first += ref["cpu_optimizer"]
+    second = llama["ramflow"] + llama["resident"] + ref["scaling"] + ref["trace"] + other
+    if part == 1:
+        return first
+    if part == 2:
+        return ref["floors"] + second
+    if part is not None:
+        raise ValueError(f"part must be 1 or 2, got {part}")
+    return first + second

@@ -168,14 +168,18 @@ def run_case(case: dict[str, Any], timeout_s: float, log) -> dict[str, Any]:
 
 
 def document(meta: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The results document: meta, case records, rows with floors, and the special results."""
+    """The results document: meta, case records, rows with floors and predictions, the k of
+    n rows, the targets, and the special results."""
     doc: dict[str, Any] = {"meta": meta, "cases": records}
     for key in ("floors", "cpu_optimizer", "trace"):
         rec = next((r for r in records if r["kind"] == key and r["status"] == "ok"), None)
         doc[key] = rec["result"] if rec else None
     rows = [row for r in records for row in report.rows_of(r["case"], r)]
     report.add_floors(rows, doc["floors"])
+    report.add_predictions(rows, doc["floors"], doc["cpu_optimizer"])
     doc["rows"] = rows
+    doc["kofn"] = report.kofn_rows(records, doc["floors"], doc["cpu_optimizer"])
+    doc["targets"] = report.targets(doc)
     return doc
 
 

@@ -56,14 +56,16 @@ def time_steps(
 
     Returns: ``step_s`` (the median), ``step_times_s`` (all), ``peak_bytes``, and with a
     ``counter`` the bytes it counted per timed step, ``h2d_bytes_counted`` and
-    ``d2h_bytes_counted`` (None when it could not be installed).
+    ``d2h_bytes_counted`` (None when it could not be installed), and
+    ``h2d_refresh_bytes_counted``, the resident units' share of the H2D bytes (None
+    unless the counter ``watch``-es the model).
     """
     for _ in range(warmup):
         step()
     if drain is not None:
         drain()
     reset_peak(device)
-    counted0 = counter.snapshot() if counter is not None else (0, 0)
+    counted0 = counter.snapshot() if counter is not None else (0, 0, 0)
     times = []
     start = time.perf_counter()
     for i in range(steps):
@@ -84,6 +86,8 @@ def time_steps(
         ok = counter.installed and steps > 0
         out["h2d_bytes_counted"] = (counted1[0] - counted0[0]) // steps if ok else None
         out["d2h_bytes_counted"] = (counted1[1] - counted0[1]) // steps if ok else None
+        split = ok and counter.split
+        out["h2d_refresh_bytes_counted"] = (counted1[2] - counted0[2]) // steps if split else None
     return out
 
 
@@ -215,13 +219,18 @@ class CopyCounter:
     It wraps ``ramflow._streams.CopyStreams.h2d`` and ``.d2h`` (a private module: if that
     changes, ``installed`` is False and the counts stay None) and adds the source tensor's
     bytes on every call. Install before ``ramflow.offload`` and keep for the process.
+    ``watch(model)`` after ``ramflow.offload`` also splits H2D into the refreshes of
+    resident units (after their CPU steps) and the loads of streamed units.
     """
 
     def __init__(self) -> None:
         self.h2d_bytes = 0
         self.d2h_bytes = 0
+        self.h2d_refresh_bytes = 0
+        self._resident_targets: set[int] = set()
         self._lock = threading.Lock()
         self.installed = False
+        self.split = False
         try:
             from ramflow import _streams
         except ImportError:
@@ -232,19 +241,41 @@ class CopyCounter:
         counter = self
         orig_h2d, orig_d2h = cls.h2d, cls.d2h
 
-        def h2d(streams: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        def h2d(
+            streams: Any, dst: torch.Tensor, src: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> Any:
+            nbytes = src.numel() * src.element_size()
             with counter._lock:
-                counter.h2d_bytes += src.numel() * src.element_size()
-            return orig_h2d(streams, dst, src)
+                counter.h2d_bytes += nbytes
+                if id(dst) in counter._resident_targets:
+                    counter.h2d_refresh_bytes += nbytes
+            return orig_h2d(streams, dst, src, *args, **kwargs)
 
-        def d2h(streams: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        def d2h(
+            streams: Any, dst: torch.Tensor, src: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> Any:
             with counter._lock:
                 counter.d2h_bytes += src.numel() * src.element_size()
-            return orig_d2h(streams, dst, src)
+            return orig_d2h(streams, dst, src, *args, **kwargs)
 
         cls.h2d, cls.d2h = h2d, d2h
         self.installed = True
 
-    def snapshot(self) -> tuple[int, int]:
+    def watch(self, model: Any) -> None:
+        """Tell resident units' copies apart for ``model`` (offloaded); a no-op where the
+        engine's private layout is not what this expects (``split`` stays False)."""
+        try:
+            from ramflow._engine import ENGINE_OF_MODEL
+
+            units = ENGINE_OF_MODEL[model].units
+            targets = {id(u.device_alias) for u in units if u.resident}
+        except (ImportError, KeyError, AttributeError):
+            return
         with self._lock:
-            return self.h2d_bytes, self.d2h_bytes
+            self._resident_targets = targets
+            self.split = True
+
+    def snapshot(self) -> tuple[int, int, int]:
+        """(H2D, D2H, H2D refresh of resident units) bytes counted so far."""
+        with self._lock:
+            return self.h2d_bytes, self.d2h_bytes, self.h2d_refresh_bytes

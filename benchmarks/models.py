@@ -130,6 +130,53 @@ def _build_llama(
     return model
 
 
+def meta_shape(name: str, *, tiny: bool = False, num_layers: int | None = None) -> ModelShape:
+    """``model_shape`` of a model built on the meta device: sizes without allocating."""
+    if name == "reference":
+        cfg = TINY if tiny else REFERENCE
+        if num_layers is not None:
+            cfg = cfg.replace(num_layers=num_layers)
+        with torch.device("meta"):
+            return model_shape(ReferenceModel(cfg))
+    return model_shape(
+        _build_llama(
+            tiny=tiny, device="meta", dtype=torch.float32, num_layers=num_layers, checkpoint=False
+        )
+    )
+
+
+# Bytes per token and layer that a bf16-autocast block keeps for backward, in model widths
+# (the reference model's resident 4x2048 step on the H200: 13.5 GiB over 8192 x 12 x 4096);
+# a checkpointed block keeps its fp32 input (4 bytes per width); logits cost about 14 bytes per
+# token and vocabulary entry (bf16 logits, fp32 copy, fp32 and bf16 gradients).
+ACTIVATION_WIDTHS_PER_LAYER = 30
+LOGITS_BYTES = 14
+
+
+def resident_peak_bytes(
+    shape: ModelShape,
+    *,
+    mode: str,
+    batch: int,
+    seq: int,
+    checkpoint: bool = False,
+    loss_chunk_tokens: int = 0,
+) -> int:
+    """A rough peak of a resident step: fp32 weights, gradients and AdamW states (16 bytes
+    per parameter) and activations for training; bf16 weights and the logits for inference.
+    Used to skip resident cases that cannot fit the device, instead of crashing them."""
+    tokens = batch * seq
+    if mode == "infer":
+        return 2 * shape.num_params + tokens * shape.vocab_size * 2 + 4 * tokens * shape.dim * 8
+    layer = tokens * shape.dim * ACTIVATION_WIDTHS_PER_LAYER
+    if checkpoint:
+        layers = shape.num_layers * tokens * shape.dim * 4 + layer
+    else:
+        layers = shape.num_layers * layer
+    chunk = loss_chunk_tokens if 0 < loss_chunk_tokens < tokens else tokens
+    return 16 * shape.num_params + layers + chunk * shape.vocab_size * LOGITS_BYTES
+
+
 def model_shape(model: nn.Module) -> ModelShape:
     """Parameter counts and sizes of a model built by ``build_model``."""
     num_params = sum(p.numel() for p in model.parameters())  # parameters() dedups ties

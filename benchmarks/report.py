@@ -13,14 +13,42 @@ the run (or in another run's floors, with ``--report``):
   streamed, nothing resident, as in ANCHORS.md;
 - CPU optimizer: the fp32 master parameters over torch's fused CPU AdamW rate, measured on a
   slice of parameters and scaled linearly (training only).
+
+Each ramflow step is also predicted by ramflow's step-time model (``ramflow._predict``, loaded
+from ``src/`` by path, so no torch here) from the unit sizes the case recorded and the rates
+this run measured: pinned copy rates and the bf16 matmul rate from the floors, the CPU AdamW
+rate from the CPU optimizer case (else the floors' torch fused rate scaled by
+``RAMFLOW_ADAMW_PER_TORCH_FUSED``). "x predicted" is measured / predicted.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 GIB = 1 << 30
+PREDICT_PATH = Path(__file__).resolve().parent.parent / "src" / "ramflow" / "_predict.py"
+
+# Targets of issue 4 (point 2 as the README quotes it, point 4 for the prediction). Each is a
+# ratio from one run on one device.
+FLOOR_TARGET = 1.15  # step time within 1.15x the floor, max(GPU compute, PCIe, CPU optimizer)
+PEER_TARGET = 2.0  # at least 2x faster than the best peer at the same workload
+PREDICT_TOLERANCE = 0.15  # predicted step time within 15% of the measured one
+KOFN_BYTES_TOLERANCE = 0.10  # k of n resident moves at most (n-k)/n of the streamed bytes (+10%)
+
+
+def load_predict():
+    """``ramflow._predict`` loaded from its file (it needs only the standard library)."""
+    name = "ramflow_predict_standalone"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, PREDICT_PATH)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def _shape(result: dict[str, Any]) -> dict[str, Any] | None:
@@ -109,9 +137,12 @@ def _train_row(
         "within_cap": None if cap is None or peak is None else peak <= cap * GIB,
         "planned_bytes": result.get("planned_bytes"),
         "resident_units": result.get("resident_units"),
+        "num_units": result.get("num_units"),
         "h2d_bytes": h2d,
         "d2h_bytes": d2h,
+        "h2d_refresh_bytes": result.get("h2d_refresh_bytes_counted"),
         "bytes_how": how,
+        "predict_inputs": result.get("predict_inputs"),
     }
 
 
@@ -134,9 +165,12 @@ def _infer_row(
         "tokens_per_s": tokens / step if step else None,
         "peak_bytes": row.get("peak_bytes"),
         "within_cap": None,
+        "resident_units": result.get("resident_units"),
+        "num_units": result.get("num_units"),
         "h2d_bytes": h2d,
         "d2h_bytes": d2h,
         "bytes_how": how,
+        "predict_inputs": row.get("predict_inputs"),
     }
 
 
@@ -244,6 +278,295 @@ def linear_fit(xs: list[float], ys: list[float]) -> dict[str, float] | None:
     return {"intercept": a, "slope": b, "r2": 1.0 - ss_res / ss_tot if ss_tot else 1.0}
 
 
+# ---------------------------------------------------------------------------------- predictions
+
+
+def measured_rates(floors: dict[str, Any] | None, cpu: dict[str, Any] | None):
+    """(Rates, matmul FLOP/s, where the CPU rate came from) from this run's figures; None
+    when the floors are missing (no prediction then)."""
+    if not floors or not floors.get("matmul_flops_per_s"):
+        return None
+    bw = floors.get("bandwidth_bytes_per_s") or {}
+    if not bw.get("h2d") or not bw.get("d2h"):
+        return None
+    p = load_predict()
+    if cpu and cpu.get("ramflow_params_per_s"):
+        rate, how = cpu["ramflow_params_per_s"], "ramflow's AdamW, CPU optimizer case"
+    elif floors.get("cpu_adamw_fused_params_per_s"):
+        rate = p.ramflow_adamw_rate(floors["cpu_adamw_fused_params_per_s"])
+        how = f"torch fused x {p.RAMFLOW_ADAMW_PER_TORCH_FUSED} (floors)"
+    else:
+        return None
+    rates = p.Rates(bw["h2d"], bw["d2h"], bw.get("both"), rate)
+    return rates, floors["matmul_flops_per_s"], how
+
+
+def predict(inputs: dict[str, Any] | None, rated) -> Any:
+    """The ``StepPrediction`` of a step recorded with ``runners.predict_inputs``."""
+    if not inputs or rated is None:
+        return None
+    p = load_predict()
+    rates, matmul, _ = rated
+    mode = inputs["mode"]
+    units = []
+    for u in inputs["units"]:
+        flops = p.forward_flops(
+            u["matmul_params"],
+            batch=inputs["batch"],
+            seq=inputs["seq"],
+            attention_layers=u["attention_layers"],
+            hidden=inputs["hidden"],
+        )
+        units.append(
+            p.UnitCost(
+                name=u["name"],
+                wire_bytes=u["wire_bytes"],
+                trainable_params=u["trainable_params"],
+                forward_s=p.forward_seconds(flops, matmul, mode=mode),
+                resident=u["resident"],
+                checkpointed=u["checkpointed"],
+                deps=tuple(u.get("deps") or ()),
+            )
+        )
+    return p.predict_step(
+        units,
+        rates=rates,
+        prefetch_depth=inputs["prefetch_depth"],
+        mode=mode,
+        grad_bytes_per_param=inputs.get("grad_bytes_per_param", 2),
+    )
+
+
+def reference_inputs(row: dict[str, Any]) -> dict[str, Any] | None:
+    """Prediction inputs of a reference-model ramflow row recorded before cases kept them
+    (the 2026-11-22 files): units [embed, blocks, norm, head] from the shape fields, the
+    last ``resident_units`` of them resident, the model's own checkpointing."""
+    shape = row.get("shape")
+    if row["model"] != "reference" or not shape or row.get("resident_units") is None:
+        return None
+    d, v, layers = shape["dim"], shape["vocab_size"], shape["num_layers"]
+    block = (shape["num_params"] - 2 * v * d - d) // layers
+    specs = [("embed", v * d, 0, 0, False)]
+    specs += [(f"layers.{i}", block, block - 2 * d, 1, True) for i in range(layers)]
+    specs += [("norm", d, 0, 0, False), ("head", v * d, v * d, 0, False)]
+    n, resident = len(specs), row["resident_units"]
+    ckpt = row["mode"] == "train" and row.get("checkpoint")
+    chunked = bool(row.get("loss_chunk_tokens"))
+    return {
+        "mode": row["mode"],
+        "batch": row["batch"],
+        "seq": row["seq"],
+        "hidden": d,
+        "prefetch_depth": 2,
+        "grad_bytes_per_param": 2,
+        "units": [
+            {
+                "name": name,
+                "wire_bytes": 2 * params,
+                "trainable_params": params,
+                "matmul_params": mm,
+                "attention_layers": attn,
+                "resident": i >= n - resident,
+                "checkpointed": bool(ckpt and (is_block or (chunked and name == "head"))),
+                "deps": [],
+            }
+            for i, (name, params, mm, attn, is_block) in enumerate(specs)
+        ],
+    }
+
+
+def add_predictions(
+    rows: list[dict[str, Any]], floors: dict[str, Any] | None, cpu: dict[str, Any] | None
+) -> None:
+    """Set ``predicted_s``, ``predicted`` (the parts), ``x_predicted`` (measured over
+    predicted) and ``prediction_ok`` on every ramflow row that ran (in place)."""
+    rated = measured_rates(floors, cpu)
+    for row in rows:
+        if row["system"] != "ramflow" or row["status"] != "ok" or not row.get("step_s"):
+            continue
+        inputs = row.get("predict_inputs") or reference_inputs(row)
+        pred = predict(inputs, rated)
+        if pred is None:
+            continue
+        row["predicted_s"] = pred.step_s
+        row["predicted"] = pred.as_dict()
+        row["predicted_how"] = "recorded units" if row.get("predict_inputs") else "shape fields"
+        row["x_predicted"] = row["step_s"] / pred.step_s
+        row["prediction_ok"] = abs(row["x_predicted"] - 1) <= PREDICT_TOLERANCE
+
+
+def kofn_rows(records: list[dict[str, Any]], floors, cpu) -> list[dict[str, Any]]:
+    """One row per (k, train or infer) of the k-of-n cases, with bytes against (n-k)/n of
+    full streaming (the k = 0 row of the same case) and the prediction."""
+    rated = measured_rates(floors, cpu)
+    out: list[dict[str, Any]] = []
+    for rec in records:
+        if rec["kind"] != "ramflow_kofn" or rec["status"] != "ok":
+            continue
+        res = rec["result"]
+        n = res["num_blocks"]
+        full: dict[str, Any] = {}
+        for r in res["rows"]:
+            for mode in ("train", "infer"):
+                m = r[mode]
+                h2d, refresh = m.get("h2d_bytes_counted"), m.get("h2d_refresh_bytes_counted")
+                if refresh is None and (mode == "infer" or r["k"] == 0):
+                    refresh = 0  # no CPU step, or nothing resident: nothing is refreshed
+                stream = None if h2d is None or refresh is None else h2d - refresh
+                if r["k"] == 0:
+                    full[mode] = stream
+                pred = predict(m.get("predict_inputs"), rated)
+                k = r[
+                    "resident_blocks"
+                ]  # the budget asked for r["k"]; this is what the engine kept
+                target = (n - k) / n
+                share = stream / full[mode] if stream is not None and full.get(mode) else None
+                row = {
+                    "case": rec["id"],
+                    "model": rec["case"]["model"],
+                    "mode": mode,
+                    "batch": m["batch"],
+                    "seq": rec["case"]["seq"],
+                    "k": k,
+                    "k_asked": r["k"],
+                    "n": n,
+                    "resident": r["resident"],
+                    "resident_units": r["resident_units"],
+                    "num_units": r["num_units"],
+                    "resident_byte_share": r["resident_bytes"] / r["wire_bytes_total"],
+                    "gpu_memory_bytes": r["gpu_memory_bytes"],
+                    "step_s": m["step_s"],
+                    "peak_bytes": m.get("peak_bytes"),
+                    "h2d_bytes": h2d,
+                    "h2d_stream_bytes": stream,
+                    "h2d_refresh_bytes": refresh,
+                    "d2h_bytes": m.get("d2h_bytes_counted"),
+                    "stream_share": share,
+                    "target_share": target,
+                    "x_target": share / target if share is not None and target else None,
+                    "predicted_s": pred.step_s if pred else None,
+                    "predicted": pred.as_dict() if pred else None,
+                    "predicted_stream_bytes": pred.h2d_stream_bytes if pred else None,
+                    "x_predicted": m["step_s"] / pred.step_s if pred else None,
+                }
+                row["prediction_ok"] = (
+                    None if pred is None else abs(row["x_predicted"] - 1) <= PREDICT_TOLERANCE
+                )
+                out.append(row)
+    return out
+
+
+def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of issue 4 for each case it applies to: the ratio, met or not, and for a
+    miss the floor that binds (measured floors; the prediction's critical path)."""
+    rows = [r for r in doc["rows"] if r["group"] != "scaling"]
+    ours = [r for r in rows if r["system"] == "ramflow" and r["status"] == "ok"]
+    peers = [r for r in rows if r["group"] == "peers" and r["status"] == "ok" and r.get("step_s")]
+    out: list[dict[str, Any]] = []
+
+    def why(r: dict[str, Any]) -> str:
+        parts = []
+        if r.get("bound"):
+            parts.append(f"floor bound: {r['bound']} ({_f(r.get('floor_s'), 1e3)} ms)")
+        pred = r.get("predicted")
+        if pred:
+            crit = ", ".join(
+                f"{k} {v * 1e3:.0f}" for k, v in pred["critical_s"].items() if v >= 0.0005
+            )
+            parts.append(f"predicted critical path (ms): {crit}")
+        return "; ".join(parts)
+
+    for r in ours:
+        what = f"{r['model']} {r['mode']} {r['batch']}x{r['seq']} {_budget(r)}"
+        if r.get("x_floor") is not None:
+            met = r["x_floor"] <= FLOOR_TARGET
+            out.append(
+                {
+                    "target": f"step <= {FLOOR_TARGET}x the floor",
+                    "case": what,
+                    "ratio": r["x_floor"],
+                    "met": met,
+                    "why": "" if met else why(r),
+                }
+            )
+        same = [
+            p
+            for p in peers
+            if p["model"] == r["model"] and p["mode"] == r["mode"] and p["batch"] == r["batch"]
+        ]
+        if same:
+            best = min(same, key=lambda p: p["step_s"])
+            ratio = best["step_s"] / r["step_s"]
+            met = ratio >= PEER_TARGET
+            note = ""
+            if not met:
+                note = why(r)
+                if best.get("x_floor") is not None and best["x_floor"] <= FLOOR_TARGET:
+                    note += f"; the best peer is within {FLOOR_TARGET}x the floor itself"
+            out.append(
+                {
+                    "target": f"best peer / ramflow >= {PEER_TARGET}",
+                    "case": f"{what} (best peer: {best['system']}, {_f(best['step_s'], 1e3)} ms)",
+                    "ratio": ratio,
+                    "met": met,
+                    "why": note,
+                }
+            )
+        if r.get("within_cap") is not None:
+            out.append(
+                {
+                    "target": "peak GPU memory within the cap",
+                    "case": what,
+                    "ratio": r["peak_bytes"] / (r["cap_gib"] * GIB),
+                    "met": r["within_cap"],
+                    "why": "" if r["within_cap"] else "activations (see the budget rule)",
+                }
+            )
+        if r.get("x_predicted") is not None:
+            out.append(
+                {
+                    "target": f"measured / predicted within 1 +- {PREDICT_TOLERANCE}",
+                    "case": what,
+                    "ratio": r["x_predicted"],
+                    "met": r["prediction_ok"],
+                    "why": "" if r["prediction_ok"] else why(r),
+                }
+            )
+    for r in doc.get("kofn") or []:
+        what = f"{r['model']} {r['mode']} {r['batch']}x{r['seq']}, k={r['k']} of n={r['n']} blocks"
+        if r["k"] and r.get("x_target") is not None:
+            met = r["x_target"] <= 1 + KOFN_BYTES_TOLERANCE  # fewer bytes than that is better
+            if met and r["x_target"] < 1 - KOFN_BYTES_TOLERANCE:
+                note = "fewer: " + (
+                    "every streamed unit stays in the window between forwards"
+                    if r["mode"] == "infer" and not r["h2d_stream_bytes"]
+                    else "norm and head are resident too; units still in the window at the "
+                    "forward/backward turn-around are not sent again"
+                )
+            else:
+                note = "" if met else why(r)
+            out.append(
+                {
+                    "target": "k of n resident: streamed H2D / full streaming <= (n-k)/n",
+                    "case": what,
+                    "ratio": r["x_target"],
+                    "met": met,
+                    "why": note,
+                }
+            )
+        if r.get("x_predicted") is not None:
+            out.append(
+                {
+                    "target": f"k of n: measured / predicted within 1 +- {PREDICT_TOLERANCE}",
+                    "case": what,
+                    "ratio": r["x_predicted"],
+                    "met": r["prediction_ok"],
+                    "why": "" if r["prediction_ok"] else why(r),
+                }
+            )
+    return out
+
+
 # ---------------------------------------------------------------------------------- markdown
 
 
@@ -270,6 +593,112 @@ def _budget(row: dict[str, Any]) -> str:
 
 def _how(row: dict[str, Any]) -> str:
     return row["bytes_how"] if row.get("bytes_how") in ("counted", "plan") else ""
+
+
+def _x_predicted(r: dict[str, Any]) -> str:
+    if r.get("x_predicted") is None:
+        return "-"
+    flag = "" if r.get("prediction_ok") else " MISS"
+    return f"{r['x_predicted']:.2f}{flag}"
+
+
+def _parts(pred: dict[str, Any]) -> str:
+    text = f"forward {pred['forward_s'] * 1e3:.0f} + backward {pred['backward_s'] * 1e3:.0f}"
+    if pred["mode"] == "train":
+        text += f"; optimizer tail {pred['optimizer_tail_s'] * 1e3:.0f}"
+    return text
+
+
+def _prediction_section(doc: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """Predicted against measured for every ramflow step, with the parts and the bound."""
+    ours = [r for r in rows if r.get("predicted")]
+    if not ours:
+        return []
+    rated = measured_rates(doc.get("floors"), doc.get("cpu_optimizer"))
+    out = [
+        "## Predicted against measured",
+        "",
+        "ramflow's step-time model (`ramflow._predict`) on the unit sizes each case recorded and "
+        "this run's rates"
+        + (
+            f": H2D {rated[0].h2d_bytes_per_s / 1e9:.1f}, D2H {rated[0].d2h_bytes_per_s / 1e9:.1f}, "
+            f"both {(rated[0].both_bytes_per_s or 0) / 1e9:.1f} GB/s; bf16 matmul "
+            f"{rated[1] / 1e12:.0f} TFLOP/s; CPU AdamW {rated[0].cpu_optimizer_params_per_s / 1e9:.2f} "
+            f"G params/s ({rated[2]})"
+            if rated
+            else ""
+        )
+        + f". MISS: measured / predicted outside 1 +- {PREDICT_TOLERANCE}.",
+        "",
+        "| model | step | tokens | budget | resident | measured (ms) | predicted (ms) | parts (ms) "
+        "| critical path (ms) | bound | x predicted |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in ours:
+        pred = r["predicted"]
+        crit = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in pred["critical_s"].items() if v >= 5e-4)
+        resident = f"{r.get('resident_units')}/{r.get('num_units')}" if r.get("num_units") else "-"
+        out.append(
+            f"| {r['model']} | {r['mode']} | {r['batch']}x{r['seq']} | {_budget(r)} | {resident} | "
+            f"{_f(r['step_s'], 1e3)} | {_f(r['predicted_s'], 1e3)} | {_parts(pred)} | {crit} | "
+            f"{pred['bound']} | {_x_predicted(r)} |"
+        )
+    out.append("")
+    return out
+
+
+def _kofn_section(doc: dict[str, Any]) -> list[str]:
+    rows = doc.get("kofn") or []
+    if not rows:
+        return []
+    out = [
+        "## k of n blocks resident",
+        "",
+        "Budgets chosen so that k of the n blocks are resident (the engine keeps units from the "
+        "last one backwards, so the final norm and head are resident too when k > 0). Streamed "
+        "H2D = counted H2D minus the refreshes of resident units after their CPU steps; share = "
+        "streamed H2D / that of k = 0, against the target (n-k)/n.",
+        "",
+        "| model | step | tokens | k / n | resident units (byte share) | step (ms) | predicted (ms) "
+        "| x predicted | H2D streamed (GB) | refresh (GB) | D2H (GB) | share | (n-k)/n | share / target |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['model']} | {r['mode']} | {r['batch']}x{r['seq']} | {r['k']}/{r['n']} | "
+            f"{r['resident_units']}/{r['num_units']} ({r['resident_byte_share']:.2f}) | "
+            f"{_f(r['step_s'], 1e3)} | {_f(r['predicted_s'], 1e3)} | {_x_predicted(r)} | "
+            f"{_f(r['h2d_stream_bytes'], 1e-9, 2)} | {_f(r['h2d_refresh_bytes'], 1e-9, 2)} | "
+            f"{_f(r['d2h_bytes'], 1e-9, 2)} | {_f(r['stream_share'], 1, 3)} | "
+            f"{r['target_share']:.3f} | {_f(r['x_target'], 1, 3)} |"
+        )
+    out.append("")
+    return out
+
+
+def _targets_section(doc: dict[str, Any]) -> list[str]:
+    items = doc.get("targets") or []
+    if not items:
+        return []
+    met = sum(1 for t in items if t["met"])
+    out = [
+        "## Targets (issue 4)",
+        "",
+        f"{met} of {len(items)} met. Thresholds: `benchmarks/report.py` (FLOOR_TARGET "
+        f"{FLOOR_TARGET}, PEER_TARGET {PEER_TARGET}, PREDICT_TOLERANCE {PREDICT_TOLERANCE}, "
+        f"KOFN_BYTES_TOLERANCE {KOFN_BYTES_TOLERANCE}). For a miss: the floor that binds.",
+        "",
+        "| target | case | ratio | met | why (for a miss), notes |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for t in items:
+        why = (t.get("why") or "").replace("|", "/")
+        out.append(
+            f"| {t['target']} | {t['case']} | {_f(t['ratio'], 1, 3)} | "
+            f"{'met' if t['met'] else 'NOT MET'} | {why} |"
+        )
+    out.append("")
+    return out
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -316,9 +745,9 @@ def markdown(doc: dict[str, Any]) -> str:
             "bytes are per step (counted: ramflow's copies counted as issued; plan: from the plan; "
             "-: not measured).",
             "",
-            "| system | step | tokens | budget | step (ms) | tokens/s | peak GPU (GiB) | H2D (GB) | D2H (GB) "
-            "| floor (ms), bound | x floor | status |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| model | system | step | tokens | budget | step (ms) | tokens/s | peak GPU (GiB) | H2D (GB) | D2H (GB) "
+            "| floor (ms), bound | x floor | predicted (ms) | x predicted | status |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in main:
             system = r["system"] + (f" ({r['variant']})" if r.get("variant") else "")
@@ -334,10 +763,12 @@ def markdown(doc: dict[str, Any]) -> str:
                 else f"{r['status']}: {(r.get('error') or '')[:80]}"
             )
             out.append(
-                f"| {system} | {r['mode']} | {r['batch']}x{r['seq']} | {_budget(r)} | {_f(r.get('step_s'), 1e3)} | "
+                f"| {r['model']} | {system} | {r['mode']} | {r['batch']}x{r['seq']} | {_budget(r)} | "
+                f"{_f(r.get('step_s'), 1e3)} | "
                 f"{_f(r.get('tokens_per_s'), 1, 0)} | {peak} | {_f(r.get('h2d_bytes'), 1e-9, 2)} | "
                 f"{_f(r.get('d2h_bytes'), 1e-9, 2)} {_how(r)} | "
-                f"{floor} | {_f(r.get('x_floor'), 1, 2)} | {status} |"
+                f"{floor} | {_f(r.get('x_floor'), 1, 2)} | {_f(r.get('predicted_s'), 1e3)} | "
+                f"{_x_predicted(r)} | {status} |"
             )
         notes = [r for r in main if r.get("compute_how") not in (None, "-", "resident step")]
         if notes:
@@ -345,6 +776,9 @@ def markdown(doc: dict[str, Any]) -> str:
             for r in notes:
                 out.append(f"- {r['case']}: GPU compute floor from {r['compute_how']}.")
         out.append("")
+        out += _prediction_section(doc, main)
+    out += _kofn_section(doc)
+    out += _targets_section(doc)
     scaling = [r for r in rows if r["group"] == "scaling"]
     if scaling:
         ok = [r for r in scaling if r["status"] == "ok"]

@@ -22,7 +22,15 @@ from typing import Any
 import torch
 
 import measure
-from models import build_model, logits_of, loss_of, make_batch, model_shape
+from models import (
+    build_model,
+    logits_of,
+    loss_of,
+    make_batch,
+    meta_shape,
+    model_shape,
+    resident_peak_bytes,
+)
 
 LR = 1e-5
 
@@ -83,6 +91,62 @@ def _last_loss(losses: list) -> float | None:
 
 def _shape_fields(model) -> dict[str, Any]:
     return dataclasses.asdict(model_shape(model))
+
+
+def _unit_shapes(model) -> list:
+    """ramflow's units of ``model`` as the step-time model sees them (before offloading)."""
+    from ramflow._costs import unit_shapes
+
+    return unit_shapes(model)
+
+
+def _checkpointed_units(case: dict[str, Any], shapes: list) -> list[str]:
+    """The units whose forward is recomputed in backward in this case's training step."""
+    if not case.get("checkpoint"):
+        return []
+    if case.get("checkpointing_by") == "ramflow" and case["model"] == "reference":
+        return [s.name for s in shapes if not s.rest]  # ramflow wraps every unit's forward
+    names = [s.name for s in shapes if s.block]  # the model's own (or HF's) per-block switch
+    if case.get("loss_chunk_tokens") and case["model"] == "reference":
+        names.append("head")  # each loss chunk is checkpointed: the head runs again
+    return names
+
+
+def predict_inputs(
+    case: dict[str, Any], shapes: list, plan, model, *, mode: str, batch: int
+) -> dict[str, Any] | None:
+    """What ``report.py`` needs to predict this step (``ramflow._predict``) once the floors
+    are known: per unit its wire bytes, trainable parameters, matmul weights, attention
+    layers, tied dependencies, and whether it is resident or checkpointed. None when the
+    plan's units are not the ones found here."""
+    if [s.name for s in shapes] != list(plan.unit_names):
+        return None
+    resident = set(plan.resident)
+    ckpt = set(_checkpointed_units(case, shapes)) if mode == "train" else set()
+    itemsize = 4 if plan.wire_dtype == "float32" else 2
+    units = [
+        {
+            "name": s.name,
+            "wire_bytes": nbytes,
+            "trainable_params": s.trainable_numel,
+            "matmul_params": s.matmul_params,
+            "attention_layers": s.attention_layers,
+            "block": s.block,
+            "deps": list(s.deps),
+            "resident": s.rest or s.name in resident,
+            "checkpointed": s.name in ckpt,
+        }
+        for s, nbytes in zip(shapes, plan.unit_bytes)
+    ]
+    return {
+        "mode": mode,
+        "batch": batch,
+        "seq": case["seq"],
+        "hidden": model_shape(model).dim,
+        "prefetch_depth": plan.prefetch_depth,
+        "grad_bytes_per_param": itemsize,
+        "units": units,
+    }
 
 
 # ---------------------------------------------------------------------------------- floors
@@ -173,11 +237,13 @@ def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     model_checkpoints, offload_kwargs = _offload_kwargs(case)
     model = _model(case, device="cpu", checkpoint=model_checkpoints)
+    shapes = _unit_shapes(model)
     ids, labels = make_batch(
         model_shape(model).vocab_size, case["batch"], case["seq"], device=device
     )
     budget, budget_info = _ramflow_budget(case, model, ids, labels, device)
     ramflow.offload(model, gpu_memory=budget, device=device, **offload_kwargs)
+    counter.watch(model)
     opt = ramflow.optim.AdamW(model.parameters(), lr=LR)
     setup_s = time.perf_counter() - t0
     losses: list = []
@@ -201,6 +267,7 @@ def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
         # An upper bound: units still cached in the window at the turn-around are not re-sent.
         h2d_bytes_plan=2 * plan.streamed_bytes_per_pass + plan.resident_bytes,
         d2h_bytes_plan=sum(plan.unit_bytes),
+        predict_inputs=predict_inputs(case, shapes, plan, model, mode="train", batch=case["batch"]),
     )
     return out
 
@@ -213,7 +280,9 @@ def run_ramflow_infer(case: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     model = _model(case, device="cpu")
     model.eval()
+    shapes = _unit_shapes(model)
     ramflow.offload(model, gpu_memory=None, device=device)
+    counter.watch(model)
     plan = ramflow.get_plan(model)
     setup_s = time.perf_counter() - t0
     rows = []
@@ -233,17 +302,165 @@ def run_ramflow_infer(case: dict[str, Any]) -> dict[str, Any]:
                 **res,
                 "h2d_bytes_plan": plan.streamed_bytes_per_pass,
                 "d2h_bytes_plan": 0,
+                "predict_inputs": predict_inputs(
+                    case, shapes, plan, model, mode="infer", batch=batch
+                ),
             }
         )
     return {"rows": rows, "setup_s": setup_s, **_shape_fields(model), **_plan_fields(plan)}
 
 
+def _kofn_budgets(plan, shapes: list, fractions: list[float]) -> list[tuple[int, int | None]]:
+    """(k, gpu_memory) for k = round(f x n) of the n blocks resident, f in ``fractions``.
+
+    The engine keeps units resident from the last one backwards, so k blocks resident means
+    the units after the blocks (final norm, head) too. The budget is the least one that makes
+    the engine keep exactly those: ramflow's bytes at each step of its rule, at their largest.
+    """
+    from ramflow._plan import _ramflow_bytes
+
+    names = list(plan.unit_names)
+    blocks = [i for i, s in enumerate(shapes) if s.block]
+    n = len(blocks)
+    overhead = plan.grad_bytes + plan.fixed_bytes
+    slots = plan.prefetch_depth + 2
+    forced = {s.name for s in shapes if s.rest}
+    out: list[tuple[int, int | None]] = []
+    for f in fractions:
+        k = round(f * n)
+        if k == 0:
+            out.append((0, None))
+            continue
+        first = blocks[n - k]
+        resident = set(forced)
+        need = _ramflow_bytes(names, plan.unit_bytes, resident, slots, overhead)
+        for i in reversed(range(first, len(names))):
+            resident.add(names[i])
+            need = max(need, _ramflow_bytes(names, plan.unit_bytes, resident, slots, overhead))
+        out.append((k, need))
+    return out
+
+
+def run_ramflow_kofn(case: dict[str, Any]) -> dict[str, Any]:
+    """Training (``batch``) and inference (``infer_batch``) with k of the n blocks resident,
+    k = round(f x n) for f in ``fractions``: budgets chosen so, one offload each, in one
+    process (the model is built once). Bytes are counted each way, resident refreshes apart.
+    """
+    import ramflow
+
+    device = compute_device()
+    counter = measure.CopyCounter()
+    model_checkpoints, offload_kwargs = _offload_kwargs(case)
+    model = _model(case, device="cpu", checkpoint=model_checkpoints)
+    shapes = _unit_shapes(model)
+    vocab = model_shape(model).vocab_size
+    ids, labels = make_batch(vocab, case["batch"], case["seq"], device=device)
+    infer_ids, _ = make_batch(vocab, case["infer_batch"], case["seq"], device=device)
+    ramflow.offload(model, gpu_memory=None, device=device, **offload_kwargs)
+    budgets = _kofn_budgets(ramflow.get_plan(model), shapes, case["fractions"])
+    ramflow.undo(model)
+    rows = []
+    for k, budget in budgets:
+        ramflow.offload(model, gpu_memory=budget, device=device, **offload_kwargs)
+        counter.watch(model)
+        plan = ramflow.get_plan(model)
+        opt = ramflow.optim.AdamW(model.parameters(), lr=LR)
+        model.train()
+        train = measure.time_steps(
+            _train_step(model, opt, ids, labels, device),
+            device=device,
+            warmup=case["warmup"],
+            steps=case["steps"],
+            drain=lambda: ramflow.synchronize(model),
+            counter=counter,
+        )
+        ramflow.synchronize(model)
+        model.eval()
+
+        def forward() -> None:
+            with torch.no_grad():
+                logits_of(model, infer_ids)
+
+        infer = measure.time_steps(
+            forward, device=device, warmup=case["warmup"], steps=case["steps"], counter=counter
+        )
+        blocks = {s.name for s in shapes if s.block}
+        rows.append(
+            {
+                "k": k,
+                "gpu_memory_bytes": budget,
+                "resident": list(plan.resident),
+                "resident_blocks": sum(1 for n in plan.resident if n in blocks),
+                **_plan_fields(plan),
+                "train": {
+                    **train,
+                    "batch": case["batch"],
+                    "predict_inputs": predict_inputs(
+                        case, shapes, plan, model, mode="train", batch=case["batch"]
+                    ),
+                },
+                "infer": {
+                    **infer,
+                    "batch": case["infer_batch"],
+                    "predict_inputs": predict_inputs(
+                        case, shapes, plan, model, mode="infer", batch=case["infer_batch"]
+                    ),
+                },
+            }
+        )
+        ramflow.undo(model)
+        del opt
+        gc.collect()  # the engine's pinned host buffers go with it
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {
+        "rows": rows,
+        "num_blocks": sum(1 for s in shapes if s.block),
+        "num_units": len(shapes),
+        **_shape_fields(model),
+    }
+
+
 # ---------------------------------------------------------------------------------- resident
+
+
+def _does_not_fit(case: dict[str, Any], device: torch.device, *, mode: str) -> dict | None:
+    """A skip record when the resident step would not fit the device (a rough estimate,
+    ``models.resident_peak_bytes``), so that the case is estimated, not crashed: the report
+    then takes the compute floor from another resident step or the FLOP count."""
+    if device.type != "cuda":
+        return None
+    shape = meta_shape(case["model"], tiny=case["tiny"], num_layers=case.get("num_layers"))
+    batches = case.get("batches") or [case["batch"]]
+    need = max(
+        resident_peak_bytes(
+            shape,
+            mode=mode,
+            batch=b,
+            seq=case["seq"],
+            checkpoint=bool(case.get("checkpoint")),
+            loss_chunk_tokens=case.get("loss_chunk_tokens", 0),
+        )
+        for b in batches
+    )
+    _, total = torch.cuda.mem_get_info(device)
+    if need <= 0.97 * total:
+        return None
+    return {
+        "skipped": True,
+        "reason": f"does not fit: needs about {need / measure.GiB:.1f} GiB, the device has "
+        f"{total / measure.GiB:.1f} GiB (estimated, not run)",
+        "estimated_peak_bytes": need,
+        **dataclasses.asdict(shape),
+    }
 
 
 def run_resident_train(case: dict[str, Any]) -> dict[str, Any]:
     """Everything on the GPU: fp32 weights, bf16 autocast, fused AdamW on the device."""
     device = compute_device()
+    skip = _does_not_fit(case, device, mode="train")
+    if skip:
+        return skip
     model = _model(case, device=device)
     ids, labels = make_batch(
         model_shape(model).vocab_size, case["batch"], case["seq"], device=device
@@ -270,6 +487,9 @@ def run_resident_train(case: dict[str, Any]) -> dict[str, Any]:
 def run_resident_infer(case: dict[str, Any]) -> dict[str, Any]:
     """Everything on the GPU in bf16."""
     device = compute_device()
+    skip = _does_not_fit(case, device, mode="infer")
+    if skip:
+        return skip
     model = _model(case, device=device, dtype=torch.bfloat16)
     model.eval()
     rows = []
@@ -423,6 +643,7 @@ RUNNERS = {
     "floors": run_floors,
     "ramflow_train": run_ramflow_train,
     "ramflow_infer": run_ramflow_infer,
+    "ramflow_kofn": run_ramflow_kofn,
     "resident_train": run_resident_train,
     "resident_infer": run_resident_infer,
     "cpu_optimizer": run_cpu_optimizer,
