@@ -12,9 +12,9 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
   df -h /dev/shm | tail -1
-  timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -25
+  timeout 260 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1
 } > "$out/gpu-tests.txt" 2>&1
-cat "$out/gpu-tests.txt" | tail -8
+grep -E "passed|failed" "$out/gpu-tests.txt" | tail -3
 run() {  # gpus, extra args
   local n=$1; shift
   timeout 170 torchrun --nproc-per-node "$n" benchmarks/multi_gpu.py --out "$out/multi_gpu.jsonl" "$@" \

@@ -122,7 +122,7 @@ def test_ramtorch_script_runs_with_only_its_imports_changed():
 
 def test_names_of_ramtorch():
     """Everything RamTorch's README imports exists under the same dotted names."""
-    assert ramtorch.Linear is ramflow.Linear
+    assert issubclass(ramtorch.Linear, ramflow.Linear)
     assert issubclass(ramtorch.AdamW, ramflow.optim.AdamW)
     assert ramtorch.helpers.replace_linear_with_ramtorch is replace_linear_with_ramtorch
     assert ramtorch.zero1.create_zero_param_groups is create_zero_param_groups
@@ -153,16 +153,11 @@ def test_linear_with_cuda_device_builds_without_cuda():
     nothing is allocated on a device before the layer attaches."""
     layer = Linear(1000, 1000, device="cuda")
     assert layer.weight.device.type == "cpu" and layer.weight.shape == (1000, 1000)
-    assert "device=cuda" in repr(layer)
+    want = "cuda" if torch.cuda.is_available() else "cpu"  # RamTorch code runs in CI
+    assert f"device={want}" in repr(layer)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="about machines without CUDA")
-@pytest.mark.xfail(
-    reason="ramflow.Linear(device='cuda') without CUDA fails at its first call with torch's "
-    "'Torch not compiled with CUDA enabled' (replace_linear_with_ramtorch falls back to "
-    "the CPU instead); reported to the lead",
-    strict=False,
-)
 def test_linear_with_cuda_device_runs_without_cuda():
     layer = Linear(16, 16, device="cuda")
     assert layer(torch.randn(2, 16)).shape == (2, 16)
@@ -185,21 +180,12 @@ def test_adamw_refuses_gradient_centralization():
         AdamW(Linear(4, 4).parameters(), centralization=0.5)
 
 
-@pytest.mark.xfail(
-    reason="RamTorch's README calls replace_linear_with_ramtorch(model, rank=0); RamTorch's "
-    "own function has no 'rank' parameter either (only device); reported to the lead",
-    strict=False,
-)
 def test_replace_linear_with_ramtorch_rank_keyword_of_the_readme():
     replace_linear_with_ramtorch(nn.Sequential(nn.Linear(4, 4)), rank=0)
 
 
-@pytest.mark.xfail(
-    reason="RamTorch's Linear is (in_features, out_features, bias, dtype, device, skip_init): "
-    "dtype comes before device and skip_init exists; ramflow.Linear has nn.Linear's order "
-    "and no skip_init; reported to the lead",
-    strict=False,
-)
 def test_linear_positional_order_and_skip_init_of_ramtorch():
     layer = Linear(4, 4, True, torch.bfloat16, "cpu", skip_init=True)
     assert "wire_dtype=bfloat16" in repr(layer)
+    assert layer.device == torch.device("cpu")
+    assert not layer.weight.any()  # skip_init: nothing drawn

@@ -55,12 +55,15 @@ def test_zero_offload_equals_single_process(tmp_path, zero_stage, world_size, ba
     )
     _check_ok(results)
     ref_losses, ref_state = reference_run()
+    # gloo: the CPU reference's arithmetic but for the order of the gradient sums; NCCL:
+    # also the GPU's fp32 matmuls against the CPU's (another reduction order), so looser
+    rtol, atol = (1e-5, 1e-6) if backend == "gloo" else (1e-4, 2e-5)
     for r in results:
-        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        assert r["losses"] == pytest.approx(ref_losses, rel=rtol, abs=atol)
     state = results[0]["state"]
     assert state.keys() == ref_state.keys()
     for k, v in ref_state.items():
-        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(state[k], v, rtol=rtol, atol=atol, msg=k)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

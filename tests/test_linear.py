@@ -42,11 +42,15 @@ def test_linear_trains_like_nn_linear(device):
     assert all(isinstance(m, ramflow.Linear) for m in (model[0], model[2], model[4]))
     ref_losses = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), device)
     losses = _train(model, ramflow.optim.AdamW(model.parameters(), lr=1e-2), device)
-    assert losses == ref_losses
+    # on the CPU the same kernels: bit for bit; on CUDA the reference steps with the GPU's
+    # fused AdamW, ours with the CPU's, whose roundings differ in the last bits
+    exact = device.type == "cpu"
+    assert losses == (ref_losses if exact else pytest.approx(ref_losses, rel=1e-5))
     ramflow.synchronize(model)
     for a, b in zip(ref.parameters(), model.parameters()):
         assert b.device.type == "cpu"
-        torch.testing.assert_close(b, a.cpu(), rtol=0, atol=0)
+        tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-4, "atol": 1e-6}
+        torch.testing.assert_close(b, a.cpu(), **tol)
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ model; a unit that receives gradients on some ranks and not on others would hang
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import uuid
@@ -31,6 +32,9 @@ import torch.distributed as dist
 
 from ._plan import format_bytes
 from ._units import UnitSpec
+from ._worker import STEP
+
+_AFTER_ALL_STEPS = 1 << 62  # worker order: behind every step of this rank
 
 if TYPE_CHECKING:
     from ._engine import Engine, _Unit
@@ -77,6 +81,8 @@ class DistributedState:
             raise ValueError(f"zero_stage must be 1 or 2, got {zero_stage}")
         self.group = dist.group.WORLD
         self.cpu_group = cpu_group()
+        # the worker thread's own group: collectives of two threads never share a group
+        self.step_group = dist.new_group(backend="gloo")
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.zero_stage = zero_stage
@@ -85,6 +91,10 @@ class DistributedState:
         # how many ranks own each unit: one per host when each host steps its own copy
         # (``ramflow.offload``), one in all (``ramflow.distributed``)
         self.copies = 1
+
+    def alive(self) -> bool:
+        """False once the process group this state was made for has been destroyed."""
+        return dist.is_available() and dist.is_initialized() and dist.group.WORLD is self.group
 
     def owns(self, u: _Unit) -> bool:
         return u.owner is None or u.owner == self.rank
@@ -107,20 +117,28 @@ class DistributedState:
         return _Work(work, what, self.rank)
 
     def after_step(self, engine: Engine) -> None:
-        """After ``opt.step()`` on every rank: wait for this rank's steps and the others',
-        then bring the units stepped elsewhere up to date (a broadcast from the owner where
-        the master is not shared with it)."""
-        engine.worker.wait_idle()
+        """Called by ``opt.step()`` once this rank's steps are scheduled: mark the units
+        that other ranks step as stale (their next use waits), and queue, behind this
+        rank's own steps on the worker, the barrier with the other ranks and the refresh
+        of those units. ``opt.step()`` returns at once: the next forward overlaps the tail
+        of the steps, as on one GPU, and waits only at a unit that is not current yet."""
+        others = [u for u in engine.units if not self.owns(u) and u.num_trainable]
+        engine.mark_stale(others)
+        engine.worker.submit(STEP, _AFTER_ALL_STEPS, functools.partial(self._sync, engine, others))
+
+    def _sync(self, engine: Engine, others: list[_Unit]) -> None:
+        """Worker: wait for the other ranks' steps, take the stepped masters from their
+        owners where they are not shared, and bring the wire copies up to date (a wire
+        copy that is the master, or is shared with the owner, already is)."""
         with _explained("waiting for the other ranks' optimizer steps", self.rank):
-            dist.barrier(group=self.cpu_group)
+            dist.barrier(group=self.step_group)
             for u in engine.units:
                 if u.owner is not None and u.num_trainable and not u.master.is_shared():
-                    dist.broadcast(u.master[: u.trainable_numel], src=u.owner, group=self.cpu_group)
-        # a wire copy that is the master, or shared with the owner, is up to date already
-        others = [u for u in engine.units if not self.owns(u) and u.num_trainable]
-        current = [u for u in others if u.wire is u.master or u.given_wire is not None]
-        engine.refresh_units(current, wire_written=True)
-        engine.refresh_units([u for u in others if u not in current], wire_written=False)
+                    dist.broadcast(
+                        u.master[: u.trainable_numel], src=u.owner, group=self.step_group
+                    )
+        for u in others:
+            engine._refresh_wire(u, written=u.wire is u.master or u.given_wire is not None)
 
 
 @contextlib.contextmanager

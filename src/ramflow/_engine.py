@@ -829,7 +829,7 @@ class Engine:
             )
         u.dispatched_this_backward = True
         reduced = None
-        if self.dist is not None:  # data parallel: sum (or average) over the ranks first
+        if self._live_dist() is not None:  # data parallel: sum (or average) over ranks first
             reduced = self.dist.reduce_gradients(u, u.device_grad)
             if not self.dist.keeps_gradients(u):  # ZeRO-2: another rank steps this unit
                 self._grads_in_flight.append(self.streams.retire(u.device_grad, after=reduced))
@@ -1075,26 +1075,27 @@ class Engine:
         )
         self._final_backwards = 0
         self._last_backward_eager = False
-        if self.dist is not None:
+        if self._live_dist() is not None:
             self.dist.after_step(self)
 
     def _steps_here(self, u: _Unit) -> bool:
         """Whether this process steps ``u`` (under ZeRO, only the unit's owner does)."""
-        return self.dist is None or self.dist.owns(u)
+        return self._live_dist() is None or self.dist.owns(u)
 
-    def refresh_units(self, units: Iterable[_Unit], *, wire_written: bool) -> None:
-        """Another process stepped these units' master weights (ZeRO): rewrite their wire
-        copies (unless shared with the owner, who wrote them) on the worker, in forward
-        order, and reload them before their next use."""
-        for u in sorted(units, key=lambda v: self._positions.get(v, v.index)):
-            with self._lock:
+    def _live_dist(self) -> DistributedState | None:
+        """The distributed state while its process group lives; a destroyed group ends
+        data parallelism for this engine (later runs in the process are single ones)."""
+        if self.dist is not None and not self.dist.alive():
+            self.dist = None
+        return self.dist
+
+    def mark_stale(self, units: Iterable[_Unit]) -> None:
+        """Another process is stepping these units' master weights (ZeRO): their next use
+        waits until ``_refresh_wire`` runs for them (see ``ramflow._dist``)."""
+        with self._lock:
+            for u in units:
                 u.host_version += 1
                 u.wire_ready.clear()
-            self.worker.submit(
-                STEP,
-                self._positions.get(u, u.index),
-                functools.partial(self._refresh_wire, u, written=wire_written),
-            )
 
     def _grads_modified(self, opt: HostOptimizer) -> bool:
         for u in self.units:

@@ -257,6 +257,7 @@ def replace_linear(
     device: torch.device | str | int | None = None,
     wire_dtype: torch.dtype | None = None,
     skip: tuple[str, ...] = (),
+    layer_class: type[Linear] | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` in ``model`` by a ``ramflow.Linear`` holding the same
     weights (copied into its host buffer, ``requires_grad`` kept), in place.
@@ -266,6 +267,8 @@ def replace_linear(
             ``ramflow.Linear``) are left alone, as are modules whose dotted name ends with
             one of ``skip`` (e.g. ``("lm_head",)`` for a head tied to the embeddings).
         device, wire_dtype: as for ``ramflow.Linear``.
+        layer_class: a subclass of ``ramflow.Linear`` to build (keyword arguments
+            ``bias``, ``device``, ``wire_dtype``); default ``ramflow.Linear``.
 
     Returns ``model``. ``model.to(device)`` afterwards moves everything else; the replaced
     layers' weights stay on the host. Raises ValueError for a weight on the meta device,
@@ -295,7 +298,7 @@ def replace_linear(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, child)
-        new = Linear(
+        new = (layer_class or Linear)(
             old.in_features,
             old.out_features,
             bias=old.bias is not None,

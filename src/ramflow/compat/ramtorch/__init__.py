@@ -17,8 +17,8 @@ expect (they divide the loss by the world size); the device defaults to the CPU 
 CUDA is not available, so the same script runs in CI.
 """
 
-from ..._linear import Linear
 from . import helpers, zero1, zero2
+from .linear import Linear
 from .optim import AdamW
 
 __all__ = ["AdamW", "Linear", "helpers", "zero1", "zero2"]
