@@ -52,7 +52,7 @@ def _run(args: argparse.Namespace) -> None:
     model = build_model("reference", tiny=args.tiny, device="cpu", num_layers=args.layers)
     zero = args.zero_stage if world > 1 else None
     ramflow.offload(model, device=device, gpu_memory=args.gpu_memory, zero_stage=zero)
-    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-5, keep_grads=False)
     ids, labels = make_batch(
         model_shape(model).vocab_size, args.batch, args.seq, device=device, seed=rank
     )

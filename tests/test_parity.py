@@ -438,3 +438,28 @@ def test_activation_checkpointing_plain_module(device):
     assert params_rel(model, ref) < (1e-5 if device.type == "cpu" else 1e-4)
     ramflow.undo(model)
     assert "forward" not in model.blocks[0].__dict__
+
+
+def test_keep_grads_false_same_curve_without_host_grads(device):
+    """keep_grads=False: the steps applied during backward skip writing p.grad (it stays
+    None) and compute the same curve; the first step, applied by opt.step(), still fills it."""
+    torch.manual_seed(0)
+    model = MLPStack()
+    ref = copy.deepcopy(model).to(device)
+    ramflow.offload(model, device=device, wire_dtype=torch.float32)
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2, keep_grads=False)
+    ref_opt = ref_adamw(ref.parameters(), 1e-2, device)
+    batches = mlp_batches(3, device)
+    for step in range(6):
+        x, y = batches[step % 3]
+        for m, o in ((model, opt), (ref, ref_opt)):
+            mse(m, (x, y)).backward()
+            if m is model:
+                ramflow.synchronize(model)
+                filled = [p.grad is not None for p in model.parameters()]
+                assert all(filled) if step == 0 else not any(filled), step
+            o.step()
+            o.zero_grad()
+    ramflow.synchronize(model)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert max_rel(p, q.cpu()) < 1e-6

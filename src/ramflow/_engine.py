@@ -890,6 +890,8 @@ class Engine:
             and len(self.optimizers) == 1
             and self.optimizers[0].flat_group(u) is not None
         )
+        # the optimizer's keep_grads=False: the fused step does not write p.grad at all
+        drop = fused and fresh and not self.optimizers[0].keep_grads
         with torch.no_grad():
             if fused:
                 pass  # See the docstring: the step writes the gradients.
@@ -906,17 +908,22 @@ class Engine:
                         p.grad = view
                     else:
                         p.grad.add_(s)
-            if fresh:
+            if fresh and not drop:
                 for p, view in zip(params, u.host_grad_views):
                     p.grad = view
-        u.grad_versions = [p.grad._version for p in params]
+        u.grad_versions = [] if drop else [p.grad._version for p in params]
         if fused:
             opt = self.optimizers[0]
             u.staging_reader = self.worker.submit(
                 STEP,
                 self._positions.get(u, u.index),
                 functools.partial(
-                    self._step_staged, u, opt, opt._hyperparameters(), accumulate=ours
+                    self._step_staged,
+                    u,
+                    opt,
+                    opt._hyperparameters(),
+                    accumulate=ours,
+                    keep_grads=not drop,
                 ),
             )
         elif eager and self._steps_here(u):
@@ -995,7 +1002,13 @@ class Engine:
         self._refresh_wire(u, written=wire_written)
 
     def _step_staged(
-        self, u: _Unit, opt: HostOptimizer, hyper: list[dict], *, accumulate: bool
+        self,
+        u: _Unit,
+        opt: HostOptimizer,
+        hyper: list[dict],
+        *,
+        accumulate: bool,
+        keep_grads: bool = True,
     ) -> None:
         """Worker: land and step ``u`` in one pass from the staged gradients. See ``_land``."""
         self._before_host_write(u)
@@ -1005,7 +1018,7 @@ class Engine:
                 hyper,
                 grad=u.staging,
                 accumulate=u.host_grad if accumulate else None,
-                grad_out=None if accumulate else u.host_grad,
+                grad_out=None if accumulate or not keep_grads else u.host_grad,
                 wire_out=self._wire_prefix(u),
             )
         self._refresh_wire(u, written=True)

@@ -27,8 +27,11 @@ from ._linear import attach_pending
 class HostOptimizer(torch.optim.Optimizer):
     """Shared machinery of ramflow's optimizers; use ``AdamW`` or ``SGD``."""
 
-    def __init__(self, params: Iterable, defaults: dict[str, Any], *, overlap: bool) -> None:
+    def __init__(
+        self, params: Iterable, defaults: dict[str, Any], *, overlap: bool, keep_grads: bool = True
+    ) -> None:
         self.overlap = overlap
+        self.keep_grads = keep_grads
         self._no_step_depth = 0
         self._group_of: dict[int, int] = {}
         self._engines: list[Engine] = []
@@ -201,6 +204,12 @@ class AdamW(HostOptimizer):
         overlap: allow stepping units during backward once the loop is seen to take one
             backward per step without touching the gradients (see ``no_step``). False
             steps only in ``step()`` (still asynchronously, overlapped with the next forward).
+        keep_grads: when a unit is stepped during backward, also write its fp32 gradients
+            to ``p.grad`` on the host (True, the default). False leaves ``p.grad`` None for
+            those steps: 4 fewer bytes of DRAM traffic per parameter (about an eighth of
+            the step, which bounds small-batch training) for loops that never read the
+            gradients. Steps that are not applied during backward (the first, clipping,
+            accumulation) always fill ``p.grad``.
 
     State per parameter: ``step`` (float32 scalar), ``exp_avg`` and ``exp_avg_sq`` (fp32, the
     parameter's shape, on the host). Raises ``ValueError`` for out-of-range settings.
@@ -215,6 +224,7 @@ class AdamW(HostOptimizer):
         weight_decay: float = 1e-2,
         *,
         overlap: bool = True,
+        keep_grads: bool = True,
     ) -> None:
         if lr < 0.0:
             raise ValueError(f"invalid learning rate: {lr}")
@@ -225,7 +235,7 @@ class AdamW(HostOptimizer):
         if weight_decay < 0.0:
             raise ValueError(f"invalid weight_decay: {weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, overlap=overlap)
+        super().__init__(params, defaults, overlap=overlap, keep_grads=keep_grads)
 
     def flat_group(self, unit: _Unit) -> int | None:
         params = unit.owned[: unit.num_trainable]
