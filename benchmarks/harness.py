@@ -176,9 +176,10 @@ def document(meta: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, A
         doc[key] = rec["result"] if rec else None
     rows = [row for r in records for row in report.rows_of(r["case"], r)]
     report.add_floors(rows, doc["floors"])
-    report.add_predictions(rows, doc["floors"], doc["cpu_optimizer"])
+    doc["gpu_forward"] = report.forward_efficiencies(rows, doc["floors"])
+    report.add_predictions(rows, doc["floors"], doc["cpu_optimizer"], doc["gpu_forward"])
     doc["rows"] = rows
-    doc["kofn"] = report.kofn_rows(records, doc["floors"], doc["cpu_optimizer"])
+    doc["kofn"] = report.kofn_rows(records, doc["floors"], doc["cpu_optimizer"], doc["gpu_forward"])
     doc["targets"] = report.targets(doc)
     return doc
 

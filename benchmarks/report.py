@@ -18,7 +18,10 @@ Each ramflow step is also predicted by ramflow's step-time model (``ramflow._pre
 from ``src/`` by path, so no torch here) from the unit sizes the case recorded and the rates
 this run measured: pinned copy rates and the bf16 matmul rate from the floors, the CPU AdamW
 rate from the CPU optimizer case (else the floors' torch fused rate scaled by
-``RAMFLOW_ADAMW_PER_TORCH_FUSED``). "x predicted" is measured / predicted.
+``RAMFLOW_ADAMW_PER_TORCH_FUSED``), and each model's GPU forward efficiency from its resident
+bf16 inference step (``forward_efficiencies``). "x predicted" is measured / predicted.
+
+``targets`` states issue 4's targets for the reference model, each a ratio from the one run.
 """
 
 from __future__ import annotations
@@ -32,12 +35,16 @@ from typing import Any
 GIB = 1 << 30
 PREDICT_PATH = Path(__file__).resolve().parent.parent / "src" / "ramflow" / "_predict.py"
 
-# Targets of issue 4 (point 2 as the README quotes it, point 4 for the prediction). Each is a
-# ratio from one run on one device.
-FLOOR_TARGET = 1.15  # step time within 1.15x the floor, max(GPU compute, PCIe, CPU optimizer)
-PEER_TARGET = 2.0  # at least 2x faster than the best peer at the same workload
-PREDICT_TOLERANCE = 0.15  # predicted step time within 15% of the measured one
-KOFN_BYTES_TOLERANCE = 0.10  # k of n resident moves at most (n-k)/n of the streamed bytes (+10%)
+# Issue 4's targets, for the reference model of ANCHORS.md; each is a ratio from one run on one
+# device (``targets``).
+INFER_1_PCIE_TARGET = 1.05  # inference 1x2048, nothing resident: <= 1.05x the PCIe floor
+INFER_8_RESIDENT_TARGET = 1.05  # inference 8x2048: <= 1.05x the resident bf16 inference step
+TRAIN_FLOOR_TARGET = 1.15  # training 4x2048, peak <= 12 GiB: step <= 1.15x its floor
+TRAIN_4_PEER_TARGET = 2.0  # ... and tokens/s >= 2x the fastest peer at 4x2048, any memory
+TRAIN_16_PEER_TARGET = 1.4  # training 16x2048, peak <= 16 GiB: tokens/s >= 1.4x the fastest peer
+TRAIN_NOCAP_RESIDENT_TARGET = 1.15  # training 16x2048, no cap: step <= 1.15x the resident step
+PREDICT_TOLERANCE = 0.15  # point 4: predicted step time within 15% of the measured one
+KOFN_TRAIN_FLAT = 0.05  # k of n, training "stays flat": within 5% of k = 0 (our reading)
 
 
 def load_predict():
@@ -132,6 +139,7 @@ def _train_row(
         "cap_gib": cap,
         "num_layers": result.get("num_layers", case.get("num_layers")),
         "step_s": step,
+        "step_times_s": result.get("step_times_s"),
         "tokens_per_s": tokens / step if step else None,
         "peak_bytes": peak,
         "within_cap": None if cap is None or peak is None else peak <= cap * GIB,
@@ -141,6 +149,7 @@ def _train_row(
         "h2d_bytes": h2d,
         "d2h_bytes": d2h,
         "h2d_refresh_bytes": result.get("h2d_refresh_bytes_counted"),
+        "activation_bytes": result.get("calibration_activation_bytes"),
         "bytes_how": how,
         "predict_inputs": result.get("predict_inputs"),
     }
@@ -301,28 +310,95 @@ def measured_rates(floors: dict[str, Any] | None, cpu: dict[str, Any] | None):
     return rates, floors["matmul_flops_per_s"], how
 
 
-def predict(inputs: dict[str, Any] | None, rated) -> Any:
-    """The ``StepPrediction`` of a step recorded with ``runners.predict_inputs``."""
+def _model_key(row: dict[str, Any]) -> tuple[str, Any, Any]:
+    return row["model"], (row.get("shape") or {}).get("num_layers"), row["seq"]
+
+
+def _unit_flops(inputs: dict[str, Any], batch: int) -> list[float]:
+    """Forward FLOPs of each recorded unit for ``batch`` sequences (``_predict.forward_flops``)."""
+    p = load_predict()
+    return [
+        p.forward_flops(
+            u["matmul_params"],
+            batch=batch,
+            seq=inputs["seq"],
+            attention_layers=u["attention_layers"],
+            hidden=inputs["hidden"],
+        )
+        for u in inputs["units"]
+    ]
+
+
+def forward_efficiencies(
+    rows: list[dict[str, Any]], floors: dict[str, Any] | None
+) -> dict[str, dict[str, Any]]:
+    """Per model (and depth and sequence): its inference forward's efficiency, measured on the
+    resident bf16 inference step with the most tokens: the step-time model's FLOP count over
+    the model's units (from any ramflow row of that model) over step time x matmul rate. The
+    prediction gives it to ``_predict.forward_seconds`` (``infer_efficiency``), so the GPU time
+    of what the FLOP count does not see (norms, rotary embedding, activations, launch gaps) is
+    this model's own, measured, not the reference model's calibration."""
+    if not floors or not floors.get("matmul_flops_per_s"):
+        return {}
+    p = load_predict()
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["system"] != "resident (bf16)" or r["status"] != "ok" or not r.get("step_s"):
+            continue
+        key = _model_key(r)
+        inputs = next(
+            (
+                x.get("predict_inputs") or reference_inputs(x)
+                for x in rows
+                if x["system"] == "ramflow"
+                and _model_key(x) == key
+                and (x.get("predict_inputs") or reference_inputs(x))
+            ),
+            None,
+        )
+        if inputs is None:
+            continue
+        name = "/".join(str(k) for k in key)
+        if name in out and out[name]["tokens"] >= r["tokens"]:
+            continue
+        flops = sum(_unit_flops(inputs, r["batch"]))
+        out[name] = {
+            "model": r["model"],
+            "batch": r["batch"],
+            "seq": r["seq"],
+            "tokens": r["tokens"],
+            "step_s": r["step_s"],
+            "flops": flops,
+            "efficiency": p.measured_efficiency(flops, r["step_s"], floors["matmul_flops_per_s"]),
+        }
+    return out
+
+
+def _efficiency_for(
+    efficiencies: dict[str, dict[str, Any]] | None, model: str, num_layers: Any, seq: Any
+) -> float | None:
+    e = (efficiencies or {}).get(f"{model}/{num_layers}/{seq}")
+    return e["efficiency"] if e else None
+
+
+def predict(inputs: dict[str, Any] | None, rated, infer_efficiency: float | None = None) -> Any:
+    """The ``StepPrediction`` of a step recorded with ``runners.predict_inputs``;
+    ``infer_efficiency``: the model's measured one (``forward_efficiencies``), if known."""
     if not inputs or rated is None:
         return None
     p = load_predict()
     rates, matmul, _ = rated
     mode = inputs["mode"]
     units = []
-    for u in inputs["units"]:
-        flops = p.forward_flops(
-            u["matmul_params"],
-            batch=inputs["batch"],
-            seq=inputs["seq"],
-            attention_layers=u["attention_layers"],
-            hidden=inputs["hidden"],
-        )
+    for u, flops in zip(inputs["units"], _unit_flops(inputs, inputs["batch"])):
         units.append(
             p.UnitCost(
                 name=u["name"],
                 wire_bytes=u["wire_bytes"],
                 trainable_params=u["trainable_params"],
-                forward_s=p.forward_seconds(flops, matmul, mode=mode),
+                forward_s=p.forward_seconds(
+                    flops, matmul, mode=mode, infer_efficiency=infer_efficiency
+                ),
                 resident=u["resident"],
                 checkpointed=u["checkpointed"],
                 deps=tuple(u.get("deps") or ()),
@@ -376,16 +452,21 @@ def reference_inputs(row: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def add_predictions(
-    rows: list[dict[str, Any]], floors: dict[str, Any] | None, cpu: dict[str, Any] | None
+    rows: list[dict[str, Any]],
+    floors: dict[str, Any] | None,
+    cpu: dict[str, Any] | None,
+    efficiencies: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """Set ``predicted_s``, ``predicted`` (the parts), ``x_predicted`` (measured over
-    predicted) and ``prediction_ok`` on every ramflow row that ran (in place)."""
+    predicted) and ``prediction_ok`` on every ramflow row that ran (in place);
+    ``efficiencies``: ``forward_efficiencies`` of the same rows."""
     rated = measured_rates(floors, cpu)
     for row in rows:
         if row["system"] != "ramflow" or row["status"] != "ok" or not row.get("step_s"):
             continue
         inputs = row.get("predict_inputs") or reference_inputs(row)
-        pred = predict(inputs, rated)
+        eff = _efficiency_for(efficiencies, *_model_key(row))
+        pred = predict(inputs, rated, eff)
         if pred is None:
             continue
         row["predicted_s"] = pred.step_s
@@ -395,7 +476,9 @@ def add_predictions(
         row["prediction_ok"] = abs(row["x_predicted"] - 1) <= PREDICT_TOLERANCE
 
 
-def kofn_rows(records: list[dict[str, Any]], floors, cpu) -> list[dict[str, Any]]:
+def kofn_rows(
+    records: list[dict[str, Any]], floors, cpu, efficiencies=None
+) -> list[dict[str, Any]]:
     """One row per (k, train or infer) of the k-of-n cases, with bytes against (n-k)/n of
     full streaming (the k = 0 row of the same case) and the prediction."""
     rated = measured_rates(floors, cpu)
@@ -415,7 +498,10 @@ def kofn_rows(records: list[dict[str, Any]], floors, cpu) -> list[dict[str, Any]
                 stream = None if h2d is None or refresh is None else h2d - refresh
                 if r["k"] == 0:
                     full[mode] = stream
-                pred = predict(m.get("predict_inputs"), rated)
+                eff = _efficiency_for(
+                    efficiencies, rec["case"]["model"], res.get("num_layers"), rec["case"]["seq"]
+                )
+                pred = predict(m.get("predict_inputs"), rated, eff)
                 k = r[
                     "resident_blocks"
                 ]  # the budget asked for r["k"]; this is what the engine kept
@@ -430,12 +516,15 @@ def kofn_rows(records: list[dict[str, Any]], floors, cpu) -> list[dict[str, Any]
                     "k": k,
                     "k_asked": r["k"],
                     "n": n,
+                    "num_params": res.get("num_params"),
+                    "num_layers": res.get("num_layers"),
                     "resident": r["resident"],
                     "resident_units": r["resident_units"],
                     "num_units": r["num_units"],
                     "resident_byte_share": r["resident_bytes"] / r["wire_bytes_total"],
                     "gpu_memory_bytes": r["gpu_memory_bytes"],
                     "step_s": m["step_s"],
+                    "step_times_s": m.get("step_times_s"),
                     "peak_bytes": m.get("peak_bytes"),
                     "h2d_bytes": h2d,
                     "h2d_stream_bytes": stream,
@@ -456,114 +545,464 @@ def kofn_rows(records: list[dict[str, Any]], floors, cpu) -> list[dict[str, Any]
     return out
 
 
+REFERENCE_SCOPE = "reference"
+OTHER_SCOPE = "{model} (no target in the issue; reported)"
+
+
+def _scope(model: str) -> str:
+    return REFERENCE_SCOPE if model == "reference" else OTHER_SCOPE.format(model=model)
+
+
+def _critical(pred: dict[str, Any] | None) -> str:
+    if not pred:
+        return ""
+    crit = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in pred["critical_s"].items() if v >= 5e-4)
+    return f"predicted critical path (ms): {crit}"
+
+
+def _floor_why(r: dict[str, Any]) -> str:
+    """The floor that binds a row (measured floors) and the predicted critical path."""
+    parts = []
+    if r.get("bound"):
+        parts.append(f"binding floor: {r['bound']} {_f(r.get('floor_s'), 1e3)} ms")
+    crit = _critical(r.get("predicted"))
+    if crit:
+        parts.append(crit)
+    return "; ".join(parts)
+
+
+def _cpu_floor_note(
+    r: dict[str, Any], floors: dict[str, Any] | None, cpu: dict[str, Any] | None
+) -> str:
+    """Why the CPU optimizer floor is where it is, and what the prediction charges it."""
+    shape = r.get("shape") or {}
+    parts = []
+    if floors and floors.get("cpu_adamw_fused_params_per_s") and shape:
+        parts.append(
+            f"CPU optimizer floor = {shape['num_params'] / 1e9:.2f} G params / torch fused CPU "
+            f"AdamW {floors['cpu_adamw_fused_params_per_s'] / 1e9:.2f} G params/s"
+        )
+    if cpu and cpu.get("ramflow_params_per_s"):
+        parts.append(f"ramflow's AdamW alone {cpu['ramflow_params_per_s'] / 1e9:.2f} G params/s")
+    pred = r.get("predicted")
+    if pred and pred.get("copies_on_cpu_s"):
+        parts.append(
+            f"predicted CPU busy {pred['busy_s']['CPU optimizer'] * 1e3:.0f} ms, "
+            f"{pred['copies_on_cpu_s'] * 1e3:.0f} ms of it the copies' host-memory traffic"
+        )
+    return "; ".join(parts)
+
+
+def _logits_note(r: dict[str, Any]) -> str:
+    """For a capped row over its cap: the fp32 logits against the activations it recorded."""
+    shape = r.get("shape") or {}
+    act = r.get("activation_bytes")
+    if not shape or not act or r["mode"] != "train":
+        return ""
+    logits = r["tokens"] * shape["vocab_size"] * 4
+    ckpt = shape["num_layers"] * r["tokens"] * shape["dim"] * 2 if r.get("checkpoint") else 0
+    planned = r.get("planned_bytes")
+    loss = "transformers' loss" if r["model"] != "reference" else "the loss"
+    return (
+        f"activations (calibration peak - planned) {act / GIB:.2f} GiB; one fp32 copy of the "
+        f"logits ({r['tokens']} tokens x {shape['vocab_size']} vocabulary x 4 B) is "
+        f"{logits / GIB:.2f} GiB, and {loss} holds about "
+        f"{(act - ckpt) / logits:.1f} such copies at its peak (upcast, log-softmax output, its "
+        f"gradient) besides {ckpt / GIB:.2f} GiB of checkpointed block inputs"
+        + (f"; ramflow's smallest plan {planned / GIB:.2f} GiB" if planned else "")
+    )
+
+
+def _item(scope, target, case, ratio, threshold, met, why="") -> dict[str, Any]:
+    return {
+        "scope": scope,
+        "target": target,
+        "case": case,
+        "ratio": ratio,
+        "threshold": threshold,
+        "met": met if scope == REFERENCE_SCOPE else None,
+        "within": met,
+        "why": why,
+    }
+
+
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target of issue 4 for each case it applies to: the ratio, met or not, and for a
-    miss the floor that binds (measured floors; the prediction's critical path)."""
-    rows = [r for r in doc["rows"] if r["group"] != "scaling"]
-    ours = [r for r in rows if r["system"] == "ramflow" and r["status"] == "ok"]
-    peers = [r for r in rows if r["group"] == "peers" and r["status"] == "ok" and r.get("step_s")]
+    """Issue 4's targets, each a ratio from this one run, with met or NOT MET and for a miss
+    the floor that binds. The targets are for the reference model (ANCHORS.md); other models'
+    rows are listed as reported (``met`` None, ``within`` says how they compare)."""
+    rows = [r for r in doc["rows"] if r["status"] == "ok" and r.get("step_s")]
+    floors, cpu = doc.get("floors"), doc.get("cpu_optimizer")
+    main = [r for r in rows if r["system"] == "ramflow" and r["group"] == "ramflow"]
+    peers = [r for r in rows if r["group"] == "peers"]
+    resident = [r for r in rows if r["system"].startswith("resident")]
     out: list[dict[str, Any]] = []
 
-    def why(r: dict[str, Any]) -> str:
-        parts = []
-        if r.get("bound"):
-            parts.append(f"floor bound: {r['bound']} ({_f(r.get('floor_s'), 1e3)} ms)")
-        pred = r.get("predicted")
-        if pred:
-            crit = ", ".join(
-                f"{k} {v * 1e3:.0f}" for k, v in pred["critical_s"].items() if v >= 0.0005
-            )
-            parts.append(f"predicted critical path (ms): {crit}")
-        return "; ".join(parts)
-
-    for r in ours:
-        what = f"{r['model']} {r['mode']} {r['batch']}x{r['seq']} {_budget(r)}"
-        if r.get("x_floor") is not None:
-            met = r["x_floor"] <= FLOOR_TARGET
-            out.append(
-                {
-                    "target": f"step <= {FLOOR_TARGET}x the floor",
-                    "case": what,
-                    "ratio": r["x_floor"],
-                    "met": met,
-                    "why": "" if met else why(r),
-                }
-            )
+    def fastest_peer(r: dict[str, Any]) -> dict[str, Any] | None:
         same = [
             p
             for p in peers
-            if p["model"] == r["model"] and p["mode"] == r["mode"] and p["batch"] == r["batch"]
+            if p["model"] == r["model"]
+            and p["mode"] == "train"
+            and p["batch"] == r["batch"]
+            and p["seq"] == r["seq"]
         ]
-        if same:
-            best = min(same, key=lambda p: p["step_s"])
-            ratio = best["step_s"] / r["step_s"]
-            met = ratio >= PEER_TARGET
-            note = ""
-            if not met:
-                note = why(r)
-                if best.get("x_floor") is not None and best["x_floor"] <= FLOOR_TARGET:
-                    note += f"; the best peer is within {FLOOR_TARGET}x the floor itself"
+        return min(same, key=lambda p: p["step_s"]) if same else None
+
+    for r in main:
+        scope = _scope(r["model"])
+        what = f"{r['model']} {r['mode']} {r['batch']}x{r['seq']}, {_budget(r)}"
+        if r["mode"] == "infer" and r["batch"] == 1 and r.get("pcie_s"):
+            ratio = r["step_s"] / r["pcie_s"]
+            ok = ratio <= INFER_1_PCIE_TARGET
             out.append(
-                {
-                    "target": f"best peer / ramflow >= {PEER_TARGET}",
-                    "case": f"{what} (best peer: {best['system']}, {_f(best['step_s'], 1e3)} ms)",
-                    "ratio": ratio,
-                    "met": met,
-                    "why": note,
-                }
+                _item(
+                    scope,
+                    f"inference 1x2048, nothing resident: step <= {INFER_1_PCIE_TARGET}x the "
+                    "PCIe floor",
+                    f"{what} (PCIe floor {_f(r['pcie_s'], 1e3)} ms)",
+                    ratio,
+                    f"<= {INFER_1_PCIE_TARGET}",
+                    ok,
+                    "" if ok else _floor_why(r),
+                )
             )
-        if r.get("within_cap") is not None:
+        if r["mode"] == "infer" and r["batch"] == 8:
+            res = next(
+                (
+                    x
+                    for x in resident
+                    if x["mode"] == "infer"
+                    and x["model"] == r["model"]
+                    and x["batch"] == r["batch"]
+                    and x["seq"] == r["seq"]
+                ),
+                None,
+            )
+            if res:
+                ratio = r["step_s"] / res["step_s"]
+                ok = ratio <= INFER_8_RESIDENT_TARGET
+                why = ""
+                if not ok:
+                    over = (r["step_s"] - res["step_s"]) * 1e3
+                    fill = _fill_note(r, (floors or {}).get("bandwidth_bytes_per_s") or {})
+                    why = (
+                        f"binding floor: GPU compute, the resident step {_f(res['step_s'], 1e3)} "
+                        f"ms; the {over:.1f} ms over it is {fill or 'not hidden loading'}; "
+                        f"{_critical(r.get('predicted'))}"
+                    )
+                out.append(
+                    _item(
+                        scope,
+                        f"inference 8x2048: step <= {INFER_8_RESIDENT_TARGET}x the resident bf16 "
+                        "inference step",
+                        f"{what} (resident {_f(res['step_s'], 1e3)} ms)",
+                        ratio,
+                        f"<= {INFER_8_RESIDENT_TARGET}",
+                        ok,
+                        why,
+                    )
+                )
+        if r["mode"] != "train":
+            continue
+        cap = r.get("cap_gib")
+        if cap is not None and r.get("peak_bytes"):
+            ratio = r["peak_bytes"] / (cap * GIB)
+            ok = ratio <= 1
+            why = "" if ok else _logits_note(r) or "activations (see the budget rule)"
             out.append(
-                {
-                    "target": "peak GPU memory within the cap",
-                    "case": what,
-                    "ratio": r["peak_bytes"] / (r["cap_gib"] * GIB),
-                    "met": r["within_cap"],
-                    "why": "" if r["within_cap"] else "activations (see the budget rule)",
-                }
+                _item(
+                    scope,
+                    f"training {r['batch']}x{r['seq']}: peak GPU memory <= {cap} GiB",
+                    f"{what} (peak {_f(r['peak_bytes'], 1 / GIB, 2)} GiB)",
+                    ratio,
+                    "<= 1",
+                    ok,
+                    why,
+                )
             )
-        if r.get("x_predicted") is not None:
+        if r["batch"] == 4 and cap is not None:
+            if r.get("x_floor") is not None:
+                ok = r["x_floor"] <= TRAIN_FLOOR_TARGET
+                why = ""
+                if not ok:
+                    why = _floor_why(r)
+                    if r.get("bound") == "CPU optimizer":
+                        why += "; " + _cpu_floor_note(r, floors, cpu)
+                out.append(
+                    _item(
+                        scope,
+                        f"training 4x2048, peak <= {cap} GiB: step <= {TRAIN_FLOOR_TARGET}x its "
+                        "floor",
+                        f"{what} (floor {_f(r.get('floor_s'), 1e3)} ms, {r.get('bound')})",
+                        r["x_floor"],
+                        f"<= {TRAIN_FLOOR_TARGET}",
+                        ok,
+                        why,
+                    )
+                )
+            best = fastest_peer(r)
+            if best:
+                ratio = best["step_s"] / r["step_s"]  # tokens/s ratio at the same tokens
+                ok = ratio >= TRAIN_4_PEER_TARGET
+                out.append(
+                    _item(
+                        scope,
+                        f"training 4x2048, peak <= {cap} GiB: tokens/s >= {TRAIN_4_PEER_TARGET}x "
+                        "the fastest peer at any memory",
+                        f"{what} (fastest peer: {best['system']}, {_f(best['step_s'], 1e3)} ms, "
+                        f"{_f(best.get('peak_bytes'), 1 / GIB, 1)} GiB)",
+                        ratio,
+                        f">= {TRAIN_4_PEER_TARGET}",
+                        ok,
+                        "" if ok else _floor_why(r),
+                    )
+                )
+        if r["batch"] == 16 and cap is not None:
+            best = fastest_peer(r)
+            if best:
+                ratio = best["step_s"] / r["step_s"]
+                ok = ratio >= TRAIN_16_PEER_TARGET
+                out.append(
+                    _item(
+                        scope,
+                        f"training 16x2048, peak <= {cap} GiB: tokens/s >= "
+                        f"{TRAIN_16_PEER_TARGET}x the fastest peer at any memory",
+                        f"{what} (fastest peer: {best['system']}, {_f(best['step_s'], 1e3)} ms, "
+                        f"{_f(best.get('peak_bytes'), 1 / GIB, 1)} GiB)",
+                        ratio,
+                        f">= {TRAIN_16_PEER_TARGET}",
+                        ok,
+                        "" if ok else _floor_why(r),
+                    )
+                )
+        if r["batch"] == 16 and cap is None and r.get("compute_s"):
+            ratio = r["step_s"] / r["compute_s"]
+            ok = ratio <= TRAIN_NOCAP_RESIDENT_TARGET
+            how = r.get("compute_how") or ""
+            est = ""
+            if how != "resident step":
+                est = f"estimated: {how}; a resident step without checkpointing does not fit"
+                src = next(
+                    (
+                        x
+                        for x in resident
+                        if x["model"] == r["model"]
+                        and x["mode"] == "train"
+                        and not x.get("checkpoint")
+                        and x.get("peak_bytes")
+                    ),
+                    None,
+                )
+                if src:
+                    est += (
+                        f" (at {src['batch']}x{src['seq']} it peaks at "
+                        f"{src['peak_bytes'] / GIB:.1f} GiB)"
+                    )
             out.append(
-                {
-                    "target": f"measured / predicted within 1 +- {PREDICT_TOLERANCE}",
-                    "case": what,
-                    "ratio": r["x_predicted"],
-                    "met": r["prediction_ok"],
-                    "why": "" if r["prediction_ok"] else why(r),
-                }
+                _item(
+                    scope,
+                    f"training 16x2048, no cap: step <= {TRAIN_NOCAP_RESIDENT_TARGET}x the "
+                    "resident step",
+                    f"{what} (resident {_f(r['compute_s'], 1e3)} ms{'; ' + est if est else ''})",
+                    ratio,
+                    f"<= {TRAIN_NOCAP_RESIDENT_TARGET}",
+                    ok,
+                    "" if ok else _floor_why(r),
+                )
             )
-    for r in doc.get("kofn") or []:
-        what = f"{r['model']} {r['mode']} {r['batch']}x{r['seq']}, k={r['k']} of n={r['n']} blocks"
-        if r["k"] and r.get("x_target") is not None:
-            met = r["x_target"] <= 1 + KOFN_BYTES_TOLERANCE  # fewer bytes than that is better
-            if met and r["x_target"] < 1 - KOFN_BYTES_TOLERANCE:
-                note = "fewer: " + (
-                    "every streamed unit stays in the window between forwards"
-                    if r["mode"] == "infer" and not r["h2d_stream_bytes"]
-                    else "norm and head are resident too; units still in the window at the "
-                    "forward/backward turn-around are not sent again"
+    out += _kofn_targets(doc, resident, floors)
+    predicted = [r for r in rows if r["system"] == "ramflow" and r.get("x_predicted") is not None]
+    kofn = [r for r in doc.get("kofn") or [] if r.get("x_predicted") is not None]
+    for r in predicted + kofn:
+        if "k" in r:
+            what = (
+                f"{r['model']} {r['mode']} {r['batch']}x{r['seq']}, k={r['k']} of {r['n']} blocks"
+            )
+        elif r["group"] == "scaling":
+            what = f"{r['model']} {r['mode']} {r['batch']}x{r['seq']}, {r['num_layers']} layers"
+        else:
+            what = f"{r['model']} {r['mode']} {r['batch']}x{r['seq']}, {_budget(r)}"
+        ok = abs(r["x_predicted"] - 1) <= PREDICT_TOLERANCE
+        out.append(
+            _item(
+                _scope(r["model"]),
+                f"planner: measured / predicted within 1 +- {PREDICT_TOLERANCE}",
+                f"{what} (predicted {_f(r['predicted_s'], 1e3)} ms)",
+                r["x_predicted"],
+                f"{1 - PREDICT_TOLERANCE:.2f} to {1 + PREDICT_TOLERANCE:.2f}",
+                ok,
+                "" if ok else _critical(r.get("predicted")),
+            )
+        )
+    order = (
+        "inference 1x2048",
+        "inference 8x2048",
+        "training 4x2048: peak",
+        "training 4x2048, peak",
+        "training 16x2048: peak",
+        "training 16x2048, peak",
+        "training 16x2048, no cap",
+        "k of n",
+        "planner",
+    )
+
+    def rank(t: dict[str, Any]) -> tuple[bool, int]:
+        return t["scope"] != REFERENCE_SCOPE, next(
+            (i for i, o in enumerate(order) if t["target"].startswith(o)), len(order)
+        )
+
+    return sorted(out, key=rank)
+
+
+def _fill_note(r: dict[str, Any], bw: dict[str, Any]) -> str:
+    """The loads the first compute waits for when nothing is resident (the pipeline fill)."""
+    inputs = r.get("predict_inputs") or reference_inputs(r)
+    if not inputs or not bw.get("h2d"):
+        return ""
+    units = inputs["units"]
+    first = next((i for i, u in enumerate(units) if u["matmul_params"] > 0), None)
+    if first is None:
+        return ""
+    fill = units[: first + 1]
+    nbytes = sum(u["wire_bytes"] for u in fill if not u["resident"])
+    if not nbytes:
+        return ""
+    names = " and ".join(u["name"] for u in fill if not u["resident"])
+    return (
+        f"the pipeline fill: the first compute waits for the loads of {names} "
+        f"({nbytes / 1e9:.2f} GB, {nbytes / bw['h2d'] * 1e3:.1f} ms at "
+        f"{bw['h2d'] / 1e9:.1f} GB/s), since nothing is resident to start on (the engine keeps "
+        "the last units resident first)"
+    )
+
+
+def _kofn_targets(
+    doc: dict[str, Any], resident: list[dict[str, Any]], floors: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """k of n resident: bytes at most (n-k)/n of full streaming, and the step time follows
+    (inference falls with the bytes; training, bound by the CPU optimizer, stays flat)."""
+    out: list[dict[str, Any]] = []
+    bw = (floors or {}).get("bandwidth_bytes_per_s") or {}
+    fused = (floors or {}).get("cpu_adamw_fused_params_per_s")
+    for mode in ("train", "infer"):
+        ks = sorted(
+            (r for r in doc.get("kofn") or [] if r["mode"] == mode and r.get("step_s")),
+            key=lambda r: r["k"],
+        )
+        if not ks or ks[0]["k"] != 0:
+            continue
+        base = ks[0]
+        for prev, r in zip([None, *ks], ks):
+            scope = _scope(r["model"])
+            what = (
+                f"{r['model']} {mode} {r['batch']}x{r['seq']}, k={r['k']} of {r['n']} blocks "
+                f"({r['resident_units']}/{r['num_units']} units)"
+            )
+            # the floors of this layout: GPU compute (the resident step), PCIe (its bytes),
+            # CPU optimizer (training)
+            res = next(
+                (
+                    x
+                    for x in resident
+                    if x["model"] == r["model"]
+                    and x["mode"] == mode
+                    and x["batch"] == r["batch"]
+                    and x["seq"] == r["seq"]
+                    and (mode == "infer" or x.get("checkpoint"))
+                    and (mode == "infer" or x.get("loss_chunk_tokens"))
+                ),
+                None,
+            )
+            parts: dict[str, float] = {}
+            if res:
+                parts["GPU compute"] = res["step_s"]
+            if bw.get("h2d") and r.get("h2d_bytes") is not None:
+                parts["PCIe"] = pcie_seconds(r["h2d_bytes"], r.get("d2h_bytes") or 0, bw)
+            if mode == "train" and fused and r.get("num_params"):
+                parts["CPU optimizer"] = r["num_params"] / fused
+            binds = max(parts, key=parts.get) if parts else None
+            floor_text = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items())
+            if r["k"] and r.get("stream_share") is not None:
+                ok = r["stream_share"] <= r["target_share"]
+                note = ""
+                if ok and r["stream_share"] < r["target_share"] - 0.005:
+                    why = []
+                    if mode == "infer" and not r["h2d_stream_bytes"]:
+                        why.append("every streamed unit stays in the window between forwards")
+                    elif r["resident_byte_share"] > r["k"] / r["n"] + 0.005:
+                        why.append(
+                            "the final norm and head are resident too (resident byte share "
+                            f"{r['resident_byte_share']:.2f} against k/n = {r['k'] / r['n']:.2f})"
+                        )
+                    pred = r.get("predicted")
+                    if mode == "train" and pred:
+                        fwd = pred["h2d_forward_bytes"]
+                        back = pred["h2d_stream_bytes"] - fwd
+                        why.append(
+                            f"backward re-sends only the streamed units that left the window by "
+                            f"the turn-around ({back / 1e9:.2f} of {fwd / 1e9:.2f} GB)"
+                        )
+                    note = "fewer: " + "; ".join(why) if why else ""
+                out.append(
+                    _item(
+                        scope,
+                        "k of n resident: streamed H2D <= (n-k)/n of full streaming",
+                        f"{what}: {_f(r['h2d_stream_bytes'], 1e-9, 2)} GB of "
+                        f"{_f(base['h2d_stream_bytes'], 1e-9, 2)}, (n-k)/n = {r['target_share']:.3f}",
+                        r["stream_share"],
+                        f"<= {r['target_share']:.3f}",
+                        ok,
+                        note,
+                    )
+                )
+            if not r["k"]:
+                continue
+            ratio = r["step_s"] / base["step_s"]
+            if mode == "infer":
+                ok = prev is not None and r["step_s"] < prev["step_s"]
+                saved = (base["h2d_stream_bytes"] or 0) - (r["h2d_stream_bytes"] or 0)
+                took = base["step_s"] - r["step_s"]
+                note = f"floors (ms): {floor_text}; binds: {binds}"
+                if saved and bw.get("h2d"):
+                    note += (
+                        f"; {took / (saved / bw['h2d']):.0%} of the saved bytes' transfer time "
+                        "came off the step (the rest: the resident units' compute, which runs "
+                        "after the last load)"
+                    )
+                out.append(
+                    _item(
+                        scope,
+                        "k of n resident, inference: the step time falls with the bytes",
+                        f"{what}: step {_f(r['step_s'], 1e3)} ms against "
+                        f"{_f(prev['step_s'], 1e3)} at k={prev['k']} (byte share "
+                        f"{_f(r['stream_share'], 1, 3)})",
+                        ratio,
+                        f"< {prev['step_s'] / base['step_s']:.3f} (k={prev['k']})",
+                        ok,
+                        note,
+                    )
                 )
             else:
-                note = "" if met else why(r)
-            out.append(
-                {
-                    "target": "k of n resident: streamed H2D / full streaming <= (n-k)/n",
-                    "case": what,
-                    "ratio": r["x_target"],
-                    "met": met,
-                    "why": note,
-                }
-            )
-        if r.get("x_predicted") is not None:
-            out.append(
-                {
-                    "target": f"k of n: measured / predicted within 1 +- {PREDICT_TOLERANCE}",
-                    "case": what,
-                    "ratio": r["x_predicted"],
-                    "met": r["prediction_ok"],
-                    "why": "" if r["prediction_ok"] else why(r),
-                }
-            )
+                ok = abs(ratio - 1) <= KOFN_TRAIN_FLAT
+                note = f"floors (ms): {floor_text}; binds: {binds}"
+                if r.get("predicted"):
+                    note += (
+                        f"; predicted {_f(base['predicted_s'], 1e3)} -> "
+                        f"{_f(r['predicted_s'], 1e3)} ms (fewer copies through host memory "
+                        "beside the CPU optimizer)"
+                    )
+                out.append(
+                    _item(
+                        scope,
+                        "k of n resident, training: the step time stays flat (CPU optimizer bound)",
+                        f"{what}: step {_f(r['step_s'], 1e3)} ms against "
+                        f"{_f(base['step_s'], 1e3)} at k=0",
+                        ratio,
+                        f"1 +- {KOFN_TRAIN_FLAT}",
+                        ok,
+                        note,
+                    )
+                )
     return out
 
 
@@ -609,12 +1048,30 @@ def _parts(pred: dict[str, Any]) -> str:
     return text
 
 
+def _first_step(r: dict[str, Any]) -> str:
+    """The first timed step (after a drain) against the model's first simulated step."""
+    times, pred = r.get("step_times_s"), r.get("predicted") or {}
+    if r.get("mode") != "train" or not times or not pred.get("first_step_s"):
+        return "-"
+    return (
+        f"{times[0] * 1e3:.0f} / {pred['first_step_s'] * 1e3:.0f} "
+        f"(x{times[0] / pred['first_step_s']:.2f})"
+    )
+
+
 def _prediction_section(doc: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """Predicted against measured for every ramflow step, with the parts and the bound."""
     ours = [r for r in rows if r.get("predicted")]
     if not ours:
         return []
     rated = measured_rates(doc.get("floors"), doc.get("cpu_optimizer"))
+    p = load_predict()
+    effs = doc.get("gpu_forward") or {}
+    eff_text = "; ".join(
+        f"{e['model']} {e['efficiency']:.1%} (resident bf16 inference {e['batch']}x{e['seq']}, "
+        f"{e['step_s'] * 1e3:.1f} ms)"
+        for e in effs.values()
+    )
     out = [
         "## Predicted against measured",
         "",
@@ -624,15 +1081,28 @@ def _prediction_section(doc: dict[str, Any], rows: list[dict[str, Any]]) -> list
             f": H2D {rated[0].h2d_bytes_per_s / 1e9:.1f}, D2H {rated[0].d2h_bytes_per_s / 1e9:.1f}, "
             f"both {(rated[0].both_bytes_per_s or 0) / 1e9:.1f} GB/s; bf16 matmul "
             f"{rated[1] / 1e12:.0f} TFLOP/s; CPU AdamW {rated[0].cpu_optimizer_params_per_s / 1e9:.2f} "
-            f"G params/s ({rated[2]})"
+            f"G params/s ({rated[2]}), whose DRAM traffic "
+            f"({rated[0].cpu_optimizer_dram_bytes_per_param:.0f} B per parameter) shares host "
+            "memory with the PCIe copies: each step's copy bytes are charged to the optimizer at "
+            "its DRAM rate"
             if rated
             else ""
         )
-        + f". MISS: measured / predicted outside 1 +- {PREDICT_TOLERANCE}.",
+        + ". GPU forward: each model's inference efficiency measured on its resident step "
+        + (
+            f"({eff_text}; a training forward runs at that x "
+            f"{p.TRAIN_MATMUL_EFFICIENCY}/{p.INFER_MATMUL_EFFICIENCY})"
+            if eff_text
+            else f"(none in this run: {p.INFER_MATMUL_EFFICIENCY:.0%} inference, "
+            f"{p.TRAIN_MATMUL_EFFICIENCY:.0%} training)"
+        )
+        + f". MISS: measured / predicted outside 1 +- {PREDICT_TOLERANCE}. First step: the "
+        "first timed step, which follows a drain (no optimizer step to wait for: GPU and links "
+        "alone), measured / predicted.",
         "",
         "| model | step | tokens | budget | resident | measured (ms) | predicted (ms) | parts (ms) "
-        "| critical path (ms) | bound | x predicted |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| critical path (ms) | bound | x predicted | first step (ms) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in ours:
         pred = r["predicted"]
@@ -641,9 +1111,80 @@ def _prediction_section(doc: dict[str, Any], rows: list[dict[str, Any]]) -> list
         out.append(
             f"| {r['model']} | {r['mode']} | {r['batch']}x{r['seq']} | {_budget(r)} | {resident} | "
             f"{_f(r['step_s'], 1e3)} | {_f(r['predicted_s'], 1e3)} | {_parts(pred)} | {crit} | "
-            f"{pred['bound']} | {_x_predicted(r)} |"
+            f"{pred['bound']} | {_x_predicted(r)} | {_first_step(r)} |"
         )
-    out.append("")
+    out += ["", *_prediction_notes(ours, doc.get("kofn") or []), ""]
+    return out
+
+
+LOSS_BYTES_PER_LOGIT = 40
+"""Device memory traffic of a plain fp32 cross-entropy per logit, forward and backward: the
+fp32 upcast (read 2, write 4), log-softmax (read 4 twice, write 4), the NLL gradient (write 4),
+log-softmax's backward (read 8, write 4), the cast back (read 4, write 2)."""
+
+
+def _prediction_notes(rows: list[dict[str, Any]], kofn: list[dict[str, Any]]) -> list[str]:
+    """What the model leaves out, with this run's figures where they show."""
+    out = ["What the model leaves out (so what a residual means):", ""]
+    plain = [
+        r
+        for r in rows
+        if r.get("predicted")
+        and r["mode"] == "train"
+        and not r.get("loss_chunk_tokens")
+        and r.get("shape")
+    ]
+    if plain:
+        big = max(plain, key=lambda r: r["tokens"] * r["shape"]["vocab_size"])
+        logits = big["tokens"] * big["shape"]["vocab_size"]
+        out.append(
+            "- The loss's own memory traffic: the head's matmul is in the FLOPs; the fp32 "
+            "upcast, log-softmax and their gradients over the vocabulary are not (about "
+            f"{LOSS_BYTES_PER_LOGIT} bytes per logit; the largest here, {big['model']} "
+            f"{big['batch']}x{big['seq']} over {big['shape']['vocab_size']} words: "
+            f"{logits * LOSS_BYTES_PER_LOGIT / 1e12:.2f} TB of device memory traffic, some "
+            f"{logits * LOSS_BYTES_PER_LOGIT / 4e12 * 1e3:.0f} ms at 4 TB/s, against a "
+            f"{big['step_s'] * 1e3:.0f} ms step; the floors measure no device memory rate)."
+        )
+    firsts = [
+        (r["step_times_s"][0] / r["predicted"]["first_step_s"], r)
+        for r in [*rows, *kofn]
+        if r.get("predicted")
+        and r["mode"] == "train"
+        and r.get("step_times_s")
+        and r["predicted"].get("first_step_s")
+    ]
+    if firsts:
+        lo, hi = min(firsts, key=lambda x: x[0]), max(firsts, key=lambda x: x[0])
+        out.append(
+            "- GPU time beyond the FLOP count and the links: the first timed steps (no optimizer "
+            f"step to wait for) run x{lo[0]:.2f} to x{hi[0]:.2f} of the model's first step "
+            f"({lo[1]['model']} {lo[1]['batch']}x{lo[1]['seq']} to {hi[1]['model']} "
+            f"{hi[1]['batch']}x{hi[1]['seq']}); the recorded fields hold no kernel times of "
+            "those steps (the trace has one step, 4x2048), so the gaps are not attributed."
+        )
+    out.append(
+        "- The CPU optimizer's rate in the training process: the copies' share of host DRAM is "
+        "modelled, other threads on the same cores (the autograd thread launching kernels beside "
+        "the optimizer's OpenMP pool) are not."
+    )
+    ramps = [
+        r
+        for r in [*rows, *kofn]
+        if r.get("predicted") and r["mode"] == "train" and len(r.get("step_times_s") or []) >= 3
+    ]
+    if ramps:
+        r = max(
+            ramps, key=lambda r: (max(r["step_times_s"]) - min(r["step_times_s"])) / r["step_s"]
+        )
+        times = ", ".join(f"{t * 1e3:.0f}" for t in r["step_times_s"])
+        out.append(
+            "- The benchmark's step is the median of the timed steps after a drain; where the "
+            "CPU optimizer binds they ramp (e.g. "
+            f"{r['model']} {r['batch']}x{r['seq']}: {times} ms: the first waits for no "
+            "optimizer, the last for the whole optimizer tail), so two cases with about the same "
+            "sum can have medians 10% apart; the model gives the steady state."
+        )
     return out
 
 
@@ -680,25 +1221,93 @@ def _targets_section(doc: dict[str, Any]) -> list[str]:
     items = doc.get("targets") or []
     if not items:
         return []
-    met = sum(1 for t in items if t["met"])
+    ours = [t for t in items if t["met"] is not None]
+    met = sum(1 for t in ours if t["met"])
     out = [
         "## Targets (issue 4)",
         "",
-        f"{met} of {len(items)} met. Thresholds: `benchmarks/report.py` (FLOOR_TARGET "
-        f"{FLOOR_TARGET}, PEER_TARGET {PEER_TARGET}, PREDICT_TOLERANCE {PREDICT_TOLERANCE}, "
-        f"KOFN_BYTES_TOLERANCE {KOFN_BYTES_TOLERANCE}). For a miss: the floor that binds.",
+        f"Reference model (ANCHORS.md): {met} of {len(ours)} met. Each ratio is from this one "
+        "run; for a miss, the floor that binds. Other models' rows are reported against the "
+        "same thresholds (the issue sets no target for them). Thresholds: constants at the top "
+        'of `benchmarks/report.py`; "stays flat" (k of n, training) is read as within '
+        f"{KOFN_TRAIN_FLAT:.0%} of k = 0.",
         "",
-        "| target | case | ratio | met | why (for a miss), notes |",
-        "| --- | --- | --- | --- | --- |",
+        "| scope | target | case | ratio | threshold | met | why (for a miss), notes |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for t in items:
         why = (t.get("why") or "").replace("|", "/")
+        if t["met"] is None:
+            verdict = "reported (" + ("within" if t["within"] else "outside") + ")"
+        else:
+            verdict = "met" if t["met"] else "NOT MET"
         out.append(
-            f"| {t['target']} | {t['case']} | {_f(t['ratio'], 1, 3)} | "
-            f"{'met' if t['met'] else 'NOT MET'} | {why} |"
+            f"| {t['scope']} | {t['target']} | {t['case']} | {_f(t['ratio'], 1, 3)} | "
+            f"{t['threshold']} | {verdict} | {why} |"
         )
     out.append("")
+    line = cpu_optimizer_line(doc.get("cpu_optimizer"))
+    if line:
+        out += [line, ""]
     return out
+
+
+def _trace_prediction(doc: dict[str, Any]) -> str | None:
+    """The traced step predicted: it synchronizes the host worker inside the step, so it is
+    the model's first step plus the rest of its optimizer work (``first_drained_s``)."""
+    rec = next((c for c in doc["cases"] if c["kind"] == "trace" and c["status"] == "ok"), None)
+    rated = measured_rates(doc.get("floors"), doc.get("cpu_optimizer"))
+    if rec is None or rated is None:
+        return None
+    case, res = rec["case"], rec["result"]
+    row = {
+        "model": case["model"],
+        "shape": _shape(res),
+        "resident_units": 0,  # the trace offloads with no budget: nothing resident
+        "mode": "train",
+        "batch": case["batch"],
+        "seq": case["seq"],
+        "checkpoint": case.get("checkpoint"),
+        "loss_chunk_tokens": case.get("loss_chunk_tokens"),
+    }
+    eff = _efficiency_for(doc.get("gpu_forward"), case["model"], res.get("num_layers"), case["seq"])
+    pred = predict(reference_inputs(row), rated, eff)
+    if pred is None:
+        return None
+    summary = res.get("summary") or {}
+    busy = (summary.get("optimizer") or {}).get("busy_ms")
+    landing = (summary.get("landing") or {}).get("busy_ms") or 0.0
+    return (
+        "Predicted (the step-time model, nothing resident, this run's rates): the traced step "
+        "synchronizes ramflow's host worker before it ends, so its whole optimizer work is in it: "
+        f"{pred.first_drained_s * 1e3:.0f} ms against {res['step_s'] * 1e3:.0f} ms measured "
+        f"under the profiler; host worker busy {pred.busy_s['CPU optimizer'] * 1e3:.0f} ms "
+        f"({pred.copies_on_cpu_s * 1e3:.0f} ms of it the copies' host-memory traffic)"
+        + (
+            f" against {busy + landing:.0f} ms measured (optimizer {busy:.0f} + landing "
+            f"{landing:.0f})."
+            if busy
+            else "."
+        )
+    )
+
+
+def cpu_optimizer_line(cpu: dict[str, Any] | None) -> str | None:
+    """Issue 4 point 7: ramflow's CPU AdamW against torch's fused one, same tensors and
+    process, in parameters and DRAM bytes per second."""
+    if not cpu or not cpu.get("ramflow_params_per_s") or not cpu.get("torch_fused_params_per_s"):
+        return None
+    bpp = cpu.get("bytes_per_param") or {}
+    ours, theirs = cpu["ramflow_params_per_s"], cpu["torch_fused_params_per_s"]
+    return (
+        f"CPU optimizer: ramflow AdamW {ours / 1e9:.2f} G params/s "
+        f"({ours * bpp.get('ramflow', 30) / 1e9:.1f} GB/s of DRAM traffic) vs torch fused "
+        f"{theirs / 1e9:.2f} G params/s ({theirs * bpp.get('torch_adamw', 28) / 1e9:.1f} GB/s), "
+        f"same tensors, same process ({cpu.get('num_params', 0) / 1e6:.0f} M fp32 parameters, "
+        f"{cpu.get('cpu_threads')} threads; {bpp.get('ramflow', 30)} and "
+        f"{bpp.get('torch_adamw', 28)} bytes per parameter: ramflow also writes the bf16 wire "
+        "copy)."
+    )
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -853,6 +1462,9 @@ def markdown(doc: dict[str, Any]) -> str:
             format_summary(trace.get("summary", {})),
             "",
         ]
+        line = _trace_prediction(doc)
+        if line:
+            out += [line, ""]
     failed = [c for c in doc["cases"] if c["status"] != "ok"]
     if failed:
         out += [

@@ -21,7 +21,11 @@ order i = 0..n-1 and backward order n-1..0:
 - D2H link: each trainable unit's gradients in the wire dtype, after its backward.
 - CPU: the optimizer steps each unit as soon as its gradients have landed (eager steps, the
   steady state of ``ramflow.optim``), one unit at a time, the earliest unit in forward order
-  first among those ready; the next forward of that unit waits for its step.
+  first among those ready; the next forward of that unit waits for its step. The step is
+  bound by host memory bandwidth, which it shares with the PCIe copies: their DMA reads the
+  wire copies from, and writes the gradients into, the same DRAM. Each step's copy bytes are
+  charged to the optimizer at its own DRAM rate (``Rates.cpu_optimizer_dram_bytes_per_param``),
+  spread over the units by their parameters.
 
 While a backward pass runs both links are busy; each then gets half of the measured both-ways
 rate when that is given. The graph is simulated for several consecutive steps (each step's
@@ -32,10 +36,13 @@ in the compute it delays. The critical path through that last step says how much
 each resource accounts for; the resource with the largest share is the one that binds.
 
 Inference is the forward alone. From one forward to the next the window keeps the last units
-used, least recently used evicted first; with the units visited in the same order every time,
-that keeps nothing useful unless every streamed unit fits in the window at once, in which case
-nothing is loaded at all (no step changes the weights). Otherwise each forward starts from a
-cold window (the benchmark synchronizes between forwards).
+used, least recently used evicted first, and no step changes the weights, so a unit still in
+the window when the next forward reaches it is not loaded again. ``_inference_loads`` replays
+that window over two forwards (each unit with the tied units it reads): with the units visited
+in the same order every time, nothing useful survives unless every streamed unit fits in the
+window at once (then nothing is loaded at all), except a tied owner read at both ends of the
+forward (an embedding whose weight the head reuses: loaded for the head, it is still there for
+the next forward's first unit, so it crosses once per forward, not twice).
 """
 
 from __future__ import annotations
@@ -61,12 +68,27 @@ the device, autocast, norms and activations in between). The 2026-11-22 H200 tra
 forward kernels at 4x2048 on the reference model (45 TFLOP), against 790 TFLOP/s measured."""
 
 INFER_MATMUL_EFFICIENCY = 0.75
-"""The same for an inference forward (resident bf16 1x2048 and 8x2048: 19.1 and 151.9 ms)."""
+"""The same for an inference forward (resident bf16 1x2048 and 8x2048: 19.1 and 151.9 ms).
+
+Both are the reference model's (plain PyTorch, width 4096). A model whose forward spends more
+of its time outside the matmuls (Hugging Face Llama 3.2 3B: unfused fp32 RMSNorm, rotary
+embedding, SiLU and residual kernels over a narrower width, 28 layers) runs below them: give
+``forward_seconds`` that model's own inference efficiency, measured on a resident inference
+step (``measured_efficiency``); its training forward then runs at that times
+``TRAIN_MATMUL_EFFICIENCY / INFER_MATMUL_EFFICIENCY``."""
 
 RAMFLOW_ADAMW_PER_TORCH_FUSED = 0.855
 """ramflow's one-pass CPU AdamW rate over torch's fused CPU AdamW rate as the floors measure it
 (3.72 against 4.35 G params/s on the H200 box: one more output, the bf16 wire copy, and a
 whole model's states instead of a 268 M-parameter slice)."""
+
+RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM = 30.0
+"""Host DRAM bytes per parameter of ramflow's one-pass AdamW step as its rate is measured (the
+benchmark's CPU optimizer case): fp32 parameter, gradient and both states read, parameter and
+states written, bf16 wire copy written. The optimizer's DRAM rate is its parameter rate times
+this; PCIe copy bytes cost host DRAM time at that rate (the H200 run of 2026-11-22: the CPU-bound
+4x2048 steps grow with the bytes streamed, 2053 to 2179 ms over three steps from 10.8 to 14.7
+GB of copies per step)."""
 
 HOST_SECONDS_PER_UNIT = 0.002
 """Host worker time per unit and step besides the optimizer's arithmetic: landing the unit's
@@ -112,11 +134,30 @@ def forward_flops(
     return 2.0 * matmul_params * tokens + 4.0 * attention_layers * batch * seq * seq * hidden
 
 
-def forward_seconds(flops: float, matmul_flops_per_s: float, *, mode: str = "train") -> float:
+def forward_seconds(
+    flops: float,
+    matmul_flops_per_s: float,
+    *,
+    mode: str = "train",
+    infer_efficiency: float | None = None,
+) -> float:
     """GPU time of a forward of ``flops`` at the measured bf16 matmul rate (FLOP/s), with the
-    calibrated efficiency of a training (``mode="train"``) or inference forward."""
+    calibrated efficiency of a training (``mode="train"``) or inference forward.
+
+    ``infer_efficiency``: this model's own inference forward rate over the matmul rate
+    (``measured_efficiency`` of a resident inference step), in place of
+    ``INFER_MATMUL_EFFICIENCY``; a training forward runs at that times
+    ``TRAIN_MATMUL_EFFICIENCY / INFER_MATMUL_EFFICIENCY``."""
     eff = TRAIN_MATMUL_EFFICIENCY if mode == "train" else INFER_MATMUL_EFFICIENCY
+    if infer_efficiency is not None:
+        eff *= infer_efficiency / INFER_MATMUL_EFFICIENCY
     return flops / (eff * matmul_flops_per_s)
+
+
+def measured_efficiency(flops: float, seconds: float, matmul_flops_per_s: float) -> float:
+    """A model's forward efficiency from a timed forward: its FLOPs (``forward_flops`` summed
+    over its units) over the time and the measured matmul rate."""
+    return flops / (seconds * matmul_flops_per_s)
 
 
 def ramflow_adamw_rate(torch_fused_params_per_s: float) -> float:
@@ -160,13 +201,25 @@ class Rates:
         h2d_bytes_per_s: pinned host-to-device copy rate, one direction alone.
         d2h_bytes_per_s: pinned device-to-host copy rate, one direction alone.
         both_bytes_per_s: both directions at once, total (None: the links are independent).
-        cpu_optimizer_params_per_s: the host optimizer's rate (ramflow's AdamW).
+        cpu_optimizer_params_per_s: the host optimizer's rate (ramflow's AdamW), measured
+            alone.
+        cpu_optimizer_dram_bytes_per_param: host DRAM bytes per parameter of the optimizer
+            step whose rate that is (``RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM``): its DRAM rate is
+            the product, and each byte the PCIe copies move to or from host memory takes
+            optimizer time at that rate. None: the copies do not slow the optimizer.
     """
 
     h2d_bytes_per_s: float = DEFAULT_H2D_BYTES_PER_S
     d2h_bytes_per_s: float = DEFAULT_D2H_BYTES_PER_S
     both_bytes_per_s: float | None = DEFAULT_BOTH_BYTES_PER_S
     cpu_optimizer_params_per_s: float = DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S
+    cpu_optimizer_dram_bytes_per_param: float | None = RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM
+
+    def copies_on_host_dram_s(self, nbytes: float) -> float:
+        """Optimizer time lost to ``nbytes`` of PCIe copies through host DRAM."""
+        if not self.cpu_optimizer_dram_bytes_per_param:
+            return 0.0
+        return nbytes / (self.cpu_optimizer_params_per_s * self.cpu_optimizer_dram_bytes_per_param)
 
     @classmethod
     def from_pcie(
@@ -216,6 +269,13 @@ class StepPrediction:
         h2d_forward_bytes: the forward's share of those (each streamed unit once).
         h2d_refresh_bytes: refreshes of resident units after their CPU steps.
         d2h_bytes: gradient bytes device-to-host per step.
+        copies_on_cpu_s: the part of the CPU optimizer's busy time that is the copies' host
+            memory traffic (``Rates.copies_on_host_dram_s`` of all bytes each way).
+        first_step_s: the first simulated step, which starts with every step done (no
+            optimizer to wait for): the benchmark's first timed step, which follows a drain
+            (training; for inference the step itself).
+        first_drained_s: that first step and then the rest of its optimizer work (a loop
+            that synchronizes the host worker every step; 0 for inference).
     """
 
     mode: str
@@ -231,6 +291,9 @@ class StepPrediction:
     h2d_forward_bytes: int = 0
     h2d_refresh_bytes: int = 0
     d2h_bytes: int = 0
+    copies_on_cpu_s: float = 0.0
+    first_step_s: float = 0.0
+    first_drained_s: float = 0.0
 
     @property
     def floor_s(self) -> float:
@@ -268,6 +331,9 @@ class StepPrediction:
             "h2d_forward_bytes": self.h2d_forward_bytes,
             "h2d_refresh_bytes": self.h2d_refresh_bytes,
             "d2h_bytes": self.d2h_bytes,
+            "copies_on_cpu_s": self.copies_on_cpu_s,
+            "first_step_s": self.first_step_s,
+            "first_drained_s": self.first_drained_s,
         }
 
 
@@ -400,11 +466,38 @@ def window_bytes_of(units: Sequence[UnitCost], prefetch_depth: int) -> int:
     return (prefetch_depth + 2) * max(streamed, default=0)
 
 
-def _optimizer_s(u: UnitCost, rates: Rates) -> float:
-    """Host worker time of one unit's step: landing, then the optimizer over its parameters."""
+def _optimizer_s(u: UnitCost, rates: Rates, copies_per_param_s: float = 0.0) -> float:
+    """Host worker time of one unit's step: landing, then the optimizer over its parameters,
+    plus its share (``copies_per_param_s`` per parameter) of the copies' DRAM traffic."""
     if u.trainable_params <= 0:
         return 0.0
-    return HOST_SECONDS_PER_UNIT + u.trainable_params / rates.cpu_optimizer_params_per_s
+    per_param = 1.0 / rates.cpu_optimizer_params_per_s + copies_per_param_s
+    return HOST_SECONDS_PER_UNIT + u.trainable_params * per_param
+
+
+def _inference_loads(units: Sequence[UnitCost], window_bytes: int) -> list[int]:
+    """Bytes each unit's forward loads in steady-state inference: the window (least recently
+    used evicted first, the units of the current call kept) replayed over two forwards, each
+    unit reading itself and its tied owners; the second forward's misses."""
+    lru: dict[int, int] = {}  # unit -> bytes, oldest first
+    loads = [0] * len(units)
+    for rnd in range(2):
+        for i, u in enumerate(units):
+            need = [d for d in dict.fromkeys((i, *u.deps)) if not units[d].resident]
+            for d in need:
+                if d in lru:
+                    lru[d] = lru.pop(d)  # most recently used
+                    continue
+                nbytes = units[d].wire_bytes
+                while lru and sum(lru.values()) + nbytes > window_bytes:
+                    victim = next((v for v in lru if v not in need), None)
+                    if victim is None:
+                        break  # the call needs more than the window: it overflows
+                    del lru[victim]
+                lru[d] = nbytes
+                if rnd == 1:
+                    loads[i] += nbytes
+    return loads
 
 
 def _load_bytes(units: Sequence[UnitCost], i: int) -> int:
@@ -445,20 +538,17 @@ def predict_step(
     slots = prefetch_depth + 2
     h2d_fwd = rates.h2d_bytes_per_s
     h2d_bwd, d2h_bwd = rates.duplex()
-    streamed = [i for i in range(n) if _load_bytes(units, i) > 0]
+    loads = [_load_bytes(units, i) for i in range(n)]
+    streamed = [i for i in range(n) if loads[i] > 0]
     streamed_set = set(streamed)
     cached = _turnaround_cached(units, window_bytes_of(units, prefetch_depth))
     g = _Graph()
     if mode == "infer":
-        window = window_bytes_of(units, prefetch_depth)
-        if sum(_load_bytes(units, i) for i in streamed) <= window:
-            streamed = []  # they all stay in the window from one forward to the next
-        fwd = _forward(
-            g, units, streamed, slots, (h2d_fwd, h2d_bwd), prev_opt=None, start=None, s=0
-        )
+        loads = _inference_loads(units, window_bytes_of(units, prefetch_depth))
+        fwd = _forward(g, units, loads, slots, (h2d_fwd, h2d_bwd), prev_opt=None, start=None, s=0)
         g.run()
         span = fwd[-1].end
-        h2d = sum(_load_bytes(units, i) for i in streamed)
+        h2d = sum(loads)
         busy = {
             "GPU compute": sum(u.forward_s for u in units),
             "PCIe H2D": h2d / h2d_fwd,
@@ -479,9 +569,16 @@ def predict_step(
             h2d_stream_bytes=h2d,
             h2d_forward_bytes=h2d,
             d2h_bytes=0,
+            first_step_s=span,
         )
 
     steps = max(2, steps)
+    h2d_stream = sum(loads) + sum(loads[j] for j in streamed if j not in cached)
+    refresh = sum(u.wire_bytes for u in units if u.resident and u.trainable_params > 0)
+    d2h_bytes = sum(u.trainable_params for u in units) * grad_bytes_per_param
+    trainable = sum(u.trainable_params for u in units)
+    copies_on_cpu = rates.copies_on_host_dram_s(h2d_stream + refresh + d2h_bytes)
+    copies_per_param = copies_on_cpu / trainable if trainable else 0.0
     prev_opt: list[_Task | None] | None = None
     barrier: _Task | None = None
     ends: list[_Task] = []
@@ -489,7 +586,7 @@ def predict_step(
     opts: list[list[_Task | None]] = []
     for s in range(steps):
         fwd = _forward(
-            g, units, streamed, slots, (h2d_fwd, h2d_bwd), prev_opt=prev_opt, start=barrier, s=s
+            g, units, loads, slots, (h2d_fwd, h2d_bwd), prev_opt=prev_opt, start=barrier, s=s
         )
         fwd_ends.append(fwd[-1])
         bwd: list[_Task | None] = [None] * n
@@ -507,7 +604,7 @@ def predict_step(
                 gate = streamed_order[k - slots] if k >= slots else None
                 load = g.add(
                     "PCIe H2D",
-                    _load_bytes(units, j) / h2d_bwd,
+                    loads[j] / h2d_bwd,
                     [fwd[-1], bwd[gate] if gate is not None else None],
                     tag=f"s{s} reload {u.name}",
                 )
@@ -527,7 +624,7 @@ def predict_step(
                 trainable_done.append(d2h[j])
                 opt[j] = g.add(
                     "CPU optimizer",
-                    _optimizer_s(u, rates),
+                    _optimizer_s(u, rates, copies_per_param),
                     [d2h[j]],
                     key=j,
                     tag=f"s{s} step {u.name}",
@@ -540,22 +637,17 @@ def predict_step(
 
     t0, t1 = ends[-2].end, ends[-1].end
     last_opt = [t for t in opts[-1] if t is not None]
-    h2d_stream = sum(_load_bytes(units, i) for i in streamed) + sum(
-        _load_bytes(units, j) for j in streamed if j not in cached
-    )
-    refresh = sum(u.wire_bytes for u in units if u.resident and u.trainable_params > 0)
-    d2h_bytes = sum(u.trainable_params for u in units) * grad_bytes_per_param
     fwd_s = sum(u.forward_s for u in units)
     bwd_s = sum(
         (BACKWARD_PER_FORWARD + (RECOMPUTE_PER_FORWARD if u.checkpointed else 0.0)) * u.forward_s
         for u in units
     )
-    stream_fwd = sum(_load_bytes(units, i) for i in streamed)
+    stream_fwd = sum(loads)
     busy = {
         "GPU compute": fwd_s + bwd_s,
         "PCIe H2D": stream_fwd / h2d_fwd + (h2d_stream - stream_fwd + refresh) / h2d_bwd,
         "PCIe D2H": d2h_bytes / d2h_bwd,
-        "CPU optimizer": sum(_optimizer_s(u, rates) for u in units),
+        "CPU optimizer": sum(_optimizer_s(u, rates, copies_per_param) for u in units),
     }
     critical = _critical(ends[-1], t0)
     return StepPrediction(
@@ -572,13 +664,16 @@ def predict_step(
         h2d_forward_bytes=stream_fwd,
         h2d_refresh_bytes=refresh,
         d2h_bytes=d2h_bytes,
+        copies_on_cpu_s=copies_on_cpu,
+        first_step_s=ends[0].end,
+        first_drained_s=max((t.end for t in opts[0] if t is not None), default=ends[0].end),
     )
 
 
 def _forward(
     g: _Graph,
     units: Sequence[UnitCost],
-    streamed: list[int],
+    loads: Sequence[int],
     slots: int,
     h2d_rates: tuple[float, float],
     *,
@@ -588,12 +683,14 @@ def _forward(
 ) -> list[_Task]:
     """Add one forward pass's tasks; returns the forward compute tasks in order.
 
-    ``h2d_rates``: (loads, refreshes): loads run while only H2D is busy, refreshes mostly
-    while the previous backward's gradients still cross D2H."""
+    ``loads``: H2D bytes each unit's forward loads first (0: none). ``h2d_rates``: (loads,
+    refreshes): loads run while only H2D is busy, refreshes mostly while the previous
+    backward's gradients still cross D2H."""
     n = len(units)
+    streamed = [i for i in range(n) if loads[i] > 0]
     h2d_rate, refresh_rate = h2d_rates
     fwd: list[_Task] = []
-    loads: dict[int, _Task] = {}
+    load_tasks: dict[int, _Task] = {}
     refreshes: dict[int, _Task] = {}
     position = {i: k for k, i in enumerate(streamed)}
     prev = start
@@ -604,13 +701,13 @@ def _forward(
             k = position[i]
             gate = fwd[streamed[k - slots]] if k >= slots else None
             wire = [prev_opt[d] for d in (i, *u.deps) if prev_opt is not None]
-            loads[i] = g.add(
+            load_tasks[i] = g.add(
                 "PCIe H2D",
-                _load_bytes(units, i) / h2d_rate,
+                loads[i] / h2d_rate,
                 [start, gate, *wire],
                 tag=f"s{s} load {u.name}",
             )
-            deps.append(loads[i])
+            deps.append(load_tasks[i])
         if prev_opt is not None:
             for d in (i, *u.deps):
                 if units[d].resident and prev_opt[d] is not None:
