@@ -463,3 +463,20 @@ def test_keep_grads_false_same_curve_without_host_grads(device):
     ramflow.synchronize(model)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert max_rel(p, q.cpu()) < 1e-6
+
+
+def test_inference_prefetches_the_next_forwards_first_units(device):
+    """After a forward without grad, the first units of the order are loading again (the
+    next call starts without waiting for the pipeline to fill), and outputs are unchanged."""
+    torch.manual_seed(0)
+    model = MLPStack(depth=8)
+    ref = copy.deepcopy(model).to(device)
+    ramflow.offload(model, device=device, wire_dtype=torch.float32, prefetch_depth=1)
+    engine = ramflow._engine.ENGINE_OF_MODEL[model]
+    x = mlp_batches(1, device)[0][0]
+    with torch.no_grad():
+        for _ in range(2):
+            out = model(x)
+            first = engine._order[0]
+            assert first.allocated and first.device_version == first.host_version
+            assert max_rel(out, ref(x)) < 1e-6

@@ -693,6 +693,11 @@ class Engine:
         for i, u in enumerate(self._order):
             positions.setdefault(u, i)
         self._positions.update(positions)
+        if not torch.is_grad_enabled():
+            # no backward follows: start loading the next forward's first units now, so
+            # back-to-back inference calls do not wait for the pipeline to fill
+            first = [u for u in self._order if not u.resident][: self.prefetch_depth]
+            self._prefetch(self._expand(first))
         if torch.is_grad_enabled():
             for t in pytree.tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
