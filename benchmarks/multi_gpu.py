@@ -34,7 +34,8 @@ def _run(args: argparse.Namespace) -> None:
 
     import measure
     import ramflow
-    from models import build_model, loss_of, make_batch, model_shape
+    from models import build_model, make_batch, model_shape
+    from runners import _train_step
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -58,15 +59,8 @@ def _run(args: argparse.Namespace) -> None:
     )
     setup_s = time.perf_counter() - t0
 
-    def step() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = loss_of(model, ids, labels)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
     res = measure.time_steps(
-        step,
+        _train_step(model, opt, ids, labels, device),
         device=device,
         warmup=args.warmup,
         steps=args.steps,

@@ -7,7 +7,7 @@ over the process group (all-reduce; reduce to the owner under ZeRO-2 when one ow
 every rank) asynchronously; the D2H copy of the reduced gradients waits for it on the D2H
 stream. Each unit has one owner per host that steps it (ZeRO-1: optimizer states exist on
 the owner only; ZeRO-2: only the owner copies the gradients down and keeps them). After
-``opt.step()`` every rank waits for its own steps and for the others (a barrier on a gloo
+``opt.step()`` every rank's worker waits for its own steps and for the others (a barrier on a gloo
 group), then rewrites the wire copies of the units others stepped and reloads them before
 their next use. Ranks of one host share one host copy of the master weights (and, under
 ``ramflow.offload``, of the wire copy), so nothing crosses processes but the barrier.
@@ -179,14 +179,14 @@ def assign_owners(numels: list[int], ranks: list[int]) -> list[int]:
 
 def shared_host_store(
     specs: list[UnitSpec], *, wire_dtype: torch.dtype, numels: list[int], offsets: list[list[int]]
-) -> list[int]:
+) -> tuple[list[int], list[int]]:
     """Put the units' masters (fp32) and wire copies in shared memory, one copy per host.
 
     The first rank of each host writes its model's weights (after rank 0's have been
     broadcast to the first ranks of the other hosts); the other ranks map the same pages
     and point their parameters at them, dropping their own copies. Files live in
     ``$RAMFLOW_SHM_DIR`` (default /dev/shm) only until every rank of the host has mapped
-    them. Returns each unit's owner (a global rank on this host).
+    them. Returns each unit's owner (a global rank on this host) and this host's ranks.
 
     Raises ValueError when the ranks' models differ, MemoryError when the shared-memory
     directory lacks room.
@@ -263,7 +263,7 @@ def shared_host_store(
         with torch.no_grad():
             for off, p in zip(offsets[i], spec.owned):
                 p.data = masters[i][off : off + p.numel()].view(p.shape)
-    return assign_owners(numels, local)
+    return assign_owners(numels, local), local
 
 
 def _gather_leaders(group: dist.ProcessGroup, leader: int) -> list[int]:

@@ -165,6 +165,19 @@ class _Unit:
         return f"Unit({self.index}, {self.name!r})"
 
 
+def plan_inputs(units: list[_Unit], wire_dtype: torch.dtype) -> dict[str, Any]:
+    """What ``make_plan`` needs to know of the units: names, wire bytes, gradient bytes and
+    which must stay resident (the engine's plan and ``ramflow plan``'s use the same)."""
+    wire_size = torch.empty((), dtype=wire_dtype).element_size()
+    return {
+        "wire_dtype": str(wire_dtype).replace("torch.", ""),
+        "unit_names": [u.name for u in units],
+        "unit_bytes": [u.numel * wire_size for u in units],
+        "unit_grad_bytes": [u.trainable_numel * wire_size for u in units],
+        "always_resident": [u.rest for u in units],
+    }
+
+
 class _Call:
     """One forward call of a unit that autograd may run backward through."""
 
@@ -277,14 +290,9 @@ class Engine:
         new = [_Unit(len(self.units) + i, s) for i, s in enumerate(specs)]
         self._check_host_memory(new)
         all_units = self.units + new
-        wire_size = torch.empty((), dtype=self.wire_dtype).element_size()
         plan = make_plan(
             device=str(self.device),
-            wire_dtype=str(self.wire_dtype).replace("torch.", ""),
-            unit_names=[u.name for u in all_units],
-            unit_bytes=[u.numel * wire_size for u in all_units],
-            unit_grad_bytes=[u.trainable_numel * wire_size for u in all_units],
-            always_resident=[u.rest for u in all_units],
+            **plan_inputs(all_units, self.wire_dtype),
             fixed_bytes=self._fixed_bytes,
             gpu_memory_bytes=self._gpu_memory_bytes,
             prefetch_depth=self.prefetch_depth,

@@ -108,7 +108,8 @@ class Linear(nn.Linear):
     copies). Another optimizer that writes them in place needs ``ramflow.refresh(model)``
     before the next call, or the device keeps running the old weights.
 
-    ``.to(device)`` / ``.cuda()`` pick the compute device (the weights stay on the host);
+    ``.to(device)`` / ``.cuda()`` pick the compute device (the weights stay on the host; a
+    move to the CPU is ignored, since the weights are there already);
     ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` pick the wire dtype (the masters stay
     fp32); ``share_memory()`` moves the host buffer to shared memory, for workers started
     with ``torch.multiprocessing`` (see [Note: layer engines]). Neither may change after the

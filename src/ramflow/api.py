@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._dist import DistributedState, cpu_group, host_ranks, require_initialized, shared_host_store
+from ._dist import DistributedState, require_initialized, shared_host_store
 from ._engine import ENGINE_OF_MODEL, ENGINE_OF_PARAM, Engine, _Unit
 from ._plan import OffloadPlan, parse_bytes
 from ._units import find_units
@@ -111,7 +111,7 @@ def offload(
             raise ValueError(f"zero_stage must be 1, 2 or None, got {zero_stage!r}")
         require_initialized("ramflow.offload(..., zero_stage=...)")
         layout = [_Unit(i, spec) for i, spec in enumerate(specs)]
-        owners = shared_host_store(
+        owners, local = shared_host_store(
             specs,
             wire_dtype=wire_dtype,
             numels=[u.numel for u in layout],
@@ -127,14 +127,13 @@ def offload(
         activation_checkpointing=activation_checkpointing,
     )
     if owners is not None:
-        local = len(host_ranks(cpu_group()))
-        single_host = local == dist.get_world_size()
+        single_host = len(local) == dist.get_world_size()
         for u, owner in zip(engine.units, owners):
             u.owner = owner
         engine.dist = DistributedState(
             zero_stage=zero_stage, average=True, reduce_to_owner=single_host
         )
-        engine.dist.copies = dist.get_world_size() // local  # hosts (equal ranks per host)
+        engine.dist.copies = dist.get_world_size() // len(local)  # hosts (equal ranks each)
     return model
 
 

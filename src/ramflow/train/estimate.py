@@ -35,7 +35,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .._costs import unit_costs, unit_shapes
-from .._engine import _Unit
+from .._engine import _Unit, plan_inputs
 from .._plan import OffloadPlan, PlanTiming, format_bytes, make_plan
 from .._predict import (
     DEFAULT_MATMUL_FLOPS_PER_S,
@@ -432,14 +432,9 @@ def _make_plan(
     prefetch_depth: int,
 ) -> OffloadPlan:
     """The plan ``Engine.__init__`` makes for these units (same arguments)."""
-    wire_size = torch.empty((), dtype=wire_dtype).element_size()
     return make_plan(
         device=device_type,
-        wire_dtype=str(wire_dtype).replace("torch.", ""),
-        unit_names=[u.name for u in units],
-        unit_bytes=[u.numel * wire_size for u in units],
-        unit_grad_bytes=[u.trainable_numel * wire_size for u in units],
-        always_resident=[u.rest for u in units],
+        **plan_inputs(units, wire_dtype),
         fixed_bytes=buffer_bytes,
         gpu_memory_bytes=gpu_memory_bytes,
         prefetch_depth=prefetch_depth,
@@ -668,11 +663,7 @@ def _predict_speed(
     try:
         timed = make_plan(
             device=device_type,
-            wire_dtype=str(wire_dtype).replace("torch.", ""),
-            unit_names=[u.name for u in units],
-            unit_bytes=[u.numel * wire_size for u in units],
-            unit_grad_bytes=[u.trainable_numel * wire_size for u in units],
-            always_resident=[u.rest for u in units],
+            **plan_inputs(units, wire_dtype),
             fixed_bytes=buffer_bytes,
             # auto: the budget covers ramflow and the activations, the planner splits it
             gpu_memory_bytes=gpu_memory_bytes if auto else ramflow_budget,
