@@ -70,7 +70,10 @@ _CPP_SOURCE = r"""
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -101,6 +104,8 @@ struct Args {
   int32_t torch_vec_width;  // elements per vector in PyTorch's kernel (8)
   int32_t streaming;        // 1: non-temporal stores for write-only outputs, 0: never, -1: auto
   int32_t force_scalar;     // 1: skip the SIMD loop (tests)
+  int32_t num_threads;      // threads of the step; <= 0: ATen's (torch.get_num_threads())
+  int32_t dynamic;          // 1: threads take chunks from a shared counter, 0: one range each
 };
 
 // The per-call constants, in float, computed exactly as PyTorch computes them.
@@ -340,7 +345,7 @@ extern "C" int ramflow_fused_adamw_step(const Args* args) {
   }
 #endif
   const int64_t num_blocks = (a.n + kBlock - 1) / kBlock;
-  at::parallel_for(0, num_blocks, kGrainBlocks, [&](int64_t block_begin, int64_t block_end) {
+  auto body = [&](int64_t block_begin, int64_t block_end) {
     const int64_t begin = block_begin * kBlock;
     const int64_t end = std::min(block_end * kBlock, a.n);
     int64_t i = begin;
@@ -352,12 +357,38 @@ extern "C" int ramflow_fused_adamw_step(const Args* args) {
     }
 #endif
     for (; i < end; ++i) step_scalar(a, c, i, i >= tail_start);
-  });
+  };
+  const int threads = a.num_threads > 0 ? a.num_threads : at::get_num_threads();
+  if (!a.dynamic) {
+    at::parallel_for(0, num_blocks, kGrainBlocks, body);
+    return 0;
+  }
+  // [Note: dynamic work sharing] Each thread takes kGrainBlocks blocks at a time from a
+  // shared counter, so a thread that the OS deschedules (the training loop's own thread,
+  // the CUDA driver's) holds up one chunk, not a sixteenth of the unit.
+  const int team = static_cast<int>(std::min<int64_t>(threads, (num_blocks + kGrainBlocks - 1) / kGrainBlocks));
+  if (team <= 1) {
+    body(0, num_blocks);
+    return 0;
+  }
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(team)
+  {
+    for (;;) {
+      const int64_t b = next.fetch_add(kGrainBlocks, std::memory_order_relaxed);
+      if (b >= num_blocks) break;
+      body(b, std::min(b + kGrainBlocks, num_blocks));
+    }
+  }
   return 0;
 }
 """
 
 _ENV_DISABLE = "RAMFLOW_DISABLE_CPU_KERNELS"
+
+# How the native kernel splits a step over threads (benchmarks/optimizer_threads_probe.py
+# compares the settings): "threads" <= 0 is torch.get_num_threads().
+WORK_SHARING = {"threads": 0, "dynamic": True}
 
 # The lanes of PyTorch's CPU AdamW vector loop. Its dispatch has no AVX512 entry for this
 # kernel (REGISTER_DISPATCH, not ALSO_REGISTER_AVX512_DISPATCH), so AVX512 CPUs run the
@@ -394,6 +425,8 @@ class _Args(ctypes.Structure):
         ("torch_vec_width", ctypes.c_int32),
         ("streaming", ctypes.c_int32),
         ("force_scalar", ctypes.c_int32),
+        ("num_threads", ctypes.c_int32),
+        ("dynamic", ctypes.c_int32),
     ]
 
 
@@ -593,6 +626,8 @@ def _step_native(
         torch_vec_width=_TORCH_VEC_WIDTH,
         streaming=streaming,
         force_scalar=int(force_scalar),
+        num_threads=WORK_SHARING["threads"],
+        dynamic=int(WORK_SHARING["dynamic"]),
     )
     rc = native.fn(ctypes.byref(args))
     assert rc == 0, rc
