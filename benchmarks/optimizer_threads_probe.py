@@ -1,16 +1,20 @@
 """Probe: how the CPU optimizer's threads are shared, alone and inside a training step.
 
 Issue 4's 4x2048 training step (<= 12 GiB) is bound by the CPU optimizer. This probe asks
-whether the optimizer runs as fast inside the step as alone, and what the thread count and
-the way a unit's step is split over threads (``_cpu_kernels.WORK_SHARING``: one range per
-thread, as ``at::parallel_for``, or chunks from a shared counter) change, in one process:
+whether the optimizer runs as fast inside the step as alone, and what its thread count
+(``AdamW(threads=...)``) changes, in one process:
 
 1. alone: ``fused_adamw_step_`` over ``--params`` fp32 parameters (bf16 gradient, bf16 wire
-   copy), per setting, median of 3 after one warm-up;
+   copy), per thread count, median of 3 after one warm-up;
 2. in the step: the reference model's 4x2048 training case at its 12 GiB cap, as
-   ``bench.py`` builds it; per setting one untimed step, then ``--steps`` timed steps (each
+   ``bench.py`` builds it; per thread count one untimed step, then ``--steps`` timed steps (each
    the wall clock between step ends after ``torch.cuda.synchronize``, as ``measure.time_steps``),
-   with the worker's optimizer spans: busy time per step, the longest idle gap, and the rate.
+   with the worker's optimizer spans: busy time per step, the longest idle gaps, the rate,
+   and the timeline of the last full step (unit steps and gradient dispatches).
+
+The results of 2026-11-22 (benchmarks/results/2026-11-22-nvidia-h200-optimizer-threads) also
+compare the split of a unit over threads that the kernel had before (one range per thread,
+``at::parallel_for``), measured at commit cad5db8.
 
 Run on the GPU box from the repository root::
 
@@ -40,19 +44,10 @@ import runners  # noqa: E402
 from models import make_batch, model_shape  # noqa: E402
 
 
-def _parse_settings(text: str) -> list[tuple[int, bool]]:
-    """``"16s,16,14"``: thread counts, ``s`` for one range per thread (static)."""
-    return [(int(x.rstrip("s")), not x.endswith("s")) for x in text.split(",") if x]
-
-
-def _settings(cores: int) -> list[tuple[int, bool]]:
-    out = [(cores, False), (cores, True)]
-    out += [(n, True) for n in (cores - 1, cores - 2, cores * 3 // 4, cores // 2) if n >= 1]
-    seen: list[tuple[int, bool]] = []
-    for s in out:
-        if s not in seen:
-            seen.append(s)
-    return seen
+def _default_threads(cores: int) -> list[int]:
+    return sorted({n for n in (cores, cores - 1, cores - 2, cores * 3 // 4, cores // 2) if n >= 1})[
+        ::-1
+    ]
 
 
 def _alone(params: int, settings, emit) -> None:
@@ -63,8 +58,7 @@ def _alone(params: int, settings, emit) -> None:
     g = torch.randn(params).to(torch.bfloat16)
     wire = torch.empty(params, dtype=torch.bfloat16)
     step = 0
-    for threads, dynamic in settings:
-        k.WORK_SHARING.update(threads=threads, dynamic=dynamic)
+    for threads in settings:
         times = []
         for i in range(4):
             step += 1
@@ -81,6 +75,7 @@ def _alone(params: int, settings, emit) -> None:
                 eps=1e-8,
                 weight_decay=0.01,
                 wire_out=wire,
+                num_threads=threads,
             )
             if i:
                 times.append(time.perf_counter() - t0)
@@ -88,7 +83,6 @@ def _alone(params: int, settings, emit) -> None:
         emit(
             what="alone",
             threads=threads,
-            dynamic=dynamic,
             params=params,
             step_s=t,
             params_per_s=params / t,
@@ -129,7 +123,6 @@ class _Spans:
 
 def _in_step(settings, steps: int, emit, *, tiny: bool) -> None:
     import ramflow
-    from ramflow import _cpu_kernels as k
 
     built = cases.build_cases(
         ["ramflow"],
@@ -157,8 +150,8 @@ def _in_step(settings, steps: int, emit, *, tiny: bool) -> None:
     emit(what="setup", budget_bytes=budget, plan=ramflow.get_plan(model).describe(), params=num)
     for _ in range(2):
         step()
-    for threads, dynamic in settings:
-        k.WORK_SHARING.update(threads=threads, dynamic=dynamic)
+    for threads in settings:
+        opt.threads = threads
         step()
         measure.sync(device)
         times, starts = [], []
@@ -186,7 +179,6 @@ def _in_step(settings, steps: int, emit, *, tiny: bool) -> None:
         emit(
             what="in_step",
             threads=threads,
-            dynamic=dynamic,
             step_times_s=times,
             median_s=statistics.median(times),
             optimizer_busy_s_per_step=busy_s / steps,
@@ -204,11 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=int, default=256 << 20)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--skip-step", action="store_true", help="only the optimizer alone")
-    ap.add_argument("--settings", default="", help='e.g. "16s,16,14": threads, s = static')
+    ap.add_argument("--threads", default="", help='thread counts, e.g. "16,14" (default: several)')
     ap.add_argument("--tiny", action="store_true", help="small model, runs on the CPU (smoke test)")
     args = ap.parse_args(argv)
     cores = torch.get_num_threads()
-    settings = _parse_settings(args.settings) if args.settings else _settings(cores)
+    settings = [int(x) for x in args.threads.split(",") if x] or _default_threads(cores)
     rows: list[dict] = []
 
     def emit(**row) -> None:

@@ -1188,6 +1188,22 @@ def _prediction_notes(rows: list[dict[str, Any]], kofn: list[dict[str, Any]]) ->
     return out
 
 
+def _more_steps(doc: dict[str, Any]) -> str:
+    """Which cases timed more steps than the run's ``--steps`` (cases.OVERLAPPED_STEPS)."""
+    base = doc["meta"].get("steps")
+    more = {}
+    for c in doc.get("cases") or []:
+        steps = (c.get("case") or {}).get("steps")
+        if base is not None and steps is not None and steps > base:
+            more.setdefault(steps, []).append(c["kind"])
+    return "".join(
+        f"; {n} for {', '.join(sorted(set(kinds)))} (ramflow's optimizer runs into the next "
+        "step: the first timed step waits for none, the last drains; the median is one of the "
+        "steady-state steps between)"
+        for n, kinds in sorted(more.items())
+    )
+
+
 def _kofn_section(doc: dict[str, Any]) -> list[str]:
     rows = doc.get("kofn") or []
     if not rows:
@@ -1320,7 +1336,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"- torch {meta.get('torch')}, ramflow {meta.get('ramflow')}, commit {meta.get('commit') or '-'}",
         f"- command: `{meta['command']}`",
         f"- steps: median of {meta.get('steps')} timed steps after {meta.get('warmup')} warm-ups, "
-        "each case in its own process",
+        f"each case in its own process{_more_steps(doc)}",
         f"- wall time: {_f(meta.get('wall_s'), 1, 0)} s",
         "",
     ]

@@ -216,6 +216,8 @@ def test_unaligned_views_and_streaming(streaming):
 
 
 def test_thread_count_does_not_change_results():
+    """torch's thread count and ``num_threads`` (more threads than cores included) split the
+    13 chunks of 200 003 elements differently; the bits stay PyTorch's."""
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
@@ -223,6 +225,47 @@ def test_thread_count_does_not_change_results():
             check_steps("native", 200_003, wire_dtype=torch.bfloat16, num_steps=2)
     finally:
         torch.set_num_threads(before)
+    for num_threads in (1, 3, 5):
+        check_steps(
+            "native", 200_003, wire_dtype=torch.bfloat16, num_steps=2, num_threads=num_threads
+        )
+
+
+def test_adamw_threads_reach_the_kernel_and_keep_the_result(monkeypatch):
+    """``AdamW(threads=1)`` steps an offloaded model with one kernel thread, and the weights
+    equal those of the default thread count bit for bit."""
+    import copy
+
+    import ramflow
+    from models import MLPStack
+
+    if not _cpu_kernels.native_kernel_available():
+        pytest.skip(f"native kernel not available: {_cpu_kernels._NATIVE.reason}")
+    seen = []
+    real = _cpu_kernels._step_native
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("num_threads"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_cpu_kernels, "_step_native", spy)
+    torch.manual_seed(0)
+    models = [MLPStack(depth=3)]
+    models.append(copy.deepcopy(models[0]))
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    for model, threads in zip(models, (1, None)):
+        ramflow.offload(model, device="cpu", wire_dtype=torch.bfloat16)
+        opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2, threads=threads)
+        for _ in range(3):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        ramflow.synchronize(model)
+    assert seen and set(seen[: len(seen) // 2]) == {1} and set(seen[len(seen) // 2 :]) == {None}
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="num_threads must be >= 1"):
+        ramflow.optim.AdamW(models[0].parameters(), threads=0)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -356,6 +399,8 @@ HP = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
         (dict(step=0), ValueError, "step must be >= 1"),
         (dict(step=1.0), TypeError, "step must be an int"),
         (dict(step=True), TypeError, "step must be an int"),
+        (dict(num_threads=0), ValueError, "num_threads must be >= 1"),
+        (dict(num_threads=2.0), TypeError, "num_threads must be an int"),
     ],
 )
 def test_bad_input(change, error, match):

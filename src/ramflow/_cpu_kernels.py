@@ -105,7 +105,6 @@ struct Args {
   int32_t streaming;        // 1: non-temporal stores for write-only outputs, 0: never, -1: auto
   int32_t force_scalar;     // 1: skip the SIMD loop (tests)
   int32_t num_threads;      // threads of the step; <= 0: ATen's (torch.get_num_threads())
-  int32_t dynamic;          // 1: threads take chunks from a shared counter, 0: one range each
 };
 
 // The per-call constants, in float, computed exactly as PyTorch computes them.
@@ -358,14 +357,12 @@ extern "C" int ramflow_fused_adamw_step(const Args* args) {
 #endif
     for (; i < end; ++i) step_scalar(a, c, i, i >= tail_start);
   };
-  const int threads = a.num_threads > 0 ? a.num_threads : at::get_num_threads();
-  if (!a.dynamic) {
-    at::parallel_for(0, num_blocks, kGrainBlocks, body);
-    return 0;
-  }
   // [Note: dynamic work sharing] Each thread takes kGrainBlocks blocks at a time from a
   // shared counter, so a thread that the OS deschedules (the training loop's own thread,
-  // the CUDA driver's) holds up one chunk, not a sixteenth of the unit.
+  // the CUDA driver's) holds up one chunk, not a sixteenth of the unit as with
+  // at::parallel_for's one range per thread (10-15% slower on the GPU box, alone and in a
+  // training step: benchmarks/results/2026-11-22-nvidia-h200-optimizer-threads).
+  const int threads = a.num_threads > 0 ? a.num_threads : at::get_num_threads();
   const int team = static_cast<int>(std::min<int64_t>(threads, (num_blocks + kGrainBlocks - 1) / kGrainBlocks));
   if (team <= 1) {
     body(0, num_blocks);
@@ -385,10 +382,6 @@ extern "C" int ramflow_fused_adamw_step(const Args* args) {
 """
 
 _ENV_DISABLE = "RAMFLOW_DISABLE_CPU_KERNELS"
-
-# How the native kernel splits a step over threads (benchmarks/optimizer_threads_probe.py
-# compares the settings): "threads" <= 0 is torch.get_num_threads().
-WORK_SHARING = {"threads": 0, "dynamic": True}
 
 # The lanes of PyTorch's CPU AdamW vector loop. Its dispatch has no AVX512 entry for this
 # kernel (REGISTER_DISPATCH, not ALSO_REGISTER_AVX512_DISPATCH), so AVX512 CPUs run the
@@ -426,7 +419,6 @@ class _Args(ctypes.Structure):
         ("streaming", ctypes.c_int32),
         ("force_scalar", ctypes.c_int32),
         ("num_threads", ctypes.c_int32),
-        ("dynamic", ctypes.c_int32),
     ]
 
 
@@ -597,6 +589,7 @@ def _step_native(
     accumulate: torch.Tensor | None = None,
     grad_out: torch.Tensor | None = None,
     wire_out: torch.Tensor | None = None,
+    num_threads: int | None = None,
     streaming: int = -1,
     force_scalar: bool = False,
 ) -> None:
@@ -626,8 +619,7 @@ def _step_native(
         torch_vec_width=_TORCH_VEC_WIDTH,
         streaming=streaming,
         force_scalar=int(force_scalar),
-        num_threads=WORK_SHARING["threads"],
-        dynamic=int(WORK_SHARING["dynamic"]),
+        num_threads=num_threads or 0,
     )
     rc = native.fn(ctypes.byref(args))
     assert rc == 0, rc
@@ -683,6 +675,16 @@ def _step_torch(
         wire_out.copy_(param.view(wire_out.shape))
 
 
+def _check_threads(num_threads: object) -> None:
+    """``num_threads`` must be None or an int >= 1 (ValueError, TypeError otherwise)."""
+    if num_threads is None:
+        return
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int):
+        raise TypeError(f"num_threads must be an int or None, got {type(num_threads).__name__}")
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1 (or None for torch's), got {num_threads}")
+
+
 def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -727,6 +729,7 @@ def fused_adamw_step_(
     accumulate: torch.Tensor | None = None,
     grad_out: torch.Tensor | None = None,
     wire_out: torch.Tensor | None = None,
+    num_threads: int | None = None,
 ) -> None:
     """One AdamW step (Loshchilov & Hutter, 2019) in place, in one pass over memory.
 
@@ -755,18 +758,22 @@ def fused_adamw_step_(
             Not together with ``accumulate``, which already receives it.
         wire_out: bf16 or fp16; if given, receives the new ``param`` rounded to nearest even,
             equal to ``param.to(wire_out.dtype)`` (NaN is written as a quiet NaN).
+        num_threads: CPU threads of the native kernel, an int >= 1; None (the default) is
+            ``torch.get_num_threads()``. The threads take 16384-element chunks from a shared
+            counter, so the result does not depend on the count. The PyTorch path (no native
+            kernel) ignores it and uses ``torch.get_num_threads()``.
 
     All tensors must be on the CPU, contiguous, have ``param``'s number of elements (any
-    shape) and not overlap, except ``grad_out`` with ``grad`` as said. Runs on
-    ``torch.get_num_threads()`` threads (ATen's OpenMP pool) and releases the GIL.
+    shape) and not overlap, except ``grad_out`` with ``grad`` as said. Releases the GIL.
 
     Raises:
         TypeError: a tensor argument is not a tensor or has a dtype not listed above, or
             ``step`` is not an int.
         ValueError: a tensor is not on the CPU, not contiguous, has a different number of
             elements or overlaps another; both ``accumulate`` and ``grad_out`` are given;
-            ``step`` < 1.
+            ``step`` < 1; ``num_threads`` is not None and < 1.
     """
+    _check_threads(num_threads)
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"param must be a torch.Tensor, got {type(param).__name__}")
     n = param.numel()
@@ -821,6 +828,6 @@ def fused_adamw_step_(
     if n == 0:
         return
     if _NATIVE.get() is not None:
-        _step_native(_NATIVE, param, grad, exp_avg, exp_avg_sq, **hyper)
+        _step_native(_NATIVE, param, grad, exp_avg, exp_avg_sq, num_threads=num_threads, **hyper)
     else:
         _step_torch(param, grad, exp_avg, exp_avg_sq, **hyper)

@@ -19,7 +19,7 @@ import torch
 from torch.optim import adam as _adam
 from torch.optim import sgd as _sgd
 
-from ._cpu_kernels import fused_adamw_step_
+from ._cpu_kernels import _check_threads, fused_adamw_step_
 from ._engine import ENGINE_OF_PARAM, Engine, _Unit
 from ._linear import attach_pending
 
@@ -210,9 +210,15 @@ class AdamW(HostOptimizer):
             the step, which bounds small-batch training) for loops that never read the
             gradients. Steps that are not applied during backward (the first, clipping,
             accumulation) always fill ``p.grad``.
+        threads: CPU threads of the step over the host masters (ramflow's native AdamW
+            kernel), an int >= 1; None (the default) is ``torch.get_num_threads()``. The
+            step is bound by DRAM, so leaving a core or two to a data loader costs little;
+            see benchmarks/results/2026-11-22-nvidia-h200-optimizer-threads. The result
+            does not depend on it.
 
     State per parameter: ``step`` (float32 scalar), ``exp_avg`` and ``exp_avg_sq`` (fp32, the
-    parameter's shape, on the host). Raises ``ValueError`` for out-of-range settings.
+    parameter's shape, on the host). Raises ``ValueError`` for out-of-range settings and
+    ``TypeError`` for a ``threads`` that is not an int.
     """
 
     def __init__(
@@ -225,7 +231,10 @@ class AdamW(HostOptimizer):
         *,
         overlap: bool = True,
         keep_grads: bool = True,
+        threads: int | None = None,
     ) -> None:
+        _check_threads(threads)
+        self.threads = threads
         if lr < 0.0:
             raise ValueError(f"invalid learning rate: {lr}")
         if eps < 0.0:
@@ -273,7 +282,7 @@ class AdamW(HostOptimizer):
             unit.master[:n], grad[:n], flats["exp_avg"], flats["exp_avg_sq"],
             step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
             eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-            accumulate=accumulate, grad_out=grad_out, wire_out=wire_out,
+            accumulate=accumulate, grad_out=grad_out, wire_out=wire_out, num_threads=self.threads,
         )  # fmt: skip
         for p in params:
             self.state[p]["step"].add_(1)
