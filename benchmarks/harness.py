@@ -263,13 +263,16 @@ def run_all(
 def merge(paths: list[Path], out: Path) -> Path:
     """Rebuild one report from several result files (e.g. one device call each): the case
     records are concatenated (later files win for a repeated case id) and the floors come
-    from the first file that has them."""
+    from the first file that has them (so ``part1 part2`` rates part 1's cases, the ones with
+    targets, against the floors measured beside them)."""
     records: dict[str, dict[str, Any]] = {}
     metas = []
     for path in paths:
         doc = json.loads(path.read_text())
         metas.append(doc["meta"])
         for rec in doc["cases"]:
+            if rec.get("group") == "floors" and rec["id"] in records:
+                continue
             records[rec["id"]] = rec
     meta = dict(metas[0])
     meta["command"] = " ; ".join(m["command"] for m in metas)
