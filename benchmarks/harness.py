@@ -71,6 +71,10 @@ def _ramflow_version() -> str | None:
 
 
 def _commit() -> str | None:
+    """The code's commit: ``RAMFLOW_BENCH_COMMIT`` if set (the GPU box's copy of the tree
+    carries a stale ``.git``), else ``git rev-parse``."""
+    if os.environ.get("RAMFLOW_BENCH_COMMIT"):
+        return os.environ["RAMFLOW_BENCH_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
@@ -175,7 +179,7 @@ def document(meta: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, A
         rec = next((r for r in records if r["kind"] == key and r["status"] == "ok"), None)
         doc[key] = rec["result"] if rec else None
     rows = [row for r in records for row in report.rows_of(r["case"], r)]
-    report.add_floors(rows, doc["floors"])
+    report.add_floors(rows, doc["floors"], doc["cpu_optimizer"])
     doc["gpu_forward"] = report.forward_efficiencies(rows, doc["floors"])
     report.add_predictions(rows, doc["floors"], doc["cpu_optimizer"], doc["gpu_forward"])
     doc["rows"] = rows

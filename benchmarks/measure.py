@@ -44,6 +44,7 @@ def time_steps(
     steps: int,
     drain: Callable[[], None] | None = None,
     counter: CopyCounter | None = None,
+    on_timed_start: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``warmup`` then ``steps`` calls of ``step``; time each timed step.
 
@@ -52,7 +53,8 @@ def time_steps(
     including host work that an engine overlaps with the next step (which therefore waits for
     it). ``drain`` (e.g. ``ramflow.synchronize``) runs after the last timed step and before
     its end is read, so work still in flight is charged to the run. Peak memory is read over
-    the timed steps only.
+    the timed steps only. ``on_timed_start`` runs after the warm-ups (and their drain), just
+    before timing.
 
     Returns: ``step_s`` (the median), ``step_times_s`` (all), ``peak_bytes``, and with a
     ``counter`` the bytes it counted per timed step, ``h2d_bytes_counted`` and
@@ -65,6 +67,8 @@ def time_steps(
     if drain is not None:
         drain()
     reset_peak(device)
+    if on_timed_start is not None:
+        on_timed_start()
     counted0 = counter.snapshot() if counter is not None else (0, 0, 0)
     times = []
     start = time.perf_counter()

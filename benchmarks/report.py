@@ -26,6 +26,7 @@ bf16 inference step (``forward_efficiencies``). "x predicted" is measured / pred
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -152,6 +153,7 @@ def _train_row(
         "activation_bytes": result.get("calibration_activation_bytes"),
         "bytes_how": how,
         "predict_inputs": result.get("predict_inputs"),
+        "optimizer_in_step_params_per_s": result.get("optimizer_in_step_params_per_s"),
     }
 
 
@@ -191,9 +193,38 @@ def _forward_flops(shape: dict[str, Any], batch: int, seq: int) -> float:
     return matmul + 2.0 * shape["num_layers"] * batch * seq * seq * shape["dim"]
 
 
-def add_floors(rows: list[dict[str, Any]], floors: dict[str, Any] | None) -> None:
+# An AdamW step's least host-memory traffic per fp32 parameter: read param, grad, exp_avg,
+# exp_avg_sq, write param, exp_avg, exp_avg_sq (4 B each). ramflow's in-step kernel moves the
+# same 28 (a bf16 gradient read, a bf16 wire copy written).
+ADAMW_BYTES_PER_PARAM = 28
+
+
+def best_adamw_dram_rate(
+    floors: dict[str, Any] | None, cpu: dict[str, Any] | None
+) -> tuple[float, str] | None:
+    """The highest host-memory throughput (bytes/s) any CPU AdamW reached in this run, and
+    whose: torch's fused AdamW in the floors, and torch's and ramflow's over a model's
+    masters (the CPU optimizer case). The CPU optimizer floor is the model's AdamW bytes at
+    that rate: a floor set by DRAM, not by one implementation's speed."""
+    found = []
+    if floors and floors.get("cpu_adamw_fused_params_per_s"):
+        rate = floors["cpu_adamw_fused_params_per_s"] * ADAMW_BYTES_PER_PARAM
+        found.append((rate, "torch fused AdamW, floors"))
+    if cpu and cpu.get("torch_fused_bytes_per_s"):
+        found.append((cpu["torch_fused_bytes_per_s"], "torch fused AdamW, CPU optimizer case"))
+    if cpu and cpu.get("ramflow_bytes_per_s"):
+        found.append((cpu["ramflow_bytes_per_s"], "ramflow's AdamW, CPU optimizer case"))
+    return max(found) if found else None
+
+
+def add_floors(
+    rows: list[dict[str, Any]],
+    floors: dict[str, Any] | None,
+    cpu_case: dict[str, Any] | None = None,
+) -> None:
     """Set ``compute_s``, ``pcie_s``, ``cpu_opt_s``, ``floor_s``, ``bound`` and ``x_floor``
-    on every non-resident row (in place), from the floors and the resident rows."""
+    on every non-resident row (in place), from the floors, the CPU optimizer case
+    (``best_adamw_dram_rate``) and the resident rows."""
     resident = [
         r
         for r in rows
@@ -221,8 +252,9 @@ def add_floors(rows: list[dict[str, Any]], floors: dict[str, Any] | None) -> Non
             d2h = weights if row["mode"] == "train" else 0
             if bw.get("h2d"):
                 pcie = pcie_seconds(h2d, d2h, bw)
-            if row["mode"] == "train" and floors.get("cpu_adamw_fused_params_per_s"):
-                cpu = shape["num_params"] / floors["cpu_adamw_fused_params_per_s"]
+            dram = best_adamw_dram_rate(floors, cpu_case)
+            if row["mode"] == "train" and dram:
+                cpu = shape["num_params"] * ADAMW_BYTES_PER_PARAM / dram[0]
             elif row["mode"] == "infer":
                 cpu = 0.0
         parts = {"GPU compute": compute, "PCIe": pcie, "CPU optimizer": cpu}
@@ -381,6 +413,22 @@ def _efficiency_for(
     return e["efficiency"] if e else None
 
 
+def in_step_rated(rated, in_step_params_per_s: float | None):
+    """``rated`` with the CPU optimizer's rate measured inside the training step itself (its
+    worker's kernel time over the timed steps: "measured on the first step", issue 4), when
+    the case recorded one. That rate already includes the copies' share of host memory, so
+    they are not charged again."""
+    if rated is None or not in_step_params_per_s:
+        return rated
+    rates, matmul, _ = rated
+    rates = dataclasses.replace(
+        rates,
+        cpu_optimizer_params_per_s=in_step_params_per_s,
+        cpu_optimizer_dram_bytes_per_param=None,
+    )
+    return rates, matmul, "measured in the step"
+
+
 def predict(inputs: dict[str, Any] | None, rated, infer_efficiency: float | None = None) -> Any:
     """The ``StepPrediction`` of a step recorded with ``runners.predict_inputs``;
     ``infer_efficiency``: the model's measured one (``forward_efficiencies``), if known."""
@@ -466,7 +514,7 @@ def add_predictions(
             continue
         inputs = row.get("predict_inputs") or reference_inputs(row)
         eff = _efficiency_for(efficiencies, *_model_key(row))
-        pred = predict(inputs, rated, eff)
+        pred = predict(inputs, in_step_rated(rated, row.get("optimizer_in_step_params_per_s")), eff)
         if pred is None:
             continue
         row["predicted_s"] = pred.step_s
@@ -501,7 +549,8 @@ def kofn_rows(
                 eff = _efficiency_for(
                     efficiencies, rec["case"]["model"], res.get("num_layers"), rec["case"]["seq"]
                 )
-                pred = predict(m.get("predict_inputs"), rated, eff)
+                rated_here = in_step_rated(rated, m.get("optimizer_in_step_params_per_s"))
+                pred = predict(m.get("predict_inputs"), rated_here, eff)
                 k = r[
                     "resident_blocks"
                 ]  # the budget asked for r["k"]; this is what the engine kept
@@ -577,13 +626,24 @@ def _cpu_floor_note(
     """Why the CPU optimizer floor is where it is, and what the prediction charges it."""
     shape = r.get("shape") or {}
     parts = []
-    if floors and floors.get("cpu_adamw_fused_params_per_s") and shape:
+    dram = best_adamw_dram_rate(floors, cpu)
+    if dram and shape:
         parts.append(
-            f"CPU optimizer floor = {shape['num_params'] / 1e9:.2f} G params / torch fused CPU "
-            f"AdamW {floors['cpu_adamw_fused_params_per_s'] / 1e9:.2f} G params/s"
+            f"CPU optimizer floor = {shape['num_params'] / 1e9:.2f} G params x "
+            f"{ADAMW_BYTES_PER_PARAM} B / {dram[0] / 1e9:.1f} GB/s, the fastest AdamW's host "
+            f"memory traffic in this run ({dram[1]})"
+        )
+    if floors and floors.get("cpu_adamw_fused_params_per_s"):
+        parts.append(
+            f"torch fused AdamW alone {floors['cpu_adamw_fused_params_per_s'] / 1e9:.2f} G params/s"
         )
     if cpu and cpu.get("ramflow_params_per_s"):
         parts.append(f"ramflow's AdamW alone {cpu['ramflow_params_per_s'] / 1e9:.2f} G params/s")
+    if r.get("optimizer_in_step_params_per_s"):
+        parts.append(
+            f"in this step {r['optimizer_in_step_params_per_s'] / 1e9:.2f} G params/s (its "
+            "worker's kernel time, beside the step's copies)"
+        )
     pred = r.get("predicted")
     if pred and pred.get("copies_on_cpu_s"):
         parts.append(
@@ -883,7 +943,7 @@ def _kofn_targets(
     (inference falls with the bytes; training, bound by the CPU optimizer, stays flat)."""
     out: list[dict[str, Any]] = []
     bw = (floors or {}).get("bandwidth_bytes_per_s") or {}
-    fused = (floors or {}).get("cpu_adamw_fused_params_per_s")
+    dram = best_adamw_dram_rate(floors, doc.get("cpu_optimizer"))
     for mode in ("train", "infer"):
         ks = sorted(
             (r for r in doc.get("kofn") or [] if r["mode"] == mode and r.get("step_s")),
@@ -918,8 +978,8 @@ def _kofn_targets(
                 parts["GPU compute"] = res["step_s"]
             if bw.get("h2d") and r.get("h2d_bytes") is not None:
                 parts["PCIe"] = pcie_seconds(r["h2d_bytes"], r.get("d2h_bytes") or 0, bw)
-            if mode == "train" and fused and r.get("num_params"):
-                parts["CPU optimizer"] = r["num_params"] / fused
+            if mode == "train" and dram and r.get("num_params"):
+                parts["CPU optimizer"] = r["num_params"] * ADAMW_BYTES_PER_PARAM / dram[0]
             binds = max(parts, key=parts.get) if parts else None
             floor_text = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items())
             if r["k"] and r.get("stream_share") is not None:
@@ -1084,7 +1144,9 @@ def _prediction_section(doc: dict[str, Any], rows: list[dict[str, Any]]) -> list
             f"G params/s ({rated[2]}), whose DRAM traffic "
             f"({rated[0].cpu_optimizer_dram_bytes_per_param:.0f} B per parameter) shares host "
             "memory with the PCIe copies: each step's copy bytes are charged to the optimizer at "
-            "its DRAM rate"
+            "its DRAM rate. A training case that recorded its own CPU optimizer rate (its "
+            'worker\'s kernel time over the timed steps, "in step" in the table) is predicted '
+            "with that rate instead, the copies' share already in it"
             if rated
             else ""
         )
@@ -1101,8 +1163,9 @@ def _prediction_section(doc: dict[str, Any], rows: list[dict[str, Any]]) -> list
         "alone), measured / predicted.",
         "",
         "| model | step | tokens | budget | resident | measured (ms) | predicted (ms) | parts (ms) "
-        "| critical path (ms) | bound | x predicted | first step (ms) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| critical path (ms) | bound | x predicted | first step (ms) | CPU AdamW in step "
+        "(G params/s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in ours:
         pred = r["predicted"]
@@ -1111,7 +1174,8 @@ def _prediction_section(doc: dict[str, Any], rows: list[dict[str, Any]]) -> list
         out.append(
             f"| {r['model']} | {r['mode']} | {r['batch']}x{r['seq']} | {_budget(r)} | {resident} | "
             f"{_f(r['step_s'], 1e3)} | {_f(r['predicted_s'], 1e3)} | {_parts(pred)} | {crit} | "
-            f"{pred['bound']} | {_x_predicted(r)} | {_first_step(r)} |"
+            f"{pred['bound']} | {_x_predicted(r)} | {_first_step(r)} | "
+            f"{_f(r.get('optimizer_in_step_params_per_s'), 1e-9, 2)} |"
         )
     out += ["", *_prediction_notes(ours, doc.get("kofn") or []), ""]
     return out
@@ -1164,9 +1228,10 @@ def _prediction_notes(rows: list[dict[str, Any]], kofn: list[dict[str, Any]]) ->
             "those steps (the trace has one step, 4x2048), so the gaps are not attributed."
         )
     out.append(
-        "- The CPU optimizer's rate in the training process: the copies' share of host DRAM is "
-        "modelled, other threads on the same cores (the autograd thread launching kernels beside "
-        "the optimizer's OpenMP pool) are not."
+        "- The CPU optimizer's rate in the training process: measured there where a case "
+        "recorded it (the table's last column); otherwise the rate alone with the copies' share "
+        "of host DRAM modelled, and other threads on the same cores (the autograd thread "
+        "launching kernels beside the optimizer's OpenMP pool) not."
     )
     ramps = [
         r

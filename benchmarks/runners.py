@@ -87,6 +87,25 @@ def _train_step(model, opt, ids, labels, device: torch.device, losses: list | No
     return step
 
 
+class _InStepRate:
+    """The CPU optimizer's rate over the timed steps of a ramflow training loop, from its
+    engine's ``host_step_totals``: ``start`` is ``time_steps``' ``on_timed_start``."""
+
+    def __init__(self, model) -> None:
+        from ramflow._engine import ENGINE_OF_MODEL
+
+        self._engine = ENGINE_OF_MODEL[model]
+        self._start = (0, 0.0)
+
+    def start(self) -> None:
+        self._start = self._engine.host_step_totals()
+
+    def fields(self) -> dict[str, Any]:
+        params, seconds = self._engine.host_step_totals()
+        params, seconds = params - self._start[0], seconds - self._start[1]
+        return {"optimizer_in_step_params_per_s": params / seconds if seconds > 0 else None}
+
+
 def _last_loss(losses: list) -> float | None:
     """The last step's loss: a sanity check that the run computed something finite."""
     return float(losses[-1]) if losses else None
@@ -250,6 +269,7 @@ def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
     opt = ramflow.optim.AdamW(model.parameters(), **RAMFLOW_OPTIMIZER)
     setup_s = time.perf_counter() - t0
     losses: list = []
+    rate = _InStepRate(model)
     res = measure.time_steps(
         _train_step(model, opt, ids, labels, device, losses),
         device=device,
@@ -257,7 +277,9 @@ def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
         steps=case["steps"],
         drain=lambda: ramflow.synchronize(model),
         counter=counter,
+        on_timed_start=rate.start,
     )
+    res.update(rate.fields())
     plan = ramflow.get_plan(model)
     out = {**res, **_shape_fields(model), **_plan_fields(plan), **budget_info}
     out.update(
@@ -369,6 +391,7 @@ def run_ramflow_kofn(case: dict[str, Any]) -> dict[str, Any]:
         plan = ramflow.get_plan(model)
         opt = ramflow.optim.AdamW(model.parameters(), **RAMFLOW_OPTIMIZER)
         model.train()
+        rate = _InStepRate(model)
         train = measure.time_steps(
             _train_step(model, opt, ids, labels, device),
             device=device,
@@ -376,7 +399,9 @@ def run_ramflow_kofn(case: dict[str, Any]) -> dict[str, Any]:
             steps=case["steps"],
             drain=lambda: ramflow.synchronize(model),
             counter=counter,
+            on_timed_start=rate.start,
         )
+        train.update(rate.fields())
         ramflow.synchronize(model)
         model.eval()
 

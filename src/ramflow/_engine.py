@@ -46,6 +46,7 @@ from __future__ import annotations
 import atexit
 import functools
 import threading
+import time
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Iterable
@@ -232,6 +233,8 @@ class Engine:
         self.device = device
         self.wire_dtype = wire_dtype
         self.prefetch_depth = prefetch_depth
+        # the worker's optimizer kernels so far: parameters stepped, seconds (host_step_totals)
+        self._host_steps = [0, 0.0]
         self.streams = streams if streams is not None else CopyStreams(device)
         self.worker = worker if worker is not None else HostWorker(device)
         self._owns_worker = worker is None
@@ -1004,6 +1007,7 @@ class Engine:
         copy (in the same pass when one optimizer steps the whole unit flat)."""
         self._before_host_write(u)
         wire_written = False
+        start = time.perf_counter()
         with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
             if len(items) == 1 and self._whole_unit(u, items[0]):
                 opt, hyper, _, _ = items[0]
@@ -1012,6 +1016,7 @@ class Engine:
             else:
                 for opt, hyper, params, grads in items:
                     opt._step_params(params, grads, hyper)
+        self._count_host_step(sum(p.numel() for item in items for p in item[2]), start)
         self._refresh_wire(u, written=wire_written)
 
     def _step_staged(
@@ -1025,6 +1030,7 @@ class Engine:
     ) -> None:
         """Worker: land and step ``u`` in one pass from the staged gradients. See ``_land``."""
         self._before_host_write(u)
+        start = time.perf_counter()
         with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
             opt.flat_step(
                 u,
@@ -1034,7 +1040,19 @@ class Engine:
                 grad_out=None if accumulate or not keep_grads else u.host_grad,
                 wire_out=self._wire_prefix(u),
             )
+        self._count_host_step(u.trainable_numel, start)
         self._refresh_wire(u, written=True)
+
+    def _count_host_step(self, params: int, start: float) -> None:
+        self._host_steps[0] += params
+        self._host_steps[1] += time.perf_counter() - start
+
+    def host_step_totals(self) -> tuple[int, float]:
+        """(parameters stepped, seconds) of the worker's optimizer kernels since the engine
+        was made, summed over units: their rate is the CPU optimizer's rate inside the
+        training loop, beside the copies and the loop's own threads. Read between steps
+        (after ``synchronize``) for exact figures."""
+        return self._host_steps[0], self._host_steps[1]
 
     def _whole_unit(self, u: _Unit, item: tuple) -> bool:
         opt, _, params, grads = item

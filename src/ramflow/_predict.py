@@ -544,10 +544,26 @@ def predict_step(
     cached = _turnaround_cached(units, window_bytes_of(units, prefetch_depth))
     g = _Graph()
     if mode == "infer":
+        # Two forwards back to back: at the end of a forward without grad the engine
+        # prefetches the next one's first units, so their loads overlap the tail of the
+        # previous forward's compute. The step is the second forward's, end to end.
         loads = _inference_loads(units, window_bytes_of(units, prefetch_depth))
-        fwd = _forward(g, units, loads, slots, (h2d_fwd, h2d_bwd), prev_opt=None, start=None, s=0)
+        rates2 = (h2d_fwd, h2d_bwd)
+        first = _forward(g, units, loads, slots, rates2, prev_opt=None, start=None, s=0)
+        fwd = _forward(
+            g,
+            units,
+            loads,
+            slots,
+            rates2,
+            prev_opt=None,
+            start=None,
+            s=1,
+            after=first[-1],
+            slot_gates=[first[i] for i in range(n) if loads[i] > 0],
+        )
         g.run()
-        span = fwd[-1].end
+        span = fwd[-1].end - first[-1].end
         h2d = sum(loads)
         busy = {
             "GPU compute": sum(u.forward_s for u in units),
@@ -555,7 +571,7 @@ def predict_step(
             "PCIe D2H": 0.0,
             "CPU optimizer": 0.0,
         }
-        critical = _critical(fwd[-1], 0.0)
+        critical = _critical(fwd[-1], first[-1].end)
         return StepPrediction(
             mode="infer",
             step_s=span,
@@ -569,7 +585,7 @@ def predict_step(
             h2d_stream_bytes=h2d,
             h2d_forward_bytes=h2d,
             d2h_bytes=0,
-            first_step_s=span,
+            first_step_s=first[-1].end,
         )
 
     steps = max(2, steps)
@@ -680,12 +696,17 @@ def _forward(
     prev_opt: list[_Task | None] | None,
     start: _Task | None,
     s: int,
+    after: _Task | None = None,
+    slot_gates: Sequence[_Task] = (),
 ) -> list[_Task]:
     """Add one forward pass's tasks; returns the forward compute tasks in order.
 
     ``loads``: H2D bytes each unit's forward loads first (0: none). ``h2d_rates``: (loads,
     refreshes): loads run while only H2D is busy, refreshes mostly while the previous
-    backward's gradients still cross D2H."""
+    backward's gradients still cross D2H. ``start`` gates every task; ``after`` only the
+    first compute (the previous forward's last), so loads may run ahead of it, each into the
+    window slot that the compute in ``slot_gates`` (the previous forward's streamed units, in
+    order) frees."""
     n = len(units)
     streamed = [i for i in range(n) if loads[i] > 0]
     h2d_rate, refresh_rate = h2d_rates
@@ -693,13 +714,18 @@ def _forward(
     load_tasks: dict[int, _Task] = {}
     refreshes: dict[int, _Task] = {}
     position = {i: k for k, i in enumerate(streamed)}
-    prev = start
+    prev = start if after is None else after
     for i in range(n):
         u = units[i]
         deps: list[_Task | None] = [prev]
         if i in position:
             k = position[i]
-            gate = fwd[streamed[k - slots]] if k >= slots else None
+            if k >= slots:
+                gate = fwd[streamed[k - slots]]
+            elif len(slot_gates) >= slots - k:
+                gate = slot_gates[len(slot_gates) - (slots - k)]
+            else:
+                gate = None
             wire = [prev_opt[d] for d in (i, *u.deps) if prev_opt is not None]
             load_tasks[i] = g.add(
                 "PCIe H2D",
