@@ -644,6 +644,24 @@ def _cpu_floor_note(
             f"in this step {r['optimizer_in_step_params_per_s'] / 1e9:.2f} G params/s (its "
             "worker's kernel time, beside the step's copies)"
         )
+    copies = (r.get("h2d_bytes") or 0) + (r.get("d2h_bytes") or 0)
+    if dram and shape and copies and r.get("step_s"):
+        # every byte the PCIe copies move is read from or written to host memory as well
+        host = shape["num_params"] * ADAMW_BYTES_PER_PARAM + copies
+        bound = host / dram[0]
+        parts.append(
+            f"host-memory bound of the whole step: the optimizer's {ADAMW_BYTES_PER_PARAM} B "
+            f"per parameter plus the copies' {copies / 1e9:.2f} GB through host memory, "
+            f"{host / 1e9:.1f} GB at {dram[0] / 1e9:.1f} GB/s = {bound * 1e3:.1f} ms "
+            f"({bound / r['cpu_opt_s']:.3f} of the CPU optimizer floor; the step is "
+            f"{r['step_s'] / bound:.3f} of it)"
+        )
+    if floors and floors.get("cpu_adamw_fused_params_per_s") and shape and r.get("step_s"):
+        fused = shape["num_params"] / floors["cpu_adamw_fused_params_per_s"]
+        parts.append(
+            f"against ANCHORS.md's floor (the model's parameters at torch fused AdamW's rate, "
+            f"{fused * 1e3:.1f} ms) the step is {r['step_s'] / fused:.3f}"
+        )
     pred = r.get("predicted")
     if pred and pred.get("copies_on_cpu_s"):
         parts.append(
@@ -783,11 +801,9 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         if r["batch"] == 4 and cap is not None:
             if r.get("x_floor") is not None:
                 ok = r["x_floor"] <= TRAIN_FLOOR_TARGET
-                why = ""
-                if not ok:
-                    why = _floor_why(r)
-                    if r.get("bound") == "CPU optimizer":
-                        why += "; " + _cpu_floor_note(r, floors, cpu)
+                why = _floor_why(r) if not ok else ""
+                if r.get("bound") == "CPU optimizer":
+                    why += ("; " if why else "") + _cpu_floor_note(r, floors, cpu)
                 out.append(
                     _item(
                         scope,
