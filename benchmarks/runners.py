@@ -87,23 +87,29 @@ def _train_step(model, opt, ids, labels, device: torch.device, losses: list | No
     return step
 
 
-class _InStepRate:
-    """The CPU optimizer's rate over the timed steps of a ramflow training loop, from its
-    engine's ``host_step_totals``: ``start`` is ``time_steps``' ``on_timed_start``."""
+def _time_ramflow_training(
+    model, opt, ids, labels, device, case, counter, losses: list | None = None
+) -> dict[str, Any]:
+    """``measure.time_steps`` of ramflow's training step (drained at the end), plus
+    ``optimizer_in_step_params_per_s``: the CPU optimizer's rate over the timed steps, from
+    its engine's ``host_step_totals``."""
+    import ramflow
+    from ramflow._engine import ENGINE_OF_MODEL
 
-    def __init__(self, model) -> None:
-        from ramflow._engine import ENGINE_OF_MODEL
-
-        self._engine = ENGINE_OF_MODEL[model]
-        self._start = (0, 0.0)
-
-    def start(self) -> None:
-        self._start = self._engine.host_step_totals()
-
-    def fields(self) -> dict[str, Any]:
-        params, seconds = self._engine.host_step_totals()
-        params, seconds = params - self._start[0], seconds - self._start[1]
-        return {"optimizer_in_step_params_per_s": params / seconds if seconds > 0 else None}
+    engine = ENGINE_OF_MODEL[model]
+    before = [(0, 0.0)]
+    res = measure.time_steps(
+        _train_step(model, opt, ids, labels, device, losses),
+        device=device,
+        warmup=case["warmup"],
+        steps=case["steps"],
+        drain=lambda: ramflow.synchronize(model),
+        counter=counter,
+        on_timed_start=lambda: before.__setitem__(0, engine.host_step_totals()),
+    )
+    params, seconds = (a - b for a, b in zip(engine.host_step_totals(), before[0]))
+    res["optimizer_in_step_params_per_s"] = params / seconds if seconds > 0 else None
+    return res
 
 
 def _last_loss(losses: list) -> float | None:
@@ -269,17 +275,7 @@ def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
     opt = ramflow.optim.AdamW(model.parameters(), **RAMFLOW_OPTIMIZER)
     setup_s = time.perf_counter() - t0
     losses: list = []
-    rate = _InStepRate(model)
-    res = measure.time_steps(
-        _train_step(model, opt, ids, labels, device, losses),
-        device=device,
-        warmup=case["warmup"],
-        steps=case["steps"],
-        drain=lambda: ramflow.synchronize(model),
-        counter=counter,
-        on_timed_start=rate.start,
-    )
-    res.update(rate.fields())
+    res = _time_ramflow_training(model, opt, ids, labels, device, case, counter, losses)
     plan = ramflow.get_plan(model)
     out = {**res, **_shape_fields(model), **_plan_fields(plan), **budget_info}
     out.update(
@@ -391,17 +387,7 @@ def run_ramflow_kofn(case: dict[str, Any]) -> dict[str, Any]:
         plan = ramflow.get_plan(model)
         opt = ramflow.optim.AdamW(model.parameters(), **RAMFLOW_OPTIMIZER)
         model.train()
-        rate = _InStepRate(model)
-        train = measure.time_steps(
-            _train_step(model, opt, ids, labels, device),
-            device=device,
-            warmup=case["warmup"],
-            steps=case["steps"],
-            drain=lambda: ramflow.synchronize(model),
-            counter=counter,
-            on_timed_start=rate.start,
-        )
-        train.update(rate.fields())
+        train = _time_ramflow_training(model, opt, ids, labels, device, case, counter)
         ramflow.synchronize(model)
         model.eval()
 

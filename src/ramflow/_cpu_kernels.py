@@ -70,8 +70,6 @@ _CPP_SOURCE = r"""
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include <omp.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
