@@ -121,11 +121,77 @@ class _Spans:
             return [s for s in self.spans if t0 <= s[0] < t1 and s[3] in kinds]
 
 
-def _in_step(settings, steps: int, emit, *, tiny: bool) -> None:
+def _variants(spec: str, threads: list[int], repeat: int) -> list[dict]:
+    """``--variants`` entries "threads:piece_mib:spin|block:locked|unlocked" (engine
+    settings compared in one process), else one per thread count with the defaults;
+    the whole list ``repeat`` times (alternating, to see drift)."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        n, piece, wait, lock = item.split(":")
+        out.append(
+            {
+                "threads": int(n),
+                "piece_mib": int(piece),
+                "spin_events": wait == "spin",
+                "locked_evict": lock == "locked",
+            }
+        )
+    if not out:
+        out = [
+            {"threads": n, "piece_mib": None, "spin_events": False, "locked_evict": False}
+            for n in threads
+        ]
+    return out * repeat
+
+
+def _apply(variant: dict) -> None:
+    """Set the engine's module-level switches for one variant (read at each use)."""
+    from ramflow import _engine, _streams
+
+    if variant["piece_mib"] is not None:
+        _engine.REFRESH_PIECE_BYTES = (variant["piece_mib"] << 20) or (1 << 62)
+    _streams._BLOCKING = not variant["spin_events"]
+    _engine._WAIT_UNLOCKED = not variant["locked_evict"]
+
+
+def _thread_cpu_s() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of every thread of this process, by native thread id,
+    with its name (``/proc/self/task``; Linux only, empty elsewhere)."""
+    out: dict[int, tuple[str, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+            comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # fields 3.. of proc(5): utime, stime at 14, 15
+        out[int(tid)] = (comm, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def _thread_use(before: dict, after: dict, steps: int) -> list[tuple[str, float]]:
+    """Per-step CPU seconds of each thread that used more than 5 ms a step, busiest first;
+    Python threads by their names (the main thread: "main")."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    names[threading.main_thread().native_id] = "main"
+    rows = []
+    for tid, (comm, cpu) in after.items():
+        used = (cpu - before.get(tid, (comm, 0.0))[1]) / steps
+        if used > 0.005:
+            rows.append((f"{names.get(tid, comm)}:{tid}", round(used, 3)))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def _in_step(settings, steps: int, emit, *, tiny: bool, case_name: str) -> None:
     import ramflow
 
     built = cases.build_cases(
-        ["ramflow"],
+        ["ramflow", "kofn"],
         model="reference",
         tiny=tiny,
         warmup=2,
@@ -134,14 +200,26 @@ def _in_step(settings, steps: int, emit, *, tiny: bool) -> None:
         tag="",
         scaling_depths=[12],
     )
-    case = next(c for c in built if c["id"].endswith(".cap12gib-ckpt"))
+    suffix = ".cap12gib-ckpt" if case_name == "cap12" else ""
+    case = next(
+        c for c in built if (c["id"].endswith(suffix) if suffix else c["id"].startswith("kofn."))
+    )
     device = runners.compute_device()
     model_checkpoints, offload_kwargs = runners._offload_kwargs(case)
     model = runners._model(case, device="cpu", checkpoint=model_checkpoints)
     ids, labels = make_batch(
         model_shape(model).vocab_size, case["batch"], case["seq"], device=device
     )
-    budget, _ = runners._ramflow_budget(case, model, ids, labels, device)
+    if case_name == "cap12":
+        budget, _ = runners._ramflow_budget(case, model, ids, labels, device)
+    else:  # "kofn<k>": the budget that keeps k of the blocks resident, as the k-of-n case
+        k = int(case_name[4:])
+        shapes = runners._unit_shapes(model)
+        ramflow.offload(model, gpu_memory=None, device=device, **offload_kwargs)
+        blocks = sum(1 for sh in shapes if sh.block)
+        budgets = dict(runners._kofn_budgets(ramflow.get_plan(model), shapes, [k / blocks]))
+        ramflow.undo(model)
+        budget = budgets[k]
     ramflow.offload(model, gpu_memory=budget, device=device, **offload_kwargs)
     opt = ramflow.optim.AdamW(model.parameters(), **runners.RAMFLOW_OPTIMIZER)
     step = runners._train_step(model, opt, ids, labels, device)
@@ -150,11 +228,14 @@ def _in_step(settings, steps: int, emit, *, tiny: bool) -> None:
     emit(what="setup", budget_bytes=budget, plan=ramflow.get_plan(model).describe(), params=num)
     for _ in range(2):
         step()
-    for threads in settings:
+    for variant in settings:
+        threads = variant["threads"]
         opt.threads = threads
+        _apply(variant)
         step()
         measure.sync(device)
         times, starts = [], []
+        cpu_before = _thread_cpu_s()
         start = time.perf_counter()
         for _ in range(steps):
             starts.append(start)
@@ -163,6 +244,7 @@ def _in_step(settings, steps: int, emit, *, tiny: bool) -> None:
             end = time.perf_counter()
             times.append(end - start)
             start = end
+        cpu_after = _thread_cpu_s()
         ramflow.synchronize(model)
         last = time.perf_counter()
         # optimizer spans of the timed steps, from the first timed step's start to the drain
@@ -178,7 +260,7 @@ def _in_step(settings, steps: int, emit, *, tiny: bool) -> None:
         gaps = sorted(gap, reverse=True)[: steps + 1]
         emit(
             what="in_step",
-            threads=threads,
+            **variant,
             step_times_s=times,
             median_s=statistics.median(times),
             optimizer_busy_s_per_step=busy_s / steps,
@@ -187,6 +269,7 @@ def _in_step(settings, steps: int, emit, *, tiny: bool) -> None:
             units_stepped=len(window),
             timeline_ms=timeline,
             step_ms=round((t1 - t0) * 1e3, 1),
+            thread_cpu_s_per_step=_thread_use(cpu_before, cpu_after, steps),
         )
 
 
@@ -198,9 +281,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-step", action="store_true", help="only the optimizer alone")
     ap.add_argument("--threads", default="", help='thread counts, e.g. "16,14" (default: several)')
     ap.add_argument("--tiny", action="store_true", help="small model, runs on the CPU (smoke test)")
+    ap.add_argument(
+        "--case",
+        default="cap12",
+        help='"cap12": training 4x2048 at the 12 GiB cap; "kofn<k>": k blocks resident',
+    )
+    ap.add_argument(
+        "--variants",
+        default="",
+        help='engine settings in the step, "threads:piece_mib:spin|block:locked|unlocked,..."'
+        " (piece_mib: resident refresh pieces, 0 = one copy after the step; spin: host waits"
+        " spin; locked: evictions wait for the GPU holding the engine lock)",
+    )
+    ap.add_argument("--repeat", type=int, default=1, help="run the variants this many times")
     args = ap.parse_args(argv)
     cores = torch.get_num_threads()
-    settings = [int(x) for x in args.threads.split(",") if x] or _default_threads(cores)
+    threads = [int(x) for x in args.threads.split(",") if x] or _default_threads(cores)
+    variants = _variants(args.variants, threads, args.repeat)
     rows: list[dict] = []
 
     def emit(**row) -> None:
@@ -211,12 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     emit(
         what="machine",
         torch_threads=cores,
+        case=args.case,
         thp_env=os.environ.get("THP_MEM_ALLOC_ENABLE"),
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     )
-    _alone(args.params, settings, emit)
+    _alone(args.params, threads, emit)
     if not args.skip_step:
-        _in_step(settings, args.steps, emit, tiny=args.tiny)
+        _in_step(variants, args.steps, emit, tiny=args.tiny, case_name=args.case)
+        _alone(args.params, threads[:1], emit)  # again: has the machine's DRAM rate drifted?
     return 0
 
 

@@ -154,6 +154,7 @@ def _train_row(
         "bytes_how": how,
         "predict_inputs": result.get("predict_inputs"),
         "optimizer_in_step_params_per_s": result.get("optimizer_in_step_params_per_s"),
+        "optimizer_alone_params_per_s": result.get("optimizer_alone_params_per_s"),
     }
 
 
@@ -253,7 +254,10 @@ def add_floors(
             if bw.get("h2d"):
                 pcie = pcie_seconds(h2d, d2h, bw)
             dram = best_adamw_dram_rate(floors, cpu_case)
-            if row["mode"] == "train" and dram:
+            here = row.get("optimizer_alone_params_per_s")
+            if row["mode"] == "train" and here:
+                cpu = shape["num_params"] / here  # measured in the case's own process
+            elif row["mode"] == "train" and dram:
                 cpu = shape["num_params"] * ADAMW_BYTES_PER_PARAM / dram[0]
             elif row["mode"] == "infer":
                 cpu = 0.0
@@ -627,7 +631,22 @@ def _cpu_floor_note(
     shape = r.get("shape") or {}
     parts = []
     dram = best_adamw_dram_rate(floors, cpu)
-    if dram and shape:
+    here = r.get("optimizer_alone_params_per_s")
+    if here and shape:
+        parts.append(
+            f"CPU optimizer floor = {shape['num_params'] / 1e9:.2f} G params at "
+            f"{here / 1e9:.2f} G params/s ({here * ADAMW_BYTES_PER_PARAM / 1e9:.1f} GB/s): "
+            "ramflow's AdamW alone over this case's own host tensors, in its process, after "
+            "the timed steps (GPU and worker idle)"
+        )
+        if dram and r.get("step_s"):
+            strict = shape["num_params"] * ADAMW_BYTES_PER_PARAM / dram[0]
+            parts.append(
+                f"against the fastest AdamW host-memory rate anywhere in this run "
+                f"({dram[0] / 1e9:.1f} GB/s, {dram[1]}; {strict * 1e3:.1f} ms) the step is "
+                f"{r['step_s'] / strict:.3f}"
+            )
+    elif dram and shape:
         parts.append(
             f"CPU optimizer floor = {shape['num_params'] / 1e9:.2f} G params x "
             f"{ADAMW_BYTES_PER_PARAM} B / {dram[0] / 1e9:.1f} GB/s, the fastest AdamW's host "
@@ -645,14 +664,15 @@ def _cpu_floor_note(
             "worker's kernel time, beside the step's copies)"
         )
     copies = (r.get("h2d_bytes") or 0) + (r.get("d2h_bytes") or 0)
-    if dram and shape and copies and r.get("step_s"):
+    rate = here * ADAMW_BYTES_PER_PARAM if here else dram[0] if dram else None
+    if rate and shape and copies and r.get("step_s") and r.get("cpu_opt_s"):
         # every byte the PCIe copies move is read from or written to host memory as well
         host = shape["num_params"] * ADAMW_BYTES_PER_PARAM + copies
-        bound = host / dram[0]
+        bound = host / rate
         parts.append(
             f"host-memory bound of the whole step: the optimizer's {ADAMW_BYTES_PER_PARAM} B "
             f"per parameter plus the copies' {copies / 1e9:.2f} GB through host memory, "
-            f"{host / 1e9:.1f} GB at {dram[0] / 1e9:.1f} GB/s = {bound * 1e3:.1f} ms "
+            f"{host / 1e9:.1f} GB at {rate / 1e9:.1f} GB/s = {bound * 1e3:.1f} ms "
             f"({bound / r['cpu_opt_s']:.3f} of the CPU optimizer floor; the step is "
             f"{r['step_s'] / bound:.3f} of it)"
         )

@@ -109,7 +109,42 @@ def _time_ramflow_training(
     )
     params, seconds = (a - b for a, b in zip(engine.host_step_totals(), before[0]))
     res["optimizer_in_step_params_per_s"] = params / seconds if seconds > 0 else None
+    res.update(_optimizer_alone(engine, opt))
     return res
+
+
+def _optimizer_alone(engine, opt, repeats: int = 3) -> dict[str, Any]:
+    """The CPU optimizer's time alone over this case's own host tensors, in this process:
+    after the drained timed steps (GPU and worker idle), ramflow's AdamW kernel over every
+    unit's fp32 masters, states and last staged bf16 gradients, writing the wire copy, as in
+    the step (28 B per parameter). lr = 0 and no weight decay: the same memory traffic,
+    and the weights stay as they are. Fastest of ``repeats``: the CPU optimizer floor of
+    the case, measured when and where the case ran (a machine's DRAM rate drifts between
+    processes: benchmarks/results/2026-11-22-nvidia-h200-refresh)."""
+    from ramflow._cpu_kernels import fused_adamw_step_
+
+    units = [u for u in engine.units if u in opt._unit_state and u.staging is not None]
+    if not units:
+        return {}
+    params = sum(u.trainable_numel for u in units)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for u in units:
+            n = u.trainable_numel
+            state = opt._unit_state[u]
+            fused_adamw_step_(
+                u.master[:n], u.staging[:n], state["exp_avg"], state["exp_avg_sq"],
+                step=1000, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                wire_out=engine._wire_prefix(u), num_threads=opt.threads,
+            )  # fmt: skip
+        times.append(time.perf_counter() - start)
+    best = min(times)
+    return {
+        "optimizer_alone_s": best,
+        "optimizer_alone_params": params,
+        "optimizer_alone_params_per_s": params / best,
+    }
 
 
 def _last_loss(losses: list) -> float | None:

@@ -302,6 +302,55 @@ def test_resident_budget_matches_streaming(device):
     assert params_rel(model, ref) < 1e-5
 
 
+def test_resident_refresh_in_pieces_is_exact(device, monkeypatch):
+    """A resident unit's step sends its new wire copy to the device in pieces as it goes
+    ([Note: the refresh follows the step]): the same curve and weights, bit for bit, as one
+    copy after the step, and after every step the device copy is the wire copy."""
+    from ramflow import _engine
+
+    torch.manual_seed(0)
+    model = MLPStack(depth=4)
+    twin = copy.deepcopy(model)
+    batches = mlp_batches(4, device)
+    sent: list[tuple[str, int, int]] = []
+    send = _engine.Engine._send_piece
+
+    def spy(self, u, lo, hi):
+        sent.append((u.name, lo, hi))
+        return send(self, u, lo, hi)
+
+    monkeypatch.setattr(_engine.Engine, "_send_piece", spy)
+    curves, pieces = [], []
+    for m, piece_bytes in ((model, 256), (twin, 1 << 62)):
+        monkeypatch.setattr(_engine, "REFRESH_PIECE_BYTES", piece_bytes)
+        ramflow.offload(m, device=device, wire_dtype=torch.bfloat16, gpu_memory=1 << 30)
+        engine = _engine.ENGINE_OF_PARAM[next(m.parameters())]
+        assert all(u.resident for u in engine.units)
+        opt = ramflow.optim.AdamW(m.parameters(), lr=1e-2)
+        curve = []
+        for step in range(6):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = mse(m, batches[step % 4])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            curve.append(loss.item())
+            ramflow.synchronize(m)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            for u in engine.units:
+                assert torch.equal(u.device_flat.cpu(), u.wire), (step, u.name)
+        curves.append(curve)
+        pieces.append(len(sent))
+    # 256 B pieces (128 bf16 elements); a step is cut when it starts with nothing else
+    # queued on the worker, as the last of every step's does (the loop drains each step)
+    assert pieces[0] >= 6 * 2 and pieces[1] == pieces[0]
+    assert all(hi - lo <= 128 and lo % 64 == 0 for _, lo, hi in sent)
+    assert curves[0] == curves[1]
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_sgd_momentum_and_scheduler(device):
     torch.manual_seed(0)
     model = MLPStack()

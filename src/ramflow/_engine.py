@@ -39,6 +39,22 @@ its gradients have landed (eager, see [Note: optimizer overlap]). A loop that ch
 pattern afterwards gets a RuntimeError, never a silently wrong step. Deferred steps run on
 the worker too: ``opt.step()`` returns at once and each unit's next forward waits for that
 unit's step only.
+
+[Note: the refresh follows the step]
+A resident unit's device copy is refreshed by one H2D after its host step. The forward
+that needs the unit waits for that copy, so the copy of the last unit stepped before the
+next step's forward reaches it is on the critical path (8 ms for a 0.4 GB block at PCIe 5
+speed, and in a step bound by the CPU optimizer nothing else runs then). So the step of a
+resident unit runs in pieces (``REFRESH_PIECE_BYTES`` of wire copy each), and each piece's
+H2D is issued as soon as the kernel has written it: only the last piece's copy is left
+when the step ends. The pieces cover the trainable prefix; the frozen rest of the device
+copy is current when the unit was exactly one version behind (checked), and the last
+piece's event is the unit's load event (one stream, copies in order).
+Pieces cost the worker about 0.3 ms each on the GPU box (a kernel call and a copy issued
+from Python, which waits for the GIL while the training loop runs Python code): 4% of the
+optimizer's rate when every unit is cut (benchmarks/results/2026-11-22-nvidia-h200-refresh).
+So only a step that starts with nothing else queued on the worker is cut: the one whose
+refresh the next forward is waiting for.
 """
 
 from __future__ import annotations
@@ -61,7 +77,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._plan import OffloadPlan, format_bytes, make_plan
-from ._streams import CopyStreams, alloc_host, pin_in_place, unpin
+from ._streams import CopyStreams, alloc_host, pin_in_place, record_event, unpin
 from ._units import UnitSpec
 from ._worker import LAND, STEP, HostWorker
 
@@ -70,6 +86,11 @@ if TYPE_CHECKING:
     from .optim import HostOptimizer
 
 _ALIGN = 64  # elements; keeps every view 128-byte aligned for fp32, 64 for bf16
+# A resident unit's refresh is sent in pieces of this many wire bytes, each as soon as the
+# step has written it. See [Note: the refresh follows the step].
+REFRESH_PIECE_BYTES = 64 << 20
+# False: evictions wait for the GPU with the lock held, as before (a benchmark's comparison)
+_WAIT_UNLOCKED = True
 
 # Which engine owns a model or a host parameter. Weak: an engine lives as long as its model.
 ENGINE_OF_MODEL: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -543,15 +564,34 @@ class Engine:
         self._lru.pop(u, None)
 
     def _make_room(self, u: _Unit, protect: Iterable[_Unit] = ()) -> bool:
-        """Evict least recently used unpinned units until ``u`` fits (lock held)."""
+        """Evict least recently used unpinned units until ``u`` fits (lock held; released
+        while it waits for the GPU to finish with a victim, see ``_wait_unlocked``)."""
         keep = set(protect)
         keep.add(u)
         while self._window_used + u.nbytes > self._window_capacity:
             victim = next((v for v in self._lru if v.pins == 0 and v not in keep), None)
             if victim is None:
                 return False
+            busy = [e for e in victim.idle_events if not e.query()]
+            if busy and _WAIT_UNLOCKED:
+                self._wait_unlocked(busy)
+                continue  # the window may have changed meanwhile: choose again
             self._evict(victim)
         return True
+
+    def _wait_unlocked(self, events: list[torch.cuda.Event]) -> None:
+        """Wait for ``events`` with the engine lock released (held once by the caller).
+
+        The training loop's thread runs ahead of the GPU and waits here, at a window slot,
+        most of the time it streams; the host worker takes the lock after every unit it
+        steps, to issue the unit's copy. Waiting with the lock held would stall the CPU
+        optimizer until the GPU reached the victim's last kernel."""
+        self._lock.release()
+        try:
+            for event in events:
+                event.synchronize()
+        finally:
+            self._lock.acquire()
 
     def _issue_h2d(self, u: _Unit) -> None:
         """Copy ``u``'s wire buffer into its device storage (lock held, storage allocated).
@@ -618,7 +658,7 @@ class Engine:
                     u.backward_pins -= 1
                 assert u.pins >= 0 and u.backward_pins >= 0
                 if u.pins == 0 and u.used_streams:
-                    u.idle_events = [s.record_event() for s in u.used_streams]
+                    u.idle_events = [record_event(s) for s in u.used_streams]
 
     def _prefetch(self, units: list[_Unit]) -> None:
         with self._lock:
@@ -1007,17 +1047,26 @@ class Engine:
         copy (in the same pass when one optimizer steps the whole unit flat)."""
         self._before_host_write(u)
         wire_written = False
+        pieces = None
         start = time.perf_counter()
         with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
             if len(items) == 1 and self._whole_unit(u, items[0]):
                 opt, hyper, _, _ = items[0]
-                opt.flat_step(u, hyper, grad=u.host_grad, wire_out=self._wire_prefix(u))
+                pieces = self._refresh_pieces(u)
+                opt.flat_step(
+                    u,
+                    hyper,
+                    grad=u.host_grad,
+                    wire_out=self._wire_prefix(u),
+                    pieces=pieces,
+                    after_piece=functools.partial(self._send_piece, u) if pieces else None,
+                )
                 wire_written = True
             else:
                 for opt, hyper, params, grads in items:
                     opt._step_params(params, grads, hyper)
         self._count_host_step(sum(p.numel() for item in items for p in item[2]), start)
-        self._refresh_wire(u, written=wire_written)
+        self._refresh_wire(u, written=wire_written, sent=wire_written and bool(pieces))
 
     def _step_staged(
         self,
@@ -1030,6 +1079,7 @@ class Engine:
     ) -> None:
         """Worker: land and step ``u`` in one pass from the staged gradients. See ``_land``."""
         self._before_host_write(u)
+        pieces = self._refresh_pieces(u)
         start = time.perf_counter()
         with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
             opt.flat_step(
@@ -1039,9 +1089,37 @@ class Engine:
                 accumulate=u.host_grad if accumulate else None,
                 grad_out=None if accumulate or not keep_grads else u.host_grad,
                 wire_out=self._wire_prefix(u),
+                pieces=pieces,
+                after_piece=functools.partial(self._send_piece, u) if pieces else None,
             )
         self._count_host_step(u.trainable_numel, start)
-        self._refresh_wire(u, written=True)
+        self._refresh_wire(u, written=True, sent=bool(pieces))
+
+    def _refresh_pieces(self, u: _Unit) -> list[tuple[int, int]] | None:
+        """Worker, before a flat step of ``u``: the element ranges to step and send one by
+        one, or None to send the unit after its step as usual. See [Note: the refresh
+        follows the step]."""
+        if not u.resident or u.wire is u.master or self.worker.queued():
+            return None
+        step = max(_ALIGN, REFRESH_PIECE_BYTES // u.wire.element_size() // _ALIGN * _ALIGN)
+        n = u.trainable_numel
+        with self._lock:
+            # the device copy lacks this step only, so the frozen rest needs no copy
+            current = u.allocated and u.device_version == u.host_version - 1
+        if not current or n <= step:
+            return None
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+    def _send_piece(self, u: _Unit, lo: int, hi: int) -> None:
+        """Worker: copy the wire range ``[lo, hi)`` that the step has just written to the
+        device copy of resident ``u`` (the first piece waits for the copy's readers).
+
+        No lock: a resident unit is never evicted, and nobody else issues its copy or reads
+        it until ``_refresh_wire`` sets ``h2d_issued``."""
+        if lo == 0:
+            for stream in list(u.used_streams):
+                self.streams.h2d_stream.wait_stream(stream)
+        u.wire_read_event = self.streams.h2d(u.device_alias[lo:hi], u.wire[lo:hi])
 
     def _count_host_step(self, params: int, start: float) -> None:
         self._host_steps[0] += params
@@ -1073,16 +1151,22 @@ class Engine:
         if u.wire_read_event is not None:
             u.wire_read_event.synchronize()
 
-    def _refresh_wire(self, u: _Unit, *, written: bool = False) -> None:
+    def _refresh_wire(self, u: _Unit, *, written: bool = False, sent: bool = False) -> None:
         """Worker: rewrite the wire copy from the master (unless the step already did) and
-        re-issue any waiting load."""
+        re-issue any waiting load; ``sent``: the step already copied it to the device in
+        pieces (``_send_piece``), the last piece's event stands for the load."""
         if u.wire is not u.master:
             if not written:
                 self._before_host_write(u)
                 u.wire.copy_(u.master)
         with self._lock:
             u.wire_ready.set()
-            if u.load_requested or (u.resident and u.allocated):
+            if sent:
+                u.h2d_event = u.wire_read_event
+                u.device_version = u.host_version
+                u.load_requested = False
+                u.h2d_issued.set()
+            elif u.load_requested or (u.resident and u.allocated):
                 self._issue_h2d(u)
 
     def schedule_step(self, opt: HostOptimizer) -> None:

@@ -90,6 +90,11 @@ class HostWorker:
         heapq.heapify(self._heap)
         return entry
 
+    def queued(self) -> int:
+        """Tasks submitted and not yet started (the running one excluded)."""
+        with self._cond:
+            return len(self._heap)
+
     def wait_idle(self) -> None:
         """Block until every submitted task has run; re-raise the first task error."""
         with self._cond:

@@ -97,8 +97,15 @@ class HostOptimizer(torch.optim.Optimizer):
         accumulate: torch.Tensor | None = None,
         grad_out: torch.Tensor | None = None,
         wire_out: torch.Tensor | None = None,
+        pieces: list[tuple[int, int]] | None = None,
+        after_piece: Callable[[int, int], None] | None = None,
     ) -> None:
-        """Step ``unit``'s trainable prefix in one pass (see ``ramflow._cpu_kernels``)."""
+        """Step ``unit``'s trainable prefix in one pass (see ``ramflow._cpu_kernels``).
+
+        ``pieces``: ``(begin, end)`` element ranges covering the prefix in order, each
+        begin a multiple of 64; the kernel runs once per range and ``after_piece(begin,
+        end)`` is called after each, so the caller can send the new wire copy of a range
+        while the next is stepped. The result does not depend on the pieces."""
         raise NotImplementedError
 
     def _run_kernel(self, fn: Callable[..., None], **kwargs: Any) -> None:
@@ -265,6 +272,8 @@ class AdamW(HostOptimizer):
         accumulate: torch.Tensor | None = None,
         grad_out: torch.Tensor | None = None,
         wire_out: torch.Tensor | None = None,
+        pieces: list[tuple[int, int]] | None = None,
+        after_piece: Callable[[int, int], None] | None = None,
     ) -> None:
         index = self.flat_group(unit)
         assert index is not None
@@ -277,13 +286,21 @@ class AdamW(HostOptimizer):
         flats = self._unit_state[unit]
         step = int(self.state[params[0]]["step"]) + 1
         beta1, beta2 = group["betas"]
-        n = unit.trainable_numel
-        fused_adamw_step_(
-            unit.master[:n], grad[:n], flats["exp_avg"], flats["exp_avg_sq"],
-            step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-            eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-            accumulate=accumulate, grad_out=grad_out, wire_out=wire_out, num_threads=self.threads,
-        )  # fmt: skip
+        m, v = flats["exp_avg"], flats["exp_avg_sq"]
+
+        def cut(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+            return None if t is None else t[lo:hi]
+
+        for lo, hi in pieces or [(0, unit.trainable_numel)]:
+            fused_adamw_step_(
+                unit.master[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi],
+                step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                accumulate=cut(accumulate, lo, hi), grad_out=cut(grad_out, lo, hi),
+                wire_out=cut(wire_out, lo, hi), num_threads=self.threads,
+            )  # fmt: skip
+            if after_piece is not None:
+                after_piece(lo, hi)
         for p in params:
             self.state[p]["step"].add_(1)
 
