@@ -249,9 +249,10 @@ class CopyCounter:
             streams: Any, dst: torch.Tensor, src: torch.Tensor, *args: Any, **kwargs: Any
         ) -> Any:
             nbytes = src.numel() * src.element_size()
+            target = dst.untyped_storage().data_ptr()  # a refresh in pieces copies into views
             with counter._lock:
                 counter.h2d_bytes += nbytes
-                if id(dst) in counter._resident_targets:
+                if target in counter._resident_targets:
                     counter.h2d_refresh_bytes += nbytes
             return orig_h2d(streams, dst, src, *args, **kwargs)
 
@@ -272,7 +273,10 @@ class CopyCounter:
             from ramflow._engine import ENGINE_OF_MODEL
 
             units = ENGINE_OF_MODEL[model].units
-            targets = {id(u.device_alias) for u in units if u.resident}
+            # a resident unit's device storage stays allocated: its address names it
+            targets = {
+                u.device_alias.untyped_storage().data_ptr() for u in units if u.resident and u.numel
+            }
         except (ImportError, KeyError, AttributeError):
             return
         with self._lock:

@@ -26,6 +26,7 @@ Prints one line per measurement and writes them all as JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -187,6 +188,58 @@ def _thread_use(before: dict, after: dict, steps: int) -> list[tuple[str, float]
     return sorted(rows, key=lambda r: -r[1])
 
 
+def _kofn_rounds(steps: int, rounds: int, emit, *, tiny: bool) -> None:
+    """The k-of-n training step (k = 0, 3, 6, 9 of 12 blocks resident, as ``bench.py
+    --kofn``) ``rounds`` times over in one process: does the step move as much between
+    rounds of one k as between the k's? Per k and round: the median step, the optimizer's
+    rate in the step and alone on the same tensors right after (``runners._optimizer_alone``)."""
+    import ramflow
+    from ramflow._engine import ENGINE_OF_MODEL
+
+    built = cases.build_cases(
+        ["kofn"],
+        model="reference",
+        tiny=tiny,
+        warmup=2,
+        steps=steps,
+        out_dir=".",
+        tag="",
+        scaling_depths=[12],
+    )
+    case = next(c for c in built if c["id"].startswith("kofn."))
+    device = runners.compute_device()
+    model_checkpoints, offload_kwargs = runners._offload_kwargs(case)
+    model = runners._model(case, device="cpu", checkpoint=model_checkpoints)
+    ids, labels = make_batch(
+        model_shape(model).vocab_size, case["batch"], case["seq"], device=device
+    )
+    shapes = runners._unit_shapes(model)
+    ramflow.offload(model, gpu_memory=None, device=device, **offload_kwargs)
+    budgets = runners._kofn_budgets(ramflow.get_plan(model), shapes, case["fractions"])
+    ramflow.undo(model)
+    counter = measure.CopyCounter()
+    for r in range(rounds):
+        for k, budget in budgets:
+            ramflow.offload(model, gpu_memory=budget, device=device, **offload_kwargs)
+            opt = ramflow.optim.AdamW(model.parameters(), **runners.RAMFLOW_OPTIMIZER)
+            res = runners._time_ramflow_training(model, opt, ids, labels, device, case, counter)
+            emit(
+                what="kofn_round",
+                round=r,
+                k=k,
+                step_times_s=res["step_times_s"],
+                median_s=res["step_s"],
+                optimizer_in_step_params_per_s=res["optimizer_in_step_params_per_s"],
+                optimizer_alone_params_per_s=res.get("optimizer_alone_params_per_s"),
+                resident_units=len(ENGINE_OF_MODEL[model].plan.resident),
+            )
+            ramflow.undo(model)
+            del opt
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
 def _in_step(settings, steps: int, emit, *, tiny: bool, case_name: str) -> None:
     import ramflow
 
@@ -284,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--case",
         default="cap12",
-        help='"cap12": training 4x2048 at the 12 GiB cap; "kofn<k>": k blocks resident',
+        help='"cap12": training 4x2048 at the 12 GiB cap; "kofn<k>": k blocks resident; '
+        '"kofn-rounds": k = 0, 3, 6, 9 in turn, --repeat rounds',
     )
     ap.add_argument(
         "--variants",
@@ -314,7 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     _alone(args.params, threads, emit)
     if not args.skip_step:
-        _in_step(variants, args.steps, emit, tiny=args.tiny, case_name=args.case)
+        if args.case == "kofn-rounds":
+            _kofn_rounds(args.steps, args.repeat, emit, tiny=args.tiny)
+        else:
+            _in_step(variants, args.steps, emit, tiny=args.tiny, case_name=args.case)
         _alone(args.params, threads[:1], emit)  # again: has the machine's DRAM rate drifted?
     return 0
 
