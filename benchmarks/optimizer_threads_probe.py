@@ -188,16 +188,12 @@ def _thread_use(before: dict, after: dict, steps: int) -> list[tuple[str, float]
     return sorted(rows, key=lambda r: -r[1])
 
 
-def _kofn_rounds(steps: int, rounds: int, emit, *, tiny: bool) -> None:
-    """The k-of-n training step (k = 0, 3, 6, 9 of 12 blocks resident, as ``bench.py
-    --kofn``) ``rounds`` times over in one process: does the step move as much between
-    rounds of one k as between the k's? Per k and round: the median step, the optimizer's
-    rate in the step and alone on the same tensors right after (``runners._optimizer_alone``)."""
-    import ramflow
-    from ramflow._engine import ENGINE_OF_MODEL
-
+def _case_model(group: str, steps: int, *, tiny: bool):
+    """The reference model's 4x2048 training case of ``bench.py``'s ``group`` ("ramflow":
+    the 12 GiB cap; "kofn": k of n resident), built on the host: (case, device, offload
+    arguments, model, input ids, labels)."""
     built = cases.build_cases(
-        ["kofn"],
+        [group],
         model="reference",
         tiny=tiny,
         warmup=2,
@@ -206,17 +202,38 @@ def _kofn_rounds(steps: int, rounds: int, emit, *, tiny: bool) -> None:
         tag="",
         scaling_depths=[12],
     )
-    case = next(c for c in built if c["id"].startswith("kofn."))
+    pick = ".cap12gib-ckpt" if group == "ramflow" else ""
+    case = next(c for c in built if c["id"].endswith(pick) and c["id"].startswith(group))
     device = runners.compute_device()
     model_checkpoints, offload_kwargs = runners._offload_kwargs(case)
     model = runners._model(case, device="cpu", checkpoint=model_checkpoints)
     ids, labels = make_batch(
         model_shape(model).vocab_size, case["batch"], case["seq"], device=device
     )
+    return case, device, offload_kwargs, model, ids, labels
+
+
+def _kofn_budgets(case, model, device, offload_kwargs, fractions) -> list[tuple[int, int | None]]:
+    """(k, gpu_memory) keeping round(f x n) blocks resident, as ``bench.py --kofn``."""
+    import ramflow
+
     shapes = runners._unit_shapes(model)
     ramflow.offload(model, gpu_memory=None, device=device, **offload_kwargs)
-    budgets = runners._kofn_budgets(ramflow.get_plan(model), shapes, case["fractions"])
+    budgets = runners._kofn_budgets(ramflow.get_plan(model), shapes, fractions)
     ramflow.undo(model)
+    return budgets
+
+
+def _kofn_rounds(steps: int, rounds: int, emit, *, tiny: bool) -> None:
+    """The k-of-n training step (k = 0, 3, 6, 9 of 12 blocks resident, as ``bench.py
+    --kofn``) ``rounds`` times over in one process: does the step move as much between
+    rounds of one k as between the k's? Per k and round: the median step, the optimizer's
+    rate in the step and alone on the same tensors right after (``runners._optimizer_alone``)."""
+    import ramflow
+    from ramflow._engine import ENGINE_OF_MODEL
+
+    case, device, offload_kwargs, model, ids, labels = _case_model("kofn", steps, tiny=tiny)
+    budgets = _kofn_budgets(case, model, device, offload_kwargs, case["fractions"])
     counter = measure.CopyCounter()
     for r in range(rounds):
         for k, budget in budgets:
@@ -243,36 +260,14 @@ def _kofn_rounds(steps: int, rounds: int, emit, *, tiny: bool) -> None:
 def _in_step(settings, steps: int, emit, *, tiny: bool, case_name: str) -> None:
     import ramflow
 
-    built = cases.build_cases(
-        ["ramflow", "kofn"],
-        model="reference",
-        tiny=tiny,
-        warmup=2,
-        steps=steps,
-        out_dir=".",
-        tag="",
-        scaling_depths=[12],
-    )
-    suffix = ".cap12gib-ckpt" if case_name == "cap12" else ""
-    case = next(
-        c for c in built if (c["id"].endswith(suffix) if suffix else c["id"].startswith("kofn."))
-    )
-    device = runners.compute_device()
-    model_checkpoints, offload_kwargs = runners._offload_kwargs(case)
-    model = runners._model(case, device="cpu", checkpoint=model_checkpoints)
-    ids, labels = make_batch(
-        model_shape(model).vocab_size, case["batch"], case["seq"], device=device
-    )
+    group = "ramflow" if case_name == "cap12" else "kofn"
+    case, device, offload_kwargs, model, ids, labels = _case_model(group, steps, tiny=tiny)
     if case_name == "cap12":
         budget, _ = runners._ramflow_budget(case, model, ids, labels, device)
     else:  # "kofn<k>": the budget that keeps k of the blocks resident, as the k-of-n case
         k = int(case_name[4:])
-        shapes = runners._unit_shapes(model)
-        ramflow.offload(model, gpu_memory=None, device=device, **offload_kwargs)
-        blocks = sum(1 for sh in shapes if sh.block)
-        budgets = dict(runners._kofn_budgets(ramflow.get_plan(model), shapes, [k / blocks]))
-        ramflow.undo(model)
-        budget = budgets[k]
+        blocks = sum(1 for sh in runners._unit_shapes(model) if sh.block)
+        budget = dict(_kofn_budgets(case, model, device, offload_kwargs, [k / blocks]))[k]
     ramflow.offload(model, gpu_memory=budget, device=device, **offload_kwargs)
     opt = ramflow.optim.AdamW(model.parameters(), **runners.RAMFLOW_OPTIMIZER)
     step = runners._train_step(model, opt, ids, labels, device)
