@@ -155,6 +155,8 @@ def _train_row(
         "predict_inputs": result.get("predict_inputs"),
         "optimizer_in_step_params_per_s": result.get("optimizer_in_step_params_per_s"),
         "optimizer_alone_params_per_s": result.get("optimizer_alone_params_per_s"),
+        "optimizer_alone_cpu_stepped_params": result.get("optimizer_alone_cpu_stepped_params"),
+        "device_stepped_units": result.get("device_stepped_units") or [],
     }
 
 
@@ -651,6 +653,18 @@ def _cpu_floor_note(
             f"CPU optimizer floor = {shape['num_params'] / 1e9:.2f} G params x "
             f"{ADAMW_BYTES_PER_PARAM} B / {dram[0] / 1e9:.1f} GB/s, the fastest AdamW's host "
             f"memory traffic in this run ({dram[1]})"
+        )
+    on_device = r.get("device_stepped_units") or []
+    cpu_params = r.get("optimizer_alone_cpu_stepped_params")
+    if on_device and here and cpu_params and shape and r.get("step_s"):
+        # the floor above is the issue's: every parameter stepped by the CPU optimizer
+        cpu_alone = cpu_params / here
+        parts.append(
+            f"{len(on_device)} units ({(shape['num_params'] - cpu_params) / 1e9:.2f} G params: "
+            f"{', '.join(on_device)}) are stepped on the GPU (ramflow's device_optimizer, "
+            f"in the budget's room); the CPU optimizer alone over the other "
+            f"{cpu_params / 1e9:.2f} G params takes {cpu_alone * 1e3:.1f} ms, and the step is "
+            f"{r['step_s'] / cpu_alone:.3f} of that"
         )
     if floors and floors.get("cpu_adamw_fused_params_per_s"):
         parts.append(

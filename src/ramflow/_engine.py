@@ -55,6 +55,21 @@ from Python, which waits for the GIL while the training loop runs Python code): 
 optimizer's rate when every unit is cut (benchmarks/results/2026-11-22-nvidia-h200-refresh).
 So only a step that starts with nothing else queued on the worker is cut: the one whose
 refresh the next forward is waiting for.
+
+[Note: the optimizer on the device]
+With ``device_optimizer=True`` the plan gives what the GPU budget leaves to resident units
+(forward order first) as fp32 master weights and AdamW states on the device
+(``_plan.with_device_optimizer``); those units are stepped by PyTorch's fused AdamW on the
+device, on the current stream, the moment their gradients are complete: no gradient D2H,
+no CPU step, no refresh H2D, and the next forward reads the new weights in stream order.
+In a step bound by the CPU optimizer that takes their share off the CPU (DeepSpeed's
+ZeRO-Offload++ does the same with a fixed ratio). The device holds the newest state; the
+host's masters, wire copies and states are brought up to date by ``synchronize`` (and so
+by every ``state_dict``). A deferred step (the first, clipping, accumulation) uploads the
+unit's host fp32 gradients. A step that the device cannot take (several optimizers or
+param groups in one unit, ZeRO) pulls the state back, steps on the host and uploads it
+again at the next device step. The device step's rounding is CUDA's fused AdamW, within
+float rounding of the host kernel (bit-identical on the CPU device).
 """
 
 from __future__ import annotations
@@ -76,7 +91,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._plan import OffloadPlan, format_bytes, make_plan
+from ._plan import DEVICE_STEP_PIECE, OffloadPlan, format_bytes, make_plan, with_device_optimizer
 from ._streams import CopyStreams, alloc_host, pin_in_place, record_event, unpin
 from ._units import UnitSpec
 from ._worker import LAND, STEP, HostWorker
@@ -174,6 +189,12 @@ class _Unit:
         self.staging_reader: Future | None = None  # a step that reads the staging buffer
         self.call_stack: list[_Call | None] = []
         self.swaps = 0
+        # stepped on the device (see [Note: the optimizer on the device])
+        self.device_stepped = False
+        self.device_state: dict[str, torch.Tensor] | None = None
+        self.device_step_event: torch.cuda.Event | None = None
+        self.host_stale = False  # the device state is newer than the host's copies
+        self.device_step_pending = False
 
     @property
     def nbytes(self) -> int:
@@ -247,6 +268,7 @@ class Engine:
         activation_checkpointing: bool = False,
         worker: HostWorker | None = None,
         streams: CopyStreams | None = None,
+        device_optimizer: bool = False,
     ) -> None:
         # model None: a layer engine (see ``ramflow._linear``): no root module, units are
         # added one by one with ``add_units``, worker and streams are shared per device.
@@ -254,6 +276,7 @@ class Engine:
         self.device = device
         self.wire_dtype = wire_dtype
         self.prefetch_depth = prefetch_depth
+        self.device_optimizer = device_optimizer
         # the worker's optimizer kernels so far: parameters stepped, seconds (host_step_totals)
         self._host_steps = [0, 0.0]
         self.streams = streams if streams is not None else CopyStreams(device)
@@ -323,10 +346,13 @@ class Engine:
         )
         if self.units and set(plan.resident) != {u.name for u in self.units if u.resident}:
             raise ValueError("adding units would change which units are resident")
+        if self.device_optimizer:
+            plan = with_device_optimizer(plan, [u.trainable_numel for u in all_units])
         self.plan: OffloadPlan = plan
         resident = set(plan.resident)
         for u in new:
             u.resident = u.name in resident
+            u.device_stepped = u.name in plan.device_stepped
             for p in u.owned:
                 self._unit_of_param[id(p)] = u
             self._positions[u] = u.index
@@ -440,6 +466,10 @@ class Engine:
             root.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
         )
         self._hooks.append(root.register_state_dict_pre_hook(lambda *a, **k: self.synchronize()))
+        # a partial load keeps the other weights: bring device-stepped ones to the host first
+        self._hooks.append(
+            root.register_load_state_dict_pre_hook(lambda *a, **k: self.synchronize())
+        )
         self._hooks.append(root.register_load_state_dict_post_hook(self._after_load_state_dict))
 
     def _install_unit_hooks(self, units: list[_Unit]) -> None:
@@ -892,6 +922,19 @@ class Engine:
                 u.device_grad = None
                 u.fired = 0
                 return
+        if eager and u.device_stepped and self._steps_here(u):
+            eager = False  # no host step follows: the gradients only land (if kept)
+            params = u.owned[: u.num_trainable]
+            if self._device_steppable(u) and all(p.grad is None for p in params):
+                opt = self.optimizers[0]
+                self._device_step(u, opt, opt._hyperparameters(), u.device_grad)
+                if not opt.keep_grads:
+                    u.device_grad = None
+                    u.fired = 0
+                    u.grad_versions = []
+                    return
+            else:  # accumulated on the host: stepped from there at the end of backward
+                u.device_step_pending = True
         for reader in (u.land_future, u.staging_reader):
             if reader is not None and not reader.done():
                 reader.result()  # the staging buffer is still being read
@@ -1019,6 +1062,10 @@ class Engine:
         landing, self._landing = self._landing, []
         for fut in landing:
             fut.result()
+        for u in self.units:
+            if u.device_step_pending:
+                u.device_step_pending = False
+                self._step_from_host(u, self._step_items(u, self.optimizers))
 
         if self._eager_now is not None:
             no_step = any(opt._no_step_depth for opt in self.optimizers)
@@ -1188,16 +1235,8 @@ class Engine:
                 if not self._steps_here(u):
                     continue
                 items = self._step_items(u, [opt])
-                if not items:
-                    continue
-                with self._lock:
-                    u.host_version += 1
-                    u.wire_ready.clear()
-                self.worker.submit(
-                    STEP,
-                    self._positions.get(u, u.index),
-                    functools.partial(self._step_unit, u, items),
-                )
+                if items:
+                    self._step_from_host(u, items)
         self._eager_allowed = (
             opt.overlap and self._final_backwards == 1 and not modified and not self._clip_used
         )
@@ -1205,6 +1244,104 @@ class Engine:
         self._last_backward_eager = False
         if self._live_dist() is not None:
             self.dist.after_step(self)
+
+    def _step_from_host(self, u: _Unit, items: list[tuple]) -> None:
+        """Step ``u`` from its host gradients: on the device if it is stepped there and one
+        optimizer steps it whole, else on the worker (a device-stepped unit then gives its
+        state back to the host first, and uploads it again at its next device step)."""
+        if not items:
+            return
+        if (
+            u.device_stepped
+            and len(items) == 1
+            and self._device_steppable(u, items[0][0])
+            and self._whole_unit(u, items[0])
+        ):
+            opt, hyper, _, _ = items[0]
+            assert u.host_grad is not None
+            self._device_step(u, opt, hyper, u.host_grad)
+            return
+        self._drop_device_state(u)
+        with self._lock:
+            u.host_version += 1
+            u.wire_ready.clear()
+        self.worker.submit(
+            STEP, self._positions.get(u, u.index), functools.partial(self._step_unit, u, items)
+        )
+
+    # ------------------------------------------------------------------ device steps
+
+    def _device_steppable(self, u: _Unit, opt: HostOptimizer | None = None) -> bool:
+        """Whether ``u`` can be stepped on the device now: planned so, one process, and one
+        optimizer with a device step holding all of it flat (one group, one step count)."""
+        if not u.device_stepped or self._live_dist() is not None:
+            return False
+        if opt is None:
+            if len(self.optimizers) != 1:
+                return False
+            opt = self.optimizers[0]
+        return hasattr(opt, "device_flat_step") and opt.flat_group(u) is not None
+
+    def _device_step(
+        self, u: _Unit, opt: HostOptimizer, hyper: list[dict], grad: torch.Tensor
+    ) -> None:
+        """Step ``u`` on the device, on the current stream: its fp32 master weights and
+        optimizer states stay there and the new weights go straight into its device copy,
+        which the next forward reads in stream order. The host copies are stale until
+        ``_pull_device_state``."""
+        n = u.trainable_numel
+        with torch.profiler.record_function(f"ramflow.device_optimizer:{u.name}"):
+            if u.device_state is None:
+                self._wait_host_idle(u)
+                u.device_state = opt.device_state(u, self.device)  # type: ignore[attr-defined]
+            opt.device_flat_step(  # type: ignore[attr-defined]
+                u,
+                hyper,
+                grad=grad,
+                state=u.device_state,
+                weights_out=u.device_flat[:n],
+                piece=DEVICE_STEP_PIECE,
+            )
+        if self.device.type == "cuda":
+            u.device_step_event = record_event(torch.cuda.current_stream(self.device))
+        u.host_stale = True
+
+    def _wait_host_idle(self, u: _Unit) -> None:
+        """Before the host copies of ``u`` are read for the device: its host step done."""
+        u.wire_ready.wait()
+        if u.staging_reader is not None:
+            u.staging_reader.result()
+
+    def _pull_device_state(self, u: _Unit) -> None:
+        """Copy ``u``'s device-stepped master weights, wire copy and optimizer states back
+        to the host (``synchronize``); the device keeps them."""
+        st = u.device_state
+        if st is None or not u.host_stale:
+            return
+        if u.device_step_event is not None:
+            u.device_step_event.synchronize()
+        n = u.trainable_numel
+        self._before_host_write(u)
+        with torch.no_grad():
+            u.master[:n].copy_(st["master"])
+            if u.wire is not u.master:
+                u.wire[:n].copy_(u.device_flat[:n])
+            st["host_exp_avg"].copy_(st["exp_avg"])
+            st["host_exp_avg_sq"].copy_(st["exp_avg_sq"])
+        u.host_stale = False
+
+    def _drop_device_state(self, u: _Unit) -> None:
+        """The host takes over ``u``'s master weights and states (copied back if newer);
+        the device frees its copies and uploads them again at the next device step."""
+        self._pull_device_state(u)
+        u.device_state = None
+        u.device_step_event = None
+
+    def drop_device_states(self) -> None:
+        """Every device-stepped unit's state back to the host (``load_state_dict``)."""
+        self.synchronize()
+        for u in self.units:
+            self._drop_device_state(u)
 
     def _steps_here(self, u: _Unit) -> bool:
         """Whether this process steps ``u`` (under ZeRO, only the unit's owner does)."""
@@ -1277,6 +1414,8 @@ class Engine:
         if self._backward_dirty and not _in_backward():
             self._end_backward()
         self.worker.wait_idle()
+        for u in self.units:
+            self._pull_device_state(u)
 
     def _after_load_state_dict(self, module: nn.Module, incompatible: Any) -> None:
         self.refresh_from_host()
@@ -1285,6 +1424,12 @@ class Engine:
         """The host master weights changed outside ramflow: rewrite wire and device copies."""
         self.worker.wait_idle()
         for u in self.units:
+            # device-stepped: the host's (new) weights win, the device's states are kept
+            if u.device_state is not None and u.host_stale:
+                u.device_state["host_exp_avg"].copy_(u.device_state["exp_avg"])
+                u.device_state["host_exp_avg_sq"].copy_(u.device_state["exp_avg_sq"])
+            u.device_state = None
+            u.host_stale = False
             with self._lock:
                 u.host_version += 1
                 u.wire_ready.clear()
@@ -1311,6 +1456,8 @@ class Engine:
                 or self.model.gradient_checkpointing_disable
             )
             disable()
+        for u in self.units:
+            self._drop_device_state(u)
         with self._lock:
             for u in self.units:
                 u.pins = u.backward_pins = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ._predict import Rates, StepPrediction, UnitCost, predict_step
 
@@ -80,6 +80,10 @@ class OffloadPlan:
         prediction: the predicted step (timed plans only).
         offload_budget_bytes: the ``gpu_memory`` that makes ``ramflow.offload`` keep exactly
             these units (timed plans with a budget; at least ``planned_bytes``).
+        device_stepped: resident units whose fp32 master weights and optimizer states live
+            on the device and are stepped there (``ramflow.offload(device_optimizer=True)``;
+            see ``with_device_optimizer``).
+        device_step_bytes: device bytes of their masters and states plus the step's scratch.
     """
 
     device: str
@@ -97,6 +101,8 @@ class OffloadPlan:
     activation_bytes: int | None = None
     prediction: StepPrediction | None = field(default=None, compare=False)
     offload_budget_bytes: int | None = None
+    device_stepped: tuple[str, ...] = ()
+    device_step_bytes: int = 0
 
     @property
     def resident_bytes(self) -> int:
@@ -107,7 +113,13 @@ class OffloadPlan:
     @property
     def planned_bytes(self) -> int:
         """Everything ramflow itself may allocate on the device (activations excluded)."""
-        return self.window_bytes + self.grad_bytes + self.fixed_bytes + self.resident_bytes
+        return (
+            self.window_bytes
+            + self.grad_bytes
+            + self.fixed_bytes
+            + self.resident_bytes
+            + self.device_step_bytes
+        )
 
     @property
     def streamed_bytes_per_pass(self) -> int:
@@ -140,6 +152,11 @@ class OffloadPlan:
             f"streamed per forward: {format_bytes(self.streamed_bytes_per_pass)} "
             f"(smallest budget that works: {format_bytes(self.min_gpu_memory_bytes)})",
         ]
+        if self.device_stepped:
+            lines[2] = lines[2].replace(
+                " = ", f" + optimizer on the device {format_bytes(self.device_step_bytes)} = "
+            )
+            lines.append(f"stepped on the device: {_names(self.device_stepped)}")
         if self.prediction is not None:
             lines.append(f"resident units: {_names(self.resident)}")
             lines.append(f"checkpointed units: {_names(self.checkpointed)}")
@@ -147,6 +164,44 @@ class OffloadPlan:
                 lines.append(f"activations at their peak: {format_bytes(self.activation_bytes)}")
             lines.append(f"predicted step: {self.prediction.describe()}")
         return "\n".join(lines)
+
+
+# fp32 master weights, exp_avg and exp_avg_sq of a unit stepped on the device
+DEVICE_STEP_BYTES_PER_PARAM = 12
+# elements per piece of a device step (the gradient is upcast to fp32 one piece at a time)
+DEVICE_STEP_PIECE = 16 * 2**20
+DEVICE_STEP_SCRATCH_BYTES = DEVICE_STEP_PIECE * 4
+
+
+def with_device_optimizer(plan: OffloadPlan, trainable_numel: Sequence[int]) -> OffloadPlan:
+    """``plan`` with the resident units, in forward order, whose fp32 master weights and
+    AdamW states (``DEVICE_STEP_BYTES_PER_PARAM`` per trainable parameter) fit in what the
+    budget leaves after the plan, plus one piece of fp32 scratch. Those units are stepped on
+    the device: no gradient D2H, no CPU step, no refresh H2D (partial offload of the
+    optimizer, as DeepSpeed's ZeRO-Offload++ "twin-flow"). Forward order first: the last
+    units to receive gradients are the first the next forward needs, so stepping them on
+    the device takes the most off the CPU's critical path. No budget: the plan unchanged.
+
+    ``trainable_numel``: per unit (the plan's order), the elements of its trainable flat
+    buffer (alignment padding included)."""
+    if plan.gpu_memory_bytes is None:
+        return plan
+    left = plan.gpu_memory_bytes - plan.planned_bytes - DEVICE_STEP_SCRATCH_BYTES
+    resident = set(plan.resident)
+    chosen: list[str] = []
+    used = 0
+    for name, numel in zip(plan.unit_names, trainable_numel):
+        need = numel * DEVICE_STEP_BYTES_PER_PARAM
+        if name in resident and numel > 0 and used + need <= left:
+            chosen.append(name)
+            used += need
+    if not chosen:
+        return plan
+    return replace(
+        plan,
+        device_stepped=tuple(chosen),
+        device_step_bytes=used + DEVICE_STEP_SCRATCH_BYTES,
+    )
 
 
 def _names(names: Sequence[str]) -> str:

@@ -24,6 +24,7 @@ def offload(
     prefetch_depth: int = 2,
     activation_checkpointing: bool | Iterable[str] = False,
     zero_stage: int | None = None,
+    device_optimizer: bool = False,
 ) -> nn.Module:
     """Keep ``model``'s weights in CPU RAM and stream them through the device per unit.
 
@@ -63,6 +64,15 @@ def offload(
             weights and of the wire copy (shared memory, ``$RAMFLOW_SHM_DIR``, default
             /dev/shm); each rank streams over its own PCIe link. None: one process.
             See [Note: data parallelism on the engine] in ``ramflow._dist``.
+        device_optimizer: with ``gpu_memory``, what the budget leaves after the plan holds
+            the fp32 master weights and AdamW states (12 bytes per parameter) of resident
+            units, first units first; those are stepped on the GPU by PyTorch's fused AdamW
+            (no gradient copy, no CPU step for them), which shortens a step bound by the
+            CPU optimizer (partial optimizer offload, as DeepSpeed's ZeRO-Offload++). Needs a
+            ``ramflow.optim.AdamW``; other steps of those units run on the host. The host
+            copies are current after ``ramflow.synchronize`` and in every ``state_dict``.
+            ``ramflow.get_plan(model).device_stepped`` names the units. Not with
+            ``zero_stage``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``wire_dtype`` is not floating point.
@@ -70,6 +80,7 @@ def offload(
             ``gpu_memory`` too small (the message gives the smallest budget that works).
         MemoryError: the host lacks the RAM or pinned memory for the host store.
         RuntimeError: ``zero_stage`` without an initialized process group.
+        ValueError: ``device_optimizer`` with ``zero_stage``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"ramflow.offload expects an nn.Module, got {type(model).__name__}")
@@ -106,6 +117,12 @@ def offload(
     budget = None if gpu_memory is None else parse_bytes(gpu_memory)
     specs = find_units(model, units)
     owners = None
+    if device_optimizer and zero_stage is not None:
+        raise ValueError(
+            "device_optimizer=True steps units on one GPU and cannot be combined with "
+            "zero_stage (each unit's optimizer states are sharded over the ranks' hosts); "
+            "leave one of them out"
+        )
     if zero_stage is not None:
         if zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1, 2 or None, got {zero_stage!r}")
@@ -125,6 +142,7 @@ def offload(
         gpu_memory_bytes=budget,
         prefetch_depth=prefetch_depth,
         activation_checkpointing=activation_checkpointing,
+        device_optimizer=device_optimizer,
     )
     if owners is not None:
         single_host = len(local) == dist.get_world_size()

@@ -199,6 +199,8 @@ class HostOptimizer(torch.optim.Optimizer):
             for n, view in views.items():
                 view.copy_(st[n])
                 st[n] = view
+        for engine in self._engines:
+            engine.drop_device_states()  # the next device step uploads the loaded states
 
 
 class AdamW(HostOptimizer):
@@ -301,6 +303,62 @@ class AdamW(HostOptimizer):
             )  # fmt: skip
             if after_piece is not None:
                 after_piece(lo, hi)
+        for p in params:
+            self.state[p]["step"].add_(1)
+
+    def device_state(self, unit: _Unit, device: torch.device) -> dict[str, torch.Tensor]:
+        """Device copies of ``unit``'s fp32 master weights and AdamW states (the unit's
+        trainable flat range, ``unit.trainable_numel`` elements each, fp32, on ``device``),
+        for a unit stepped on the device (``ramflow.offload(device_optimizer=True)``); the
+        host states are made first if the unit was never stepped. ``"host_exp_avg"`` and
+        ``"host_exp_avg_sq"`` are the host buffers they are copied back into."""
+        for p in unit.owned[: unit.num_trainable]:
+            if not self.state[p]:
+                self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
+                self.state[p].update(self._flat_state(p, ("exp_avg", "exp_avg_sq")))
+        flats = self._unit_state[unit]
+        n = unit.trainable_numel
+        return {
+            "master": unit.master[:n].to(device, copy=True),
+            "exp_avg": flats["exp_avg"].to(device, copy=True),
+            "exp_avg_sq": flats["exp_avg_sq"].to(device, copy=True),
+            "host_exp_avg": flats["exp_avg"],
+            "host_exp_avg_sq": flats["exp_avg_sq"],
+        }
+
+    def device_flat_step(
+        self,
+        unit: _Unit,
+        hyper: list[dict[str, Any]],
+        *,
+        grad: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        weights_out: torch.Tensor,
+        piece: int,
+    ) -> None:
+        """One AdamW step of ``unit`` on the device with PyTorch's fused kernel
+        (``torch._fused_adamw_``, as ``torch.optim.AdamW(fused=True)``), ``piece`` elements
+        at a time: ``grad`` (the unit's flat gradient: the device's wire-dtype buffer or the
+        host's fp32 one) is upcast or copied to fp32 on the device per piece, and the new
+        weights are written to ``weights_out`` (the unit's device copy, wire dtype)."""
+        index = self.flat_group(unit)
+        assert index is not None
+        group = hyper[index]
+        params = unit.owned[: unit.num_trainable]
+        beta1, beta2 = group["betas"]
+        master, m, v = state["master"], state["exp_avg"], state["exp_avg_sq"]
+        step = torch.full((), float(self.state[params[0]]["step"]) + 1, device=master.device)
+        n = master.numel()
+        for lo in range(0, n, piece):
+            hi = min(n, lo + piece)
+            g = grad[lo:hi].to(master.device, torch.float32)
+            torch._fused_adamw_(
+                [master[lo:hi]], [g], [m[lo:hi]], [v[lo:hi]], [], [step],
+                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
+                amsgrad=False, maximize=False,
+            )  # fmt: skip
+            weights_out[lo:hi].copy_(master[lo:hi])
         for p in params:
             self.state[p]["step"].add_(1)
 

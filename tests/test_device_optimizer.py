@@ -1,0 +1,189 @@
+"""Units stepped on the device (``ramflow.offload(device_optimizer=True)``) against resident
+PyTorch on a deepcopy: eager steps, deferred steps (the first, clipping), accumulation,
+gradients kept, state dicts, and a load in the middle of training.
+
+On the CPU device the device step is PyTorch's fused CPU AdamW, which ramflow's host kernel
+matches bit for bit, so these curves are exact; on CUDA it is the fused CUDA kernel.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ramflow
+from models import MLPStack
+from ramflow._plan import DEVICE_STEP_BYTES_PER_PARAM, DEVICE_STEP_SCRATCH_BYTES
+from test_parity import max_rel, mlp_batches, mse, params_rel, ref_adamw
+
+
+def offload_two_on_device(model, device, **kwargs) -> list[str]:
+    """Offload ``model`` (all units resident) with a budget that leaves room for the device
+    state of its first two units only; returns the names of the units stepped there."""
+    probe = copy.deepcopy(model)
+    ramflow.offload(probe, device=device, wire_dtype=torch.float32, gpu_memory=10**9)
+    engine = ramflow.api._engine(probe)
+    planned = engine.plan.planned_bytes
+    assert len(engine.plan.resident) == len(engine.units)
+    first_two = sum(u.trainable_numel for u in engine.units[:2])
+    ramflow.undo(probe)
+    budget = planned + DEVICE_STEP_SCRATCH_BYTES + DEVICE_STEP_BYTES_PER_PARAM * first_two
+    ramflow.offload(
+        model,
+        device=device,
+        wire_dtype=torch.float32,
+        gpu_memory=budget,
+        device_optimizer=True,
+        **kwargs,
+    )
+    plan = ramflow.get_plan(model)
+    assert plan.planned_bytes <= budget
+    assert "stepped on the device" in plan.describe()
+    return list(plan.device_stepped)
+
+
+def tol(device) -> float:
+    # CUDA: the reference steps with the GPU's foreach AdamW, the device-stepped units with
+    # the fused one and the others with the CPU's
+    return 1e-6 if device.type == "cpu" else 1e-5
+
+
+def test_plan_gives_the_leftover_budget_to_the_first_units(device):
+    torch.manual_seed(0)
+    model = MLPStack(depth=4)
+    stepped = offload_two_on_device(model, device)
+    names = [u.name for u in ramflow.api._engine(model).units]
+    assert stepped == names[:2]
+    # no budget: nothing on the device; the option is refused under ZeRO
+    other = MLPStack(depth=4)
+    ramflow.offload(other, device=device, device_optimizer=True)
+    assert ramflow.get_plan(other).device_stepped == ()
+    with pytest.raises(ValueError, match="zero_stage"):
+        ramflow.offload(MLPStack(), device=device, device_optimizer=True, zero_stage=1)
+
+
+@pytest.mark.parametrize("keep_grads", [False, True], ids=["drop-grads", "keep-grads"])
+def test_device_steps_match_resident(device, keep_grads):
+    """Eager steps after the first: device-stepped units never copy gradients down (unless
+    kept), and every weight, gradient and state matches the resident run."""
+    torch.manual_seed(0)
+    model = MLPStack(depth=4)
+    ref = copy.deepcopy(model).to(device)
+    stepped = offload_two_on_device(model, device)
+    engine = ramflow.api._engine(model)
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2, keep_grads=keep_grads)
+    ref_opt = ref_adamw(ref.parameters(), 1e-2, device)
+    batches = mlp_batches(3, device)
+    for step in range(6):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            mse(m, batches[step % 3]).backward()
+            if m is model:
+                ramflow.synchronize(model)
+                filled = [p.grad is not None for p in model.parameters()]
+                # keep_grads=False: eager steps (after the first) leave p.grad None
+                assert all(filled) if keep_grads or step == 0 else not any(filled), step
+            o.step()
+            o.zero_grad()
+    ramflow.synchronize(model)
+    assert params_rel(model, ref) < tol(device)
+    dev_units = [u for u in engine.units if u.name in stepped]
+    assert all(u.device_state is not None for u in dev_units)
+    # the CPU stepped only the other units, every step
+    host_units = [u for u in engine.units if u.name not in stepped]
+    host_params = [p for u in host_units for p in u.owned[: u.num_trainable]]
+    low = 6 * sum(p.numel() for p in host_params)
+    high = 6 * sum(u.trainable_numel for u in host_units)  # flat steps count the padding
+    assert low <= engine.host_step_totals()[0] <= high
+    # the states came back to the host with synchronize: compare them too
+    theirs = ref_opt.state_dict()["state"]
+    ours = opt.state_dict()["state"]
+    for k in theirs:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert max_rel(ours[k][name], theirs[k][name]) < tol(device), (k, name)
+        assert float(ours[k]["step"]) == float(theirs[k]["step"]) == 6
+
+
+def test_device_step_gradients_kept_equal_resident(device):
+    torch.manual_seed(0)
+    model = MLPStack(depth=4)
+    ref = copy.deepcopy(model).to(device)
+    offload_two_on_device(model, device)
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = ref_adamw(ref.parameters(), 1e-2, device)
+    for x, y in mlp_batches(4, device):
+        mse(model, (x, y)).backward()
+        mse(ref, (x, y)).backward()
+        ramflow.synchronize(model)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert max_rel(p.grad, q.grad) < tol(device)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    ramflow.synchronize(model)
+    assert params_rel(model, ref) < tol(device)
+
+
+def test_device_steps_with_clipping_and_accumulation(device):
+    """Deferred steps: clipping every step (the host's clipped fp32 gradients are uploaded),
+    and accumulation under ``no_step`` (the final backward's step waits for the host sum)."""
+    torch.manual_seed(0)
+    for clip in (True, False):
+        model = MLPStack(depth=4)
+        ref = copy.deepcopy(model).to(device)
+        offload_two_on_device(model, device)
+        opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
+        ref_opt = ref_adamw(ref.parameters(), 1e-2, device)
+        batches = mlp_batches(12, device)
+        for step in range(4):
+            for k in range(3):
+                batch = batches[3 * step + k]
+                if clip or k == 2:
+                    (mse(model, batch) * 30).backward()
+                else:
+                    with opt.no_step():
+                        (mse(model, batch) * 30).backward()
+                (mse(ref, batch) * 30).backward()
+                if clip:
+                    ramflow.clip_grad_norm_(model.parameters(), 0.5)
+                    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+                    break
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        ramflow.synchronize(model)
+        assert params_rel(model, ref) < tol(device), clip
+
+
+def test_device_state_survives_state_dicts_and_loads(device):
+    """Saving reads the device's newest weights and states; loading either (a fresh
+    optimizer, or the model's weights) replaces what the device holds."""
+    torch.manual_seed(0)
+    model = MLPStack(depth=4)
+    ref = copy.deepcopy(model).to(device)
+    offload_two_on_device(model, device)
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = ref_adamw(ref.parameters(), 1e-2, device)
+    batches = mlp_batches(8, device)
+    for i, batch in enumerate(batches):
+        if i == 3:
+            saved_opt = opt.state_dict()
+            saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+            for k, v in ref.state_dict().items():
+                assert max_rel(saved_model[k], v) < tol(device), k
+            opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
+            opt.load_state_dict(saved_opt)
+        if i == 5:  # scramble the weights, then load them back
+            scrambled = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+            keep = {k: v.clone() for k, v in model.state_dict().items()}
+            model.load_state_dict(scrambled)
+            model.load_state_dict(keep)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            mse(m, batch).backward()
+            o.step()
+            o.zero_grad()
+    ramflow.synchronize(model)
+    assert params_rel(model, ref) < tol(device)
+    ramflow.undo(model)
+    assert params_rel(model, ref.cpu()) < tol(device)
