@@ -241,8 +241,8 @@ def test_last_sessions_h200_step_times_within_15_percent() -> None:
 # ----------------------------------------------------------------------------- this run
 
 H200_SUITE = (
-    "2026-11-22-nvidia-h200-refresh-part1.json",
-    "2026-11-22-nvidia-h200-refresh-part2.json",
+    "2026-11-22-nvidia-h200-dev-part1.json",
+    "2026-11-22-nvidia-h200-dev-part2.json",
 )
 
 
@@ -322,8 +322,8 @@ def test_the_h200_suite_step_times_within_15_percent() -> None:
             )
             key = (model, rec["result"]["num_layers"])
             efficiency[key] = measured_efficiency(flops, row["step_s"], matmul)
-    assert efficiency["reference", 12] == pytest.approx(0.748, abs=0.005)
-    assert efficiency["llama-3b", 28] == pytest.approx(0.618, abs=0.005)
+    assert efficiency["reference", 12] == pytest.approx(0.758, abs=0.005)
+    assert efficiency["llama-3b", 28] == pytest.approx(0.603, abs=0.005)
 
     runs = []  # (what, predict inputs, measured step, counted H2D bytes, efficiency, in-step)
     for rec in records.values():
