@@ -1299,7 +1299,7 @@ class Engine:
                 hyper,
                 grad=grad,
                 state=u.device_state,
-                weights_out=u.device_flat[:n],
+                weights_out=u.device_alias[:n],  # see [Note: units and views]
                 piece=DEVICE_STEP_PIECE,
             )
         if self.device.type == "cuda":
