@@ -12,11 +12,13 @@ A training step is the drop-in loop of DESIGN.md: bf16 autocast forward with the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -441,7 +443,8 @@ def run_ramflow_kofn(case: dict[str, Any]) -> dict[str, Any]:
     for r in range(1, case.get("rounds", 1)):
         for k, budget in budgets if r % 2 == 0 else reversed(budgets):
             row = next(x for x in rows if x["k"] == k)
-            again = _kofn_train(case, model, budget, ids, labels, counter, offload_kwargs)
+            with _kofn_offloaded(case, model, budget, device, counter) as (_, opt):
+                again = _time_ramflow_training(model, opt, ids, labels, device, case, counter)
             row["train"]["step_s_rounds"].append(again["step_s"])
             row["train"]["optimizer_alone_s_rounds"].append(again.get("optimizer_alone_s"))
     for row in rows:
@@ -455,21 +458,23 @@ def run_ramflow_kofn(case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _kofn_train(case, model, budget, ids, labels, counter, offload_kwargs) -> dict[str, Any]:
-    """One more round of k-of-n training at ``budget`` (offload, time, give back)."""
+@contextlib.contextmanager
+def _kofn_offloaded(case, model, budget, device, counter) -> Iterator[tuple[Any, Any]]:
+    """``model`` offloaded at ``budget`` with a fresh ramflow AdamW, in training mode:
+    yields (plan, optimizer), then gives the model back and frees what the engine held."""
     import ramflow
 
-    device = ids.device
+    _, offload_kwargs = _offload_kwargs(case)
     ramflow.offload(model, gpu_memory=budget, device=device, **offload_kwargs)
     counter.watch(model)
     opt = ramflow.optim.AdamW(model.parameters(), **RAMFLOW_OPTIMIZER)
     model.train()
     try:
-        return _time_ramflow_training(model, opt, ids, labels, device, case, counter)
+        yield ramflow.get_plan(model), opt
     finally:
         ramflow.undo(model)
         del opt
-        gc.collect()
+        gc.collect()  # the engine's pinned host buffers go with it
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -479,53 +484,42 @@ def _kofn_row(case, model, shapes, k, budget, ids, labels, infer_ids, counter) -
     import ramflow
 
     device = ids.device
-    _, offload_kwargs = _offload_kwargs(case)
-    ramflow.offload(model, gpu_memory=budget, device=device, **offload_kwargs)
-    counter.watch(model)
-    plan = ramflow.get_plan(model)
-    opt = ramflow.optim.AdamW(model.parameters(), **RAMFLOW_OPTIMIZER)
-    model.train()
-    train = _time_ramflow_training(model, opt, ids, labels, device, case, counter)
-    ramflow.synchronize(model)
-    model.eval()
+    with _kofn_offloaded(case, model, budget, device, counter) as (plan, opt):
+        train = _time_ramflow_training(model, opt, ids, labels, device, case, counter)
+        ramflow.synchronize(model)
+        model.eval()
 
-    def forward() -> None:
-        with torch.no_grad():
-            logits_of(model, infer_ids)
+        def forward() -> None:
+            with torch.no_grad():
+                logits_of(model, infer_ids)
 
-    infer = measure.time_steps(
-        forward, device=device, warmup=case["warmup"], steps=case["steps"], counter=counter
-    )
-    blocks = {s.name for s in shapes if s.block}
-    row = {
-        "k": k,
-        "gpu_memory_bytes": budget,
-        "resident": list(plan.resident),
-        "resident_blocks": sum(1 for n in plan.resident if n in blocks),
-        **_plan_fields(plan),
-        "train": {
-            **train,
-            "step_s_rounds": [train["step_s"]],
-            "optimizer_alone_s_rounds": [train.get("optimizer_alone_s")],
-            "batch": case["batch"],
-            "predict_inputs": predict_inputs(
-                case, shapes, plan, model, mode="train", batch=case["batch"]
-            ),
-        },
-        "infer": {
-            **infer,
-            "batch": case["infer_batch"],
-            "predict_inputs": predict_inputs(
-                case, shapes, plan, model, mode="infer", batch=case["infer_batch"]
-            ),
-        },
-    }
-    ramflow.undo(model)
-    del opt
-    gc.collect()  # the engine's pinned host buffers go with it
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
+        infer = measure.time_steps(
+            forward, device=device, warmup=case["warmup"], steps=case["steps"], counter=counter
+        )
+        blocks = {s.name for s in shapes if s.block}
+        return {
+            "k": k,
+            "gpu_memory_bytes": budget,
+            "resident": list(plan.resident),
+            "resident_blocks": sum(1 for n in plan.resident if n in blocks),
+            **_plan_fields(plan),
+            "train": {
+                **train,
+                "step_s_rounds": [train["step_s"]],
+                "optimizer_alone_s_rounds": [train.get("optimizer_alone_s")],
+                "batch": case["batch"],
+                "predict_inputs": predict_inputs(
+                    case, shapes, plan, model, mode="train", batch=case["batch"]
+                ),
+            },
+            "infer": {
+                **infer,
+                "batch": case["infer_batch"],
+                "predict_inputs": predict_inputs(
+                    case, shapes, plan, model, mode="infer", batch=case["infer_batch"]
+                ),
+            },
+        }
 
 
 # ---------------------------------------------------------------------------------- resident

@@ -44,6 +44,16 @@ def offload_two_on_device(model, device, **kwargs) -> list[str]:
     return list(plan.device_stepped)
 
 
+def trained_pair(device):
+    """A 4-block MLP offloaded with its first two units stepped on the device, its resident
+    deepcopy, and a ramflow AdamW and the reference AdamW for them (lr 1e-2)."""
+    model = MLPStack(depth=4)
+    ref = copy.deepcopy(model).to(device)
+    offload_two_on_device(model, device)
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, ref, opt, ref_adamw(ref.parameters(), 1e-2, device)
+
+
 def tol(device) -> float:
     # CUDA: the reference steps with the GPU's foreach AdamW, the device-stepped units with
     # the fused one and the others with the CPU's
@@ -109,11 +119,7 @@ def test_device_steps_match_resident(device, keep_grads):
 
 def test_device_step_gradients_kept_equal_resident(device):
     torch.manual_seed(0)
-    model = MLPStack(depth=4)
-    ref = copy.deepcopy(model).to(device)
-    offload_two_on_device(model, device)
-    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = ref_adamw(ref.parameters(), 1e-2, device)
+    model, ref, opt, ref_opt = trained_pair(device)
     for x, y in mlp_batches(4, device):
         mse(model, (x, y)).backward()
         mse(ref, (x, y)).backward()
@@ -132,11 +138,7 @@ def test_device_steps_with_clipping_and_accumulation(device):
     and accumulation under ``no_step`` (the final backward's step waits for the host sum)."""
     torch.manual_seed(0)
     for clip in (True, False):
-        model = MLPStack(depth=4)
-        ref = copy.deepcopy(model).to(device)
-        offload_two_on_device(model, device)
-        opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
-        ref_opt = ref_adamw(ref.parameters(), 1e-2, device)
+        model, ref, opt, ref_opt = trained_pair(device)
         batches = mlp_batches(12, device)
         for step in range(4):
             for k in range(3):
@@ -162,11 +164,7 @@ def test_device_state_survives_state_dicts_and_loads(device):
     """Saving reads the device's newest weights and states; loading either (a fresh
     optimizer, or the model's weights) replaces what the device holds."""
     torch.manual_seed(0)
-    model = MLPStack(depth=4)
-    ref = copy.deepcopy(model).to(device)
-    offload_two_on_device(model, device)
-    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = ref_adamw(ref.parameters(), 1e-2, device)
+    model, ref, opt, ref_opt = trained_pair(device)
     batches = mlp_batches(8, device)
     for i, batch in enumerate(batches):
         if i == 3:

@@ -1312,9 +1312,10 @@ class Engine:
         if u.staging_reader is not None:
             u.staging_reader.result()
 
-    def _pull_device_state(self, u: _Unit) -> None:
-        """Copy ``u``'s device-stepped master weights, wire copy and optimizer states back
-        to the host (``synchronize``); the device keeps them."""
+    def _pull_device_state(self, u: _Unit, *, weights: bool = True) -> None:
+        """Copy ``u``'s device-stepped master weights and wire copy (unless ``weights`` is
+        False: the host's were just replaced) and optimizer states back to the host
+        (``synchronize``); the device keeps them."""
         st = u.device_state
         if st is None or not u.host_stale:
             return
@@ -1323,9 +1324,10 @@ class Engine:
         n = u.trainable_numel
         self._before_host_write(u)
         with torch.no_grad():
-            u.master[:n].copy_(st["master"])
-            if u.wire is not u.master:
-                u.wire[:n].copy_(u.device_flat[:n])
+            if weights:
+                u.master[:n].copy_(st["master"])
+                if u.wire is not u.master:
+                    u.wire[:n].copy_(u.device_flat[:n])
             st["host_exp_avg"].copy_(st["exp_avg"])
             st["host_exp_avg_sq"].copy_(st["exp_avg_sq"])
         u.host_stale = False
@@ -1425,11 +1427,9 @@ class Engine:
         self.worker.wait_idle()
         for u in self.units:
             # device-stepped: the host's (new) weights win, the device's states are kept
-            if u.device_state is not None and u.host_stale:
-                u.device_state["host_exp_avg"].copy_(u.device_state["exp_avg"])
-                u.device_state["host_exp_avg_sq"].copy_(u.device_state["exp_avg_sq"])
+            self._pull_device_state(u, weights=False)
             u.device_state = None
-            u.host_stale = False
+            u.device_step_event = None
             with self._lock:
                 u.host_version += 1
                 u.wire_ready.clear()

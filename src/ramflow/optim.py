@@ -281,11 +281,7 @@ class AdamW(HostOptimizer):
         assert index is not None
         group = hyper[index]
         params = unit.owned[: unit.num_trainable]
-        for p in params:
-            if not self.state[p]:
-                self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
-                self.state[p].update(self._flat_state(p, ("exp_avg", "exp_avg_sq")))
-        flats = self._unit_state[unit]
+        flats = self._unit_states(unit)
         step = int(self.state[params[0]]["step"]) + 1
         beta1, beta2 = group["betas"]
         m, v = flats["exp_avg"], flats["exp_avg_sq"]
@@ -306,17 +302,22 @@ class AdamW(HostOptimizer):
         for p in params:
             self.state[p]["step"].add_(1)
 
+    def _unit_states(self, unit: _Unit) -> dict[str, torch.Tensor]:
+        """The flat host ``exp_avg`` and ``exp_avg_sq`` of ``unit`` (trainable prefix, fp32),
+        with every parameter's state made first if it has none yet."""
+        for p in unit.owned[: unit.num_trainable]:
+            if not self.state[p]:
+                self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
+                self.state[p].update(self._flat_state(p, ("exp_avg", "exp_avg_sq")))
+        return self._unit_state[unit]
+
     def device_state(self, unit: _Unit, device: torch.device) -> dict[str, torch.Tensor]:
         """Device copies of ``unit``'s fp32 master weights and AdamW states (the unit's
         trainable flat range, ``unit.trainable_numel`` elements each, fp32, on ``device``),
         for a unit stepped on the device (``ramflow.offload(device_optimizer=True)``); the
         host states are made first if the unit was never stepped. ``"host_exp_avg"`` and
         ``"host_exp_avg_sq"`` are the host buffers they are copied back into."""
-        for p in unit.owned[: unit.num_trainable]:
-            if not self.state[p]:
-                self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
-                self.state[p].update(self._flat_state(p, ("exp_avg", "exp_avg_sq")))
-        flats = self._unit_state[unit]
+        flats = self._unit_states(unit)
         n = unit.trainable_numel
         return {
             "master": unit.master[:n].to(device, copy=True),
