@@ -306,7 +306,7 @@ def test_resident_refresh_in_pieces_is_exact(device, monkeypatch):
     """A resident unit's step sends its new wire copy to the device in pieces as it goes
     ([Note: the refresh follows the step]): the same curve and weights, bit for bit, as one
     copy after the step, and after every step the device copy is the wire copy."""
-    from ramflow import _engine
+    from ramflow import _engine, _registry
 
     torch.manual_seed(0)
     model = MLPStack(depth=4)
@@ -324,7 +324,7 @@ def test_resident_refresh_in_pieces_is_exact(device, monkeypatch):
     for m, piece_bytes in ((model, 256), (twin, 1 << 62)):
         monkeypatch.setattr(_engine, "REFRESH_PIECE_BYTES", piece_bytes)
         ramflow.offload(m, device=device, wire_dtype=torch.bfloat16, gpu_memory=1 << 30)
-        engine = _engine.ENGINE_OF_PARAM[next(m.parameters())]
+        engine = _registry.engine_of_param(next(m.parameters()))
         assert all(u.resident for u in engine.units)
         opt = ramflow.optim.AdamW(m.parameters(), lr=1e-2)
         curve = []
@@ -523,7 +523,7 @@ def test_inference_prefetches_the_next_forwards_first_units(device):
     model = MLPStack(depth=8)
     ref = copy.deepcopy(model).to(device)
     ramflow.offload(model, device=device, wire_dtype=torch.float32, prefetch_depth=1)
-    engine = ramflow._engine.ENGINE_OF_MODEL[model]
+    engine = ramflow._registry.engine_of_model(model)
     x = mlp_batches(1, device)[0][0]
     with torch.no_grad():
         for _ in range(2):

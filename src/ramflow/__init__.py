@@ -4,6 +4,7 @@ from . import distributed, helpers, optim
 from ._linear import Linear
 from ._plan import OffloadPlan, format_bytes, parse_bytes
 from .api import (
+    accept_partial_step,
     clip_grad_norm_,
     get_plan,
     is_offloaded,
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Linear",
     "OffloadPlan",
+    "accept_partial_step",
     "clip_grad_norm_",
     "distributed",
     "format_bytes",

@@ -70,6 +70,49 @@ unit's host fp32 gradients. A step that the device cannot take (several optimize
 param groups in one unit, ZeRO) pulls the state back, steps on the host and uploads it
 again at the next device step. The device step's rounding is CUDA's fused AdamW, within
 float rounding of the host kernel (bit-identical on the CPU device).
+
+[Note: parameters during backward]
+The module slots of a unit point at its device parameters only while one of its forward
+calls runs (pre- to post-forward hook, ``always_call``, so also when the forward raises).
+A recomputation during backward that does not call the unit's own forward (the user's
+``torch.utils.checkpoint`` inside the unit, or ours, which wraps ``forward``) swaps the
+unit in for the duration of each call of a module inside it that holds its parameters
+(forward hooks on those modules), and our wrapper swaps around its call. So outside a
+forward call, ``model.parameters()`` always yields the user's host parameters, even after
+a backward pass that raised halfway.
+
+[Note: a failed backward]
+A backward pass ends with a callback queued from the root output's gradient hook; autograd
+runs it only when the pass succeeds. If the pass raises, the callback never runs, and the
+next call from the training loop into ramflow (a forward, ``opt.step``, ``opt.zero_grad``,
+``model.zero_grad``, clipping, ``synchronize``, ``state_dict``) sees it queued and cleans up
+(``_abort_backward``): it releases what the pass pinned, drops the device gradients of units
+whose backward had not finished, waits for the landings and steps already started, and
+undoes what they left: gradients that landed where there were none (the usual case, after
+``zero_grad``) are dropped again, exactly; gradients added to ones accumulated earlier
+cannot be taken out bit for bit, so ``opt.step()`` then raises until ``opt.zero_grad()``.
+Units already stepped during the pass (the eager overlap) cannot be rolled back without a
+copy of their states, so the next forward and ``opt.step()`` raise a RuntimeError naming
+them until a checkpoint is loaded or ``ramflow.accept_partial_step`` is called: never a
+silent partial step. A loop-pattern error (raised in backward or in ``opt.step``) sets a
+flag that ``opt.zero_grad()`` clears, restarting the step policy, optimizer states kept.
+
+[Note: moving and casting an offloaded model]
+Every module of an offloaded model has ``_apply`` (what ``.to``, ``.cuda``, ``.cpu``,
+``.half``, ``.float``, ``.to_empty``, ``share_memory`` ... call) routed to the engine through
+its instance ``__dict__``. The engine applies the conversion to a probe tensor to learn what
+it asks for: a move to the compute device, or a cast to the wire dtype, is what the model
+already is (only buffers are converted, and kept on the device), which is why Hugging Face's
+``Trainer``'s ``model.to(device)`` works; anything else (another device, another dtype, the
+meta device, ``to_empty``, shared memory) raises ValueError naming ``ramflow.undo`` and
+``offload``'s arguments, before anything changes. The masters stay fp32 in host RAM.
+
+[Note: a plain optimizer]
+A ``torch.optim`` optimizer given offloaded parameters steps the host masters (their
+gradients are on the host). Global optimizer step hooks wait for pending landings before
+its step and copy the updated weights to the device after it (``refresh_from_host``), so
+it trains as on a resident model; it warns once that ``ramflow.optim`` overlaps the step
+with backward instead.
 """
 
 from __future__ import annotations
@@ -78,20 +121,31 @@ import atexit
 import functools
 import threading
 import time
+import warnings
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import psutil
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils import _pytree as pytree
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ._plan import DEVICE_STEP_PIECE, OffloadPlan, format_bytes, make_plan, with_device_optimizer
+from ._registry import (
+    engine_of_param,
+    live_engines,
+    set_engine_of_model,
+    set_engine_of_param,
+    weak_method,
+)
 from ._streams import CopyStreams, alloc_host, pin_in_place, record_event, unpin
 from ._units import UnitSpec
 from ._worker import LAND, STEP, HostWorker
@@ -107,16 +161,12 @@ REFRESH_PIECE_BYTES = 64 << 20
 # False: evictions wait for the GPU with the lock held, as before (a benchmark's comparison)
 _WAIT_UNLOCKED = True
 
-# Which engine owns a model or a host parameter. Weak: an engine lives as long as its model.
-ENGINE_OF_MODEL: WeakIdKeyDictionary = WeakIdKeyDictionary()
-ENGINE_OF_PARAM: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
 
 @atexit.register
 def _drain_at_exit() -> None:
     """Let optimizer steps in flight finish before the interpreter tears torch down under
     the worker thread (which aborts the process)."""
-    for engine in {id(e): e for e in ENGINE_OF_PARAM.values()}.values():
+    for engine in live_engines():
         try:
             engine.worker.wait_idle()
         except RuntimeError:
@@ -124,12 +174,80 @@ def _drain_at_exit() -> None:
         engine.worker.stop()
 
 
+_optimizer_hooks: list[torch.utils.hooks.RemovableHandle] = []
+_warned_optimizers: weakref.WeakSet = weakref.WeakSet()
+
+
+def _install_optimizer_hooks() -> None:
+    """Global step hooks that make a plain ``torch.optim`` optimizer work on offloaded
+    parameters (installed once, at the first engine). See [Note: a plain optimizer]."""
+    if not _optimizer_hooks:
+        _optimizer_hooks.append(register_optimizer_step_pre_hook(_plain_step_pre))
+        _optimizer_hooks.append(register_optimizer_step_post_hook(_plain_step_post))
+
+
+def _engines_stepped_by(opt: torch.optim.Optimizer) -> list[Engine]:
+    if getattr(opt, "_ramflow_host_optimizer", False):
+        return []
+    engines: dict[int, Engine] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            engine = engine_of_param(p)
+            if engine is not None:
+                engines[id(engine)] = engine
+    return list(engines.values())
+
+
+def _plain_step_pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for engine in _engines_stepped_by(opt):
+        engine.synchronize()  # every gradient landed, no step of ours in flight
+
+
+def _plain_step_post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    engines = _engines_stepped_by(opt)
+    if engines and opt not in _warned_optimizers:
+        _warned_optimizers.add(opt)
+        warnings.warn(
+            f"{type(opt).__module__}.{type(opt).__name__} steps parameters of a model offloaded "
+            "by ramflow: it runs on the calling thread after backward, and ramflow copies the "
+            "updated weights to the device after each of its steps. ramflow.optim.AdamW or SGD "
+            "step each unit while backward still runs.",
+            stacklevel=3,
+        )
+    for engine in engines:
+        engine.refresh_from_host()
+
+
+def _release_engine(worker: HostWorker | None, pinned: list[torch.Tensor]) -> None:
+    """Finalizer of an engine (see [Note: lifetime] in ``ramflow._registry``): stop the
+    worker thread it owned and unpin what it page-locked. Holds no reference to the engine."""
+    if worker is not None:
+        worker.stop()
+    for t in pinned:
+        unpin(t)
+    pinned.clear()
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _refuse_copy() -> NoReturn:
+    raise TypeError(
+        "an offloaded model cannot be copied with copy.deepcopy or pickled (its weights live "
+        "in ramflow's host store and its hooks belong to its engine). Deep-copy the model "
+        "before ramflow.offload, save model.state_dict(), or call ramflow.undo(model) first."
+    )
+
+
 class _Unit:
     """Runtime state of one unit. See [Note: units and views]."""
+
+    def __deepcopy__(self, memo: dict) -> _Unit:
+        _refuse_copy()
+
+    def __reduce__(self) -> Any:
+        _refuse_copy()
 
     def __init__(self, index: int, spec: UnitSpec) -> None:
         self.index = index
@@ -149,7 +267,7 @@ class _Unit:
             self.trainable_numel = 0
         self.numel = n
         self.resident = False
-        self.deps: list[_Unit] = [self]
+        self.other_deps: list[_Unit] = []  # owners of tied parameters this unit reads
         # (module, name, host parameter, device parameter) for every slot the forward reads
         self.slots: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
         self.orig_dtypes = [p.dtype for p in spec.owned]
@@ -187,7 +305,8 @@ class _Unit:
         self.dispatched_this_backward = False
         self.land_future: Future | None = None
         self.staging_reader: Future | None = None  # a step that reads the staging buffer
-        self.call_stack: list[_Call | None] = []
+        self.call_stack: list[_Frame] = []
+        self.slot_stack: list[tuple[nn.Module, bool]] = []
         self.swaps = 0
         # stepped on the device (see [Note: the optimizer on the device])
         self.device_stepped = False
@@ -195,6 +314,12 @@ class _Unit:
         self.device_step_event: torch.cuda.Event | None = None
         self.host_stale = False  # the device state is newer than the host's copies
         self.device_step_pending = False
+
+    @property
+    def deps(self) -> list[_Unit]:
+        """The units a call of this one needs on the device: itself first, then the owners
+        of tied parameters it reads (a property, so that a unit holds no cycle to itself)."""
+        return [self, *self.other_deps]
 
     @property
     def nbytes(self) -> int:
@@ -219,6 +344,72 @@ def plan_inputs(units: list[_Unit], wire_dtype: torch.dtype) -> dict[str, Any]:
         "unit_grad_bytes": [u.trainable_numel * wire_size for u in units],
         "always_resident": [u.rest for u in units],
     }
+
+
+def _checkpointed_forward(
+    module_ref: weakref.ref, forward: Any, call_swapped: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """A unit's forward under ``torch.utils.checkpoint`` (non-reentrant); the recomputation
+    runs with the unit's parameters swapped in (see ``Engine._call_swapped``)."""
+    module = module_ref()
+    if not torch.is_grad_enabled():
+        return forward(module, *args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(
+        call_swapped, forward, module, *args, use_reentrant=False, **kwargs
+    )
+
+
+class _UnitHook:
+    """A hook that calls ``method(unit, *extra, *args)`` for one unit of an engine, holding
+    the engine weakly and the unit by index (hooks live in modules and device parameters
+    that the unit itself holds: no reference cycle; see [Note: lifetime])."""
+
+    __slots__ = ("_method", "_index", "_extra")
+
+    def __init__(self, method: Any, index: int, *extra: Any) -> None:
+        self._method = weakref.WeakMethod(method)
+        self._index = index
+        self._extra = extra
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        method = self._method()
+        if method is None:
+            return None
+        unit = method.__self__.units[self._index]
+        return method(unit, *self._extra, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _UnitHook:
+        _refuse_copy()
+
+
+class _ModuleCall:
+    """``module.<method>(...)`` routed to an engine method ``fn(module, ...)``, holding both
+    weakly (it lives in the module's ``__dict__``; see [Note: lifetime])."""
+
+    __slots__ = ("_fn", "_module")
+
+    def __init__(self, fn: Any, module: nn.Module) -> None:
+        self._fn = weakref.WeakMethod(fn)
+        self._module = weakref.ref(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn, module = self._fn(), self._module()
+        assert fn is not None and module is not None, "the offloaded model is gone"
+        return fn(module, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _ModuleCall:
+        _refuse_copy()
+
+
+class _Frame:
+    """What one forward call of a unit has taken so far (see ``Engine._pre_forward``)."""
+
+    __slots__ = ("acquired", "swapped", "call")
+
+    def __init__(self) -> None:
+        self.acquired = False
+        self.swapped = False
+        self.call: _Call | None = None
 
 
 class _Call:
@@ -272,7 +463,9 @@ class Engine:
     ) -> None:
         # model None: a layer engine (see ``ramflow._linear``): no root module, units are
         # added one by one with ``add_units``, worker and streams are shared per device.
-        self.model = model
+        # The model owns the engine, never the other way round: see [Note: lifetime].
+        self._model_ref = None if model is None else weakref.ref(model)
+        self._layer_engine = model is None
         self.device = device
         self.wire_dtype = wire_dtype
         self.prefetch_depth = prefetch_depth
@@ -317,7 +510,19 @@ class Engine:
         self._clip_used = False
         self._checkpointed: list[nn.Module] = []
         self._hf_checkpointing = False
+        # recovery state, see [Note: a failed backward]
+        self._pass_landed: list[tuple[_Unit, bool]] = []  # (unit, gradients were fresh)
+        self._pass_stepped: list[_Unit] = []
+        self._partial_step: list[str] = []  # units a failed backward had already stepped
+        self._partial_grads = False  # gradients hold part of a failed backward
+        self._pattern_error = False  # a loop-pattern RuntimeError was raised
+        self._root_active = 0
 
+        _install_optimizer_hooks()
+        self._finalizer = weakref.finalize(
+            self, _release_engine, self.worker if self._owns_worker else None,
+            self._pinned_in_place,
+        )  # fmt: skip
         self.add_units(specs)
         if model is not None:
             for module in model.modules():
@@ -327,7 +532,12 @@ class Engine:
             self._install_root_hooks()
             if activation_checkpointing:
                 self._checkpoint_units(activation_checkpointing)
-            ENGINE_OF_MODEL[model] = self
+            set_engine_of_model(model, self)
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The root module (None for a layer engine or once the model is gone)."""
+        return None if self._model_ref is None else self._model_ref()
 
     def add_units(self, specs: list[UnitSpec]) -> list[_Unit]:
         """Build the host store, device views and hooks of new units and plan again.
@@ -369,7 +579,7 @@ class Engine:
         self._install_unit_hooks(new)
         for u in new:
             for p in u.owned:
-                ENGINE_OF_PARAM[p] = self
+                set_engine_of_param(p, self)
         return new
 
     # ------------------------------------------------------------------ set-up
@@ -441,9 +651,7 @@ class Engine:
                 dp = nn.Parameter(view, requires_grad=p.requires_grad)
                 if p.requires_grad:
                     self._hooks.append(
-                        dp.register_post_accumulate_grad_hook(
-                            functools.partial(self._on_grad, u, k)
-                        )
+                        dp.register_post_accumulate_grad_hook(_UnitHook(self._on_grad, u.index, k))
                     )
                 u.device_params.append(dp)
             u.device_flat.untyped_storage().resize_(0)
@@ -453,24 +661,36 @@ class Engine:
                 host = module._parameters[name]
                 u.slots.append((module, name, host, device_param[id(host)]))
                 owner = self._unit_of_param[id(host)]
-                if owner not in u.deps:
-                    u.deps.append(owner)
+                if owner is not u and owner not in u.other_deps:
+                    u.other_deps.append(owner)
 
     def _install_root_hooks(self) -> None:
         root = self.model
         assert root is not None
+        sync = weak_method(self._synchronize_hook)
         self._hooks.append(
-            root.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True, prepend=True)
+            root.register_forward_pre_hook(
+                weak_method(self._root_pre_forward), with_kwargs=True, prepend=True
+            )
         )
         self._hooks.append(
-            root.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
+            root.register_forward_hook(
+                weak_method(self._root_post_forward), with_kwargs=True, always_call=True
+            )
         )
-        self._hooks.append(root.register_state_dict_pre_hook(lambda *a, **k: self.synchronize()))
+        self._hooks.append(root.register_state_dict_pre_hook(sync))
         # a partial load keeps the other weights: bring device-stepped ones to the host first
+        self._hooks.append(root.register_load_state_dict_pre_hook(sync))
         self._hooks.append(
-            root.register_load_state_dict_pre_hook(lambda *a, **k: self.synchronize())
+            root.register_load_state_dict_post_hook(weak_method(self._after_load_state_dict))
         )
-        self._hooks.append(root.register_load_state_dict_post_hook(self._after_load_state_dict))
+        # See [Note: moving and casting an offloaded model]
+        for module in root.modules():
+            module.__dict__["_apply"] = _ModuleCall(self._apply_to_model, module)
+        root.__dict__["zero_grad"] = _ModuleCall(self._module_zero_grad, root)
+
+    def _synchronize_hook(self, *args: Any, **kwargs: Any) -> None:
+        self.synchronize()
 
     def _install_unit_hooks(self, units: list[_Unit]) -> None:
         for u in units:
@@ -479,21 +699,34 @@ class Engine:
             for m in u.modules:
                 self._hooks.append(
                     m.register_forward_pre_hook(
-                        functools.partial(self._pre_forward, u), with_kwargs=True
+                        _UnitHook(self._pre_forward, u.index), with_kwargs=True
                     )
                 )
                 self._hooks.append(
                     m.register_forward_hook(
-                        functools.partial(self._post_forward, u), with_kwargs=True, always_call=True
+                        _UnitHook(self._post_forward, u.index), with_kwargs=True, always_call=True
                     )
                 )
-                if self.model is None:  # a layer: its own state dict is the way in and out
+                if self._layer_engine:  # a layer: its own state dict is the way in and out
                     self._hooks.append(
-                        m.register_state_dict_pre_hook(lambda *a, **k: self.synchronize())
+                        m.register_state_dict_pre_hook(weak_method(self._synchronize_hook))
                     )
                     self._hooks.append(
-                        m.register_load_state_dict_post_hook(self._after_load_state_dict)
+                        m.register_load_state_dict_post_hook(
+                            weak_method(self._after_load_state_dict)
+                        )
                     )
+            # See [Note: parameters during backward]
+            inner = {id(m): m for m, _, _, _ in u.slots if all(m is not v for v in u.modules)}
+            for m in inner.values():
+                self._hooks.append(
+                    m.register_forward_pre_hook(_UnitHook(self._slot_pre_forward, u.index))
+                )
+                self._hooks.append(
+                    m.register_forward_hook(
+                        _UnitHook(self._slot_post_forward, u.index), always_call=True
+                    )
+                )
 
     def _checkpoint_units(self, which: bool | Iterable[str] = True) -> None:
         """Recompute activations in backward instead of keeping them
@@ -552,17 +785,24 @@ class Engine:
             module = u.modules[0]
             if "forward" in module.__dict__:
                 continue  # already wrapped by someone else; leave it alone
-            original = module.forward
-
-            def forward(*args: Any, _original=original, **kwargs: Any) -> Any:
-                if not torch.is_grad_enabled():
-                    return _original(*args, **kwargs)
-                return torch.utils.checkpoint.checkpoint(
-                    _original, *args, use_reentrant=False, **kwargs
-                )
-
+            # the wrapper lives in the module: it holds the module and the engine weakly
+            forward = functools.partial(
+                _checkpointed_forward,
+                weakref.ref(module),
+                type(module).forward,
+                _UnitHook(self._call_swapped, u.index),
+            )
             module.forward = forward
             self._checkpointed.append(module)
+
+    def _call_swapped(self, u: _Unit, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` with ``u``'s module slots on the device parameters: the checkpoint
+        wrapper's recomputation calls the unit's own forward, not its hooks."""
+        self._swap(u, to_device=True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._swap(u, to_device=False)
 
     # ------------------------------------------------------------------ window
 
@@ -665,20 +905,28 @@ class Engine:
         return True
 
     def _acquire(self, units: list[_Unit], *, backward: bool = False) -> None:
-        with self._lock:
+        """Pin ``units`` and make the compute stream wait for their copies; on an error
+        (out of memory, a failed optimizer step) the pins taken so far are given back."""
+        pinned: list[_Unit] = []
+        try:
+            with self._lock:
+                for u in units:
+                    self._request(u, must=True)
+                    u.pins += 1
+                    if backward:
+                        u.backward_pins += 1
+                    pinned.append(u)
+            stream = self.streams.compute_stream()
             for u in units:
-                self._request(u, must=True)
-                u.pins += 1
-                if backward:
-                    u.backward_pins += 1
-        stream = self.streams.compute_stream()
-        for u in units:
-            while not u.h2d_issued.wait(timeout=1.0):
-                self.worker.raise_error()
-            if stream is not None:
-                if u.h2d_event is not None:
-                    stream.wait_event(u.h2d_event)  # See [Note: copies and events]
-                u.used_streams.add(stream)
+                while not u.h2d_issued.wait(timeout=1.0):
+                    self.worker.raise_error()
+                if stream is not None:
+                    if u.h2d_event is not None:
+                        stream.wait_event(u.h2d_event)  # See [Note: copies and events]
+                    u.used_streams.add(stream)
+        except BaseException:
+            self._release(pinned, backward=backward)
+            raise
 
     def _release(self, units: list[_Unit], *, backward: bool = False) -> None:
         with self._lock:
@@ -732,11 +980,11 @@ class Engine:
                 module._parameters[name] = dev if to_device else host
 
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        self.worker.raise_error()
         if _in_backward():
             return args, kwargs
-        if self._backward_dirty:  # a backward that did not reach the root's outputs
-            self._end_backward()
+        self._settle()
+        self.worker.raise_error()
+        self._raise_if_partial_step()
         if self._order:
             self._prev_order = self._order
         self._order = []
@@ -746,6 +994,7 @@ class Engine:
             self._acquire(rest)
             for u in rest:
                 self._swap(u, to_device=True)
+        self._root_active += 1  # _root_post_forward undoes the above (also after an error)
         cast = (
             self.wire_dtype
             if self.wire_dtype != torch.float32 and not torch.is_autocast_enabled(self.device.type)
@@ -764,12 +1013,15 @@ class Engine:
         return pytree.tree_map(move, args), pytree.tree_map(move, kwargs)
 
     def _root_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if _in_backward():
+        if _in_backward() or not self._root_active:
             return
+        self._root_active -= 1
         rest = self._rest_units
         for u in rest:
             self._swap(u, to_device=False)
         self._release(rest)
+        if output is None:
+            return  # the forward raised
         positions: dict[_Unit, int] = {}
         for i, u in enumerate(self._order):
             positions.setdefault(u, i)
@@ -804,24 +1056,32 @@ class Engine:
 
     def _pre_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict):
         in_bw = _in_backward()
-        if not in_bw and self.model is None:
+        if not in_bw and self._layer_engine:
+            self._settle()
+            self._raise_if_partial_step()
             self._layer_pass(u)
+        # what this call takes, undone by _post_forward also when something below raises
+        # (always_call): a failed forward leaves no pin and no swapped parameter behind
+        frame = _Frame()
+        u.call_stack.append(frame)
         position = len(self._order)
         if not in_bw:
             self._order.append(u)
             self._in_order.add(u)
         with torch.profiler.record_function(f"ramflow.wait:{u.name}"):
             self._acquire(u.deps)
+        frame.acquired = True
         self._swap(u, to_device=True)
+        frame.swapped = True
         if not in_bw:
             self._prefetch(self._forward_prediction(u, position))
         else:  # recomputation under checkpointing: backward goes on to earlier units
             last = max((i for i, v in enumerate(self._order) if v is u), default=None)
             if last is not None:
                 self._prefetch(self._backward_prediction(self._order, last))
-        call = None
         if torch.is_grad_enabled():
             call = _Call(u.deps, None if in_bw else self._order, position)
+            frame.call = call
             leaves, spec = pytree.tree_flatten((args, kwargs))
             idx = [
                 i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
@@ -831,12 +1091,17 @@ class Engine:
                 for i, t in zip(idx, wrapped):
                     leaves[i] = t
                 args, kwargs = pytree.tree_unflatten(leaves, spec)
-        u.call_stack.append(call)
         return args, kwargs
 
     def _post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        self._swap(u, to_device=False)
-        call = u.call_stack.pop()
+        if not u.call_stack:
+            return  # a hook before ours raised: our pre-forward never ran
+        frame = u.call_stack.pop()
+        if frame.swapped:
+            self._swap(u, to_device=False)
+        if not frame.acquired:
+            return
+        call = frame.call
         if call is None or not _in_backward():
             self._release(u.deps)
             if call is not None:
@@ -845,7 +1110,7 @@ class Engine:
                     for t in pytree.tree_leaves(output)
                     if isinstance(t, torch.Tensor) and t.requires_grad
                 ]
-                hook = functools.partial(self._pre_backward, call)
+                hook = functools.partial(weak_method(self._pre_backward), call)
                 for t in tensors:
                     t.register_hook(hook)
             return
@@ -859,16 +1124,29 @@ class Engine:
             self._outstanding.add(call)
             self._backward_dirty = True
 
+    def _slot_pre_forward(self, u: _Unit, module: nn.Module, args: tuple) -> None:
+        """A module inside ``u`` called during backward (a recomputation that does not go
+        through the unit's own forward): its parameters are the device ones while it runs.
+        See [Note: parameters during backward]."""
+        swap = _in_backward() and u.pins > 0
+        u.slot_stack.append((module, swap))
+        if swap:
+            self._swap(u, to_device=True)
+
+    def _slot_post_forward(self, u: _Unit, module: nn.Module, args: tuple, output: Any) -> None:
+        if u.slot_stack and u.slot_stack[-1][0] is module:
+            if u.slot_stack.pop()[1]:
+                self._swap(u, to_device=False)
+
     def _pre_backward(self, call: _Call, grad: torch.Tensor) -> None:
         if call.pre_backward_done:
             return
         call.pre_backward_done = True
         self._backward_dirty = True
-        if self.model is None:  # no root output to end the backward pass from
+        if self._layer_engine:  # no root output to end the backward pass from
             self._root_output_grad(grad)
         with torch.profiler.record_function("ramflow.wait_backward"):
             self._acquire(call.deps, backward=True)
-        self._swap(call.deps[0], to_device=True)
         call.bw_pinned = True
         self._outstanding.add(call)
         if call.order is not None:
@@ -877,7 +1155,6 @@ class Engine:
     def _post_backward(self, call: _Call) -> None:
         if call.bw_pinned:
             call.bw_pinned = False
-            self._swap(call.deps[0], to_device=False)
             self._release(call.deps, backward=True)
         if call.rc_pinned:
             call.rc_pinned = False
@@ -908,7 +1185,7 @@ class Engine:
         """One D2H copy of ``u``'s gradients, then landing (and maybe the step) on the worker."""
         eager = self._decide_eager()
         if u.dispatched_this_backward and eager:
-            raise RuntimeError(
+            raise self._pattern(
                 f"unit {u.name!r} received gradients twice in one backward pass (a unit called "
                 "in two reentrant checkpoint regions), so its step cannot run during backward. "
                 "Construct the ramflow optimizer with overlap=False."
@@ -928,6 +1205,7 @@ class Engine:
             if self._device_steppable(u) and all(p.grad is None for p in params):
                 opt = self.optimizers[0]
                 self._device_step(u, opt, opt._hyperparameters(), u.device_grad)
+                self._pass_stepped.append(u)
                 if not opt.keep_grads:
                     u.device_grad = None
                     u.fired = 0
@@ -1011,6 +1289,9 @@ class Engine:
                 for p, view in zip(params, u.host_grad_views):
                     p.grad = view
         u.grad_versions = [] if drop else [p.grad._version for p in params]
+        self._pass_landed.append((u, fresh))
+        if fused or (eager and self._steps_here(u)):
+            self._pass_stepped.append(u)
         if fused:
             opt = self.optimizers[0]
             u.staging_reader = self.worker.submit(
@@ -1036,7 +1317,7 @@ class Engine:
         if self._eager_now is None:
             no_step = any(opt._no_step_depth for opt in self.optimizers)
             if self._last_backward_eager and not no_step:
-                raise RuntimeError(
+                raise self._pattern(
                     "a second backward pass ran before opt.step(), but ramflow had already "
                     "applied the step during the first (it saw one backward per step so far). "
                     "For gradient accumulation, run the non-final micro-batches under "
@@ -1075,6 +1356,99 @@ class Engine:
         self._eager_now = None
         self._backward_dirty = False
         self._end_backward_queued_for = -1
+        self._pass_landed.clear()
+        self._pass_stepped.clear()
+
+    # ------------------------------------------------------------------ recovery
+
+    def _settle(self) -> None:
+        """Called where the training loop enters ramflow outside backward (a forward, a
+        step, zero_grad, clipping, synchronize): finish the last backward pass. Its end
+        callback runs only when the pass succeeds, so one that was queued and never ran
+        means the pass raised. See [Note: a failed backward]."""
+        if _in_backward():
+            return
+        if self._end_backward_queued_for != -1:
+            self._abort_backward()
+        elif self._backward_dirty:  # a backward that did not reach the root's outputs
+            self._end_backward()
+
+    def _abort_backward(self) -> None:
+        """Clean up after a backward pass that raised. See [Note: a failed backward]."""
+        for call in list(self._outstanding):
+            self._post_backward(call)
+        for u in self.units:
+            u.device_grad = None  # gradients of units whose backward had not finished
+            u.fired = 0
+            u.dispatched_this_backward = False
+            u.device_step_pending = False
+        landing, self._landing = self._landing, []
+        error: BaseException | None = None
+        for fut in landing:
+            try:
+                fut.result()
+            except BaseException as err:  # noqa: BLE001 - re-raised below, after clean-up
+                error = error or err
+        try:
+            self.worker.wait_idle()  # the steps the landings started
+        except RuntimeError as err:
+            error = error or err
+        self._grads_in_flight.clear()
+        for u, fresh in self._pass_landed:
+            if fresh:  # nothing was accumulated before this pass: drop what it left
+                for p in u.owned[: u.num_trainable]:
+                    p.grad = None
+            else:
+                self._partial_grads = True
+            u.grad_versions = []
+        stepped = {u.name for u in self._pass_stepped}
+        self._partial_step = [u.name for u in self.units if u.name in stepped]
+        self._pass_landed.clear()
+        self._pass_stepped.clear()
+        self._eager_now = None
+        self._backward_dirty = False
+        self._end_backward_queued_for = -1
+        if error is not None:
+            raise RuntimeError(f"ramflow host worker failed: {error}") from error
+
+    def _raise_if_partial_step(self) -> None:
+        if self._partial_step:
+            names = self._partial_step
+            shown = ", ".join(repr(n) for n in names[:4]) + (" ..." if len(names) > 4 else "")
+            raise RuntimeError(
+                f"the last backward pass raised after ramflow had already applied this step's "
+                f"optimizer update to {len(names)} unit(s) ({shown}): steps run during backward "
+                "once the loop is known to step after every backward. The model is partly "
+                "stepped. Reload a checkpoint (model.load_state_dict and opt.load_state_dict), "
+                "or call ramflow.accept_partial_step(model) to go on from these weights; "
+                "AdamW(..., overlap=False) never steps before backward has finished."
+            )
+
+    def accept_partial_step(self) -> None:
+        """Go on from the weights a failed backward left partly stepped."""
+        self._settle()
+        self._partial_step = []
+
+    def on_zero_grad(self) -> None:
+        """Called by ``opt.zero_grad()`` (and the root's ``zero_grad``) before gradients are
+        cleared: nothing from the last backward lands afterwards, and after a loop-pattern
+        error the step policy starts afresh (the optimizer's states stay as they are)."""
+        self._settle()
+        self._partial_grads = False
+        if self._pattern_error:
+            self._pattern_error = False
+            self._last_backward_eager = False
+            self._final_backwards = 0
+            self._eager_allowed = False
+            self._clip_used = False
+
+    def _pattern(self, message: str) -> RuntimeError:
+        """A loop-pattern error; ``opt.zero_grad()`` recovers from it."""
+        self._pattern_error = True
+        return RuntimeError(
+            message + " After this error, call opt.zero_grad() and go on: ramflow then "
+            "learns the loop's pattern afresh (the optimizer's states are kept)."
+        )
 
     # ------------------------------------------------------------------ steps
 
@@ -1218,13 +1592,19 @@ class Engine:
 
     def schedule_step(self, opt: HostOptimizer) -> None:
         """Called by ``opt.step()``: check or schedule the step of every unit it holds."""
-        if self._backward_dirty:
-            self._end_backward()
+        self._settle()
         self.worker.raise_error()
+        self._raise_if_partial_step()
+        if self._partial_grads:
+            raise RuntimeError(
+                "the gradients hold part of a backward pass that raised, added to gradients "
+                "accumulated before it; that part cannot be taken out again. Call "
+                "opt.zero_grad() and run the micro-batches of this step again."
+            )
         modified = self._grads_modified(opt)
         if self._last_backward_eager:
             if modified:
-                raise RuntimeError(
+                raise self._pattern(
                     "gradients were changed after backward (clipping, unscaling or a manual "
                     "edit), but ramflow had already applied this step during backward. Use "
                     "ramflow.clip_grad_norm_ from the first step on, or construct the "
@@ -1378,10 +1758,9 @@ class Engine:
 
     def note_clip(self) -> None:
         """Called by ``ramflow.clip_grad_norm_`` before it reads the gradients."""
-        if self._backward_dirty:
-            self._end_backward()
+        self._settle()
         if self._last_backward_eager:
-            raise RuntimeError(
+            raise self._pattern(
                 "ramflow.clip_grad_norm_ was called after ramflow had already applied the step "
                 "during backward (it saw no clipping at the first step). Clip from the first "
                 "step on, or construct the optimizer with overlap=False."
@@ -1389,9 +1768,82 @@ class Engine:
         self._clip_used = True
         self._eager_allowed = False
 
+    # ------------------------------------------------------------------ the model's own calls
+
+    def _module_zero_grad(self, module: nn.Module, set_to_none: bool = True) -> None:
+        """``model.zero_grad()``: as ``opt.zero_grad()``, nothing of the last backward pass
+        lands after it."""
+        self.on_zero_grad()
+        if not set_to_none:
+            self.synchronize()
+        type(module).zero_grad(module, set_to_none=set_to_none)
+
+    def _apply_to_model(self, module: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
+        """``module.to(...)``, ``.cuda()``, ``.half()`` and everything else that goes through
+        ``nn.Module._apply``. See [Note: moving and casting an offloaded model]."""
+        probe = torch.tensor([0.5, -1.25], dtype=torch.float32)
+        out = fn(probe)
+        what = f"{type(module).__name__}._apply({getattr(fn, '__name__', 'fn')})"
+        if probe.is_shared():
+            raise ValueError(
+                "share_memory() on an offloaded model would move its host store; ramflow keeps "
+                "one host copy per host already (zero_stage=... under torch.distributed). Call "
+                "share_memory() before ramflow.offload, or ramflow.undo(model) first."
+            )
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.is_meta
+            or not torch.equal(out.detach().to("cpu", torch.float32), probe)
+        ):
+            raise ValueError(
+                f"{what} would not keep the values of the parameters (to_empty, the meta device "
+                "or an unknown conversion); ramflow keeps them in host RAM. Call "
+                "ramflow.undo(model) first to get an ordinary module."
+            )
+        device, dtype = out.device, out.dtype
+        if dtype == torch.float32 and fn(probe.to(torch.bfloat16)).dtype == torch.bfloat16:
+            dtype = None  # a move that keeps dtypes (``.to(device)``, ``.cuda()``)
+        if device != self.device and not (device.type == self.device.type == "cpu"):
+            raise ValueError(
+                f"this model is offloaded by ramflow to compute on {self.device}; it cannot move "
+                f"to {device}. Its weights stay in host RAM whatever the compute device. For an "
+                "ordinary module on the CPU, call ramflow.undo(model); to compute on another "
+                "device, call ramflow.undo(model) and ramflow.offload(model, device=...)."
+            )
+        if dtype is not None and dtype != self.wire_dtype:
+            name = str(dtype).replace("torch.", "")
+            wire = str(self.wire_dtype).replace("torch.", "")
+            raise ValueError(
+                f"this model is offloaded by ramflow with fp32 master weights that compute in "
+                f"{wire} (its wire dtype); casting it to {name} is not supported in place. "
+                f"Call ramflow.undo(model), then ramflow.offload(model, wire_dtype=torch.{name})"
+                + (
+                    ""
+                    if dtype != torch.float64
+                    else " is not possible either: float64 needs a resident model"
+                )
+                + "."
+            )
+        # device and dtype are what they already are: only the buffers follow (they live on
+        # the device, and a plain model casts its floating-point buffers too)
+        modules = module.modules() if recurse else [module]
+        for m in modules:
+            for name, buf in m._buffers.items():
+                if buf is not None:
+                    new = fn(buf)
+                    m._buffers[name] = new if new.device == self.device else new.to(self.device)
+        return module
+
+    def __deepcopy__(self, memo: dict) -> Engine:
+        _refuse_copy()
+
+    def __reduce__(self) -> Any:
+        _refuse_copy()
+
     # ------------------------------------------------------------------ public-ish
 
     def attach(self, opt: HostOptimizer) -> None:
+        self._settle()
         if opt not in self.optimizers:
             # a new optimizer starts the step policy afresh (a layer engine outlives the
             # models and optimizers of earlier runs in the same process)
@@ -1413,13 +1865,13 @@ class Engine:
 
     def synchronize(self) -> None:
         """Wait for every pending gradient landing and optimizer step on the host."""
-        if self._backward_dirty and not _in_backward():
-            self._end_backward()
+        self._settle()
         self.worker.wait_idle()
         for u in self.units:
             self._pull_device_state(u)
 
     def _after_load_state_dict(self, module: nn.Module, incompatible: Any) -> None:
+        self._partial_step = []  # a checkpoint was loaded: see [Note: a failed backward]
         self.refresh_from_host()
 
     def refresh_from_host(self) -> None:
@@ -1456,8 +1908,14 @@ class Engine:
                 or self.model.gradient_checkpointing_disable
             )
             disable()
+        for module in self.model.modules() if self.model is not None else ():
+            module.__dict__.pop("_apply", None)
+            module.__dict__.pop("zero_grad", None)
         for u in self.units:
             self._drop_device_state(u)
+            if u.swaps:
+                u.swaps = 1
+                self._swap(u, to_device=False)
         with self._lock:
             for u in self.units:
                 u.pins = u.backward_pins = 0
@@ -1477,7 +1935,7 @@ class Engine:
                 for name, buf in module._buffers.items():
                     if buf is not None:
                         module._buffers[name] = buf.cpu()
-            ENGINE_OF_MODEL.pop(self.model, None)
+            set_engine_of_model(self.model, None)
         for u in self.units:
             for p in u.owned:
-                ENGINE_OF_PARAM.pop(p, None)
+                set_engine_of_param(p, None)

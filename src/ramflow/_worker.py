@@ -74,6 +74,8 @@ class HostWorker:
                 future.set_exception(err)
             else:
                 future.set_result(None)
+            # the task may hold its engine: let it go before waiting for the next
+            del entry, fn, future
             with self._cond:
                 self._pending -= 1
                 self._cond.notify_all()
@@ -111,5 +113,5 @@ class HostWorker:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()  # (a finalizer may run on the worker itself: it just ends)

@@ -9,8 +9,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ._dist import DistributedState, require_initialized, shared_host_store
-from ._engine import ENGINE_OF_MODEL, ENGINE_OF_PARAM, Engine, _Unit
+from ._engine import Engine, _Unit
 from ._plan import OffloadPlan, parse_bytes
+from ._registry import engine_of_model, engine_of_param
 from ._units import find_units
 
 
@@ -84,7 +85,7 @@ def offload(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"ramflow.offload expects an nn.Module, got {type(model).__name__}")
-    if model in ENGINE_OF_MODEL:
+    if engine_of_model(model) is not None:
         raise ValueError("this model is already offloaded; call ramflow.undo(model) first")
     params = list(model.parameters())
     if not params:
@@ -97,7 +98,14 @@ def offload(
             "the model has parameters on the meta device (no data); load its weights first, "
             "e.g. model.to_empty(device='cpu') and model.load_state_dict(...)"
         )
-    if any(p in ENGINE_OF_PARAM for p in params):
+    wide = sorted({str(p.dtype) for p in params if p.dtype in (torch.float64, torch.complex128)})
+    if wide:
+        raise ValueError(
+            f"the model has {', '.join(wide)} parameters; ramflow keeps float32 master weights "
+            "and would round them silently. Cast the model first (model.float()), or keep it "
+            "resident."
+        )
+    if any(engine_of_param(p) is not None for p in params):
         raise ValueError("some parameters already belong to another offloaded model")
     if device is None:
         device = (
@@ -158,7 +166,7 @@ def offload(
 def _engine(model: nn.Module) -> Engine:
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
-    engine = ENGINE_OF_MODEL.get(model)
+    engine = engine_of_model(model)
     if engine is None:
         raise ValueError("this model is not offloaded by ramflow (call ramflow.offload first)")
     return engine
@@ -179,7 +187,7 @@ def _engines_of(model: nn.Module) -> list[Engine]:
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
     engines: list[Engine] = []
     for p in model.parameters():
-        engine = ENGINE_OF_PARAM.get(p)
+        engine = engine_of_param(p)
         if engine is not None and engine not in engines:
             engines.append(engine)
     if not engines:
@@ -206,6 +214,17 @@ def refresh(model: nn.Module) -> None:
         engine.refresh_from_host()
 
 
+def accept_partial_step(model: nn.Module) -> None:
+    """Go on training from the weights that a failed backward pass left partly stepped.
+
+    When a backward pass raises after ramflow had already stepped some units during it (see
+    [Note: a failed backward] in ``ramflow._engine``), the next forward and ``opt.step()``
+    raise ``RuntimeError`` until a checkpoint is loaded (``model.load_state_dict``) or this
+    is called: the units stepped keep their new weights and optimizer states, the others
+    are as before the failed pass. Raises ValueError if ``model`` is not offloaded."""
+    _engine(model).accept_partial_step()
+
+
 def get_plan(model: nn.Module) -> OffloadPlan:
     """The plan ramflow chose for an offloaded model (resident units, window, budget)."""
     return _engine(model).plan
@@ -213,7 +232,7 @@ def get_plan(model: nn.Module) -> OffloadPlan:
 
 def is_offloaded(model: nn.Module) -> bool:
     """True if ``model`` is currently offloaded by ramflow."""
-    return model in ENGINE_OF_MODEL
+    return engine_of_model(model) is not None
 
 
 def clip_grad_norm_(
@@ -238,7 +257,7 @@ def clip_grad_norm_(
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     engines = []
     for p in params:
-        engine = ENGINE_OF_PARAM.get(p)
+        engine = engine_of_param(p)
         if engine is not None and engine not in engines:
             engines.append(engine)
     for engine in engines:

@@ -33,8 +33,9 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._dist import DistributedState, assign_owners, require_initialized
-from ._engine import ENGINE_OF_PARAM, Engine
+from ._engine import Engine
 from ._linear import attach_pending
+from ._registry import engine_of_param
 
 RankParamGroups = dict[int, list[dict[str, Any]]]
 
@@ -109,7 +110,7 @@ def zero_param_groups(
     numel: dict[Any, int] = {}
     for g in groups:
         for p in g["params"]:
-            engine = ENGINE_OF_PARAM.get(p)
+            engine = engine_of_param(p)
             unit = engine.unit_of(p) if engine is not None else None
             key = unit if unit is not None else p
             if key not in numel:
@@ -124,7 +125,7 @@ def zero_param_groups(
     }
     for gi, g in enumerate(groups):
         for p in g["params"]:
-            engine = ENGINE_OF_PARAM.get(p)
+            engine = engine_of_param(p)
             unit = engine.unit_of(p) if engine is not None else None
             out[owner_of[id(unit if unit is not None else p)]][gi]["params"].append(p)
     if dist.is_available() and dist.is_initialized():
@@ -147,7 +148,7 @@ def _install(keys: list[Any], owners: list[int], average: bool) -> None:
                 sync.owner, sync.average = owner, average
             continue
         key.owner = owner
-        engine = ENGINE_OF_PARAM[key.owned[0]]
+        engine = engine_of_param(key.owned[0])
         if engine not in engines:
             engines.append(engine)
     for engine in engines:
@@ -180,7 +181,7 @@ def shard_gradients(rank_param_groups: RankParamGroups, rank: int) -> list[Any]:
     for groups in rank_param_groups.values():
         for g in groups:
             for p in g["params"]:
-                engine = ENGINE_OF_PARAM.get(p)
+                engine = engine_of_param(p)
                 if engine is not None:
                     if engine.dist is None:
                         raise ValueError("call zero_param_groups before shard_gradients")
@@ -206,7 +207,7 @@ def broadcast_params(rank_param_groups: RankParamGroups) -> None:
     for owner, groups in rank_param_groups.items():
         for g in groups:
             for p in g["params"]:
-                if p not in ENGINE_OF_PARAM:
+                if engine_of_param(p) is None:
                     works.append(dist.broadcast(p.data, src=owner, async_op=True))
     for work in works:
         work.wait()

@@ -20,12 +20,15 @@ from torch.optim import adam as _adam
 from torch.optim import sgd as _sgd
 
 from ._cpu_kernels import _check_threads, fused_adamw_step_
-from ._engine import ENGINE_OF_PARAM, Engine, _Unit
+from ._engine import Engine, _Unit
 from ._linear import attach_pending
+from ._registry import engine_of_param
 
 
 class HostOptimizer(torch.optim.Optimizer):
     """Shared machinery of ramflow's optimizers; use ``AdamW`` or ``SGD``."""
+
+    _ramflow_host_optimizer = True  # the engine's plain-optimizer hooks leave it alone
 
     def __init__(
         self, params: Iterable, defaults: dict[str, Any], *, overlap: bool, keep_grads: bool = True
@@ -49,7 +52,7 @@ class HostOptimizer(torch.optim.Optimizer):
         index = len(self.param_groups) - 1
         for p in self.param_groups[-1]["params"]:
             self._group_of[id(p)] = index
-            engine = ENGINE_OF_PARAM.get(p)
+            engine = engine_of_param(p)
             if engine is None:
                 self._unmanaged.append(p)
             elif engine not in self._engines:
@@ -124,7 +127,7 @@ class HostOptimizer(torch.optim.Optimizer):
     def _flat_state(self, p: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """State tensors of a managed parameter: views into one flat fp32 buffer per unit
         and name, so that a unit's optimizer states are contiguous like its masters."""
-        engine = ENGINE_OF_PARAM[p]
+        engine = engine_of_param(p)
         unit = engine.unit_of(p)
         assert unit is not None
         flats = self._unit_state.get(unit)
@@ -136,7 +139,7 @@ class HostOptimizer(torch.optim.Optimizer):
         return {n: flats[n][off : off + p.numel()].view(p.shape) for n in names}
 
     def _state_buffers(self, p: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        if p in ENGINE_OF_PARAM:
+        if engine_of_param(p) is not None:
             return self._flat_state(p, names)
         return {n: torch.zeros_like(p, memory_format=torch.preserve_format) for n in names}
 
@@ -163,7 +166,12 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``. Zeroing in place first waits for the
-        steps in flight, which read the gradients."""
+        steps in flight, which read the gradients. Nothing of the last backward pass lands
+        afterwards, a failed one included; after a loop-pattern ``RuntimeError`` (a second
+        backward before ``step``, clipping begun late) it also lets training go on, with
+        the optimizer's states as they are."""
+        for engine in self._engines:
+            engine.on_zero_grad()
         if not set_to_none:
             for engine in self._engines:
                 engine.synchronize()
@@ -192,7 +200,7 @@ class HostOptimizer(torch.optim.Optimizer):
             engine.synchronize()
         super().load_state_dict(state_dict)
         for p, st in self.state.items():
-            if p not in ENGINE_OF_PARAM:
+            if engine_of_param(p) is None:
                 continue
             names = tuple(k for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor))
             views = self._flat_state(p, names)

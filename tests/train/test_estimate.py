@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ramflow
-from ramflow._engine import ENGINE_OF_MODEL
+from ramflow._registry import engine_of_model
 from ramflow.train import TrainConfig, plan_run
 from ramflow.train.modeling import build_model, model_config
 from ramflow.train.tokenizer import ByteTokenizer
@@ -41,7 +41,7 @@ def test_plan_matches_the_measured_allocation_of_the_tiny_preset() -> None:
         loss.backward()
         opt.step()
         ramflow.synchronize(model)
-        units = ENGINE_OF_MODEL[model].units
+        units = engine_of_model(model).units
         masters = sum(u.master.numel() * u.master.element_size() for u in units)
         grads = sum(
             u.host_grad.numel() * 4 + u.staging.numel() * u.staging.element_size() for u in units
