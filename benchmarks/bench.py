@@ -7,8 +7,12 @@ Run on the GPU box from the repository root, e.g.::
     python benchmarks/bench.py --floors --ramflow --resident --budget-s 520 --out-dir $OUT
 
 Each case runs in a process of its own, in priority order, and cases that no longer fit
-``--budget-s`` are skipped (and listed). Results go to ``<out-dir>/<date>-<device>[-<tag>].json``
-and ``.md``, rewritten after every case. ``--tiny`` runs a few-layer narrow model with short
+``--budget-s`` are skipped (and listed). A run writes into its own folder,
+``<out-dir>/<date>-<device>-<what>/`` (what: ``--tag``, else ``suite`` for ``--all``, else the
+model): ``<name>.json`` (raw records; the command and commit in ``meta``), ``<name>.md`` (the
+report) and ``<name>.log`` (every case's output), with name ``part1``/``part2`` for ``--part``,
+else ``run``; rewritten after every case. ``--report`` joins result files into ``report.json``
+and ``report.md`` beside the first. ``--tiny`` runs a few-layer narrow model with short
 sequences, for a smoke test on the CPU. See benchmarks/README.md for what each number means.
 """
 
@@ -101,10 +105,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="skip cases that would end past this many seconds",
     )
     p.add_argument(
-        "--out-dir", default=str(harness.BENCH_DIR / "results"), help="where results are written"
+        "--out-dir",
+        default=None,
+        help="where the run's folder is made (default: benchmarks/results); with --report, "
+        "where report.json and .md go (default: beside the first file)",
     )
     p.add_argument(
-        "--tag", default="", help="suffix of the result files (keeps several calls of a day apart)"
+        "--tag",
+        default="",
+        help="what the run is, the end of its folder's name (default: suite for --all, else "
+        "the model)",
     )
     p.add_argument(
         "--peer",
@@ -134,7 +144,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--report",
         nargs="+",
         metavar="JSON",
-        help="rebuild one report from result files; run nothing",
+        help="join result files into one report (report.json, report.md); run nothing",
     )
     p.add_argument("--run-case", metavar="JSON", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -160,7 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.report:
         paths = [Path(x) for x in args.report]
-        stem = harness.merge(paths, Path(args.out_dir) / (paths[0].stem + "-merged"))
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            print(f"bench.py: --report: no such file: {', '.join(missing)}", file=sys.stderr)
+            return 2
+        folder = Path(args.out_dir) if args.out_dir else paths[0].parent
+        stem = harness.merge(paths, folder / "report")
         print(f"wrote {stem}.json and {stem}.md")
         return 0
     if args.part is not None and not args.all:
@@ -171,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not groups:
         groups = ["floors", "ramflow", "resident"]
-    out_dir = Path(args.out_dir)
-    trace_dir = args.trace if args.trace else str(out_dir)
+    out_dir = Path(args.out_dir) if args.out_dir else harness.BENCH_DIR / "results"
+    what = args.tag or ("suite" if args.all else args.model)
+    name = f"part{args.part}" if args.part is not None else "run"
+    folder = harness.run_dir(out_dir, what) if not args.list else out_dir
+    trace_dir = args.trace if args.trace else str(folder)
     tag = args.tag or (
         "run" if not args.all else "all" if args.part is None else f"part{args.part}"
     )
@@ -202,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = harness.run_all(
         selected,
         budget_s=args.budget_s,
-        out_dir=out_dir,
-        tag=tag if args.all else args.tag,
+        stem=folder / name,
         command=command,
         steps=args.steps,
         warmup=args.warmup,

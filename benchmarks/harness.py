@@ -2,10 +2,10 @@
 
 The parent process never imports torch (no CUDA context of its own on the GPU): it starts
 each case as ``python benchmarks/bench.py --run-case JSON`` (or a peer script), waits for it
-with a timeout, reads the one result line it prints, and rewrites
-``<out>/<date>-<device>[-<tag>].json`` and ``.md`` after every case, so that a run cut short
-still leaves its results. A case that crashes, runs out of memory or times out is recorded
-with its status and the end of its output; the run goes on.
+with a timeout, reads the one result line it prints, and rewrites the run's files
+(``<out>/<date>-<device>-<what>/<name>.json``, ``.md``, ``.log``; ``run_dir``) after every
+case, so that a run cut short still leaves its results. A case that crashes, runs out of
+memory or times out is recorded with its status and the end of its output; the run goes on.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from typing import Any
 
 import cases as cases_mod
 import report
+import rows as rows_mod
+import targets as targets_mod
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -178,13 +180,15 @@ def document(meta: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, A
     for key in ("floors", "cpu_optimizer", "trace"):
         rec = next((r for r in records if r["kind"] == key and r["status"] == "ok"), None)
         doc[key] = rec["result"] if rec else None
-    rows = [row for r in records for row in report.rows_of(r["case"], r)]
-    report.add_floors(rows, doc["floors"], doc["cpu_optimizer"])
-    doc["gpu_forward"] = report.forward_efficiencies(rows, doc["floors"])
-    report.add_predictions(rows, doc["floors"], doc["cpu_optimizer"], doc["gpu_forward"])
+    rows = [row for r in records for row in rows_mod.rows_of(r["case"], r)]
+    rows_mod.add_floors(rows, doc["floors"], doc["cpu_optimizer"])
+    doc["gpu_forward"] = rows_mod.forward_efficiencies(rows, doc["floors"])
+    rows_mod.add_predictions(rows, doc["floors"], doc["cpu_optimizer"], doc["gpu_forward"])
     doc["rows"] = rows
-    doc["kofn"] = report.kofn_rows(records, doc["floors"], doc["cpu_optimizer"], doc["gpu_forward"])
-    doc["targets"] = report.targets(doc)
+    doc["kofn"] = rows_mod.kofn_rows(
+        records, doc["floors"], doc["cpu_optimizer"], doc["gpu_forward"]
+    )
+    doc["targets"] = targets_mod.targets(doc)
     return doc
 
 
@@ -196,23 +200,29 @@ def write(doc: dict[str, Any], stem: Path) -> None:
     stem.with_suffix(".md").write_text(report.markdown(doc))
 
 
+def run_dir(out_dir: Path, what: str) -> Path:
+    """The folder of one run: ``<out_dir>/<date>-<device>-<what>``, e.g.
+    ``results/2026-11-22-nvidia-h200-suite`` (both calls of a two-part suite land in one)."""
+    date = datetime.date.today().isoformat()
+    return out_dir / f"{date}-{slug(device_name())}-{slug(what)}"
+
+
 def run_all(
     cases: list[dict[str, Any]],
     *,
     budget_s: float,
-    out_dir: Path,
-    tag: str,
+    stem: Path,
     command: str,
     steps: int,
     warmup: int,
 ) -> Path:
-    """Run ``cases`` in order within ``budget_s``; return the stem of the result files."""
+    """Run ``cases`` in order within ``budget_s``; write ``<stem>.json`` (the raw records, the
+    command and the commit in ``meta``), ``<stem>.md`` and ``<stem>.log`` (every case's
+    output) after every case; return ``stem``."""
     start = time.monotonic()
     name = device_name()
-    date = datetime.date.today().isoformat()
-    stem = out_dir / f"{date}-{slug(name)}{'-' + tag if tag else ''}"
     meta = {
-        "date": date,
+        "date": datetime.date.today().isoformat(),
         "device": name,
         "torch": _version("torch"),
         "ramflow": _ramflow_version(),
@@ -224,7 +234,7 @@ def run_all(
         "budget_s": budget_s,
     }
     records: list[dict[str, Any]] = []
-    out_dir.mkdir(parents=True, exist_ok=True)
+    stem.parent.mkdir(parents=True, exist_ok=True)
     with open(stem.with_suffix(".log"), "w") as log:
         for case in cases:
             left = budget_s - (time.monotonic() - start)
@@ -264,11 +274,12 @@ def run_all(
     return stem
 
 
-def merge(paths: list[Path], out: Path) -> Path:
-    """Rebuild one report from several result files (e.g. one device call each): the case
-    records are concatenated (later files win for a repeated case id) and the floors come
-    from the first file that has them (so ``part1 part2`` rates part 1's cases, the ones with
-    targets, against the floors measured beside them)."""
+def merge(paths: list[Path], stem: Path) -> Path:
+    """Rebuild one report from several result files (e.g. the two calls of a suite) into
+    ``<stem>.json`` and ``<stem>.md``: the case records are concatenated (a later file wins for
+    a repeated case id) and the floors come from the first file that has them (so ``part1
+    part2`` rates part 1's cases, the ones with targets, against the floors measured beside
+    them)."""
     records: dict[str, dict[str, Any]] = {}
     metas = []
     for path in paths:
@@ -281,6 +292,5 @@ def merge(paths: list[Path], out: Path) -> Path:
     meta = dict(metas[0])
     meta["command"] = " ; ".join(m["command"] for m in metas)
     meta["wall_s"] = sum(m.get("wall_s") or 0 for m in metas)
-    stem = out.with_suffix("")
     write(document(meta, list(records.values())), stem)
     return stem

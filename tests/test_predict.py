@@ -23,6 +23,7 @@ from ramflow._predict import (
 
 GB = 1e9
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+CALIBRATION = RESULTS / "2026-11-22-nvidia-h200-calibration"
 
 
 def _units(
@@ -203,8 +204,8 @@ def _reference_units(
 
 
 def test_last_sessions_h200_step_times_within_15_percent() -> None:
-    main = json.loads((RESULTS / "2026-11-22-nvidia-h200-main-merged.json").read_text())
-    ready = json.loads((RESULTS / "2026-11-22-nvidia-h200-ramflow-ready.json").read_text())
+    main = json.loads((CALIBRATION / "main.json").read_text())
+    ready = json.loads((CALIBRATION / "ramflow-ready.json").read_text())
     floors, cpu = main["floors"], main["cpu_optimizer"]
     bw = floors["bandwidth_bytes_per_s"]
     rates = Rates(bw["h2d"], bw["d2h"], bw["both"], cpu["ramflow_params_per_s"])
@@ -241,8 +242,8 @@ def test_last_sessions_h200_step_times_within_15_percent() -> None:
 # ----------------------------------------------------------------------------- this run
 
 H200_SUITE = (
-    "2026-11-22-nvidia-h200-dev-part1.json",
-    "2026-11-22-nvidia-h200-dev-part2.json",
+    "2026-11-22-nvidia-h200-suite/part1.json",
+    "2026-11-22-nvidia-h200-suite/part2.json",
 )
 
 
@@ -294,7 +295,7 @@ def test_the_h200_suite_step_times_within_15_percent() -> None:
     H2D bytes as counted. The GPU forward of each model runs at the efficiency its resident
     bf16 8x2048 inference step measured, and a training step's CPU optimizer at the rate its
     worker measured in that step, the copies' share of host memory included (the rules of
-    ``report.forward_efficiencies`` and ``report.in_step_rated``)."""
+    ``rows.forward_efficiencies`` and ``rows.in_step_rated``)."""
     records = _suite_records()
     floors = records["floors"]["result"]
     cpu = records["cpu_optimizer.reference.4-layers"]["result"]
