@@ -270,9 +270,9 @@ class CopyCounter:
         """Tell resident units' copies apart for ``model`` (offloaded); a no-op where the
         engine's private layout is not what this expects (``split`` stays False)."""
         try:
-            from ramflow._engine import ENGINE_OF_MODEL
+            from ramflow._registry import engine_of_model
 
-            units = ENGINE_OF_MODEL[model].units
+            units = engine_of_model(model).units
             # a resident unit's device storage stays allocated: its address names it
             targets = {
                 u.device_alias.untyped_storage().data_ptr() for u in units if u.resident and u.numel

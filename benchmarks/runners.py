@@ -96,9 +96,9 @@ def _time_ramflow_training(
     ``optimizer_in_step_params_per_s``: the CPU optimizer's rate over the timed steps, from
     its engine's ``host_step_totals``."""
     import ramflow
-    from ramflow._engine import ENGINE_OF_MODEL
+    from ramflow._registry import engine_of_model
 
-    engine = ENGINE_OF_MODEL[model]
+    engine = engine_of_model(model)
     before = [(0, 0.0)]
     res = measure.time_steps(
         _train_step(model, opt, ids, labels, device, losses),
