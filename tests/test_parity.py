@@ -39,12 +39,24 @@ def mlp_batches(n: int, device, seed: int = 1):
 
 
 def train_pair(
-    model, batches, device, *, loss_fn, steps, lr=1e-2, wire_dtype=torch.float32, autocast=False
+    model,
+    batches,
+    device,
+    *,
+    loss_fn,
+    steps,
+    lr=1e-2,
+    wire_dtype=torch.float32,
+    autocast=False,
+    optimizers=None,
 ):
-    """Train ``model`` offloaded and a deepcopy resident with the same AdamW; return both curves."""
+    """Train ``model`` offloaded and a deepcopy resident with the same AdamW; return both
+    curves and the reference (``optimizers``: a list that receives ramflow's optimizer)."""
     ref = copy.deepcopy(model).to(device)
     ramflow.offload(model, device=device, wire_dtype=wire_dtype)
     opt = ramflow.optim.AdamW(model.parameters(), lr=lr)
+    if optimizers is not None:
+        optimizers.append(opt)
     ref_opt = ref_adamw(ref.parameters(), lr, device)
     ours, theirs = [], []
     for step in range(steps):
@@ -174,11 +186,15 @@ def test_frozen_base_and_adapters(device):
     model = LoRAStack()
     frozen = [p for p in model.parameters() if not p.requires_grad]
     batches = mlp_batches(4, device)
-    ours, theirs, ref = train_pair(model, batches, device, loss_fn=mse, steps=10)
+    optimizers = []
+    ours, theirs, ref = train_pair(
+        model, batches, device, loss_fn=mse, steps=10, optimizers=optimizers
+    )
     assert max_rel(ours, theirs) < 1e-6
     assert params_rel(model, ref) < 1e-5
     engine = ramflow.api._engine(model)
-    (opt,) = engine.optimizers  # the optimizer that trained the model
+    assert engine.optimizers == optimizers  # the optimizer that trained the model
+    (opt,) = optimizers
     assert all(p not in opt.state for p in frozen)
     assert all(p in opt.state for p in model.parameters() if p.requires_grad)
     for p in frozen:
