@@ -53,7 +53,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         "--model",
         metavar="DIR",
         default=None,
-        help="a local Hugging Face checkpoint folder (config.json + safetensors) instead of a preset",
+        help="a local Hugging Face causal LM folder (config.json + safetensors; any architecture "
+        "transformers knows) instead of a preset",
     )
     p.add_argument(
         "--tokenizer",
