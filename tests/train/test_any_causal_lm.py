@@ -81,7 +81,9 @@ def test_train_generate_plan(
     run = tmp_path / "run"
     rc = ramflow_cli("train", "--model", model_dir, "--data", corpus_file, "--steps", "2",
                      "--eval-every", "2", *fast, "--out", run)  # fmt: skip
-    assert rc == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "\r" not in err  # no progress bar of transformers' loading either
     ckpt = open_checkpoint(run).path
     trained = AutoModelForCausalLM.from_pretrained(
         str(ckpt), dtype=torch.float32, local_files_only=True

@@ -235,6 +235,11 @@ def load_model(directory: str | os.PathLike, *, config=None) -> nn.Module:
     config = read_config(directory) if config is None else config
     check_weights(directory, config)
     weight_files(directory)  # safetensors only: never a pickle
+    from transformers.utils import logging as hf_logging
+
+    # ramflow prints its own lines; a second bar would break them in a file or pipe
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(directory),
@@ -246,6 +251,9 @@ def load_model(directory: str | os.PathLike, *, config=None) -> nn.Module:
         )
     except (OSError, RuntimeError) as err:
         raise ValueError(f"cannot load the weights in {directory}: {err}") from err
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
     missing = [k for k in info.get("missing_keys", ()) if k]
     mismatched = list(info.get("mismatched_keys", ()))
     if missing or mismatched:
