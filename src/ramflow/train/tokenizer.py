@@ -1,8 +1,20 @@
 """Tokenizers: a byte-level one that needs no download, and a wrapper of a local Hugging Face one.
 
 Both turn text into lists of token ids (ints) and back, and know their special ids. A
-checkpoint folder carries its tokenizer: ``ramflow_tokenizer.json`` for the byte tokenizer,
-the usual Hugging Face files otherwise (``load_tokenizer`` reads either).
+checkpoint folder carries its tokenizer: the usual Hugging Face files (``tokenizer.json``,
+``tokenizer_config.json``), so that ``AutoTokenizer.from_pretrained`` loads it, plus
+``ramflow_tokenizer.json`` for the byte tokenizer (``load_tokenizer`` reads either).
+
+[Note: the byte tokenizer in the tokenizers library's format]
+The byte tokenizer is written as a ``tokenizers`` BPE model without merges whose vocabulary
+is the 256 byte symbols of GPT-2's byte-level scheme (Radford et al. 2019; every byte is
+mapped to a printable character), symbol of byte b -> id b, behind a ``ByteLevel``
+pre-tokenizer that neither splits nor adds a prefix space, with ``<bos>``, ``<eos>`` and
+``<pad>`` as special tokens 256-258 and no post-processor. ``split_special_tokens`` makes
+``transformers`` read a literal ``"<bos>"`` in a text as its five bytes, as ramflow does.
+So ``AutoTokenizer`` encodes any text to exactly its UTF-8 bytes, adds no special tokens,
+and its ``ByteLevel`` decoder (``skip_special_tokens=True``) replaces invalid UTF-8 with
+U+FFFD as ``ByteTokenizer.decode`` does.
 """
 
 from __future__ import annotations
@@ -13,6 +25,26 @@ from pathlib import Path
 from typing import Protocol
 
 BYTE_TOKENIZER_FILE = "ramflow_tokenizer.json"
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's printable character for each byte 0-255: printable Latin-1 bytes stand for
+    themselves, the others for 256, 257, ... in byte order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\N{INVERTED EXCLAMATION MARK}"), ord("\N{NOT SIGN}") + 1),
+        *range(ord("\N{REGISTERED SIGN}"), ord("\N{LATIN SMALL LETTER Y WITH DIAERESIS}") + 1),
+    ]
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
 
 
 class Tokenizer(Protocol):
@@ -65,6 +97,31 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
     def save(self, directory: str | os.PathLike) -> None:
+        """Write ``ramflow_tokenizer.json`` and the same tokenizer in the Hugging Face
+        format: see [Note: the byte tokenizer in the tokenizers library's format]."""
+        from tokenizers import Tokenizer as FastTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        fast = FastTokenizer(
+            models.BPE(vocab={s: b for b, s in enumerate(_byte_symbols())}, merges=[])
+        )
+        fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        fast.decoder = decoders.ByteLevel()
+        specials = ["<bos>", "<eos>", "<pad>"]
+        fast.add_special_tokens(specials)
+        assert [fast.token_to_id(t) for t in specials] == [self.bos_id, self.eos_id, self.pad_id]
+        fast.save(str(Path(directory, HF_TOKENIZER_FILE)))
+        hf_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "pad_token": "<pad>",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "split_special_tokens": True,
+        }
+        Path(directory, HF_TOKENIZER_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
         spec = {
             "type": "byte",
             "vocab_size": self.vocab_size,
@@ -159,6 +216,8 @@ def load_tokenizer(path: str | os.PathLike | None) -> Tokenizer:
 
 __all__ = [
     "BYTE_TOKENIZER_FILE",
+    "HF_TOKENIZER_CONFIG_FILE",
+    "HF_TOKENIZER_FILE",
     "ByteTokenizer",
     "HFTokenizer",
     "Tokenizer",

@@ -30,7 +30,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -51,13 +51,14 @@ from .checkpoint import (
 )
 from .config import TrainConfig, resume_config
 from .data import BatchStream, validation_batches
+from .flops import model_flops_utilisation, peak_flops
 from .modeling import (
     build_model,
     count_parameters,
     load_model,
 )
 from .precision import ComputePolicy
-from .report import RunReport, format_duration, mean_tail, summary_table
+from .report import RunReport, check_loggers, format_duration, mean_tail, summary_table
 from .schedule import make_scheduler, warmup_cosine
 from .setup import PreparedRun, prepare_run
 
@@ -196,6 +197,7 @@ def train(
     stop: threading.Event | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     handle_sigint: bool = True,
+    log_to: Sequence[str] = (),
 ) -> TrainResult:
     """Train a causal language model with ramflow and write the run folder.
 
@@ -211,6 +213,7 @@ def train(
         stop: set it to stop after the current step (a checkpoint is written).
         on_step: called with each step's log record (for callers that watch the run).
         handle_sigint: in the main thread, Ctrl-C stops after the current step and saves.
+        log_to: loggers beside ``log.jsonl``: ``"tensorboard"`` (see ``RunReport``).
 
     Returns:
         A ``TrainResult``.
@@ -222,9 +225,11 @@ def train(
         FileNotFoundError: a path that does not exist.
         MemoryError: the machine's RAM cannot hold the run.
         OSError: the disk cannot hold two checkpoints.
+        ModuleNotFoundError: ``log_to`` names TensorBoard, which is not installed.
         KeyboardInterrupt: a second Ctrl-C (the last checkpoint stays).
         Nothing is written before these checks pass.
     """
+    check_loggers(log_to)
     ckpt = resume if isinstance(resume, Checkpoint) or resume is None else open_checkpoint(resume)
     if ckpt is not None:
         resume_config(ckpt, **config.to_dict())  # refuses settings that would change the steps
@@ -240,6 +245,7 @@ def train(
         start_step=start_step,
         keep_until=start_step if ckpt is not None else None,
         progress=progress,
+        log_to=log_to,
     )
     sigint = _sigint_sets(stop, report.message) if handle_sigint else contextlib.nullcontext()
     try:
@@ -423,6 +429,8 @@ def _loop(
     last_ckpt: Path | None = None
     val_loss: float | None = None
     interrupted = False
+    num_trained = sum(p.numel() for p in params)
+    peak = peak_flops(policy.device, policy.compute_dtype)
     t_start = time.perf_counter()
 
     def save(step_now: int) -> Path:
@@ -472,7 +480,7 @@ def _loop(
             seq_len=config.seq_len,
             max_batches=config.eval_batches,
         )
-        report.log({"event": "eval", "step": step_now, "val_loss": loss})
+        report.eval(step_now, loss)
         say(f"step {step_now}: validation loss {loss:.4f}")
         return loss
 
@@ -528,6 +536,9 @@ def _loop(
             "tokens": tokens_seen,
             "step_s": dt,
             "tokens_per_s": config.tokens_per_step / dt,
+            "mfu": model_flops_utilisation(
+                num_parameters=num_trained, tokens_per_s=config.tokens_per_step / dt, peak=peak
+            ),
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(policy.device) if cuda else None,
             "host_rss_bytes": process.memory_info().rss,
         }
@@ -560,6 +571,7 @@ def _loop(
             "interrupted": interrupted,
             "elapsed_s": elapsed,
             "tokens_per_s": tps,
+            "mfu": model_flops_utilisation(num_parameters=num_trained, tokens_per_s=tps, peak=peak),
         }
     )
     plot = report.write_plot(
@@ -595,6 +607,17 @@ def _loop(
         ),
         ("validation loss", "-" if val_loss is None else f"{val_loss:.4f} (at step {val_step})"),
         ("time", f"{format_duration(elapsed)} ({tps:,.0f} tokens/s while training)"),
+    ]
+    mfu = model_flops_utilisation(num_parameters=num_trained, tokens_per_s=tps, peak=peak)
+    if mfu is not None and peak is not None:
+        rows.append(
+            (
+                "MFU",
+                f"{mfu:.1%} (6 x {num_trained / 1e6:,.2f} M trained parameters x tokens/s, "
+                f"over the {peak.description})",
+            )
+        )
+    rows += [
         ("peak GPU memory", "- (CPU run)" if peak_gpu is None else format_bytes(peak_gpu)),
         ("peak host memory", format_bytes(peak_host)),
         ("run folder", str(run_dir)),

@@ -1,0 +1,86 @@
+"""What a newcomer meets in the first hour: the README's references, the package metadata,
+and ``ramflow train``'s output when it goes to a file or a pipe instead of a terminal."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _readme_references(text: str) -> set[str]:
+    """Paths in the README's code spans (outside code blocks) and link targets that name the repository's own
+    files: those under its top-level folders, and bare ``*.md`` / ``*.py`` file names."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)  # code blocks: commands, not files
+    spans = re.findall(r"`([^`]+)`", text) + re.findall(r"\]\(([^)\s]+)\)", text)
+    found = set()
+    for span in spans:
+        for word in span.split():
+            word = word.split("::")[0].strip("()[],;:\"'").rstrip("/")
+            if word.startswith(("benchmarks/", "docs/", "examples/", "tests/", "src/")) or (
+                re.fullmatch(r"[\w./-]+\.(md|py)", word)
+            ):
+                found.add(word)
+    return found
+
+
+def test_readme_refers_only_to_files_in_the_repository() -> None:
+    """Every file the README names is in the checkout (a bare file name anywhere in it)."""
+    text = (ROOT / "README.md").read_text()
+    named = _readme_references(text)
+    assert {"benchmarks/bench.py", "docs/design.md"} <= named  # the scan sees the paths
+    files = {p.name for p in ROOT.rglob("*") if ".venv" not in p.parts}
+    missing = sorted(t for t in named if not (ROOT / t).exists() and ("/" in t or t not in files))
+    assert not missing, f"the README names files that are not in the repository: {missing}"
+    assert "ANCHORS" not in text and "shared/" not in text
+
+
+def test_pyproject_uses_the_spdx_license_field() -> None:
+    """``license = "Apache-2.0"`` (PEP 639) needs setuptools >= 77; the TOML table that
+    setuptools deprecates is gone."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0"
+    requires = meta["build-system"]["requires"]
+    assert "setuptools>=77" in requires
+
+
+def test_progress_into_a_pipe_is_whole_lines(tmp_path: Path, corpus_file: Path) -> None:
+    """With stdout and stderr on pipes, progress comes as whole lines, in order with the
+    header and the validation losses: no carriage-return redraws of a bar."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ramflow", "train", "--data", str(corpus_file)]
+        + ["--steps", "6", "--eval-every", "3", "--seq-len", "32", "--batch-size", "2"]
+        + ["--eval-batches", "1", "--device", "cpu", "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "\r" not in proc.stdout and "\r" not in proc.stderr
+    lines = proc.stdout.splitlines()
+    progress = [line for line in lines if re.match(r"step \d+/6: loss ", line)]
+    # a twentieth of 6 steps rounds up to a line every step
+    assert [int(line.split("/")[0].split()[1]) for line in progress] == list(range(1, 7))
+    assert all("tok/s" in line and "RAM" in line for line in progress)
+    order = [line.split(":")[0] for line in lines if line.startswith("step ")]
+    assert order == [
+        "step 0",
+        "step 1/6",
+        "step 2/6",
+        "step 3/6",
+        "step 3",
+        "step 4/6",
+        "step 5/6",
+        "step 6/6",
+        "step 6",
+    ]
+    assert lines[0].startswith("model tiny")
