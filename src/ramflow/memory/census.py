@@ -98,11 +98,10 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
 def _live_tensors() -> Iterable[torch.Tensor]:
     for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor):
-                yield obj
-        except ReferenceError:  # a dead weakref proxy in the tracked objects
-            continue
+        # the object's real type, not ``obj.__class__``: proxies and deprecated module
+        # attributes answer that one with warnings or errors
+        if issubclass(type(obj), torch.Tensor):
+            yield obj
 
 
 def tensor_census(model: nn.Module | None = None) -> TensorCensus:
