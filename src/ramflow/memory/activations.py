@@ -26,8 +26,10 @@ __all__ = ["ActivationReport", "ModuleActivations", "activation_report"]
 # Linear saves the same tensor as its input: one storage). A storage that belongs to a
 # parameter or buffer is not an activation (it lives anyway), so a saved weight or its
 # transpose is not charged. ``total_saved_bytes`` counts each storage once over the whole
-# model. Tensors saved inside a ``torch.utils.checkpoint`` region go through checkpoint's
-# own hooks instead and are not seen: the report measures what the model, as it is, keeps.
+# model. Inside a ``torch.utils.checkpoint`` region (non-reentrant) tensors go through
+# checkpoint's own hooks and are dropped, while the region's inputs, which checkpoint keeps
+# for the recomputation, come through ours: a checkpointed block is charged its inputs only,
+# which is what the model, as it is, keeps.
 
 
 @dataclass(frozen=True)
