@@ -215,6 +215,22 @@ def test_given_blocks_and_bad_input():
         CheckpointEveryKth(0)
 
 
+def test_report_charges_a_checkpointed_block_its_inputs_only():
+    torch.manual_seed(0)
+    model = MLPStack(dim=16, depth=4)
+    x = torch.randn(4, 16)
+    plain = activation_report(model, x)
+    handle = apply_checkpointing(model, CheckpointEveryKth(2))
+    checkpointed = activation_report(model, x)
+    for i in range(4):
+        row, before = checkpointed[f"blocks.{i}"], plain[f"blocks.{i}"]
+        if i % 2 == 0:  # checkpoint keeps the block's input for the recomputation
+            assert row.saved_bytes == row.input_bytes == 4 * 4 * 16
+        else:
+            assert row.saved_bytes == before.saved_bytes > row.input_bytes
+    handle.undo()
+
+
 def test_no_recompute_without_grad():
     model = MLPStack(dim=8, depth=3)
     handle = apply_checkpointing(model, CheckpointAll())

@@ -91,26 +91,30 @@ def plot_timeline(
         raise ValueError(
             "plot_timeline needs at least one record; take snapshots with a MemoryTracker"
         )
-    gib = 2**30
+    peak = max(
+        max((v for k, v in r.items() if k.endswith("_bytes") and v is not None), default=0)
+        for r in records
+    )
+    unit, scale = ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
     times = [r["time_s"] for r in records]
     fig = Figure(figsize=(9, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     if records[0].get("device_allocated_bytes") is not None:
         ax.plot(
-            times, [r["device_allocated_bytes"] / gib for r in records], "o-", label="allocated"
+            times, [r["device_allocated_bytes"] / scale for r in records], "o-", label="allocated"
         )
         ax.step(
             times,
-            [r["device_peak_bytes"] / gib for r in records],
+            [r["device_peak_bytes"] / scale for r in records],
             where="pre",
             label="peak in phase",
         )
-        ax.plot(times, [r["device_reserved_bytes"] / gib for r in records], ":", label="reserved")
-        ax.set_ylabel("device memory (GiB)")
+        ax.plot(times, [r["device_reserved_bytes"] / scale for r in records], ":", label="reserved")
+        ax.set_ylabel(f"device memory ({unit})")
     else:
-        ax.plot(times, [r["host_rss_bytes"] / gib for r in records], "o-", label="host RSS")
-        ax.set_ylabel("host memory (GiB)")
+        ax.plot(times, [r["host_rss_bytes"] / scale for r in records], "o-", label="host RSS")
+        ax.set_ylabel(f"host memory ({unit})")
     for r in records:
         ax.axvline(r["time_s"], color="grey", linestyle="--", linewidth=0.8)
         ax.annotate(
@@ -122,6 +126,7 @@ def plot_timeline(
             ha="right",
             fontsize=8,
         )
+    ax.ticklabel_format(axis="y", useOffset=False, style="plain")
     ax.set_xlabel("time since start (s)")
     ax.set_title(title)
     ax.legend(loc="lower right")
