@@ -1,6 +1,6 @@
 """ramflow: train and run PyTorch models whose weights live in CPU RAM, streamed through the GPU."""
 
-from . import distributed, helpers, optim
+from . import distributed, helpers, memory, optim
 from ._linear import Linear
 from ._plan import OffloadPlan, format_bytes, parse_bytes
 from .api import (
@@ -26,6 +26,7 @@ __all__ = [
     "get_plan",
     "helpers",
     "is_offloaded",
+    "memory",
     "offload",
     "optim",
     "parse_bytes",

@@ -1,0 +1,58 @@
+"""The memory toolkit: see where memory goes, and train inside a budget.
+
+- ``MemoryTracker``: labelled readings of device and host memory over a step.
+- ``activation_report``: per module, the bytes saved for backward, measured.
+- ``tensor_census`` / ``census_diff``: the live tensors, and what grew (leaks).
+- ``memory_snapshot`` / ``plot_timeline``: PyTorch's allocator history for
+  https://pytorch.org/memory_viz, and a PNG of a tracker's readings.
+- Checkpointing policies and ``apply_checkpointing``: which blocks recompute their forward.
+- ``chunked_attention``, ``sdpa_backends_report``, ``use_sdpa``: attention's memory.
+
+This package sits below ``ramflow.train`` and never imports it.
+"""
+
+from .activations import ActivationReport, ModuleActivations, activation_report
+from .attention import SDPAReport, chunked_attention, sdpa_backends_report, use_sdpa
+from .census import CensusGroup, TensorCensus, census_diff, tensor_census
+from .checkpointing import (
+    CheckpointAll,
+    CheckpointEveryKth,
+    CheckpointHandle,
+    CheckpointPlan,
+    CheckpointPolicyLike,
+    CheckpointSegments,
+    CheckpointToBudget,
+    SelectiveCheckpoint,
+    apply_checkpointing,
+    find_blocks,
+)
+from .snapshot import memory_snapshot, plot_timeline
+from .tracker import MemoryTracker, cuda_pinned_bytes
+
+__all__ = [
+    "ActivationReport",
+    "CensusGroup",
+    "CheckpointAll",
+    "CheckpointEveryKth",
+    "CheckpointHandle",
+    "CheckpointPlan",
+    "CheckpointPolicyLike",
+    "CheckpointSegments",
+    "CheckpointToBudget",
+    "MemoryTracker",
+    "ModuleActivations",
+    "SDPAReport",
+    "SelectiveCheckpoint",
+    "TensorCensus",
+    "activation_report",
+    "apply_checkpointing",
+    "census_diff",
+    "chunked_attention",
+    "cuda_pinned_bytes",
+    "find_blocks",
+    "memory_snapshot",
+    "plot_timeline",
+    "sdpa_backends_report",
+    "tensor_census",
+    "use_sdpa",
+]

@@ -1,0 +1,409 @@
+"""Activation checkpointing policies for plain models: which blocks recompute their forward.
+
+Activation checkpointing (Chen et al., 2016, "Training Deep Nets with Sublinear Memory
+Cost") keeps only a block's inputs in forward and runs its forward again during backward to
+rebuild what backward needs: activation memory falls from every block's activations to the
+blocks' inputs plus one block's activations, for one more forward of the checkpointed blocks.
+
+A policy is a small frozen dataclass that, given a model and its blocks, resolves to a
+``CheckpointPlan``: the blocks to checkpoint, by name. ``apply_checkpointing`` installs the
+plan with ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` and returns a
+handle that undoes it. Policies hold no model, so one policy serves many models (ramflow's
+offload takes the same objects).
+
+Hugging Face models have their own switch, ``model.gradient_checkpointing_enable(
+gradient_checkpointing_kwargs={"use_reentrant": False})``; wrapping their decoder layers
+with ``apply_checkpointing`` works as well (``find_blocks`` finds them). Either way, train
+with ``use_cache=False``: a key-value cache updated inside a checkpointed layer would be
+updated again by the recomputation.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    checkpoint_sequential,
+    create_selective_checkpoint_contexts,
+)
+
+from .._plan import format_bytes, parse_bytes
+from .._units import _repeated_blocks
+from .activations import ActivationReport
+
+__all__ = [
+    "CheckpointAll",
+    "CheckpointEveryKth",
+    "CheckpointHandle",
+    "CheckpointPlan",
+    "CheckpointPolicyLike",
+    "CheckpointSegments",
+    "CheckpointToBudget",
+    "SelectiveCheckpoint",
+    "apply_checkpointing",
+    "find_blocks",
+]
+
+Blocks = Sequence[tuple[str, nn.Module]]
+
+# matrix products and fused attention: expensive to recompute, so selective checkpointing
+# saves their outputs and recomputes the cheap pointwise ops around them
+DEFAULT_SAVE_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """A resolved policy.
+
+    Attributes:
+        blocks: names of the checkpointed blocks, in block order.
+        segments: for ``CheckpointSegments``, the groups of blocks that run as one
+            checkpointed segment (``blocks`` is their union); empty otherwise.
+        context_fn: the ``context_fn`` passed to ``torch.utils.checkpoint.checkpoint`` (the
+            selective policy's), or None for full recomputation.
+    """
+
+    blocks: tuple[str, ...]
+    segments: tuple[tuple[str, ...], ...] = ()
+    context_fn: Callable[[], Any] | None = field(default=None, compare=False)
+
+
+class CheckpointPolicyLike(Protocol):
+    """What ``apply_checkpointing`` needs of a policy."""
+
+    def resolve(self, model: nn.Module, blocks: Blocks) -> CheckpointPlan: ...
+
+
+@dataclass(frozen=True)
+class CheckpointAll:
+    """Checkpoint every block: least activation memory, one extra forward of every block."""
+
+    def resolve(self, model: nn.Module, blocks: Blocks) -> CheckpointPlan:
+        return CheckpointPlan(blocks=tuple(name for name, _ in blocks))
+
+
+@dataclass(frozen=True)
+class CheckpointEveryKth:
+    """Checkpoint blocks 0, k, 2k, ... (in block order): about 1/k of the recomputation and
+    of the activation savings of ``CheckpointAll``.
+
+    Attributes:
+        k: the stride, at least 1 (1 checkpoints every block).
+    """
+
+    k: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"CheckpointEveryKth: k must be an int >= 1, got {self.k!r}")
+
+    def resolve(self, model: nn.Module, blocks: Blocks) -> CheckpointPlan:
+        return CheckpointPlan(
+            blocks=tuple(name for i, (name, _) in enumerate(blocks) if i % self.k == 0)
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointToBudget:
+    """Checkpoint the fewest blocks that bring the saved activations under a budget,
+    using measured activation bytes.
+
+    Checkpointing a block removes its saved activations but keeps its inputs, so it saves
+    ``saved_bytes - input_bytes`` of ``report`` (``ramflow.memory.activation_report`` on the
+    same model, inputs and batch size as training). Blocks are taken by that saving, largest
+    first, until ``report.total_saved_bytes`` minus the savings is at most the budget. This is
+    an estimate from one measured step: it does not count the one block's activations that
+    exist again while it is recomputed during backward.
+
+    Attributes:
+        budget_bytes: the most bytes of saved activations to allow (an int, or a size such
+            as ``"2GiB"``).
+        report: the measured ``ActivationReport``.
+
+    Raises (from ``resolve``):
+        ValueError: the report has no row for a block (measure it on this model), or even
+            checkpointing every block leaves more than the budget (lower the micro-batch or
+            sequence length, or raise the budget).
+    """
+
+    budget_bytes: int | str
+    report: ActivationReport = field(compare=False, repr=False)
+
+    def resolve(self, model: nn.Module, blocks: Blocks) -> CheckpointPlan:
+        budget = parse_bytes(self.budget_bytes, what="budget_bytes")
+        total = self.report.total_saved_bytes
+        savings = []
+        for position, (name, _) in enumerate(blocks):
+            try:
+                row = self.report[name]
+            except KeyError:
+                raise ValueError(
+                    f"CheckpointToBudget: the activation report has no row for block {name!r}; "
+                    "measure it with activation_report on this model"
+                ) from None
+            savings.append((max(row.saved_bytes - row.input_bytes, 0), position, name))
+        savings.sort(key=lambda s: (-s[0], s[1]))
+        chosen: list[tuple[int, str]] = []
+        for saving, position, name in savings:
+            if total <= budget:
+                break
+            total -= saving
+            chosen.append((position, name))
+        if total > budget:
+            raise ValueError(
+                f"CheckpointToBudget: checkpointing every block still leaves about "
+                f"{format_bytes(total)} of saved activations, over the budget of "
+                f"{format_bytes(budget)}; lower the micro-batch or sequence length, or raise "
+                "the budget"
+            )
+        return CheckpointPlan(blocks=tuple(name for _, name in sorted(chosen)))
+
+
+@dataclass(frozen=True)
+class CheckpointSegments:
+    """Split the blocks into ``num_segments`` runs and checkpoint each run but the last as
+    one region, as ``torch.utils.checkpoint.checkpoint_sequential`` does (and through it):
+    only the segments' inputs are kept, and backward recomputes one segment at a time.
+
+    The blocks must be all the children, in order, of one ``nn.Sequential`` (the model
+    ``checkpoint_sequential`` runs); for blocks a model's own loop calls (Hugging Face
+    layers) use ``CheckpointAll`` or ``CheckpointEveryKth``.
+
+    Attributes:
+        num_segments: how many segments, 1 to the number of blocks. Segments have
+            ``len(blocks) // num_segments`` blocks; the last takes the rest and is not
+            checkpointed.
+
+    Raises (from ``resolve``):
+        ValueError: the blocks are not the children of one ``nn.Sequential``, or
+            ``num_segments`` is out of range.
+    """
+
+    num_segments: int
+
+    def resolve(self, model: nn.Module, blocks: Blocks) -> CheckpointPlan:
+        _sequential_parent(model, blocks)
+        n = len(blocks)
+        if not isinstance(self.num_segments, int) or not 1 <= self.num_segments <= n:
+            raise ValueError(
+                f"CheckpointSegments: num_segments must be between 1 and the {n} blocks, "
+                f"got {self.num_segments!r}"
+            )
+        size = n // self.num_segments
+        names = [name for name, _ in blocks]
+        segments = tuple(
+            tuple(names[start : start + size])
+            for start in range(0, size * (self.num_segments - 1), size)
+        )
+        return CheckpointPlan(
+            blocks=tuple(name for segment in segments for name in segment), segments=segments
+        )
+
+
+def _saving_policy(
+    save_ops: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any
+) -> CheckpointPolicy:
+    if op.overloadpacket in save_ops:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@dataclass(frozen=True)
+class SelectiveCheckpoint:
+    """Selective activation checkpointing: in the blocks that ``within`` names, save the
+    outputs of matrix products and fused attention and recompute the pointwise ops (norms,
+    activations, residual adds) in backward. Less recomputation than full checkpointing for
+    some more memory (PyTorch docs: ``torch.utils.checkpoint.create_selective_checkpoint_contexts``,
+    and the PyTorch blog post "Current and New Activation Checkpointing Techniques").
+
+    Attributes:
+        within: the policy choosing the blocks (default: all).
+        save_ops: names of ``torch.ops.aten`` operators whose outputs are saved (default:
+            ``mm``, ``addmm``, ``bmm``, ``baddbmm`` and the fused SDPA kernels); every other
+            operator is recomputed. Names this PyTorch does not have are ignored.
+    """
+
+    within: CheckpointPolicyLike = field(default_factory=CheckpointAll)
+    save_ops: tuple[str, ...] = DEFAULT_SAVE_OPS
+
+    def resolve(self, model: nn.Module, blocks: Blocks) -> CheckpointPlan:
+        plan = self.within.resolve(model, blocks)
+        if plan.segments:
+            raise ValueError(
+                "SelectiveCheckpoint: 'within' must choose single blocks, not segments; use "
+                "CheckpointAll or CheckpointEveryKth"
+            )
+        ops = frozenset(
+            getattr(torch.ops.aten, n) for n in self.save_ops if hasattr(torch.ops.aten, n)
+        )
+        policy_fn = functools.partial(_saving_policy, ops)
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
+        return CheckpointPlan(blocks=plan.blocks, context_fn=context_fn)
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks, named: the children of the ``nn.ModuleList`` or
+    ``nn.Sequential`` whose repeated same-class children hold the most parameters (Hugging
+    Face decoder layers, a stack of MLP blocks), the rule ``ramflow.offload`` uses for units.
+
+    Raises:
+        ValueError: the model has no repeated blocks; pass ``blocks=`` to
+            ``apply_checkpointing``.
+    """
+    found = {id(m) for m in _repeated_blocks(model)}
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no repeated blocks (children of a ModuleList or "
+            "Sequential of one class); pass blocks=[...] (modules or dotted names)"
+        )
+    return [(name, m) for name, m in model.named_modules() if id(m) in found]
+
+
+def _given_blocks(
+    model: nn.Module, blocks: Iterable[nn.Module | str]
+) -> list[tuple[str, nn.Module]]:
+    by_name = dict(model.named_modules())
+    names = {id(m): n for n, m in by_name.items()}
+    out = []
+    for item in blocks:
+        if isinstance(item, str):
+            if item not in by_name:
+                raise ValueError(f"blocks: the model has no submodule named {item!r}")
+            out.append((item, by_name[item]))
+        elif isinstance(item, nn.Module):
+            if id(item) not in names:
+                raise ValueError(f"blocks: {type(item).__name__} is not a submodule of the model")
+            out.append((names[id(item)], item))
+        else:
+            raise TypeError(f"blocks: expected modules or dotted names, got {type(item).__name__}")
+    if len({id(m) for _, m in out}) != len(out):
+        raise ValueError("blocks: the same module is given twice")
+    return out
+
+
+def _sequential_parent(model: nn.Module, blocks: Blocks) -> nn.Sequential:
+    parents = {name.rpartition(".")[0] for name, _ in blocks}
+    parent = model.get_submodule(parents.pop()) if len(parents) == 1 else None
+    if not isinstance(parent, nn.Sequential) or [id(c) for c in parent] != [
+        id(m) for _, m in blocks
+    ]:
+        raise ValueError(
+            "CheckpointSegments needs blocks that are all the children, in order, of one "
+            "nn.Sequential; use CheckpointAll or CheckpointEveryKth for other models"
+        )
+    return parent
+
+
+def _checkpointed_forward(original: Callable, context_fn: Callable | None) -> Callable:
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)  # nothing is saved, nothing to recompute
+        return checkpoint(original, *args, use_reentrant=False, **extra, **kwargs)
+
+    return forward
+
+
+def _segmented_forward(original: Callable, parent: nn.Sequential, num_segments: int) -> Callable:
+    def forward(input: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(input)
+        return checkpoint_sequential(parent, num_segments, input, use_reentrant=False)
+
+    return forward
+
+
+class CheckpointHandle:
+    """Checkpointing installed by ``apply_checkpointing``; ``undo()`` removes it.
+
+    Attributes:
+        plan: the resolved ``CheckpointPlan``.
+    """
+
+    def __init__(self, plan: CheckpointPlan, wrapped: list[nn.Module]) -> None:
+        self.plan = plan
+        self._wrapped = wrapped
+
+    @property
+    def active(self) -> bool:
+        return bool(self._wrapped)
+
+    def undo(self) -> None:
+        """Give the wrapped modules their own forward back (a second call does nothing)."""
+        for module in self._wrapped:
+            del module.forward
+        self._wrapped = []
+
+
+def apply_checkpointing(
+    model: nn.Module,
+    policy: CheckpointPolicyLike,
+    *,
+    blocks: Iterable[nn.Module | str] | None = None,
+) -> CheckpointHandle:
+    """Checkpoint the blocks that ``policy`` chooses, on ``torch.utils.checkpoint`` (non-reentrant).
+
+    Each chosen block's ``forward`` is replaced (an instance attribute, so hooks on the
+    block keep working) by one that runs the original under ``checkpoint(...,
+    use_reentrant=False)``; under ``torch.no_grad`` it runs the original directly.
+    ``CheckpointSegments`` wraps the parent ``nn.Sequential`` instead. The model's outputs
+    and gradients are unchanged; backward runs the chosen blocks' forward again
+    (Chen et al., 2016).
+
+    Args:
+        model: any ``nn.Module``, on any device.
+        policy: ``CheckpointAll()``, ``CheckpointEveryKth(k)``, ``CheckpointToBudget(...)``,
+            ``CheckpointSegments(n)``, ``SelectiveCheckpoint(...)`` or an object with the
+            same ``resolve(model, blocks) -> CheckpointPlan`` method.
+        blocks: the blocks to choose from, as modules or dotted names, in execution order.
+            Default: ``find_blocks(model)``.
+
+    Returns:
+        A ``CheckpointHandle``; ``handle.plan.blocks`` names the checkpointed blocks and
+        ``handle.undo()`` restores the model.
+
+    Raises:
+        ValueError: no blocks are found or given, a given block is not in the model, the
+            policy cannot resolve (see each policy), or a chosen module's ``forward`` is
+            already replaced (checkpointed before, or offloaded with checkpointing: undo
+            that first).
+    """
+    found = find_blocks(model) if blocks is None else _given_blocks(model, blocks)
+    if not found:
+        raise ValueError("apply_checkpointing: no blocks given")
+    plan = policy.resolve(model, found)
+    by_name = dict(found)
+    if plan.segments:
+        parent = _sequential_parent(model, found)
+        targets = [(parent, _segmented_forward(parent.forward, parent, len(plan.segments) + 1))]
+    else:
+        targets = [
+            (by_name[name], _checkpointed_forward(by_name[name].forward, plan.context_fn))
+            for name in plan.blocks
+        ]
+    for module, _ in targets:
+        if "forward" in module.__dict__:
+            raise ValueError(
+                f"apply_checkpointing: {type(module).__name__}.forward is already replaced "
+                "(checkpointed before, or by ramflow.offload); undo that first"
+            )
+    for module, forward in targets:
+        module.forward = forward
+    return CheckpointHandle(plan, [module for module, _ in targets])
