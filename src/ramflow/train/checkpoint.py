@@ -277,6 +277,16 @@ def _free_slot(root: Path, step: int) -> Path:
     return stale
 
 
+def _restore_aside(root: Path, name: str) -> None:
+    """Rename ``root/.NAME.old-PID`` back to ``root/NAME``: an earlier ramflow saved a step
+    again by renaming its folder aside first, and a kill between its two renames left the
+    run's only copy there (``latest`` still names ``NAME``)."""
+    for aside in sorted(root.glob(f".{name}.old-*")):
+        if aside.is_dir() and (aside / STATE_FILE).is_file():
+            os.rename(aside, root / name)
+            return
+
+
 def remove_stale_temporaries(checkpoints_dir: str | os.PathLike) -> list[str]:
     """Remove what saves killed midway left in ``checkpoints_dir``: hidden ``.*.tmp-PID``
     and ``.*.del-PID`` entries (see [Note: atomic checkpoints]). A ``.step-N.old-PID``
@@ -416,11 +426,13 @@ def save_checkpoint(
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
     """The checkpoint folder meant by ``path``: a checkpoint folder itself, a run folder
-    (its latest checkpoint), or a run's ``checkpoints`` folder.
+    (its latest checkpoint), or a run's ``checkpoints`` folder. A checkpoint that an
+    earlier ramflow's same-step save left renamed aside is renamed back first.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        CheckpointError: no checkpoint there.
+        CheckpointError: no checkpoint there; ``latest`` names something else than a
+            ``step-*`` folder beside it.
     """
     p = Path(path)
     if not p.exists():
@@ -429,6 +441,8 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
         return p
     for root in (p / "checkpoints", p):
         name = _read_latest(root)
+        if name is not None and not (root / name).exists():
+            _restore_aside(root, name)
         if name is not None and (root / name).is_dir():
             return root / name
         found = list_checkpoints(root)
