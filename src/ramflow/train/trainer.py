@@ -144,8 +144,8 @@ def _signals_stop(
         received.append(signum)
         stop.set()
         say(
-            f"interrupted ({signal.Signals(signum).name}): finishing this step and saving a checkpoint "
-            "(Ctrl-C again to abort without saving)"
+            f"interrupted ({signal.Signals(signum).name}): finishing this step and saving a "
+            "checkpoint (a second Ctrl-C or SIGTERM aborts without saving)"
         )
 
     previous = {s: signal.signal(s, handler) for s in _STOP_SIGNALS}
