@@ -2,12 +2,14 @@
 
 Thin by design: it parses options and calls ``ramflow.train``; the logic lives there.
 Exit status: 0 done, 1 the plan does not fit this machine, 2 a usage or input error
-(the message says what to change), 130 stopped by Ctrl-C (after saving a checkpoint).
+(the message says what to change), 130 stopped by Ctrl-C and 143 by SIGTERM (after saving
+a checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +26,7 @@ _TRAIN_OPTIONS = (
     "lr",
     "min_lr_ratio",
     "warmup_steps",
+    "decay_steps",
     "weight_decay",
     "clip_grad",
     "precision",
@@ -118,7 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="text file, folder of text files, or JSON lines with a 'text' field (default: the stdlib sources)",
     )
     t.add_argument(
-        "--steps", type=int, default=None, help="optimizer steps (default: the preset's; tiny: 150)"
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps (default: the preset's; tiny: 150); with --resume, the step to stop "
+        "at: the LR schedule stays the first run's (at its floor past --decay-steps)",
     )
     t.add_argument(
         "--grad-accum", type=int, default=None, help="micro-batches per optimizer step (default 1)"
@@ -131,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="linear warmup steps (default: steps/5, at most 200)",
+    )
+    t.add_argument(
+        "--decay-steps",
+        type=int,
+        default=None,
+        help="the cosine decay ends at this step, the LR stays at its floor after it (default: "
+        "--steps; with --resume, the first run's: give it to stretch the decay to a new --steps)",
     )
     t.add_argument(
         "--min-lr-ratio",
@@ -301,7 +315,9 @@ def _train(args: argparse.Namespace) -> int:
     else:
         config = TrainConfig.from_options(**options)
         result = train(config, out=args.out, progress=not args.no_progress, log_to=args.log_to)
-    return 130 if result.interrupted else 0
+    if not result.interrupted:
+        return 0
+    return 128 + (result.stop_signal or signal.SIGINT)  # the shell's convention
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -205,10 +206,10 @@ def test_weights_of_another_shape_than_their_config(
     tmp_path: Path, run_copy: Path, ramflow_cli, capsys, fast
 ) -> None:
     """A model folder whose config no longer matches its weights (hidden size edited)."""
-    import json
-
     model_dir = tmp_path / "model"
     shutil.copytree(open_checkpoint(run_copy).path, model_dir)
+    # a plain Hugging Face folder: a ramflow checkpoint's manifest would refuse the edit
+    (model_dir / "trainer_state.json").unlink()
     config = json.loads((model_dir / "config.json").read_text())
     config["intermediate_size"] = 512
     (model_dir / "config.json").write_text(json.dumps(config))
@@ -256,3 +257,69 @@ def test_interrupted_log_beyond_the_checkpoint_is_dropped_on_resume(
     steps = [r["step"] for r in read_log(log) if r["event"] == "step"]
     assert steps == list(range(1, 11))
     assert read_log(log)[: len(records)] == records
+
+
+def _drop(state: dict, key: str) -> None:
+    del state[key]
+
+
+MALFORMED_STATES = {
+    "step is text": lambda s: s.update(step="eight"),
+    "no manifest": lambda s: _drop(s, "files"),
+    "manifest entry without size": lambda s: s["files"]["model.safetensors"].pop("bytes"),
+    "no data position": lambda s: _drop(s, "data_position"),
+    "no scheduler step": lambda s: s["scheduler"].pop("last_epoch"),
+    "random state cut": lambda s: s["python_random"][1].pop(),
+    "optimizer without names": lambda s: s["optimizer"].pop("param_names"),
+    "unknown setting": lambda s: s["train_config"].update(warp_factor=9),
+    "setting of the wrong type": lambda s: s["train_config"].update(batch_size="two"),
+}
+
+
+@pytest.mark.parametrize("damage", MALFORMED_STATES)
+def test_malformed_trainer_state_is_refused_before_anything_is_written(
+    run_copy: Path, ramflow_cli, capsys, damage: str
+) -> None:
+    """Valid JSON with fields missing or of the wrong kind: one line, exit 2, no change."""
+    state_file = open_checkpoint(run_copy, verify=False).path / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    MALFORMED_STATES[damage](state)
+    state_file.write_text(json.dumps(state))
+    before = _tree(run_copy)
+    err = _fails(
+        ramflow_cli, capsys, "train", "--resume", run_copy, "--steps", "12", "--no-progress",
+        expect="malformed",
+    )  # fmt: skip
+    assert len(err.strip().splitlines()) == 1
+    assert _tree(run_copy) == before
+
+
+def test_out_at_an_existing_run_refuses_and_names_resume(
+    run_copy: Path, tmp_path: Path, corpus_file: Path, ramflow_cli, capsys, fast
+) -> None:
+    before = _tree(run_copy)
+    err = _fails(
+        ramflow_cli, capsys, "train", "--data", corpus_file, "--out", run_copy, *fast,
+        expect="already holds a run",
+    )  # fmt: skip
+    assert f"--resume {run_copy}" in err
+    # nor may a resumed run write into another run's folder
+    other = tmp_path / "other"
+    shutil.copytree(run_copy, other)
+    _fails(
+        ramflow_cli, capsys, "train", "--resume", run_copy, "--steps", "9", "--out", other,
+        "--no-progress", expect="already holds a run",
+    )  # fmt: skip
+    assert _tree(run_copy) == before == _tree(other)
+
+
+def test_generate_checks_checksums_as_resume_does(run_copy: Path, ramflow_cli, capsys) -> None:
+    weights = open_checkpoint(run_copy).path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF  # still a readable safetensors file, with other weights
+    weights.write_bytes(bytes(data))
+    for model in (run_copy, weights.parent):
+        _fails(
+            ramflow_cli, capsys, "generate", "--model", model, "--prompt", "x",
+            "--max-new-tokens", "1", expect="checksum",
+        )  # fmt: skip

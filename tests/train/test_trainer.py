@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 
 from ramflow.train import TrainConfig, open_checkpoint, train
 from ramflow.train.report import read_log
+from ramflow.train.schedule import warmup_cosine
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:
@@ -97,8 +99,6 @@ def test_resume_equals_uninterrupted(
 
 
 def test_resume_can_extend_the_run(tmp_path: Path, trained_run: Path, ramflow_cli) -> None:
-    import shutil
-
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
     assert ramflow_cli("train", "--resume", run, "--steps", "10", "--no-progress") == 0
@@ -196,3 +196,38 @@ def test_python_dash_m_runs_the_cli() -> None:
     )
     assert proc.returncode == 0
     assert "--gpu-memory" in proc.stdout and "--resume" in proc.stdout
+
+
+def _lrs(run: Path) -> list[float]:
+    return [r["lr"] for r in read_log(run / "log.jsonl") if r["event"] == "step"]
+
+
+def test_resume_with_more_steps_keeps_the_first_runs_schedule(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, fast
+) -> None:
+    """A 4-step run extended to 6 continues on its own schedule (at the LR floor after the
+    decay's end), which is the 6-step run planned with ``--decay-steps 4``, bit for bit;
+    ``--decay-steps`` given anew on resume stretches the decay instead."""
+    common = ("--data", corpus_file, "--eval-every", "0", "--warmup-steps", "1", *fast)
+    assert ramflow_cli("train", *common, "--steps", "4", "--out", tmp_path / "split") == 0
+    shutil.copytree(tmp_path / "split", tmp_path / "stretched")
+    resume = ("--no-progress", "--device", "cpu", "--steps", "6")
+    assert ramflow_cli("train", "--resume", tmp_path / "split", *resume) == 0
+    lrs = _lrs(tmp_path / "split")
+    peak, floor_ratio = lrs[1], TrainConfig().min_lr_ratio  # step 2 is the first after warmup
+    # a step's logged LR is the one it used: steps 5 and 6 at the floor of the 4-step decay
+    assert lrs[4:] == [peak * floor_ratio] * 2
+    planned = ("--steps", "6", "--decay-steps", "4", "--out", tmp_path / "planned")
+    assert ramflow_cli("train", *common, *planned) == 0
+    assert _losses(tmp_path / "split") == _losses(tmp_path / "planned")
+    assert _lrs(tmp_path / "split") == _lrs(tmp_path / "planned")
+
+    # told otherwise: the decay now ends at step 6, so step 5 is above the floor
+    assert (
+        ramflow_cli("train", "--resume", tmp_path / "stretched", *resume, "--decay-steps", "6") == 0
+    )
+    stretched = _lrs(tmp_path / "stretched")
+    assert stretched[:4] == lrs[:4]
+    fn = warmup_cosine(warmup_steps=1, total_steps=6, min_lr_ratio=floor_ratio)
+    assert stretched[4] == pytest.approx(peak * fn(4), rel=1e-12)  # float rounding of one product
+    assert stretched[4] > peak * floor_ratio

@@ -14,11 +14,29 @@ A run folder keeps its checkpoints in ``checkpoints/step-NNNNNNNN/``:
   ``random`` state, the training settings, the optimizer's param groups, and a manifest
   with the size and sha256 of every other file.
 
-A checkpoint is written into a hidden temporary folder, flushed to disk, and renamed into
-place (a rename is atomic), then ``checkpoints/latest`` is replaced the same way. A crash
-at any moment leaves the previous checkpoint intact. Reading checks the manifest first, so
-a truncated or altered file is reported before anything is loaded; tensors are read with
-safetensors and metadata with ``json``: nothing is unpickled.
+[Note: atomic checkpoints]
+A checkpoint is written into a hidden temporary folder (``.step-NNNNNNNN.tmp-PID``),
+flushed to disk, and renamed into place (a rename is atomic); then ``checkpoints/latest``
+is replaced the same way, and only then are older checkpoints deleted (each is first renamed
+to a hidden ``.NAME.del-PID`` folder, so that a half-deleted folder is never mistaken for
+a checkpoint). So every visible ``step-*`` folder is complete, and ``latest`` names a
+complete one at every moment. Saving a step that is already on disk (a resumed run that
+had nothing left to do) writes into the step's second slot ``step-NNNNNNNN.1`` (or back into
+``step-NNNNNNNN`` when the second slot holds the current one), switches ``latest`` and then
+deletes the other: no rename ever leaves the run without a resumable checkpoint. Hidden
+temporaries of a save killed midway are removed by ``remove_stale_temporaries`` when the
+next run starts in the folder (one process trains a run folder at a time).
+
+Reading checks the manifest first, so a truncated or altered file is reported before
+anything is loaded; tensors are read with safetensors and metadata with ``json``: nothing
+is unpickled. Every name read from ``latest``, the manifest or an index must be a plain
+name inside its folder (no ``..``, no absolute path).
+
+[Note: test faults]
+Test-only: ``RAMFLOW_TEST_FAULT=ACTION:PHASE:N`` makes the N-th save phase PHASE of this
+process send the process SIGKILL (ACTION ``kill``) or SIGTERM (``term``), so that tests
+can stop a real process at a chosen moment of a save without timing. The phases are
+``SAVE_PHASES``. Unset, it costs one environment lookup per phase of a save.
 """
 
 from __future__ import annotations
@@ -28,6 +46,8 @@ import json
 import os
 import random
 import shutil
+import signal
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .modeling import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+from .modeling import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, file_in
 from .tokenizer import Tokenizer
 
 FORMAT = "ramflow-train-checkpoint"
@@ -47,7 +67,14 @@ OPTIMIZER_INDEX_FILE = "optimizer.safetensors.index.json"
 RNG_FILE = "rng.safetensors"
 LATEST_FILE = "latest"
 _STEP_PREFIX = "step-"
+_SECOND_SLOT = ".1"
 _KEY_SEP = "::"
+# the moments of a save a test may stop at: see [Note: test faults]
+SAVE_PHASES = (
+    "begin", "weights", "optimizer", "files", "state", "renamed", "latest", "deleting", "done",
+)  # fmt: skip
+_FAULT_ENV = "RAMFLOW_TEST_FAULT"
+_fault_hits: Counter[str] = Counter()  # test-only; see [Note: test faults]
 
 
 class CheckpointError(ValueError):
@@ -93,11 +120,18 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    _fsync(tmp)
-    os.replace(tmp, path)
+def _fault_point(phase: str) -> None:
+    """Test-only: stop this process here if ``RAMFLOW_TEST_FAULT`` asks for it. See
+    [Note: test faults]."""
+    spec = os.environ.get(_FAULT_ENV)
+    if spec is None:
+        return
+    action, where, nth = (spec.split(":") + ["1"])[:3]
+    if where != phase:
+        return
+    _fault_hits[phase] += 1
+    if _fault_hits[phase] == int(nth):
+        os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGTERM)
 
 
 def _save_sharded(
@@ -198,6 +232,97 @@ def list_checkpoints(checkpoints_dir: Path) -> list[Path]:
     )
 
 
+def _read_latest(root: Path) -> str | None:
+    """The checkpoint folder name in ``root/latest``, None without the file.
+
+    Raises:
+        CheckpointError: the file names anything but a ``step-*`` folder beside it.
+    """
+    latest = root / LATEST_FILE
+    if not latest.is_file():
+        return None
+    name = latest.read_text(errors="replace").strip()
+    try:
+        file_in(root, name, listed_in=latest)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from err
+    if not name.startswith(_STEP_PREFIX):
+        raise CheckpointError(
+            f"{latest} names {name!r}, which is not a checkpoint folder (step-NNNNNNNN); "
+            "fix or delete the file (without it the newest checkpoint is used)"
+        )
+    return name
+
+
+def _delete(path: Path) -> None:
+    """Delete a checkpoint folder: hidden first (atomic), then removed. See
+    [Note: atomic checkpoints]."""
+    hidden = path.with_name(f".{path.name}.del-{os.getpid()}")
+    os.rename(path, hidden)
+    _fault_point("deleting")
+    shutil.rmtree(hidden)
+
+
+def _free_slot(root: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` goes: ``step-N``, or its second slot when ``step-N``
+    exists (see [Note: atomic checkpoints]); never the folder ``latest`` names."""
+    slots = [root / step_dir_name(step), root / (step_dir_name(step) + _SECOND_SLOT)]
+    for slot in slots:
+        if not slot.exists():
+            return slot
+    # both exist (a save killed after its rename): reuse the one latest does not name
+    with_latest = _read_latest(root)
+    stale = slots[1] if with_latest == slots[0].name else slots[0]
+    _delete(stale)
+    return stale
+
+
+def _restore_aside(root: Path, name: str) -> None:
+    """Rename ``root/.NAME.old-PID`` back to ``root/NAME``: an earlier ramflow saved a step
+    again by renaming its folder aside first, and a kill between its two renames left the
+    run's only copy there (``latest`` still names ``NAME``)."""
+    for aside in sorted(root.glob(f".{name}.old-*")):
+        if aside.is_dir() and (aside / STATE_FILE).is_file():
+            os.rename(aside, root / name)
+            return
+
+
+def remove_stale_temporaries(checkpoints_dir: str | os.PathLike) -> list[str]:
+    """Remove what saves killed midway left in ``checkpoints_dir``: hidden ``.*.tmp-PID``
+    and ``.*.del-PID`` entries (see [Note: atomic checkpoints]). A ``.step-N.old-PID``
+    folder (an earlier ramflow's same-step save, killed between its two renames) holds the only
+    copy of ``step-N`` when that folder is missing: it is renamed back, else removed.
+
+    Call it only while no other process saves into the folder.
+
+    Returns:
+        What was removed or restored, for the run's messages.
+    """
+    root = Path(checkpoints_dir)
+    if not root.is_dir():
+        return []
+    done = []
+    for entry in sorted(root.iterdir()):
+        name = entry.name
+        if not name.startswith("."):
+            continue
+        stem, sep, pid = name[1:].rpartition(".old-")
+        if sep and pid.isdigit() and stem.startswith(_STEP_PREFIX) and not (root / stem).exists():
+            os.rename(entry, root / stem)
+            done.append(f"restored {stem} from {name}")
+            continue
+        if not any(f".{kind}-" in name for kind in ("tmp", "del", "old")):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+        done.append(f"removed {name}")
+    if done:
+        _fsync(root)
+    return done
+
+
 def save_checkpoint(
     checkpoints_dir: str | os.PathLike,
     *,
@@ -228,12 +353,13 @@ def save_checkpoint(
     """
     root = Path(checkpoints_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    final = _free_slot(root, step)
+    tmp = root / f".{step_dir_name(step)}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
+        _fault_point("begin")
         model.config.save_pretrained(str(tmp))
         _save_sharded(
             _weights_to_save(model),
@@ -242,10 +368,12 @@ def save_checkpoint(
             WEIGHTS_INDEX_FILE,
             max_shard_bytes=max_shard_bytes,
         )
+        _fault_point("weights")
         opt_tensors, opt_meta = _optimizer_payload(optimizer, param_names)
         _save_sharded(
             opt_tensors, tmp, OPTIMIZER_FILE, OPTIMIZER_INDEX_FILE, max_shard_bytes=max_shard_bytes
         )
+        _fault_point("optimizer")
         from safetensors.torch import save_file
 
         save_file(_rng_tensors(), str(tmp / RNG_FILE))
@@ -254,6 +382,7 @@ def save_checkpoint(
         for f in sorted(tmp.iterdir()):
             _fsync(f)
             files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        _fault_point("files")
         payload = {
             "format": FORMAT,
             "version": VERSION,
@@ -266,25 +395,29 @@ def save_checkpoint(
         (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n")
         _fsync(tmp / STATE_FILE)
         _fsync(tmp)
-        if final.exists():  # the same step saved again (a resumed run stopped at once)
-            old = root / f".{final.name}.old-{os.getpid()}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, final)
+        _fault_point("state")
+        os.rename(tmp, final)
         _fsync(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    (root / LATEST_FILE).parent.mkdir(exist_ok=True)
+    _fault_point("renamed")
     tmp_latest = root / f".{LATEST_FILE}.tmp-{os.getpid()}"
     tmp_latest.write_text(final.name + "\n")
     _fsync(tmp_latest)
     os.replace(tmp_latest, root / LATEST_FILE)
+    _fsync(root)
+    _fault_point("latest")
+    # only now that latest names the new folder: the other slot of this step, then the oldest
+    same_step = {step_dir_name(step), step_dir_name(step) + _SECOND_SLOT}
+    for old in list_checkpoints(root):
+        if old != final and old.name in same_step:
+            _delete(old)
     for old in list_checkpoints(root)[: -max(keep, 1)]:
         if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+            _delete(old)
+    _fsync(root)
+    _fault_point("done")
     return final
 
 
@@ -293,11 +426,13 @@ def save_checkpoint(
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
     """The checkpoint folder meant by ``path``: a checkpoint folder itself, a run folder
-    (its latest checkpoint), or a run's ``checkpoints`` folder.
+    (its latest checkpoint), or a run's ``checkpoints`` folder. A checkpoint that an
+    earlier ramflow's same-step save left renamed aside is renamed back first.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        CheckpointError: no checkpoint there.
+        CheckpointError: no checkpoint there; ``latest`` names something else than a
+            ``step-*`` folder beside it.
     """
     p = Path(path)
     if not p.exists():
@@ -305,11 +440,11 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     if (p / STATE_FILE).is_file():
         return p
     for root in (p / "checkpoints", p):
-        latest = root / LATEST_FILE
-        if latest.is_file():
-            name = latest.read_text().strip()
-            if (root / name).is_dir():
-                return root / name
+        name = _read_latest(root)
+        if name is not None and not (root / name).exists():
+            _restore_aside(root, name)
+        if name is not None and (root / name).is_dir():
+            return root / name
         found = list_checkpoints(root)
         if found:
             return found[-1]
@@ -320,17 +455,77 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     )
 
 
-def open_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _state_problem(state: dict[str, Any]) -> str | None:
+    """What is wrong with the fields of a ``trainer_state.json`` that resuming reads, or
+    None: checked before a resumed run writes anything."""
+    kinds = {
+        "step": _is_int,
+        "data_position": _is_int,
+        "tokens_seen": _is_int,
+        "files": lambda v: isinstance(v, dict),
+        "train_config": lambda v: isinstance(v, dict),
+        "scheduler": lambda v: isinstance(v, dict) and _is_int(v.get("last_epoch")),
+        "grad_scaler": lambda v: isinstance(v, dict),
+        "corpus": lambda v: isinstance(v, dict) and isinstance(v.get("fingerprint"), str),
+        "python_random": lambda v: isinstance(v, list) and len(v) == 3,
+        "optimizer": lambda v: (
+            isinstance(v, dict)
+            and isinstance(v.get("param_names"), list)
+            and isinstance(v.get("scalars"), dict)
+            and isinstance(v.get("param_groups"), list)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                    for g in v["param_groups"])
+        ),
+    }  # fmt: skip
+    for key, ok in kinds.items():
+        if key not in state:
+            return f"{key} is missing"
+        if not ok(state[key]):
+            return f"{key} has an unexpected value {json.dumps(state[key])[:60]}"
+    if state["step"] < 0 or state["data_position"] < 0:
+        return "step and data_position must not be negative"
+    for name, meta in state["files"].items():
+        if not (isinstance(meta, dict) and _is_int(meta.get("bytes"))):
+            return f"the manifest entry of {name} has no byte count"
+        if not isinstance(meta.get("sha256"), str):
+            return f"the manifest entry of {name} has no sha256"
+    scaler = state["grad_scaler"]
+    needed = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+    if scaler and not all(isinstance(scaler.get(k), (int, float)) for k in needed):
+        return f"grad_scaler lacks one of {', '.join(needed)}"
+    version, internal, gauss = state["python_random"]
+    try:
+        random.Random().setstate((version, tuple(internal), gauss))
+    except (TypeError, ValueError) as err:
+        return f"python_random is not a generator state ({err})"
+    return None
+
+
+def _model_file(name: str) -> bool:
+    """Whether a model loader reads the checkpoint file ``name`` (not optimizer or RNG state)."""
+    return not name.startswith("optimizer") and name != RNG_FILE
+
+
+def open_checkpoint(
+    path: str | os.PathLike, *, verify: bool = True, model_only: bool = False
+) -> Checkpoint:
     """Find and verify a checkpoint (see ``find_checkpoint``) before anything is loaded.
 
     Args:
         path: checkpoint, run or ``checkpoints`` folder.
         verify: compare every file's size and sha256 with the manifest.
+        model_only: verify only what a model loader reads (config, weights, tokenizer),
+            not the optimizer and RNG states (for ``generate``).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        CheckpointError: no checkpoint; unreadable ``trainer_state.json``; another format
-            or version; a file missing, truncated or altered.
+        CheckpointError: no checkpoint; ``latest`` names something outside the folder;
+            unreadable or malformed ``trainer_state.json``; another format or version; a
+            manifest name outside the folder; a file missing, truncated or altered.
     """
     d = find_checkpoint(path)
     state_file = d / STATE_FILE
@@ -346,8 +541,20 @@ def open_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> Checkpoi
         raise CheckpointError(
             f"{d} has checkpoint version {state.get('version')}; this ramflow reads {VERSION}"
         )
+    problem = _state_problem(state)
+    if problem is not None:
+        raise CheckpointError(
+            f"{state_file} is malformed: {problem}. Resume from an earlier checkpoint or start afresh."
+        )
+    for name in state["files"]:
+        try:
+            file_in(d, name, listed_in=state_file)
+        except ValueError as err:
+            raise CheckpointError(str(err)) from err
     if verify:
         for name, meta in state["files"].items():
+            if model_only and not _model_file(name):
+                continue
             f = d / name
             if not f.is_file():
                 raise CheckpointError(f"checkpoint {d} is incomplete: {name} is missing")
@@ -370,17 +577,20 @@ def _read_tensors(d: Path, filename: str, index_name: str) -> dict[str, torch.Te
     from safetensors.torch import load_file
 
     index = d / index_name
-    names = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        if index.is_file()
-        else [filename]
-    )
-    out: dict[str, torch.Tensor] = {}
-    for name in names:
+    if index_name and index.is_file():
         try:
-            out.update(load_file(str(d / name)))
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            paths = [file_in(d, name, listed_in=index) for name in names]
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as err:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {err}") from err
+    else:
+        paths = [d / filename]
+    out: dict[str, torch.Tensor] = {}
+    for name in paths:
+        try:
+            out.update(load_file(str(name)))
         except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"{d / name} is unreadable: {err}") from err
+            raise CheckpointError(f"{name} is unreadable: {err}") from err
     return out
 
 
@@ -405,6 +615,10 @@ def load_optimizer_state(
     state: dict[int, dict[str, Any]] = {}
     for key, value in [*tensors.items(), *meta["scalars"].items()]:
         name, _, field = key.rpartition(_KEY_SEP)
+        if name not in index_of:
+            raise CheckpointError(
+                f"optimizer state {key} in {ckpt.path} belongs to no parameter of this model"
+            )
         i = index_of[name]
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[i].shape:
             raise CheckpointError(
@@ -430,12 +644,14 @@ def restore_rng_state(ckpt: Checkpoint) -> None:
 
 
 __all__ = [
+    "SAVE_PHASES",
     "Checkpoint",
     "CheckpointError",
     "find_checkpoint",
     "list_checkpoints",
     "load_optimizer_state",
     "open_checkpoint",
+    "remove_stale_temporaries",
     "restore_rng_state",
     "save_checkpoint",
     "step_dir_name",

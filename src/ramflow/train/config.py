@@ -20,6 +20,8 @@ from .presets import get_preset
 RESUMABLE_CHANGES = frozenset(
     {
         "steps",
+        # changes the LR of the steps to come, but only when given anew: see resume_config
+        "decay_steps",
         "save_every",
         "keep_checkpoints",
         "eval_every",
@@ -50,6 +52,9 @@ class TrainConfig:
         lr: peak learning rate.
         min_lr_ratio: the cosine decay ends at ``lr * min_lr_ratio``.
         warmup_steps: linear warmup steps.
+        decay_steps: the cosine decay reaches ``lr * min_lr_ratio`` at this step and stays
+            there; None: ``steps``. ``from_options`` sets it to ``steps``, so a resumed run
+            with another ``steps`` keeps the first run's schedule unless it is given anew.
         weight_decay: AdamW decoupled weight decay of matrices (norm weights get none).
         beta1, beta2, eps: AdamW's.
         clip_grad: global gradient-norm limit; 0 turns clipping off.
@@ -79,6 +84,7 @@ class TrainConfig:
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
+    decay_steps: int | None = None
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -118,6 +124,8 @@ class TrainConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}"
                 )
+        if self.decay_steps is not None and self.decay_steps < 1:
+            raise ValueError(f"--decay-steps must be at least 1, got {self.decay_steps}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
         if self.clip_grad < 0:
@@ -136,6 +144,11 @@ class TrainConfig:
             parse_bytes(self.gpu_memory, what="--gpu-memory")
 
     @property
+    def schedule_steps(self) -> int:
+        """The step at which the cosine decay ends (``decay_steps``, else ``steps``)."""
+        return self.decay_steps if self.decay_steps is not None else self.steps
+
+    @property
     def tokens_per_step(self) -> int:
         return self.grad_accum * self.batch_size * self.seq_len
 
@@ -146,7 +159,7 @@ class TrainConfig:
         Defaults that depend on the model: ``batch_size``, ``seq_len``, ``lr`` and
         ``steps`` come from the preset (``tiny`` when neither preset nor model is given);
         a ``model`` folder gets B=4, T=min(2048, its context), lr=2e-5 and 100 steps.
-        ``warmup_steps`` defaults to a fifth of the steps (at most 200), ``eval_every`` to
+        ``decay_steps`` defaults to ``steps``, ``warmup_steps`` to a fifth of the steps (at most 200), ``eval_every`` to
         a fifth.
 
         Raises:
@@ -176,6 +189,7 @@ class TrainConfig:
         for k, v in base.items():
             given.setdefault(k, v)
         steps = given["steps"]
+        given.setdefault("decay_steps", steps)
         given.setdefault("warmup_steps", min(200, steps // 5))
         given.setdefault("eval_every", max(1, steps // 5))
         return cls(**given)
@@ -193,11 +207,19 @@ def resume_config(checkpoint: Checkpoint, **options: Any) -> TrainConfig:
     """The settings of the run that wrote ``checkpoint``, with the changes in ``options``
     (None means unchanged).
 
+    The LR schedule is the first run's: ``decay_steps`` stays the checkpoint's when only
+    ``steps`` changes (a checkpoint from before ``decay_steps`` existed decays over its own
+    ``steps``), so a longer run continues at the LR floor and a shorter one stops early on
+    the same curve; give ``decay_steps`` to stretch or shrink the decay instead.
+
     Raises:
         ValueError: an option differs from the checkpoint's and is not one of
             ``RESUMABLE_CHANGES`` (e.g. another preset: a checkpoint of another model shape).
+        CheckpointError: the checkpoint's settings are not those of a ``TrainConfig``.
     """
     stored = dict(checkpoint.state["train_config"])
+    if stored.get("decay_steps") is None:
+        stored["decay_steps"] = stored.get("steps")
     for key, value in options.items():
         if value is None or key not in stored or stored[key] == value:
             continue
@@ -215,7 +237,13 @@ def resume_config(checkpoint: Checkpoint, **options: Any) -> TrainConfig:
                 "Start a new run to change it."
             )
         stored[key] = value
-    return TrainConfig(**stored)
+    try:
+        return TrainConfig(**stored)
+    except TypeError as err:
+        raise CheckpointError(
+            f"the settings in {checkpoint.path} are malformed ({err}); resume from an earlier "
+            "checkpoint or start afresh"
+        ) from err
 
 
 __all__ = ["RESUMABLE_CHANGES", "TrainConfig", "resume_config"]

@@ -22,7 +22,7 @@ from torch import nn
 import ramflow
 
 from .._plan import parse_bytes
-from .checkpoint import STATE_FILE, find_checkpoint
+from .checkpoint import STATE_FILE, find_checkpoint, open_checkpoint
 from .modeling import load_model, read_config
 from .precision import ComputePolicy, resolve_compute
 from .tokenizer import Tokenizer, has_tokenizer, load_tokenizer
@@ -197,20 +197,24 @@ def generate(
 
 def resolve_model_dir(path: str | os.PathLike) -> Path:
     """The model folder meant by ``path``: a run folder gives its latest checkpoint; a
-    checkpoint folder or a Hugging Face folder is itself.
+    checkpoint folder or a Hugging Face folder is itself. A ramflow checkpoint's model
+    files (config, weights, tokenizer) are checked against its manifest, as resuming does.
 
     Raises:
         FileNotFoundError: ``path`` does not exist or holds no model.
+        CheckpointError: a checkpoint's file is missing, truncated or altered.
     """
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"--model {p}: no such folder")
     if (p / "config.json").is_file():
+        if (p / STATE_FILE).is_file():
+            open_checkpoint(p, model_only=True)
         return p
     if (p / "checkpoints").is_dir():
         ckpt = find_checkpoint(p)
         if (ckpt / STATE_FILE).is_file():
-            return ckpt
+            return open_checkpoint(ckpt, model_only=True).path
     raise FileNotFoundError(
         f"--model {p}: neither a model folder (config.json) nor a run folder with checkpoints"
     )
@@ -238,7 +242,8 @@ def load_for_generation(
 
     Raises:
         FileNotFoundError, ValueError: a missing folder, unreadable or mismatched weights
-            (another model shape), a tokenizer larger than the model's vocabulary, a
+            (another model shape), a checkpoint whose files do not match its manifest
+            (``CheckpointError``), a tokenizer larger than the model's vocabulary, a
             budget too small.
     """
     policy = resolve_compute(device=device, precision=precision)

@@ -16,6 +16,7 @@ import json
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -96,6 +97,28 @@ def build_model(config, *, seed: int) -> nn.Module:
     return model
 
 
+def file_in(directory: Path, name: Any, *, listed_in: Path) -> Path:
+    """``directory / name`` for a file name read from ``listed_in`` (an index or manifest),
+    refused unless it is a plain name inside ``directory``: no folder part, no ``..``, not
+    absolute, so that a crafted index cannot make a loader read files elsewhere.
+
+    Raises:
+        ValueError: ``name`` is not a plain file name.
+    """
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or Path(name).name != name
+        or "\\" in name
+        or "\0" in name
+    ):
+        raise ValueError(
+            f"{listed_in} lists {name!r}, which is not a file name inside {directory}; "
+            "the folder is damaged or was not written by a trusted tool"
+        )
+    return directory / name
+
+
 def weight_files(directory: str | os.PathLike) -> list[Path]:
     """The safetensors files of a checkpoint folder: those of the index if there is one,
     else ``model.safetensors``, else every ``*.safetensors`` file.
@@ -110,9 +133,10 @@ def weight_files(directory: str | os.PathLike) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"{index} is not a valid safetensors index: {err}") from err
-        files = [d / name for name in sorted(set(weight_map.values()))]
+        files = [file_in(d, name, listed_in=index) for name in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(
@@ -286,6 +310,7 @@ __all__ = [
     "build_model",
     "check_weights",
     "count_parameters",
+    "file_in",
     "load_model",
     "meta_model",
     "model_config",

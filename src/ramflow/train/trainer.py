@@ -11,18 +11,23 @@ for fp16, ``opt.no_step()`` for the non-final micro-batches of gradient accumula
 ``ramflow.clip_grad_norm_`` and the model's own activation checkpointing.
 
 [Note: stopping and resuming]
-Ctrl-C (SIGINT) only sets a flag; the loop finishes the step in flight, writes a checkpoint
-and returns (a second Ctrl-C aborts at once, keeping the last checkpoint). A checkpoint
+Ctrl-C (SIGINT) and SIGTERM (what schedulers and containers send) only set a flag; the loop
+finishes the step in flight (and a save in flight), writes a checkpoint unless that step is
+already saved, and returns; the command exits 130 or 143 (a second signal aborts at once,
+keeping the last checkpoint). A checkpoint
 holds everything the next step depends on: fp32 master weights, optimizer states, the LR
 schedule, the GradScaler, RNG states and the data position (see [Note: data position] in
 ``data.py``). A resumed run therefore computes the same steps as the uninterrupted one:
 on the CPU, and on one GPU with the same settings, the loss curve and weights match bit
-for bit.
+for bit. A resumed run keeps the first run's LR schedule: a new ``--steps`` only moves
+where it stops (after the decay's end the LR stays at its floor), unless ``--decay-steps``
+is given anew.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import platform
@@ -44,8 +49,11 @@ import ramflow
 from .._plan import format_bytes
 from .checkpoint import (
     Checkpoint,
+    CheckpointError,
+    find_checkpoint,
     load_optimizer_state,
     open_checkpoint,
+    remove_stale_temporaries,
     restore_rng_state,
     save_checkpoint,
 )
@@ -71,7 +79,7 @@ class TrainResult:
         run_dir: the run folder.
         checkpoint: the last checkpoint written (None if none).
         steps_done: optimizer steps done in total (the resumed ones included).
-        interrupted: stopped early by Ctrl-C (or ``stop``).
+        interrupted: stopped early by Ctrl-C, SIGTERM or ``stop``.
         first_loss / last_loss: training loss of the first step of this run and the mean
             of its last ten steps.
         val_loss: the last validation loss (None if none ran).
@@ -80,6 +88,8 @@ class TrainResult:
         peak_gpu_bytes: ``torch.cuda.max_memory_allocated`` (None on the CPU).
         peak_host_bytes: peak resident memory of this process.
         summary: the summary table as printed.
+        stop_signal: the signal that stopped the run early (``signal.SIGINT`` or
+            ``signal.SIGTERM``), None when it finished or ``stop`` was set.
     """
 
     run_dir: Path
@@ -94,6 +104,7 @@ class TrainResult:
     peak_gpu_bytes: int | None
     peak_host_bytes: int
     summary: str
+    stop_signal: int | None = None
 
 
 def _peak_host_bytes() -> int:
@@ -114,10 +125,16 @@ def _new_run_dir() -> Path:
     return path
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextlib.contextmanager
-def _sigint_sets(stop: threading.Event, say: Callable[[str], None]) -> Iterator[None]:
-    """While inside, the first SIGINT sets ``stop``; the second raises KeyboardInterrupt.
-    See [Note: stopping and resuming]. Does nothing outside the main thread."""
+def _signals_stop(
+    stop: threading.Event, say: Callable[[str], None], received: list[int]
+) -> Iterator[None]:
+    """While inside, the first SIGINT or SIGTERM sets ``stop`` (and is appended to
+    ``received``); a second one raises KeyboardInterrupt. See [Note: stopping and
+    resuming]. Does nothing outside the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -125,16 +142,41 @@ def _sigint_sets(stop: threading.Event, say: Callable[[str], None]) -> Iterator[
     def handler(signum: int, frame: Any) -> None:
         if stop.is_set():
             raise KeyboardInterrupt
+        received.append(signum)
         stop.set()
         say(
-            "interrupted: finishing this step and saving a checkpoint (Ctrl-C again to abort without saving)"
+            f"interrupted ({signal.Signals(signum).name}): finishing this step and saving a "
+            "checkpoint (a second Ctrl-C or SIGTERM aborts without saving)"
         )
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {s: signal.signal(s, handler) for s in _STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler_before in previous.items():
+            signal.signal(s, handler_before)
+
+
+def _refuse_other_run(run_dir: Path | None, ckpt: Checkpoint | None) -> None:
+    """Refuse ``--out`` at a folder that holds a run other than the one resumed: starting
+    over in it would overwrite its checkpoints and mix its log.
+
+    Raises:
+        FileExistsError: ``run_dir`` holds ``run.json``, ``log.jsonl`` or ``checkpoints``.
+    """
+    if run_dir is None or not run_dir.is_dir():
+        return
+    if ckpt is not None and run_dir.resolve() == ckpt.run_dir.resolve():
+        return
+    if not any((run_dir / name).exists() for name in ("run.json", "log.jsonl", "checkpoints")):
+        return
+    try:
+        found = f" with a checkpoint at {find_checkpoint(run_dir)}"
+        hint = f"continue it with --resume {run_dir}, or give another --out to start a new run"
+    except CheckpointError:
+        found = " without a checkpoint"
+        hint = "give another --out, or delete the folder to start over in it"
+    raise FileExistsError(f"--out {run_dir} already holds a run{found}; {hint}")
 
 
 def _param_groups(
@@ -212,7 +254,8 @@ def train(
         progress: show the progress bar.
         stop: set it to stop after the current step (a checkpoint is written).
         on_step: called with each step's log record (for callers that watch the run).
-        handle_sigint: in the main thread, Ctrl-C stops after the current step and saves.
+        handle_sigint: in the main thread, Ctrl-C and SIGTERM stop after the current step
+            and save (see [Note: stopping and resuming]).
         log_to: loggers beside ``log.jsonl``: ``"tensorboard"`` (see ``RunReport``).
 
     Returns:
@@ -224,9 +267,10 @@ def train(
         CheckpointError: the checkpoint is missing, corrupt, truncated, or of another model.
         FileNotFoundError: a path that does not exist.
         MemoryError: the machine's RAM cannot hold the run.
+        FileExistsError: ``out`` holds another run (continue it with ``resume``).
         OSError: the disk cannot hold two checkpoints.
         ModuleNotFoundError: ``log_to`` names TensorBoard, which is not installed.
-        KeyboardInterrupt: a second Ctrl-C (the last checkpoint stays).
+        KeyboardInterrupt: a second Ctrl-C or SIGTERM (the last checkpoint stays).
         Nothing is written before these checks pass.
     """
     check_loggers(log_to)
@@ -234,9 +278,12 @@ def train(
     if ckpt is not None:
         resume_config(ckpt, **config.to_dict())  # refuses settings that would change the steps
     run_dir = Path(out) if out is not None else (ckpt.run_dir if ckpt is not None else None)
+    _refuse_other_run(run_dir, ckpt)
     setup = prepare_run(config, ckpt, run_dir)
     run_dir = run_dir if run_dir is not None else _new_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
+    # a save killed midway left hidden temporaries: see [Note: atomic checkpoints]
+    cleaned = remove_stale_temporaries(run_dir / "checkpoints")
     stop = stop if stop is not None else threading.Event()
     start_step = ckpt.step if ckpt is not None else 0
     report = RunReport(
@@ -247,10 +294,16 @@ def train(
         progress=progress,
         log_to=log_to,
     )
-    sigint = _sigint_sets(stop, report.message) if handle_sigint else contextlib.nullcontext()
+    if cleaned:
+        report.message(f"checkpoints: a save was cut short before; {'; '.join(cleaned)}")
+    received: list[int] = []
+    signals = (
+        _signals_stop(stop, report.message, received) if handle_sigint else contextlib.nullcontext()
+    )
     try:
-        with sigint:
-            return _train(config, setup, run_dir, report, stop, on_step)
+        with signals:
+            result = _train(config, setup, run_dir, report, stop, on_step)
+        return dataclasses.replace(result, stop_signal=received[0] if received else None)
     finally:
         report.close()
 
@@ -337,7 +390,7 @@ def _train(
         sched = make_scheduler(
             opt,
             warmup_steps=config.warmup_steps,
-            total_steps=config.steps,
+            total_steps=config.schedule_steps,
             min_lr_ratio=config.min_lr_ratio,
         )
         scaler = torch.amp.GradScaler(policy.device.type, enabled=policy.use_grad_scaler)
@@ -352,10 +405,11 @@ def _train(
             state = ckpt.state
             load_optimizer_state(ckpt, opt, param_names)
             sched.load_state_dict(dict(state["scheduler"]))
-            # the schedule may have a new length (--steps changed): the next LR follows it
+            # the schedule may have a new length (--decay-steps given anew): the next LR
+            # follows it; the same schedule gives the same value LambdaLR would
             fn = warmup_cosine(
                 warmup_steps=config.warmup_steps,
-                total_steps=config.steps,
+                total_steps=config.schedule_steps,
                 min_lr_ratio=config.min_lr_ratio,
             )
             for g, base in zip(opt.param_groups, sched.base_lrs):
@@ -433,7 +487,10 @@ def _loop(
     peak = peak_flops(policy.device, policy.compute_dtype)
     t_start = time.perf_counter()
 
+    saved_step = -1
+
     def save(step_now: int) -> Path:
+        nonlocal saved_step
         t0 = time.perf_counter()
         path = save_checkpoint(
             run_dir / "checkpoints",
@@ -465,6 +522,7 @@ def _loop(
                 "save_s": time.perf_counter() - t0,
             }
         )
+        saved_step = step_now
         return path
 
     val_step = 0
@@ -558,7 +616,8 @@ def _loop(
         val_loss = run_eval(step)
     if stop.is_set():
         interrupted = True
-    last_ckpt = save(step)
+    if last_ckpt is None or saved_step != step:  # a signal during a save: that one holds
+        last_ckpt = save(step)
     elapsed = time.perf_counter() - t_start
     done = step - first_step
     tps = done * config.tokens_per_step / train_time if train_time > 0 else 0.0
