@@ -80,7 +80,7 @@ __all__ = ["fused_adamw_step_", "native_kernel_available"]
 # The key holds every input of the build, so two environments on one machine (another
 # torch, another Python) use two files and never rebuild each other's, as they did when
 # torch's build folder, named by the source hash alone, was shared. A process finds its
-# file and loads it, or takes an exclusive ``flock`` on ``<name>.lock`` (the kernel drops
+# file and loads it, or takes an exclusive ``flock`` on ``<name>.lock`` (the OS drops
 # it when the holder dies, unlike torch's lock file, which a killed build leaves behind for
 # every later process to wait on forever), looks again, builds in ``<name>.build/`` and
 # renames the library into place (atomic: a reader sees the whole file or none). Processes
@@ -274,7 +274,7 @@ def _build() -> str:
         return path
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, f"{name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the kernel releases it if this process dies
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the OS releases it if this process dies
         if os.path.exists(path):  # another process built it while this one waited
             return path
         building = os.path.join(directory, f"{name}.build")
