@@ -14,11 +14,13 @@ import torch.nn.functional as F
 import dist_workers as W
 from ramflow._dist import STORE_FILE, create_store_file
 
+LR = 1e-2  # train_offload's and reference_run's AdamW
+
 
 def reference_run(clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain PyTorch on the whole global batch: the single-process truth."""
     model = W.reference_model(seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     losses = []
     for x, y in W.batches():
         loss = F.mse_loss(model(x), y)
@@ -51,7 +53,7 @@ def _nccl(world_size: int):
 )
 def test_zero_offload_equals_single_process(tmp_path, zero_stage, world_size, backend):
     """ZeRO-1/2 over 2 and 4 ranks computes the loss curve and final weights of one
-    process on the same global batch (fp32 tolerance: only the summation order differs)."""
+    process on the same global batch, but for the rounding of another summation order."""
     results = W.run(
         W.train_offload,
         world_size,
@@ -66,8 +68,21 @@ def test_zero_offload_equals_single_process(tmp_path, zero_stage, world_size, ba
         assert r["losses"] == pytest.approx(ref_losses, rel=rtol, abs=atol)
     state = results[0]["state"]
     assert state.keys() == ref_state.keys()
+    if backend != "gloo":
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=rtol, atol=atol, msg=k)
+        return
+    # AdamW divides each gradient element by its own running RMS: an element whose gradient
+    # is a near-cancelling sum (4 ranks, 4 steps, seed 0: blocks.3.up.weight[2601] gets
+    # -1.2e-7 from shares of about 1e-3 at step 1) takes another summation order's rounding
+    # at 1e-3 relative into its update, and ends 4.5e-6 apart in a weight of 0.025. So, as
+    # in tests/test_examples.py: each tensor to 1e-5 in relative L2 norm, any element to a
+    # tenth of lr; a missed, doubled or stale step is off by far more.
     for k, v in ref_state.items():
-        torch.testing.assert_close(state[k], v, rtol=rtol, atol=atol, msg=k)
+        relative = ((state[k] - v).norm() / v.norm()).item()
+        assert relative <= 1e-5, (k, relative)
+        worst = (state[k] - v).abs().max().item()
+        assert worst <= 0.1 * LR, (k, worst)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
