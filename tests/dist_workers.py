@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import ramflow
 from models import MLPStack
+from ramflow._dist import STORE_FILE
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -75,6 +76,8 @@ def run(fn, world_size: int, options: dict, *, timeout: float = 120.0) -> list[d
 
 def _entry(fn, rank: int, world_size: int, options: dict) -> None:
     torch.set_num_threads(1)
+    if "shm_dir" in options:  # where the shared host store puts its files
+        os.environ["RAMFLOW_SHM_DIR"] = options["shm_dir"]
     backend = options.get("backend", "gloo")
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -98,12 +101,14 @@ def _device(rank: int, options: dict) -> torch.device:
     return torch.device("cuda", rank) if options.get("backend") == "nccl" else torch.device("cpu")
 
 
-def _shared_bytes(pattern: str) -> dict[str, int]:
-    """Resident bytes of this process's mappings whose path contains ``pattern``:
-    rss, pss (rss divided among the processes sharing each page) and private."""
+def _store_bytes() -> dict[str, int]:
+    """Resident bytes of this process's mappings of the shared host store's files (named
+    as ``ramflow._dist.STORE_FILE``): rss, pss (rss divided among the processes sharing
+    each page) and private."""
     rss = pss = private = 0
     for m in psutil.Process().memory_maps(grouped=True):
-        if pattern in m.path:
+        name = os.path.basename(m.path).removesuffix(" (deleted)")
+        if STORE_FILE.fullmatch(name):
             rss += m.rss
             pss += m.pss
             private += m.private_clean + m.private_dirty
@@ -137,7 +142,24 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
         dist.all_reduce(total)
         losses.append(total.item() / world_size)
     ramflow.synchronize(model)
-    memory = _shared_bytes("ramflow-")  # after every rank has read every page
+    memory = _store_bytes()  # after every rank has read every page
     memory["uss"] = psutil.Process().memory_full_info().uss
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return {"losses": losses, "state": state if rank == 0 else None, "memory": memory}
+
+
+def offload_failing_in_set_up(rank: int, world_size: int, options: dict) -> dict:
+    """``ramflow.offload(model, zero_stage=2)`` whose set-up fails right after the leader
+    has created its shared-memory files, at the barrier that follows: the barrier raises
+    (``options["fail"] == "raise"``) or the process dies on the spot (``"exit"``, as under
+    SIGKILL: no Python code runs)."""
+
+    def failing_barrier(*args, **kwargs):
+        if options["fail"] == "exit":
+            os._exit(3)
+        raise RuntimeError("the set-up barrier failed (injected by the test)")
+
+    dist.barrier = failing_barrier
+    model = reference_model(seed=rank)
+    ramflow.offload(model, device=torch.device("cpu"), zero_stage=2, wire_dtype=torch.bfloat16)
+    return {}

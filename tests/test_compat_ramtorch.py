@@ -132,20 +132,53 @@ def test_names_of_ramtorch():
 
 
 @pytest.mark.parametrize(
-    "fn,args,kwargs",
+    "fn,args,kwargs,bound",
     [
-        # RamTorch's own signatures, with its parameter names (ramtorch/zero1.py, zero2.py)
-        (create_zero_param_groups, ("param_groups", 2), {}),
-        (create_zero_param_groups, (), {"param_groups": [], "world_size": 2}),
-        (broadcast_zero_params, ("rank_param_groups",), {"async_op": True}),
-        (setup_grad_sharding_hooks, ("rank_param_groups", 0), {}),
-        (setup_grad_sharding_hooks, (), {"rank_param_groups": {}, "current_rank": 0}),
-        (replace_linear_with_ramtorch, ("model", 0), {}),
-        (replace_linear_with_ramtorch, ("model",), {"device": "cuda"}),
+        # RamTorch's own signatures, with its parameter names (ramtorch/zero1.py, zero2.py):
+        # each call binds its values to the parameters RamTorch's code means them for
+        (create_zero_param_groups, ("g", 2), {}, {"param_groups": "g", "world_size": 2}),
+        (
+            create_zero_param_groups,
+            (),
+            {"param_groups": [], "world_size": 2},
+            {"param_groups": [], "world_size": 2},
+        ),
+        (
+            broadcast_zero_params,
+            ("groups",),
+            {"async_op": False},
+            {"rank_param_groups": "groups", "async_op": False},
+        ),
+        (
+            setup_grad_sharding_hooks,
+            ("groups", 1),
+            {},
+            {"rank_param_groups": "groups", "current_rank": 1},
+        ),
+        (
+            setup_grad_sharding_hooks,
+            (),
+            {"rank_param_groups": {}, "current_rank": 0},
+            {"rank_param_groups": {}, "current_rank": 0},
+        ),
+        (replace_linear_with_ramtorch, ("model", 1), {}, {"module": "model", "device": 1}),
+        (
+            replace_linear_with_ramtorch,
+            ("model",),
+            {"device": "cuda"},
+            {"module": "model", "device": "cuda"},
+        ),
+        (replace_linear_with_ramtorch, ("model",), {"rank": 1}, {"module": "model", "rank": 1}),
     ],
 )
-def test_signatures_accept_ramtorch_arguments(fn, args, kwargs):
-    inspect.signature(fn).bind(*args, **kwargs)
+def test_signatures_accept_ramtorch_arguments(fn, args, kwargs, bound):
+    assert inspect.signature(fn).bind(*args, **kwargs).arguments == bound
+
+
+def test_signature_defaults_are_ramtorch_s():
+    """What a RamTorch call that leaves them out gets: async broadcasts, CUDA layers."""
+    assert inspect.signature(broadcast_zero_params).parameters["async_op"].default is True
+    assert inspect.signature(replace_linear_with_ramtorch).parameters["device"].default == "cuda"
 
 
 def test_linear_with_cuda_device_builds_without_cuda():
@@ -181,7 +214,17 @@ def test_adamw_refuses_gradient_centralization():
 
 
 def test_replace_linear_with_ramtorch_rank_keyword_of_the_readme():
-    replace_linear_with_ramtorch(nn.Sequential(nn.Linear(4, 4)), rank=0)
+    """``replace_linear_with_ramtorch(model, rank=0)`` converts in place onto CUDA device 0
+    (the CPU without CUDA), keeping the outputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    want = model(x)
+    assert replace_linear_with_ramtorch(model, rank=0) is model
+    assert isinstance(model[0], Linear) and isinstance(model[2], Linear)
+    expected = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert model[0].device == expected and model[2].device == expected
+    torch.testing.assert_close(model(x.to(expected)).cpu(), want)
 
 
 def test_linear_positional_order_and_skip_init_of_ramtorch():

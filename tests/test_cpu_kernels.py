@@ -9,7 +9,16 @@ pure-PyTorch path used without a compiler (``impl="torch"``).
 from __future__ import annotations
 
 import itertools
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from torch.optim import adam as torch_adam
@@ -435,3 +444,120 @@ def test_weight_decay_factor_rounding(impl):
         reference_step(ref, grad, step=1, **hyper)
         run(impl, ours[0], grad, ours[1], ours[2], step=1, **hyper)
         assert_bits_equal(ours[0], ref[0], "param")
+
+
+# ---------------------------------------------------------------------- the build cache
+
+KEY_FIELDS = dict(
+    source="int f() { return 1; }",
+    cflags=("-O3",),
+    ldflags=("-fopenmp",),
+    torch_version="2.13.0",
+    torch_git_version="abc",
+    python_tag="cpython-311",
+    machine="x86_64",
+    compiler="c++",
+)
+
+
+def test_build_key_changes_with_every_input_of_the_build():
+    """Two environments that differ in any input (another torch, Python, flag, compiler or
+    source) get two keys, hence two cached libraries; the same inputs get the same key."""
+    base = _cpu_kernels.build_key(**KEY_FIELDS)
+    assert base == _cpu_kernels.build_key(**dict(KEY_FIELDS))
+    changes = dict(
+        source="int f() { return 2; }",
+        cflags=("-O2",),
+        ldflags=(),
+        torch_version="2.12.0",
+        torch_git_version="abd",
+        python_tag="cpython-312",
+        machine="aarch64",
+        compiler="clang++",
+    )
+    keys = {base}
+    for name, value in changes.items():
+        keys.add(_cpu_kernels.build_key(**{**KEY_FIELDS, name: value}))
+    assert len(keys) == 1 + len(changes)
+    assert _cpu_kernels.build_key(**{**KEY_FIELDS, "cflags": ("-O3", "-g")}) != base
+
+
+def test_kernel_source_is_package_data():
+    source = _cpu_kernels._read_source()
+    assert 'extern "C" int ramflow_fused_adamw_step(const Args* args)' in source
+
+
+LOAD_KERNEL = (
+    "from ramflow import _cpu_kernels as k; "
+    "ok = k.native_kernel_available(); print(ok, k._NATIVE.reason); raise SystemExit(not ok)"
+)
+
+
+def _kernel_process(cache: Path, **env: str) -> subprocess.Popen:
+    """A fresh Python that builds (or loads) the kernel with ``cache`` as the extensions
+    directory; it exits 0 once the native kernel runs."""
+    src = str(Path(_cpu_kernels.__file__).parents[1])
+    full_env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(cache), "PYTHONPATH": src, **env}
+    full_env.pop("RAMFLOW_DISABLE_CPU_KERNELS", None)
+    return subprocess.Popen(
+        [sys.executable, "-c", LOAD_KERNEL],
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, to kill it with its compilers
+    )
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=300)  # a build takes seconds; a stale lock, forever
+    assert proc.returncode == 0, out
+    return out
+
+
+needs_compiler = pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64") or shutil.which("c++") is None,
+    reason="the native kernel builds on x86-64 with a C++ compiler",
+)
+
+
+@needs_compiler
+def test_processes_starting_at_once_both_run_and_environments_keep_their_builds(tmp_path):
+    """Two processes that start at once on an empty cache both get the native kernel
+    (one builds, the other waits and loads it). A second environment (here another
+    compiler) builds its own library beside it and leaves the first one's untouched."""
+    procs = [_kernel_process(tmp_path), _kernel_process(tmp_path)]
+    for p in procs:
+        _finish(p)
+    cache = tmp_path / "ramflow"  # see [Note: the kernel's build cache]
+    first = sorted(cache.glob("*.so"))
+    assert len(first) == 1, sorted(cache.iterdir())
+    assert not list(cache.glob("*.build"))  # nothing half-built left
+    before = first[0].stat()
+    _finish(_kernel_process(tmp_path, CXX="g++"))
+    _finish(_kernel_process(tmp_path))  # the first environment again
+    libs = sorted(cache.glob("*.so"))
+    assert len(libs) == 2 and first[0] in libs
+    after = first[0].stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+@needs_compiler
+def test_a_build_killed_half_way_does_not_block_the_next_process(tmp_path):
+    """A process killed while its compiler runs (with the compiler) leaves no lock that
+    the next process waits on: the next one builds and runs."""
+    proc = _kernel_process(tmp_path)
+    compilers = {"ninja", "c++", "g++", "cc1plus", "as", "ld", "collect2"}
+    deadline = time.monotonic() + 240
+    try:
+        while not any(
+            child.name() in compilers for child in psutil.Process(proc.pid).children(recursive=True)
+        ):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no compiler started within 240 s"
+            time.sleep(0.05)
+    except psutil.NoSuchProcess:
+        pytest.fail(f"the build ended before it could be killed: {proc.communicate()}")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert "True" in _finish(_kernel_process(tmp_path))

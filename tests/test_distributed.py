@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 
+import psutil
 import pytest
 import torch
 import torch.nn.functional as F
 
 import dist_workers as W
+from ramflow._dist import STORE_FILE, create_store_file
+
+LR = 1e-2  # train_offload's and reference_run's AdamW
 
 
 def reference_run(clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain PyTorch on the whole global batch: the single-process truth."""
     model = W.reference_model(seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     losses = []
     for x, y in W.batches():
         loss = F.mse_loss(model(x), y)
@@ -47,7 +53,7 @@ def _nccl(world_size: int):
 )
 def test_zero_offload_equals_single_process(tmp_path, zero_stage, world_size, backend):
     """ZeRO-1/2 over 2 and 4 ranks computes the loss curve and final weights of one
-    process on the same global batch (fp32 tolerance: only the summation order differs)."""
+    process on the same global batch, but for the rounding of another summation order."""
     results = W.run(
         W.train_offload,
         world_size,
@@ -132,3 +138,62 @@ def test_zero_clipping_uses_the_global_norm(tmp_path, zero_stage):
     # that ~1e-7 relative difference into up to ~1e-5 in the weights after four steps.
     for k, v in ref_state.items():
         torch.testing.assert_close(results[0]["state"][k], v, rtol=1e-4, atol=2e-5, msg=k)
+
+
+# ------------------------------------------------------------ the shared host store's files
+
+
+def _store_files(directory) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if STORE_FILE.fullmatch(name))
+
+
+def test_set_up_that_fails_unlinks_its_shared_memory_files(tmp_path):
+    """The leader's set-up raises after it created its files: none is left behind."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    options = {"out": str(tmp_path / "run"), "shm_dir": str(shm), "fail": "raise"}
+    results = W.run(W.offload_failing_in_set_up, 1, options)
+    assert "injected by the test" in results[0].get("error", ""), results[0]
+    assert os.listdir(shm) == []
+
+
+def test_files_of_a_leader_that_died_go_at_the_next_offload(tmp_path):
+    """A leader killed during set-up (no Python runs) leaves its files, named with its PID;
+    the next offload on the host removes them, and nothing else: not a live process's
+    files, not another host's, not a file of another name."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    options = {"out": str(tmp_path / "died"), "shm_dir": str(shm), "fail": "exit"}
+    assert W.run(W.offload_failing_in_set_up, 1, options) == [{"exitcode": 3}]
+    left = _store_files(shm)
+    assert {name.rsplit(".", 1)[1] for name in left} == {"master", "wire"}, left
+    dead = int(STORE_FILE.fullmatch(left[0])["pid"])
+    assert not psutil.pid_exists(dead)
+    token, host = "0" * 32, socket.gethostname()
+    keep = [
+        f"ramflow-{os.getpid()}-{token}-{host}-0.master",  # a live process's
+        f"ramflow-{dead}-{token}-not-{host}-0.master",  # another host's, same tmpfs
+        f"ramflow-{dead}-notes.txt",  # not the store's naming
+    ]
+    for name in keep:
+        (shm / name).write_bytes(b"not ramflow's to remove")
+    options = {"out": str(tmp_path / "next"), "shm_dir": str(shm), "zero_stage": 2}
+    _check_ok(W.run(W.train_offload, 1, options))
+    assert sorted(os.listdir(shm)) == sorted(keep)
+    assert all((shm / name).read_bytes() == b"not ramflow's to remove" for name in keep)
+
+
+def test_store_file_is_created_exclusively(tmp_path):
+    """O_EXCL: an existing file of the same name is refused and left as it was."""
+    path = tmp_path / f"ramflow-1-{'0' * 32}-{socket.gethostname()}-0.master"
+    path.write_bytes(b"someone else's")
+    with pytest.raises(FileExistsError):
+        create_store_file(str(path), 4, torch.float32)
+    assert path.read_bytes() == b"someone else's"
+    fresh = create_store_file(str(tmp_path / "fresh"), 4, torch.bfloat16)
+    assert fresh.dtype == torch.bfloat16 and fresh.shape == (4,) and not fresh.any()
+    assert (tmp_path / "fresh").stat().st_size == 8
+    fresh.fill_(1.0)  # shared: the file holds what the tensor holds
+    assert torch.equal(
+        torch.from_file(str(tmp_path / "fresh"), size=4, dtype=torch.bfloat16), fresh
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ramflow._plan import PlanTiming, make_plan
+from ramflow._plan import PlanTiming, make_plan, parse_bytes
 from ramflow._predict import Rates
 
 MB = 1_000_000
@@ -105,3 +105,32 @@ def test_without_timing_nothing_changes() -> None:
     assert plan.resident == (*[f"layers.{i}" for i in range(6, N)], "head")
     assert "predicted" not in plan.describe()
     assert "predicted step" in _plan(5000 * MB, _timing()).describe()
+
+
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        (float("nan"), "finite"),
+        (float("inf"), "finite"),
+        (-float("inf"), "finite"),
+        ("nan", "finite"),
+        ("inf GiB", "finite"),
+        ("Infinity", "finite"),
+        ("-12GiB", "negative"),
+        ("- 1 MB", "negative"),
+        (-1, "negative"),
+        (-0.5, "negative"),
+        ("12 parsecs", "cannot read"),
+    ],
+)
+def test_parse_bytes_refuses_sizes_that_are_not_finite_or_negative(value, says):
+    """NaN and infinity once crashed in int() (or were read as no size at all), and a
+    negative string was called unreadable: each error now names what is wrong."""
+    with pytest.raises(ValueError, match=f"gpu_memory: .*{says}"):
+        parse_bytes(value)
+
+
+def test_parse_bytes_reads_signed_and_spaced_sizes():
+    assert parse_bytes("+1.5 GiB") == 3 * 2**29
+    assert parse_bytes(" 512MiB ") == 512 * 2**20
+    assert parse_bytes(12.0) == 12

@@ -10,27 +10,40 @@ wire copy), and its results are bit-identical to PyTorch's.
 
 See [Note: matching PyTorch's fused AdamW bit for bit] for how.
 
-The C++ source below is compiled on first use with ``torch.utils.cpp_extension.load_inline``
-(about 6 s on a 2-core machine, 2 s on a 16-core one; a PyTorch without ``load_inline``'s
-``no_implicit_headers`` adds torch/extension.h and takes a minute; cached in torch's
-extensions directory, normally ``~/.cache/torch_extensions``, keyed by a hash of the source). It is built without ``-march=native``, so a cached build is
-portable between machines sharing a home directory: its AVX2/FMA/F16C loop is compiled
-with a per-function target and chosen at run time from CPUID. When no compiler is
-available, the build fails, the CPU is not x86-64, the native kernel does not reproduce
-PyTorch on a probe at load time, or ``RAMFLOW_DISABLE_CPU_KERNELS=1`` is set, the same
-results come from a pure-PyTorch path (three passes, one warning, never an error).
+The C++ source, ``_cpu_kernels.cpp`` (package data beside this module, read with
+``importlib.resources``), is compiled on first use with torch's
+``torch.utils.cpp_extension.load_inline`` (about 6 s on a 2-core machine, 2 s on a 16-core
+one; a PyTorch without ``load_inline``'s ``no_implicit_headers`` adds torch/extension.h and
+takes a minute). It is built without ``-march=native``, so a cached build is portable
+between machines sharing a home directory: its AVX2/FMA/F16C loop is compiled with a
+per-function target and chosen at run time from CPUID. When no compiler is available, the
+build fails, the CPU is not x86-64, the native kernel does not reproduce PyTorch on a probe
+at load time, or ``RAMFLOW_DISABLE_CPU_KERNELS=1`` is set, the same results come from a
+pure-PyTorch path (three passes, one warning, never an error).
+
+Build cache: ``$TORCH_EXTENSIONS_DIR/ramflow/`` when that is set, else
+``~/.cache/torch_extensions/ramflow/`` (torch's default extensions root), one library
+``ramflow_cpu_kernels_<key>.so`` per key. The key (``build_key``, 16 hex digits of a
+SHA-256) covers everything that changes the library: the .cpp text, the compiler and linker
+flags, torch's version and git commit, the Python implementation and ABI tag, the machine
+and ``$CXX``. Delete the folder to force a rebuild. See [Note: the kernel's build cache].
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.resources
 import inspect
+import json
 import operator
 import os
 import platform
+import shutil
+import sys
 import threading
 import warnings
+from collections.abc import Sequence
 
 import torch
 
@@ -62,322 +75,16 @@ __all__ = ["fused_adamw_step_", "native_kernel_available"]
 # arithmetic depends on how it was compiled, the native kernel is checked against
 # ``torch._fused_adamw_`` on a probe when it is loaded and is not used if they differ.
 
-_CPP_SOURCE = r"""
-// ramflow: fused AdamW step over flat fp32 host buffers. See _cpu_kernels.py,
-// [Note: matching PyTorch's fused AdamW bit for bit]. Compile with -ffp-contract=off:
-// every fused multiply-add here is deliberate and every other one would break exactness.
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define RAMFLOW_X86 1
-#endif
-
-namespace {
-
-enum DType : int32_t { kNone = 0, kF32 = 1, kBF16 = 2, kF16 = 3 };
-
-// Mirrored by _Args (ctypes) in _cpu_kernels.py; keep both in the same order.
-struct Args {
-  float* param;
-  const void* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
-  float* accumulate;  // may be null
-  float* grad_out;    // may be null; unused when accumulate is given
-  void* wire_out;     // may be null
-  int64_t n;
-  int64_t step;
-  double lr, beta1, beta2, eps, weight_decay, grad_scale;
-  int32_t grad_dtype;
-  int32_t wire_dtype;
-  int32_t torch_fma;        // PyTorch's kernel fuses multiply-adds (its AVX2 build)
-  int32_t torch_vec_width;  // elements per vector in PyTorch's kernel (8)
-  int32_t streaming;        // 1: non-temporal stores for write-only outputs, 0: never, -1: auto
-  int32_t force_scalar;     // 1: skip the SIMD loop (tests)
-  int32_t num_threads;      // threads of the step; <= 0: ATen's (torch.get_num_threads())
-};
-
-// The per-call constants, in float, computed exactly as PyTorch computes them.
-struct Coeffs {
-  float decay;
-  bool apply_decay;
-  float lerp_coeff;  // w if lerp_small else w - 1
-  bool lerp_small;
-  float beta2;
-  float one_minus_beta2;
-  float bc2_sqrt;
-  float eps;
-  float neg_step_size;
-  float grad_scale;
-  bool apply_scale;
-  bool fma;
-};
-
-Coeffs make_coeffs(const Args& a) {
-  Coeffs c;
-  // PyTorch reads the step with state_step.item<float>().
-  const double step = static_cast<double>(static_cast<float>(a.step));
-  const double bias_correction1 = 1 - std::pow(a.beta1, step);
-  const double bias_correction2 = 1 - std::pow(a.beta2, step);
-  const double step_size = a.lr / bias_correction1;
-  c.fma = a.torch_fma != 0;
-  c.apply_decay = a.weight_decay != 0.0;
-  c.decay = static_cast<float>(c.fma ? std::fma(-a.lr, a.weight_decay, 1.0) : 1 - a.lr * a.weight_decay);
-  const float w = static_cast<float>(1 - a.beta1);
-  c.lerp_small = std::abs(w) < 0.5f;
-  c.lerp_coeff = c.lerp_small ? w : w - 1.0f;
-  c.beta2 = static_cast<float>(a.beta2);
-  c.one_minus_beta2 = static_cast<float>(1 - a.beta2);
-  c.bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
-  c.eps = static_cast<float>(a.eps);
-  c.neg_step_size = -static_cast<float>(step_size);
-  c.grad_scale = static_cast<float>(a.grad_scale);
-  c.apply_scale = a.grad_scale != 1.0;
-  return c;
-}
-
-inline float grad_at(const Args& a, int64_t i) {
-  switch (a.grad_dtype) {
-    case kBF16: return static_cast<float>(static_cast<const c10::BFloat16*>(a.grad)[i]);
-    case kF16: return static_cast<float>(static_cast<const c10::Half*>(a.grad)[i]);
-    default: return static_cast<const float*>(a.grad)[i];
-  }
-}
-
-// One element. `tail` selects PyTorch's scalar-tail arithmetic (the last n % 8 elements).
-inline void step_scalar(const Args& a, const Coeffs& c, int64_t i, bool tail) {
-  float g = grad_at(a, i);
-  if (a.accumulate) g = a.accumulate[i] + g;
-  if (c.apply_scale) g = g * c.grad_scale;
-  if (a.accumulate) {
-    a.accumulate[i] = g;
-  } else if (a.grad_out) {
-    a.grad_out[i] = g;
-  }
-  float p = a.param[i];
-  if (c.apply_decay) p = p * c.decay;
-  float m = a.exp_avg[i];
-  const float d = g - m;
-  const float base = c.lerp_small ? m : g;
-  m = c.fma ? std::fma(c.lerp_coeff, d, base) : c.lerp_coeff * d + base;
-  float v = a.exp_avg_sq[i];
-  const float cg = c.one_minus_beta2 * g;
-  if (!c.fma) {
-    v = v * c.beta2 + cg * g;
-  } else if (tail) {
-    v = std::fma(v, c.beta2, cg * g);
-  } else {
-    v = std::fma(g, cg, v * c.beta2);
-  }
-  const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
-  p = p + (c.neg_step_size * m) / denom;
-  a.exp_avg[i] = m;
-  a.exp_avg_sq[i] = v;
-  a.param[i] = p;
-  if (a.wire_dtype == kBF16) {
-    static_cast<c10::BFloat16*>(a.wire_out)[i] = c10::BFloat16(p);  // round to nearest even
-  } else if (a.wire_dtype == kF16) {
-    static_cast<c10::Half*>(a.wire_out)[i] = c10::Half(p);
-  }
-}
-
-#if RAMFLOW_X86
-// A per-function target rather than -mavx2 for the whole file: the build stays portable
-// and the loop is picked at run time (cpu_has_avx2).
-#define RAMFLOW_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-template <int kGrad>
-RAMFLOW_AVX2 inline __m256 load_grad8(const void* grad, int64_t i) {
-  if constexpr (kGrad == kBF16) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  } else if constexpr (kGrad == kF16) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
-    return _mm256_cvtph_ps(h);
-  } else {
-    return _mm256_loadu_ps(static_cast<const float*>(grad) + i);
-  }
-}
-
-// float -> bfloat16, round to nearest even like c10::BFloat16(float); NaN -> 0x7FC0.
-RAMFLOW_AVX2 inline __m128i to_bf16_8(__m256 x) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
-// [begin, end): a multiple of 8 elements, all in PyTorch's vector loop.
-template <int kGrad, int kWire>
-RAMFLOW_AVX2 void step_avx2(const Args& a, const Coeffs& c, int64_t begin, int64_t end, bool stream_wire, bool stream_grad) {
-  const __m256 decay = _mm256_set1_ps(c.decay);
-  const __m256 lerp_coeff = _mm256_set1_ps(c.lerp_coeff);
-  const __m256 beta2 = _mm256_set1_ps(c.beta2);
-  const __m256 one_minus_beta2 = _mm256_set1_ps(c.one_minus_beta2);
-  const __m256 bc2_sqrt = _mm256_set1_ps(c.bc2_sqrt);
-  const __m256 eps = _mm256_set1_ps(c.eps);
-  const __m256 neg_step_size = _mm256_set1_ps(c.neg_step_size);
-  const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
-  for (int64_t i = begin; i < end; i += 8) {
-    __m256 g = load_grad8<kGrad>(a.grad, i);
-    if (a.accumulate) g = _mm256_add_ps(_mm256_loadu_ps(a.accumulate + i), g);
-    if (c.apply_scale) g = _mm256_mul_ps(g, grad_scale);
-    if (a.accumulate) {
-      _mm256_storeu_ps(a.accumulate + i, g);
-    } else if (a.grad_out) {
-      if (stream_grad) {
-        _mm256_stream_ps(a.grad_out + i, g);
-      } else {
-        _mm256_storeu_ps(a.grad_out + i, g);
-      }
-    }
-    __m256 p = _mm256_loadu_ps(a.param + i);
-    if (c.apply_decay) p = _mm256_mul_ps(p, decay);
-    __m256 m = _mm256_loadu_ps(a.exp_avg + i);
-    const __m256 d = _mm256_sub_ps(g, m);
-    const __m256 base = c.lerp_small ? m : g;
-    __m256 v = _mm256_loadu_ps(a.exp_avg_sq + i);
-    const __m256 cg = _mm256_mul_ps(one_minus_beta2, g);
-    if (c.fma) {
-      m = _mm256_fmadd_ps(lerp_coeff, d, base);
-      v = _mm256_fmadd_ps(g, cg, _mm256_mul_ps(v, beta2));
-    } else {
-      m = _mm256_add_ps(_mm256_mul_ps(lerp_coeff, d), base);
-      v = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(cg, g));
-    }
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
-    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
-    _mm256_storeu_ps(a.exp_avg + i, m);
-    _mm256_storeu_ps(a.exp_avg_sq + i, v);
-    _mm256_storeu_ps(a.param + i, p);
-    if constexpr (kWire != kNone) {
-      __m128i h;
-      if constexpr (kWire == kBF16) {
-        h = to_bf16_8(p);
-      } else {
-        h = _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      }
-      __m128i* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.wire_out) + i);
-      if (stream_wire) {
-        _mm_stream_si128(dst, h);
-      } else {
-        _mm_storeu_si128(dst, h);
-      }
-    }
-  }
-  if (stream_wire || stream_grad) _mm_sfence();
-}
-
-using Avx2Fn = void (*)(const Args&, const Coeffs&, int64_t, int64_t, bool, bool);
-
-template <int kGrad>
-Avx2Fn pick_wire(int wire) {
-  switch (wire) {
-    case kBF16: return &step_avx2<kGrad, kBF16>;
-    case kF16: return &step_avx2<kGrad, kF16>;
-    default: return &step_avx2<kGrad, kNone>;
-  }
-}
-
-Avx2Fn pick_avx2(int grad, int wire) {
-  switch (grad) {
-    case kBF16: return pick_wire<kBF16>(wire);
-    case kF16: return pick_wire<kF16>(wire);
-    default: return pick_wire<kF32>(wire);
-  }
-}
-
-bool cpu_has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c");
-  return ok;
-}
-#endif  // RAMFLOW_X86
-
-// Non-temporal stores skip the read-for-ownership of write-only outputs, but only pay off
-// when the buffers do not fit in the caches anyway.
-constexpr int64_t kStreamingMinElements = int64_t(1) << 21;
-// Work items of 64 elements: every thread's range starts on a cache line of every buffer
-// whose base is cache-line aligned.
-constexpr int64_t kBlock = 64;
-constexpr int64_t kGrainBlocks = 256;
-
-}  // namespace
-
-extern "C" int ramflow_simd_level() {
-#if RAMFLOW_X86
-  return cpu_has_avx2() ? 2 : 0;
-#else
-  return 0;
-#endif
-}
-
-extern "C" int ramflow_fused_adamw_step(const Args* args) {
-  const Args a = *args;
-  if (a.n <= 0) return 0;
-  const Coeffs c = make_coeffs(a);
-  const int64_t width = std::max<int32_t>(a.torch_vec_width, 1);
-  const int64_t tail_start = a.n - a.n % width;
-  bool use_simd = false;
-  bool stream_wire = false;
-  bool stream_grad = false;
-#if RAMFLOW_X86
-  Avx2Fn simd = nullptr;
-  if (!a.force_scalar && width % 8 == 0 && cpu_has_avx2()) {
-    use_simd = true;
-    simd = pick_avx2(a.grad_dtype, a.wire_dtype);
-    const bool big = a.streaming > 0 || (a.streaming < 0 && a.n >= kStreamingMinElements);
-    stream_wire = big && a.wire_out && reinterpret_cast<uintptr_t>(a.wire_out) % 16 == 0;
-    stream_grad = big && a.grad_out && !a.accumulate && reinterpret_cast<uintptr_t>(a.grad_out) % 32 == 0;
-  }
-#endif
-  const int64_t num_blocks = (a.n + kBlock - 1) / kBlock;
-  auto body = [&](int64_t block_begin, int64_t block_end) {
-    const int64_t begin = block_begin * kBlock;
-    const int64_t end = std::min(block_end * kBlock, a.n);
-    int64_t i = begin;
-#if RAMFLOW_X86
-    if (use_simd) {
-      const int64_t simd_end = begin + (std::min(end, tail_start) - begin) / 8 * 8;
-      if (simd_end > begin) simd(a, c, begin, simd_end, stream_wire, stream_grad);
-      i = std::max(begin, simd_end);
-    }
-#endif
-    for (; i < end; ++i) step_scalar(a, c, i, i >= tail_start);
-  };
-  // [Note: dynamic work sharing] Each thread takes kGrainBlocks blocks at a time from a
-  // shared counter, so a thread that the OS deschedules (the training loop's own thread,
-  // the CUDA driver's) holds up one chunk, not a sixteenth of the unit as with
-  // at::parallel_for's one range per thread (10-15% slower on the GPU box, alone and in a
-  // training step: benchmarks/results/2026-11-22-nvidia-h200-optimizer-threads).
-  const int threads = a.num_threads > 0 ? a.num_threads : at::get_num_threads();
-  const int team = static_cast<int>(std::min<int64_t>(threads, (num_blocks + kGrainBlocks - 1) / kGrainBlocks));
-  if (team <= 1) {
-    body(0, num_blocks);
-    return 0;
-  }
-  std::atomic<int64_t> next{0};
-#pragma omp parallel num_threads(team)
-  {
-    for (;;) {
-      const int64_t b = next.fetch_add(kGrainBlocks, std::memory_order_relaxed);
-      if (b >= num_blocks) break;
-      body(b, std::min(b + kGrainBlocks, num_blocks));
-    }
-  }
-  return 0;
-}
-"""
+# [Note: the kernel's build cache]
+# The key holds every input of the build, so two environments on one machine (another
+# torch, another Python) use two files and never rebuild each other's, as they did when
+# torch's build folder, named by the source hash alone, was shared. A process finds its
+# file and loads it, or takes an exclusive ``flock`` on ``<name>.lock`` (the OS drops
+# it when the holder dies, unlike torch's lock file, which a killed build leaves behind for
+# every later process to wait on forever), looks again, builds in ``<name>.build/`` and
+# renames the library into place (atomic: a reader sees the whole file or none). Processes
+# that start at once all run: one builds, the others wait for the lock and load its file.
 
 _ENV_DISABLE = "RAMFLOW_DISABLE_CPU_KERNELS"
 
@@ -392,7 +99,7 @@ _WIRE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class _Args(ctypes.Structure):
-    """The C ``Args`` struct of ``_CPP_SOURCE``, field for field."""
+    """The C ``Args`` struct of ``_cpu_kernels.cpp``, field for field."""
 
     _fields_ = [
         ("param", ctypes.c_void_p),
@@ -488,31 +195,117 @@ class _NativeKernel:
 _NATIVE = _NativeKernel()
 
 
+_SOURCE = "_cpu_kernels.cpp"  # package data beside this module
+_CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+
+
+def build_key(
+    *,
+    source: str,
+    cflags: Sequence[str],
+    ldflags: Sequence[str],
+    torch_version: str,
+    torch_git_version: str,
+    python_tag: str,
+    machine: str,
+    compiler: str,
+) -> str:
+    """The cache key of one build of the kernel: 16 hex digits of a SHA-256 over everything
+    that changes the library (see [Note: the kernel's build cache]).
+
+    Args:
+        source: the C++ text. cflags, ldflags: the compiler's and linker's flags.
+        torch_version, torch_git_version: ``torch.__version__`` and
+            ``torch.version.git_version`` (the headers and the ABI compiled against).
+        python_tag: e.g. ``"cpython-311"`` (``sys.implementation.cache_tag`` + abiflags).
+        machine: ``platform.machine()``. compiler: the ``CXX`` torch builds with.
+    """
+    fields = {
+        "source": hashlib.sha256(source.encode()).hexdigest(),
+        "cflags": list(cflags),
+        "ldflags": list(ldflags),
+        "torch_version": torch_version,
+        "torch_git_version": torch_git_version,
+        "python_tag": python_tag,
+        "machine": machine,
+        "compiler": compiler,
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _read_source() -> str:
+    return importlib.resources.files(__package__).joinpath(_SOURCE).read_text(encoding="ascii")
+
+
+def cache_dir() -> str:
+    """Where built kernels are kept: ``$TORCH_EXTENSIONS_DIR/ramflow``, else
+    ``~/.cache/torch_extensions/ramflow`` (torch's default extensions root)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.path.join(
+        os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), "ramflow"
+    )
+
+
 def _build() -> str:
-    """Compile ``_CPP_SOURCE`` (or find it cached) and return the shared library's path."""
+    """Find the kernel of this environment in the cache, or build it there; return its path.
+
+    See [Note: the kernel's build cache]. Raises whatever the build raises (the caller
+    falls back to PyTorch).
+    """
+    import fcntl  # POSIX only; elsewhere the ImportError means: no native kernel
+
+    source = _read_source()
+    key = build_key(
+        source=source,
+        cflags=_CFLAGS,
+        ldflags=_LDFLAGS,
+        torch_version=torch.__version__,
+        torch_git_version=str(torch.version.git_version),
+        python_tag=sys.implementation.cache_tag + getattr(sys, "abiflags", ""),
+        machine=platform.machine(),
+        compiler=os.environ.get("CXX", "c++"),
+    )
+    directory = cache_dir()
+    name = f"ramflow_cpu_kernels_{key}"
+    path = os.path.join(directory, f"{name}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"{name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the OS releases it if this process dies
+        if os.path.exists(path):  # another process built it while this one waited
+            return path
+        building = os.path.join(directory, f"{name}.build")
+        shutil.rmtree(building, ignore_errors=True)  # left by a build that died
+        os.makedirs(building)
+        try:
+            os.replace(_compile(name, source, building), path)
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+    return path
+
+
+def _compile(name: str, source: str, directory: str) -> str:
+    """Compile ``source`` in ``directory`` with torch's JIT builder; return the library."""
     from torch.utils.cpp_extension import load_inline
 
-    cflags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
-    digest = hashlib.sha256((_CPP_SOURCE + " ".join(cflags)).encode()).hexdigest()[:16]
     kwargs = {}
     if "no_implicit_headers" in inspect.signature(load_inline).parameters:
         # torch/extension.h and its pybind11 would triple the build time for nothing here.
         kwargs["no_implicit_headers"] = True
-    path = load_inline(
-        name=f"ramflow_cpu_kernels_{digest}",
-        cpp_sources=[_CPP_SOURCE],
-        extra_cflags=cflags,
-        extra_ldflags=["-fopenmp"],
+    load_inline(
+        name=name,
+        cpp_sources=[source],
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),
+        build_directory=directory,
         is_python_module=False,
         verbose=False,
         **kwargs,
     )
-    if not isinstance(path, str):  # older torch returns None for a plain library
-        from torch.utils.cpp_extension import _get_build_directory
-
-        name = f"ramflow_cpu_kernels_{digest}"
-        path = os.path.join(_get_build_directory(name, False), f"{name}.so")
-    return path
+    return os.path.join(directory, f"{name}.so")
 
 
 # lr * wd rounds to exactly 3 * 2**-25 - 2**-54 in double, so 1 - lr * wd is a double tie

@@ -19,14 +19,17 @@ model; a unit that receives gradients on some ranks and not on others would hang
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
+import re
 import socket
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -177,6 +180,107 @@ def assign_owners(numels: list[int], ranks: list[int]) -> list[int]:
     return owners
 
 
+# [Note: host store files]
+# The leader of a host creates one file per unit and kind in $RAMFLOW_SHM_DIR (default
+# /dev/shm), named ``ramflow-<pid>-<token>-<host>-<unit>.<master|wire>``: the leader's PID,
+# a token drawn by rank 0 for this set-up, and the host name. It creates each with
+# O_CREAT | O_EXCL (never opening a file someone else made), and unlinks every file it made
+# on every exit path it runs code on: once all ranks of the host have mapped them, or in a
+# ``finally`` when set-up fails, or at interpreter exit. A leader killed outright (SIGKILL,
+# ``os._exit``, SIGTERM without a handler: no Python runs then, and a Python handler would
+# only run after the blocking collective returns, delaying the kill by up to the process
+# group's timeout) leaves its files; the next ``shared_host_store`` on this host removes the
+# files of this naming pattern whose PID is no longer a live process. Files of other hosts
+# (a directory shared between containers), of live processes, and of other names are never
+# touched.
+STORE_FILE = re.compile(
+    r"ramflow-(?P<pid>[0-9]+)-(?P<token>[0-9a-f]{32})-(?P<host>.+)-(?P<unit>[0-9]+)"
+    r"\.(?P<kind>master|wire)"
+)
+
+
+def _shm_dir() -> str:
+    return os.environ.get("RAMFLOW_SHM_DIR", "/dev/shm")
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process of this PID namespace (a zombie is not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # exists, but cannot be inspected (another user's)
+        return True
+
+
+def remove_stale_store_files(directory: str) -> list[str]:
+    """Remove this host's store files in ``directory`` whose creating process is gone.
+
+    Only names that match ``STORE_FILE`` with this host's name are considered, and only
+    those whose PID is not a live process are removed (see [Note: host store files]).
+    Returns the paths removed; a file that cannot be removed (another user's) is skipped.
+    """
+    host = socket.gethostname()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = STORE_FILE.fullmatch(name)
+        if m is None or m["host"] != host or _pid_alive(int(m["pid"])):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
+
+
+def create_store_file(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Create ``path`` exclusively, size it for ``numel`` elements of ``dtype`` and map it
+    shared; returns the 1-D tensor over it (zeros).
+
+    Raises:
+        FileExistsError: ``path`` exists already (it is left as it was).
+    """
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, numel * torch.empty((), dtype=dtype).element_size())
+    finally:
+        os.close(fd)
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+
+
+class _CreatedFiles:
+    """The store files this process created; ``remove`` unlinks them (once, idempotent),
+    also from ``atexit`` while set-up runs. See [Note: host store files]."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    def __enter__(self) -> _CreatedFiles:
+        atexit.register(self.remove)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+        atexit.unregister(self.remove)
+
+    def create(self, path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        tensor = create_store_file(path, numel, dtype)
+        self.paths.append(path)
+        return tensor
+
+    def remove(self) -> None:
+        for path in self.paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self.paths.clear()
+
+
 def shared_host_store(
     specs: list[UnitSpec], *, wire_dtype: torch.dtype, numels: list[int], offsets: list[list[int]]
 ) -> tuple[list[int], list[int]]:
@@ -186,7 +290,9 @@ def shared_host_store(
     broadcast to the first ranks of the other hosts); the other ranks map the same pages
     and point their parameters at them, dropping their own copies. Files live in
     ``$RAMFLOW_SHM_DIR`` (default /dev/shm) only until every rank of the host has mapped
-    them. Returns each unit's owner (a global rank on this host) and this host's ranks.
+    them; see [Note: host store files] for their names, and for the stale files of dead
+    leaders that this call removes first. Returns each unit's owner (a global rank on this
+    host) and this host's ranks.
 
     Raises ValueError when the ranks' models differ, MemoryError when the shared-memory
     directory lacks room.
@@ -196,67 +302,64 @@ def shared_host_store(
     local = host_ranks(group)
     me = dist.get_rank()
     leader = local[0]
-    sizes: list[list[int] | None] = [None] * world
-    dist.all_gather_object(sizes, numels, group=group)
-    if any(s != numels for s in sizes):
+    # unit sizes (every rank's must match) and PIDs (the leaders' name their files)
+    gathered: list[tuple[list[int], int] | None] = [None] * world
+    dist.all_gather_object(gathered, (numels, os.getpid()), group=group)
+    if any(g[0] != numels for g in gathered):
         raise ValueError(
             "the ranks' models differ (unit sizes do not match); build the same model on "
             "every rank before ramflow.offload"
         )
     token = [uuid.uuid4().hex if me == 0 else None]
     dist.broadcast_object_list(token, src=0, group=group)
-    directory = os.environ.get("RAMFLOW_SHM_DIR", "/dev/shm")
-    base = os.path.join(directory, f"ramflow-{token[0]}-{socket.gethostname()}")
+    directory = _shm_dir()
+    base = os.path.join(
+        directory, f"ramflow-{gathered[leader][1]}-{token[0]}-{socket.gethostname()}"
+    )
     wire_size = torch.empty((), dtype=wire_dtype).element_size()
     need = sum(n * (4 + (wire_size if wire_dtype != torch.float32 else 0)) for n in numels)
-    if me == leader:
-        free = os.statvfs(directory)
-        if free.f_bavail * free.f_frsize < need:
-            raise MemoryError(
-                f"ramflow needs {format_bytes(need)} of shared memory in {directory} for one "
-                f"host copy of the weights, but only {format_bytes(free.f_bavail * free.f_frsize)} "
-                "is free. Enlarge it (docker run --shm-size=...) or set RAMFLOW_SHM_DIR to a "
-                "tmpfs with room."
-            )
-    masters, wires = [], []
-    for i, n in enumerate(numels):
+    with _CreatedFiles() as created:
         if me == leader:
-            master = torch.from_file(f"{base}-{i}.master", shared=True, size=n, dtype=torch.float32)
-            master.zero_()
-            with torch.no_grad():
-                for off, p in zip(offsets[i], specs[i].owned):
-                    master[off : off + p.numel()].view(p.shape).copy_(p.detach())
-            masters.append(master)
-    # the first ranks of the other hosts take rank 0's weights (every rank makes the group)
-    leaders = sorted(set(_gather_leaders(group, leader)))
-    if len(leaders) > 1:
-        leader_group = dist.new_group(ranks=leaders, backend="gloo")
-        if me == leader:
-            for master in masters:
-                dist.broadcast(master, src=0, group=leader_group)
-    if me == leader and wire_dtype != torch.float32:
-        for i, n in enumerate(numels):
-            wire = torch.from_file(f"{base}-{i}.wire", shared=True, size=n, dtype=wire_dtype)
-            wire.copy_(masters[i])
-            wires.append(wire)
-    dist.barrier(group=group)
-    if me != leader:
-        for i, n in enumerate(numels):
-            masters.append(
-                torch.from_file(f"{base}-{i}.master", shared=True, size=n, dtype=torch.float32)
-            )
-            if wire_dtype != torch.float32:
-                wires.append(
-                    torch.from_file(f"{base}-{i}.wire", shared=True, size=n, dtype=wire_dtype)
+            remove_stale_store_files(directory)
+            free = os.statvfs(directory)
+            if free.f_bavail * free.f_frsize < need:
+                raise MemoryError(
+                    f"ramflow needs {format_bytes(need)} of shared memory in {directory} for "
+                    f"one host copy of the weights, but only "
+                    f"{format_bytes(free.f_bavail * free.f_frsize)} is free. Enlarge it "
+                    "(docker run --shm-size=...) or set RAMFLOW_SHM_DIR to a tmpfs with room."
                 )
-    dist.barrier(group=group)
-    if me == leader:
-        for i in range(len(numels)):
-            for kind in ("master", "wire"):
-                try:
-                    os.unlink(f"{base}-{i}.{kind}")
-                except FileNotFoundError:
-                    pass
+        masters, wires = [], []
+        for i, n in enumerate(numels):
+            if me == leader:
+                master = created.create(f"{base}-{i}.master", n, torch.float32)
+                with torch.no_grad():
+                    for off, p in zip(offsets[i], specs[i].owned):
+                        master[off : off + p.numel()].view(p.shape).copy_(p.detach())
+                masters.append(master)
+        # the first ranks of the other hosts take rank 0's weights (every rank makes the group)
+        leaders = sorted(set(_gather_leaders(group, leader)))
+        if len(leaders) > 1:
+            leader_group = dist.new_group(ranks=leaders, backend="gloo")
+            if me == leader:
+                for master in masters:
+                    dist.broadcast(master, src=0, group=leader_group)
+        if me == leader and wire_dtype != torch.float32:
+            for i, n in enumerate(numels):
+                wire = created.create(f"{base}-{i}.wire", n, wire_dtype)
+                wire.copy_(masters[i])
+                wires.append(wire)
+        dist.barrier(group=group)
+        if me != leader:
+            for i, n in enumerate(numels):
+                masters.append(
+                    torch.from_file(f"{base}-{i}.master", shared=True, size=n, dtype=torch.float32)
+                )
+                if wire_dtype != torch.float32:
+                    wires.append(
+                        torch.from_file(f"{base}-{i}.wire", shared=True, size=n, dtype=wire_dtype)
+                    )
+        dist.barrier(group=group)
     for i, spec in enumerate(specs):
         spec.master = masters[i]
         spec.wire = wires[i] if wires else None

@@ -10,6 +10,7 @@ time (``ramflow._predict``); see [Note: the timed planner].
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -27,7 +28,8 @@ def parse_bytes(value: int | float | str, *, what: str = "gpu_memory") -> int:
     """``12884901888``, ``"12GiB"``, ``"12 GB"`` (decimal), ``"512MiB"`` -> bytes.
 
     Raises:
-        ValueError: the value is negative or not a size.
+        ValueError: the value is negative (``-1``, ``"-12GiB"``), not finite (NaN or
+            infinity, as a number or a string) or not a size.
         TypeError: the value is neither a number nor a string.
     """
     if isinstance(value, bool):
@@ -35,13 +37,18 @@ def parse_bytes(value: int | float | str, *, what: str = "gpu_memory") -> int:
     if isinstance(value, (int, float)):
         n = value
     elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
-        if not m or m.group(2).lower() not in _UNITS:
+        number = r"([-+]?)\s*([0-9]*\.?[0-9]+|nan|infinity|inf)"  # read, then refused below
+        m = re.fullmatch(rf"\s*{number}\s*([A-Za-z]*)\s*", value, re.IGNORECASE)
+        if not m or m.group(3).lower() not in _UNITS:
             raise ValueError(f"{what}: cannot read {value!r}; write bytes or a size like '12GiB'")
-        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        n = float(m.group(1) + m.group(2)) * _UNITS[m.group(3).lower()]
     else:
         raise TypeError(
             f"{what}: expected bytes or a size like '12GiB', got {type(value).__name__}"
+        )
+    if math.isnan(n) or math.isinf(n):
+        raise ValueError(
+            f"{what}: must be a finite size, got {value!r}; give bytes or a size like '12GiB'"
         )
     if n < 0:
         raise ValueError(f"{what}: must not be negative, got {value!r}")

@@ -168,8 +168,30 @@ def test_same_steps_under_accumulation_and_checkpointing(
 
 
 def test_bf16_autocast_on_the_cpu(tmp_path: Path, corpus_file: Path, ramflow_cli, fast) -> None:
-    assert (
-        ramflow_cli(
+    """``--precision bf16`` on the CPU runs every Linear layer that computes under bf16
+    autocast (seen from a global forward hook: autocast on, its dtype, bf16 outputs), while
+    the weights stay fp32 (the CPU wire dtype) and the checkpoint holds fp32 masters. The
+    planner's activation measurement runs on the meta device (no data): not counted."""
+    seen: list[tuple[bool, torch.dtype, torch.dtype, torch.dtype]] = []
+
+    def record(module: torch.nn.Module, args: tuple, output: object) -> None:
+        if (
+            isinstance(module, torch.nn.Linear)
+            and isinstance(output, torch.Tensor)
+            and output.device.type != "meta"
+        ):
+            seen.append(
+                (
+                    torch.is_autocast_enabled("cpu"),
+                    torch.get_autocast_dtype("cpu"),
+                    output.dtype,
+                    module.weight.dtype,
+                )
+            )
+
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        rc = ramflow_cli(
             "train",
             "--data",
             corpus_file,
@@ -183,11 +205,16 @@ def test_bf16_autocast_on_the_cpu(tmp_path: Path, corpus_file: Path, ramflow_cli
             tmp_path / "run",
             *fast,
         )
-        == 0
-    )
+    finally:
+        handle.remove()
+    assert rc == 0
+    assert seen, "no Linear layer ran"
+    assert set(seen) == {(True, torch.bfloat16, torch.bfloat16, torch.float32)}, set(seen)
     run_info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run_info["precision"] == "bf16"
     assert all(torch.isfinite(torch.tensor(loss)) for _, loss in _losses(tmp_path / "run"))
+    weights = _final(tmp_path / "run", "model.safetensors")
+    assert weights and all(w.dtype == torch.float32 for w in weights.values())
 
 
 def test_python_dash_m_runs_the_cli() -> None:
