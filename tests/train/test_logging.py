@@ -45,7 +45,7 @@ def test_mfu_is_six_n_tokens_over_the_peak() -> None:
     assert mfu == pytest.approx(6 * 2.69e9 * 15_000 / 989e12, rel=1e-12)  # float rounding only
 
 
-def _config(corpus_file: Path, **kw) -> TrainConfig:
+def _config(corpus_file: Path, *, device: str = "cpu") -> TrainConfig:
     return TrainConfig.from_options(
         data=str(corpus_file),
         steps=3,
@@ -53,8 +53,7 @@ def _config(corpus_file: Path, **kw) -> TrainConfig:
         seq_len=32,
         batch_size=2,
         eval_batches=1,
-        device="cpu",
-        **kw,
+        device=device,
     )
 
 
