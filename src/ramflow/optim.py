@@ -20,9 +20,10 @@ from torch.optim import adam as _adam
 from torch.optim import sgd as _sgd
 
 from ._cpu_kernels import _check_threads, fused_adamw_step_
-from ._engine import Engine, _Unit
+from ._engine import Engine
 from ._linear import attach_pending
 from ._registry import engine_of_param
+from ._units import _Unit
 
 
 class HostOptimizer(torch.optim.Optimizer):
