@@ -590,10 +590,13 @@ class Schedule:
     def _apply_to_model(self, module: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
         """``module.to(...)``, ``.cuda()``, ``.half()`` and everything else that goes through
         ``nn.Module._apply``. See [Note: moving and casting an offloaded model]."""
-        probe = torch.tensor([0.5, -1.25], dtype=torch.float32)
+        # on the compute device: a cast (``.float()``) keeps it there, a move does not
+        probe = torch.tensor([0.5, -1.25], dtype=torch.float32, device=self.device)
         out = fn(probe)
         what = f"{type(module).__name__}._apply({getattr(fn, '__name__', 'fn')})"
-        if probe.is_shared():
+        host_probe = torch.zeros(1)  # share_memory_() acts on host tensors only
+        fn(host_probe)
+        if host_probe.is_shared():
             raise ValueError(
                 "share_memory() on an offloaded model would move its host store; ramflow keeps "
                 "one host copy per host already (zero_stage=... under torch.distributed). Call "
@@ -602,7 +605,7 @@ class Schedule:
         if (
             not isinstance(out, torch.Tensor)
             or out.is_meta
-            or not torch.equal(out.detach().to("cpu", torch.float32), probe)
+            or not torch.equal(out.detach().to(self.device, torch.float32), probe)
         ):
             raise ValueError(
                 f"{what} would not keep the values of the parameters (to_empty, the meta device "
