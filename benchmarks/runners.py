@@ -138,7 +138,7 @@ def _optimizer_alone(engine, opt, repeats: int = 3) -> dict[str, Any]:
             fused_adamw_step_(
                 u.master[:n], u.staging[:n], state["exp_avg"], state["exp_avg_sq"],
                 step=1000, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                wire_out=engine._wire_prefix(u), num_threads=opt.threads,
+                wire_out=engine.host.wire_prefix(u), num_threads=opt.threads,
             )  # fmt: skip
         times.append(time.perf_counter() - start)
     best = min(times)

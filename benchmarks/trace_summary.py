@@ -16,6 +16,7 @@ during which the host launched it (matched through the CUDA runtime call's corre
 from __future__ import annotations
 
 import gzip
+import importlib
 import json
 import os
 import threading
@@ -29,11 +30,15 @@ ADDED_THREAD_NAME = "ramflow host worker (added)"
 
 class HostSpans:
     """Times ramflow's worker tasks (each unit's optimizer step and gradient landing) by
-    wrapping private methods of ``ramflow._engine.Engine``: ``_step_unit`` and
-    ``_step_staged`` (optimizer) and ``_land`` (landing), whichever exist. If none does, no
-    spans are recorded and the summary says so."""
+    wrapping the worker tasks of ramflow's engine parts: ``Stepper.step_unit`` and
+    ``Stepper.step_staged`` (optimizer) and ``GradientPath.land`` (landing), whichever
+    exist. If none does, no spans are recorded and the summary says so."""
 
-    METHODS = (("_step_unit", "optimizer"), ("_step_staged", "optimizer"), ("_land", "landing"))
+    METHODS = (
+        ("ramflow._stepper", "Stepper", "step_unit", "optimizer"),
+        ("ramflow._stepper", "Stepper", "step_staged", "optimizer"),
+        ("ramflow._gradients", "GradientPath", "land", "landing"),
+    )
 
     def __init__(self) -> None:
         self._spans: list[tuple[str, int, int]] = []
@@ -41,14 +46,15 @@ class HostSpans:
         self.installed = False
 
     def install(self) -> None:
-        try:
-            from ramflow._engine import Engine
-        except ImportError:
-            return
-        for attr, label in self.METHODS:
-            orig = getattr(Engine, attr, None)
+        for module_name, class_name, attr, label in self.METHODS:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            cls = getattr(module, class_name, None)
+            orig = getattr(cls, attr, None)
             if orig is not None:
-                setattr(Engine, attr, self._wrap(orig, label))
+                setattr(cls, attr, self._wrap(orig, label))
                 self.installed = True
 
     def _wrap(self, orig: Any, label: str) -> Any:

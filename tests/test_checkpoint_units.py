@@ -27,7 +27,7 @@ def test_only_the_named_units_are_wrapped_and_gradients_match() -> None:
     ramflow.offload(
         model, device="cpu", wire_dtype=torch.float32, activation_checkpointing=["blocks.1"]
     )
-    assert [m is model.blocks[1] for m in engine_of_model(model)._checkpointed] == [True]
+    assert [m is model.blocks[1] for m in engine_of_model(model).schedule.checkpointed] == [True]
     assert "forward" in model.blocks[1].__dict__ and "forward" not in model.blocks[0].__dict__
     got = _grads(model, x)
     ramflow.synchronize(model)
@@ -39,7 +39,7 @@ def test_only_the_named_units_are_wrapped_and_gradients_match() -> None:
 
 def test_an_empty_list_checkpoints_nothing() -> None:
     model = ramflow.offload(MLPStack(depth=2), device="cpu", activation_checkpointing=[])
-    assert engine_of_model(model)._checkpointed == []
+    assert engine_of_model(model).schedule.checkpointed == []
     ramflow.undo(model)
 
 
@@ -59,7 +59,7 @@ def test_hugging_face_layers_follow_the_names() -> None:
     flags = [layer.gradient_checkpointing for layer in model.model.layers]
     assert flags == [False, True, False]
     # the head holds no Hugging Face layer: ramflow's wrapper recomputes it
-    assert [type(m).__name__ for m in engine_of_model(model)._checkpointed] == ["Linear"]
+    assert [type(m).__name__ for m in engine_of_model(model).schedule.checkpointed] == ["Linear"]
     ids = torch.randint(0, 128, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     ramflow.undo(model)

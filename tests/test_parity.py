@@ -322,23 +322,23 @@ def test_resident_refresh_in_pieces_is_exact(device, monkeypatch):
     """A resident unit's step sends its new wire copy to the device in pieces as it goes
     ([Note: the refresh follows the step]): the same curve and weights, bit for bit, as one
     copy after the step, and after every step the device copy is the wire copy."""
-    from ramflow import _engine, _registry
+    from ramflow import _registry, _stepper, _window
 
     torch.manual_seed(0)
     model = MLPStack(depth=4)
     twin = copy.deepcopy(model)
     batches = mlp_batches(4, device)
     sent: list[tuple[str, int, int]] = []
-    send = _engine.Engine._send_piece
+    send = _window.DeviceWindow.send_piece
 
     def spy(self, u, lo, hi):
         sent.append((u.name, lo, hi))
         return send(self, u, lo, hi)
 
-    monkeypatch.setattr(_engine.Engine, "_send_piece", spy)
+    monkeypatch.setattr(_window.DeviceWindow, "send_piece", spy)
     curves, pieces = [], []
     for m, piece_bytes in ((model, 256), (twin, 1 << 62)):
-        monkeypatch.setattr(_engine, "REFRESH_PIECE_BYTES", piece_bytes)
+        monkeypatch.setattr(_stepper, "REFRESH_PIECE_BYTES", piece_bytes)
         ramflow.offload(m, device=device, wire_dtype=torch.bfloat16, gpu_memory=1 << 30)
         engine = _registry.engine_of_param(next(m.parameters()))
         assert all(u.resident for u in engine.units)
@@ -544,6 +544,6 @@ def test_inference_prefetches_the_next_forwards_first_units(device):
     with torch.no_grad():
         for _ in range(2):
             out = model(x)
-            first = engine._order[0]
+            first = engine.schedule.order[0]
             assert first.allocated and first.device_version == first.host_version
             assert max_rel(out, ref(x)) < 1e-6

@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 
 from ._plan import format_bytes
-from ._units import UnitSpec
+from ._units import UnitSpec, _Unit
 from ._worker import STEP
 
 _AFTER_ALL_STEPS = 1 << 62  # worker order: behind every step of this rank
 
 if TYPE_CHECKING:
-    from ._engine import Engine, _Unit
+    from ._engine import Engine
 
 _cpu_groups: dict[int, dist.ProcessGroup] = {}
 
@@ -141,7 +141,7 @@ class DistributedState:
                         u.master[: u.trainable_numel], src=u.owner, group=self.step_group
                     )
         for u in others:
-            engine._refresh_wire(u, written=u.wire is u.master or u.given_wire is not None)
+            engine.refresh_wire(u, written=u.wire is u.master or u.given_wire is not None)
 
 
 @contextlib.contextmanager

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._engine import _ALIGN, Engine
+from ._engine import Engine
 from ._streams import CopyStreams
-from ._units import UnitSpec
+from ._units import _ALIGN, UnitSpec
 from ._worker import HostWorker
 
 # a Linear's parameters -> the layer, until the layer attaches to its engine

@@ -1,16 +1,34 @@
-"""Finding the units of a model: the groups of modules whose parameters move together.
+"""Units: finding them in a model (``find_units``) and their runtime record (``_Unit``).
 
 A unit is usually one transformer block; embeddings, the final norm and the head are units
 of their own. See ``find_units`` for the rule, and docs/design.md for why.
+
+Legend: N = a unit's flat element count (padded), T = its trainable prefix.
+
+[Note: units and views]
+Each unit owns one flat fp32 master buffer on the host (N,), one flat pinned wire buffer in
+the wire dtype (N,) (the master itself when the dtypes agree), and one flat device tensor
+(N,) whose storage is allocated while the unit is on the device and resized to zero while
+it is not. The module's host parameters are views into the master; the device parameters
+are views into the device tensor, created once. Autograd saves those device views for
+backward; because the storage object never changes (only its allocation), a reload before
+backward makes every saved view valid again (the trick of FSDP2's unsharded parameters).
+Copies into the device tensor go through a second tensor on the same storage with its own
+version counter, so that a reload does not trip autograd's in-place check.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
+
+_ALIGN = 64  # elements; keeps every view 128-byte aligned for fp32, 64 for bf16
 
 
 @dataclass(eq=False)
@@ -186,3 +204,126 @@ def find_units(model: nn.Module, units: Iterable[nn.Module | str] | None = None)
                     spec.owned.append(param)
         spec.owned.sort(key=lambda p: not p.requires_grad)
     return [s for s in specs if s.slots]
+
+
+def refuse_copy() -> NoReturn:
+    """What ``copy.deepcopy`` and ``pickle`` of an engine, a unit or a hook do."""
+    raise TypeError(
+        "an offloaded model cannot be copied with copy.deepcopy or pickled (its weights live "
+        "in ramflow's host store and its hooks belong to its engine). Deep-copy the model "
+        "before ramflow.offload, save model.state_dict(), or call ramflow.undo(model) first."
+    )
+
+
+class _Unit:
+    """Runtime state of one unit. See [Note: units and views].
+
+    One record per unit; each group of fields below is written by one part of the engine
+    only (the others read it): the layout by the constructor, the host store by
+    ``_host_store``, the device side by ``_window``, the gradients by ``_gradients``, the
+    calls by ``_schedule`` and the device step by ``_stepper``. See docs/design.md.
+    """
+
+    def __deepcopy__(self, memo: dict) -> _Unit:
+        refuse_copy()
+
+    def __reduce__(self) -> Any:
+        refuse_copy()
+
+    def __init__(self, index: int, spec: UnitSpec) -> None:
+        # layout (fixed at construction)
+        self.index = index
+        self.name = spec.name
+        self.rest = spec.rest
+        self.modules = spec.modules
+        self.owned = spec.owned
+        self.num_trainable = sum(1 for p in spec.owned if p.requires_grad)
+        self.offsets: list[int] = []
+        n = 0
+        for p in spec.owned:
+            self.offsets.append(n)
+            n += -(-p.numel() // _ALIGN) * _ALIGN
+            if len(self.offsets) == self.num_trainable:
+                self.trainable_numel = n
+        if self.num_trainable == 0:
+            self.trainable_numel = 0
+        self.numel = n
+        self.resident = False
+        self.other_deps: list[_Unit] = []  # owners of tied parameters this unit reads
+        # (module, name, host parameter, device parameter) for every slot the forward reads
+        self.slots: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+        self.orig_dtypes = [p.dtype for p in spec.owned]
+        self.given_master = spec.master
+        self.given_wire = spec.wire
+        self.owner: int | None = None  # the rank that steps this unit (ZeRO), None: every rank
+        # host store (``_host_store``)
+        self.master: torch.Tensor
+        self.wire: torch.Tensor
+        self.staging: torch.Tensor | None = None
+        # device side (``_window``)
+        self.device_flat: torch.Tensor
+        self.device_alias: torch.Tensor
+        self.device_params: list[nn.Parameter] = []
+        self.allocated = False
+        self.device_version = -1
+        self.host_version = 0
+        self.h2d_event: torch.cuda.Event | None = None
+        self.wire_read_event: torch.cuda.Event | None = None
+        self.used_streams: set[torch.cuda.Stream] = set()
+        self.idle_events: list[torch.cuda.Event] = []  # recorded when the last pin went
+        self.pins = 0
+        self.backward_pins = 0
+        self.wire_ready = threading.Event()
+        self.wire_ready.set()
+        self.h2d_issued = threading.Event()
+        self.h2d_issued.set()
+        self.load_requested = False
+        # gradients (``_gradients``)
+        self.host_grad: torch.Tensor | None = None
+        self.host_grad_views: list[torch.Tensor] = []
+        self.grad_versions: list[int] = []
+        self.device_grad: torch.Tensor | None = None
+        self.fired = 0
+        self.dispatched_this_backward = False
+        self.land_future: Future | None = None
+        self.staging_reader: Future | None = None  # a step that reads the staging buffer
+        # calls (``_schedule``): frames of forward calls, slot calls, swap depth
+        self.call_stack: list[Any] = []
+        self.slot_stack: list[tuple[nn.Module, bool]] = []
+        self.swaps = 0
+        # stepped on the device (``_stepper``, see [Note: the optimizer on the device])
+        self.device_stepped = False
+        self.device_state: dict[str, torch.Tensor] | None = None
+        self.device_step_event: torch.cuda.Event | None = None
+        self.host_stale = False  # the device state is newer than the host's copies
+        self.device_step_pending = False
+
+    @property
+    def deps(self) -> list[_Unit]:
+        """The units a call of this one needs on the device: itself first, then the owners
+        of tied parameters it reads (a property, so that a unit holds no cycle to itself)."""
+        return [self, *self.other_deps]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.wire.element_size()
+
+    def views(self, flat: torch.Tensor, *, trainable_only: bool = False) -> list[torch.Tensor]:
+        params = self.owned[: self.num_trainable] if trainable_only else self.owned
+        return [flat[off : off + p.numel()].view(p.shape) for off, p in zip(self.offsets, params)]
+
+    def __repr__(self) -> str:
+        return f"Unit({self.index}, {self.name!r})"
+
+
+def plan_inputs(units: list[_Unit], wire_dtype: torch.dtype) -> dict[str, Any]:
+    """What ``make_plan`` needs to know of the units: names, wire bytes, gradient bytes and
+    which must stay resident (the engine's plan and ``ramflow plan``'s use the same)."""
+    wire_size = torch.empty((), dtype=wire_dtype).element_size()
+    return {
+        "wire_dtype": str(wire_dtype).replace("torch.", ""),
+        "unit_names": [u.name for u in units],
+        "unit_bytes": [u.numel * wire_size for u in units],
+        "unit_grad_bytes": [u.trainable_numel * wire_size for u in units],
+        "always_resident": [u.rest for u in units],
+    }

@@ -3,7 +3,7 @@
 [Note: optimizer overlap]
 Gradients of a unit leave the GPU as soon as the unit's backward is done (one D2H copy).
 The worker waits on that copy's event, adds the gradients into the fp32 host gradients and,
-when the step is already known to follow (see ``Engine._eager_step``), steps the unit's fp32
+when the step is already known to follow (see ``GradientPath.land``), steps the unit's fp32
 master weights and refreshes its wire copy, while the GPU runs backward on earlier units
 (the overlap of ZeRO-Offload, Ren et al. 2021). Tasks run by priority: landing gradients
 first (backward waits on them at its end), then steps in forward order, so that the next

@@ -9,10 +9,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ._dist import DistributedState, require_initialized, shared_host_store
-from ._engine import Engine, _Unit
+from ._engine import Engine
 from ._plan import OffloadPlan, parse_bytes
 from ._registry import engine_of_model, engine_of_param
-from ._units import find_units
+from ._units import _Unit, find_units
 
 
 def offload(

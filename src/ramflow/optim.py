@@ -3,7 +3,7 @@
 ``AdamW`` and ``SGD`` are ``torch.optim.Optimizer`` subclasses: param groups, LR schedulers,
 ``state_dict``/``load_state_dict`` and ``zero_grad`` work as usual. For parameters of a
 model given to ``ramflow.offload`` they step the host masters on a worker thread, unit by
-unit, overlapped with the GPU (see [Note: when the step runs] in ``_engine.py``); other
+unit, overlapped with the GPU (see [Note: when the step runs] in ``_stepper.py``); other
 parameters are stepped in ``step()`` like a plain optimizer would. The arithmetic is
 PyTorch's own: its fused CPU kernels (``torch.optim.adam.adam(..., fused=True)``), with a
 fallback to the single-tensor path where fused is not available.
@@ -20,9 +20,10 @@ from torch.optim import adam as _adam
 from torch.optim import sgd as _sgd
 
 from ._cpu_kernels import _check_threads, fused_adamw_step_
-from ._engine import Engine, _Unit
+from ._engine import Engine
 from ._linear import attach_pending
 from ._registry import engine_of_param
+from ._units import _Unit
 
 
 class HostOptimizer(torch.optim.Optimizer):

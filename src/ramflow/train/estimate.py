@@ -36,7 +36,6 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .._costs import unit_costs, unit_shapes
-from .._engine import _Unit, plan_inputs
 from .._plan import OffloadPlan, PlanTiming, format_bytes, make_plan
 from .._predict import (
     DEFAULT_MATMUL_FLOPS_PER_S,
@@ -45,7 +44,7 @@ from .._predict import (
     StepPrediction,
     predict_step,
 )
-from .._units import find_units
+from .._units import _Unit, find_units, plan_inputs
 from .modeling import meta_model
 
 RUNTIME_OVERHEAD_BYTES = (

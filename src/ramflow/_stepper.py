@@ -1,0 +1,491 @@
+"""The stepper: when and where each unit is stepped, and the refresh that follows.
+
+Owns the step policy (eager during backward or deferred to ``opt.step()``, loop-pattern
+errors and their recovery, refused partial steps), the optimizers attached to the engine,
+host steps on the worker (whole units in one flat pass, the refresh in pieces), device
+steps and the device state they keep, and the data-parallel state (``DataParallel``).
+
+[Note: when the step runs]
+The first optimizer step is applied by ``opt.step()`` (deferred). If that step saw exactly
+one backward and nobody changed the gradients in between (no clipping, no unscaling; seen
+through the gradients' version counters), later backward passes step each unit as soon as
+its gradients have landed (eager, see [Note: optimizer overlap]). A loop that changes
+pattern afterwards gets a RuntimeError, never a silently wrong step. Deferred steps run on
+the worker too: ``opt.step()`` returns at once and each unit's next forward waits for that
+unit's step only.
+
+[Note: the refresh follows the step]
+A resident unit's device copy is refreshed by one H2D after its host step. The forward
+that needs the unit waits for that copy, so the copy of the last unit stepped before the
+next step's forward reaches it is on the critical path (8 ms for a 0.4 GB block at PCIe 5
+speed, and in a step bound by the CPU optimizer nothing else runs then). So the step of a
+resident unit runs in pieces (``REFRESH_PIECE_BYTES`` of wire copy each), and each piece's
+H2D is issued as soon as the kernel has written it: only the last piece's copy is left
+when the step ends. The pieces cover the trainable prefix; the frozen rest of the device
+copy is current when the unit was exactly one version behind (checked), and the last
+piece's event is the unit's load event (one stream, copies in order).
+Pieces cost the worker about 0.3 ms each on the GPU box (a kernel call and a copy issued
+from Python, which waits for the GIL while the training loop runs Python code): 4% of the
+optimizer's rate when every unit is cut (benchmarks/results/2026-11-22-nvidia-h200-refresh).
+So only a step that starts with nothing else queued on the worker is cut: the one whose
+refresh the next forward is waiting for.
+
+[Note: the optimizer on the device]
+With ``device_optimizer=True`` the plan gives what the GPU budget leaves to resident units
+(forward order first) as fp32 master weights and AdamW states on the device
+(``_plan.with_device_optimizer``); those units are stepped by PyTorch's fused AdamW on the
+device, on the current stream, the moment their gradients are complete: no gradient D2H,
+no CPU step, no refresh H2D, and the next forward reads the new weights in stream order.
+In a step bound by the CPU optimizer that takes their share off the CPU (DeepSpeed's
+ZeRO-Offload++ does the same with a fixed ratio). The device holds the newest state; the
+host's masters, wire copies and states are brought up to date by ``synchronize`` (and so
+by every ``state_dict``). A deferred step (the first, clipping, accumulation) uploads the
+unit's host fp32 gradients. A step that the device cannot take (several optimizers or
+param groups in one unit, ZeRO) pulls the state back, steps on the host and uploads it
+again at the next device step. The device step's rounding is CUDA's fused AdamW, within
+float rounding of the host kernel (bit-identical on the CPU device).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+from ._host_store import HostStore
+from ._interfaces import DataParallel, StepOptimizer
+from ._plan import DEVICE_STEP_PIECE
+from ._streams import record_event
+from ._units import _ALIGN, _Unit
+from ._window import DeviceWindow
+from ._worker import STEP, HostWorker
+
+# A resident unit's refresh is sent in pieces of this many wire bytes, each as soon as the
+# step has written it. See [Note: the refresh follows the step].
+REFRESH_PIECE_BYTES = 64 << 20
+
+
+class Stepper:
+    """The optimizer steps of one engine's units.
+
+    Args:
+        device: the compute device (device steps run there).
+        units: the engine's unit list (shared; the engine appends to it).
+        worker: the host worker that runs host steps.
+        window: the device window (versions of the device copies, pieces of the refresh).
+        host: the host store (wire copies).
+    """
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        units: list[_Unit],
+        worker: HostWorker,
+        window: DeviceWindow,
+        host: HostStore,
+    ) -> None:
+        self.device = device
+        self.units = units
+        self.worker = worker
+        self._window = window
+        self._host = host
+        self.dist: DataParallel | None = None
+        # forward position of each unit, the priority of its step on the worker
+        self._positions: dict[_Unit, int] = {}
+        # the worker's optimizer kernels so far: parameters stepped, seconds (host_step_totals)
+        self._host_steps = [0, 0.0]
+        # step policy, see [Note: when the step runs]
+        self._optimizers: list[weakref.ref[StepOptimizer]] = []
+        self._eager_allowed = False
+        self._eager_now: bool | None = None
+        self._last_backward_eager = False
+        self._final_backwards = 0
+        self._clip_used = False
+        # recovery state, see [Note: a failed backward] in ``ramflow._schedule``
+        self._partial_step: list[str] = []  # units a failed backward had already stepped
+        self._partial_grads = False  # gradients hold part of a failed backward
+        self._pattern_error = False  # a loop-pattern RuntimeError was raised
+
+    # ------------------------------------------------------------------ optimizers, order
+
+    def attach(self, opt: StepOptimizer) -> None:
+        """Step ``opt``'s parameters of this engine (held weakly)."""
+        if opt not in self.optimizers:
+            # a new optimizer starts the step policy afresh (a layer engine outlives the
+            # models and optimizers of earlier runs in the same process)
+            self._optimizers.append(weakref.ref(opt))
+            self._last_backward_eager = False
+            self._final_backwards = 0
+            self._eager_allowed = False
+
+    @property
+    def optimizers(self) -> list[StepOptimizer]:
+        """The live ramflow optimizers holding parameters of this engine (held weakly)."""
+        alive = [opt for ref in self._optimizers if (opt := ref()) is not None]
+        if len(alive) != len(self._optimizers):
+            self._optimizers = [weakref.ref(opt) for opt in alive]
+        return alive
+
+    def note_position(self, u: _Unit, position: int) -> None:
+        """``u``'s place in the forward order (the schedule records it)."""
+        self._positions[u] = position
+
+    def priority(self, u: _Unit) -> int:
+        """Worker priority of ``u``'s step: steps run in forward order."""
+        return self._positions.get(u, u.index)
+
+    def live_dist(self) -> DataParallel | None:
+        """The distributed state while its process group lives; a destroyed group ends
+        data parallelism for this engine (later runs in the process are single ones)."""
+        if self.dist is not None and not self.dist.alive():
+            self.dist = None
+        return self.dist
+
+    def steps_here(self, u: _Unit) -> bool:
+        """Whether this process steps ``u`` (under ZeRO, only the unit's owner does)."""
+        dist = self.live_dist()
+        return dist is None or dist.owns(u)
+
+    # ------------------------------------------------------------------ step policy
+
+    def decide_eager(self) -> bool:
+        """Whether this backward pass steps units as their gradients land (decided at its
+        first dispatched unit). See [Note: when the step runs]."""
+        if self._eager_now is None:
+            no_step = any(opt._no_step_depth for opt in self.optimizers)
+            if self._last_backward_eager and not no_step:
+                raise self.pattern(
+                    "a second backward pass ran before opt.step(), but ramflow had already "
+                    "applied the step during the first (it saw one backward per step so far). "
+                    "For gradient accumulation, run the non-final micro-batches under "
+                    "`with opt.no_step():`, or construct the optimizer with overlap=False."
+                )
+            self._eager_now = (
+                self._eager_allowed
+                and not no_step
+                and self._final_backwards == 0
+                and len(self.optimizers) == 1
+            )
+        return self._eager_now
+
+    def end_pass(self) -> None:
+        """A backward pass finished: count it for the step policy."""
+        if self._eager_now is not None:
+            no_step = any(opt._no_step_depth for opt in self.optimizers)
+            if not no_step:
+                self._final_backwards += 1
+            self._last_backward_eager = self._eager_now
+        self._eager_now = None
+
+    def failed_pass(self, *, stepped: Iterable[_Unit], partial_grads: bool) -> None:
+        """A backward pass raised after it had stepped ``stepped`` (refused until a reload
+        or ``accept_partial_step``) and, with ``partial_grads``, added to accumulated
+        gradients (refused until ``zero_grad``)."""
+        names = {u.name for u in stepped}
+        self._partial_step = [u.name for u in self.units if u.name in names]
+        self._partial_grads = self._partial_grads or partial_grads
+        self._eager_now = None
+
+    def raise_if_partial_step(self) -> None:
+        if self._partial_step:
+            names = self._partial_step
+            shown = ", ".join(repr(n) for n in names[:4]) + (" ..." if len(names) > 4 else "")
+            raise RuntimeError(
+                f"the last backward pass raised after ramflow had already applied this step's "
+                f"optimizer update to {len(names)} unit(s) ({shown}): steps run during backward "
+                "once the loop is known to step after every backward. The model is partly "
+                "stepped. Reload a checkpoint (model.load_state_dict and opt.load_state_dict), "
+                "or call ramflow.accept_partial_step(model) to go on from these weights; "
+                "AdamW(..., overlap=False) never steps before backward has finished."
+            )
+
+    def accept_partial_step(self) -> None:
+        """Go on from the weights a failed backward left partly stepped (also after a
+        checkpoint was loaded)."""
+        self._partial_step = []
+
+    def zero_grad(self) -> None:
+        """``opt.zero_grad()``: the gradients are whole again, and after a loop-pattern
+        error the step policy starts afresh (the optimizer's states stay as they are)."""
+        self._partial_grads = False
+        if self._pattern_error:
+            self._pattern_error = False
+            self._last_backward_eager = False
+            self._final_backwards = 0
+            self._eager_allowed = False
+            self._clip_used = False
+
+    def pattern(self, message: str) -> RuntimeError:
+        """A loop-pattern error; ``opt.zero_grad()`` recovers from it."""
+        self._pattern_error = True
+        return RuntimeError(
+            message + " After this error, call opt.zero_grad() and go on: ramflow then "
+            "learns the loop's pattern afresh (the optimizer's states are kept)."
+        )
+
+    def note_clip(self) -> None:
+        """Called by ``ramflow.clip_grad_norm_`` before it reads the gradients."""
+        if self._last_backward_eager:
+            raise self.pattern(
+                "ramflow.clip_grad_norm_ was called after ramflow had already applied the step "
+                "during backward (it saw no clipping at the first step). Clip from the first "
+                "step on, or construct the optimizer with overlap=False."
+            )
+        self._clip_used = True
+        self._eager_allowed = False
+
+    def schedule_step(self, opt: StepOptimizer) -> None:
+        """``opt.step()`` (the last backward pass settled): check or schedule the step of
+        every unit ``opt`` holds."""
+        self.worker.raise_error()
+        self.raise_if_partial_step()
+        if self._partial_grads:
+            raise RuntimeError(
+                "the gradients hold part of a backward pass that raised, added to gradients "
+                "accumulated before it; that part cannot be taken out again. Call "
+                "opt.zero_grad() and run the micro-batches of this step again."
+            )
+        modified = self._grads_modified(opt)
+        if self._last_backward_eager:
+            if modified:
+                raise self.pattern(
+                    "gradients were changed after backward (clipping, unscaling or a manual "
+                    "edit), but ramflow had already applied this step during backward. Use "
+                    "ramflow.clip_grad_norm_ from the first step on, or construct the "
+                    "optimizer with overlap=False."
+                )
+        else:
+            for u in sorted(self.units, key=self.priority):
+                if not self.steps_here(u):
+                    continue
+                items = self.step_items(u, [opt])
+                if items:
+                    self.step_from_host(u, items)
+        self._eager_allowed = (
+            opt.overlap and self._final_backwards == 1 and not modified and not self._clip_used
+        )
+        self._final_backwards = 0
+        self._last_backward_eager = False
+
+    def _grads_modified(self, opt: StepOptimizer) -> bool:
+        for u in self.units:
+            params = u.owned[: u.num_trainable]
+            if not u.grad_versions:
+                continue
+            for p, view, version in zip(params, u.host_grad_views, u.grad_versions):
+                if p.grad is None or not opt._holds(p):
+                    continue
+                if p.grad is not view or p.grad._version != version:
+                    return True
+        return False
+
+    # ------------------------------------------------------------------ host steps
+
+    def step_items(self, u: _Unit, optimizers: list[StepOptimizer]) -> list[tuple]:
+        """What a step of ``u`` needs, captured now: per optimizer its hyperparameters, and
+        the parameters it holds with their gradients (the user may zero_grad before the
+        worker gets to the step)."""
+        items = []
+        for opt in optimizers:
+            params = [p for p in u.owned[: u.num_trainable] if p.grad is not None and opt._holds(p)]
+            if params:
+                items.append((opt, opt._hyperparameters(), params, [p.grad for p in params]))
+        return items
+
+    def step_unit(self, u: _Unit, items: list[tuple]) -> None:
+        """Worker: step ``u``'s master weights with each optimizer, then refresh its wire
+        copy (in the same pass when one optimizer steps the whole unit flat)."""
+        self._host.before_host_write(u)
+        wire_written = False
+        pieces = None
+        start = time.perf_counter()
+        with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
+            if len(items) == 1 and self.whole_unit(u, items[0]):
+                opt, hyper, _, _ = items[0]
+                pieces = self._refresh_pieces(u)
+                opt.flat_step(
+                    u,
+                    hyper,
+                    grad=u.host_grad,
+                    wire_out=self._host.wire_prefix(u),
+                    pieces=pieces,
+                    after_piece=functools.partial(self._window.send_piece, u) if pieces else None,
+                )
+                wire_written = True
+            else:
+                for opt, hyper, params, grads in items:
+                    opt._step_params(params, grads, hyper)
+        self._count_host_step(sum(p.numel() for item in items for p in item[2]), start)
+        self._host.refresh_wire(u, written=wire_written, sent=wire_written and bool(pieces))
+
+    def step_staged(
+        self,
+        u: _Unit,
+        opt: StepOptimizer,
+        hyper: list[dict],
+        *,
+        accumulate: bool,
+        keep_grads: bool = True,
+    ) -> None:
+        """Worker: land and step ``u`` in one pass from the staged gradients. See
+        ``GradientPath.land``."""
+        self._host.before_host_write(u)
+        pieces = self._refresh_pieces(u)
+        start = time.perf_counter()
+        with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
+            opt.flat_step(
+                u,
+                hyper,
+                grad=u.staging,
+                accumulate=u.host_grad if accumulate else None,
+                grad_out=None if accumulate or not keep_grads else u.host_grad,
+                wire_out=self._host.wire_prefix(u),
+                pieces=pieces,
+                after_piece=functools.partial(self._window.send_piece, u) if pieces else None,
+            )
+        self._count_host_step(u.trainable_numel, start)
+        self._host.refresh_wire(u, written=True, sent=bool(pieces))
+
+    def _refresh_pieces(self, u: _Unit) -> list[tuple[int, int]] | None:
+        """Worker, before a flat step of ``u``: the element ranges to step and send one by
+        one, or None to send the unit after its step as usual. See [Note: the refresh
+        follows the step]."""
+        if not u.resident or u.wire is u.master or self.worker.queued():
+            return None
+        step = max(_ALIGN, REFRESH_PIECE_BYTES // u.wire.element_size() // _ALIGN * _ALIGN)
+        n = u.trainable_numel
+        # the device copy lacks this step only, so the frozen rest needs no copy
+        if not self._window.one_version_behind(u) or n <= step:
+            return None
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+    def _count_host_step(self, params: int, start: float) -> None:
+        self._host_steps[0] += params
+        self._host_steps[1] += time.perf_counter() - start
+
+    def host_step_totals(self) -> tuple[int, float]:
+        """(parameters stepped, seconds) of the worker's optimizer kernels since the engine
+        was made, summed over units: their rate is the CPU optimizer's rate inside the
+        training loop, beside the copies and the loop's own threads. Read between steps
+        (after ``synchronize``) for exact figures."""
+        return self._host_steps[0], self._host_steps[1]
+
+    def whole_unit(self, u: _Unit, item: tuple) -> bool:
+        """Whether ``item`` (see ``step_items``) steps all of ``u`` flat from the host
+        gradients as they landed."""
+        opt, _, params, grads = item
+        return (
+            u.host_grad is not None
+            and opt.flat_group(u) is not None
+            and len(params) == u.num_trainable == len(u.host_grad_views)
+            and all(g is v for g, v in zip(grads, u.host_grad_views))
+        )
+
+    def step_from_host(self, u: _Unit, items: list[tuple]) -> None:
+        """Step ``u`` from its host gradients: on the device if it is stepped there and one
+        optimizer steps it whole, else on the worker (a device-stepped unit then gives its
+        state back to the host first, and uploads it again at its next device step)."""
+        if not items:
+            return
+        if (
+            u.device_stepped
+            and len(items) == 1
+            and self.device_steppable(u, items[0][0])
+            and self.whole_unit(u, items[0])
+        ):
+            opt, hyper, _, _ = items[0]
+            assert u.host_grad is not None
+            self.device_step(u, opt, hyper, u.host_grad)
+            return
+        self.drop_device_state(u)
+        self._window.begin_host_write([u])
+        self.worker.submit(STEP, self.priority(u), functools.partial(self.step_unit, u, items))
+
+    def refresh_from_host(self, u: _Unit) -> None:
+        """The host master weights of ``u`` changed outside ramflow (worker idle): the
+        host's weights win over a device step's (its states are kept), and the wire and
+        device copies follow."""
+        self._pull_device_state(u, weights=False)
+        u.device_state = None
+        u.device_step_event = None
+        self._window.begin_host_write([u])
+        self._host.refresh_wire(u)
+
+    # ------------------------------------------------------------------ device steps
+
+    def device_steppable(self, u: _Unit, opt: StepOptimizer | None = None) -> bool:
+        """Whether ``u`` can be stepped on the device now: planned so, one process, and one
+        optimizer with a device step holding all of it flat (one group, one step count)."""
+        if not u.device_stepped or self.live_dist() is not None:
+            return False
+        if opt is None:
+            if len(self.optimizers) != 1:
+                return False
+            opt = self.optimizers[0]
+        return hasattr(opt, "device_flat_step") and opt.flat_group(u) is not None
+
+    def device_step(
+        self, u: _Unit, opt: StepOptimizer, hyper: list[dict], grad: torch.Tensor
+    ) -> None:
+        """Step ``u`` on the device, on the current stream: its fp32 master weights and
+        optimizer states stay there and the new weights go straight into its device copy,
+        which the next forward reads in stream order. The host copies are stale until
+        ``pull_device_state``."""
+        n = u.trainable_numel
+        with torch.profiler.record_function(f"ramflow.device_optimizer:{u.name}"):
+            if u.device_state is None:
+                self._wait_host_idle(u)
+                u.device_state = opt.device_state(u, self.device)  # type: ignore[attr-defined]
+            opt.device_flat_step(  # type: ignore[attr-defined]
+                u,
+                hyper,
+                grad=grad,
+                state=u.device_state,
+                weights_out=u.device_alias[:n],  # see [Note: units and views]
+                piece=DEVICE_STEP_PIECE,
+            )
+        if self.device.type == "cuda":
+            u.device_step_event = record_event(torch.cuda.current_stream(self.device))
+        u.host_stale = True
+
+    @staticmethod
+    def _wait_host_idle(u: _Unit) -> None:
+        """Before the host copies of ``u`` are read for the device: its host step done."""
+        u.wire_ready.wait()
+        if u.staging_reader is not None:
+            u.staging_reader.result()
+
+    def pull_device_state(self, u: _Unit) -> None:
+        """Copy ``u``'s device-stepped master weights, wire copy and optimizer states back
+        to the host (``synchronize``); the device keeps them."""
+        self._pull_device_state(u)
+
+    def _pull_device_state(self, u: _Unit, *, weights: bool = True) -> None:
+        """``pull_device_state``; ``weights`` False: the host's weights were just replaced,
+        only the states come back."""
+        st = u.device_state
+        if st is None or not u.host_stale:
+            return
+        if u.device_step_event is not None:
+            u.device_step_event.synchronize()
+        n = u.trainable_numel
+        self._host.before_host_write(u)
+        with torch.no_grad():
+            if weights:
+                u.master[:n].copy_(st["master"])
+                if u.wire is not u.master:
+                    u.wire[:n].copy_(u.device_flat[:n])
+            st["host_exp_avg"].copy_(st["exp_avg"])
+            st["host_exp_avg_sq"].copy_(st["exp_avg_sq"])
+        u.host_stale = False
+
+    def drop_device_state(self, u: _Unit) -> None:
+        """The host takes over ``u``'s master weights and states (copied back if newer);
+        the device frees its copies and uploads them again at the next device step."""
+        self._pull_device_state(u)
+        u.device_state = None
+        u.device_step_event = None

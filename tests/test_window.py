@@ -1,0 +1,102 @@
+"""The device window on its own (``ramflow._window``): budget, eviction order and pins."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ramflow._host_store import HostStore
+from ramflow._streams import CopyStreams
+from ramflow._units import UnitSpec, _Unit
+from ramflow._window import DeviceWindow
+from ramflow._worker import HostWorker
+
+CPU = torch.device("cpu")
+
+
+def make_window(n: int, *, capacity_units: int):
+    """``n`` units of one Linear(8, 8) each (128 fp32 elements padded: 72 + 64 -> 128),
+    host store built, device side built, a window of ``capacity_units`` units."""
+    layers = [nn.Linear(8, 8) for _ in range(n)]
+    specs = [
+        UnitSpec(f"l{i}", [m], slots=[(m, "weight"), (m, "bias")], owned=[m.weight, m.bias])
+        for i, m in enumerate(layers)
+    ]
+    units = [_Unit(i, s) for i, s in enumerate(specs)]
+    window = DeviceWindow(
+        device=CPU, wire_dtype=torch.float32, streams=CopyStreams(CPU), worker=HostWorker(CPU)
+    )
+    HostStore(device=CPU, wire_dtype=torch.float32, window=window).build(units)
+    window.build(units, specs, {id(p): u for u in units for p in u.owned})
+    window.set_capacity(capacity_units * units[0].nbytes)
+    return window, units, layers
+
+
+def test_loads_copy_the_wire_and_count_against_the_budget():
+    window, units, layers = make_window(3, capacity_units=2)
+    assert units[0].numel == 128 and units[0].nbytes == 512
+    window.acquire([units[0]])
+    assert units[0].allocated and window.used_bytes == 512
+    assert torch.equal(units[0].device_params[0], layers[0].weight)
+    window.release([units[0]])
+    assert units[0].allocated and window.used_bytes == 512  # cached until room is needed
+
+
+def test_least_recently_used_unpinned_unit_goes_first():
+    window, units, _ = make_window(3, capacity_units=2)
+    a, b, c = units
+    for u in (a, b):
+        window.acquire([u])
+        window.release([u])
+    window.acquire([a])  # a is used again: b is now the least recently used
+    window.release([a])
+    window.acquire([c])
+    assert not b.allocated and a.allocated and c.allocated
+    assert b.device_version == -1 and window.used_bytes == 2 * 512
+
+
+def test_pinned_units_are_never_evicted_a_forward_may_overflow():
+    window, units, _ = make_window(3, capacity_units=2)
+    a, b, c = units
+    window.acquire([a, b])  # both pinned
+    window.acquire([c])  # must: overflows rather than fail
+    assert all(u.allocated for u in units) and window.used_bytes == 3 * 512
+    window.release([a, b, c])
+    window.prefetch([a])  # already there: no change
+    assert window.used_bytes == 3 * 512
+
+
+def test_prefetch_stops_where_the_window_is_full():
+    window, units, _ = make_window(3, capacity_units=2)
+    a, b, c = units
+    window.acquire([a])  # pinned: a prefetch may not evict it
+    window.prefetch([b, c])
+    assert b.allocated and not c.allocated
+    window.release([a])
+
+
+def test_a_stale_copy_is_loaded_again_after_the_host_write():
+    window, units, layers = make_window(1, capacity_units=1)
+    (u,) = units
+    window.acquire([u])
+    window.release([u])
+    window.begin_host_write([u])
+    assert not u.wire_ready.is_set() and u.device_version == u.host_version - 1
+    with torch.no_grad():
+        layers[0].weight.add_(1.0)  # the step writes the master (= the fp32 wire)
+    window.wire_refreshed(u, sent=False)  # not resident, nobody waiting: no copy yet
+    assert u.device_version == u.host_version - 1
+    window.acquire([u])
+    assert u.device_version == u.host_version
+    assert torch.equal(u.device_params[0], layers[0].weight)
+    window.release([u])
+
+
+def test_free_all_returns_every_byte():
+    window, units, _ = make_window(3, capacity_units=2)
+    units[2].resident = True
+    window.load_resident(units[2])
+    window.acquire([units[0]])
+    assert window.used_bytes == 512  # resident units are outside the window's budget
+    window.free_all(units)
+    assert window.used_bytes == 0 and not any(u.allocated for u in units)
