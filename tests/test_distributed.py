@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import dist_workers as W
+import ramflow
 from ramflow._dist import STORE_FILE, create_store_file
 
 LR = 1e-2  # train_offload's and reference_run's AdamW
@@ -181,6 +182,20 @@ def test_files_of_a_leader_that_died_go_at_the_next_offload(tmp_path):
     _check_ok(W.run(W.train_offload, 1, options))
     assert sorted(os.listdir(shm)) == sorted(keep)
     assert all((shm / name).read_bytes() == b"not ramflow's to remove" for name in keep)
+
+
+def test_a_plain_offload_removes_store_files_of_dead_processes(tmp_path, monkeypatch):
+    """Any offload cleans up after ranks that died, not only a data-parallel one."""
+    dead = psutil.Popen(["true"])
+    dead.wait()
+    host, token = socket.gethostname(), "0" * 32
+    stale = tmp_path / f"ramflow-{dead.pid}-{token}-{host}-0.master"
+    live = tmp_path / f"ramflow-{os.getpid()}-{token}-{host}-0.master"
+    for path in (stale, live):
+        path.write_bytes(b"x")
+    monkeypatch.setenv("RAMFLOW_SHM_DIR", str(tmp_path))
+    ramflow.offload(W.reference_model(seed=0), device="cpu")
+    assert not stale.exists() and live.exists()
 
 
 def test_store_file_is_created_exclusively(tmp_path):

@@ -199,7 +199,7 @@ STORE_FILE = re.compile(
 )
 
 
-def _shm_dir() -> str:
+def shm_directory() -> str:
     return os.environ.get("RAMFLOW_SHM_DIR", "/dev/shm")
 
 
@@ -312,7 +312,7 @@ def shared_host_store(
         )
     token = [uuid.uuid4().hex if me == 0 else None]
     dist.broadcast_object_list(token, src=0, group=group)
-    directory = _shm_dir()
+    directory = shm_directory()
     base = os.path.join(
         directory, f"ramflow-{gathered[leader][1]}-{token[0]}-{socket.gethostname()}"
     )

@@ -8,7 +8,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._dist import DistributedState, require_initialized, shared_host_store
+from ._dist import (
+    DistributedState,
+    shm_directory,
+    remove_stale_store_files,
+    require_initialized,
+    shared_host_store,
+)
 from ._engine import Engine
 from ._plan import OffloadPlan, parse_bytes
 from ._registry import engine_of_model, engine_of_param
@@ -124,6 +130,7 @@ def offload(
         raise TypeError(f"wire_dtype must be a floating-point torch.dtype, got {wire_dtype!r}")
     budget = None if gpu_memory is None else parse_bytes(gpu_memory)
     specs = find_units(model, units)
+    remove_stale_store_files(shm_directory())  # of ranks that died: see [Note: host store files]
     owners = None
     if device_optimizer and zero_stage is not None:
         raise ValueError(
