@@ -10,10 +10,10 @@ from torch import nn
 
 from ._dist import (
     DistributedState,
-    shm_directory,
     remove_stale_store_files,
     require_initialized,
     shared_host_store,
+    shm_directory,
 )
 from ._engine import Engine
 from ._plan import OffloadPlan, parse_bytes
