@@ -78,6 +78,8 @@ def _entry(fn, rank: int, world_size: int, options: dict) -> None:
     torch.set_num_threads(1)
     if "shm_dir" in options:  # where the shared host store puts its files
         os.environ["RAMFLOW_SHM_DIR"] = options["shm_dir"]
+    if "hosts" in options:  # simulated hosts: this rank's host name
+        os.environ["RAMFLOW_TEST_HOST"] = options["hosts"][rank]
     backend = options.get("backend", "gloo")
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -106,13 +108,15 @@ def _store_bytes() -> dict[str, int]:
     as ``ramflow._dist.STORE_FILE``): rss, pss (rss divided among the processes sharing
     each page) and private."""
     rss = pss = private = 0
+    files = []
     for m in psutil.Process().memory_maps(grouped=True):
         name = os.path.basename(m.path).removesuffix(" (deleted)")
         if STORE_FILE.fullmatch(name):
             rss += m.rss
             pss += m.pss
             private += m.private_clean + m.private_dirty
-    return {"rss": rss, "pss": pss, "private": private}
+            files.append(name)
+    return {"rss": rss, "pss": pss, "private": private, "files": sorted(files)}
 
 
 def train_offload(rank: int, world_size: int, options: dict) -> dict:

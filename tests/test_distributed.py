@@ -79,6 +79,31 @@ def test_zero_offload_equals_single_process(tmp_path, zero_stage, world_size, ba
         assert close.all(), (k, (state[k] - v).abs().max().item())
 
 
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_two_simulated_hosts_train_as_one_process(tmp_path, zero_stage):
+    """Two hosts of two ranks each (host names simulated by $RAMFLOW_TEST_HOST): rank 0's
+    weights reach the other host, each host steps every unit once among its ranks, the
+    gradients are averaged over all four; the result is the one process's, and each host
+    maps exactly one copy of the masters (its leader's files, shared by its two ranks)."""
+    hosts = ["host-a", "host-a", "host-b", "host-b"]
+    options = {"out": str(tmp_path), "zero_stage": zero_stage, "hosts": hosts}
+    results = W.run(W.train_offload, 4, options)
+    _check_ok(results)
+    ref_losses, ref_state = reference_run()
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for k, v in ref_state.items():  # the weight tolerance of test_zero_offload_equals_...
+        close = torch.isclose(results[0]["state"][k], v, rtol=1e-5, atol=1e-3 * LR)
+        assert close.all(), (k, (results[0]["state"][k] - v).abs().max().item())
+    files = [set(r["memory"]["files"]) for r in results]
+    units = len(ramflow.offload(W.reference_model(), device="cpu")._ramflow_engine.units)
+    for a, b in ((0, 1), (2, 3)):  # one copy per host: both ranks map the same files
+        assert files[a] == files[b]
+        assert sum(f.endswith(".master") for f in files[a]) == units
+        assert all(f"-{hosts[a]}-" in f for f in files[a])
+    assert not files[0] & files[2]  # and the hosts do not share theirs
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_host_copy_is_shared_not_per_rank(tmp_path, world_size):
     """The master weights are one copy per host: each rank maps all of them (rss), but the

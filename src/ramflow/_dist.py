@@ -67,11 +67,18 @@ def cpu_group() -> dist.ProcessGroup:
     return group
 
 
+def host_name() -> str:
+    """This host's name for grouping ranks by host: the machine's, unless
+    ``$RAMFLOW_TEST_HOST`` names a simulated host (tests run several "hosts" on one machine;
+    never set it otherwise, or ranks of one machine stop sharing their host copy)."""
+    return os.environ.get("RAMFLOW_TEST_HOST") or socket.gethostname()
+
+
 def host_ranks(group: dist.ProcessGroup) -> list[int]:
     """The global ranks on this host, in order (found by host name)."""
     names: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(names, socket.gethostname(), group=group)
-    me = socket.gethostname()
+    me = host_name()
+    dist.all_gather_object(names, me, group=group)
     return [r for r, n in enumerate(names) if n == me]
 
 
@@ -220,7 +227,7 @@ def remove_stale_store_files(directory: str) -> list[str]:
     those whose PID is not a live process are removed (see [Note: host store files]).
     Returns the paths removed; a file that cannot be removed (another user's) is skipped.
     """
-    host = socket.gethostname()
+    host = host_name()
     removed = []
     try:
         names = os.listdir(directory)
@@ -314,7 +321,7 @@ def shared_host_store(
     dist.broadcast_object_list(token, src=0, group=group)
     directory = shm_directory()
     base = os.path.join(
-        directory, f"ramflow-{gathered[leader][1]}-{token[0]}-{socket.gethostname()}"
+        directory, f"ramflow-{gathered[leader][1]}-{token[0]}-{host_name()}"
     )
     wire_size = torch.empty((), dtype=wire_dtype).element_size()
     need = sum(n * (4 + (wire_size if wire_dtype != torch.float32 else 0)) for n in numels)
