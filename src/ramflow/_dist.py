@@ -320,9 +320,7 @@ def shared_host_store(
     token = [uuid.uuid4().hex if me == 0 else None]
     dist.broadcast_object_list(token, src=0, group=group)
     directory = shm_directory()
-    base = os.path.join(
-        directory, f"ramflow-{gathered[leader][1]}-{token[0]}-{host_name()}"
-    )
+    base = os.path.join(directory, f"ramflow-{gathered[leader][1]}-{token[0]}-{host_name()}")
     wire_size = torch.empty((), dtype=wire_dtype).element_size()
     need = sum(n * (4 + (wire_size if wire_dtype != torch.float32 else 0)) for n in numels)
     with _CreatedFiles() as created:
