@@ -136,17 +136,16 @@ def test_dead_rank_fails_the_others_with_a_clear_error(tmp_path):
     """Rank 1 dies after the first step: rank 0 raises a ramflow error naming the cause
     within the process group's timeout, instead of hanging."""
     start = time.monotonic()
-    results = W.run(
-        W.train_offload,
-        2,
-        {"out": str(tmp_path), "zero_stage": 2, "die_after": 1, "pg_timeout": 20},
-        timeout=90,
-    )
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    options = {"out": str(tmp_path), "zero_stage": 2, "die_after": 1, "pg_timeout": 20}
+    results = W.run(W.train_offload, 2, {**options, "shm_dir": str(shm)}, timeout=90)
     elapsed = time.monotonic() - start
     assert results[1] == {"exitcode": 3}
     assert "error" in results[0], results[0]
     assert "rank" in results[0]["error"] and "died" in results[0]["error"], results[0]["error"]
     assert elapsed < 80
+    assert _store_files(shm) == []  # nothing of the host store stays behind
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2])
