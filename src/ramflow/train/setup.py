@@ -235,8 +235,9 @@ def prepare_run(
         source=source,
     )
     _check_machine(estimate, corpus_bytes=corpus.num_tokens * 4)
-    ramflow_budget = None if budget is None else budget - estimate.device_activation_bytes
-    return PreparedRun(policy, tokenizer, mconfig, corpus, estimate, ramflow_budget, checkpoint)
+    return PreparedRun(
+        policy, tokenizer, mconfig, corpus, estimate, estimate.ramflow_budget_bytes, checkpoint
+    )
 
 
 __all__ = ["PreparedRun", "plan_run", "prepare_run"]
