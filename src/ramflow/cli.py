@@ -23,6 +23,7 @@ _TRAIN_OPTIONS = (
     "batch_size",
     "seq_len",
     "grad_accum",
+    "global_batch",
     "lr",
     "min_lr_ratio",
     "warmup_steps",
@@ -82,12 +83,33 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _batch_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a number of sequences or 'auto'"
+        ) from None
+
+
 def _shape_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch-size",
+        type=_batch_size,
+        default=None,
+        metavar="{N,auto}",
+        help="sequences per micro-batch (default: the preset's); auto: the largest that fits "
+        "the device budget, with the accumulation that reaches --global-batch",
+    )
+    p.add_argument(
+        "--global-batch",
         type=int,
         default=None,
-        help="sequences per micro-batch (default: the preset's)",
+        metavar="N",
+        help="sequences per optimizer step (default: --batch-size x --grad-accum); an "
+        "out-of-memory error halves the micro-batch and doubles the accumulation, keeping it",
     )
     p.add_argument(
         "--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)"
@@ -363,6 +385,7 @@ def _plan(args: argparse.Namespace) -> int:
             "precision",
             "gpu_memory",
             "batch_size",
+            "global_batch",
             "seq_len",
             "checkpointing",
         )
