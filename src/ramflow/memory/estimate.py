@@ -69,9 +69,9 @@ class ActivationProfile:
 
         Args:
             report: the measured report.
-            blocks: dotted names of the blocks (default: ``find_blocks``'s choice is not
-                known here, so the rows named like ``<prefix>.<int>`` whose prefix has the
-                most such rows).
+            blocks: dotted names of the blocks, in order (default: the rows named
+                ``<prefix>.<int>`` under the prefix that has the most of them, e.g. the
+                ``model.layers.N`` of a Hugging Face decoder).
 
         Raises:
             KeyError: a name in ``blocks`` did not run in the measured forward.

@@ -569,12 +569,8 @@ def _fit_micro_batch(config, setup, report, model, opt, scaler, batches) -> None
             "checkpointing": fit.checkpointing,
         }
     )
-    estimate_fit = setup.fit.describe().split("\n")[1:] if setup.fit is not None else []
-    report.message(
-        "--batch-size auto: "
-        + fit.describe().split("\n")[0]
-        + "".join(f"\n{line}" for line in estimate_fit + fit.describe().split("\n")[1:])
-    )
+    tried = [*(setup.fit.trials[:-1] if setup.fit is not None else ()), *fit.trials]
+    report.message("--batch-size auto: " + dataclasses.replace(fit, trials=tuple(tried)).describe())
 
 
 def _loop(
