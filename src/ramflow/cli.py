@@ -1,4 +1,4 @@
-"""The ``ramflow`` command: ``train``, ``generate`` and ``plan``.
+"""The ``ramflow`` command: ``train``, ``generate``, ``plan`` and ``profile``.
 
 Thin by design: it parses options and calls ``ramflow.train``; the logic lives there.
 Exit status: 0 done, 1 the plan does not fit this machine, 2 a usage or input error
@@ -23,6 +23,7 @@ _TRAIN_OPTIONS = (
     "batch_size",
     "seq_len",
     "grad_accum",
+    "global_batch",
     "lr",
     "min_lr_ratio",
     "warmup_steps",
@@ -82,12 +83,33 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _batch_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a number of sequences or 'auto'"
+        ) from None
+
+
 def _shape_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch-size",
+        type=_batch_size,
+        default=None,
+        metavar="{N,auto}",
+        help="sequences per micro-batch (default: the preset's); auto: the largest that fits "
+        "the device budget, with the accumulation that reaches --global-batch",
+    )
+    p.add_argument(
+        "--global-batch",
         type=int,
         default=None,
-        help="sequences per micro-batch (default: the preset's)",
+        metavar="N",
+        help="sequences per optimizer step (default: --batch-size x --grad-accum); an "
+        "out-of-memory error halves the micro-batch and doubles the accumulation, keeping it",
     )
     p.add_argument(
         "--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)"
@@ -104,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ramflow", description="Train and run models whose weights live in CPU RAM."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,plan}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{train,generate,plan,profile}"
+    )
 
     t = sub.add_parser(
         "train",
@@ -295,7 +319,47 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="G/S",
         help="the host's AdamW rate in billions of parameters per second (default 3.72: 16 threads)",
     )
+    pr = sub.add_parser(
+        "profile",
+        help="run a few training steps and write where their memory went",
+        description="Run a few training steps of a preset or --model on random tokens and "
+        "write, into --out: the activation report (activations.txt), a memory timeline per "
+        "variant (timeline-*.png), the CUDA allocator snapshot of the last step "
+        "(snapshot-*.pickle, CUDA only; open it at https://pytorch.org/memory_viz) and "
+        "summary.json. --offload runs the model plain and offloaded, side by side.",
+    )
+    _model_options(pr)
+    pr.add_argument("--out", metavar="DIR", required=True, help="output folder")
+    pr.add_argument("--steps", type=int, default=3, help="training steps per variant (default 3)")
+    pr.add_argument(
+        "--batch-size", type=int, default=2, help="sequences per micro-batch (default 2)"
+    )
+    pr.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    pr.add_argument(
+        "--offload",
+        action="store_true",
+        help="also run the model with ramflow.offload, beside the plain run",
+    )
     return parser
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from .train.profile import profile_model
+
+    result = profile_model(
+        out_dir=args.out,
+        preset=args.preset,
+        model=args.model,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        device=args.device,
+        precision=args.precision or "auto",
+        gpu_memory=args.gpu_memory,
+        offload=args.offload,
+    )
+    print(result.describe())
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -363,6 +427,7 @@ def _plan(args: argparse.Namespace) -> int:
             "precision",
             "gpu_memory",
             "batch_size",
+            "global_batch",
             "seq_len",
             "checkpointing",
         )
@@ -395,7 +460,7 @@ def _plan(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ramflow`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     args = build_parser().parse_args(argv)
-    handlers = {"train": _train, "generate": _generate, "plan": _plan}
+    handlers = {"train": _train, "generate": _generate, "plan": _plan, "profile": _profile}
     try:
         return handlers[args.command](args)
     except (ValueError, MemoryError, OSError) as err:

@@ -5,6 +5,9 @@
 - ``tensor_census`` / ``census_diff``: the live tensors, and what grew (leaks).
 - ``memory_snapshot`` / ``plot_timeline``: PyTorch's allocator history for
   https://pytorch.org/memory_viz, and a PNG of a tracker's readings.
+- ``estimate_memory`` / ``MemoryEstimate``: parameters, gradients, optimizer states and
+  activations per device and host, before anything is allocated (``ramflow plan``).
+- ``fit_batch``: the largest micro-batch and lightest checkpointing that fit a budget.
 - Checkpointing policies and ``apply_checkpointing``: which blocks recompute their forward.
 - ``chunked_attention``, ``sdpa_backends_report``, ``use_sdpa``: attention's memory.
 
@@ -26,10 +29,15 @@ from .checkpointing import (
     apply_checkpointing,
     find_blocks,
 )
+from .estimate import ActivationProfile, MemoryEstimate, estimate_memory
+from .fit import BatchFit, BatchTrial, fit_batch, smaller_micro_batch
 from .snapshot import memory_snapshot, plot_timeline
 from .tracker import MemoryTracker, cuda_pinned_bytes
 
 __all__ = [
+    "ActivationProfile",
+    "BatchFit",
+    "BatchTrial",
     "ActivationReport",
     "CensusGroup",
     "CheckpointAll",
@@ -39,6 +47,7 @@ __all__ = [
     "CheckpointPolicyLike",
     "CheckpointSegments",
     "CheckpointToBudget",
+    "MemoryEstimate",
     "MemoryTracker",
     "ModuleActivations",
     "SDPAReport",
@@ -49,10 +58,13 @@ __all__ = [
     "census_diff",
     "chunked_attention",
     "cuda_pinned_bytes",
+    "estimate_memory",
     "find_blocks",
+    "fit_batch",
     "memory_snapshot",
     "plot_timeline",
     "sdpa_backends_report",
+    "smaller_micro_batch",
     "tensor_census",
     "use_sdpa",
 ]

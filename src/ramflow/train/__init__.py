@@ -6,7 +6,7 @@ Needs ``transformers`` (the ``hf`` extra). The modules, one concept each:
 ``modeling`` (building and loading models), ``precision`` (device and dtypes),
 ``estimate`` (memory plans on the meta device), ``schedule`` (LR), ``checkpoint``,
 ``report`` (progress, log, plot), ``config`` (a run's settings), ``setup`` (the checks
-before a run), ``trainer`` (the loop) and ``generation``.
+before a run), ``trainer`` (the loop), ``profile`` (``ramflow profile``) and ``generation``.
 """
 
 from .checkpoint import Checkpoint, CheckpointError, open_checkpoint

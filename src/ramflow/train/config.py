@@ -46,9 +46,15 @@ class TrainConfig:
             tokenizer if it has one, else the byte tokenizer.
         data: text file, folder or JSON lines; None: the Python standard library sources.
         steps: optimizer steps to reach (a resumed run counts the steps already done).
-        batch_size: sequences per micro-batch (B).
+        batch_size: sequences per micro-batch (B) to start with; with ``auto_batch_size``,
+            the global batch (the fitted micro-batch divides it).
         seq_len: tokens per sequence (T).
         grad_accum: micro-batches per optimizer step (tokens per step = grad_accum * B * T).
+            An out-of-memory error halves the micro-batch and doubles the accumulation:
+            ``global_batch`` never changes (see ``ramflow.memory.fit``).
+        auto_batch_size: fit the micro-batch to the device budget at the start of the run
+            (``--batch-size auto``): the largest divisor of ``global_batch`` whose estimate
+            fits and whose trial step does not run out of memory; default False.
         lr: peak learning rate.
         min_lr_ratio: the cosine decay ends at ``lr * min_lr_ratio``.
         warmup_steps: linear warmup steps.
@@ -81,6 +87,7 @@ class TrainConfig:
     batch_size: int = 16
     seq_len: int = 256
     grad_accum: int = 1
+    auto_batch_size: bool = False
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
@@ -149,8 +156,13 @@ class TrainConfig:
         return self.decay_steps if self.decay_steps is not None else self.steps
 
     @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step (``grad_accum * batch_size``)."""
+        return self.grad_accum * self.batch_size
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.grad_accum * self.batch_size * self.seq_len
+        return self.global_batch * self.seq_len
 
     @classmethod
     def from_options(cls, **options: Any) -> TrainConfig:
@@ -165,10 +177,18 @@ class TrainConfig:
         Raises:
             ValueError: an unknown option or an invalid value (see the attributes).
         """
-        unknown = set(options) - {f.name for f in dataclasses.fields(cls)}
+        unknown = set(options) - {f.name for f in dataclasses.fields(cls)} - {"global_batch"}
         if unknown:
             raise ValueError(f"unknown training options: {', '.join(sorted(unknown))}")
         given = {k: v for k, v in options.items() if v is not None}
+        global_batch = given.pop("global_batch", None)
+        if given.get("batch_size") == "auto":
+            given["batch_size"] = None
+            given["auto_batch_size"] = True
+        elif isinstance(given.get("batch_size"), str):
+            raise ValueError(
+                f"--batch-size {given['batch_size']!r}: give a number of sequences or 'auto'"
+            )
         if "model" in given:
             given.setdefault("preset", None)
             if given["preset"] is not None:
@@ -186,8 +206,12 @@ class TrainConfig:
                 "lr": preset.lr,
                 "steps": preset.steps,
             }
+        if global_batch is not None:
+            _set_global_batch(given, global_batch)
         for k, v in base.items():
             given.setdefault(k, v)
+        if given.get("auto_batch_size") and "grad_accum" in given:
+            given["batch_size"] *= given.pop("grad_accum")  # the global batch, fitted later
         steps = given["steps"]
         given.setdefault("decay_steps", steps)
         given.setdefault("warmup_steps", min(200, steps // 5))
@@ -201,6 +225,39 @@ class TrainConfig:
     def model_name(self) -> str:
         """The preset, or the model folder, for messages."""
         return self.preset if self.preset is not None else str(self.model)
+
+
+def _set_global_batch(given: dict[str, Any], global_batch: int) -> None:
+    """Express ``--global-batch`` as ``batch_size`` and ``grad_accum`` in ``given``.
+
+    Raises:
+        ValueError: a global batch below 1, one the micro-batch does not divide, or one
+            that disagrees with ``--grad-accum``.
+    """
+    if global_batch < 1:
+        raise ValueError(f"--global-batch must be at least 1, got {global_batch}")
+    if given.get("auto_batch_size"):
+        if "grad_accum" in given:
+            raise ValueError(
+                "--batch-size auto chooses --grad-accum to reach --global-batch; drop --grad-accum"
+            )
+        given["batch_size"] = global_batch
+        return
+    micro = given.get("batch_size")
+    if micro is None:
+        raise ValueError(
+            "--global-batch needs --batch-size (a number of sequences, or 'auto' to fit it)"
+        )
+    if global_batch % micro:
+        raise ValueError(
+            f"--global-batch {global_batch} is not a multiple of --batch-size {micro}; give a "
+            "micro-batch that divides it, or --batch-size auto"
+        )
+    if given.setdefault("grad_accum", global_batch // micro) != global_batch // micro:
+        raise ValueError(
+            f"--global-batch {global_batch} is not --batch-size {micro} x --grad-accum "
+            f"{given['grad_accum']}; give two of the three"
+        )
 
 
 def resume_config(checkpoint: Checkpoint, **options: Any) -> TrainConfig:
@@ -217,6 +274,11 @@ def resume_config(checkpoint: Checkpoint, **options: Any) -> TrainConfig:
             ``RESUMABLE_CHANGES`` (e.g. another preset: a checkpoint of another model shape).
         CheckpointError: the checkpoint's settings are not those of a ``TrainConfig``.
     """
+    if options.get("batch_size") == "auto":
+        options = {**options, "auto_batch_size": True, "batch_size": options.get("global_batch")}
+    elif options.get("global_batch") is not None and options.get("batch_size") is not None:
+        options = {**options, "grad_accum": options["global_batch"] // options["batch_size"]}
+    options.pop("global_batch", None)
     stored = dict(checkpoint.state["train_config"])
     if stored.get("decay_steps") is None:
         stored["decay_steps"] = stored.get("steps")

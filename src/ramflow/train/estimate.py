@@ -1,56 +1,50 @@
-"""Memory plans without allocating the model: GPU, CPU RAM (pinned and pageable) and disk.
+"""Memory plans of language models without allocating them: GPU, CPU RAM and disk.
+
+The figures are ``ramflow.memory.estimate_memory``'s; this module builds the model on the
+meta device, measures its activations there and adds the step-time prediction.
 
 Legend: B = sequences per micro-batch, T = tokens per sequence, N = B * T, H = hidden
 size, V = vocabulary size, L = decoder layers.
 
 [Note: measuring activations on the meta device]
-Parameters, gradients and optimizer states follow from the units that ``ramflow.offload``
-would form: the estimate builds the model on the meta device, splits it with the engine's
-own ``find_units`` and sizes (padding included), and asks the engine's planner
-(``ramflow._plan.make_plan``) for the plan. Activations are measured rather than derived
-from a formula: the decoder's pieces run on meta tensors of the real (B, T) shapes in the
-compute dtype, and a ``saved_tensors_hooks`` pair adds up the bytes of every distinct
-storage autograd saves for backward (weights excluded). Meta tensors have no fused
-attention kernel, so a ``TorchFunctionMode`` stands in for ``scaled_dot_product_attention``
-with a function that saves what a fused (flash) kernel saves: q, k, v, the output and the
-fp32 log-sum-exp, never the (T, T) attention matrix. With activation checkpointing, each
-layer keeps only its input, and one layer's activations are rebuilt at a time in backward.
-Backward also needs working memory that is never saved: the gradient of the fp32 logits
-and of one layer's activations; the estimate adds ``N * V * (4 + 4)`` bytes for the
-first and one layer's saved bytes for the second.
+Activations are measured rather than derived from a formula: the decoder's pieces run on
+meta tensors of the real (B, T) shapes in the compute dtype, and a ``saved_tensors_hooks``
+pair adds up the bytes of every distinct storage autograd saves for backward (weights
+excluded). Meta tensors have no fused attention kernel, so a ``TorchFunctionMode`` stands
+in for ``scaled_dot_product_attention`` with a function that saves what a fused (flash)
+kernel saves: q, k, v, the output and the fp32 log-sum-exp, never the (T, T) attention
+matrix. With activation checkpointing, each layer keeps only its input, and one layer's
+activations are rebuilt at a time in backward. Backward also needs working memory that
+is never saved: the gradient of the fp32 logits and of one layer's activations; the
+estimate adds ``N * V * (4 + 4)`` bytes for the first and one layer's saved bytes for the
+second.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+import dataclasses
 import os
-import shutil
-from dataclasses import dataclass
-from pathlib import Path
 
-import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .._costs import unit_costs, unit_shapes
-from .._plan import OffloadPlan, PlanTiming, format_bytes, make_plan
-from .._predict import (
-    DEFAULT_MATMUL_FLOPS_PER_S,
-    TRAIN_MATMUL_EFFICIENCY,
-    Rates,
-    StepPrediction,
-    predict_step,
+from .._plan import OffloadPlan, PlanTiming, make_plan
+from .._predict import DEFAULT_MATMUL_FLOPS_PER_S, Rates, predict_step
+from .._units import _Unit, plan_inputs
+from ..memory.estimate import (
+    CHECKPOINTING_MODES,
+    RUNTIME_OVERHEAD_BYTES,
+    ActivationProfile,
+    MemoryEstimate,
+    offload_units,
+    size_string,
 )
-from .._units import _Unit, find_units, plan_inputs
+from ..memory.estimate import estimate_memory as estimate_model_memory
 from .modeling import meta_model
-
-RUNTIME_OVERHEAD_BYTES = (
-    1 << 30
-)  # Python, torch and transformers themselves, measured at about 0.7 GiB
-CHECKPOINTING_MODES = ("auto", "on", "off")
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -78,36 +72,6 @@ class _FusedAttentionMode(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             return _FusedAttention.apply(*args[:3])
         return func(*args, **(kwargs or {}))
-
-
-@dataclass(frozen=True)
-class ActivationProfile:
-    """Bytes autograd saves for backward in one training forward of (B, T) tokens.
-
-    Attributes:
-        layer_bytes: saved by each decoder layer (its input included), layer order.
-        layer_input_bytes: one layer's input, what a checkpointed layer keeps (N * H * dtype).
-        other_bytes: saved outside the layers (embedding, final norm, head, loss).
-        logits_workspace_bytes: working memory of the loss's backward (N * V * 8).
-        measured: False where the model's structure was unknown and a formula stood in.
-    """
-
-    layer_bytes: tuple[int, ...]
-    layer_input_bytes: int
-    other_bytes: int
-    logits_workspace_bytes: int
-    measured: bool
-
-    def saved_bytes(self, *, checkpointing: bool) -> int:
-        """Bytes held between forward and backward."""
-        if checkpointing:
-            return self.other_bytes + self.layer_input_bytes * len(self.layer_bytes)
-        return self.other_bytes + sum(self.layer_bytes)
-
-    def peak_bytes(self, *, checkpointing: bool) -> int:
-        """Saved bytes plus backward working memory: the activations' share of the peak."""
-        largest = max(self.layer_bytes, default=0)
-        return self.saved_bytes(checkpointing=checkpointing) + largest + self.logits_workspace_bytes
 
 
 def _decoder_parts(model: nn.Module):
@@ -197,262 +161,6 @@ def measure_activations(
     return ActivationProfile(tuple(layer_bytes), n * hidden * size, other, workspace, True)
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Where the bytes of one training run live, before anything is allocated.
-
-    Device figures are per GPU (on a CPU run, the "device" is RAM too). Host figures
-    split into pinned (page-locked, for DMA) and pageable RAM.
-
-    Attributes:
-        model_name: what the estimate is for (preset or folder).
-        num_parameters: distinct parameter elements; num_trainable: those with gradients.
-        device_type: ``"cuda"`` or ``"cpu"``; precision: ``bf16``/``fp16``/``fp32``.
-        wire_dtype: dtype of the device copies of the weights.
-        batch_size, seq_len: B and T of a micro-batch.
-        checkpointing: activation checkpointing on.
-        gpu_memory_bytes: the device budget (None: no cap).
-        plan: the plan ``ramflow.offload`` would choose (window, resident units).
-        activations: the measured profile.
-        device_parameter_bytes: window slots + resident units + buffers on the device.
-        device_gradient_bytes: device gradient buffers.
-        device_activation_bytes: activations at their peak (saved + backward working memory).
-        host_parameter_pinned_bytes / host_parameter_pageable_bytes: fp32 masters and wire copies.
-        host_gradient_pinned_bytes / host_gradient_pageable_bytes: D2H staging and fp32 gradients.
-        host_optimizer_bytes: optimizer states (pageable, fp32).
-        checkpoint_bytes: one checkpoint on disk (fp32 weights and optimizer states).
-        ram_available_bytes: RAM this machine has available now.
-        disk_free_bytes: free bytes where checkpoints go (None when not asked).
-        prediction: the predicted step time of ``plan`` as ``train`` runs it (GPU runs, when
-            asked; ``ramflow._predict``), from estimated inputs: ``timing_rates`` and
-            ``matmul_flops_per_s``.
-        timed_plan: the plan with the least predicted step time for the same budget
-            (residents, prefetch depth, per-unit checkpointing; ``make_plan`` with timing).
-        timing_rates: the copy and CPU optimizer rates assumed.
-        matmul_flops_per_s: the GPU bf16 matmul rate assumed, FLOP/s.
-        device_note: why this device was planned, where the user named none (printed
-            under the device line), or None.
-    """
-
-    model_name: str
-    num_parameters: int
-    num_trainable: int
-    device_type: str
-    precision: str
-    wire_dtype: str
-    batch_size: int
-    seq_len: int
-    checkpointing: bool
-    gpu_memory_bytes: int | None
-    plan: OffloadPlan
-    activations: ActivationProfile
-    device_parameter_bytes: int
-    device_gradient_bytes: int
-    device_activation_bytes: int
-    host_parameter_pinned_bytes: int
-    host_parameter_pageable_bytes: int
-    host_gradient_pinned_bytes: int
-    host_gradient_pageable_bytes: int
-    host_optimizer_bytes: int
-    checkpoint_bytes: int
-    ram_available_bytes: int
-    disk_free_bytes: int | None
-    prediction: StepPrediction | None = None
-    timed_plan: OffloadPlan | None = None
-    timing_rates: Rates | None = None
-    matmul_flops_per_s: float | None = None
-    device_note: str | None = None
-
-    @property
-    def device_total_bytes(self) -> int:
-        return (
-            self.device_parameter_bytes + self.device_gradient_bytes + self.device_activation_bytes
-        )
-
-    @property
-    def host_pinned_bytes(self) -> int:
-        return self.host_parameter_pinned_bytes + self.host_gradient_pinned_bytes
-
-    @property
-    def host_pageable_bytes(self) -> int:
-        return (
-            self.host_parameter_pageable_bytes
-            + self.host_gradient_pageable_bytes
-            + self.host_optimizer_bytes
-        )
-
-    @property
-    def ram_needed_bytes(self) -> int:
-        """RAM the run needs: host store, optimizer states, the runtime itself, and on a
-        CPU run the "device" side too."""
-        device = self.device_total_bytes if self.device_type == "cpu" else 0
-        return self.host_pinned_bytes + self.host_pageable_bytes + device + RUNTIME_OVERHEAD_BYTES
-
-    @property
-    def fits_ram(self) -> bool:
-        return self.ram_needed_bytes <= self.ram_available_bytes
-
-    @property
-    def fits_disk(self) -> bool:
-        """Room for one checkpoint (``describe`` warns when two, as while a new one is
-        written beside the old, do not fit)."""
-        return self.disk_free_bytes is None or self.checkpoint_bytes <= self.disk_free_bytes
-
-    def table(self) -> str:
-        """The estimate as a table for people."""
-        dev = "GPU" if self.device_type == "cuda" else "device (CPU)"
-        rows = [
-            (
-                "parameters",
-                self.device_parameter_bytes,
-                self.host_parameter_pinned_bytes,
-                self.host_parameter_pageable_bytes,
-                None,
-            ),
-            (
-                "gradients",
-                self.device_gradient_bytes,
-                self.host_gradient_pinned_bytes,
-                self.host_gradient_pageable_bytes,
-                None,
-            ),
-            ("optimizer states", 0, 0, self.host_optimizer_bytes, None),
-            ("activations", self.device_activation_bytes, 0, 0, None),
-            ("checkpoint", None, None, None, self.checkpoint_bytes),
-        ]
-        total = (
-            "total",
-            self.device_total_bytes,
-            self.host_pinned_bytes,
-            self.host_pageable_bytes,
-            self.checkpoint_bytes,
-        )
-
-        def cell(v: int | None) -> str:
-            return "-" if not v else format_bytes(v)
-
-        header = ("", dev, "CPU pinned", "CPU pageable", "disk")
-        lines = [header, *[(r[0], *map(cell, r[1:])) for r in (*rows, total)]]
-        widths = [max(len(line[i]) for line in lines) for i in range(5)]
-        out = []
-        for k, line in enumerate(lines):
-            out.append(
-                "  ".join(
-                    c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(line)
-                )
-            )
-            if k == 0 or k == len(lines) - 2:
-                out.append("-" * len(out[-1]))
-        return "\n".join(out)
-
-    def describe(self) -> str:
-        """Header, table, plan and verdicts: what ``ramflow plan`` prints."""
-        budget = "no cap" if self.gpu_memory_bytes is None else format_bytes(self.gpu_memory_bytes)
-        act = self.activations
-        lines = [
-            f"model {self.model_name}: {self.num_parameters / 1e6:,.2f} M parameters, "
-            f"{len(act.layer_bytes)} layers",
-            f"device {self.device_type}, precision {self.precision} (weights on the device in "
-            f"{self.wire_dtype}), budget {budget}",
-            *([f"  ({self.device_note})"] if self.device_note else []),
-            f"micro-batch {self.batch_size} x {self.seq_len} tokens, activation checkpointing "
-            f"{'on' if self.checkpointing else 'off'}"
-            + ("" if act.measured else " (activations from a formula: unknown model structure)"),
-            "",
-            self.table(),
-            "",
-            "ramflow plan: " + self.plan.describe().replace("\n", "\n  "),
-            "",
-            f"activations: {format_bytes(act.saved_bytes(checkpointing=self.checkpointing))} saved for "
-            f"backward + {format_bytes(act.peak_bytes(checkpointing=self.checkpointing) - act.saved_bytes(checkpointing=self.checkpointing))} "
-            "backward working memory",
-            f"RAM: needs about {format_bytes(self.ram_needed_bytes)} (including "
-            f"{format_bytes(RUNTIME_OVERHEAD_BYTES)} for the runtime), "
-            f"{format_bytes(self.ram_available_bytes)} available: "
-            + ("fits" if self.fits_ram else "DOES NOT FIT"),
-        ]
-        if self.disk_free_bytes is not None:
-            lines.append(
-                f"disk: a checkpoint takes {format_bytes(self.checkpoint_bytes)}, two at a time while "
-                f"saving; {format_bytes(self.disk_free_bytes)} free: "
-                + (
-                    "fits"
-                    if 2 * self.checkpoint_bytes <= self.disk_free_bytes
-                    else "one fits, two do not: save only at the end (--save-every 0)"
-                    if self.fits_disk
-                    else "DOES NOT FIT"
-                )
-            )
-        lines += self.speed_lines()
-        return "\n".join(lines)
-
-    def speed_lines(self) -> list[str]:
-        """The predicted step time and the fastest plan, with the rates assumed."""
-        if self.prediction is None or self.timing_rates is None:
-            return []
-        r = self.timing_rates
-        both = f", both ways {r.both_bytes_per_s / 1e9:.1f} GB/s" if r.both_bytes_per_s else ""
-        lines = [
-            "",
-            f"step time (predicted, estimated inputs): {self.prediction.describe()}",
-            f"  assumed: pinned PCIe {r.h2d_bytes_per_s / 1e9:.1f} GB/s H2D, "
-            f"{r.d2h_bytes_per_s / 1e9:.1f} GB/s D2H{both}; GPU bf16 matmul "
-            f"{(self.matmul_flops_per_s or 0) / 1e12:.0f} TFLOP/s ({TRAIN_MATMUL_EFFICIENCY:.0%} of "
-            f"it in a training forward); CPU AdamW {r.cpu_optimizer_params_per_s / 1e9:.2f} G params/s",
-            "  (defaults: the H200 box's measurements; override with --pcie-gbps, --gpu-tflops, "
-            "--cpu-adamw-gparams; benchmarks/bench.py --floors measures them)",
-        ]
-        best = self.timed_plan
-        if best is not None and best.prediction is not None:
-            kwargs = best.offload_kwargs()
-            ckpt = kwargs["activation_checkpointing"]
-            budget = kwargs["gpu_memory"]
-            lines += [
-                f"fastest plan for this budget: {best.prediction.step_s * 1e3:.0f} ms per step, "
-                f"bound by {best.prediction.bound}",
-                "  " + best.describe().replace("\n", "\n  "),
-                "  ramflow.offload(model, gpu_memory="
-                + ("None" if budget is None else repr(size_string(budget)))
-                + f", prefetch_depth={kwargs['prefetch_depth']}, activation_checkpointing="
-                + (repr(ckpt) if len(ckpt or []) <= 4 else f"[{len(ckpt)} units above]")
-                + ")",
-            ]
-        return lines
-
-
-def size_string(num_bytes: int) -> str:
-    """``num_bytes`` as a size string that ``ramflow.offload`` reads: GiB with two decimals
-    (MiB below 1 GiB), rounded down so that it never grants more than ``num_bytes``
-    (``8405385728`` -> ``"7.82GiB"``)."""
-    unit, size = ("GiB", 2**30) if num_bytes >= 2**30 else ("MiB", 2**20)
-    return f"{math.floor(num_bytes / size * 100) / 100:.2f}{unit}"
-
-
-def _unit_figures(model: nn.Module) -> tuple[list[_Unit], int]:
-    units = [_Unit(i, spec) for i, spec in enumerate(find_units(model))]
-    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    return units, buffer_bytes
-
-
-def _make_plan(
-    units: list[_Unit],
-    buffer_bytes: int,
-    *,
-    device_type: str,
-    wire_dtype: torch.dtype,
-    gpu_memory_bytes: int | None,
-    prefetch_depth: int,
-) -> OffloadPlan:
-    """The plan ``Engine.__init__`` makes for these units (same arguments)."""
-    return make_plan(
-        device=device_type,
-        **plan_inputs(units, wire_dtype),
-        fixed_bytes=buffer_bytes,
-        gpu_memory_bytes=gpu_memory_bytes,
-        prefetch_depth=prefetch_depth,
-    )
-
-
 def estimate_memory(
     config,
     *,
@@ -472,11 +180,11 @@ def estimate_memory(
     timing_rates: Rates | None = None,
     matmul_flops_per_s: float | None = None,
 ) -> MemoryEstimate:
-    """Estimate a training run's memory without allocating the model.
+    """Estimate a language model's training memory without allocating the model.
 
-    See [Note: measuring activations on the meta device]. The device budget covers
-    everything on the device: ramflow's own share (window, resident units, gradient
-    buffers) is what is left after the activations, and that share goes to the planner.
+    ``ramflow.memory.estimate_memory`` on the model built on the meta device, with the
+    activations measured there (see [Note: measuring activations on the meta device]),
+    plus the step-time prediction when asked.
 
     Args:
         config: the model's ``transformers`` config.
@@ -501,118 +209,54 @@ def estimate_memory(
         ValueError: ``checkpointing`` unknown; non-positive sizes; the budget is too small
             for the activations and ramflow's smallest plan (the message gives the figures).
     """
-    if checkpointing not in CHECKPOINTING_MODES:
-        raise ValueError(
-            f"--checkpointing {checkpointing!r}: choose one of {', '.join(CHECKPOINTING_MODES)}"
-        )
     if batch_size < 1 or seq_len < 1:
         raise ValueError(
             f"batch size and sequence length must be positive, got {batch_size} and {seq_len}"
         )
+    if checkpointing not in CHECKPOINTING_MODES:
+        raise ValueError(
+            f"--checkpointing {checkpointing!r}: choose one of {', '.join(CHECKPOINTING_MODES)}"
+        )
     model = meta_model(config)
-    units, buffer_bytes = _unit_figures(model)
     acts = measure_activations(config, batch_size=batch_size, seq_len=seq_len, dtype=compute_dtype)
-    smallest = _make_plan(
-        units,
-        buffer_bytes,
-        device_type=device_type,
-        wire_dtype=wire_dtype,
-        gpu_memory_bytes=None,
-        prefetch_depth=prefetch_depth,
-    ).min_gpu_memory_bytes
-    if checkpointing == "auto":
-        ckpt = (
-            gpu_memory_bytes is not None
-            and smallest + acts.peak_bytes(checkpointing=False) > gpu_memory_bytes
-        )
-    else:
-        ckpt = checkpointing == "on"
-    act_bytes = acts.peak_bytes(checkpointing=ckpt)
-    ramflow_budget = None
-    if gpu_memory_bytes is not None:
-        ramflow_budget = gpu_memory_bytes - act_bytes
-        if ramflow_budget < smallest:
-            need = smallest + act_bytes
-            hint = "" if ckpt else ", or --checkpointing on"
-            raise ValueError(
-                f"--gpu-memory {format_bytes(gpu_memory_bytes)} is too small for this run: activations "
-                f"of a {batch_size} x {seq_len} micro-batch need about {format_bytes(act_bytes)} and "
-                f"ramflow's smallest plan (streaming every unit) {format_bytes(smallest)}, together "
-                f"{format_bytes(need)}. Give --gpu-memory {format_bytes(need * 1.05)} or more, or a "
-                f"smaller --batch-size / --seq-len{hint}."
-            )
-    plan = _make_plan(
-        units,
-        buffer_bytes,
-        device_type=device_type,
-        wire_dtype=wire_dtype,
-        gpu_memory_bytes=ramflow_budget,
-        prefetch_depth=prefetch_depth,
-    )
-
-    wire_size = torch.empty((), dtype=wire_dtype).element_size()
-    numel = sum(u.numel for u in units)
-    trainable = sum(u.trainable_numel for u in units)
-    cuda = device_type == "cuda"
-    master = numel * 4
-    wire = numel * wire_size if wire_dtype != torch.float32 else 0
-    master_pinned = cuda and wire_dtype == torch.float32
-    distinct = {id(p): p for p in model.parameters()}.values()
-    num_parameters = sum(p.numel() for p in distinct)
-    num_trainable = sum(p.numel() for p in distinct if p.requires_grad)
-    disk_free = None
-    if out_dir is not None:
-        probe = Path(out_dir)
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        disk_free = shutil.disk_usage(probe).free
-    timing: dict = {}
-    if predict and device_type == "cuda":
-        timing = _predict_speed(
-            model,
-            acts,
-            plan,
-            config=config,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            wire_size=torch.empty((), dtype=wire_dtype).element_size(),
-            checkpointing=checkpointing,
-            ckpt=ckpt,
-            gpu_memory_bytes=gpu_memory_bytes,
-            ramflow_budget=ramflow_budget,
-            units=units,
-            buffer_bytes=buffer_bytes,
-            device_type=device_type,
-            wire_dtype=wire_dtype,
-            rates=timing_rates or Rates(),
-            matmul_flops_per_s=matmul_flops_per_s or DEFAULT_MATMUL_FLOPS_PER_S,
-        )
-    return MemoryEstimate(
-        model_name=model_name,
-        num_parameters=num_parameters,
-        num_trainable=num_trainable,
-        device_type=device_type,
-        precision=precision,
-        wire_dtype=str(wire_dtype).replace("torch.", ""),
+    estimate = estimate_model_memory(
+        model,
+        activations=acts,
         batch_size=batch_size,
         seq_len=seq_len,
-        checkpointing=ckpt,
-        gpu_memory_bytes=gpu_memory_bytes,
-        plan=plan,
-        activations=acts,
-        device_parameter_bytes=plan.window_bytes + plan.resident_bytes + plan.fixed_bytes,
-        device_gradient_bytes=plan.grad_bytes,
-        device_activation_bytes=act_bytes,
-        host_parameter_pinned_bytes=(master if master_pinned else 0) + (wire if cuda else 0),
-        host_parameter_pageable_bytes=(0 if master_pinned else master) + (0 if cuda else wire),
-        host_gradient_pinned_bytes=trainable * wire_size if cuda else 0,
-        host_gradient_pageable_bytes=trainable * 4 + (0 if cuda else trainable * wire_size),
-        host_optimizer_bytes=optimizer_states * trainable * 4,
-        checkpoint_bytes=num_parameters * 4 + optimizer_states * num_trainable * 4,
-        ram_available_bytes=psutil.virtual_memory().available,
-        disk_free_bytes=disk_free,
-        **timing,
+        device_type=device_type,
+        wire_dtype=wire_dtype,
+        gpu_memory=gpu_memory_bytes,
+        checkpointing=checkpointing,
+        prefetch_depth=prefetch_depth,
+        optimizer_states=optimizer_states,
+        precision=precision,
+        model_name=model_name,
+        out_dir=out_dir,
     )
+    if not (predict and device_type == "cuda"):
+        return estimate
+    units, buffer_bytes = offload_units(model)
+    timing = _predict_speed(
+        model,
+        acts,
+        estimate.plan,
+        config=config,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        wire_size=torch.empty((), dtype=wire_dtype).element_size(),
+        checkpointing=checkpointing,
+        ckpt=estimate.checkpointing,
+        gpu_memory_bytes=gpu_memory_bytes,
+        ramflow_budget=estimate.ramflow_budget_bytes,
+        units=units,
+        buffer_bytes=buffer_bytes,
+        device_type=device_type,
+        wire_dtype=wire_dtype,
+        rates=timing_rates or Rates(),
+        matmul_flops_per_s=matmul_flops_per_s or DEFAULT_MATMUL_FLOPS_PER_S,
+    )
+    return dataclasses.replace(estimate, **timing)
 
 
 def _predict_speed(

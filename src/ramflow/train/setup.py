@@ -18,6 +18,7 @@ import torch
 
 from .._plan import format_bytes, parse_bytes
 from .._predict import Rates
+from ..memory.fit import BatchFit, fit_batch
 from .checkpoint import Checkpoint
 from .config import TrainConfig
 from .data import Corpus, build_corpus, find_documents, stdlib_root
@@ -36,7 +37,10 @@ class PreparedRun:
         tokenizer: the run's tokenizer.
         model_config: the ``transformers`` config of the model.
         corpus: the tokenised training and validation text.
-        estimate: the memory plan (``ramflow plan``'s figures).
+        estimate: the memory plan (``ramflow plan``'s figures), at the micro-batch the
+            run starts with.
+        fit: with ``--batch-size auto``, the micro-batch the estimate chose (the trainer's
+            trial steps may lower it); None otherwise.
         ramflow_budget: what ``ramflow.offload`` may allocate on the device (the budget
             less the activations), bytes; None for no cap.
         checkpoint: the verified checkpoint to resume, or None.
@@ -49,6 +53,7 @@ class PreparedRun:
     estimate: MemoryEstimate
     ramflow_budget: int | None
     checkpoint: Checkpoint | None
+    fit: BatchFit | None = None
 
 
 def _tokenizer_and_config(
@@ -76,24 +81,39 @@ def _estimate(
     budget: int | None,
     out_dir: Path | None,
     **predict: Any,
-) -> MemoryEstimate:
+) -> tuple[MemoryEstimate, BatchFit | None]:
+    """The run's estimate; with ``--batch-size auto``, at the largest micro-batch (and the
+    lightest checkpointing) whose estimate fits the budget, and that fit."""
     ctx = getattr(mconfig, "max_position_embeddings", None)
     if ctx is not None and config.seq_len > ctx:
         raise ValueError(f"--seq-len {config.seq_len} exceeds the model's context of {ctx} tokens")
-    return estimate_memory(
-        mconfig,
-        model_name=config.model_name,
-        device_type=device_type,
-        precision=precision,
-        compute_dtype=compute_dtype,
-        wire_dtype=wire_dtype,
-        batch_size=config.batch_size,
-        seq_len=config.seq_len,
-        gpu_memory_bytes=budget,
-        checkpointing=config.checkpointing,
-        out_dir=out_dir if out_dir is not None else Path("runs"),
-        **predict,
+
+    def at(batch_size: int, checkpointing: str, **extra: Any) -> MemoryEstimate:
+        return estimate_memory(
+            mconfig,
+            model_name=config.model_name,
+            device_type=device_type,
+            precision=precision,
+            compute_dtype=compute_dtype,
+            wire_dtype=wire_dtype,
+            batch_size=batch_size,
+            seq_len=config.seq_len,
+            gpu_memory_bytes=budget,
+            checkpointing=checkpointing,
+            out_dir=out_dir if out_dir is not None else Path("runs"),
+            **extra,
+        )
+
+    if not config.auto_batch_size:
+        return at(config.batch_size, config.checkpointing, **predict), None
+    levels = {"auto": (False, True), "off": (False,), "on": (True,)}[config.checkpointing]
+    fit = fit_batch(
+        global_batch=config.global_batch,
+        budget_bytes=budget,
+        estimate=lambda b, ckpt: at(b, "on" if ckpt else "off").device_total_bytes,
+        checkpointing=levels,
     )
+    return at(fit.micro_batch, "on" if fit.checkpointing else "off", **predict), fit
 
 
 def plan_run(
@@ -147,7 +167,7 @@ def plan_run(
         )
     else:
         budget = None
-    estimate = _estimate(
+    estimate, fit = _estimate(
         config,
         mconfig,
         device_type=device_type,
@@ -160,6 +180,12 @@ def plan_run(
         timing_rates=timing_rates,
         matmul_flops_per_s=matmul_flops_per_s,
     )
+    if fit is not None:
+        note = (
+            (note + "; " if note else "")
+            + "--batch-size auto: "
+            + fit.describe().replace("\n", "\n  ")
+        )
     return dataclasses.replace(estimate, device_note=note)
 
 
@@ -210,7 +236,7 @@ def prepare_run(
         if config.gpu_memory is not None
         else default_gpu_budget(policy.device)
     )
-    estimate = _estimate(
+    estimate, fit = _estimate(
         config,
         mconfig,
         device_type=policy.device.type,
@@ -235,8 +261,9 @@ def prepare_run(
         source=source,
     )
     _check_machine(estimate, corpus_bytes=corpus.num_tokens * 4)
-    ramflow_budget = None if budget is None else budget - estimate.device_activation_bytes
-    return PreparedRun(policy, tokenizer, mconfig, corpus, estimate, ramflow_budget, checkpoint)
+    return PreparedRun(
+        policy, tokenizer, mconfig, corpus, estimate, estimate.ramflow_budget_bytes, checkpoint, fit
+    )
 
 
 __all__ = ["PreparedRun", "plan_run", "prepare_run"]

@@ -47,6 +47,7 @@ import torch
 import ramflow
 
 from .._plan import format_bytes
+from .backoff import accumulate_step, fit_micro_batch
 from .checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -384,8 +385,13 @@ def _train(
                 stacklevel=2,
             )
         groups, param_names = _param_groups(model, config.weight_decay)
+        # see [Note: backing off after an out-of-memory error] in backoff.py
         opt = ramflow.optim.AdamW(
-            groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps
+            groups,
+            lr=config.lr,
+            betas=(config.beta1, config.beta2),
+            eps=config.eps,
+            overlap=config.clip_grad > 0,
         )
         sched = make_scheduler(
             opt,
@@ -394,9 +400,10 @@ def _train(
             min_lr_ratio=config.min_lr_ratio,
         )
         scaler = torch.amp.GradScaler(policy.device.type, enabled=policy.use_grad_scaler)
+        micro_batch = setup.fit.micro_batch if setup.fit is not None else config.batch_size
         batches = BatchStream(
             corpus.train_tokens,
-            batch_size=config.batch_size,
+            batch_size=micro_batch,
             seq_len=config.seq_len,
             seed=config.seed,
         )
@@ -424,6 +431,8 @@ def _train(
                     "warning: the data differ from the checkpoint's; the data position may point elsewhere"
                 )
             report.log({"event": "resume", "step": step, "checkpoint": str(ckpt.path)})
+        if config.auto_batch_size:
+            fit_micro_batch(config, setup, report, model, opt, scaler, batches)
         else:
             torch.manual_seed(config.seed)
             report.log(
@@ -534,9 +543,10 @@ def _loop(
             model,
             corpus.val_tokens,
             policy=policy,
-            batch_size=config.batch_size,
+            # the same sequences whatever the micro-batch has backed off to
+            batch_size=batches.batch_size,
             seq_len=config.seq_len,
-            max_batches=config.eval_batches,
+            max_batches=-(-config.eval_batches * config.batch_size // batches.batch_size),
         )
         report.eval(step_now, loss)
         say(f"step {step_now}: validation loss {loss:.4f}")
@@ -549,18 +559,8 @@ def _loop(
             interrupted = True
             break
         t0 = time.perf_counter()
-        loss_sum = torch.zeros((), dtype=torch.float32, device=policy.device)
-        for micro in range(config.grad_accum):
-            x = batches.next_batch().to(policy.device)  # (B, T)
-            # non-final micro-batches only accumulate: see ramflow.optim.HostOptimizer.no_step
-            accumulate = (
-                opt.no_step() if micro < config.grad_accum - 1 else contextlib.nullcontext()
-            )
-            with accumulate:
-                with policy.autocast():
-                    loss = model(input_ids=x, labels=x, use_cache=False).loss
-                scaler.scale(loss / config.grad_accum).backward()
-            loss_sum += loss.detach().float()
+        loss_sum = accumulate_step(config, report, model, opt, scaler, batches, policy, step)
+        grad_accum = config.global_batch // batches.batch_size
         scaler.unscale_(opt)
         grad_norm = (
             ramflow.clip_grad_norm_(params, config.clip_grad).item() if config.clip_grad else None
@@ -575,7 +575,7 @@ def _loop(
         if not skipped:
             sched.step()
         opt.zero_grad(set_to_none=True)
-        step_loss = (loss_sum / config.grad_accum).item()
+        step_loss = (loss_sum / grad_accum).item()
         step += 1
         tokens_seen += config.tokens_per_step
         dt = time.perf_counter() - t0
@@ -591,6 +591,7 @@ def _loop(
             "lr": lr,
             "grad_norm": grad_norm,
             "skipped": skipped,
+            "micro_batch": batches.batch_size,
             "tokens": tokens_seen,
             "step_s": dt,
             "tokens_per_s": config.tokens_per_step / dt,

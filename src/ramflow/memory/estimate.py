@@ -1,0 +1,524 @@
+"""Memory estimates: where a training run's bytes live, before anything is allocated.
+
+``estimate_memory`` takes any model (best on the meta device, where building it allocates
+nothing) and the activations of one micro-batch (an ``ActivationProfile``) and returns a
+``MemoryEstimate``: parameters, gradients, optimizer states and activations on the device
+and in host RAM (pinned and pageable), for a precision, optimizer, activation checkpointing
+and offload choice. Parameters, gradients and optimizer states follow from the units that
+``ramflow.offload`` would form: the estimate splits the model with the engine's own
+``find_units`` and sizes (padding included) and asks the engine's planner
+(``ramflow._plan.make_plan``) for the plan. ``ramflow plan`` and ``ramflow train`` call this
+function (``ramflow.train.estimate`` measures a language model's activations on the meta
+device and adds a step-time prediction); this package never imports ``ramflow.train``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+from torch import nn
+
+from .._plan import OffloadPlan, format_bytes, make_plan, parse_bytes
+from .._predict import TRAIN_MATMUL_EFFICIENCY, Rates, StepPrediction
+from .._units import _Unit, find_units, plan_inputs
+from .activations import ActivationReport
+
+__all__ = [
+    "CHECKPOINTING_MODES",
+    "RUNTIME_OVERHEAD_BYTES",
+    "ActivationProfile",
+    "MemoryEstimate",
+    "estimate_memory",
+    "size_string",
+]
+
+RUNTIME_OVERHEAD_BYTES = 1 << 30  # Python, torch and transformers themselves, measured ~0.7 GiB
+CHECKPOINTING_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Bytes autograd saves for backward in one training forward of a micro-batch.
+
+    Attributes:
+        layer_bytes: saved by each block (decoder layer; its input included), block order.
+        layer_input_bytes: one block's input, what a checkpointed block keeps.
+        other_bytes: saved outside the blocks (embedding, final norm, head, loss).
+        logits_workspace_bytes: working memory of the loss's backward that is never saved
+            (for a language model the gradient of the fp32 logits, N * V * 8); 0 if unknown.
+        measured: False where a formula stood in for a measurement.
+    """
+
+    layer_bytes: tuple[int, ...]
+    layer_input_bytes: int
+    other_bytes: int
+    logits_workspace_bytes: int
+    measured: bool
+
+    @classmethod
+    def from_report(
+        cls, report: ActivationReport, *, blocks: list[str] | None = None
+    ) -> ActivationProfile:
+        """The profile of a model measured by ``activation_report`` (on a real micro-batch).
+
+        Args:
+            report: the measured report.
+            blocks: dotted names of the blocks, in order (default: the rows named
+                ``<prefix>.<int>`` under the prefix that has the most of them, e.g. the
+                ``model.layers.N`` of a Hugging Face decoder).
+
+        Raises:
+            KeyError: a name in ``blocks`` did not run in the measured forward.
+        """
+        if blocks is None:
+            groups: dict[str, list[str]] = {}
+            for row in report.modules:
+                prefix, _, last = row.name.rpartition(".")
+                if last.isdigit():
+                    groups.setdefault(prefix, []).append(row.name)
+            names = max(groups.values(), key=len, default=[])
+            blocks = sorted(names, key=lambda n: int(n.rpartition(".")[2]))
+        rows = [report[name] for name in blocks]
+        layer = tuple(r.saved_bytes for r in rows)
+        return cls(
+            layer_bytes=layer,
+            layer_input_bytes=max((r.input_bytes for r in rows), default=0),
+            other_bytes=max(report.total_saved_bytes - sum(layer), 0),
+            logits_workspace_bytes=0,
+            measured=True,
+        )
+
+    def saved_bytes(self, *, checkpointing: bool) -> int:
+        """Bytes held between forward and backward."""
+        if checkpointing:
+            return self.other_bytes + self.layer_input_bytes * len(self.layer_bytes)
+        return self.other_bytes + sum(self.layer_bytes)
+
+    def peak_bytes(self, *, checkpointing: bool) -> int:
+        """Saved bytes plus backward working memory: the activations' share of the peak."""
+        largest = max(self.layer_bytes, default=0)
+        return self.saved_bytes(checkpointing=checkpointing) + largest + self.logits_workspace_bytes
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Where the bytes of one training run live, before anything is allocated.
+
+    Device figures are per GPU (on a CPU run, the "device" is RAM too). Host figures
+    split into pinned (page-locked, for DMA) and pageable RAM.
+
+    Attributes:
+        model_name: what the estimate is for (preset or folder).
+        num_parameters: distinct parameter elements; num_trainable: those with gradients.
+        device_type: ``"cuda"`` or ``"cpu"``; precision: ``bf16``/``fp16``/``fp32``.
+        wire_dtype: dtype of the device copies of the weights.
+        batch_size, seq_len: B and T of a micro-batch.
+        checkpointing: activation checkpointing on.
+        gpu_memory_bytes: the device budget (None: no cap).
+        plan: the plan ``ramflow.offload`` would choose (window, resident units).
+        activations: the measured profile.
+        device_parameter_bytes: window slots + resident units + buffers on the device.
+        device_gradient_bytes: device gradient buffers.
+        device_activation_bytes: activations at their peak (saved + backward working memory).
+        host_parameter_pinned_bytes / host_parameter_pageable_bytes: fp32 masters and wire copies.
+        host_gradient_pinned_bytes / host_gradient_pageable_bytes: D2H staging and fp32 gradients.
+        host_optimizer_bytes: optimizer states (pageable, fp32).
+        checkpoint_bytes: one checkpoint on disk (fp32 weights and optimizer states).
+        ram_available_bytes: RAM this machine has available now.
+        disk_free_bytes: free bytes where checkpoints go (None when not asked).
+        prediction: the predicted step time of ``plan`` as ``train`` runs it (GPU runs, when
+            asked; ``ramflow._predict``), from estimated inputs: ``timing_rates`` and
+            ``matmul_flops_per_s``.
+        timed_plan: the plan with the least predicted step time for the same budget
+            (residents, prefetch depth, per-unit checkpointing; ``make_plan`` with timing).
+        timing_rates: the copy and CPU optimizer rates assumed.
+        matmul_flops_per_s: the GPU bf16 matmul rate assumed, FLOP/s.
+        device_note: why this device was planned, where the user named none (printed
+            under the device line), or None.
+    """
+
+    model_name: str
+    num_parameters: int
+    num_trainable: int
+    device_type: str
+    precision: str
+    wire_dtype: str
+    batch_size: int
+    seq_len: int
+    checkpointing: bool
+    gpu_memory_bytes: int | None
+    plan: OffloadPlan
+    activations: ActivationProfile
+    device_parameter_bytes: int
+    device_gradient_bytes: int
+    device_activation_bytes: int
+    host_parameter_pinned_bytes: int
+    host_parameter_pageable_bytes: int
+    host_gradient_pinned_bytes: int
+    host_gradient_pageable_bytes: int
+    host_optimizer_bytes: int
+    checkpoint_bytes: int
+    ram_available_bytes: int
+    disk_free_bytes: int | None
+    prediction: StepPrediction | None = None
+    timed_plan: OffloadPlan | None = None
+    timing_rates: Rates | None = None
+    matmul_flops_per_s: float | None = None
+    device_note: str | None = None
+
+    @property
+    def device_total_bytes(self) -> int:
+        return (
+            self.device_parameter_bytes + self.device_gradient_bytes + self.device_activation_bytes
+        )
+
+    @property
+    def ramflow_budget_bytes(self) -> int | None:
+        """What ``ramflow.offload`` may allocate on the device: the budget less the
+        activations (None: no cap)."""
+        if self.gpu_memory_bytes is None:
+            return None
+        return self.gpu_memory_bytes - self.device_activation_bytes
+
+    @property
+    def host_pinned_bytes(self) -> int:
+        return self.host_parameter_pinned_bytes + self.host_gradient_pinned_bytes
+
+    @property
+    def host_pageable_bytes(self) -> int:
+        return (
+            self.host_parameter_pageable_bytes
+            + self.host_gradient_pageable_bytes
+            + self.host_optimizer_bytes
+        )
+
+    @property
+    def ram_needed_bytes(self) -> int:
+        """RAM the run needs: host store, optimizer states, the runtime itself, and on a
+        CPU run the "device" side too."""
+        device = self.device_total_bytes if self.device_type == "cpu" else 0
+        return self.host_pinned_bytes + self.host_pageable_bytes + device + RUNTIME_OVERHEAD_BYTES
+
+    @property
+    def fits_ram(self) -> bool:
+        return self.ram_needed_bytes <= self.ram_available_bytes
+
+    @property
+    def fits_disk(self) -> bool:
+        """Room for one checkpoint (``describe`` warns when two, as while a new one is
+        written beside the old, do not fit)."""
+        return self.disk_free_bytes is None or self.checkpoint_bytes <= self.disk_free_bytes
+
+    def table(self) -> str:
+        """The estimate as a table for people."""
+        dev = "GPU" if self.device_type == "cuda" else "device (CPU)"
+        rows = [
+            (
+                "parameters",
+                self.device_parameter_bytes,
+                self.host_parameter_pinned_bytes,
+                self.host_parameter_pageable_bytes,
+                None,
+            ),
+            (
+                "gradients",
+                self.device_gradient_bytes,
+                self.host_gradient_pinned_bytes,
+                self.host_gradient_pageable_bytes,
+                None,
+            ),
+            ("optimizer states", 0, 0, self.host_optimizer_bytes, None),
+            ("activations", self.device_activation_bytes, 0, 0, None),
+            ("checkpoint", None, None, None, self.checkpoint_bytes),
+        ]
+        total = (
+            "total",
+            self.device_total_bytes,
+            self.host_pinned_bytes,
+            self.host_pageable_bytes,
+            self.checkpoint_bytes,
+        )
+
+        def cell(v: int | None) -> str:
+            return "-" if not v else format_bytes(v)
+
+        header = ("", dev, "CPU pinned", "CPU pageable", "disk")
+        lines = [header, *[(r[0], *map(cell, r[1:])) for r in (*rows, total)]]
+        widths = [max(len(line[i]) for line in lines) for i in range(5)]
+        out = []
+        for k, line in enumerate(lines):
+            out.append(
+                "  ".join(
+                    c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(line)
+                )
+            )
+            if k == 0 or k == len(lines) - 2:
+                out.append("-" * len(out[-1]))
+        return "\n".join(out)
+
+    def describe(self) -> str:
+        """Header, table, plan and verdicts: what ``ramflow plan`` prints."""
+        budget = "no cap" if self.gpu_memory_bytes is None else format_bytes(self.gpu_memory_bytes)
+        act = self.activations
+        lines = [
+            f"model {self.model_name}: {self.num_parameters / 1e6:,.2f} M parameters, "
+            f"{len(act.layer_bytes)} layers",
+            f"device {self.device_type}, precision {self.precision} (weights on the device in "
+            f"{self.wire_dtype}), budget {budget}",
+            *([f"  ({self.device_note})"] if self.device_note else []),
+            f"micro-batch {self.batch_size} x {self.seq_len} tokens, activation checkpointing "
+            f"{'on' if self.checkpointing else 'off'}"
+            + ("" if act.measured else " (activations from a formula: unknown model structure)"),
+            "",
+            self.table(),
+            "",
+            "ramflow plan: " + self.plan.describe().replace("\n", "\n  "),
+            "",
+            f"activations: {format_bytes(act.saved_bytes(checkpointing=self.checkpointing))} saved for "
+            f"backward + {format_bytes(act.peak_bytes(checkpointing=self.checkpointing) - act.saved_bytes(checkpointing=self.checkpointing))} "
+            "backward working memory",
+            f"RAM: needs about {format_bytes(self.ram_needed_bytes)} (including "
+            f"{format_bytes(RUNTIME_OVERHEAD_BYTES)} for the runtime), "
+            f"{format_bytes(self.ram_available_bytes)} available: "
+            + ("fits" if self.fits_ram else "DOES NOT FIT"),
+        ]
+        if self.disk_free_bytes is not None:
+            lines.append(
+                f"disk: a checkpoint takes {format_bytes(self.checkpoint_bytes)}, two at a time while "
+                f"saving; {format_bytes(self.disk_free_bytes)} free: "
+                + (
+                    "fits"
+                    if 2 * self.checkpoint_bytes <= self.disk_free_bytes
+                    else "one fits, two do not: save only at the end (--save-every 0)"
+                    if self.fits_disk
+                    else "DOES NOT FIT"
+                )
+            )
+        lines += self.speed_lines()
+        return "\n".join(lines)
+
+    def speed_lines(self) -> list[str]:
+        """The predicted step time and the fastest plan, with the rates assumed."""
+        if self.prediction is None or self.timing_rates is None:
+            return []
+        r = self.timing_rates
+        both = f", both ways {r.both_bytes_per_s / 1e9:.1f} GB/s" if r.both_bytes_per_s else ""
+        lines = [
+            "",
+            f"step time (predicted, estimated inputs): {self.prediction.describe()}",
+            f"  assumed: pinned PCIe {r.h2d_bytes_per_s / 1e9:.1f} GB/s H2D, "
+            f"{r.d2h_bytes_per_s / 1e9:.1f} GB/s D2H{both}; GPU bf16 matmul "
+            f"{(self.matmul_flops_per_s or 0) / 1e12:.0f} TFLOP/s ({TRAIN_MATMUL_EFFICIENCY:.0%} of "
+            f"it in a training forward); CPU AdamW {r.cpu_optimizer_params_per_s / 1e9:.2f} G params/s",
+            "  (defaults: the H200 box's measurements; override with --pcie-gbps, --gpu-tflops, "
+            "--cpu-adamw-gparams; benchmarks/bench.py --floors measures them)",
+        ]
+        best = self.timed_plan
+        if best is not None and best.prediction is not None:
+            kwargs = best.offload_kwargs()
+            ckpt = kwargs["activation_checkpointing"]
+            budget = kwargs["gpu_memory"]
+            lines += [
+                f"fastest plan for this budget: {best.prediction.step_s * 1e3:.0f} ms per step, "
+                f"bound by {best.prediction.bound}",
+                "  " + best.describe().replace("\n", "\n  "),
+                "  ramflow.offload(model, gpu_memory="
+                + ("None" if budget is None else repr(size_string(budget)))
+                + f", prefetch_depth={kwargs['prefetch_depth']}, activation_checkpointing="
+                + (repr(ckpt) if len(ckpt or []) <= 4 else f"[{len(ckpt)} units above]")
+                + ")",
+            ]
+        return lines
+
+
+def size_string(num_bytes: int) -> str:
+    """``num_bytes`` as a size string that ``ramflow.offload`` reads: GiB with two decimals
+    (MiB below 1 GiB), rounded down so that it never grants more than ``num_bytes``
+    (``8405385728`` -> ``"7.82GiB"``)."""
+    unit, size = ("GiB", 2**30) if num_bytes >= 2**30 else ("MiB", 2**20)
+    return f"{math.floor(num_bytes / size * 100) / 100:.2f}{unit}"
+
+
+def _make_plan(
+    units: list[_Unit],
+    buffer_bytes: int,
+    *,
+    device_type: str,
+    wire_dtype: torch.dtype,
+    gpu_memory_bytes: int | None,
+    prefetch_depth: int,
+) -> OffloadPlan:
+    """The plan ``Engine.__init__`` makes for these units (same arguments)."""
+    return make_plan(
+        device=device_type,
+        **plan_inputs(units, wire_dtype),
+        fixed_bytes=buffer_bytes,
+        gpu_memory_bytes=gpu_memory_bytes,
+        prefetch_depth=prefetch_depth,
+    )
+
+
+def offload_units(model: nn.Module) -> tuple[list[_Unit], int]:
+    """The units ``ramflow.offload`` would form for ``model``, and its buffers' bytes."""
+    units = [_Unit(i, spec) for i, spec in enumerate(find_units(model))]
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    return units, buffer_bytes
+
+
+def estimate_memory(
+    model: nn.Module,
+    *,
+    activations: ActivationProfile,
+    batch_size: int,
+    seq_len: int,
+    device_type: str = "cuda",
+    wire_dtype: torch.dtype = torch.bfloat16,
+    gpu_memory: int | str | None = None,
+    checkpointing: str | bool = "auto",
+    prefetch_depth: int = 2,
+    optimizer_states: int = 2,
+    precision: str | None = None,
+    model_name: str | None = None,
+    out_dir: str | os.PathLike | None = None,
+) -> MemoryEstimate:
+    """Estimate a training run's memory, per device and host, without running it.
+
+    The device budget covers everything on the device: ramflow's own share (window,
+    resident units, gradient buffers) is what is left after the activations, and that
+    share goes to the planner. Host figures assume ``ramflow.offload`` and a
+    ``ramflow.optim`` optimizer: fp32 master weights, wire copies (pinned on CUDA), fp32
+    host gradients with their D2H staging, and ``optimizer_states`` fp32 tensors per
+    trainable parameter.
+
+    Args:
+        model: the model; on the meta device it allocates nothing (shapes and
+            ``requires_grad`` are all that is read).
+        activations: the activations of one micro-batch (``ActivationProfile``; from
+            ``ActivationProfile.from_report`` for any model, or
+            ``ramflow.train.estimate.measure_activations`` for a language model).
+        batch_size, seq_len: the micro-batch's shape (B, T), for the report.
+        device_type: ``"cuda"`` or ``"cpu"`` (on a CPU run the "device" is RAM too).
+        wire_dtype: dtype of the device copies of the weights.
+        gpu_memory: the whole device budget, bytes or a size string (``"12GiB"``); None:
+            no cap.
+        checkpointing: ``"on"``/True, ``"off"``/False, or ``"auto"``: off when the
+            activations fit in the budget beside ramflow's smallest plan, on otherwise
+            (off without a budget).
+        prefetch_depth: as for ``ramflow.offload``.
+        optimizer_states: fp32 state tensors per trainable parameter (2 for AdamW, 1 for
+            SGD with momentum, 0 for none).
+        precision: for the report (default: the wire dtype's name).
+        model_name: for the report (default: the model's class name).
+        out_dir: where checkpoints go, to report its free disk space (None: not reported).
+
+    Returns:
+        A ``MemoryEstimate``; ``describe()`` prints it.
+
+    Raises:
+        ValueError: ``checkpointing`` unknown; non-positive sizes; an unreadable budget;
+            the budget is too small for the activations and ramflow's smallest plan (the
+            message gives the figures and the smallest budget that works).
+    """
+    if isinstance(checkpointing, bool):
+        checkpointing = "on" if checkpointing else "off"
+    if checkpointing not in CHECKPOINTING_MODES:
+        raise ValueError(
+            f"--checkpointing {checkpointing!r}: choose one of {', '.join(CHECKPOINTING_MODES)}"
+        )
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(
+            f"batch size and sequence length must be positive, got {batch_size} and {seq_len}"
+        )
+    if optimizer_states < 0:
+        raise ValueError(f"optimizer_states must be >= 0, got {optimizer_states}")
+    gpu_memory_bytes = (
+        parse_bytes(gpu_memory, what="gpu_memory") if isinstance(gpu_memory, str) else gpu_memory
+    )
+    units, buffer_bytes = offload_units(model)
+    acts = activations
+    smallest = _make_plan(
+        units,
+        buffer_bytes,
+        device_type=device_type,
+        wire_dtype=wire_dtype,
+        gpu_memory_bytes=None,
+        prefetch_depth=prefetch_depth,
+    ).min_gpu_memory_bytes
+    if checkpointing == "auto":
+        ckpt = (
+            gpu_memory_bytes is not None
+            and smallest + acts.peak_bytes(checkpointing=False) > gpu_memory_bytes
+        )
+    else:
+        ckpt = checkpointing == "on"
+    act_bytes = acts.peak_bytes(checkpointing=ckpt)
+    ramflow_budget = None
+    if gpu_memory_bytes is not None:
+        ramflow_budget = gpu_memory_bytes - act_bytes
+        if ramflow_budget < smallest:
+            need = smallest + act_bytes
+            hint = "" if ckpt else ", or --checkpointing on"
+            raise ValueError(
+                f"--gpu-memory {format_bytes(gpu_memory_bytes)} is too small for this run: activations "
+                f"of a {batch_size} x {seq_len} micro-batch need about {format_bytes(act_bytes)} and "
+                f"ramflow's smallest plan (streaming every unit) {format_bytes(smallest)}, together "
+                f"{format_bytes(need)}. Give --gpu-memory {format_bytes(need * 1.05)} or more, or a "
+                f"smaller --batch-size / --seq-len{hint}."
+            )
+    plan = _make_plan(
+        units,
+        buffer_bytes,
+        device_type=device_type,
+        wire_dtype=wire_dtype,
+        gpu_memory_bytes=ramflow_budget,
+        prefetch_depth=prefetch_depth,
+    )
+
+    wire_size = torch.empty((), dtype=wire_dtype).element_size()
+    numel = sum(u.numel for u in units)
+    trainable = sum(u.trainable_numel for u in units)
+    cuda = device_type == "cuda"
+    master = numel * 4
+    wire = numel * wire_size if wire_dtype != torch.float32 else 0
+    master_pinned = cuda and wire_dtype == torch.float32
+    distinct = {id(p): p for p in model.parameters()}.values()
+    num_parameters = sum(p.numel() for p in distinct)
+    num_trainable = sum(p.numel() for p in distinct if p.requires_grad)
+    disk_free = None
+    if out_dir is not None:
+        probe = Path(out_dir)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        disk_free = shutil.disk_usage(probe).free
+    wire_name = str(wire_dtype).replace("torch.", "")
+    return MemoryEstimate(
+        model_name=model_name if model_name is not None else type(model).__name__,
+        num_parameters=num_parameters,
+        num_trainable=num_trainable,
+        device_type=device_type,
+        precision=precision if precision is not None else wire_name,
+        wire_dtype=wire_name,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        checkpointing=ckpt,
+        gpu_memory_bytes=gpu_memory_bytes,
+        plan=plan,
+        activations=acts,
+        device_parameter_bytes=plan.window_bytes + plan.resident_bytes + plan.fixed_bytes,
+        device_gradient_bytes=plan.grad_bytes,
+        device_activation_bytes=act_bytes,
+        host_parameter_pinned_bytes=(master if master_pinned else 0) + (wire if cuda else 0),
+        host_parameter_pageable_bytes=(0 if master_pinned else master) + (0 if cuda else wire),
+        host_gradient_pinned_bytes=trainable * wire_size if cuda else 0,
+        host_gradient_pageable_bytes=trainable * 4 + (0 if cuda else trainable * wire_size),
+        host_optimizer_bytes=optimizer_states * trainable * 4,
+        checkpoint_bytes=num_parameters * 4 + optimizer_states * num_trainable * 4,
+        ram_available_bytes=psutil.virtual_memory().available,
+        disk_free_bytes=disk_free,
+    )
