@@ -14,9 +14,9 @@ import copy
 
 import pytest
 import torch
-from models import tiny_llama
 
 import ramflow
+from models import tiny_llama
 
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate (pip install accelerate)")
 from transformers import Trainer, TrainingArguments  # noqa: E402
