@@ -1,0 +1,229 @@
+"""Hugging Face's ``Trainer`` and accelerate's ``Accelerator.prepare`` loop on offloaded
+models, against the same loop on a plain deepcopy (parity tests, see STYLE.md).
+
+On the CPU the two runs are bit for bit equal: ramflow's CPU AdamW is PyTorch's fused CPU
+AdamW, the gradients land unchanged, and the Trainer's clipping (``torch.nn.utils``) reads
+the same fp32 host gradients. On CUDA the plain run computes from fp32 weights under bf16
+autocast and steps with CUDA's AdamW, ramflow from bf16 wire weights and its CPU AdamW, so
+the runs agree within bf16 rounding (tolerances below say why).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ramflow
+from models import tiny_llama
+
+pytest.importorskip("accelerate", reason="the Trainer needs accelerate (pip install accelerate)")
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+LR = 1e-3
+MAX_STEPS = 4
+
+
+def lm_data(n: int = 16, seq: int = 16) -> list[dict[str, torch.Tensor]]:
+    """``n`` examples of random token ids (a tiny in-memory dataset the Trainer can index)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 128, (seq,), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def trainer_args(device: torch.device, out_dir, **overrides) -> TrainingArguments:
+    kwargs = dict(
+        output_dir=str(out_dir),
+        use_cpu=device.type == "cpu",
+        bf16=device.type == "cuda",
+        report_to=[],
+        disable_tqdm=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_grad_norm=1.0,
+        learning_rate=LR,
+        lr_scheduler_type="linear",
+        warmup_steps=1,
+        max_steps=MAX_STEPS,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        seed=0,
+    )
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def offloaded(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    return ramflow.offload(model, device=device, gpu_memory="1GiB")
+
+
+def plain_adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.AdamW:
+    """The reference: fused AdamW on the CPU (ramflow's CPU step is bit-identical to it)."""
+    return torch.optim.AdamW(model.parameters(), lr=LR, fused=device.type == "cpu" or None)
+
+
+def logged(trainer: Trainer, key: str) -> torch.Tensor:
+    return torch.tensor([h[key] for h in trainer.state.log_history if key in h])
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight on the CPU in fp32 (``state_dict`` of an offloaded model waits for the
+    steps in flight)."""
+    return {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+
+
+def assert_close(ours: torch.Tensor, theirs: torch.Tensor, *, device, atol: float) -> None:
+    if device.type == "cpu":
+        assert torch.equal(ours, theirs)
+    else:
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=atol)
+
+
+# bf16 wire against fp32 weights under bf16 autocast: a loss agrees within bf16 rounding
+# (8 bits of mantissa, 2**-8 relative, on a loss near 5).
+LOSS_ATOL_CUDA = 5 * 2**-8
+# AdamW moves an element by at most about lr per step whatever its gradient, so runs whose
+# gradients differ by rounding end within 2 * lr * steps of each other.
+WEIGHT_ATOL_CUDA = 2 * LR * MAX_STEPS
+
+
+def test_trainer_matches_plain_trainer_with_accumulation_clipping_and_resume(device, tmp_path):
+    """Gradient accumulation (2), clipping, a warmup/linear LR schedule and checkpoints every
+    2 steps: the offloaded model trains as a plain Trainer on a deepcopy, and a fresh
+    offloaded model resumed from the step-2 checkpoint ends with the same weights."""
+    torch.manual_seed(0)
+    model = tiny_llama(tie=False)
+    initial = copy.deepcopy(model)
+    ref = copy.deepcopy(model)
+    data = lm_data()
+
+    offloaded(model, device)
+    ours = Trainer(
+        model=model,
+        args=trainer_args(device, tmp_path / "ours"),
+        train_dataset=data,
+        optimizers=(ramflow.optim.AdamW(model.parameters(), lr=LR), None),
+    )
+    ours.train()
+    theirs = Trainer(
+        model=ref,
+        args=trainer_args(device, tmp_path / "theirs"),
+        train_dataset=data,
+        optimizers=(plain_adamw(ref, device), None),
+    )
+    theirs.train()
+
+    atol = LOSS_ATOL_CUDA
+    assert len(logged(ours, "loss")) == MAX_STEPS
+    assert_close(logged(ours, "loss"), logged(theirs, "loss"), device=device, atol=atol)
+    assert_close(logged(ours, "grad_norm"), logged(theirs, "grad_norm"), device=device, atol=atol)
+    final = weights(model)
+    for name, value in weights(ref).items():
+        assert_close(final[name], value, device=device, atol=WEIGHT_ATOL_CUDA)
+
+    # the checkpoint holds the weights of step 2 as a Hugging Face folder
+    checkpoint = tmp_path / "ours" / "checkpoint-2"
+    assert (checkpoint / "model.safetensors").exists() and (checkpoint / "optimizer.pt").exists()
+
+    resumed_model = offloaded(copy.deepcopy(initial), device)
+    resumed = Trainer(
+        model=resumed_model,
+        args=trainer_args(device, tmp_path / "resumed"),
+        train_dataset=data,
+        optimizers=(ramflow.optim.AdamW(resumed_model.parameters(), lr=LR), None),
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == MAX_STEPS
+    # the resumed run's own losses (steps 3 and 4) follow its log loaded from the checkpoint
+    assert_close(logged(resumed, "loss"), logged(ours, "loss"), device=device, atol=atol)
+    after = weights(resumed_model)
+    for name, value in final.items():
+        assert_close(after[name], value, device=device, atol=WEIGHT_ATOL_CUDA)
+
+
+def test_trainer_builds_ramflow_adamw_from_optimizer_cls_and_kwargs(device, tmp_path):
+    """``Trainer(optimizer_cls_and_kwargs=(ramflow.optim.AdamW, {...}))``: the Trainer makes
+    its two param groups (weight decay and none) with ramflow's AdamW and trains as it does
+    with PyTorch's."""
+    torch.manual_seed(0)
+    model = tiny_llama(tie=True)
+    ref = copy.deepcopy(model)
+    data = lm_data(8)
+    args = dict(gradient_accumulation_steps=1, save_strategy="no", weight_decay=0.1)
+
+    offloaded(model, device)
+    ours = Trainer(
+        model=model,
+        args=trainer_args(device, tmp_path / "ours", **args),
+        train_dataset=data,
+        optimizer_cls_and_kwargs=(ramflow.optim.AdamW, {"lr": LR}),
+    )
+    ours.train()
+    fused = {"fused": True} if device.type == "cpu" else {}
+    theirs = Trainer(
+        model=ref,
+        args=trainer_args(device, tmp_path / "theirs", **args),
+        train_dataset=data,
+        optimizer_cls_and_kwargs=(torch.optim.AdamW, {"lr": LR, **fused}),
+    )
+    theirs.train()
+
+    built = ours.optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps it
+    assert isinstance(built, ramflow.optim.AdamW)
+    assert [g["weight_decay"] for g in built.param_groups] == [0.1, 0.0]
+    assert_close(logged(ours, "loss"), logged(theirs, "loss"), device=device, atol=LOSS_ATOL_CUDA)
+    final = weights(model)
+    for name, value in weights(ref).items():
+        assert_close(final[name], value, device=device, atol=WEIGHT_ATOL_CUDA)
+
+
+def test_accelerate_prepare_loop_matches_and_steps_during_backward(device):
+    """``accelerator.prepare(model, opt, loader)`` and ``accelerator.backward``: the same
+    curve as the plain loop, and after the first step ramflow steps each unit during
+    backward (with ``keep_grads=False`` such a step leaves ``p.grad`` None, a deferred
+    one fills it)."""
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    model = tiny_llama(tie=False)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+
+    def run(m, opt, *, after_backward=None):
+        precision = "bf16" if device.type == "cuda" else "no"
+        accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=precision)
+        loader = torch.utils.data.DataLoader(ids, batch_size=2)
+        m, opt, loader = accelerator.prepare(m, opt, loader)
+        losses = []
+        for step, batch in enumerate(loader):
+            loss = m(input_ids=batch, labels=batch).loss
+            accelerator.backward(loss)
+            if after_backward is not None:
+                after_backward(step)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return torch.tensor(losses), m
+
+    offloaded(model, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads_left: list[bool] = []
+
+    def check(step):
+        grads_left.append(all(p.grad is not None for p in params))
+
+    opt = ramflow.optim.AdamW(model.parameters(), lr=LR, keep_grads=False)
+    ours, prepared = run(model, opt, after_backward=check)
+    theirs, _ = run(ref, plain_adamw(ref, device))
+
+    assert prepared is model  # prepare keeps the offloaded model (its .to(device) is kept)
+    assert grads_left == [True, False, False, False]  # the first step deferred, then eager
+    assert_close(ours, theirs, device=device, atol=LOSS_ATOL_CUDA)
+    final = weights(model)
+    for name, value in weights(ref).items():
+        assert_close(final[name], value, device=device, atol=WEIGHT_ATOL_CUDA)
