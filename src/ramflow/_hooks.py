@@ -9,6 +9,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 from ._units import refuse_copy
@@ -25,6 +26,9 @@ class UnitHook:
         self._index = index
         self._extra = extra
 
+    # never traced by torch.compile: a compiled module runs its hooks eagerly, as calls
+    # out of its graph (they move storage, take locks and wait for events)
+    @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         method = self._method()
         if method is None:

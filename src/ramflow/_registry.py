@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -69,6 +70,7 @@ def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
     after: hooks hold the engine this way. See [Note: lifetime]."""
     ref = weakref.WeakMethod(method)
 
+    @torch.compiler.disable  # as ``ramflow._hooks.UnitHook``: hooks run outside the graph
     def call(*args: Any, **kwargs: Any) -> Any:
         bound = ref()
         return None if bound is None else bound(*args, **kwargs)
