@@ -1,6 +1,7 @@
 """ramflow: train and run PyTorch models whose weights live in CPU RAM, streamed through the GPU."""
 
 from . import distributed, helpers, memory, optim
+from ._host_formats import HostPrecision
 from ._linear import Linear
 from ._plan import OffloadPlan, format_bytes, parse_bytes
 from .api import (
@@ -17,6 +18,7 @@ from .api import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "HostPrecision",
     "Linear",
     "OffloadPlan",
     "accept_partial_step",

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -310,5 +311,196 @@ extern "C" int ramflow_fused_adamw_step(const Args* args) {
       body(b, std::min(b + kGrainBlocks, num_blocks));
     }
   }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------
+// Lean host formats: AdamW over a bf16 master (stochastic rounding or a bf16 Kahan
+// compensation) and fp32, bf16 or 8-bit block-wise states. See _lean_kernels.py,
+// [Note: lean formats, one pass] and [Note: counter-based stochastic rounding]. Plain
+// scalar code with every operation in the same order as the PyTorch path there, so both
+// give the same bits (-ffp-contract=off keeps the compiler from fusing any of it).
+namespace {
+
+enum MasterFormat : int32_t { kMasterF32 = 0, kMasterSR = 1, kMasterKahan = 2 };
+enum StateFormat : int32_t { kStateF32 = 0, kStateBF16 = 1, kStateQ8 = 2 };
+constexpr int64_t kQBlock = 256;       // elements per 8-bit block (one absmax each)
+constexpr int64_t kLeanGrainQBlocks = 64;  // 16384 elements per work item
+
+// Mirrored by _LeanArgs (ctypes) in _lean_kernels.py; keep both in the same order.
+struct LeanArgs {
+  void* master;                 // fp32 or bf16, updated in place
+  c10::BFloat16* compensation;  // kMasterKahan only
+  const void* grad;
+  void* exp_avg;                // fp32, bf16 or uint8 codes
+  void* exp_avg_sq;
+  float* exp_avg_absmax;        // kStateQ8: one per block of kQBlock
+  float* exp_avg_sq_absmax;
+  const float* signed_code;     // kStateQ8: 256 codes and 255 midpoints, ascending
+  const float* signed_mid;
+  const float* unsigned_code;
+  const float* unsigned_mid;
+  void* wire_out;               // kMasterF32 only, may be null: bf16/fp16 copy, nearest even
+  int64_t n;
+  int64_t counter_offset;       // element index of master[0] in the rounding counter
+  uint32_t key;                 // the rounding key of (seed, step), from Python
+  float decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
+  float grad_scale;
+  int32_t apply_decay, apply_scale;
+  int32_t master_format, state_format;
+  int32_t grad_dtype, wire_dtype;
+  int32_t num_threads;
+};
+
+// A 32-bit integer hash, a bijection ("lowbias32", C. Wellons, 2018).
+inline uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+// 32 random bits for element `index` of a rounding with `key`: depends on nothing else.
+inline uint32_t sr_bits(uint32_t key, int64_t index) {
+  const uint64_t i = static_cast<uint64_t>(index);
+  return hash32(hash32(static_cast<uint32_t>(i) ^ key) + static_cast<uint32_t>(i >> 32));
+}
+
+// float -> bf16 bits, stochastically: round up with probability (dropped bits) / 2^16.
+inline uint16_t bf16_stochastic(float x, uint32_t bits) {
+  if (std::isnan(x)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return static_cast<uint16_t>((u + (bits >> 16)) >> 16);
+}
+
+inline float bf16_to_float(c10::BFloat16 b) { return static_cast<float>(b); }
+
+// Index of the code nearest to x (midpoints ascending): the number of midpoints < x.
+inline uint8_t quantize_code(const float* mid, float x) {
+  return static_cast<uint8_t>(std::lower_bound(mid, mid + 255, x) - mid);
+}
+
+inline float load_state(const LeanArgs& a, const void* s, const float* absmax, const float* code,
+                        int64_t i) {
+  switch (a.state_format) {
+    case kStateBF16: return bf16_to_float(static_cast<const c10::BFloat16*>(s)[i]);
+    case kStateQ8: return code[static_cast<const uint8_t*>(s)[i]] * absmax[i / kQBlock];
+    default: return static_cast<const float*>(s)[i];
+  }
+}
+
+// Writes x[0, len) as block `block` of the state s: bf16 (nearest even), fp32, or codes
+// and the block's absmax.
+inline void store_state(const LeanArgs& a, void* s, float* absmax, const float* mid,
+                        int64_t begin, int64_t len, const float* x) {
+  if (a.state_format == kStateF32) {
+    std::memcpy(static_cast<float*>(s) + begin, x, len * sizeof(float));
+  } else if (a.state_format == kStateBF16) {
+    auto* out = static_cast<c10::BFloat16*>(s) + begin;
+    for (int64_t j = 0; j < len; ++j) out[j] = c10::BFloat16(x[j]);
+  } else {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < len; ++j) amax = std::max(amax, std::abs(x[j]));
+    absmax[begin / kQBlock] = amax;
+    const float scale = amax > 0.0f ? amax : 1.0f;
+    auto* out = static_cast<uint8_t*>(s) + begin;
+    for (int64_t j = 0; j < len; ++j) out[j] = quantize_code(mid, x[j] / scale);
+  }
+}
+
+// One block of at most kQBlock elements starting at `begin` (a multiple of kQBlock).
+void lean_block(const LeanArgs& a, int64_t begin, int64_t len) {
+  float m_new[kQBlock];
+  float v_new[kQBlock];
+  for (int64_t j = 0; j < len; ++j) {
+    const int64_t i = begin + j;
+    Args ga{};
+    ga.grad = a.grad;
+    ga.grad_dtype = a.grad_dtype;
+    float g = grad_at(ga, i);
+    if (a.apply_scale) g = g * a.grad_scale;
+    float p;
+    if (a.master_format == kMasterF32) {
+      p = static_cast<float*>(a.master)[i];
+    } else {
+      p = bf16_to_float(static_cast<c10::BFloat16*>(a.master)[i]);
+      if (a.master_format == kMasterKahan) p = p + bf16_to_float(a.compensation[i]);
+    }
+    if (a.apply_decay) p = p * a.decay;
+    float m = load_state(a, a.exp_avg, a.exp_avg_absmax, a.signed_code, i);
+    float v = load_state(a, a.exp_avg_sq, a.exp_avg_sq_absmax, a.unsigned_code, i);
+    m = m * a.beta1 + g * a.one_minus_beta1;
+    v = v * a.beta2 + (g * a.one_minus_beta2) * g;
+    const float denom = std::sqrt(v) / a.bc2_sqrt + a.eps;
+    p = p + (m * a.neg_step_size) / denom;
+    m_new[j] = m;
+    v_new[j] = v;
+    if (a.master_format == kMasterF32) {
+      static_cast<float*>(a.master)[i] = p;
+      if (a.wire_dtype == kBF16) {
+        static_cast<c10::BFloat16*>(a.wire_out)[i] = c10::BFloat16(p);
+      } else if (a.wire_dtype == kF16) {
+        static_cast<c10::Half*>(a.wire_out)[i] = c10::Half(p);
+      }
+    } else if (a.master_format == kMasterSR) {
+      const uint16_t b = bf16_stochastic(p, sr_bits(a.key, a.counter_offset + i));
+      std::memcpy(static_cast<c10::BFloat16*>(a.master) + i, &b, 2);
+    } else {
+      const c10::BFloat16 hi(p);
+      static_cast<c10::BFloat16*>(a.master)[i] = hi;
+      a.compensation[i] = c10::BFloat16(p - bf16_to_float(hi));
+    }
+  }
+  store_state(a, a.exp_avg, a.exp_avg_absmax, a.signed_mid, begin, len, m_new);
+  store_state(a, a.exp_avg_sq, a.exp_avg_sq_absmax, a.unsigned_mid, begin, len, v_new);
+}
+
+// Runs body(first_block, end_block) over [0, num_blocks) on `threads` threads taking
+// `grain` blocks at a time. See [Note: dynamic work sharing].
+template <typename Body>
+void share_blocks(int64_t num_blocks, int64_t grain, int32_t threads_arg, const Body& body) {
+  const int threads = threads_arg > 0 ? threads_arg : at::get_num_threads();
+  const int team = static_cast<int>(std::min<int64_t>(threads, (num_blocks + grain - 1) / grain));
+  if (team <= 1) {
+    body(0, num_blocks);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(team)
+  {
+    for (;;) {
+      const int64_t b = next.fetch_add(grain, std::memory_order_relaxed);
+      if (b >= num_blocks) break;
+      body(b, std::min(b + grain, num_blocks));
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int ramflow_lean_adamw_step(const LeanArgs* args) {
+  const LeanArgs a = *args;
+  if (a.n <= 0) return 0;
+  const int64_t num_blocks = (a.n + kQBlock - 1) / kQBlock;
+  share_blocks(num_blocks, kLeanGrainQBlocks, a.num_threads, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) lean_block(a, b * kQBlock, std::min(kQBlock, a.n - b * kQBlock));
+  });
+  return 0;
+}
+
+extern "C" int ramflow_bf16_stochastic_round(const float* x, uint16_t* out, int64_t n,
+                                             int64_t counter_offset, uint32_t key,
+                                             int32_t num_threads) {
+  if (n <= 0) return 0;
+  const int64_t num_blocks = (n + kQBlock - 1) / kQBlock;
+  share_blocks(num_blocks, kLeanGrainQBlocks, num_threads, [&](int64_t lo, int64_t hi) {
+    const int64_t end = std::min(hi * kQBlock, n);
+    for (int64_t i = lo * kQBlock; i < end; ++i) {
+      out[i] = bf16_stochastic(x[i], sr_bits(key, counter_offset + i));
+    }
+  });
   return 0;
 }

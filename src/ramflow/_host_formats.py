@@ -1,0 +1,159 @@
+"""Host formats: how master weights, optimizer states and gradients are kept in host RAM.
+
+``HostPrecision`` is the policy; ``_lean_kernels`` steps its formats on the CPU. See
+docs/design.md, "Host formats", for what each stores and why stochastic rounding needs a
+counter-based generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._lean_kernels import QBLOCK
+
+__all__ = ["HostPrecision", "check_optimizer_formats"]
+
+MASTERS = ("fp32", "bf16-sr", "bf16-kahan")
+OPTIMIZER_STATES = ("fp32", "bf16", "int8")
+GRADIENTS = ("full", "ring")
+
+# Optimizers with a CPU kernel for each format; the fp32 formats go with every optimizer.
+_LEAN_OPTIMIZERS = ("adamw",)
+
+
+def _choices(values: tuple[str, ...]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+@dataclass(frozen=True)
+class HostPrecision:
+    """How each trained parameter is kept in host RAM (a policy, chosen once at set-up).
+
+    Attributes:
+        master: the master weights. ``"fp32"`` (default): fp32, stepped exactly as
+            ``torch.optim.AdamW`` steps them, plus a separate wire copy when the wire dtype
+            is not fp32. ``"bf16-sr"``: bf16, written with stochastic rounding (Zamirai et
+            al. 2020); with a bf16 wire the master is the wire copy, one buffer.
+            ``"bf16-kahan"``: bf16 plus a bf16 compensation buffer holding what rounding
+            dropped (compensated summation, as optimi and Collage do).
+        optimizer_states: the AdamW states ``exp_avg``/``exp_avg_sq``. ``"fp32"`` (default),
+            ``"bf16"`` (rounded to nearest even), or ``"int8"``: 8-bit block-wise codes
+            with one fp32 absmax per block of 256 elements (Dettmers et al. 2022).
+        gradients: host gradients. ``"full"`` (default): an fp32 gradient buffer for the
+            whole model plus a staging buffer in the wire dtype, as today; needed for
+            gradient accumulation, clipping and ``keep_grads``. ``"ring"``: units are
+            stepped during backward and only the units in flight hold staging, a fixed
+            cost that does not grow with the model (counted as 0 bytes per parameter).
+
+    Presets: ``fp32()`` (today's, 20 bytes per parameter), ``bf16()`` (bf16-sr masters,
+    bf16 states, ring: 6), ``lean()`` (bf16-sr masters, 8-bit states, ring: about 4.03).
+
+    Raises:
+        ValueError: a field has a value not listed above (the message lists those that are).
+    """
+
+    master: str = "fp32"
+    optimizer_states: str = "fp32"
+    gradients: str = "full"
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (
+            ("master", self.master, MASTERS),
+            ("optimizer_states", self.optimizer_states, OPTIMIZER_STATES),
+            ("gradients", self.gradients, GRADIENTS),
+        ):
+            if value not in allowed:
+                raise ValueError(
+                    f"HostPrecision({name}={value!r}) is not a format; {name} is one of "
+                    f"{_choices(allowed)}"
+                )
+
+    @classmethod
+    def fp32(cls) -> HostPrecision:
+        """fp32 masters, fp32 states, full gradients: today's, exact."""
+        return cls(master="fp32", optimizer_states="fp32", gradients="full")
+
+    @classmethod
+    def bf16(cls) -> HostPrecision:
+        """bf16 masters with stochastic rounding, bf16 states, a gradient ring."""
+        return cls(master="bf16-sr", optimizer_states="bf16", gradients="ring")
+
+    @classmethod
+    def lean(cls) -> HostPrecision:
+        """bf16 masters with stochastic rounding, 8-bit states, a gradient ring."""
+        return cls(master="bf16-sr", optimizer_states="int8", gradients="ring")
+
+    def check_wire(self, wire_dtype: torch.dtype) -> None:
+        """Raise ValueError when these masters cannot serve a wire copy of ``wire_dtype``.
+
+        A bf16 master is the wire copy itself, so it needs a bf16 wire: an fp32 wire would
+        send twice the bytes with no more precision than the master has, an fp16 wire
+        would be a second copy that loses bf16's range on every refresh.
+        """
+        if wire_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"wire dtype must be float32, bfloat16 or float16, got {wire_dtype}")
+        if self.master != "fp32" and wire_dtype != torch.bfloat16:
+            raise ValueError(
+                f"master={self.master!r} needs a bfloat16 wire dtype, got "
+                f"{str(wire_dtype).removeprefix('torch.')}. Combinations that work: "
+                f"master='fp32' with any wire dtype; master in {_choices(MASTERS[1:])} "
+                "with a bfloat16 wire"
+            )
+
+    def bytes_per_parameter(self, *, trainable: bool, wire_dtype: torch.dtype) -> float:
+        """Host RAM per parameter, in bytes, under this policy with a wire of ``wire_dtype``.
+
+        Trained: master (fp32 4 plus the wire copy; bf16-sr 2, it is the wire copy;
+        bf16-kahan 4) + states (fp32 8; bf16 4; int8 2 + 2 x 4 / 256 for the absmax) +
+        gradients (full: fp32 4 plus staging in the wire dtype; ring: 0). Frozen
+        (``trainable=False``): stored once in the wire dtype, except with fp32 masters,
+        which keep today's fp32 master and wire copy.
+
+        Raises:
+            ValueError: ``check_wire`` fails for ``wire_dtype``.
+        """
+        self.check_wire(wire_dtype)
+        wire = torch.empty((), dtype=wire_dtype).element_size()
+        wire_copy = 0 if wire_dtype == torch.float32 else wire
+        if not trainable:
+            return float(4 + wire_copy if self.master == "fp32" else wire)
+        master = {"fp32": 4 + wire_copy, "bf16-sr": 2, "bf16-kahan": 4}[self.master]
+        states = {"fp32": 8.0, "bf16": 4.0, "int8": 2 + 2 * 4 / QBLOCK}[self.optimizer_states]
+        gradients = 4 + wire if self.gradients == "full" else 0
+        return master + states + gradients
+
+    @property
+    def is_exact(self) -> bool:
+        """Whether steps are bit-identical to torch's fused AdamW (fp32 masters and states)."""
+        return self.master == "fp32" and self.optimizer_states == "fp32"
+
+
+def check_optimizer_formats(precision: HostPrecision, optimizer: Any) -> None:
+    """Raise ValueError when ``optimizer`` has no CPU step for ``precision``'s formats.
+
+    Args:
+        precision: the policy.
+        optimizer: a name (``"AdamW"``, ``"SGD"``, case ignored), an optimizer class or an
+            optimizer instance (named by its class).
+
+    Raises:
+        ValueError: lean masters or states (anything but fp32) with an optimizer other than
+            AdamW; the message names the combinations that work.
+    """
+    if isinstance(optimizer, str):
+        name = optimizer
+    elif isinstance(optimizer, type):
+        name = optimizer.__name__
+    else:
+        name = type(optimizer).__name__
+    if precision.is_exact or name.lower() in _LEAN_OPTIMIZERS:
+        return
+    raise ValueError(
+        f"{name} has no CPU step for master={precision.master!r}, "
+        f"optimizer_states={precision.optimizer_states!r}. Combinations that work: any "
+        "optimizer with master='fp32' and optimizer_states='fp32' (HostPrecision.fp32()); "
+        "AdamW with any master and optimizer_states (e.g. HostPrecision.lean())"
+    )
