@@ -7,6 +7,8 @@ from the master after a step; the H2D copy that follows is the window's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import psutil
 import torch
 
@@ -14,6 +16,9 @@ from ._plan import format_bytes
 from ._streams import alloc_host, pin_in_place, unpin
 from ._units import _Unit
 from ._window import DeviceWindow
+
+# writes a unit's parameter values into their views of its new master (``HostStore.build``)
+FillMaster = Callable[[list[torch.nn.Parameter], list[torch.Tensor]], None]
 
 
 class HostStore:
@@ -56,9 +61,14 @@ class HostStore:
                 "(requires_grad=False), or use a smaller model."
             )
 
-    def build(self, units: list[_Unit]) -> None:
-        """Make the masters and wire copies of new ``units``; their host parameters become
-        views into the masters."""
+    def build(self, units: list[_Unit], *, fill: FillMaster | None = None) -> None:
+        """Make the masters and wire copies of new ``units``, one unit at a time; their host
+        parameters become views into the masters.
+
+        ``fill(params, views)``: writes the values of a unit's parameters (its ``owned``, in
+        order) into their views of the new master; None copies each parameter's own data.
+        A model built on the meta device is loaded through it unit by unit, so the host
+        never holds more than the store plus one unit's source tensors."""
         pin = self._pin
         for u in units:
             if u.given_master is not None:
@@ -79,9 +89,14 @@ class HostStore:
                     what=f"the master weights of unit {u.name!r}",
                 )
                 u.master.zero_()  # padding between views stays defined
+                views = u.views(u.master)
                 with torch.no_grad():
-                    for view, p in zip(u.views(u.master), u.owned):
-                        view.copy_(p.detach())
+                    if fill is None:
+                        for view, p in zip(views, u.owned):
+                            view.copy_(p.detach())
+                    else:
+                        fill(u.owned, views)
+                    for view, p in zip(views, u.owned):
                         p.data = view
             if u.given_wire is not None:
                 u.wire = u.given_wire
