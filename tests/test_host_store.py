@@ -32,8 +32,9 @@ def build(wire_dtype: torch.dtype):
 
 def test_parameters_become_aligned_views_of_the_master_keeping_values():
     _, u, owned, before = build(torch.float32)
-    assert u.offsets == [0, 64, 128, 192] and u.trainable_numel == 128 and u.numel == 256
-    assert u.master.dtype == torch.float32 and u.master.shape == (256,)
+    A = _ALIGN  # every parameter here is smaller than one alignment step
+    assert u.offsets == [0, A, 2 * A, 3 * A] and u.trainable_numel == 2 * A and u.numel == 4 * A
+    assert u.master.dtype == torch.float32 and u.master.shape == (4 * A,)
     for p, off, b in zip(owned, u.offsets, before):
         assert p.data_ptr() == u.master[off:].data_ptr()
         assert off % _ALIGN == 0 and torch.equal(p, b)

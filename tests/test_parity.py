@@ -337,7 +337,7 @@ def test_resident_refresh_in_pieces_is_exact(device, monkeypatch):
 
     monkeypatch.setattr(_window.DeviceWindow, "send_piece", spy)
     curves, pieces = [], []
-    for m, piece_bytes in ((model, 256), (twin, 1 << 62)):
+    for m, piece_bytes in ((model, 512), (twin, 1 << 62)):
         monkeypatch.setattr(_stepper, "REFRESH_PIECE_BYTES", piece_bytes)
         ramflow.offload(m, device=device, wire_dtype=torch.bfloat16, gpu_memory=1 << 30)
         engine = _registry.engine_of_param(next(m.parameters()))
@@ -358,10 +358,10 @@ def test_resident_refresh_in_pieces_is_exact(device, monkeypatch):
                 assert torch.equal(u.device_flat.cpu(), u.wire), (step, u.name)
         curves.append(curve)
         pieces.append(len(sent))
-    # 256 B pieces (128 bf16 elements); a step is cut when it starts with nothing else
+    # 512 B pieces (256 bf16 elements, one alignment step); a step is cut when it starts with nothing else
     # queued on the worker, as the last of every step's does (the loop drains each step)
     assert pieces[0] >= 6 * 2 and pieces[1] == pieces[0]
-    assert all(hi - lo <= 128 and lo % 64 == 0 for _, lo, hi in sent)
+    assert all(hi - lo <= 256 and lo % 256 == 0 for _, lo, hi in sent)
     assert curves[0] == curves[1]
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)

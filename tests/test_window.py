@@ -7,15 +7,19 @@ from torch import nn
 
 from ramflow._host_store import HostStore
 from ramflow._streams import CopyStreams
-from ramflow._units import UnitSpec, _Unit
+from ramflow._units import _ALIGN, UnitSpec, _Unit
 from ramflow._window import DeviceWindow
 from ramflow._worker import HostWorker
 
 CPU = torch.device("cpu")
 
 
+UNIT_BYTES = 2 * _ALIGN * 4  # one Linear(8, 8) unit in fp32
+
+
 def make_window(n: int, *, capacity_units: int):
-    """``n`` units of one Linear(8, 8) each (128 fp32 elements padded: 72 + 64 -> 128),
+    """``n`` units of one Linear(8, 8) each (weight 64 and bias 8 elements, each padded to
+    ``_ALIGN``: ``UNIT_BYTES`` of fp32),
     host store built, device side built, a window of ``capacity_units`` units."""
     layers = [nn.Linear(8, 8) for _ in range(n)]
     specs = [
@@ -34,12 +38,12 @@ def make_window(n: int, *, capacity_units: int):
 
 def test_loads_copy_the_wire_and_count_against_the_budget():
     window, units, layers = make_window(3, capacity_units=2)
-    assert units[0].numel == 128 and units[0].nbytes == 512
+    assert units[0].numel == 2 * _ALIGN and units[0].nbytes == UNIT_BYTES
     window.acquire([units[0]])
-    assert units[0].allocated and window.used_bytes == 512
+    assert units[0].allocated and window.used_bytes == UNIT_BYTES
     assert torch.equal(units[0].device_params[0], layers[0].weight)
     window.release([units[0]])
-    assert units[0].allocated and window.used_bytes == 512  # cached until room is needed
+    assert units[0].allocated and window.used_bytes == UNIT_BYTES  # cached until room is needed
 
 
 def test_least_recently_used_unpinned_unit_goes_first():
@@ -52,7 +56,7 @@ def test_least_recently_used_unpinned_unit_goes_first():
     window.release([a])
     window.acquire([c])
     assert not b.allocated and a.allocated and c.allocated
-    assert b.device_version == -1 and window.used_bytes == 2 * 512
+    assert b.device_version == -1 and window.used_bytes == 2 * UNIT_BYTES
 
 
 def test_pinned_units_are_never_evicted_a_forward_may_overflow():
@@ -60,10 +64,10 @@ def test_pinned_units_are_never_evicted_a_forward_may_overflow():
     a, b, c = units
     window.acquire([a, b])  # both pinned
     window.acquire([c])  # must: overflows rather than fail
-    assert all(u.allocated for u in units) and window.used_bytes == 3 * 512
+    assert all(u.allocated for u in units) and window.used_bytes == 3 * UNIT_BYTES
     window.release([a, b, c])
     window.prefetch([a])  # already there: no change
-    assert window.used_bytes == 3 * 512
+    assert window.used_bytes == 3 * UNIT_BYTES
 
 
 def test_prefetch_stops_where_the_window_is_full():
@@ -97,6 +101,6 @@ def test_free_all_returns_every_byte():
     units[2].resident = True
     window.load_resident(units[2])
     window.acquire([units[0]])
-    assert window.used_bytes == 512  # resident units are outside the window's budget
+    assert window.used_bytes == UNIT_BYTES  # resident units are outside the window's budget
     window.free_all(units)
     assert window.used_bytes == 0 and not any(u.allocated for u in units)

@@ -16,7 +16,7 @@ from torch import nn
 from ._predict import UnitCost, forward_flops, forward_seconds
 from ._units import UnitSpec, _repeated_blocks, find_units
 
-_ALIGN = 64  # the engine pads each parameter's view to 64 elements (``_engine._ALIGN``)
+_ALIGN = 256  # the engine pads each parameter's view to 256 elements (``_units._ALIGN``)
 
 
 @dataclass(frozen=True)

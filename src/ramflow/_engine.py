@@ -11,6 +11,7 @@ parts in the order each part's Notes require. Its lifetime is ``ramflow._registr
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -20,7 +21,8 @@ from torch import nn
 
 from ._gradients import GradientPath
 from ._hooks import ModuleCall
-from ._host_store import HostStore
+from ._host_formats import HostPrecision
+from ._host_store import HostStore, optimizer_state_bytes
 from ._interfaces import DataParallel, StepOptimizer
 from ._plain_optim import install_optimizer_hooks
 from ._plan import OffloadPlan, make_plan, with_device_optimizer
@@ -79,6 +81,8 @@ class Engine:
         worker: HostWorker | None = None,
         streams: CopyStreams | None = None,
         device_optimizer: bool = False,
+        host_precision: HostPrecision | None = None,
+        host_precision_reason: str | None = None,
     ) -> None:
         # model None: a layer engine (see ``ramflow._linear``): no root module, units are
         # added one by one with ``add_units``, worker and streams are shared per device.
@@ -94,6 +98,7 @@ class Engine:
         self._owns_worker = worker is None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._gpu_memory_bytes = gpu_memory_bytes
+        self._host_precision_reason = host_precision_reason
         # fixed device bytes: buffers stay on the device (tiny, and BatchNorm-style running
         # statistics are updated in forward)
         self._fixed_bytes = (
@@ -105,7 +110,9 @@ class Engine:
         self.window = DeviceWindow(
             device=device, wire_dtype=wire_dtype, streams=self.streams, worker=self.worker
         )
-        self.host = HostStore(device=device, wire_dtype=wire_dtype, window=self.window)
+        self.host = HostStore(
+            device=device, wire_dtype=wire_dtype, window=self.window, precision=host_precision
+        )
         self.stepper = Stepper(
             device=device, units=self.units, worker=self.worker, window=self.window, host=self.host
         )
@@ -184,6 +191,17 @@ class Engine:
             raise ValueError("adding units would change which units are resident")
         if self.device_optimizer:
             plan = with_device_optimizer(plan, [u.trainable_numel for u in all_units])
+        precision = self.host.precision
+        plan = dataclasses.replace(
+            plan,
+            host_precision=precision.name,
+            host_bytes_per_parameter=precision.bytes_per_parameter(
+                trainable=True, wire_dtype=self.wire_dtype
+            ),
+            host_bytes=self.host.store_bytes(all_units)
+            + optimizer_state_bytes(all_units, precision),
+            host_precision_reason=self._host_precision_reason,
+        )
         self.plan: OffloadPlan = plan
         resident = set(plan.resident)
         for u in new:

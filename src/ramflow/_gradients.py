@@ -176,13 +176,14 @@ class GradientPath:
         if event is not None:
             event.synchronize()
         params = u.owned[: u.num_trainable]
-        if u.host_grad is None:
-            u.host_grad = torch.empty(u.trainable_numel, dtype=torch.float32)
-            u.host_grad_views = u.views(u.host_grad, trainable_only=True)
         staging = u.staging
         assert staging is not None
         fresh = all(p.grad is None for p in params)
-        ours = not fresh and all(p.grad is v for p, v in zip(params, u.host_grad_views))
+        ours = (
+            not fresh
+            and u.host_grad is not None
+            and all(p.grad is v for p, v in zip(params, u.host_grad_views))
+        )
         optimizers = stepper.optimizers
         fused = (
             eager
@@ -191,8 +192,17 @@ class GradientPath:
             and len(optimizers) == 1
             and optimizers[0].flat_group(u) is not None
         )
-        # the optimizer's keep_grads=False: the fused step does not write p.grad at all
-        drop = fused and fresh and not optimizers[0].keep_grads
+        # the optimizer's keep_grads=False, or the gradient ring: the fused step does not
+        # write p.grad at all (see [Note: the gradient ring] in ``ramflow._host_store``)
+        ring = self._host.precision.gradients == "ring"
+        drop = fused and fresh and (ring or not optimizers[0].keep_grads)
+        if drop and ring:
+            u.host_grad = None  # the full buffer of earlier steps is not needed any more
+            u.host_grad_views = []
+        elif u.host_grad is None:
+            # in the master's dtype: PyTorch wants a gradient's dtype to be its parameter's
+            u.host_grad = torch.empty(u.trainable_numel, dtype=self._host.precision.master_dtype)
+            u.host_grad_views = u.views(u.host_grad, trainable_only=True)
         with torch.no_grad():
             if fused:
                 pass  # See the docstring: the step writes the gradients.
@@ -213,6 +223,8 @@ class GradientPath:
                 for p, view in zip(params, u.host_grad_views):
                     p.grad = view
         u.grad_versions = [] if drop else [p.grad._version for p in params]
+        if not fused:
+            self._host.release_staging(u)  # read into the host gradients
         self._pass_landed.append((u, fresh))
         if fused or (eager and stepper.steps_here(u)):
             self._pass_stepped.append(u)
@@ -285,6 +297,8 @@ class GradientPath:
         except RuntimeError as err:
             error = error or err
         self._grads_in_flight.clear()
+        for u in self.units:
+            self._host.release_staging(u)  # nothing reads them any more
         partial_grads = False
         for u, fresh in self._pass_landed:
             if fresh:  # nothing was accumulated before this pass: drop what it left

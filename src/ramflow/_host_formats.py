@@ -46,10 +46,16 @@ class HostPrecision:
             whole model plus a staging buffer in the wire dtype, as today; needed for
             gradient accumulation, clipping and ``keep_grads``. ``"ring"``: units are
             stepped during backward and only the units in flight hold staging, a fixed
-            cost that does not grow with the model (counted as 0 bytes per parameter).
+            cost that does not grow with the model (counted as 0 bytes per parameter). A
+            full buffer (in the master's dtype) is still made for the steps that need one
+            (the first, accumulation, clipping) and dropped once steps run during backward.
+        seed: the seed of the stochastic rounding (an int in [0, 2**63)); unit ``i`` rounds
+            with ``unit_seed(i)``, so a run is reproducible and resumes exactly.
 
     Presets: ``fp32()`` (today's, 20 bytes per parameter), ``bf16()`` (bf16-sr masters,
-    bf16 states, ring: 6), ``lean()`` (bf16-sr masters, 8-bit states, ring: about 4.03).
+    bf16 states, ring: 6), ``lean()`` (bf16-sr masters, 8-bit states, ring: about 4.03),
+    ``kahan()`` (bf16-kahan masters, 8-bit states, ring: about 6.03). ``parse`` takes their
+    names.
 
     Raises:
         ValueError: a field has a value not listed above (the message lists those that are).
@@ -58,8 +64,13 @@ class HostPrecision:
     master: str = "fp32"
     optimizer_states: str = "fp32"
     gradients: str = "full"
+    seed: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"HostPrecision(seed=...) must be an int, got {self.seed!r}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"HostPrecision(seed={self.seed}) must be in [0, 2**63)")
         for name, value, allowed in (
             ("master", self.master, MASTERS),
             ("optimizer_states", self.optimizer_states, OPTIMIZER_STATES),
@@ -86,6 +97,58 @@ class HostPrecision:
         """bf16 masters with stochastic rounding, 8-bit states, a gradient ring."""
         return cls(master="bf16-sr", optimizer_states="int8", gradients="ring")
 
+    @classmethod
+    def kahan(cls) -> HostPrecision:
+        """bf16 masters with a bf16 compensation (Kahan), 8-bit states, a gradient ring."""
+        return cls(master="bf16-kahan", optimizer_states="int8", gradients="ring")
+
+    @classmethod
+    def parse(cls, value: HostPrecision | str | None) -> HostPrecision:
+        """A policy from a preset's name (``"fp32"``, ``"bf16"``, ``"lean"``, ``"kahan"``),
+        a policy (returned as is) or None (``fp32()``).
+
+        Raises:
+            ValueError: an unknown name (the message lists the presets).
+            TypeError: neither a string nor a HostPrecision.
+        """
+        if value is None:
+            return cls.fp32()
+        if isinstance(value, HostPrecision):
+            return value
+        if not isinstance(value, str):
+            raise TypeError(
+                f"host_precision must be a HostPrecision or a preset's name, got {value!r}"
+            )
+        presets = {"fp32": cls.fp32, "bf16": cls.bf16, "lean": cls.lean, "kahan": cls.kahan}
+        if value not in presets:
+            raise ValueError(
+                f"host_precision={value!r} is not a preset; use one of {_choices(tuple(presets))} "
+                "or a ramflow.HostPrecision(master=..., optimizer_states=..., gradients=...)"
+            )
+        return presets[value]()
+
+    @property
+    def name(self) -> str:
+        """The preset's name when this policy is one (seed aside), else its fields."""
+        for preset in ("fp32", "bf16", "lean", "kahan"):
+            p = getattr(HostPrecision, preset)()
+            if (p.master, p.optimizer_states, p.gradients) == (
+                self.master,
+                self.optimizer_states,
+                self.gradients,
+            ):
+                return preset
+        return f"{self.master}/{self.optimizer_states}/{self.gradients}"
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """dtype of the host master weights (and of the host gradients)."""
+        return torch.float32 if self.master == "fp32" else torch.bfloat16
+
+    def unit_seed(self, index: int) -> int:
+        """The stochastic rounding's seed of unit ``index``: the policy's seed mixed with it."""
+        return (self.seed * 0x9E3779B97F4A7C15 + index + 1) % 2**64
+
     def check_wire(self, wire_dtype: torch.dtype) -> None:
         """Raise ValueError when these masters cannot serve a wire copy of ``wire_dtype``.
 
@@ -108,7 +171,8 @@ class HostPrecision:
 
         Trained: master (fp32 4 plus the wire copy; bf16-sr 2, it is the wire copy;
         bf16-kahan 4) + states (fp32 8; bf16 4; int8 2 + 2 x 4 / 256 for the absmax) +
-        gradients (full: fp32 4 plus staging in the wire dtype; ring: 0). Frozen
+        gradients (full: 4 with fp32 masters, else 2, plus staging in the wire dtype; ring:
+        0). Frozen
         (``trainable=False``): stored once in the wire dtype, except with fp32 masters,
         which keep today's fp32 master and wire copy.
 
@@ -122,7 +186,8 @@ class HostPrecision:
             return float(4 + wire_copy if self.master == "fp32" else wire)
         master = {"fp32": 4 + wire_copy, "bf16-sr": 2, "bf16-kahan": 4}[self.master]
         states = {"fp32": 8.0, "bf16": 4.0, "int8": 2 + 2 * 4 / QBLOCK}[self.optimizer_states]
-        gradients = 4 + wire if self.gradients == "full" else 0
+        grad = 4 if self.master == "fp32" else 2
+        gradients = grad + wire if self.gradients == "full" else 0
         return master + states + gradients
 
     @property

@@ -1,17 +1,32 @@
-"""The host store: each unit's fp32 master, its wire copy and its gradient staging buffer.
+"""The host store: each unit's master, its wire copy and its gradient staging buffer.
 
 Owns the host RAM check, the buffers' layout (``_units._ALIGN``), page-locking (pinned
-allocation, or pinning a buffer a layer or another rank gave), and rewriting the wire copy
-from the master after a step; the H2D copy that follows is the window's.
+allocation, or pinning a buffer a layer or another rank gave), the host formats
+(``HostPrecision``: an fp32 master beside its wire copy, or a bf16 master that is the wire
+copy; staging per unit, or a ring of a few staging buffers the units in flight borrow), and
+rewriting the wire copy from the master after a step; the H2D copy that follows is the
+window's.
+
+[Note: the gradient ring]
+With ``gradients="ring"`` a unit holds a staging buffer only from its gradients' D2H copy
+until the host has read them (its fused step, or their landing in a full host gradient):
+``RING_BUFFERS`` buffers of the largest unit's size, pinned once, taken in ``dispatch`` and
+given back by the worker. A backward pass that runs ahead of the CPU optimizer waits for a
+free buffer (the next forward waits for those steps anyway). So the host gradients cost a
+fixed few units, not the model: the full host gradient buffer is made only for a step that
+needs it (the first, gradient accumulation, clipping) and dropped once units are stepped
+during backward.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import psutil
 import torch
 
+from ._host_formats import HostPrecision
 from ._plan import format_bytes
 from ._streams import alloc_host, pin_in_place, unpin
 from ._units import _Unit
@@ -19,6 +34,75 @@ from ._window import DeviceWindow
 
 # writes a unit's parameter values into their views of its new master (``HostStore.build``)
 FillMaster = Callable[[list[torch.nn.Parameter], list[torch.Tensor]], None]
+
+# staging buffers of the gradient ring, see [Note: the gradient ring]
+RING_BUFFERS = 4
+
+
+def store_bytes(units: list[_Unit], precision: HostPrecision, wire_dtype: torch.dtype) -> int:
+    """Host bytes of ``units``' masters, wire copies and gradients under ``precision`` with
+    a wire of ``wire_dtype``; the optimizer's states are not counted (see
+    ``optimizer_state_bytes``). Buffers a layer or another rank gave are not new."""
+    pr = precision
+    wire_size = wire_dtype.itemsize
+    master_size = pr.master_dtype.itemsize
+    need = 0
+    for u in units:
+        if u.given_master is None:
+            need += u.numel * master_size
+        if pr.master == "fp32" and wire_dtype != torch.float32:
+            need += u.numel * wire_size
+        if pr.gradients == "full":
+            need += u.trainable_numel * (master_size + wire_size)
+    if pr.gradients == "ring":
+        need += RING_BUFFERS * max((u.trainable_numel for u in units), default=0) * wire_size
+    return need
+
+
+def optimizer_state_bytes(units: list[_Unit], precision: HostPrecision) -> int:
+    """Host bytes of AdamW's states (and a Kahan master's compensation) for ``units``."""
+    trainable = sum(u.trainable_numel for u in units)
+    per = {"fp32": 8.0, "bf16": 4.0, "int8": 2 + 8 / 256}[precision.optimizer_states]
+    per += 2 if precision.master == "bf16-kahan" else 0
+    return int(trainable * per)
+
+
+# ``auto`` keeps fp32 masters when the store and AdamW's states take at most this share of
+# the available RAM (the rest is the loop's: data, activations' host side, the OS cache)
+AUTO_FP32_SHARE = 0.75
+
+
+def choose_precision(
+    units: list[_Unit], wire_dtype: torch.dtype, available: int
+) -> tuple[HostPrecision, str]:
+    """``host_precision="auto"``: fp32 where the store and AdamW's states fit in
+    ``AUTO_FP32_SHARE`` of ``available`` bytes, else the leanest (``lean``) where it fits
+    (it needs a bf16 wire). Returns the policy and a sentence saying why.
+
+    Raises:
+        MemoryError: not even the leanest fits; the message gives each preset's size.
+    """
+    sizes = {}
+    for name in ("fp32", "lean"):
+        pr = HostPrecision.parse(name)
+        sizes[name] = store_bytes(units, pr, wire_dtype) + optimizer_state_bytes(units, pr)
+    if sizes["fp32"] <= AUTO_FP32_SHARE * available:
+        return HostPrecision.fp32(), (
+            f"fp32: the store and AdamW's states ({format_bytes(sizes['fp32'])}) fit in "
+            f"{AUTO_FP32_SHARE:.0%} of the available {format_bytes(available)}"
+        )
+    if wire_dtype == torch.bfloat16 and sizes["lean"] <= available:
+        return HostPrecision.lean(), (
+            f"lean: fp32 would need {format_bytes(sizes['fp32'])} of the available "
+            f"{format_bytes(available)}; lean needs {format_bytes(sizes['lean'])}"
+        )
+    raise MemoryError(
+        f"no host_precision fits: fp32 needs about {format_bytes(sizes['fp32'])} and lean "
+        f"about {format_bytes(sizes['lean'])} (with AdamW's states"
+        + ("" if wire_dtype == torch.bfloat16 else "; lean needs wire_dtype=torch.bfloat16")
+        + f"), but only {format_bytes(available)} of host RAM is available. Free memory, "
+        "freeze parameters you do not train, or use a smaller model."
+    )
 
 
 class HostStore:
@@ -28,37 +112,62 @@ class HostStore:
         device: the compute device (buffers are pinned when it is a GPU).
         wire_dtype: dtype of the wire copies and gradient staging buffers.
         window: the device window, told when a wire copy is current again.
+        precision: the host formats (default ``HostPrecision.fp32()``); its master must go
+            with ``wire_dtype`` (``HostPrecision.check_wire``).
     """
 
     def __init__(
-        self, *, device: torch.device, wire_dtype: torch.dtype, window: DeviceWindow
+        self,
+        *,
+        device: torch.device,
+        wire_dtype: torch.dtype,
+        window: DeviceWindow,
+        precision: HostPrecision | None = None,
     ) -> None:
         self.device = device
         self.wire_dtype = wire_dtype
+        self.precision = HostPrecision.fp32() if precision is None else precision
+        self.precision.check_wire(wire_dtype)
         self._window = window
         self._pin = device.type == "cuda"
+        # the gradient ring: free staging buffers, and the size they are made at
+        self._ring_free: list[torch.Tensor] = []
+        self._ring_made = 0
+        self._ring_numel = 0
+        self._ring_lent: dict[_Unit, torch.Tensor] = {}
+        self._ring_cond = threading.Condition()
         # buffers page-locked in place (given by a layer or shared by ranks): unpinned by
         # ``unpin_all`` or the engine's finalizer, which holds this list, not the store
         self.pinned_in_place: list[torch.Tensor] = []
 
+    def store_bytes(self, units: list[_Unit], precision: HostPrecision | None = None) -> int:
+        """Host bytes of ``units``' store under ``precision`` (default: this store's); see
+        the module-level ``store_bytes``."""
+        pr = self.precision if precision is None else precision
+        return store_bytes(units, pr, self.wire_dtype)
+
     def check_memory(self, units: list[_Unit]) -> None:
-        """Raise MemoryError if the host store of ``units`` does not fit in available RAM."""
-        wire_size = torch.empty((), dtype=self.wire_dtype).element_size()
-        need = 0
-        for u in units:
-            if u.given_master is not None:
-                need -= u.numel * 4  # the layer's own buffer becomes the master
-            need += u.numel * 4
-            if self.wire_dtype != torch.float32:
-                need += u.numel * wire_size
-            need += u.trainable_numel * (4 + wire_size)  # host gradients + D2H staging
+        """Raise MemoryError if the host store of ``units`` does not fit in available RAM.
+
+        The store (masters, wire copies, gradients) must fit; the message gives what each
+        preset would need with AdamW's states too, so the user can pick one that fits."""
+        need = self.store_bytes(units)
         avail = psutil.virtual_memory().available
         if need > avail:
+            sizes = []
+            for name in ("fp32", "bf16", "lean", "kahan"):
+                pr = HostPrecision.parse(name)
+                if pr.master != "fp32" and self.wire_dtype != torch.bfloat16:
+                    continue
+                total = self.store_bytes(units, pr) + optimizer_state_bytes(units, pr)
+                sizes.append(f"{name} {format_bytes(total)}")
             raise MemoryError(
-                f"ramflow needs about {format_bytes(need)} of host RAM for this model "
-                f"(fp32 master weights, wire copies, gradients) but only {format_bytes(avail)} "
-                "is available. Free memory, freeze parameters you do not train "
-                "(requires_grad=False), or use a smaller model."
+                f"ramflow needs about {format_bytes(need)} of host RAM for this model's host "
+                f"store (host_precision={self.precision.name!r}: master weights, wire copies, "
+                f"gradients) but only {format_bytes(avail)} is available. With AdamW's states, "
+                f"each host_precision needs about: {', '.join(sizes)}. Pick one that fits "
+                "(ramflow.offload(..., host_precision=...)), free memory, freeze parameters "
+                "you do not train (requires_grad=False), or use a smaller model."
             )
 
     def build(self, units: list[_Unit], *, fill: FillMaster | None = None) -> None:
@@ -70,7 +179,22 @@ class HostStore:
         A model built on the meta device is loaded through it unit by unit, so the host
         never holds more than the store plus one unit's source tensors."""
         pin = self._pin
+        lean_master = self.precision.master != "fp32"
+        if lean_master and any(
+            u.given_master is not None or u.given_wire is not None for u in units
+        ):
+            raise ValueError(
+                f"host_precision={self.precision.name!r} keeps bf16 master weights, which "
+                "ramflow.Linear layers and zero_stage's shared host store do not support yet; "
+                "use host_precision='fp32' with them"
+            )
+        if self.precision.gradients == "ring":
+            self._ring_numel = max(
+                [self._ring_numel, *(u.trainable_numel for u in units)], default=0
+            )
         for u in units:
+            u.precision = self.precision
+            u.rounding_seed = self.precision.unit_seed(u.index)
             if u.given_master is not None:
                 # The layer laid its parameters out as this engine would (``_ALIGN``): its
                 # buffer is the master, shared memory included (``share_memory_()``).
@@ -82,10 +206,12 @@ class HostStore:
                     pin_in_place(u.master, what=f"the master weights of {u.name!r}")
                     self.pinned_in_place.append(u.master)
             else:
+                # a bf16 master is the wire copy: pinned, as a wire copy is
+                master_is_wire = lean_master or self.wire_dtype == torch.float32
                 u.master = alloc_host(
                     u.numel,
-                    torch.float32,
-                    pin=pin and self.wire_dtype == torch.float32,
+                    self.precision.master_dtype,
+                    pin=pin and master_is_wire,
                     what=f"the master weights of unit {u.name!r}",
                 )
                 u.master.zero_()  # padding between views stays defined
@@ -103,7 +229,7 @@ class HostStore:
                 if pin:
                     pin_in_place(u.wire, what=f"the wire copy of {u.name!r}")
                     self.pinned_in_place.append(u.wire)
-            elif self.wire_dtype == torch.float32:
+            elif self.wire_dtype == torch.float32 or lean_master:
                 u.wire = u.master
             else:
                 u.wire = alloc_host(
@@ -112,16 +238,45 @@ class HostStore:
                 u.wire.copy_(u.master)
 
     def staging(self, u: _Unit) -> torch.Tensor:
-        """``u``'s gradient staging buffer (T,) in the wire dtype, pinned on a GPU; made at
-        its first use (frozen units never get one)."""
-        if u.staging is None:
-            u.staging = alloc_host(
-                u.trainable_numel,
-                self.wire_dtype,
-                pin=self._pin,
-                what=f"the gradient staging buffer of {u.name!r}",
-            )
+        """``u``'s gradient staging buffer (T,) in the wire dtype, pinned on a GPU. Per unit,
+        made at its first use (frozen units never get one); with the gradient ring, taken
+        from the ring (waiting for a free buffer) until ``release_staging``."""
+        if u.staging is not None:
+            return u.staging
+        if self.precision.gradients == "ring":
+            with self._ring_cond:
+                while not self._ring_free and self._ring_made >= RING_BUFFERS:
+                    self._ring_cond.wait()
+                if self._ring_free:
+                    buf = self._ring_free.pop()
+                else:
+                    self._ring_made += 1
+                    buf = alloc_host(
+                        self._ring_numel,
+                        self.wire_dtype,
+                        pin=self._pin,
+                        what="a staging buffer of the gradient ring",
+                    )
+                self._ring_lent[u] = buf
+            u.staging = buf[: u.trainable_numel]
+            return u.staging
+        u.staging = alloc_host(
+            u.trainable_numel,
+            self.wire_dtype,
+            pin=self._pin,
+            what=f"the gradient staging buffer of {u.name!r}",
+        )
         return u.staging
+
+    def release_staging(self, u: _Unit) -> None:
+        """Worker or main thread: the host has read ``u``'s staged gradients; with the
+        gradient ring its buffer goes back to the ring (a per-unit buffer stays)."""
+        if self.precision.gradients != "ring" or u.staging is None:
+            return
+        u.staging = None
+        with self._ring_cond:
+            self._ring_free.append(self._ring_lent.pop(u))
+            self._ring_cond.notify()
 
     @staticmethod
     def wire_prefix(u: _Unit) -> torch.Tensor | None:

@@ -91,6 +91,13 @@ class OffloadPlan:
             on the device and are stepped there (``ramflow.offload(device_optimizer=True)``;
             see ``with_device_optimizer``).
         device_step_bytes: device bytes of their masters and states plus the step's scratch.
+        host_precision: the host formats' name (``ramflow.HostPrecision.name``).
+        host_bytes_per_parameter: host bytes per trained parameter under them, AdamW's
+            states included (the gradient ring's fixed buffers not).
+        host_bytes: host bytes of the store (masters, wire copies, gradients) plus AdamW's
+            states, for the whole model (engine plans only; None for ``ramflow plan``'s
+            timed plans, which give their own host estimate).
+        host_precision_reason: why ``host_precision="auto"`` chose it (None otherwise).
     """
 
     device: str
@@ -110,6 +117,12 @@ class OffloadPlan:
     offload_budget_bytes: int | None = None
     device_stepped: tuple[str, ...] = ()
     device_step_bytes: int = 0
+    # the host side: not compared (an engine's plan and ``ramflow plan``'s agree on the
+    # device and differ in what they know of the host)
+    host_precision: str = field(default="fp32", compare=False)
+    host_bytes_per_parameter: float | None = field(default=None, compare=False)
+    host_bytes: int | None = field(default=None, compare=False)
+    host_precision_reason: str | None = field(default=None, compare=False)
 
     @property
     def resident_bytes(self) -> int:
@@ -159,6 +172,16 @@ class OffloadPlan:
             f"streamed per forward: {format_bytes(self.streamed_bytes_per_pass)} "
             f"(smallest budget that works: {format_bytes(self.min_gpu_memory_bytes)})",
         ]
+        if self.host_bytes_per_parameter is not None:
+            host = (
+                f"host formats: {self.host_precision}, "
+                f"{self.host_bytes_per_parameter:.2f} bytes per trained parameter"
+            )
+            if self.host_bytes is not None:
+                host += f", {format_bytes(self.host_bytes)} with AdamW's states"
+            if self.host_precision_reason:
+                host += f" (auto: {self.host_precision_reason})"
+            lines.append(host)
         if self.device_stepped:
             lines[2] = lines[2].replace(
                 " = ", f" + optimizer on the device {format_bytes(self.device_step_bytes)} = "

@@ -336,17 +336,20 @@ class Stepper:
         self._host.before_host_write(u)
         pieces = self._refresh_pieces(u)
         start = time.perf_counter()
-        with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
-            opt.flat_step(
-                u,
-                hyper,
-                grad=u.staging,
-                accumulate=u.host_grad if accumulate else None,
-                grad_out=None if accumulate or not keep_grads else u.host_grad,
-                wire_out=self._host.wire_prefix(u),
-                pieces=pieces,
-                after_piece=functools.partial(self._window.send_piece, u) if pieces else None,
-            )
+        try:
+            with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
+                opt.flat_step(
+                    u,
+                    hyper,
+                    grad=u.staging,
+                    accumulate=u.host_grad if accumulate else None,
+                    grad_out=None if accumulate or not keep_grads else u.host_grad,
+                    wire_out=self._host.wire_prefix(u),
+                    pieces=pieces,
+                    after_piece=(functools.partial(self._window.send_piece, u) if pieces else None),
+                )
+        finally:
+            self._host.release_staging(u)
         self._count_host_step(u.trainable_numel, start)
         self._host.refresh_wire(u, written=True, sent=bool(pieces))
 
@@ -356,6 +359,8 @@ class Stepper:
         follows the step]."""
         if not u.resident or u.wire is u.master or self.worker.queued():
             return None
+        # pieces start on multiples of _ALIGN: whole blocks of 8-bit states, and each piece
+        # rounds stochastically as the whole unit would (its counter offset)
         step = max(_ALIGN, REFRESH_PIECE_BYTES // u.wire.element_size() // _ALIGN * _ALIGN)
         n = u.trainable_numel
         # the device copy lacks this step only, so the frozen rest needs no copy

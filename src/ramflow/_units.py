@@ -28,7 +28,10 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-_ALIGN = 64  # elements; keeps every view 128-byte aligned for fp32, 64 for bf16
+# elements: every parameter's view starts on a multiple of 256, which keeps views 512-byte
+# aligned in fp32 and puts each parameter on whole blocks of the 8-bit optimizer states
+# (``_lean_kernels.QBLOCK``), so a parameter can be stepped on its own in every host format
+_ALIGN = 256
 
 
 @dataclass(eq=False)
@@ -260,6 +263,8 @@ class _Unit:
         self.master: torch.Tensor
         self.wire: torch.Tensor
         self.staging: torch.Tensor | None = None
+        self.precision: Any = None  # the store's HostPrecision
+        self.rounding_seed = 0  # the stochastic rounding's seed of this unit
         # device side (``_window``)
         self.device_flat: torch.Tensor
         self.device_alias: torch.Tensor

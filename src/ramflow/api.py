@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -16,6 +17,8 @@ from ._dist import (
     shm_directory,
 )
 from ._engine import Engine
+from ._host_formats import HostPrecision
+from ._host_store import choose_precision
 from ._plan import OffloadPlan, parse_bytes
 from ._registry import engine_of_model, engine_of_param
 from ._units import _Unit, find_units
@@ -32,6 +35,7 @@ def offload(
     activation_checkpointing: bool | Iterable[str] = False,
     zero_stage: int | None = None,
     device_optimizer: bool = False,
+    host_precision: HostPrecision | str | None = None,
 ) -> nn.Module:
     """Keep ``model``'s weights in CPU RAM and stream them through the device per unit.
 
@@ -80,6 +84,18 @@ def offload(
             copies are current after ``ramflow.synchronize`` and in every ``state_dict``.
             ``ramflow.get_plan(model).device_stepped`` names the units. Not with
             ``zero_stage``.
+        host_precision: how master weights, AdamW states and host gradients are kept in
+            host RAM (``ramflow.HostPrecision``, or a preset's name): ``"fp32"`` (the
+            default, None: fp32 masters, exact, about 20 bytes per trained parameter with a
+            bf16 wire), ``"bf16"`` (bf16 masters written with stochastic rounding, bf16
+            states, a gradient ring: 6), ``"lean"`` (as bf16 with 8-bit block-wise states:
+            about 4.03), ``"kahan"`` (bf16 masters with a Kahan compensation, 8-bit states:
+            about 6.03), or ``"auto"`` (fp32 when it and AdamW's states fit in 75% of the
+            available RAM, else lean; ``get_plan(model).host_precision_reason`` says why).
+            Non-fp32 masters are the wire copy: they need ``wire_dtype=torch.bfloat16``, and
+            the host parameters are bf16 views (so are their ``.grad``). Lean masters or
+            states step with ``ramflow.optim.AdamW`` only. See docs/design.md, "Host
+            formats".
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``wire_dtype`` is not floating point.
@@ -87,7 +103,12 @@ def offload(
             ``gpu_memory`` too small (the message gives the smallest budget that works).
         MemoryError: the host lacks the RAM or pinned memory for the host store.
         RuntimeError: ``zero_stage`` without an initialized process group.
-        ValueError: ``device_optimizer`` with ``zero_stage``.
+        ValueError: ``device_optimizer`` with ``zero_stage``; ``host_precision`` not a
+            preset or a HostPrecision, or lean masters with a wire dtype other than bf16,
+            or other than fp32 with ``zero_stage`` or ``device_optimizer`` (the message
+            names what works).
+        MemoryError: ``host_precision="auto"`` and not even the leanest fits (the message
+            gives each preset's size).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"ramflow.offload expects an nn.Module, got {type(model).__name__}")
@@ -130,6 +151,24 @@ def offload(
         raise TypeError(f"wire_dtype must be a floating-point torch.dtype, got {wire_dtype!r}")
     budget = None if gpu_memory is None else parse_bytes(gpu_memory)
     specs = find_units(model, units)
+    precision_reason = None
+    if isinstance(host_precision, str) and host_precision == "auto":
+        layout = [_Unit(i, spec) for i, spec in enumerate(specs)]
+        available = psutil.virtual_memory().available
+        precision, precision_reason = choose_precision(layout, wire_dtype, available)
+    else:
+        precision = HostPrecision.parse(host_precision)
+    precision.check_wire(wire_dtype)
+    if not precision.is_exact or precision.gradients != "full":
+        for flag, what in (
+            (zero_stage is not None, "zero_stage"),
+            (device_optimizer, "device_optimizer=True"),
+        ):
+            if flag:
+                raise ValueError(
+                    f"host_precision={precision.name!r} cannot be combined with {what} yet; "
+                    "use host_precision='fp32' with it, or leave it out"
+                )
     remove_stale_store_files(shm_directory())  # of ranks that died: see [Note: host store files]
     owners = None
     if device_optimizer and zero_stage is not None:
@@ -158,6 +197,8 @@ def offload(
         prefetch_depth=prefetch_depth,
         activation_checkpointing=activation_checkpointing,
         device_optimizer=device_optimizer,
+        host_precision=precision,
+        host_precision_reason=precision_reason,
     )
     if owners is not None:
         single_host = len(local) == dist.get_world_size()

@@ -32,6 +32,7 @@ _TRAIN_OPTIONS = (
     "clip_grad",
     "precision",
     "checkpointing",
+    "host_precision",
     "seed",
     "device",
     "gpu_memory",
@@ -119,6 +120,16 @@ def _shape_options(p: argparse.ArgumentParser) -> None:
         choices=["auto", "on", "off"],
         default=None,
         help="activation checkpointing (default auto: on when activations would not fit the budget)",
+    )
+    p.add_argument(
+        "--host-precision",
+        choices=["fp32", "bf16", "lean", "kahan", "auto"],
+        default=None,
+        help="how master weights, AdamW states and host gradients are kept in RAM: fp32 "
+        "(default; exact, about 20 bytes per parameter), bf16 (bf16 masters with stochastic "
+        "rounding and bf16 states: 6), lean (bf16 masters, 8-bit states: 4), kahan (bf16 "
+        "masters with compensation, 8-bit states: 6), auto (fp32 where it fits this "
+        "machine's RAM with room to spare, else lean)",
     )
 
 
@@ -430,6 +441,7 @@ def _plan(args: argparse.Namespace) -> int:
             "global_batch",
             "seq_len",
             "checkpointing",
+            "host_precision",
         )
     }
     from ._predict import DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S, Rates

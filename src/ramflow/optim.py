@@ -21,6 +21,8 @@ from torch.optim import sgd as _sgd
 
 from ._cpu_kernels import _check_threads, fused_adamw_step_
 from ._engine import Engine
+from ._host_formats import check_optimizer_formats
+from ._lean_kernels import QBLOCK, lean_adamw_step_, quantize_blockwise
 from ._linear import attach_pending
 from ._registry import engine_of_param
 from ._units import _Unit
@@ -57,6 +59,7 @@ class HostOptimizer(torch.optim.Optimizer):
             if engine is None:
                 self._unmanaged.append(p)
             elif engine not in self._engines:
+                check_optimizer_formats(engine.host.precision, self)
                 self._engines.append(engine)
                 engine.attach(self)
 
@@ -126,18 +129,34 @@ class HostOptimizer(torch.optim.Optimizer):
         fn(fused=False, foreach=False, **kwargs)
 
     def _flat_state(self, p: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """State tensors of a managed parameter: views into one flat fp32 buffer per unit
-        and name, so that a unit's optimizer states are contiguous like its masters."""
+        """State tensors of a managed parameter: views into one flat buffer per unit and
+        name, so that a unit's optimizer states are contiguous like its masters. A buffer
+        of ``unit.trainable_numel`` elements gives the parameter's shape; a per-block one
+        (the absmax of 8-bit states, one per ``QBLOCK`` elements) gives the parameter's
+        blocks, 1-D (parameters start on whole blocks, ``_units._ALIGN``)."""
         engine = engine_of_param(p)
         unit = engine.unit_of(p)
         assert unit is not None
         flats = self._unit_state.get(unit)
         if flats is None:
-            flats = {n: torch.zeros(unit.trainable_numel, dtype=torch.float32) for n in names}
-            self._unit_state[unit] = flats
+            flats = self._unit_state[unit] = {}
+        missing = tuple(n for n in names if n not in flats)
+        if missing:
+            flats.update(self._new_flats(unit, missing))
         k = next(i for i, q in enumerate(unit.owned) if q is p)
         off = unit.offsets[k]
-        return {n: flats[n][off : off + p.numel()].view(p.shape) for n in names}
+        out = {}
+        for n in names:
+            flat = flats[n]
+            if flat.numel() == unit.trainable_numel:
+                out[n] = flat[off : off + p.numel()].view(p.shape)
+            else:
+                out[n] = flat[off // QBLOCK : off // QBLOCK + -(-p.numel() // QBLOCK)]
+        return out
+
+    def _new_flats(self, unit: _Unit, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """New flat state buffers of ``unit`` (zeros, fp32, trainable prefix) per name."""
+        return {n: torch.zeros(unit.trainable_numel, dtype=torch.float32) for n in names}
 
     def _state_buffers(self, p: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         if engine_of_param(p) is not None:
@@ -196,17 +215,34 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``; managed states are copied into the
-        flat per-unit buffers so they stay contiguous."""
+        flat per-unit buffers so they stay contiguous, from the tensors given (PyTorch's
+        load casts floating-point states to their parameter's dtype, which would round
+        fp32 states of bf16 master weights)."""
         for engine in self._engines:
             engine.synchronize()
+        saved_ids = [i for g in state_dict.get("param_groups", ()) for i in g["params"]]
+        current = [p for g in self.param_groups for p in g["params"]]
+        given = {
+            p: state_dict["state"][i]
+            for i, p in zip(saved_ids, current)
+            if i in state_dict.get("state", {})
+        }
         super().load_state_dict(state_dict)
         for p, st in self.state.items():
             if engine_of_param(p) is None:
                 continue
+            raw = given.get(p, st)
             names = tuple(k for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor))
             views = self._flat_state(p, names)
             for n, view in views.items():
-                view.copy_(st[n])
+                if tuple(raw[n].shape) != tuple(view.shape) or raw[n].dtype != view.dtype:
+                    raise ValueError(
+                        f"optimizer state {n!r} of a parameter of shape {tuple(p.shape)} is "
+                        f"{raw[n].dtype} {tuple(raw[n].shape)}, but this model's host format "
+                        f"keeps it as {view.dtype} {tuple(view.shape)}: load a state saved "
+                        "with the same host_precision (ramflow.offload(..., host_precision=...))"
+                    )
+                view.copy_(raw[n])
                 st[n] = view
         for engine in self._engines:
             engine.drop_device_states()  # the next device step uploads the loaded states
@@ -298,6 +334,24 @@ class AdamW(HostOptimizer):
         def cut(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
             return None if t is None else t[lo:hi]
 
+        if not _exact(unit):
+            # the kernel reads one gradient: the accumulated one. Through ``.data``, as the
+            # native fp32 kernel writes them, so the gradients' version counters (the loop
+            # pattern check) see no change by the user.
+            if accumulate is not None:
+                accumulate.data.add_(grad)
+                grad = accumulate
+            elif grad_out is not None:
+                grad_out.data.copy_(grad)
+            for lo, hi in pieces or [(0, unit.trainable_numel)]:
+                self._lean_step(
+                    unit, flats, lo, hi, grad[lo:hi], group, step, cut(wire_out, lo, hi)
+                )
+                if after_piece is not None:
+                    after_piece(lo, hi)
+            for p in params:
+                self.state[p]["step"].add_(1)
+            return
         for lo, hi in pieces or [(0, unit.trainable_numel)]:
             fused_adamw_step_(
                 unit.master[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi],
@@ -312,13 +366,65 @@ class AdamW(HostOptimizer):
             self.state[p]["step"].add_(1)
 
     def _unit_states(self, unit: _Unit) -> dict[str, torch.Tensor]:
-        """The flat host ``exp_avg`` and ``exp_avg_sq`` of ``unit`` (trainable prefix, fp32),
-        with every parameter's state made first if it has none yet."""
+        """The flat host states of ``unit`` (trainable prefix, in its host format; see
+        ``_state_names``), with every parameter's state made first if it has none yet."""
+        names = _state_names(unit)
         for p in unit.owned[: unit.num_trainable]:
             if not self.state[p]:
                 self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
-                self.state[p].update(self._flat_state(p, ("exp_avg", "exp_avg_sq")))
+                self.state[p].update(self._flat_state(p, names))
         return self._unit_state[unit]
+
+    def _new_flats(self, unit: _Unit, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """New flat states of ``unit`` in its host format: fp32 or bf16 zeros; 8-bit codes
+        of zero with a zero absmax per block; a zero Kahan compensation (bf16)."""
+        states = unit.precision.optimizer_states if unit.precision is not None else "fp32"
+        n = unit.trainable_numel
+        out = {}
+        for name in names:
+            if name == "master_compensation":
+                out[name] = torch.zeros(n, dtype=torch.bfloat16)
+            elif name.endswith("_absmax"):
+                out[name] = torch.zeros(-(-n // QBLOCK), dtype=torch.float32)
+            elif states == "int8":
+                codes, _ = quantize_blockwise(torch.zeros(n), signed=name == "exp_avg")
+                out[name] = codes
+            else:
+                dtype = torch.bfloat16 if states == "bf16" else torch.float32
+                out[name] = torch.zeros(n, dtype=dtype)
+        return out
+
+    def _lean_step(
+        self,
+        unit: _Unit,
+        flats: dict[str, torch.Tensor],
+        lo: int,
+        hi: int,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        step: int,
+        wire_out: torch.Tensor | None,
+    ) -> None:
+        """One AdamW step of elements ``lo:hi`` of ``unit``'s trainable prefix in its host
+        format (``_lean_kernels.lean_adamw_step_``); ``lo`` is a multiple of ``QBLOCK``, so
+        the rounding and the 8-bit blocks are those of the whole unit."""
+        beta1, beta2 = group["betas"]
+        b_lo, b_hi = lo // QBLOCK, -(-hi // QBLOCK)
+
+        def blocks(name: str) -> torch.Tensor | None:
+            return flats[name][b_lo:b_hi] if name in flats else None
+
+        comp = flats.get("master_compensation")
+        lean_adamw_step_(
+            unit.master[lo:hi], grad, flats["exp_avg"][lo:hi], flats["exp_avg_sq"][lo:hi],
+            step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+            eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+            compensation=None if comp is None else comp[lo:hi],
+            exp_avg_absmax=blocks("exp_avg_absmax"),
+            exp_avg_sq_absmax=blocks("exp_avg_sq_absmax"),
+            wire_out=wire_out, seed=unit.rounding_seed, counter_offset=lo,
+            num_threads=self.threads,
+        )  # fmt: skip
 
     def device_state(self, unit: _Unit, device: torch.device) -> dict[str, torch.Tensor]:
         """Device copies of ``unit``'s fp32 master weights and AdamW states (the unit's
@@ -375,6 +481,14 @@ class AdamW(HostOptimizer):
     def _update(
         self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]
     ) -> None:
+        lean = [(p, g) for p, g in zip(params, grads) if _lean_param(p)]
+        if lean:  # parameters of units kept in a lean host format: one at a time
+            for p, g in lean:
+                self._lean_param_step(p, g, group)
+            keep = [(p, g) for p, g in zip(params, grads) if not _lean_param(p)]
+            params, grads = [p for p, _ in keep], [g for _, g in keep]
+            if not params:
+                return
         exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in params:
             st = self.state[p]
@@ -402,6 +516,52 @@ class AdamW(HostOptimizer):
             eps=group["eps"],
             maximize=False,
         )
+
+    def _lean_param_step(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        """Step one managed parameter of a unit in a lean host format: its range of the
+        unit's flat buffers (it starts on a whole block, ``_units._ALIGN``), so the bits are
+        those of a flat step of the unit. The wire copy follows in the unit's refresh."""
+        unit = engine_of_param(p).unit_of(p)
+        assert unit is not None
+        st = self.state[p]
+        if not st:
+            st["step"] = torch.zeros((), dtype=torch.float32)
+            st.update(self._flat_state(p, _state_names(unit)))
+        flats = self._unit_state[unit]
+        k = next(i for i, q in enumerate(unit.owned) if q is p)
+        lo = unit.offsets[k]
+        g = grad.detach().reshape(-1)
+        if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            g = g.float()
+        self._lean_step(
+            unit, flats, lo, lo + p.numel(), g.contiguous(), group, int(st["step"]) + 1, None
+        )
+        st["step"].add_(1)
+
+
+def _exact(unit: _Unit) -> bool:
+    """Whether ``unit`` keeps fp32 masters and fp32 states (PyTorch's exact AdamW)."""
+    return unit.precision is None or unit.precision.is_exact
+
+
+def _lean_param(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a managed parameter kept in a lean host format."""
+    engine = engine_of_param(p)
+    if engine is None:
+        return False
+    unit = engine.unit_of(p)
+    return unit is not None and not _exact(unit)
+
+
+def _state_names(unit: _Unit) -> tuple[str, ...]:
+    """Names of AdamW's per-parameter state tensors in ``unit``'s host format."""
+    names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    pr = unit.precision
+    if pr is not None and pr.optimizer_states == "int8":
+        names += ("exp_avg_absmax", "exp_avg_sq_absmax")
+    if pr is not None and pr.master == "bf16-kahan":
+        names += ("master_compensation",)
+    return names
 
 
 class SGD(HostOptimizer):

@@ -24,6 +24,8 @@ import psutil
 import torch
 from torch import nn
 
+from .._host_formats import HostPrecision
+from .._host_store import RING_BUFFERS, choose_precision, optimizer_state_bytes
 from .._plan import OffloadPlan, format_bytes, make_plan, parse_bytes
 from .._predict import TRAIN_MATMUL_EFFICIENCY, Rates, StepPrediction
 from .._units import _Unit, find_units, plan_inputs
@@ -141,6 +143,10 @@ class MemoryEstimate:
         matmul_flops_per_s: the GPU bf16 matmul rate assumed, FLOP/s.
         device_note: why this device was planned, where the user named none (printed
             under the device line), or None.
+        host_precision: the host formats' name (``ramflow.HostPrecision``).
+        host_precision_reason: why ``"auto"`` chose them (None when not asked for).
+        host_bytes_per_parameter: host bytes per trained parameter under them (AdamW's
+            states included).
     """
 
     model_name: str
@@ -171,6 +177,9 @@ class MemoryEstimate:
     timing_rates: Rates | None = None
     matmul_flops_per_s: float | None = None
     device_note: str | None = None
+    host_precision: str = "fp32"
+    host_precision_reason: str | None = None
+    host_bytes_per_parameter: float | None = None
 
     @property
     def device_total_bytes(self) -> int:
@@ -279,6 +288,13 @@ class MemoryEstimate:
             self.table(),
             "",
             "ramflow plan: " + self.plan.describe().replace("\n", "\n  "),
+            f"host formats: {self.host_precision}"
+            + (
+                f", {self.host_bytes_per_parameter:.2f} bytes per trained parameter"
+                if self.host_bytes_per_parameter is not None
+                else ""
+            )
+            + (f" (auto: {self.host_precision_reason})" if self.host_precision_reason else ""),
             "",
             f"activations: {format_bytes(act.saved_bytes(checkpointing=self.checkpointing))} saved for "
             f"backward + {format_bytes(act.peak_bytes(checkpointing=self.checkpointing) - act.saved_bytes(checkpointing=self.checkpointing))} "
@@ -386,6 +402,7 @@ def estimate_memory(
     precision: str | None = None,
     model_name: str | None = None,
     out_dir: str | os.PathLike | None = None,
+    host_precision: HostPrecision | str | None = None,
 ) -> MemoryEstimate:
     """Estimate a training run's memory, per device and host, without running it.
 
@@ -416,6 +433,9 @@ def estimate_memory(
         precision: for the report (default: the wire dtype's name).
         model_name: for the report (default: the model's class name).
         out_dir: where checkpoints go, to report its free disk space (None: not reported).
+        host_precision: the host formats (as ``ramflow.offload``'s ``host_precision``,
+            ``"auto"`` included: decided on this machine's available RAM); None: fp32. With
+            formats other than fp32 the optimizer is taken to be AdamW.
 
     Returns:
         A ``MemoryEstimate``; ``describe()`` prints it.
@@ -484,9 +504,26 @@ def estimate_memory(
     numel = sum(u.numel for u in units)
     trainable = sum(u.trainable_numel for u in units)
     cuda = device_type == "cuda"
-    master = numel * 4
-    wire = numel * wire_size if wire_dtype != torch.float32 else 0
-    master_pinned = cuda and wire_dtype == torch.float32
+    reason = None
+    if isinstance(host_precision, str) and host_precision == "auto":
+        host, reason = choose_precision(units, wire_dtype, psutil.virtual_memory().available)
+    else:
+        host = HostPrecision.parse(host_precision)
+    host.check_wire(wire_dtype)
+    master_size = host.master_dtype.itemsize
+    master = numel * master_size
+    # a bf16 master is the wire copy; an fp32 one has a wire copy beside it
+    wire = numel * wire_size if wire_dtype != torch.float32 and host.master == "fp32" else 0
+    master_pinned = cuda and (wire_dtype == torch.float32 or host.master != "fp32")
+    if host.gradients == "ring":
+        staging = RING_BUFFERS * max((u.trainable_numel for u in units), default=0) * wire_size
+        full_grad = 0
+    else:
+        staging, full_grad = trainable * wire_size, trainable * master_size
+    if host.is_exact:
+        state_bytes = optimizer_states * trainable * 4
+    else:
+        state_bytes = optimizer_state_bytes(units, host)
     distinct = {id(p): p for p in model.parameters()}.values()
     num_parameters = sum(p.numel() for p in distinct)
     num_trainable = sum(p.numel() for p in distinct if p.requires_grad)
@@ -515,10 +552,17 @@ def estimate_memory(
         device_activation_bytes=act_bytes,
         host_parameter_pinned_bytes=(master if master_pinned else 0) + (wire if cuda else 0),
         host_parameter_pageable_bytes=(0 if master_pinned else master) + (0 if cuda else wire),
-        host_gradient_pinned_bytes=trainable * wire_size if cuda else 0,
-        host_gradient_pageable_bytes=trainable * 4 + (0 if cuda else trainable * wire_size),
-        host_optimizer_bytes=optimizer_states * trainable * 4,
-        checkpoint_bytes=num_parameters * 4 + optimizer_states * num_trainable * 4,
+        host_gradient_pinned_bytes=staging if cuda else 0,
+        host_gradient_pageable_bytes=full_grad + (0 if cuda else staging),
+        host_optimizer_bytes=state_bytes,
+        checkpoint_bytes=num_parameters * master_size
+        + (optimizer_states * num_trainable * 4 if host.is_exact else state_bytes),
         ram_available_bytes=psutil.virtual_memory().available,
         disk_free_bytes=disk_free,
+        host_precision=host.name,
+        host_precision_reason=reason,
+        # AdamW's (two states): the figure is for it
+        host_bytes_per_parameter=None
+        if host.is_exact and optimizer_states != 2
+        else host.bytes_per_parameter(trainable=True, wire_dtype=wire_dtype),
     )

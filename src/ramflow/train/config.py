@@ -17,6 +17,8 @@ from .presets import get_preset
 
 # Settings a resumed run may change: they decide how long it runs, where, and how it uses
 # memory, not what a step computes.
+HOST_PRECISIONS = ("fp32", "bf16", "lean", "kahan", "auto")
+
 RESUMABLE_CHANGES = frozenset(
     {
         "steps",
@@ -68,6 +70,10 @@ class TrainConfig:
             GradScaler) or ``fp32``.
         checkpointing: activation checkpointing ``on``, ``off`` or ``auto`` (on when the
             activations would not fit in the device budget beside ramflow's smallest plan).
+        host_precision: the host formats (``ramflow.offload``'s ``host_precision``):
+            ``fp32``, ``bf16``, ``lean``, ``kahan`` or ``auto``. Formats other than fp32
+            need a bf16 wire: on the CPU the weights are then kept and computed in bf16.
+            A resumed run keeps its format.
         seed: seeds the model's initialisation and the data order.
         device: ``cuda``, ``cuda:N`` or ``cpu``; None: CUDA when available.
         gpu_memory: the device budget for the whole run (weights, gradients, activations),
@@ -99,6 +105,7 @@ class TrainConfig:
     clip_grad: float = 1.0
     precision: str = "auto"
     checkpointing: str = "auto"
+    host_precision: str = "fp32"
     seed: int = 0
     device: str | None = None
     gpu_memory: str | None = None
@@ -142,6 +149,11 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(
                 f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}"
+            )
+        if self.host_precision not in HOST_PRECISIONS:
+            raise ValueError(
+                f"--host-precision {self.host_precision!r}: choose one of "
+                f"{', '.join(HOST_PRECISIONS)}"
             )
         if self.checkpointing not in CHECKPOINTING_MODES:
             raise ValueError(

@@ -179,6 +179,7 @@ def estimate_memory(
     predict: bool = False,
     timing_rates: Rates | None = None,
     matmul_flops_per_s: float | None = None,
+    host_precision: str = "fp32",
 ) -> MemoryEstimate:
     """Estimate a language model's training memory without allocating the model.
 
@@ -204,6 +205,7 @@ def estimate_memory(
         timing_rates: copy and CPU optimizer rates for the prediction (default: the H200
             box's, ``ramflow._predict``).
         matmul_flops_per_s: the GPU's bf16 matmul rate, FLOP/s (default: the H200's).
+        host_precision: the host formats (``ramflow.offload``'s ``host_precision``).
 
     Raises:
         ValueError: ``checkpointing`` unknown; non-positive sizes; the budget is too small
@@ -233,6 +235,7 @@ def estimate_memory(
         precision=precision,
         model_name=model_name,
         out_dir=out_dir,
+        host_precision=host_precision,
     )
     if not (predict and device_type == "cuda"):
         return estimate

@@ -101,6 +101,7 @@ def _estimate(
             gpu_memory_bytes=budget,
             checkpointing=checkpointing,
             out_dir=out_dir if out_dir is not None else Path("runs"),
+            host_precision=config.host_precision,
             **extra,
         )
 
@@ -114,6 +115,14 @@ def _estimate(
         checkpointing=levels,
     )
     return at(fit.micro_batch, "on" if fit.checkpointing else "off", **predict), fit
+
+
+def host_wire(config: TrainConfig, device_type: str, wire: torch.dtype) -> torch.dtype:
+    """The wire dtype of a run: bf16 on the CPU when ``--host-precision`` keeps bf16 master
+    weights (they are the wire copy; a CUDA run's wire is bf16 already, an fp16 one is
+    refused by the estimate with what works)."""
+    lean = config.host_precision in ("bf16", "lean", "kahan")
+    return torch.bfloat16 if lean and device_type == "cpu" else wire
 
 
 def plan_run(
@@ -158,6 +167,7 @@ def plan_run(
     device_type, precision, compute, wire = planned_compute(
         device=device, precision=config.precision
     )
+    wire = host_wire(config, device_type, wire)
     _, mconfig = _tokenizer_and_config(config, None)
     if config.gpu_memory is not None:
         budget = parse_bytes(config.gpu_memory, what="--gpu-memory")
@@ -226,6 +236,9 @@ def prepare_run(
         ValueError, FileNotFoundError, CheckpointError, MemoryError, OSError: see ``train``.
     """
     policy = resolve_compute(device=config.device, precision=config.precision)
+    policy = dataclasses.replace(
+        policy, wire_dtype=host_wire(config, policy.device.type, policy.wire_dtype)
+    )
     tokenizer, mconfig = _tokenizer_and_config(config, checkpoint)
     weights_dir = checkpoint.path if checkpoint is not None else config.model
     if weights_dir is not None:

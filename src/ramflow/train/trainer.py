@@ -359,7 +359,9 @@ def _train(
     say(
         f"memory: device {format_bytes(est.device_total_bytes)} planned, host "
         f"{format_bytes(est.host_pinned_bytes + est.host_pageable_bytes)} "
-        f"({format_bytes(est.host_pinned_bytes)} pinned) | run folder {run_dir}"
+        f"({format_bytes(est.host_pinned_bytes)} pinned, host formats {est.host_precision}"
+        + (f": {est.host_precision_reason}" if est.host_precision_reason else "")
+        + f") | run folder {run_dir}"
     )
 
     # ---- model, offload, optimizer, schedule
@@ -376,6 +378,7 @@ def _train(
         device=policy.device,
         wire_dtype=policy.wire_dtype,
         activation_checkpointing=est.checkpointing,
+        host_precision=est.host_precision,  # "auto" was decided by the estimate
     )
     try:
         plan = ramflow.get_plan(model)
