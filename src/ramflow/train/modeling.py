@@ -12,20 +12,23 @@ model: ``ramflow.offload`` then moves the weights into the host store and stream
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
+from .._loading import (
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    checkpoint_key_mapper,
+    file_in,
+    open_safetensors,
+    weight_files,
+)
 from .presets import get_preset
 from .tokenizer import Tokenizer
-
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_config(directory: str | os.PathLike):
@@ -97,74 +100,6 @@ def build_model(config, *, seed: int) -> nn.Module:
     return model
 
 
-def file_in(directory: Path, name: Any, *, listed_in: Path) -> Path:
-    """``directory / name`` for a file name read from ``listed_in`` (an index or manifest),
-    refused unless it is a plain name inside ``directory``: no folder part, no ``..``, not
-    absolute, so that a crafted index cannot make a loader read files elsewhere.
-
-    Raises:
-        ValueError: ``name`` is not a plain file name.
-    """
-    if (
-        not isinstance(name, str)
-        or name in ("", ".", "..")
-        or Path(name).name != name
-        or "\\" in name
-        or "\0" in name
-    ):
-        raise ValueError(
-            f"{listed_in} lists {name!r}, which is not a file name inside {directory}; "
-            "the folder is damaged or was not written by a trusted tool"
-        )
-    return directory / name
-
-
-def weight_files(directory: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a checkpoint folder: those of the index if there is one,
-    else ``model.safetensors``, else every ``*.safetensors`` file.
-
-    Raises:
-        FileNotFoundError: the folder holds no safetensors weights (``.bin`` pickles are
-            refused: loading them could run arbitrary code).
-        ValueError: the index is not valid JSON.
-    """
-    d = Path(directory)
-    index = d / WEIGHTS_INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"{index} is not a valid safetensors index: {err}") from err
-        files = [file_in(d, name, listed_in=index) for name in names]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"{d}: the index lists weight files that are missing: {', '.join(missing)}"
-            )
-        return files
-    if (d / WEIGHTS_FILE).is_file():
-        return [d / WEIGHTS_FILE]
-    files = sorted(p for p in d.glob("*.safetensors") if not p.name.startswith("optimizer"))
-    if files:
-        return files
-    extra = (
-        " (only pickled .bin weights, which ramflow does not load)" if any(d.glob("*.bin")) else ""
-    )
-    raise FileNotFoundError(f"{d} holds no safetensors weights{extra}")
-
-
-def _open_safetensors(path: Path):
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        return safe_open(str(path), framework="pt", device="cpu")
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(
-            f"{path} is not a readable safetensors file (truncated or corrupt?): {err}"
-        ) from err
-
-
 def _expected_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Shapes of the persistent state of ``model``, and the names that may be absent
     because they share storage with another entry (a tied head)."""
@@ -180,31 +115,6 @@ def _expected_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], set
     return expected, optional
 
 
-def _checkpoint_key_mapper(model: nn.Module):
-    """``key -> (model key, converted)`` for the tensor names of a checkpoint of ``model``:
-    ``transformers`` renames some architectures' names on loading (GPT-NeoX's ``embed_out``
-    is ``lm_head``); ``converted`` is True where several checkpoint tensors make one of the
-    model's (stacked experts), whose shape the headers alone cannot check."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, rename_source_key
-    except ImportError:  # transformers without weight conversion: names are the model's
-        return lambda key: (key, False)
-    transforms = get_model_conversion_mapping(model)
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-    meta_state = model.state_dict()
-    prefix = getattr(model, "base_model_prefix", None)
-
-    def mapper(key: str) -> tuple[str, bool]:
-        name, pattern = rename_source_key(
-            key, renamings, converters, base_model_prefix=prefix, meta_state_dict=meta_state
-        )
-        return name, pattern is not None
-
-    return mapper
-
-
 def check_weights(directory: str | os.PathLike, config) -> None:
     """Check, from the safetensors headers only, that ``directory`` holds every tensor of
     the model of ``config`` with the right shape.
@@ -216,10 +126,10 @@ def check_weights(directory: str | os.PathLike, config) -> None:
     """
     model = meta_model(config)
     expected, optional = _expected_tensors(model)
-    to_model_key = _checkpoint_key_mapper(model)
+    to_model_key = checkpoint_key_mapper(model)
     found: dict[str, tuple[int, ...] | None] = {}  # None: converted, shape not checked here
     for path in weight_files(directory):
-        with _open_safetensors(path) as f:
+        with open_safetensors(path) as f:
             for key in f.keys():
                 name, converted = to_model_key(key)
                 found[name] = None if converted else tuple(f.get_slice(key).get_shape())
