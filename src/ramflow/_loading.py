@@ -315,11 +315,6 @@ class MetaLoader:
         the CPU with its value: read from the checkpoint (or written by the weights
         function) if persistent, else recomputed by the ``transformers`` model's
         ``_init_weights`` (see the Note)."""
-        for p in {id(p): p for p in self._model.parameters()}.values():
-            stand_in = torch.empty_strided(p.shape, (0,) * p.dim(), dtype=p.dtype)
-            holder = nn.Parameter(stand_in, requires_grad=p.requires_grad)
-            torch.utils.swap_tensors(p, holder)
-            self._swapped.append((p, holder))  # holder now holds the meta tensor
         for module, name, buf in self._meta_buffers:
             module._buffers[name] = torch.empty_like(buf, device="cpu")
         with torch.no_grad():
@@ -330,6 +325,12 @@ class MetaLoader:
             for name in self._persistent:
                 if self._function is not None or name in self._where:
                     self._write(name, self._model.get_buffer(name))
+        # after the buffers: ``_init_weights`` may write the parameters it meets (on meta, a no-op)
+        for p in {id(p): p for p in self._model.parameters()}.values():
+            stand_in = torch.empty_strided(p.shape, (0,) * p.dim(), dtype=p.dtype)
+            holder = nn.Parameter(stand_in, requires_grad=p.requires_grad)
+            torch.utils.swap_tensors(p, holder)
+            self._swapped.append((p, holder))  # holder now holds the meta tensor
 
     def fill(self, params: list[nn.Parameter], views: list[torch.Tensor]) -> None:
         """``HostStore.build``'s hook: write ``params``' values into ``views`` (fp32 CPU

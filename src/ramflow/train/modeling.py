@@ -15,9 +15,12 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+
+import ramflow
 
 from .._loading import (
     WEIGHTS_FILE,
@@ -209,6 +212,52 @@ def load_model(directory: str | os.PathLike, *, config=None) -> nn.Module:
     return model
 
 
+def _needs_conversion(directory: str | os.PathLike, model: nn.Module) -> bool:
+    """Whether some tensors of ``directory`` become ``model``'s only through
+    ``transformers``' weight conversion (several checkpoint tensors make one)."""
+    to_model_key = checkpoint_key_mapper(model)
+    for path in weight_files(directory):
+        with open_safetensors(path) as f:
+            if any(to_model_key(key)[1] for key in f.keys()):
+                return True
+    return False
+
+
+def load_offloaded(
+    directory: str | os.PathLike, *, config=None, **offload_options: Any
+) -> nn.Module:
+    """Read a checkpoint folder straight into ``ramflow.offload``'s host store, unit by unit.
+
+    The model is built on the meta device and offloaded with ``weights=directory`` (see
+    [Note: loading without a full-precision peak] in ``ramflow._loading``): the host never
+    holds a full fp32 model beside the store. A checkpoint that only ``transformers``'
+    weight conversion turns into the model's tensors (stacked experts) is loaded by
+    ``load_model`` first instead.
+
+    Args:
+        directory: a folder with ``config.json`` and safetensors weights.
+        config: the config to build (default: the folder's own).
+        offload_options: keyword arguments of ``ramflow.offload`` (not ``weights``).
+
+    Returns:
+        The offloaded model, fp32 master weights, in train mode.
+
+    Raises:
+        FileNotFoundError, ValueError: see ``read_config`` and ``check_weights``;
+            MemoryError, ValueError: see ``ramflow.offload``.
+    """
+    config = read_config(directory) if config is None else config
+    check_weights(directory, config)
+    model = meta_model(config)
+    if _needs_conversion(directory, model):
+        model = load_model(directory, config=config)
+        ramflow.offload(model, **offload_options)
+    else:
+        ramflow.offload(model, weights=directory, **offload_options)
+    model.train()
+    return model
+
+
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters' elements (a tied weight counts once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -222,6 +271,7 @@ __all__ = [
     "count_parameters",
     "file_in",
     "load_model",
+    "load_offloaded",
     "meta_model",
     "model_config",
     "read_config",
