@@ -4,10 +4,11 @@ Models are ``transformers`` ``AutoModelForCausalLM`` instances in fp32 on the CP
 architecture that ``transformers`` knows: a preset is built from its config with a seeded
 random initialisation; a checkpoint folder (config plus safetensors, what
 ``save_pretrained`` or ``ramflow train`` writes) is first checked against the config from
-the file headers alone, then read by ``transformers``' own ``from_pretrained`` (model
-built on the meta device, weights streamed from the safetensors files, the checkpoint's
-names converted as for that architecture, tied weights tied). The GPU never sees the whole
-model: ``ramflow.offload`` then moves the weights into the host store and streams them.
+the file headers alone. ``load_offloaded`` (the CLI's way) builds the model on the meta
+device and reads the files into ``ramflow.offload``'s host store unit by unit, so no full
+fp32 model exists first; ``load_model`` reads them by ``transformers``' own
+``from_pretrained`` into a resident model (for ``ramflow profile`` and references). Both
+convert the checkpoint's names as for that architecture and tie tied weights.
 """
 
 from __future__ import annotations
