@@ -198,7 +198,7 @@ class MetaLoader:
             for name, buf in module._buffers.items()
             if buf is not None and buf.is_meta
         ]
-        self._persistent = list(self._persistent_meta_buffers())
+        self._persistent = self._persistent_meta_buffers()  # first name -> meta buffer
         self._swapped: list[tuple[nn.Parameter, nn.Parameter]] = []
         self._open: tuple[Path, Any, ExitStack] | None = None
         if callable(weights):
@@ -243,11 +243,10 @@ class MetaLoader:
             if not found:
                 problems.append(f"{names[0]}: missing")
                 continue
-            shape, want = shapes[found[0]], tuple(self._parameter(names[0]).shape)
+            shape, want = shapes[found[0]], tuple(self._model.get_parameter(names[0]).shape)
             if shape != want:
                 problems.append(f"{found[0]}: file {shape}, model {want}")
-        persistent = self._persistent_meta_buffers()
-        for name, buf in persistent.items():
+        for name, buf in self._persistent.items():
             if name in self._where:
                 if shapes[name] != tuple(buf.shape):
                     problems.append(f"{name}: file {shapes[name]}, model {tuple(buf.shape)}")
@@ -270,9 +269,6 @@ class MetaLoader:
                 stacklevel=4,
             )
 
-    def _parameter(self, name: str) -> torch.Tensor:
-        return self._model.get_parameter(name)
-
     def _persistent_meta_buffers(self) -> dict[str, torch.Tensor]:
         """The meta buffers that are part of the state dict, by their first name."""
         state = self._model.state_dict(keep_vars=True)
@@ -288,7 +284,7 @@ class MetaLoader:
     def _check_buffers(self) -> None:
         if self._hf:
             return
-        persistent = {id(b) for b in self._persistent_meta_buffers().values()}
+        persistent = {id(b) for b in self._persistent.values()}
         lost = [
             f"{type(module).__name__}.{name}"
             for module, name, buf in self._meta_buffers
