@@ -22,7 +22,7 @@ from torch import nn
 from ._gradients import GradientPath
 from ._hooks import ModuleCall
 from ._host_formats import HostPrecision
-from ._host_store import HostStore, optimizer_state_bytes
+from ._host_store import FillMaster, HostStore, optimizer_state_bytes
 from ._interfaces import DataParallel, StepOptimizer
 from ._plain_optim import install_optimizer_hooks
 from ._plan import OffloadPlan, make_plan, with_device_optimizer
@@ -83,6 +83,7 @@ class Engine:
         device_optimizer: bool = False,
         host_precision: HostPrecision | None = None,
         host_precision_reason: str | None = None,
+        fill: FillMaster | None = None,
     ) -> None:
         # model None: a layer engine (see ``ramflow._linear``): no root module, units are
         # added one by one with ``add_units``, worker and streams are shared per device.
@@ -143,7 +144,7 @@ class Engine:
             self, _release_engine, self.worker if self._owns_worker else None,
             self.host.pinned_in_place,
         )  # fmt: skip
-        self.add_units(specs)
+        self.add_units(specs, fill=fill)
         if model is not None:
             for module in model.modules():
                 for name, buf in module._buffers.items():
@@ -172,11 +173,12 @@ class Engine:
     def dist(self, state: DataParallel | None) -> None:
         self.stepper.dist = state
 
-    def add_units(self, specs: list[UnitSpec]) -> list[_Unit]:
+    def add_units(self, specs: list[UnitSpec], *, fill: FillMaster | None = None) -> list[_Unit]:
         """Build the host store, device views and hooks of new units and plan again.
 
         Called once by the constructor, and by ``ramflow.Linear`` for each layer that joins
-        a layer engine. Raises MemoryError (host RAM) or ValueError (GPU budget)."""
+        a layer engine. ``fill``: see ``HostStore.build``. Raises MemoryError (host RAM) or
+        ValueError (GPU budget)."""
         new = [_Unit(len(self.units) + i, s) for i, s in enumerate(specs)]
         self.host.check_memory(new)
         all_units = self.units + new
@@ -211,7 +213,7 @@ class Engine:
                 self._unit_of_param[id(p)] = u
             self.stepper.note_position(u, u.index)
         self.units.extend(new)
-        self.host.build(new)
+        self.host.build(new, fill=fill)
         self.window.build(new, specs, self._unit_of_param)
         self.gradients.install_hooks(new)
         self.window.set_capacity(plan.window_bytes)

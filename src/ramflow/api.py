@@ -19,6 +19,7 @@ from ._dist import (
 from ._engine import Engine
 from ._host_formats import HostPrecision
 from ._host_store import choose_precision
+from ._loading import MetaLoader, Weights
 from ._plan import OffloadPlan, parse_bytes
 from ._registry import engine_of_model, engine_of_param
 from ._units import _Unit, find_units
@@ -36,6 +37,7 @@ def offload(
     zero_stage: int | None = None,
     device_optimizer: bool = False,
     host_precision: HostPrecision | str | None = None,
+    weights: Weights | None = None,
 ) -> nn.Module:
     """Keep ``model``'s weights in CPU RAM and stream them through the device per unit.
 
@@ -96,11 +98,31 @@ def offload(
             the host parameters are bf16 views (so are their ``.grad``). Lean masters or
             states step with ``ramflow.optim.AdamW`` only. See docs/design.md, "Host
             formats".
+        weights: the values of a model built on the meta device (``with
+            torch.device("meta"): model = ...``; shapes only, no memory): a ``.safetensors``
+            file, a folder (its ``model.safetensors.index.json``, else
+            ``model.safetensors``, else its ``*.safetensors`` files), or an index file; or
+            a function ``weights(name, out)`` that writes the parameter ``name`` (as in
+            ``model.named_parameters()``; persistent meta buffers too) into ``out`` (a CPU
+            tensor of its shape), e.g. a random init for a benchmark. Each unit's tensors
+            are read (one tensor at a time, one file open at a time) and cast into its
+            master as the host store builds it, so loading peaks at about the store plus
+            one unit plus one file, never a full-precision copy of the model (see [Note:
+            loading without a full-precision peak] in ``ramflow._loading``). A tied
+            parameter is read under whichever of its names the files hold; a
+            ``transformers`` model's checkpoint names are converted as its
+            ``from_pretrained`` does, and its non-persistent buffers (rotary ``inv_freq``)
+            are recomputed by its ``_init_weights``. Files are checked from their headers
+            before anything is allocated; on any error the model stays on the meta device.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``wire_dtype`` is not floating point.
-        ValueError: no parameters; parameters on the meta device; already offloaded;
-            ``gpu_memory`` too small (the message gives the smallest budget that works).
+        ValueError: no parameters; parameters on the meta device without ``weights``, or
+            ``weights`` for parameters that hold data already; tensors missing from
+            ``weights`` or of another shape (the first few are named); ``weights`` with
+            ``zero_stage``; already offloaded; ``gpu_memory`` too small (the message gives
+            the smallest budget that works).
+        FileNotFoundError: ``weights`` names no safetensors weights.
         MemoryError: the host lacks the RAM or pinned memory for the host store.
         RuntimeError: ``zero_stage`` without an initialized process group.
         ValueError: ``device_optimizer`` with ``zero_stage``; ``host_precision`` not a
@@ -120,10 +142,28 @@ def offload(
             f"{type(model).__name__} has no parameters: there is nothing to offload. "
             "Run it as it is."
         )
-    if any(p.is_meta for p in params):
+    num_meta = sum(p.is_meta for p in params)
+    if num_meta and weights is None:
         raise ValueError(
-            "the model has parameters on the meta device (no data); load its weights first, "
-            "e.g. model.to_empty(device='cpu') and model.load_state_dict(...)"
+            "the model has parameters on the meta device (no data): give their values with "
+            "weights= (a safetensors file, folder or index, or a function weights(name, out)), "
+            "or load them first (model.to_empty(device='cpu'), model.load_state_dict(...))"
+        )
+    if weights is not None and num_meta < len(params):
+        raise ValueError(
+            "weights= loads a model built on the meta device, but "
+            + (
+                "its parameters hold data already: offload it without weights= (and load a "
+                "checkpoint with model.load_state_dict after offloading)"
+                if num_meta == 0
+                else f"only {num_meta} of its {len(params)} parameters are on the meta device: "
+                "build the whole model there (with torch.device('meta'): ...)"
+            )
+        )
+    if weights is not None and zero_stage is not None:
+        raise ValueError(
+            "weights= with zero_stage is not supported: load the model on every rank first "
+            "(model.to_empty(device='cpu'), model.load_state_dict(...)), then offload it"
         )
     wide = sorted({str(p.dtype) for p in params if p.dtype in (torch.float64, torch.complex128)})
     if wide:
@@ -188,18 +228,30 @@ def offload(
             numels=[u.numel for u in layout],
             offsets=[u.offsets for u in layout],
         )
-    engine = Engine(
-        model,
-        specs,
-        device=device,
-        wire_dtype=wire_dtype,
-        gpu_memory_bytes=budget,
-        prefetch_depth=prefetch_depth,
-        activation_checkpointing=activation_checkpointing,
-        device_optimizer=device_optimizer,
-        host_precision=precision,
-        host_precision_reason=precision_reason,
-    )
+    loader = None if weights is None else MetaLoader(model, weights)  # checks, allocates nothing
+    try:
+        if loader is not None:
+            loader.materialize()
+        engine = Engine(
+            model,
+            specs,
+            device=device,
+            wire_dtype=wire_dtype,
+            gpu_memory_bytes=budget,
+            prefetch_depth=prefetch_depth,
+            activation_checkpointing=activation_checkpointing,
+            device_optimizer=device_optimizer,
+            fill=None if loader is None else loader.fill,
+            host_precision=precision,
+            host_precision_reason=precision_reason,
+        )
+    except BaseException:
+        if loader is not None:
+            loader.restore()  # back on the meta device, as it came
+        raise
+    finally:
+        if loader is not None:
+            loader.close()
     if owners is not None:
         single_host = len(local) == dist.get_world_size()
         for u, owner in zip(engine.units, owners):

@@ -172,7 +172,9 @@ def _save_sharded(
 
 def _weights_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with tied duplicates dropped (the first name of a shared
-    tensor is kept, as ``save_pretrained`` does; loading re-ties the others)."""
+    tensor is kept, as ``save_pretrained`` does; loading re-ties the others). For an
+    offloaded model these are views of the fp32 masters: nothing is copied, and
+    ``_save_sharded`` bounds what one file holds."""
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     for name, t in model.state_dict().items():

@@ -19,11 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import ramflow
-
 from .._plan import parse_bytes
 from .checkpoint import STATE_FILE, find_checkpoint, open_checkpoint
-from .modeling import load_model, read_config
+from .modeling import load_offloaded, read_config
 from .precision import ComputePolicy, resolve_compute
 from .tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 
@@ -259,8 +257,13 @@ def load_for_generation(
             "rows; give the model's own tokenizer with --tokenizer DIR"
         )
     budget = None if gpu_memory is None else parse_bytes(gpu_memory, what="--gpu-memory")
-    model = load_model(model_dir, config=config)
-    ramflow.offload(model, gpu_memory=budget, device=policy.device, wire_dtype=policy.wire_dtype)
+    model = load_offloaded(
+        model_dir,
+        config=config,
+        gpu_memory=budget,
+        device=policy.device,
+        wire_dtype=policy.wire_dtype,
+    )
     model.eval()
     return model, tok, policy
 

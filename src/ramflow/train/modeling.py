@@ -4,15 +4,15 @@ Models are ``transformers`` ``AutoModelForCausalLM`` instances in fp32 on the CP
 architecture that ``transformers`` knows: a preset is built from its config with a seeded
 random initialisation; a checkpoint folder (config plus safetensors, what
 ``save_pretrained`` or ``ramflow train`` writes) is first checked against the config from
-the file headers alone, then read by ``transformers``' own ``from_pretrained`` (model
-built on the meta device, weights streamed from the safetensors files, the checkpoint's
-names converted as for that architecture, tied weights tied). The GPU never sees the whole
-model: ``ramflow.offload`` then moves the weights into the host store and streams them.
+the file headers alone. ``load_offloaded`` (the CLI's way) builds the model on the meta
+device and reads the files into ``ramflow.offload``'s host store unit by unit, so no full
+fp32 model exists first; ``load_model`` reads them by ``transformers``' own
+``from_pretrained`` into a resident model (for ``ramflow profile`` and references). Both
+convert the checkpoint's names as for that architecture and tie tied weights.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from pathlib import Path
@@ -21,11 +21,18 @@ from typing import Any
 import torch
 from torch import nn
 
+import ramflow
+
+from .._loading import (
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    checkpoint_key_mapper,
+    file_in,
+    open_safetensors,
+    weight_files,
+)
 from .presets import get_preset
 from .tokenizer import Tokenizer
-
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_config(directory: str | os.PathLike):
@@ -97,74 +104,6 @@ def build_model(config, *, seed: int) -> nn.Module:
     return model
 
 
-def file_in(directory: Path, name: Any, *, listed_in: Path) -> Path:
-    """``directory / name`` for a file name read from ``listed_in`` (an index or manifest),
-    refused unless it is a plain name inside ``directory``: no folder part, no ``..``, not
-    absolute, so that a crafted index cannot make a loader read files elsewhere.
-
-    Raises:
-        ValueError: ``name`` is not a plain file name.
-    """
-    if (
-        not isinstance(name, str)
-        or name in ("", ".", "..")
-        or Path(name).name != name
-        or "\\" in name
-        or "\0" in name
-    ):
-        raise ValueError(
-            f"{listed_in} lists {name!r}, which is not a file name inside {directory}; "
-            "the folder is damaged or was not written by a trusted tool"
-        )
-    return directory / name
-
-
-def weight_files(directory: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a checkpoint folder: those of the index if there is one,
-    else ``model.safetensors``, else every ``*.safetensors`` file.
-
-    Raises:
-        FileNotFoundError: the folder holds no safetensors weights (``.bin`` pickles are
-            refused: loading them could run arbitrary code).
-        ValueError: the index is not valid JSON.
-    """
-    d = Path(directory)
-    index = d / WEIGHTS_INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"{index} is not a valid safetensors index: {err}") from err
-        files = [file_in(d, name, listed_in=index) for name in names]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"{d}: the index lists weight files that are missing: {', '.join(missing)}"
-            )
-        return files
-    if (d / WEIGHTS_FILE).is_file():
-        return [d / WEIGHTS_FILE]
-    files = sorted(p for p in d.glob("*.safetensors") if not p.name.startswith("optimizer"))
-    if files:
-        return files
-    extra = (
-        " (only pickled .bin weights, which ramflow does not load)" if any(d.glob("*.bin")) else ""
-    )
-    raise FileNotFoundError(f"{d} holds no safetensors weights{extra}")
-
-
-def _open_safetensors(path: Path):
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        return safe_open(str(path), framework="pt", device="cpu")
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(
-            f"{path} is not a readable safetensors file (truncated or corrupt?): {err}"
-        ) from err
-
-
 def _expected_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Shapes of the persistent state of ``model``, and the names that may be absent
     because they share storage with another entry (a tied head)."""
@@ -180,31 +119,6 @@ def _expected_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], set
     return expected, optional
 
 
-def _checkpoint_key_mapper(model: nn.Module):
-    """``key -> (model key, converted)`` for the tensor names of a checkpoint of ``model``:
-    ``transformers`` renames some architectures' names on loading (GPT-NeoX's ``embed_out``
-    is ``lm_head``); ``converted`` is True where several checkpoint tensors make one of the
-    model's (stacked experts), whose shape the headers alone cannot check."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, rename_source_key
-    except ImportError:  # transformers without weight conversion: names are the model's
-        return lambda key: (key, False)
-    transforms = get_model_conversion_mapping(model)
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-    meta_state = model.state_dict()
-    prefix = getattr(model, "base_model_prefix", None)
-
-    def mapper(key: str) -> tuple[str, bool]:
-        name, pattern = rename_source_key(
-            key, renamings, converters, base_model_prefix=prefix, meta_state_dict=meta_state
-        )
-        return name, pattern is not None
-
-    return mapper
-
-
 def check_weights(directory: str | os.PathLike, config) -> None:
     """Check, from the safetensors headers only, that ``directory`` holds every tensor of
     the model of ``config`` with the right shape.
@@ -216,10 +130,10 @@ def check_weights(directory: str | os.PathLike, config) -> None:
     """
     model = meta_model(config)
     expected, optional = _expected_tensors(model)
-    to_model_key = _checkpoint_key_mapper(model)
+    to_model_key = checkpoint_key_mapper(model)
     found: dict[str, tuple[int, ...] | None] = {}  # None: converted, shape not checked here
     for path in weight_files(directory):
-        with _open_safetensors(path) as f:
+        with open_safetensors(path) as f:
             for key in f.keys():
                 name, converted = to_model_key(key)
                 found[name] = None if converted else tuple(f.get_slice(key).get_shape())
@@ -299,6 +213,52 @@ def load_model(directory: str | os.PathLike, *, config=None) -> nn.Module:
     return model
 
 
+def _needs_conversion(directory: str | os.PathLike, model: nn.Module) -> bool:
+    """Whether some tensors of ``directory`` become ``model``'s only through
+    ``transformers``' weight conversion (several checkpoint tensors make one)."""
+    to_model_key = checkpoint_key_mapper(model)
+    for path in weight_files(directory):
+        with open_safetensors(path) as f:
+            if any(to_model_key(key)[1] for key in f.keys()):
+                return True
+    return False
+
+
+def load_offloaded(
+    directory: str | os.PathLike, *, config=None, **offload_options: Any
+) -> nn.Module:
+    """Read a checkpoint folder straight into ``ramflow.offload``'s host store, unit by unit.
+
+    The model is built on the meta device and offloaded with ``weights=directory`` (see
+    [Note: loading without a full-precision peak] in ``ramflow._loading``): the host never
+    holds a full fp32 model beside the store. A checkpoint that only ``transformers``'
+    weight conversion turns into the model's tensors (stacked experts) is loaded by
+    ``load_model`` first instead.
+
+    Args:
+        directory: a folder with ``config.json`` and safetensors weights.
+        config: the config to build (default: the folder's own).
+        offload_options: keyword arguments of ``ramflow.offload`` (not ``weights``).
+
+    Returns:
+        The offloaded model, fp32 master weights, in train mode.
+
+    Raises:
+        FileNotFoundError, ValueError: see ``read_config`` and ``check_weights``;
+            MemoryError, ValueError: see ``ramflow.offload``.
+    """
+    config = read_config(directory) if config is None else config
+    check_weights(directory, config)
+    model = meta_model(config)
+    if _needs_conversion(directory, model):
+        model = load_model(directory, config=config)
+        ramflow.offload(model, **offload_options)
+    else:
+        ramflow.offload(model, weights=directory, **offload_options)
+    model.train()
+    return model
+
+
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters' elements (a tied weight counts once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -312,6 +272,7 @@ __all__ = [
     "count_parameters",
     "file_in",
     "load_model",
+    "load_offloaded",
     "meta_model",
     "model_config",
     "read_config",

@@ -64,7 +64,7 @@ from .flops import model_flops_utilisation, peak_flops
 from .modeling import (
     build_model,
     count_parameters,
-    load_model,
+    load_offloaded,
 )
 from .precision import ComputePolicy
 from .report import RunReport, check_loggers, format_duration, mean_tail, summary_table
@@ -365,21 +365,21 @@ def _train(
     )
 
     # ---- model, offload, optimizer, schedule
-    if ckpt is not None:
-        model = load_model(ckpt.path, config=setup.model_config)
-    elif config.model is not None:
-        model = load_model(config.model, config=setup.model_config)
-    else:
-        model = build_model(setup.model_config, seed=config.seed)
-    model.train()
-    ramflow.offload(
-        model,
+    offload_options = dict(
         gpu_memory=setup.ramflow_budget,
         device=policy.device,
         wire_dtype=policy.wire_dtype,
         activation_checkpointing=est.checkpointing,
         host_precision=est.host_precision,  # "auto" was decided by the estimate
     )
+    weights_dir = ckpt.path if ckpt is not None else config.model
+    if weights_dir is not None:
+        # meta build, read unit by unit into the host store: no full fp32 model first
+        model = load_offloaded(weights_dir, config=setup.model_config, **offload_options)
+    else:
+        model = build_model(setup.model_config, seed=config.seed)
+        model.train()
+        ramflow.offload(model, **offload_options)
     try:
         plan = ramflow.get_plan(model)
         if plan.resident != est.plan.resident or plan.window_bytes != est.plan.window_bytes:

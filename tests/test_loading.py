@@ -1,0 +1,318 @@
+"""``ramflow.offload(model, weights=...)``: a meta-device model read into the host store unit
+by unit (src/ramflow/_loading.py)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import json
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import ramflow
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+
+
+def _config(family: str):
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    if family == "llama":  # untied head
+        return transformers.LlamaConfig(**common, tie_word_embeddings=False)
+    return transformers.Qwen2Config(**common, tie_word_embeddings=True)  # tied head
+
+
+def _reference(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family), dtype=torch.float32)
+    with torch.no_grad():  # norms away from 1 and biases away from 0: every tensor matters
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _meta(family: str) -> nn.Module:
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(_config(family), dtype=torch.float32)
+
+
+def _save(model: nn.Module, directory: Path, *, sharded: bool) -> Path:
+    # small shards: several per model, a unit's tensors spread over two files
+    model.save_pretrained(directory, max_shard_size="40KB" if sharded else "1GB")
+    return directory
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+
+
+def _step(model: nn.Module) -> torch.Tensor:
+    """Logits, then one AdamW step on the cross-entropy of the next token."""
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = _ids()
+    logits = model(ids).logits
+    loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    ramflow.synchronize(model)
+    return logits.detach()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("layout", ["one file", "sharded"])
+def test_meta_model_loads_as_the_regular_model(tmp_path, family, layout):
+    """Logits, one training step and the weights after it equal the regular model's, bit
+    for bit (fp32 wire on the CPU), with the head tied where the config ties it."""
+    ref = _reference(family)
+    folder = _save(ref, tmp_path, sharded=layout == "sharded")
+    assert (folder / "model.safetensors.index.json").is_file() == (layout == "sharded")
+    model = _meta(family)
+    ramflow.offload(model, device="cpu", weights=folder)
+    ramflow.offload(ref, device="cpu")
+    if family == "qwen2":
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(_step(model), _step(ref))
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a.cpu(), b.cpu()), name
+    assert torch.equal(model(_ids()).logits, ref(_ids()).logits)
+
+
+def test_rotary_buffers_are_recomputed(tmp_path):
+    """Non-persistent buffers are on the meta device after a meta build and in no file:
+    the model's own init computes them, as from_pretrained does."""
+    ref = _reference("llama")
+    model = _meta("llama")
+    assert model.model.rotary_emb.inv_freq.is_meta
+    ramflow.offload(model, device="cpu", weights=_save(ref, tmp_path, sharded=False))
+    for name, buf in ref.named_buffers():
+        assert torch.equal(model.get_buffer(name), buf), name
+
+
+def test_weights_as_a_file_or_an_index(tmp_path):
+    ref = _reference("llama")
+    one = _save(ref, tmp_path / "one", sharded=False) / "model.safetensors"
+    index = _save(ref, tmp_path / "sharded", sharded=True) / "model.safetensors.index.json"
+    expected = ref(_ids()).logits
+    for path in (one, str(index)):
+        model = _meta("llama")
+        ramflow.offload(model, device="cpu", weights=path)
+        assert torch.equal(model(_ids()).logits, expected)
+
+
+def test_tied_weight_found_under_either_name(tmp_path):
+    """A checkpoint that keeps the tied tensor under the head's name loads as well."""
+    ref = _reference("qwen2")
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    state["lm_head.weight"] = state.pop("model.embed_tokens.weight")
+    save_file(state, tmp_path / "model.safetensors")
+    model = _meta("qwen2")
+    ramflow.offload(model, device="cpu", weights=tmp_path)
+    assert torch.equal(model(_ids()).logits, ref(_ids()).logits)
+
+
+def test_weights_function(tmp_path):
+    """A function writes each parameter once (a tied one under its first name), into a
+    CPU tensor of its shape; buffers are computed as for a file."""
+    ref = _reference("qwen2")
+    state = ref.state_dict()
+    names: list[str] = []
+
+    def weights(name: str, out: torch.Tensor) -> None:
+        assert out.device.type == "cpu" and out.shape == state[name].shape
+        names.append(name)
+        out.copy_(state[name])
+
+    model = _meta("qwen2")
+    ramflow.offload(model, device="cpu", weights=weights)
+    assert sorted(names) == sorted(n for n, _ in ref.named_parameters())
+    assert torch.equal(model(_ids()).logits, ref(_ids()).logits)
+
+
+def _all_meta(model: nn.Module) -> bool:
+    return all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def test_missing_or_misshapen_tensors_are_named_and_nothing_changes(tmp_path):
+    ref = _reference("llama")
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    del state["model.layers.1.mlp.up_proj.weight"]
+    state["model.norm.weight"] = torch.ones(31)
+    save_file(state, tmp_path / "model.safetensors")
+    model = _meta("llama")
+    with pytest.raises(ValueError) as err:
+        ramflow.offload(model, device="cpu", weights=tmp_path)
+    assert "model.layers.1.mlp.up_proj.weight: missing" in str(err.value)
+    assert "model.norm.weight: file (31,), model (32,)" in str(err.value)
+    assert _all_meta(model) and not ramflow.is_offloaded(model)
+
+
+def test_a_failure_while_loading_gives_the_model_back_on_meta():
+    """An error in the middle (here the weights function's, after some units were built)
+    leaves the model as it came: on the meta device, not offloaded, ready for a retry."""
+    calls = []
+
+    def weights(name: str, out: torch.Tensor) -> None:
+        calls.append(name)
+        if len(calls) == 6:
+            raise OSError("disk gone")
+        out.fill_(0.5)
+
+    model = _meta("llama")
+    tied_before = [id(p) for p in model.parameters()]
+    with pytest.raises(OSError, match="disk gone"):
+        ramflow.offload(model, device="cpu", weights=weights)
+    assert _all_meta(model) and not ramflow.is_offloaded(model)
+    assert [id(p) for p in model.parameters()] == tied_before
+    ramflow.offload(model, device="cpu", weights=lambda name, out: out.fill_(0.5))
+    assert all(bool((p == 0.5).all()) for p in model.parameters())
+
+
+def test_weights_misuse():
+    with pytest.raises(ValueError, match="weights="):  # meta without weights
+        ramflow.offload(_meta("llama"), device="cpu")
+    plain = _reference("llama")
+    before = copy.deepcopy(plain.state_dict())
+    with pytest.raises(ValueError, match="hold data already: offload it without weights="):
+        ramflow.offload(plain, device="cpu", weights=lambda name, out: None)
+    assert not ramflow.is_offloaded(plain)
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in before.items())
+    with pytest.raises(TypeError, match="weights= takes a path"):
+        ramflow.offload(_meta("llama"), device="cpu", weights=3)
+    with pytest.raises(FileNotFoundError):
+        ramflow.offload(_meta("llama"), device="cpu", weights="/nonexistent/folder")
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+        self.register_buffer("shift", torch.full((4,), 3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale + self.shift
+
+
+def test_plain_module_buffers(tmp_path):
+    """Persistent buffers of a plain module come from the file; a non-persistent buffer on
+    the meta device (computed in __init__, in no file) is refused with what to do."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(_Scaled(), _Scaled())
+    save_file(ref.state_dict(), tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        model = nn.Sequential(_Scaled(), _Scaled())
+    with pytest.raises(ValueError, match="non-persistent buffers on the meta device"):
+        ramflow.offload(model, device="cpu", weights=tmp_path)
+    assert _all_meta(model)
+    for m in model:  # the documented way out: buffers on the CPU, parameters on meta
+        m.scale = torch.full((4,), 2.0)
+    ramflow.offload(model, device="cpu", weights=tmp_path)
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), ref(x))
+
+
+def test_state_dict_is_views_of_the_master(tmp_path):
+    """With fp32 masters, ``state_dict()`` copies nothing: a checkpoint save writes from
+    the host store itself (bounded shards, see the peak test below)."""
+    model = _meta("llama")
+    ramflow.offload(model, device="cpu", weights=lambda name, out: out.normal_())
+    engine = ramflow.api._engine(model)
+    masters = [(u.master.data_ptr(), u.master.data_ptr() + u.master.nbytes) for u in engine.units]
+    for name, t in model.state_dict().items():
+        if name in dict(model.named_parameters()):
+            assert any(lo <= t.data_ptr() < hi for lo, hi in masters), name
+
+
+# ------------------------------------------------------------------ peak host memory
+
+SHARD_BYTES = 24 << 20
+# Allocator rounding, Python objects, safetensors headers and code pages of torch ops met
+# for the first time: a few MiB. 32 MiB keeps the test away from noise while the gap it
+# guards (a second copy of the 200 MiB model) stays far above it.
+MARGIN_BYTES = 32 << 20
+
+
+def _big_config():
+    # ~200 MiB in fp32 over 64 small decoder layers (~3 MiB each)
+    return transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=64,
+        num_attention_heads=4, num_key_value_heads=4,
+    )  # fmt: skip
+
+
+def _load_and_save(folder: str, out: str) -> dict[str, int]:
+    """In a fresh process: load the sharded folder into a meta-built model, then save its
+    weights as the trainer's checkpoints do. Returns RSS figures in bytes."""
+    import psutil
+    import transformers
+
+    from ramflow.train.checkpoint import _save_sharded, _weights_to_save
+
+    def reset_peak() -> None:
+        # ru_maxrss would carry the parent's peak over fork and exec; VmHWM is this
+        # process's own, and writing 5 to clear_refs resets it (Linux 4.0+)
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def peak() -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+        raise AssertionError("no VmHWM in /proc/self/status")
+
+    # warm-up: the same code paths on a tiny model, so their pages count in the baseline
+    with torch.device("meta"):
+        tiny = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    ramflow.offload(tiny, device="cpu", weights=lambda name, out: out.zero_())
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_big_config(), dtype=torch.float32)
+    reset_peak()
+    base = psutil.Process().memory_info().rss
+    ramflow.offload(model, device="cpu", weights=folder)
+    loaded = peak()
+    engine = ramflow.api._engine(model)
+    store = sum(u.master.nbytes for u in engine.units)
+    unit = max(u.master.nbytes for u in engine.units)
+    reset_peak()
+    before_save = psutil.Process().memory_info().rss
+    _save_sharded(
+        _weights_to_save(model), Path(out), "model.safetensors",
+        "model.safetensors.index.json", max_shard_bytes=SHARD_BYTES,
+    )  # fmt: skip
+    return {"base": base, "loaded": loaded, "store": store, "unit": unit,
+            "before_save": before_save, "saved": peak()}  # fmt: skip
+
+
+def test_loading_peaks_at_store_plus_unit_plus_shard(tmp_path, monkeypatch):
+    """Peak RSS while loading a 200 MiB model from 24 MiB shards stays within the store plus
+    one unit plus one shard (mapped pages count in RSS) plus MARGIN_BYTES (measured: 238 MiB
+    for a 209 MiB store); a second copy of the model beside the store would need 200 MiB
+    more. Saving it back in bounded shards adds at most one shard (measured: 1.4 MiB, as
+    safetensors writes from the tensors' memory)."""
+    torch.manual_seed(0)
+    big = transformers.AutoModelForCausalLM.from_config(_big_config(), dtype=torch.float32)
+    big.save_pretrained(tmp_path / "in", max_shard_size=SHARD_BYTES)
+    del big
+    shard = max(f.stat().st_size for f in (tmp_path / "in").glob("*.safetensors"))
+    (tmp_path / "out").mkdir()
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")  # RSS counts live memory: see test_reliability
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        r = pool.submit(_load_and_save, str(tmp_path / "in"), str(tmp_path / "out")).result(
+            timeout=600
+        )
+    assert r["store"] > 190 << 20
+    assert r["loaded"] - r["base"] <= r["store"] + r["unit"] + shard + MARGIN_BYTES, r
+    assert r["saved"] - r["before_save"] <= shard + MARGIN_BYTES, r
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1
+    first = load_file(tmp_path / "out" / files[0])
+    assert all(t.dtype == torch.float32 for t in first.values())
