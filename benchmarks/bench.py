@@ -138,6 +138,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "ramflow.offload(activation_checkpointing=True)",
     )
     p.add_argument(
+        "--host-precision",
+        choices=("fp32", "bf16", "lean", "kahan"),
+        default="fp32",
+        help="ramflow.offload(host_precision=...) of ramflow's training cases; fp32 also "
+        "steps the first resident units on the GPU (device_optimizer=True), which the "
+        "others do not support",
+    )
+    p.add_argument(
         "--list", action="store_true", help="print the cases and their time estimates, run nothing"
     )
     p.add_argument(
@@ -202,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         scaling_depths=[int(d) for d in args.scaling_depths.split(",")],
         peer_names=args.peer,
         checkpointing_by=args.checkpointing_by,
+        host_precision=args.host_precision,
     )
     if args.all:
         selected = cases.suite_cases(part=args.part, tag=tag, **options)

@@ -82,15 +82,18 @@ def build_cases(
     scaling_depths: list[int],
     peer_names: list[str] | None = None,
     checkpointing_by: str = "model",
+    host_precision: str = "fp32",
 ) -> list[dict[str, Any]]:
     """All cases of the selected groups, in priority order (GROUPS order, then as listed).
 
     ``checkpointing_by``: who recomputes activations in ramflow's checkpointed cases,
     ``model`` (the model's own ``torch.utils.checkpoint`` per block, as in the resident
     cases) or ``ramflow`` (``ramflow.offload(activation_checkpointing=True)``, every unit).
+    ``host_precision``: ``ramflow.offload``'s, for ramflow's training cases.
     """
     base = _base(model, tiny, warmup, steps)
     base["checkpointing_by"] = checkpointing_by
+    base["host_precision"] = host_precision
     seq = base["seq"]
     # estimates are H200 wall times of the reference model (2026-11-22 runs, about 1.2x),
     # llama-3b (3.2 B parameters, 28 layers) about 1.2x those

@@ -68,9 +68,10 @@ def _model(
 
 def _offload_kwargs(case: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
     """Whether the model checkpoints itself, and the extra ``ramflow.offload`` arguments."""
+    extra = {"host_precision": case.get("host_precision", "fp32")}
     if case.get("checkpoint") and case.get("checkpointing_by") == "ramflow":
-        return False, {"activation_checkpointing": True}
-    return bool(case.get("checkpoint")), {}
+        return False, {"activation_checkpointing": True, **extra}
+    return bool(case.get("checkpoint")), extra
 
 
 def _train_step(model, opt, ids, labels, device: torch.device, losses: list | None = None):
@@ -318,8 +319,11 @@ def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
     )
     budget, budget_info = _ramflow_budget(case, model, ids, labels, device)
     # what the budget leaves after the plan holds the first units' optimizer on the GPU
+    # fp32 host formats: what the budget leaves after the plan holds the first units'
+    # optimizer on the GPU (the lean formats step every unit on the host)
+    device_optimizer = offload_kwargs.get("host_precision", "fp32") == "fp32"
     ramflow.offload(
-        model, gpu_memory=budget, device=device, device_optimizer=True, **offload_kwargs
+        model, gpu_memory=budget, device=device, device_optimizer=device_optimizer, **offload_kwargs
     )
     counter.watch(model)
     opt = ramflow.optim.AdamW(model.parameters(), **RAMFLOW_OPTIMIZER)
@@ -330,6 +334,8 @@ def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
     on_device = sum(b for n, b in zip(plan.unit_names, plan.unit_bytes) if n in plan.device_stepped)
     out = {**res, **_shape_fields(model), **_plan_fields(plan), **budget_info}
     out.update(
+        host_precision=plan.host_precision,
+        host_bytes_per_parameter=plan.host_bytes_per_parameter,
         checkpointing_by=case.get("checkpointing_by") if case.get("checkpoint") else None,
         loss=_last_loss(losses),
         setup_s=setup_s,
@@ -661,6 +667,7 @@ def run_cpu_optimizer(case: dict[str, Any]) -> dict[str, Any]:
     foreach_times = timed(foreach_opt.step)
     del foreach_opt
     dram = measure.dram_copy_bandwidth(nbytes=measure.GiB if not case["tiny"] else 64 * measure.MiB)
+    formats = _host_format_rates(min(num, 1 << 28 if not case["tiny"] else 1 << 20), case, dram)
     adam_bytes = 28
     rf_bytes = adam_bytes + (2 if wire_refresh else 0)
     med = statistics.median
@@ -677,6 +684,7 @@ def run_cpu_optimizer(case: dict[str, Any]) -> dict[str, Any]:
         "torch_fused_bytes_per_s": num * adam_bytes / med(fused_times),
         "bytes_per_param": {"torch_adamw": adam_bytes, "ramflow": rf_bytes},
         "dram_copy_bytes_per_s": dram,
+        "host_formats": formats,
         "cpu_threads": torch.get_num_threads(),
         "step_times_s": {
             "ramflow": rf_times,
@@ -684,6 +692,53 @@ def run_cpu_optimizer(case: dict[str, Any]) -> dict[str, Any]:
             "torch_foreach": foreach_times,
         },
     }
+
+
+# one pass over DRAM per format: bytes read plus written per parameter (the gradient is the
+# bf16 staging buffer; 8-bit states add one fp32 absmax per 256 elements each way)
+HOST_FORMAT_BYTES = {
+    "bf16": 2 + 2 * 2 + 2 * 4,  # gradient, bf16 master (it is the wire), bf16 m and v
+    "lean": 2 + 2 * 2 + 2 * 2 + 4 * 4 / 256,  # ... 8-bit m and v, their absmax
+    "kahan": 2 + 2 * 4 + 2 * 2 + 4 * 4 / 256,  # ... bf16 master and compensation
+}
+
+
+def _host_format_rates(n: int, case: dict[str, Any], dram: float) -> dict[str, Any]:
+    """Each lean host format's CPU AdamW step over ``n`` parameters of flat buffers
+    (``_lean_kernels.lean_adamw_step_``, all threads, fastest of the case's steps after one
+    untimed): params/s, bytes/s and their share of the DRAM copy rate (issue 14 wants 0.85)."""
+    from ramflow._lean_kernels import QBLOCK, lean_adamw_step_, quantize_blockwise
+
+    out: dict[str, Any] = {"params": n}
+    grad = torch.randn(n).to(torch.bfloat16)
+    for name, nbytes in HOST_FORMAT_BYTES.items():
+        master = torch.randn(n).to(torch.bfloat16)
+        comp = torch.zeros(n, dtype=torch.bfloat16) if name == "kahan" else None
+        if name == "bf16":
+            m, v = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+            am = av = None
+        else:
+            m = quantize_blockwise(torch.zeros(n), signed=True)[0]
+            v = quantize_blockwise(torch.zeros(n), signed=False)[0]
+            am, av = torch.zeros(-(-n // QBLOCK)), torch.zeros(-(-n // QBLOCK))
+        times = []
+        for step in range(1, case["steps"] + 2):
+            t0 = time.perf_counter()
+            lean_adamw_step_(
+                master, grad, m, v, step=step, lr=1e-6, beta1=0.9, beta2=0.999, eps=1e-8,
+                weight_decay=0.0, compensation=comp, exp_avg_absmax=am, exp_avg_sq_absmax=av,
+            )  # fmt: skip
+            times.append(time.perf_counter() - t0)
+        best = min(times[1:])
+        out[name] = {
+            "step_s": best,
+            "params_per_s": n / best,
+            "bytes_per_param": nbytes,
+            "bytes_per_s": n * nbytes / best,
+            "share_of_dram_copy": n * nbytes / best / dram,
+        }
+        del master, comp, m, v, am, av
+    return out
 
 
 # ---------------------------------------------------------------------------------- trace

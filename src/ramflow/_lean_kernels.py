@@ -192,6 +192,22 @@ class _Code:
         self.unsigned = dynamic_code(signed=False)
         self.signed_mid = (self.signed[:-1] + self.signed[1:]) / 2
         self.unsigned_mid = (self.unsigned[:-1] + self.unsigned[1:]) / 2
+        self.signed_table = _code_table(self.signed_mid)
+        self.unsigned_table = _code_table(self.unsigned_mid)
+
+
+def _code_table(mid: torch.Tensor) -> torch.Tensor:
+    """(65536,) uint8: for each upper half of an fp32 bit pattern, the number of midpoints
+    below the smallest float with that upper half (the native quantizer's start, which it
+    then counts on from: see ``quantize_code`` in ``_cpu_kernels.cpp``)."""
+    upper = torch.arange(1 << 16, dtype=torch.int64) << 16
+    negative = upper >= 1 << 31
+    bits = torch.where(negative, upper | 0xFFFF, upper)  # the most negative of a bucket
+    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+    smallest = bits.view(torch.float32)
+    count = torch.bucketize(smallest, mid, right=False)
+    count = torch.where(torch.isnan(smallest), 0, count)
+    return count.to(torch.uint8).contiguous()
 
 
 _CODE = _Code()
@@ -255,6 +271,8 @@ class _LeanArgs(ctypes.Structure):
         ("grad_dtype", ctypes.c_int32),
         ("wire_dtype", ctypes.c_int32),
         ("num_threads", ctypes.c_int32),
+        ("signed_table", ctypes.c_void_p),
+        ("unsigned_table", ctypes.c_void_p),
     ]
 
 
@@ -528,6 +546,8 @@ def lean_adamw_step_(
         signed_mid=_CODE.signed_mid.data_ptr(),
         unsigned_code=_CODE.unsigned.data_ptr(),
         unsigned_mid=_CODE.unsigned_mid.data_ptr(),
+        signed_table=_CODE.signed_table.data_ptr(),
+        unsigned_table=_CODE.unsigned_table.data_ptr(),
         wire_out=ptr(wire_out),
         n=n,
         counter_offset=counter_offset,
