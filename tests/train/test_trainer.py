@@ -61,12 +61,19 @@ def test_train_writes_a_complete_run_folder(trained_run: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize(
+    ("precision", "host_precision"),
+    [("fp32", "fp32"), ("fp16", "fp32"), ("fp32", "lean"), ("fp32", "kahan")],
+)
 def test_resume_equals_uninterrupted(
-    tmp_path: Path, corpus_file: Path, ramflow_cli, fast, precision: str
+    tmp_path: Path, corpus_file: Path, ramflow_cli, fast, precision: str, host_precision: str
 ) -> None:
-    """fp16 adds the GradScaler's state to what the checkpoint must carry."""
-    settings = dict(steps=6, eval_every=3, save_every=2, precision=precision)
+    """fp16 adds the GradScaler's state to what the checkpoint must carry; the lean host
+    formats their bf16 masters, 8-bit states with their absmax, the Kahan compensation,
+    and the stochastic rounding's counters (a resumed step rounds as the whole run's)."""
+    settings = dict(
+        steps=6, eval_every=3, save_every=2, precision=precision, host_precision=host_precision
+    )
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
     assert (
         ramflow_cli("train", "--data", corpus_file, *flags, *fast, "--out", tmp_path / "whole") == 0
