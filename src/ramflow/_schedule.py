@@ -24,6 +24,17 @@ unit in for the duration of each call of a module inside it that holds its param
 forward call, ``model.parameters()`` always yields the user's host parameters, even after
 a backward pass that raised halfway.
 
+[Note: checkpointed segments of units]
+``CheckpointSegments`` on an offloaded model checkpoints runs of units (children of one
+``nn.Sequential``) as one region each. In forward the region calls the units as modules, so
+their hooks load, pin and order them as usual. Its recomputation during backward starts at
+the segment's last unit, when only that one is pinned for backward: it acquires every unit
+of the segment, swaps their device parameters in, runs their ``forward`` directly (past the
+hooks, which would open calls that no backward closes) and releases them. The tensors it
+saves that view device parameters stay valid: each unit's own backward acquires it again
+before its gradients run (see [Note: units and views] in ``ramflow._units``). A segment's
+units are on the device together while it recomputes.
+
 [Note: a failed backward]
 A backward pass ends with a callback queued from the root output's gradient hook; autograd
 runs it only when the pass succeeds. If the pass raises, the callback never runs, and the
@@ -55,7 +66,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -70,6 +81,12 @@ from ._stepper import Stepper
 from ._units import _Unit
 from ._window import DeviceWindow
 from ._worker import HostWorker
+from .memory.checkpointing import (
+    CheckpointPlan,
+    CheckpointPolicyLike,
+    is_checkpoint_policy,
+    resolve_over_units,
+)
 
 
 def _in_backward() -> bool:
@@ -77,16 +94,49 @@ def _in_backward() -> bool:
 
 
 def _checkpointed_forward(
-    module_ref: weakref.ref, forward: Any, call_swapped: Any, *args: Any, **kwargs: Any
+    module_ref: weakref.ref,
+    forward: Any,
+    call_swapped: Any,
+    context_fn: Callable[[], Any] | None,
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
-    """A unit's forward under ``torch.utils.checkpoint`` (non-reentrant); the recomputation
-    runs with the unit's parameters swapped in (see ``Schedule._call_swapped``)."""
+    """A unit's forward under ``torch.utils.checkpoint`` (non-reentrant, with a policy's
+    ``context_fn`` for selective checkpointing); the recomputation runs with the unit's
+    parameters swapped in (see ``Schedule._call_swapped``)."""
     module = module_ref()
     if not torch.is_grad_enabled():
         return forward(module, *args, **kwargs)
+    extra = {} if context_fn is None else {"context_fn": context_fn}
     return torch.utils.checkpoint.checkpoint(
-        call_swapped, forward, module, *args, use_reentrant=False, **kwargs
+        call_swapped, forward, module, *args, use_reentrant=False, **extra, **kwargs
     )
+
+
+def _segmented_forward(
+    parent_ref: weakref.ref,
+    run_segment: Callable[..., Any],
+    segments: tuple[tuple[int, int], ...],
+    input: Any,
+) -> Any:
+    """An ``nn.Sequential``'s forward with the children ``start:stop`` of each segment run
+    as one checkpointed region (as ``torch.utils.checkpoint.checkpoint_sequential``), the
+    other children plainly. See [Note: checkpointed segments of units]."""
+    parent = parent_ref()
+    if not torch.is_grad_enabled():
+        return type(parent).forward(parent, input)
+    children = list(parent)
+    done = 0
+    for start, stop in segments:
+        for child in children[done:start]:
+            input = child(input)
+        input = torch.utils.checkpoint.checkpoint(
+            run_segment, start, stop, input, use_reentrant=False
+        )
+        done = stop
+    for child in children[done:]:
+        input = child(input)
+    return input
 
 
 class _Frame:
@@ -236,24 +286,44 @@ class Schedule:
         for module in root.modules():
             module.__dict__["_apply"] = ModuleCall(self._apply_to_model, module)
 
-    def checkpoint_units(self, model: nn.Module, which: bool | Iterable[str] = True) -> None:
+    def checkpoint_units(
+        self, model: nn.Module, which: bool | Iterable[str] | CheckpointPolicyLike = True
+    ) -> None:
         """Recompute activations in backward instead of keeping them
         (``torch.utils.checkpoint``, non-reentrant; Chen et al. 2016): every block
-        (``which=True``), or the units named in ``which`` (a plan's ``checkpointed``).
+        (``which=True``), the units named in ``which`` (a plan's ``checkpointed``), or the
+        units a policy of ``ramflow.memory`` chooses (``resolve_over_units``), with its
+        options (a selective policy's ``context_fn``; segments).
 
         A Hugging Face model gets its own switch (it also turns the KV cache off, which a
         recomputation would otherwise extend twice); with names, the layers of the other
         units have theirs turned off again. Other models (and named units that hold no
         Hugging Face layer) get a wrapper inside the unit's forward, so the unit's hooks
         still run once per call and the recomputation finds the unit pinned and its device
-        parameters in place.
+        parameters in place. Segments wrap their ``nn.Sequential`` instead: see
+        [Note: checkpointed segments of units].
 
         Raises:
-            ValueError: ``which`` names a unit the model does not have (nothing changed).
+            ValueError: ``which`` names a unit the model does not have, or the policy
+                cannot apply to this model (nothing changed).
         """
         names: set[str] | None = None
-        if which is not True:
-            names = {which} if isinstance(which, str) else set(which)
+        context_fn = None
+        if is_checkpoint_policy(which):
+            candidates = [
+                (u.name, u.modules[0])
+                for u in self.units
+                if not u.rest and len(u.modules) == 1 and u.modules[0] is not model
+            ]
+            plan = resolve_over_units(which, model, candidates)  # type: ignore[arg-type]
+            if plan.segments:
+                self._checkpoint_segments(model, plan, candidates)
+                return
+            if not plan.blocks:
+                return  # the policy chose nothing (e.g. already within its budget)
+            names, context_fn = set(plan.blocks), plan.context_fn
+        elif which is not True:
+            names = {which} if isinstance(which, str) else set(which)  # type: ignore[arg-type]
             known = [u.name for u in self.units if not u.rest]
             unknown = sorted(names - set(known))
             if unknown:
@@ -262,7 +332,9 @@ class Schedule:
                     f"Its units: {known}"
                 )
         if getattr(model, "supports_gradient_checkpointing", False):
-            kwargs = {"use_reentrant": False}
+            kwargs: dict[str, Any] = {"use_reentrant": False}
+            if context_fn is not None:
+                kwargs["context_fn"] = context_fn
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
@@ -297,9 +369,67 @@ class Schedule:
                 weakref.ref(module),
                 type(module).forward,
                 UnitHook(self._call_swapped, u.index),
+                context_fn,
             )
             module.forward = forward
             self._checkpointed.append(module)
+
+    def _checkpoint_segments(
+        self, model: nn.Module, plan: CheckpointPlan, candidates: list[tuple[str, nn.Module]]
+    ) -> None:
+        """Wrap the ``nn.Sequential`` whose children are the units of ``plan.segments``.
+        See [Note: checkpointed segments of units].
+
+        Raises:
+            ValueError: the ``nn.Sequential``'s forward is already replaced (nothing changed).
+        """
+        by_name = dict(candidates)
+        # resolve_over_units checked that the segments are runs of one nn.Sequential's children
+        parent = model.get_submodule(plan.segments[0][0].rpartition(".")[0])
+        assert isinstance(parent, nn.Sequential)
+        if "forward" in parent.__dict__:
+            raise ValueError(
+                f"activation_checkpointing: {type(parent).__name__}.forward is already "
+                "replaced (by apply_checkpointing?); undo that first"
+            )
+        position = {id(child): i for i, child in enumerate(parent)}
+        runs = []
+        for segment in plan.segments:
+            at = [position[id(by_name[name])] for name in segment]
+            runs.append((at[0], at[-1] + 1))
+        parent.forward = functools.partial(
+            _segmented_forward,
+            weakref.ref(parent),
+            functools.partial(weak_method(self._run_segment), weakref.ref(parent)),
+            tuple(sorted(runs)),
+        )
+        self._checkpointed.append(parent)
+
+    def _run_segment(self, parent_ref: weakref.ref, start: int, stop: int, input: Any) -> Any:
+        """The children ``start:stop`` of a checkpointed ``nn.Sequential``: as modules in
+        forward; in the recomputation with their units acquired and swapped in. See
+        [Note: checkpointed segments of units]."""
+        children = list(parent_ref())[start:stop]
+        if not _in_backward():
+            for child in children:
+                input = child(input)
+            return input
+        unit_of = {id(u.modules[0]): u for u in self.units if len(u.modules) == 1}
+        units = [unit_of[id(child)] for child in children]
+        deps = self._expand(units)
+        self._window.acquire(deps)
+        try:
+            for u in units:
+                self._swap(u, to_device=True)
+            try:
+                for child in children:
+                    input = child.forward(input)
+            finally:
+                for u in units:
+                    self._swap(u, to_device=False)
+        finally:
+            self._window.release(deps)
+        return input
 
     def restore(self, model: nn.Module | None) -> None:
         """Take off every hook, wrapper and routed ``_apply``; swap host parameters back

@@ -23,6 +23,7 @@ from ._loading import MetaLoader, Weights
 from ._plan import OffloadPlan, parse_bytes
 from ._registry import engine_of_model, engine_of_param
 from ._units import _Unit, find_units
+from .memory.checkpointing import CheckpointPolicyLike, checkpointing_choice
 
 
 def offload(
@@ -33,7 +34,7 @@ def offload(
     units: Iterable[nn.Module | str] | None = None,
     wire_dtype: torch.dtype | None = None,
     prefetch_depth: int = 2,
-    activation_checkpointing: bool | Iterable[str] = False,
+    activation_checkpointing: bool | Iterable[str] | CheckpointPolicyLike = False,
     zero_stage: int | None = None,
     device_optimizer: bool = False,
     host_precision: HostPrecision | str | None = None,
@@ -68,7 +69,14 @@ def offload(
             compute. The root and the rest unit are not wrapped. True: every unit (Hugging
             Face models: every decoder layer, by their own switch); unit names (e.g.
             ``OffloadPlan.checkpointed`` from ``ramflow plan``): only those units. A name
-            the model does not have raises ValueError.
+            the model does not have raises ValueError. A policy of ``ramflow.memory``
+            (``CheckpointAll()``, ``CheckpointEveryKth(k)``, ``CheckpointToBudget(budget,
+            report=...)``, ``CheckpointSegments(n)``, ``SelectiveCheckpoint(...)``): the
+            units it chooses among the units that are the model's repeated blocks (all
+            units where none is), as ``ramflow.memory.apply_checkpointing`` chooses on the
+            plain model, with its options; a policy that cannot apply to this model (no
+            unit to choose from, a report without its units, segments outside one
+            ``nn.Sequential``) raises ValueError.
         zero_stage: data parallelism over the initialized torch.distributed process group
             (launch with ``torchrun``; every rank calls ``offload`` on the same model). 1:
             gradients are averaged over the ranks, each unit is stepped by one rank per host
@@ -116,7 +124,8 @@ def offload(
             before anything is allocated; on any error the model stays on the meta device.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``; ``wire_dtype`` is not floating point.
+        TypeError: ``model`` is not an ``nn.Module``; ``wire_dtype`` is not floating point;
+            ``activation_checkpointing`` is none of the above.
         ValueError: no parameters; parameters on the meta device without ``weights``, or
             ``weights`` for parameters that hold data already; tensors missing from
             ``weights`` or of another shape (the first few are named); ``weights`` with
@@ -190,6 +199,7 @@ def offload(
     if not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point:
         raise TypeError(f"wire_dtype must be a floating-point torch.dtype, got {wire_dtype!r}")
     budget = None if gpu_memory is None else parse_bytes(gpu_memory)
+    activation_checkpointing = checkpointing_choice(activation_checkpointing)
     specs = find_units(model, units)
     precision_reason = None
     if isinstance(host_precision, str) and host_precision == "auto":

@@ -170,3 +170,50 @@ def test_global_batch_sets_the_accumulation() -> None:
     assert (config.batch_size, config.grad_accum, config.global_batch) == (2, 4, 8)
     auto = TrainConfig.from_options(batch_size="auto", global_batch=8)
     assert auto.auto_batch_size and auto.global_batch == 8
+
+
+@pytest.mark.gpu
+def test_a_real_out_of_memory_error_on_the_gpu_backs_off_and_the_run_goes_on(
+    tmp_path: Path, corpus_file: Path
+) -> None:
+    """From step 3 on, the caching allocator may hold only 70% of what step 2's micro-batch
+    of 4 took above what stays allocated between steps
+    (``torch.cuda.set_per_process_memory_fraction``): a micro-batch of 4 runs out of memory
+    for real, one of 2 (about half the activations: at T=1024 they dwarf the tiny preset's
+    weights in the window) fits."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory
+
+    def cap(record: dict[str, Any]) -> None:
+        if record["step"] == 1:
+            torch.cuda.reset_peak_memory_stats(device)
+        elif record["step"] == 2:
+            peak = torch.cuda.max_memory_allocated(device)
+            torch.cuda.empty_cache()
+            between = torch.cuda.memory_allocated(device)
+            held = torch.cuda.memory_reserved(device)
+            budget = held + 0.7 * (peak - between)
+            torch.cuda.set_per_process_memory_fraction(budget / total, device)
+
+    config = TrainConfig.from_options(
+        data=str(corpus_file),
+        batch_size=4,
+        steps=5,
+        seq_len=1024,
+        eval_every=0,
+        eval_batches=1,
+        device="cuda",
+        seed=0,
+    )
+    try:
+        result = train(config, out=tmp_path / "run", progress=False, on_step=cap)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
+    assert result.steps_done == 5 and not result.interrupted
+    (event,) = _events(tmp_path / "run", "oom_backoff")
+    assert event["step"] == 3
+    assert (event["from_micro_batch"], event["micro_batch"], event["grad_accum"]) == (4, 2, 2)
+    assert event["global_batch"] == 4
+    assert "out of memory" in event["error"].lower()  # the allocator's own error
+    assert [r["micro_batch"] for r in _steps(tmp_path / "run")] == [4, 4, 2, 2, 2]

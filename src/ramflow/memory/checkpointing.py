@@ -8,8 +8,9 @@ blocks' inputs plus one block's activations, for one more forward of the checkpo
 A policy is a small frozen dataclass that, given a model and its blocks, resolves to a
 ``CheckpointPlan``: the blocks to checkpoint, by name. ``apply_checkpointing`` installs the
 plan with ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` and returns a
-handle that undoes it. Policies hold no model, so one policy serves many models (ramflow's
-offload takes the same objects).
+handle that undoes it. Policies hold no model, so one policy serves many models:
+``ramflow.offload(model, activation_checkpointing=policy)`` takes the same objects and
+resolves them over the offloaded model's units (``resolve_over_units``).
 
 Hugging Face models have their own switch, ``model.gradient_checkpointing_enable(
 gradient_checkpointing_kwargs={"use_reentrant": False})``; wrapping their decoder layers
@@ -49,6 +50,7 @@ __all__ = [
     "SelectiveCheckpoint",
     "apply_checkpointing",
     "find_blocks",
+    "resolve_over_units",
 ]
 
 Blocks = Sequence[tuple[str, nn.Module]]
@@ -198,7 +200,7 @@ class CheckpointSegments:
     num_segments: int
 
     def resolve(self, model: nn.Module, blocks: Blocks) -> CheckpointPlan:
-        _sequential_parent(model, blocks)
+        sequential_parent(model, blocks)
         n = len(blocks)
         if not isinstance(self.num_segments, int) or not 1 <= self.num_segments <= n:
             raise ValueError(
@@ -297,7 +299,13 @@ def _given_blocks(
     return out
 
 
-def _sequential_parent(model: nn.Module, blocks: Blocks) -> nn.Sequential:
+def sequential_parent(model: nn.Module, blocks: Blocks) -> nn.Sequential:
+    """The ``nn.Sequential`` whose children, in order, are exactly ``blocks``.
+
+    Raises:
+        ValueError: there is none (the blocks sit in a ``ModuleList``, or the
+            ``nn.Sequential`` has other children as well).
+    """
     parents = {name.rpartition(".")[0] for name, _ in blocks}
     parent = model.get_submodule(parents.pop()) if len(parents) == 1 else None
     if not isinstance(parent, nn.Sequential) or [id(c) for c in parent] != [
@@ -391,7 +399,7 @@ def apply_checkpointing(
     plan = policy.resolve(model, found)
     by_name = dict(found)
     if plan.segments:
-        parent = _sequential_parent(model, found)
+        parent = sequential_parent(model, found)
         targets = [(parent, _segmented_forward(parent.forward, parent, len(plan.segments) + 1))]
     else:
         targets = [
@@ -407,3 +415,92 @@ def apply_checkpointing(
     for module, forward in targets:
         module.forward = forward
     return CheckpointHandle(plan, [module for module, _ in targets])
+
+
+def resolve_over_units(
+    policy: CheckpointPolicyLike, model: nn.Module, units: Blocks
+) -> CheckpointPlan:
+    """Resolve ``policy`` over the units of an offloaded model (``ramflow.offload``).
+
+    The policy chooses among the units that are the model's repeated blocks (the rule of
+    ``find_blocks``, so a policy names the same blocks on the plain and the offloaded model);
+    where no unit is one (``offload(units=...)`` given, or a model without repeated blocks),
+    it chooses among all ``units``.
+
+    Args:
+        policy: a checkpointing policy (``CheckpointAll()``, ``CheckpointEveryKth(k)``,
+            ``CheckpointToBudget(...)``, ``CheckpointSegments(n)``,
+            ``SelectiveCheckpoint(...)``, or an object with their ``resolve`` method).
+        model: the offloaded model.
+        units: the units that can be checkpointed, named, in unit (execution) order: each
+            one module, not the model itself.
+
+    Returns:
+        The ``CheckpointPlan``; its ``blocks`` are unit names.
+
+    Raises:
+        ValueError: there is no unit to choose from (the whole model is one unit: give
+            ``offload(units=...)``), the policy cannot resolve on this model (see each
+            policy), or it names modules that are not units, or segments that are not runs
+            of consecutive children of one ``nn.Sequential``.
+        TypeError: ``resolve`` did not return a ``CheckpointPlan``.
+    """
+    if not units:
+        raise ValueError(
+            f"activation_checkpointing={policy!r}: the offloaded {type(model).__name__} has "
+            "no unit to checkpoint (the whole model is one unit); give offload(units=[...]) "
+            "to split it"
+        )
+    repeated = {id(m) for m in _repeated_blocks(model)}
+    blocks = [(name, m) for name, m in units if id(m) in repeated] or list(units)
+    plan = policy.resolve(model, blocks)
+    if not isinstance(plan, CheckpointPlan):
+        raise TypeError(
+            f"{type(policy).__name__}.resolve returned {type(plan).__name__}, not a CheckpointPlan"
+        )
+    names = [name for name, _ in blocks]
+    unknown = sorted(set(plan.blocks) - set(names))
+    if unknown:
+        raise ValueError(
+            f"activation_checkpointing={policy!r} chose {unknown}, which are not units of the "
+            f"offloaded model; its units to choose from: {names}"
+        )
+    if plan.segments:
+        parent = sequential_parent(model, blocks)
+        position = {id(child): i for i, child in enumerate(parent)}
+        by_name = dict(blocks)
+        for segment in plan.segments:
+            at = [position[id(by_name[name])] for name in segment]
+            if not at or at != list(range(at[0], at[0] + len(at))):
+                raise ValueError(
+                    f"activation_checkpointing={policy!r}: the segment {list(segment)} is not "
+                    "a run of consecutive children of the nn.Sequential"
+                )
+    return plan
+
+
+def is_checkpoint_policy(value: Any) -> bool:
+    """True for a checkpointing policy of ``ramflow.memory`` (anything with ``resolve``)."""
+    return callable(getattr(value, "resolve", None))
+
+
+def checkpointing_choice(value: Any) -> bool | tuple[str, ...] | CheckpointPolicyLike:
+    """``offload``'s ``activation_checkpointing`` checked and made plain, before anything
+    changes: a bool, a policy, or unit names as a tuple (a generator is read once).
+
+    Raises:
+        TypeError: anything else (the message lists what is accepted).
+    """
+    if isinstance(value, bool) or is_checkpoint_policy(value):
+        return value
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, Iterable):
+        names = tuple(value)
+        if all(isinstance(n, str) for n in names):
+            return names
+    raise TypeError(
+        "activation_checkpointing takes True/False, unit names (e.g. ['model.layers.3']) or a "
+        "policy of ramflow.memory (CheckpointAll(), CheckpointEveryKth(k), CheckpointToBudget"
+        f"(...), CheckpointSegments(n), SelectiveCheckpoint(...)); got {value!r}"
+    )
