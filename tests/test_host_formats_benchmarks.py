@@ -1,0 +1,57 @@
+"""The host-format benchmarks of issue 14 run end to end in their CPU ``--smoke`` mode."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> None:
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_accuracy_smoke(tmp_path: Path) -> None:
+    """Two formats (of four, to stay short) train, and the report compares them with fp32."""
+    out = tmp_path / "out"
+    _run("host_formats_accuracy.py", "--formats", "fp32,lean", "--out-dir", str(out),
+         "--run-root", str(tmp_path / "runs"))  # fmt: skip
+    result = json.loads((out / "accuracy.json").read_text())
+    rows = result["formats"]
+    assert set(rows) == {"fp32", "lean"}
+    for row in rows.values():
+        assert row["steps_reached"] == result["meta"]["steps"]
+        assert row["final_val_loss"] is not None and row["returncode"] == 0
+    assert rows["fp32"]["final_val_rel_to_fp32"] == 0.0
+    assert rows["lean"]["final_val_rel_to_fp32"] is not None
+    assert (out / "accuracy.png").stat().st_size > 0
+    assert "lean" in (out / "accuracy.md").read_text()
+
+
+def test_scale_smoke(tmp_path: Path) -> None:
+    """The tiny shape loads from a random init, trains its steps, and reports every figure
+    the CPU can give (lean host formats: 4.03 bytes per trained parameter)."""
+    _run("host_formats_scale.py", "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "scale-tiny.json").read_text())
+    assert result["stage"] == "done"
+    assert len(result["steps_s"]) == 2
+    assert all(math.isfinite(x) for x in result["losses"])
+    assert 3.9 < result["host_bytes_per_parameter"] < 4.2
+    s = result["summary"]
+    assert s["median_step_s"] > 0 and s["tokens_per_s"] > 0
+    assert s["peak_rss_bytes"] >= result["load_peak_rss_bytes"] > 0
+    assert result["prediction"]["step_s"] is not None, result["prediction"]["why_none"]
+    assert (tmp_path / "scale-tiny.md").exists()
