@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__x86_64__)
@@ -350,8 +351,9 @@ struct LeanArgs {
   int32_t master_format, state_format;
   int32_t grad_dtype, wire_dtype;
   int32_t num_threads;
-  const uint8_t* signed_table;  // kStateQ8: 65536 entries, see quantize_code
+  const uint8_t* signed_table;  // kStateQ8: 65536 entries (+ 4 bytes of padding), see quantize_code
   const uint8_t* unsigned_table;
+  int32_t table_steps;          // kStateQ8: the most midpoints one table entry can skip
 };
 
 // A 32-bit integer hash, a bijection ("lowbias32", C. Wellons, 2018).
@@ -469,6 +471,204 @@ void lean_block(const LeanArgs& a, int64_t begin, int64_t len) {
               v_new);
 }
 
+#if RAMFLOW_X86
+// [Note: the lean step in AVX2]
+// lean_block's arithmetic 8 lanes at a time, in the same order and without fused
+// multiply-adds (division and square root are correctly rounded in both), so the bits are
+// the scalar block's; tests compare the two (RAMFLOW_LEAN_SCALAR=1 forces the scalar one).
+// 8-bit codes are dequantized with a gather from the 256-entry code and quantized with a
+// gather from the 64 KiB table, then `table_steps` vector compares against the midpoints
+// (the most midpoints any bf16-wide bucket holds, computed when the table is made), which
+// is what quantize_code's loop counts. Whole blocks of kQBlock only; a last partial block
+// takes the scalar path.
+RAMFLOW_AVX2 inline __m256 bf16x8_to_f32(const void* base, int64_t i) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+RAMFLOW_AVX2 inline __m256i hash32_8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bU)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+template <int kState>
+RAMFLOW_AVX2 inline __m256 load_state8(const void* s, const float* code, float absmax, int64_t i) {
+  if constexpr (kState == kStateF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(s) + i);
+  } else if constexpr (kState == kStateBF16) {
+    return bf16x8_to_f32(s, i);
+  } else {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(s) + i));
+    const __m256 c = _mm256_i32gather_ps(code, _mm256_cvtepu8_epi32(q), 4);
+    return _mm256_mul_ps(c, _mm256_set1_ps(absmax));
+  }
+}
+
+template <int kState>
+RAMFLOW_AVX2 void store_state_block(const LeanArgs& a, void* s, float* absmax, const float* mid,
+                                    const uint8_t* table, int64_t begin, const float* x) {
+  if constexpr (kState == kStateF32) {
+    std::memcpy(static_cast<float*>(s) + begin, x, kQBlock * sizeof(float));
+  } else if constexpr (kState == kStateBF16) {
+    auto* out = static_cast<uint16_t*>(s) + begin;
+    for (int64_t j = 0; j < kQBlock; j += 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), to_bf16_8(_mm256_loadu_ps(x + j)));
+    }
+  } else {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax8 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < kQBlock; j += 8) {
+      amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, amax8);
+    float amax = 0.0f;
+    for (float l : lanes) amax = std::max(amax, l);
+    absmax[begin / kQBlock] = amax;
+    const __m256 scale = _mm256_set1_ps(amax > 0.0f ? amax : 1.0f);
+    const __m256i last = _mm256_set1_epi32(255);
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256i byte = _mm256_set1_epi32(0xFF);
+    auto* out = static_cast<uint8_t*>(s) + begin;
+    for (int64_t j = 0; j < kQBlock; j += 8) {
+      const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + j), scale);
+      const __m256i upper = _mm256_srli_epi32(_mm256_castps_si256(y), 16);
+      __m256i k = _mm256_and_si256(
+          _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), upper, 1), byte);
+      for (int32_t t = 0; t < a.table_steps; ++t) {
+        const __m256i below = _mm256_cmpgt_epi32(last, k);  // k < 255
+        const __m256i kc = _mm256_min_epi32(k, _mm256_set1_epi32(254));
+        const __m256 m = _mm256_i32gather_ps(mid, kc, 4);
+        const __m256i lt = _mm256_castps_si256(_mm256_cmp_ps(m, y, _CMP_LT_OQ));
+        k = _mm256_add_epi32(k, _mm256_and_si256(_mm256_and_si256(below, lt), one));
+      }
+      const __m128i k16 = _mm_packus_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), _mm_packus_epi16(k16, k16));
+    }
+  }
+}
+
+template <int kGrad, int kMaster, int kState>
+RAMFLOW_AVX2 void lean_block_avx2(const LeanArgs& a, int64_t begin) {
+  alignas(32) float m_new[kQBlock];
+  alignas(32) float v_new[kQBlock];
+  const int64_t block = begin / kQBlock;
+  const float m_absmax = kState == kStateQ8 ? a.exp_avg_absmax[block] : 0.0f;
+  const float v_absmax = kState == kStateQ8 ? a.exp_avg_sq_absmax[block] : 0.0f;
+  const __m256 grad_scale = _mm256_set1_ps(a.grad_scale);
+  const __m256 decay = _mm256_set1_ps(a.decay);
+  const __m256 beta1 = _mm256_set1_ps(a.beta1);
+  const __m256 one_minus_beta1 = _mm256_set1_ps(a.one_minus_beta1);
+  const __m256 beta2 = _mm256_set1_ps(a.beta2);
+  const __m256 one_minus_beta2 = _mm256_set1_ps(a.one_minus_beta2);
+  const __m256 bc2_sqrt = _mm256_set1_ps(a.bc2_sqrt);
+  const __m256 eps = _mm256_set1_ps(a.eps);
+  const __m256 neg_step_size = _mm256_set1_ps(a.neg_step_size);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t j = 0; j < kQBlock; j += 8) {
+    const int64_t i = begin + j;
+    __m256 g = load_grad8<kGrad>(a.grad, i);
+    if (a.apply_scale) g = _mm256_mul_ps(g, grad_scale);
+    __m256 p;
+    if constexpr (kMaster == kMasterF32) {
+      p = _mm256_loadu_ps(static_cast<const float*>(a.master) + i);
+    } else {
+      p = bf16x8_to_f32(a.master, i);
+      if constexpr (kMaster == kMasterKahan) p = _mm256_add_ps(p, bf16x8_to_f32(a.compensation, i));
+    }
+    if (a.apply_decay) p = _mm256_mul_ps(p, decay);
+    __m256 m = load_state8<kState>(a.exp_avg, a.signed_code, m_absmax, i);
+    __m256 v = load_state8<kState>(a.exp_avg_sq, a.unsigned_code, v_absmax, i);
+    m = _mm256_add_ps(_mm256_mul_ps(m, beta1), _mm256_mul_ps(g, one_minus_beta1));
+    v = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(g, one_minus_beta2), g));
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
+    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(m, neg_step_size), denom));
+    _mm256_store_ps(m_new + j, m);
+    _mm256_store_ps(v_new + j, v);
+    if constexpr (kMaster == kMasterF32) {
+      _mm256_storeu_ps(static_cast<float*>(a.master) + i, p);
+      if (a.wire_dtype == kBF16) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.wire_out) + i), to_bf16_8(p));
+      } else if (a.wire_dtype == kF16) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.wire_out) + i),
+                         _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      }
+    } else if constexpr (kMaster == kMasterSR) {
+      const int64_t index = a.counter_offset + i;
+      const uint32_t lo = static_cast<uint32_t>(index);
+      __m128i b16;
+      if (lo > 0xFFFFFFFFu - 7u) {  // the lanes cross a multiple of 2^32: as the scalar does
+        alignas(32) float ps[8];
+        alignas(16) uint16_t bs[8];
+        _mm256_store_ps(ps, p);
+        for (int l = 0; l < 8; ++l) bs[l] = bf16_stochastic(ps[l], sr_bits(a.key, index + l));
+        b16 = _mm_load_si128(reinterpret_cast<const __m128i*>(bs));
+      } else {
+        const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo)), lane);
+        const __m256i h = hash32_8(_mm256_xor_si256(idx, _mm256_set1_epi32(static_cast<int>(a.key))));
+        const __m256i hi = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(
+            static_cast<uint64_t>(index) >> 32)));
+        const __m256i bits = hash32_8(_mm256_add_epi32(h, hi));
+        const __m256i u = _mm256_castps_si256(p);
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(bits, 16)), 16);
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+        b16 = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.master) + i), b16);
+    } else {
+      const __m128i hi16 = to_bf16_8(p);
+      const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi16), 16));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.master) + i), hi16);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(reinterpret_cast<uint16_t*>(a.compensation) + i),
+                       to_bf16_8(_mm256_sub_ps(p, hi)));
+    }
+  }
+  store_state_block<kState>(a, a.exp_avg, a.exp_avg_absmax, a.signed_mid, a.signed_table, begin, m_new);
+  store_state_block<kState>(a, a.exp_avg_sq, a.exp_avg_sq_absmax, a.unsigned_mid, a.unsigned_table,
+                            begin, v_new);
+}
+
+using LeanBlockFn = void (*)(const LeanArgs&, int64_t);
+
+template <int kGrad, int kMaster>
+LeanBlockFn pick_state(int32_t state) {
+  switch (state) {
+    case kStateBF16: return &lean_block_avx2<kGrad, kMaster, kStateBF16>;
+    case kStateQ8: return &lean_block_avx2<kGrad, kMaster, kStateQ8>;
+    default: return &lean_block_avx2<kGrad, kMaster, kStateF32>;
+  }
+}
+
+template <int kGrad>
+LeanBlockFn pick_master(int32_t master, int32_t state) {
+  switch (master) {
+    case kMasterSR: return pick_state<kGrad, kMasterSR>(state);
+    case kMasterKahan: return pick_state<kGrad, kMasterKahan>(state);
+    default: return pick_state<kGrad, kMasterF32>(state);
+  }
+}
+
+// The AVX2 block for these formats, or null (no AVX2, or RAMFLOW_LEAN_SCALAR=1).
+LeanBlockFn lean_block_simd(const LeanArgs& a) {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  const char* scalar = std::getenv("RAMFLOW_LEAN_SCALAR");
+  if (!ok || (scalar != nullptr && scalar[0] == '1')) return nullptr;
+  switch (a.grad_dtype) {
+    case kBF16: return pick_master<kBF16>(a.master_format, a.state_format);
+    case kF16: return pick_master<kF16>(a.master_format, a.state_format);
+    default: return pick_master<kF32>(a.master_format, a.state_format);
+  }
+}
+#else
+using LeanBlockFn = void (*)(const LeanArgs&, int64_t);
+LeanBlockFn lean_block_simd(const LeanArgs&) { return nullptr; }
+#endif
+
 // Runs body(first_block, end_block) over [0, num_blocks) on `threads` threads taking
 // `grain` blocks at a time. See [Note: dynamic work sharing].
 template <typename Body>
@@ -496,8 +696,16 @@ extern "C" int ramflow_lean_adamw_step(const LeanArgs* args) {
   const LeanArgs a = *args;
   if (a.n <= 0) return 0;
   const int64_t num_blocks = (a.n + kQBlock - 1) / kQBlock;
+  const LeanBlockFn simd = lean_block_simd(a);
   share_blocks(num_blocks, kLeanGrainQBlocks, a.num_threads, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b) lean_block(a, b * kQBlock, std::min(kQBlock, a.n - b * kQBlock));
+    for (int64_t b = lo; b < hi; ++b) {
+      const int64_t len = std::min(kQBlock, a.n - b * kQBlock);
+      if (simd != nullptr && len == kQBlock) {
+        simd(a, b * kQBlock);
+      } else {
+        lean_block(a, b * kQBlock, len);
+      }
+    }
   });
   return 0;
 }

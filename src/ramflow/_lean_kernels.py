@@ -192,22 +192,31 @@ class _Code:
         self.unsigned = dynamic_code(signed=False)
         self.signed_mid = (self.signed[:-1] + self.signed[1:]) / 2
         self.unsigned_mid = (self.unsigned[:-1] + self.unsigned[1:]) / 2
-        self.signed_table = _code_table(self.signed_mid)
-        self.unsigned_table = _code_table(self.unsigned_mid)
+        self.signed_table, signed_steps = _code_table(self.signed_mid)
+        self.unsigned_table, unsigned_steps = _code_table(self.unsigned_mid)
+        self.table_steps = max(signed_steps, unsigned_steps)
 
 
-def _code_table(mid: torch.Tensor) -> torch.Tensor:
-    """(65536,) uint8: for each upper half of an fp32 bit pattern, the number of midpoints
-    below the smallest float with that upper half (the native quantizer's start, which it
-    then counts on from: see ``quantize_code`` in ``_cpu_kernels.cpp``)."""
+def _code_table(mid: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(65536 + 4,) uint8: for each upper half of an fp32 bit pattern, the number of
+    midpoints below the smallest float with that upper half (the native quantizer's start,
+    which it then counts on from: see ``quantize_code`` in ``_cpu_kernels.cpp``); 4 bytes of
+    padding, as the vector quantizer reads 4 bytes at each entry. Also the most midpoints
+    any one entry's floats span (how far the counting may have to go)."""
     upper = torch.arange(1 << 16, dtype=torch.int64) << 16
+
+    def floats(bits: torch.Tensor) -> torch.Tensor:
+        bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+        return bits.view(torch.float32)
+
     negative = upper >= 1 << 31
-    bits = torch.where(negative, upper | 0xFFFF, upper)  # the most negative of a bucket
-    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
-    smallest = bits.view(torch.float32)
-    count = torch.bucketize(smallest, mid, right=False)
-    count = torch.where(torch.isnan(smallest), 0, count)
-    return count.to(torch.uint8).contiguous()
+    smallest = floats(torch.where(negative, upper | 0xFFFF, upper))  # of each entry
+    largest = floats(torch.where(negative, upper, upper | 0xFFFF))
+    start = torch.where(torch.isnan(smallest), 0, torch.bucketize(smallest, mid, right=False))
+    end = torch.where(torch.isnan(largest), start, torch.bucketize(largest, mid, right=False))
+    steps = int((end - start).max())
+    table = torch.cat([start.to(torch.uint8), torch.zeros(4, dtype=torch.uint8)])
+    return table.contiguous(), steps
 
 
 _CODE = _Code()
@@ -273,6 +282,7 @@ class _LeanArgs(ctypes.Structure):
         ("num_threads", ctypes.c_int32),
         ("signed_table", ctypes.c_void_p),
         ("unsigned_table", ctypes.c_void_p),
+        ("table_steps", ctypes.c_int32),
     ]
 
 
@@ -548,6 +558,7 @@ def lean_adamw_step_(
         unsigned_mid=_CODE.unsigned_mid.data_ptr(),
         signed_table=_CODE.signed_table.data_ptr(),
         unsigned_table=_CODE.unsigned_table.data_ptr(),
+        table_steps=_CODE.table_steps,
         wire_out=ptr(wire_out),
         n=n,
         counter_offset=counter_offset,

@@ -623,9 +623,7 @@ def load_optimizer_state(
             )
         i = index_of[name]
         # 8-bit states keep one absmax per block of 256 elements (ramflow.HostPrecision)
-        expected = (
-            (-(-params[i].numel() // 256),) if field.endswith("_absmax") else params[i].shape
-        )
+        expected = (-(-params[i].numel() // 256),) if field.endswith("_absmax") else params[i].shape
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != expected:
             raise CheckpointError(
                 f"optimizer state {key} in {ckpt.path} has shape {tuple(value.shape)}, but the "
