@@ -227,3 +227,56 @@ def test_accelerate_prepare_loop_matches_and_steps_during_backward(device):
     final = weights(model)
     for name, value in weights(ref).items():
         assert_close(final[name], value, device=device, atol=WEIGHT_ATOL_CUDA)
+
+
+def test_trainer_without_clipping_steps_during_backward(device, tmp_path):
+    """``max_grad_norm=0``: the Trainer (transformers 5) still reads the norm to log
+    ``grad_norm`` (``clip_grad_norm_`` with ``max_norm=inf``), which leaves the gradients
+    alone, so from the second step on ramflow steps each unit during backward (with
+    ``keep_grads=False`` such a step leaves ``p.grad`` None before ``optimizer.step()``, a
+    deferred one fills it), and the run equals a plain Trainer's."""
+    from transformers import TrainerCallback
+
+    torch.manual_seed(0)
+    model = tiny_llama(tie=False)
+    ref = copy.deepcopy(model)
+    data = lm_data()
+    args = dict(gradient_accumulation_steps=1, max_grad_norm=0.0, save_strategy="no")
+
+    offloaded(model, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads_left: list[bool] = []
+
+    class BeforeStep(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            grads_left.append(all(p.grad is not None for p in params))
+
+    ours = Trainer(
+        model=model,
+        args=trainer_args(device, tmp_path / "ours", **args),
+        train_dataset=data,
+        optimizers=(ramflow.optim.AdamW(model.parameters(), lr=LR, keep_grads=False), None),
+        callbacks=[BeforeStep()],
+    )
+    ours.train()
+    theirs = Trainer(
+        model=ref,
+        args=trainer_args(device, tmp_path / "theirs", **args),
+        train_dataset=data,
+        optimizers=(plain_adamw(ref, device), None),
+    )
+    theirs.train()
+
+    assert grads_left == [True, False, False, False]  # the first step deferred, then eager
+    assert_close(logged(ours, "loss"), logged(theirs, "loss"), device=device, atol=LOSS_ATOL_CUDA)
+    # the norms of steps during backward sum per unit, PyTorch's per tensor: fp32 rounding
+    # on the CPU; within bf16 rounding on CUDA (relative, on norms near 1)
+    torch.testing.assert_close(
+        logged(ours, "grad_norm"),
+        logged(theirs, "grad_norm"),
+        rtol=1e-5 if device.type == "cpu" else 2**-6,
+        atol=0,
+    )
+    final = weights(model)
+    for name, value in weights(ref).items():
+        assert_close(final[name], value, device=device, atol=WEIGHT_ATOL_CUDA)
