@@ -129,17 +129,20 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     ramflow.offload(
         model, device=device, zero_stage=options["zero_stage"], wire_dtype=torch.float32
     )
-    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = ramflow.optim.AdamW(
+        model.parameters(), lr=1e-2, keep_grads=options.get("keep_grads", True)
+    )
     per_rank = GLOBAL_BATCH // world_size
-    losses = []
+    losses, norms, grads_left = [], [], []
     for step, (x, y) in enumerate(batches()):
         if options.get("die_after") is not None and rank == 1 and step == options["die_after"]:
             os._exit(3)
         sl = slice(rank * per_rank, (rank + 1) * per_rank)
         loss = F.mse_loss(model(x[sl].to(device)), y[sl].to(device))
         loss.backward()
+        grads_left.append(sum(p.grad is not None for p in model.parameters()))
         if options.get("clip"):
-            ramflow.clip_grad_norm_(model.parameters(), options["clip"])
+            norms.append(ramflow.clip_grad_norm_(model.parameters(), options["clip"]).item())
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
@@ -149,7 +152,13 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     memory = _store_bytes()  # after every rank has read every page
     memory["uss"] = psutil.Process().memory_full_info().uss
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "state": state if rank == 0 else None, "memory": memory}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "grads_left": grads_left,
+        "state": state if rank == 0 else None,
+        "memory": memory,
+    }
 
 
 def offload_failing_in_set_up(rank: int, world_size: int, options: dict) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -18,8 +19,11 @@ from ramflow._dist import STORE_FILE, create_store_file
 LR = 1e-2  # train_offload's and reference_run's AdamW
 
 
-def reference_run(clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain PyTorch on the whole global batch: the single-process truth."""
+def reference_run(
+    clip: float | None = None, norms: list[float] | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch on the whole global batch: the single-process truth (``norms``
+    receives each step's gradient norm when clipping)."""
     model = W.reference_model(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     losses = []
@@ -27,7 +31,9 @@ def reference_run(clip: float | None = None) -> tuple[list[float], dict[str, tor
         loss = F.mse_loss(model(x), y)
         loss.backward()
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if norms is not None:
+                norms.append(norm.item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -163,6 +169,25 @@ def test_zero_clipping_uses_the_global_norm(tmp_path, zero_stage):
     # that ~1e-7 relative difference into up to ~1e-5 in the weights after four steps.
     for k, v in ref_state.items():
         torch.testing.assert_close(results[0]["state"][k], v, rtol=1e-4, atol=2e-5, msg=k)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_zero_norm_only_steps_during_backward(tmp_path, zero_stage):
+    """Reading the norm alone (``max_norm=inf``) under ZeRO keeps the steps during
+    backward from the second step on (with ``keep_grads=False`` the units a rank steps
+    then leave no ``p.grad``, where the deferred first step filled them) and gives the norm
+    of the reduced gradients of one process on the global batch."""
+    options = {"out": str(tmp_path), "zero_stage": zero_stage, "clip": math.inf}
+    results = W.run(W.train_offload, 2, {**options, "keep_grads": False})
+    _check_ok(results)
+    ref_norms: list[float] = []
+    ref_losses, _ = reference_run(clip=math.inf, norms=ref_norms)
+    for r in results:
+        first, *later = r["grads_left"]  # parameters with a gradient before the step
+        assert all(n < first for n in later), r["grads_left"]
+        # per-unit device norms summed over ranks against PyTorch's per-tensor sum
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5)
+    assert results[0]["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
 
 
 # ------------------------------------------------------------ the shared host store's files

@@ -109,7 +109,8 @@ def test_clipping_after_eager_step_is_an_error():
 
 
 def test_torch_clip_after_eager_step_is_detected():
-    """torch.nn.utils.clip_grad_norm_ changes the gradients in place: never silently skipped."""
+    """torch.nn.utils.clip_grad_norm_ (routed to ramflow's) would change gradients already
+    stepped: never silently skipped."""
     model = ramflow.offload(MLPStack(), device="cpu")
     opt = ramflow.optim.AdamW(model.parameters())
     for _ in range(2):
@@ -117,7 +118,22 @@ def test_torch_clip_after_eager_step_is_detected():
         opt.step()
         opt.zero_grad()
     model(_x()).sum().backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="clip"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+
+
+def test_gradients_changed_after_eager_step_are_detected():
+    """A change by hand after a step ran during backward (no call into ramflow)."""
+    model = ramflow.offload(MLPStack(), device="cpu")
+    opt = ramflow.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(_x()).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model(_x()).sum().backward()
+    ramflow.synchronize(model)
+    for p in model.parameters():
+        p.grad.mul_(0.5)
     with pytest.raises(RuntimeError, match="changed after backward"):
         opt.step()
 

@@ -227,3 +227,123 @@ def test_accelerate_prepare_loop_matches_and_steps_during_backward(device):
     final = weights(model)
     for name, value in weights(ref).items():
         assert_close(final[name], value, device=device, atol=WEIGHT_ATOL_CUDA)
+
+
+def test_trainer_without_clipping_steps_during_backward(device, tmp_path):
+    """``max_grad_norm=0``: the Trainer (transformers 5) still reads the norm to log
+    ``grad_norm`` (``clip_grad_norm_`` with ``max_norm=inf``), which leaves the gradients
+    alone, so from the second step on ramflow steps each unit during backward (with
+    ``keep_grads=False`` such a step leaves ``p.grad`` None before ``optimizer.step()``, a
+    deferred one fills it), and the run equals a plain Trainer's."""
+    from transformers import TrainerCallback
+
+    torch.manual_seed(0)
+    model = tiny_llama(tie=False)
+    ref = copy.deepcopy(model)
+    data = lm_data()
+    args = dict(gradient_accumulation_steps=1, max_grad_norm=0.0, save_strategy="no")
+
+    offloaded(model, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads_left: list[bool] = []
+
+    class BeforeStep(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            grads_left.append(all(p.grad is not None for p in params))
+
+    ours = Trainer(
+        model=model,
+        args=trainer_args(device, tmp_path / "ours", **args),
+        train_dataset=data,
+        optimizers=(ramflow.optim.AdamW(model.parameters(), lr=LR, keep_grads=False), None),
+        callbacks=[BeforeStep()],
+    )
+    ours.train()
+    theirs = Trainer(
+        model=ref,
+        args=trainer_args(device, tmp_path / "theirs", **args),
+        train_dataset=data,
+        optimizers=(plain_adamw(ref, device), None),
+    )
+    theirs.train()
+
+    assert grads_left == [True, False, False, False]  # the first step deferred, then eager
+    assert_close(logged(ours, "loss"), logged(theirs, "loss"), device=device, atol=LOSS_ATOL_CUDA)
+    # the norms of steps during backward sum per unit, PyTorch's per tensor: fp32 rounding
+    # on the CPU; within bf16 rounding on CUDA (relative, on norms near 1)
+    torch.testing.assert_close(
+        logged(ours, "grad_norm"),
+        logged(theirs, "grad_norm"),
+        rtol=1e-5 if device.type == "cpu" else 2**-6,
+        atol=0,
+    )
+    final = weights(model)
+    for name, value in weights(ref).items():
+        assert_close(final[name], value, device=device, atol=WEIGHT_ATOL_CUDA)
+
+
+def word_tokenizer():
+    """A tokenizer over the tiny model's 128 ids (``t0`` .. ``t127``), built with the
+    ``tokenizers`` library: TRL's ``SFTTrainer`` needs one for its padding and EOS token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1")
+
+
+def test_trl_sft_trainer_matches_plain_sft_trainer(device, tmp_path):
+    """TRL's ``SFTTrainer`` (a ``Trainer``: its loss, collator and clipping) on a
+    pre-tokenized dataset trains the offloaded model as a plain one on a deepcopy, with
+    gradient accumulation and clipping."""
+    trl = pytest.importorskip("trl", reason="TRL is optional (pip install trl)")
+    import datasets
+
+    torch.manual_seed(0)
+    model = tiny_llama(tie=False)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(2, 128, (16,), generator=g).tolist() for _ in range(16)]
+    data = datasets.Dataset.from_dict({"input_ids": ids})
+
+    def config(out):
+        return trl.SFTConfig(
+            output_dir=str(tmp_path / out),
+            use_cpu=device.type == "cpu",
+            bf16=device.type == "cuda",
+            report_to=[],
+            disable_tqdm=True,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_grad_norm=1.0,
+            learning_rate=LR,
+            max_steps=MAX_STEPS,
+            logging_steps=1,
+            save_strategy="no",
+            seed=0,
+        )
+
+    offloaded(model, device)
+    ours = trl.SFTTrainer(
+        model=model,
+        args=config("ours"),
+        train_dataset=data,
+        processing_class=word_tokenizer(),
+        optimizers=(ramflow.optim.AdamW(model.parameters(), lr=LR), None),
+    )
+    ours.train()
+    theirs = trl.SFTTrainer(
+        model=ref,
+        args=config("theirs"),
+        train_dataset=data,
+        processing_class=word_tokenizer(),
+        optimizers=(plain_adamw(ref, device), None),
+    )
+    theirs.train()
+
+    assert len(logged(ours, "loss")) == MAX_STEPS
+    assert_close(logged(ours, "loss"), logged(theirs, "loss"), device=device, atol=LOSS_ATOL_CUDA)
+    final = weights(model)
+    for name, value in weights(ref).items():
+        assert_close(final[name], value, device=device, atol=WEIGHT_ATOL_CUDA)

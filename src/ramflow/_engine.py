@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._clip import install_clip_route
 from ._gradients import GradientPath
 from ._hooks import ModuleCall
 from ._host_formats import HostPrecision
@@ -140,6 +141,7 @@ class Engine:
         )
 
         install_optimizer_hooks()
+        install_clip_route()
         self._finalizer = weakref.finalize(
             self, _release_engine, self.worker if self._owns_worker else None,
             self.host.pinned_in_place,
@@ -292,10 +294,15 @@ class Engine:
         self.schedule.settle()
         self.stepper.zero_grad()
 
-    def note_clip(self) -> None:
-        """Called by ``ramflow.clip_grad_norm_`` before it reads the gradients."""
+    def note_clip(self, *, norm_only: bool = False) -> None:
+        """Called by ``ramflow.clip_grad_norm_`` before it reads the gradients (see
+        ``Stepper.note_clip``)."""
         self.schedule.settle()
-        self.stepper.note_clip()
+        self.stepper.note_clip(norm_only=norm_only)
+
+    def pass_grad_norm(self) -> torch.Tensor | None:
+        """See ``Stepper.pass_grad_norm`` (after ``note_clip``)."""
+        return self.stepper.pass_grad_norm()
 
     def accept_partial_step(self) -> None:
         """Go on from the weights a failed backward left partly stepped."""

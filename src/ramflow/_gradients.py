@@ -129,6 +129,9 @@ class GradientPath:
                 u.device_grad = None
                 u.fired = 0
                 return
+        # the unit's share of the global norm, see [Note: the norm without clipping]
+        side = self.streams.d2h_stream if reduced is not None and self.streams.is_cuda else None
+        stepper.note_grad_norm(u, u.device_grad, after=reduced, stream=side)
         if eager and u.device_stepped and stepper.steps_here(u):
             eager = False  # no host step follows: the gradients only land (if kept)
             params = u.owned[: u.num_trainable]

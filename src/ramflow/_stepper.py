@@ -44,6 +44,20 @@ unit's host fp32 gradients. A step that the device cannot take (several optimize
 param groups in one unit, ZeRO) pulls the state back, steps on the host and uploads it
 again at the next device step. The device step's rounding is CUDA's fused AdamW, within
 float rounding of the host kernel (bit-identical on the CPU device).
+
+[Note: the norm without clipping]
+A loop that reads the global gradient norm without clipping (``max_norm=inf``: Hugging
+Face's ``Trainer`` logs ``grad_norm`` so with ``max_grad_norm=0``) needs the norm, not
+gradients that wait for it, so it keeps the eager step. In an eager pass, each unit's
+dispatch keeps the 2-norm of its flat device gradients (fp32, a device scalar; after the
+data-parallel reduction, so in the reduced scale) when the unit had no gradients before
+the pass; the clip returns the 2-norm of those norms without waiting for a step. That is
+the norm of the step's gradients only when the pass is the step's one backward and every
+unit started from no gradients: otherwise (the first step, gradient accumulation, a
+deferred pass) the norm is read from the host gradients as before, which are complete
+then. A real clip (finite ``max_norm``) must scale the gradients before any step, so it
+defers every step (``note_clip``). The unit norms are summed in another order than
+``torch.nn.utils.clip_grad_norm_`` sums its per-tensor norms: equal within fp32 rounding.
 """
 
 from __future__ import annotations
@@ -105,6 +119,10 @@ class Stepper:
         self._last_backward_eager = False
         self._final_backwards = 0
         self._clip_used = False
+        # unit gradient norms of the last eager pass, see [Note: the norm without clipping]
+        self._pass_norms: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._pass_norms_whole = False  # every unit of the pass started from no gradients
+        self._pass_fresh = False  # some unit of the pass started from no gradients
         # recovery state, see [Note: a failed backward] in ``ramflow._schedule``
         self._partial_step: list[str] = []  # units a failed backward had already stepped
         self._partial_grads = False  # gradients hold part of a failed backward
@@ -170,6 +188,9 @@ class Stepper:
                 and self._final_backwards == 0
                 and len(self.optimizers) == 1
             )
+            self._pass_norms = []
+            self._pass_norms_whole = self._eager_now
+            self._pass_fresh = False
         return self._eager_now
 
     def end_pass(self) -> None:
@@ -212,6 +233,7 @@ class Stepper:
         """``opt.zero_grad()``: the gradients are whole again, and after a loop-pattern
         error the step policy starts afresh (the optimizer's states stay as they are)."""
         self._partial_grads = False
+        self._pass_norms_whole = False
         if self._pattern_error:
             self._pattern_error = False
             self._last_backward_eager = False
@@ -227,16 +249,91 @@ class Stepper:
             "learns the loop's pattern afresh (the optimizer's states are kept)."
         )
 
-    def note_clip(self) -> None:
-        """Called by ``ramflow.clip_grad_norm_`` before it reads the gradients."""
+    def note_clip(self, *, norm_only: bool = False) -> None:
+        """Called by ``ramflow.clip_grad_norm_`` before it reads the gradients.
+        ``norm_only``: the 2-norm is read and the gradients are left as they are, so steps
+        may still run during backward. See [Note: the norm without clipping]."""
+        if norm_only:
+            return
         if self._last_backward_eager:
             raise self.pattern(
-                "ramflow.clip_grad_norm_ was called after ramflow had already applied the step "
-                "during backward (it saw no clipping at the first step). Clip from the first "
-                "step on, or construct the optimizer with overlap=False."
+                "gradients were clipped (ramflow.clip_grad_norm_, or torch.nn.utils."
+                "clip_grad_norm_ with a finite max_norm) after ramflow had already applied the "
+                "step during backward (it saw no clipping at the first step). Clip from the "
+                "first step on, or construct the optimizer with overlap=False."
             )
         self._clip_used = True
         self._eager_allowed = False
+
+    def note_grad_norm(
+        self,
+        u: _Unit,
+        grad: torch.Tensor,
+        *,
+        after: object | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """Dispatch of ``u`` in a backward pass: in an eager pass, keep the 2-norm of its
+        flat device gradients ``grad`` (fp32 device scalar). ``after``: the work handle of
+        their data-parallel reduction (in place), which the norm waits for, on ``stream``
+        (on CUDA; None: the calling stream). See [Note: the norm without clipping]."""
+        if not self._eager_now:
+            return
+        fresh = all(p.grad is None for p in u.owned[: u.num_trainable])
+        self._pass_fresh = self._pass_fresh or fresh
+        if not fresh:  # these gradients add to earlier ones
+            self._pass_norms_whole = False
+            self._pass_norms = []
+        if not self._pass_norms_whole:
+            return
+        if grad.device.type != "cuda":
+            if after is not None:
+                after.wait()  # type: ignore[attr-defined]
+            self._pass_norms.append((torch.linalg.vector_norm(grad, dtype=torch.float32), None))
+            return
+        produced = torch.cuda.current_stream(grad.device).record_event()
+        stream = stream or torch.cuda.current_stream(grad.device)
+        with torch.cuda.stream(stream):
+            stream.wait_event(produced)
+            if after is not None:
+                after.wait()  # type: ignore[attr-defined]  # this stream waits for it
+            norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+            grad.record_stream(stream)
+            self._pass_norms.append((norm, record_event(stream)))
+
+    def pass_grad_norm(self) -> torch.Tensor | None:
+        """After a norm-only ``note_clip``: the 2-norm of the gradients of the last backward
+        pass (fp32 scalar on the device, ordered on the calling stream) when that pass
+        stepped during backward and its gradients are all of this step's. None: read the
+        host gradients, which are complete (a pass that stepped during backward onto
+        gradients left from before waits here for its steps, which write them). See
+        [Note: the norm without clipping].
+
+        Raises:
+            RuntimeError: that pass added to gradients left from before, and also gave
+                gradients to units that had none, which the optimizer's
+                ``keep_grads=False`` leaves out of ``p.grad``.
+        """
+        if not self._last_backward_eager:
+            return None
+        if not self._pass_norms_whole:
+            if self._pass_fresh and not all(opt.keep_grads for opt in self.optimizers):
+                raise self.pattern(
+                    "the gradient norm was read after a backward pass that added to gradients "
+                    "left from before while ramflow stepped during backward, and the optimizer "
+                    "was built with keep_grads=False, so p.grad misses the units that had none "
+                    "before. Call opt.zero_grad() after each step, or use keep_grads=True."
+                )
+            self.worker.wait_idle()
+            return None
+        if not self._pass_norms:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        norms = []
+        for norm, event in self._pass_norms:
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+            norms.append(norm)
+        return torch.linalg.vector_norm(torch.stack(norms))
 
     def schedule_step(self, opt: StepOptimizer) -> None:
         """``opt.step()`` (the last backward pass settled): check or schedule the step of
@@ -270,6 +367,7 @@ class Stepper:
         )
         self._final_backwards = 0
         self._last_backward_eager = False
+        self._pass_norms_whole = False
 
     def _grads_modified(self, opt: StepOptimizer) -> bool:
         for u in self.units:

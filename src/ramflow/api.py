@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._clip import clip_grad_norm_ as clip_grad_norm_  # public here
 from ._dist import (
     DistributedState,
     remove_stale_store_files,
@@ -343,81 +344,3 @@ def get_plan(model: nn.Module) -> OffloadPlan:
 def is_offloaded(model: nn.Module) -> bool:
     """True if ``model`` is currently offloaded by ramflow."""
     return engine_of_model(model) is not None
-
-
-def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor] | torch.Tensor,
-    max_norm: float,
-    norm_type: float = 2.0,
-    error_if_nonfinite: bool = False,
-    foreach: bool | None = None,
-) -> torch.Tensor:
-    """Clip the global gradient norm exactly, as ``torch.nn.utils.clip_grad_norm_``.
-
-    For parameters of offloaded models it first waits for every gradient to land on the
-    host, and tells the engine that this loop clips, so later steps are not applied during
-    backward (the norm must be known first). Returns the total norm (a CPU tensor).
-
-    Raises:
-        RuntimeError: the step was already applied during backward (clipping started after
-            the first step); clip from the first step on, or use ``overlap=False``.
-        NotImplementedError: under ZeRO-2 (gradients sharded over the ranks, whose norms
-            are combined with an all-reduce), a ``norm_type`` other than 2 or inf.
-    """
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    engines = []
-    for p in params:
-        engine = engine_of_param(p)
-        if engine is not None and engine not in engines:
-            engines.append(engine)
-    for engine in engines:
-        engine.note_clip()
-    sharded = [e.dist for e in engines if e.dist is not None and e.dist.zero_stage == 2]
-    if sharded:
-        return _clip_sharded(params, max_norm, float(norm_type), sharded[0], error_if_nonfinite)
-    return torch.nn.utils.clip_grad_norm_(
-        params,
-        max_norm,
-        norm_type=norm_type,
-        error_if_nonfinite=error_if_nonfinite,
-        foreach=foreach,
-    )
-
-
-@torch.no_grad()
-def _clip_sharded(
-    params: list[torch.Tensor],
-    max_norm: float,
-    norm_type: float,
-    state: DistributedState,
-    error_if_nonfinite: bool,
-) -> torch.Tensor:
-    """Clipping when each rank holds only its share of the gradients (ZeRO-2): the local
-    norms are combined over the ranks (each host holds one full set), then every rank
-    scales its own share."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if norm_type == 2.0:
-        local = sum(
-            (g.double().pow(2).sum().cpu() for g in grads), torch.zeros((), dtype=torch.float64)
-        )
-        dist.all_reduce(local, group=state.cpu_group)
-        total = (local / state.copies).sqrt().float()
-    elif norm_type == float("inf"):
-        local = max(
-            (g.abs().max().double().cpu() for g in grads),
-            default=torch.zeros((), dtype=torch.float64),
-        )
-        local = torch.as_tensor(local, dtype=torch.float64)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=state.cpu_group)
-        total = local.float()
-    else:
-        raise NotImplementedError(
-            f"clip_grad_norm_ with norm_type={norm_type} under ZeRO-2; use 2.0 or inf"
-        )
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
-    coef = max_norm / (float(total) + 1e-6)
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
-    return total
