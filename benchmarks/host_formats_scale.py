@@ -357,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     _write(out_dir, args.shape, result)
     print(result["plan"], flush=True)
 
-    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-5, threads=args.threads)
+    # keep_grads=False: the loop reads no gradients, so under the gradient ring every step,
+    # the first too, runs during backward and no full host gradient is ever made
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-5, threads=args.threads, keep_grads=False)
     gen = torch.Generator().manual_seed(0)
     ids_BT = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen).to(device)
     train_peak_reset = _reset_peak_rss()

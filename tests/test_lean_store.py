@@ -258,6 +258,30 @@ def test_host_bytes_of_the_lean_formats(device):
     assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg_sq"].dtype == torch.uint8
 
 
+def test_no_full_gradient_ever_with_the_ring_and_keep_grads_false(device):
+    """keep_grads=False promises the loop never reads gradients: under the ring, the first
+    backward steps during backward too, so no full host gradient buffer is ever made (it
+    would be the store's largest buffer); the steps equal deferred ones bit for bit."""
+    torch.manual_seed(0)
+    base = MLPStack()
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    opt_a = offloaded(a, device, "lean", keep_grads=False)
+    opt_b = offloaded(b, device, "lean", overlap=False)
+    engine = engine_of_model(a)
+    for step, (x, y) in enumerate(batches(4, device)):
+        for m, opt in ((a, opt_a), (b, opt_b)):
+            loss_of(m, x, y).backward()
+            if m is a:
+                assert all(u.host_grad is None for u in engine.units), step
+            opt.step()
+            opt.zero_grad()
+    ramflow.synchronize(a)
+    ramflow.synchronize(b)
+    assert all(u.host_grad is None for u in engine.units)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+
+
 def test_reproducible_at_any_thread_count():
     """Stochastic rounding keyed by (seed, step, element): 1 and 2 optimizer threads give
     the same bits."""

@@ -119,6 +119,7 @@ class Stepper:
         self._last_backward_eager = False
         self._final_backwards = 0
         self._clip_used = False
+        self._seen_step = False  # an opt.step() has run (see _eager_from_the_start)
         # unit gradient norms of the last eager pass, see [Note: the norm without clipping]
         self._pass_norms: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self._pass_norms_whole = False  # every unit of the pass started from no gradients
@@ -139,6 +140,7 @@ class Stepper:
             self._last_backward_eager = False
             self._final_backwards = 0
             self._eager_allowed = False
+            self._seen_step = False
 
     @property
     def optimizers(self) -> list[StepOptimizer]:
@@ -183,7 +185,7 @@ class Stepper:
                     "`with opt.no_step():`, or construct the optimizer with overlap=False."
                 )
             self._eager_now = (
-                self._eager_allowed
+                (self._eager_allowed or self._eager_from_the_start())
                 and not no_step
                 and self._final_backwards == 0
                 and len(self.optimizers) == 1
@@ -192,6 +194,22 @@ class Stepper:
             self._pass_norms_whole = self._eager_now
             self._pass_fresh = False
         return self._eager_now
+
+    def _eager_from_the_start(self) -> bool:
+        """With the gradient ring and an optimizer that keeps no gradients
+        (``keep_grads=False``, a promise that the loop never reads them, so never clips),
+        the first backward steps during backward too: no full host gradient buffer is ever
+        made for a first, deferred step (it would be the largest host buffer of a lean
+        store). A loop that breaks the promise gets the loop-pattern errors."""
+        opts = self.optimizers
+        return (
+            self._host.precision.gradients == "ring"
+            and not self._seen_step
+            and not self._pattern_error
+            and len(opts) == 1
+            and opts[0].overlap
+            and not opts[0].keep_grads
+        )
 
     def end_pass(self) -> None:
         """A backward pass finished: count it for the step policy."""
@@ -362,6 +380,7 @@ class Stepper:
                 items = self.step_items(u, [opt])
                 if items:
                     self.step_from_host(u, items)
+        self._seen_step = True
         self._eager_allowed = (
             opt.overlap and self._final_backwards == 1 and not modified and not self._clip_used
         )
