@@ -48,7 +48,9 @@ class HostPrecision:
             stepped during backward and only the units in flight hold staging, a fixed
             cost that does not grow with the model (counted as 0 bytes per parameter). A
             full buffer (in the master's dtype) is still made for the steps that need one
-            (the first, accumulation, clipping) and dropped once steps run during backward.
+            (the first, accumulation, clipping) and dropped once steps run during backward;
+            with ``AdamW(keep_grads=False)`` the first step runs during backward too, and
+            it is never made.
         seed: the seed of the stochastic rounding (an int in [0, 2**63)); unit ``i`` rounds
             with ``unit_seed(i)``, so a run is reproducible and resumes exactly.
 

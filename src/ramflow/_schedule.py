@@ -756,7 +756,7 @@ class Schedule:
             name = str(dtype).replace("torch.", "")
             wire = str(self.wire_dtype).replace("torch.", "")
             raise ValueError(
-                f"this model is offloaded by ramflow with fp32 master weights that compute in "
+                f"this model is offloaded by ramflow with master weights in host RAM that compute in "
                 f"{wire} (its wire dtype); casting it to {name} is not supported in place. "
                 f"Call ramflow.undo(model), then ramflow.offload(model, wire_dtype=torch.{name})"
                 + (
