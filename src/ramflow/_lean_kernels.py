@@ -39,6 +39,7 @@ multiples of 256 of the buffer given, and the threads take whole blocks.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import platform
@@ -219,7 +220,12 @@ def _code_table(mid: torch.Tensor) -> tuple[torch.Tensor, int]:
     return table.contiguous(), steps
 
 
-_CODE = _Code()
+@functools.cache
+def _code() -> _Code:
+    """The codes and tables, made at first use: never at import, where torch's parallel ops
+    would start the OpenMP thread pool in a process that may then fork (a forkserver
+    preloading ramflow), and the forked children would hang at their first parallel op."""
+    return _Code()
 
 
 def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +234,7 @@ def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, 
     ``signed``: the signed code (for ``exp_avg``) or the unsigned one (``exp_avg_sq``,
     never negative)."""
     n = x.numel()
-    mid = _CODE.signed_mid if signed else _CODE.unsigned_mid
+    mid = _code().signed_mid if signed else _code().unsigned_mid
     pad = -n % QBLOCK
     blocks = torch.nn.functional.pad(x.reshape(-1), (0, pad)).view(-1, QBLOCK)
     absmax = blocks.abs().amax(dim=1)
@@ -239,7 +245,7 @@ def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, 
 
 def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, *, signed: bool) -> torch.Tensor:
     """The fp32 values (n,) of codes ``q`` (n,) uint8 with per-block ``absmax``."""
-    code = _CODE.signed if signed else _CODE.unsigned
+    code = _code().signed if signed else _code().unsigned
     n = q.numel()
     scale = absmax.repeat_interleave(QBLOCK)[:n]
     return code[q.long()] * scale
@@ -544,6 +550,7 @@ def lean_adamw_step_(
         master_format = _MASTER_F32
     else:
         master_format = _MASTER_SR if compensation is None else _MASTER_KAHAN
+    codes = _code()
     args = _LeanArgs(
         master=master.data_ptr(),
         compensation=ptr(compensation),
@@ -552,13 +559,13 @@ def lean_adamw_step_(
         exp_avg_sq=exp_avg_sq.data_ptr(),
         exp_avg_absmax=ptr(exp_avg_absmax),
         exp_avg_sq_absmax=ptr(exp_avg_sq_absmax),
-        signed_code=_CODE.signed.data_ptr(),
-        signed_mid=_CODE.signed_mid.data_ptr(),
-        unsigned_code=_CODE.unsigned.data_ptr(),
-        unsigned_mid=_CODE.unsigned_mid.data_ptr(),
-        signed_table=_CODE.signed_table.data_ptr(),
-        unsigned_table=_CODE.unsigned_table.data_ptr(),
-        table_steps=_CODE.table_steps,
+        signed_code=codes.signed.data_ptr(),
+        signed_mid=codes.signed_mid.data_ptr(),
+        unsigned_code=codes.unsigned.data_ptr(),
+        unsigned_mid=codes.unsigned_mid.data_ptr(),
+        signed_table=codes.signed_table.data_ptr(),
+        unsigned_table=codes.unsigned_table.data_ptr(),
+        table_steps=codes.table_steps,
         wire_out=ptr(wire_out),
         n=n,
         counter_offset=counter_offset,
