@@ -347,3 +347,43 @@ def test_trl_sft_trainer_matches_plain_sft_trainer(device, tmp_path):
     final = weights(model)
     for name, value in weights(ref).items():
         assert_close(final[name], value, device=device, atol=WEIGHT_ATOL_CUDA)
+
+
+def test_trainer_with_lean_host_formats_resumes_exactly(tmp_path):
+    """The Trainer over a model kept in the lean host formats (bf16 masters, 8-bit states,
+    the gradient ring): its decay/no-decay param groups step one parameter at a time, its
+    clipping reads bf16 host gradients, and its checkpoint (``optimizer.pt``: uint8 codes
+    and fp32 absmax; bf16 weights) resumes bit for bit on the CPU."""
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    initial = tiny_llama(tie=False)
+    data = lm_data()
+
+    def lean(model):
+        ramflow.offload(model, device=device, wire_dtype=torch.bfloat16, host_precision="lean")
+        return model
+
+    model = lean(copy.deepcopy(initial))
+    ours = Trainer(
+        model=model,
+        args=trainer_args(device, tmp_path / "ours"),
+        train_dataset=data,
+        optimizers=(ramflow.optim.AdamW(model.parameters(), lr=LR), None),
+    )
+    ours.train()
+    losses = logged(ours, "loss")
+    assert len(losses) == MAX_STEPS and torch.isfinite(losses).all()
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    final = weights(model)
+
+    resumed_model = lean(copy.deepcopy(initial))
+    resumed = Trainer(
+        model=resumed_model,
+        args=trainer_args(device, tmp_path / "resumed"),
+        train_dataset=data,
+        optimizers=(ramflow.optim.AdamW(resumed_model.parameters(), lr=LR), None),
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-2"))
+    assert torch.equal(logged(resumed, "loss"), losses)
+    after = weights(resumed_model)
+    assert all(torch.equal(after[k], v) for k, v in final.items())
