@@ -19,6 +19,8 @@ __all__ = ["HostPrecision", "check_optimizer_formats"]
 MASTERS = ("fp32", "bf16-sr", "bf16-kahan")
 OPTIMIZER_STATES = ("fp32", "bf16", "int8")
 GRADIENTS = ("full", "ring")
+# the named policies (``HostPrecision.parse``; the classmethods of the same names)
+PRESETS = ("fp32", "bf16", "lean", "kahan")
 
 # Optimizers with a CPU kernel for each format; the fp32 formats go with every optimizer.
 _LEAN_OPTIMIZERS = ("adamw",)
@@ -42,8 +44,8 @@ class HostPrecision:
         optimizer_states: the AdamW states ``exp_avg``/``exp_avg_sq``. ``"fp32"`` (default),
             ``"bf16"`` (rounded to nearest even), or ``"int8"``: 8-bit block-wise codes
             with one fp32 absmax per block of 256 elements (Dettmers et al. 2022).
-        gradients: host gradients. ``"full"`` (default): an fp32 gradient buffer for the
-            whole model plus a staging buffer in the wire dtype, as today; needed for
+        gradients: host gradients. ``"full"`` (default): a gradient buffer for the whole
+            model in the master's dtype plus a staging buffer in the wire dtype; needed for
             gradient accumulation, clipping and ``keep_grads``. ``"ring"``: units are
             stepped during backward and only the units in flight hold staging, a fixed
             cost that does not grow with the model (counted as 0 bytes per parameter). A
@@ -121,18 +123,17 @@ class HostPrecision:
             raise TypeError(
                 f"host_precision must be a HostPrecision or a preset's name, got {value!r}"
             )
-        presets = {"fp32": cls.fp32, "bf16": cls.bf16, "lean": cls.lean, "kahan": cls.kahan}
-        if value not in presets:
+        if value not in PRESETS:
             raise ValueError(
-                f"host_precision={value!r} is not a preset; use one of {_choices(tuple(presets))} "
+                f"host_precision={value!r} is not a preset; use one of {_choices(PRESETS)} "
                 "or a ramflow.HostPrecision(master=..., optimizer_states=..., gradients=...)"
             )
-        return presets[value]()
+        return getattr(cls, value)()
 
     @property
     def name(self) -> str:
         """The preset's name when this policy is one (seed aside), else its fields."""
-        for preset in ("fp32", "bf16", "lean", "kahan"):
+        for preset in PRESETS:
             p = getattr(HostPrecision, preset)()
             if (p.master, p.optimizer_states, p.gradients) == (
                 self.master,
@@ -172,7 +173,8 @@ class HostPrecision:
         """Host RAM per parameter, in bytes, under this policy with a wire of ``wire_dtype``.
 
         Trained: master (fp32 4 plus the wire copy; bf16-sr 2, it is the wire copy;
-        bf16-kahan 4) + states (fp32 8; bf16 4; int8 2 + 2 x 4 / 256 for the absmax) +
+        bf16-kahan 2) + states (fp32 8; bf16 4; int8 2 + 2 x 4 / 256 for the absmax; a Kahan
+        master's compensation, 2, is counted here as the optimizer keeps it) +
         gradients (full: 4 with fp32 masters, else 2, plus staging in the wire dtype; ring:
         0). Frozen
         (``trainable=False``): stored once in the wire dtype, except with fp32 masters,
@@ -186,11 +188,19 @@ class HostPrecision:
         wire_copy = 0 if wire_dtype == torch.float32 else wire
         if not trainable:
             return float(4 + wire_copy if self.master == "fp32" else wire)
-        master = {"fp32": 4 + wire_copy, "bf16-sr": 2, "bf16-kahan": 4}[self.master]
-        states = {"fp32": 8.0, "bf16": 4.0, "int8": 2 + 2 * 4 / QBLOCK}[self.optimizer_states]
+        master = {"fp32": 4 + wire_copy, "bf16-sr": 2, "bf16-kahan": 2}[self.master]
+        states = self.optimizer_state_bytes_per_parameter
         grad = 4 if self.master == "fp32" else 2
         gradients = grad + wire if self.gradients == "full" else 0
         return master + states + gradients
+
+    @property
+    def optimizer_state_bytes_per_parameter(self) -> float:
+        """AdamW's states per trained parameter, in bytes (fp32 8; bf16 4; int8 2 plus two
+        fp32 absmax per 256 elements), plus a Kahan master's bf16 compensation (2), which
+        the optimizer keeps with its states."""
+        states = {"fp32": 8.0, "bf16": 4.0, "int8": 2 + 2 * 4 / QBLOCK}[self.optimizer_states]
+        return states + (2 if self.master == "bf16-kahan" else 0)
 
     @property
     def is_exact(self) -> bool:

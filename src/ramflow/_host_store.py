@@ -26,7 +26,7 @@ from collections.abc import Callable
 import psutil
 import torch
 
-from ._host_formats import HostPrecision
+from ._host_formats import PRESETS, HostPrecision
 from ._plan import format_bytes
 from ._streams import alloc_host, pin_in_place, unpin
 from ._units import _Unit
@@ -62,9 +62,7 @@ def store_bytes(units: list[_Unit], precision: HostPrecision, wire_dtype: torch.
 def optimizer_state_bytes(units: list[_Unit], precision: HostPrecision) -> int:
     """Host bytes of AdamW's states (and a Kahan master's compensation) for ``units``."""
     trainable = sum(u.trainable_numel for u in units)
-    per = {"fp32": 8.0, "bf16": 4.0, "int8": 2 + 8 / 256}[precision.optimizer_states]
-    per += 2 if precision.master == "bf16-kahan" else 0
-    return int(trainable * per)
+    return int(trainable * precision.optimizer_state_bytes_per_parameter)
 
 
 # ``auto`` keeps fp32 masters when the store and AdamW's states take at most this share of
@@ -155,7 +153,7 @@ class HostStore:
         avail = psutil.virtual_memory().available
         if need > avail:
             sizes = []
-            for name in ("fp32", "bf16", "lean", "kahan"):
+            for name in PRESETS:
                 pr = HostPrecision.parse(name)
                 if pr.master != "fp32" and self.wire_dtype != torch.bfloat16:
                     continue

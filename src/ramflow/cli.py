@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ._host_formats import PRESETS
+
 _TRAIN_OPTIONS = (
     "preset",
     "model",
@@ -123,7 +125,7 @@ def _shape_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--host-precision",
-        choices=["fp32", "bf16", "lean", "kahan", "auto"],
+        choices=[*PRESETS, "auto"],
         default=None,
         help="how master weights, AdamW states and host gradients are kept in RAM: fp32 "
         "(default; exact, about 20 bytes per parameter), bf16 (bf16 masters with stochastic "

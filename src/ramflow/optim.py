@@ -481,11 +481,12 @@ class AdamW(HostOptimizer):
     def _update(
         self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]
     ) -> None:
-        lean = [(p, g) for p, g in zip(params, grads) if _lean_param(p)]
-        if lean:  # parameters of units kept in a lean host format: one at a time
-            for p, g in lean:
-                self._lean_param_step(p, g, group)
-            keep = [(p, g) for p, g in zip(params, grads) if not _lean_param(p)]
+        lean = [_lean_param(p) for p in params]
+        if any(lean):  # parameters of units kept in a lean host format: one at a time
+            for p, g, is_lean in zip(params, grads, lean):
+                if is_lean:
+                    self._lean_param_step(p, g, group)
+            keep = [(p, g) for p, g, is_lean in zip(params, grads, lean) if not is_lean]
             params, grads = [p for p, _ in keep], [g for _, g in keep]
             if not params:
                 return

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .._host_formats import PRESETS
 from .._plan import parse_bytes
 from .checkpoint import Checkpoint, CheckpointError
 from .estimate import CHECKPOINTING_MODES
@@ -17,7 +18,7 @@ from .presets import get_preset
 
 # Settings a resumed run may change: they decide how long it runs, where, and how it uses
 # memory, not what a step computes.
-HOST_PRECISIONS = ("fp32", "bf16", "lean", "kahan", "auto")
+HOST_PRECISIONS = (*PRESETS, "auto")
 
 RESUMABLE_CHANGES = frozenset(
     {
