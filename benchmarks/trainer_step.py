@@ -9,7 +9,9 @@ autocast, three variants, each in a process of its own:
 - ``trainer``: ``Trainer`` with ``max_grad_norm=0`` (it reads the norm only, so units step
   during backward: the fast path);
 - ``trainer-clip``: ``Trainer`` with ``max_grad_norm=1.0`` (a real clip: every step waits
-  for ``optimizer.step()``).
+  for ``optimizer.step()``);
+- ``bare-compiled``: the bare loop with each decoder block compiled (``block.compile()``,
+  inductor; ramflow's hooks run eagerly between the graphs), issue 15's point 6.
 
 A step is the wall clock between the ends of consecutive steps, each end after
 ``torch.cuda.synchronize()`` (for the Trainer in ``on_step_end``), after warm-ups; the
@@ -47,7 +49,7 @@ import measure
 import runners
 from models import loss_of, make_batch, model_shape
 
-VARIANTS = ("bare", "trainer", "trainer-clip")
+VARIANTS = ("bare", "trainer", "trainer-clip", "bare-compiled")
 MAX_GRAD_NORM = {"trainer": 0.0, "trainer-clip": 1.0}
 
 
@@ -77,7 +79,10 @@ def run_variant(variant: str, case: dict[str, Any], budget: int | None) -> dict[
         model, gpu_memory=budget, device=device, device_optimizer=True, **offload_kwargs
     )
     opt = ramflow.optim.AdamW(model.parameters(), **runners.RAMFLOW_OPTIMIZER)
-    if variant == "bare":
+    if variant == "bare-compiled":
+        for block in model.layers:
+            block.compile()
+    if variant in ("bare", "bare-compiled"):
         res = measure.time_steps(
             runners._train_step(model, opt, ids, labels, device),
             device=device,
