@@ -99,10 +99,15 @@ def batch_loss(model: nn.Module, micro_batch: int) -> torch.Tensor:
 
 
 def micro_step(model: nn.Module, micro_batch: int, checkpointing: bool) -> None:
-    """One forward and backward, the gradients dropped after (``fit_batch``'s trial)."""
+    """``fit_batch``'s trial: two accumulated micro-batches, the gradients dropped after.
+
+    The second backward runs with the first one's gradients held on the device, as every
+    micro-batch after the first does under gradient accumulation; one backward alone
+    would leave out those bytes and let the fitter pick a micro-batch that does not fit."""
     handle = apply_checkpointing(model, CheckpointAll()) if checkpointing else None
     try:
-        batch_loss(model, micro_batch).backward()
+        for _ in range(2):
+            batch_loss(model, micro_batch).backward()
     finally:
         model.zero_grad(set_to_none=True)
         if handle is not None:

@@ -129,9 +129,12 @@ def fit_batch(
         estimate: ``(micro_batch, checkpointing) -> device bytes``, e.g. from
             ``estimate_memory(...).device_total_bytes``; a ``ValueError`` from it counts
             as over budget. None: no estimate.
-        trial: ``(micro_batch, checkpointing) -> None``: one forward and backward of a
-            micro-batch of that size, leaving no gradients behind; it raises
-            ``torch.OutOfMemoryError`` when it does not fit. None: the estimate decides.
+        trial: ``(micro_batch, checkpointing) -> None``: a step of micro-batches of that
+            size, leaving no gradients behind; it raises ``torch.OutOfMemoryError`` when it
+            does not fit. Where gradients accumulate on the device (a plain model), run two
+            micro-batches' forward and backward without zeroing between them: the second
+            backward holds the first's gradients, as every later micro-batch does. None:
+            the estimate decides.
         checkpointing: the levels to try, lightest first (``(False,)`` or ``(True,)`` to
             fix one).
         max_micro_batch: the largest micro-batch to try (default: the global batch).
