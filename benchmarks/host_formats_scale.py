@@ -17,7 +17,8 @@ model TFLOP/s (6 x parameters x tokens per step / step time), the bf16 matmul ra
 in the same process (8192^3 ``torch.matmul`` for about a second) and MFU (model over matmul
 rate), the plan (``describe()``, host bytes per parameter) and ramflow's predicted step
 (``ramflow.train.estimate.estimate_memory(predict=True)`` with the measured matmul rate and
-the default H200 copy and optimizer rates; when it cannot, the reason). Writes
+this box's pinned copy rates and the host format's CPU AdamW rate, measured in the same run;
+when it cannot, the reason). Writes
 ``scale-<shape>.json`` and ``.md`` into ``--out-dir``, rewritten after every stage and step,
 so a timeout still leaves the numbers so far.
 
@@ -37,6 +38,7 @@ tiny Llama shape, 2 steps, bf16 wire; seconds):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -179,12 +181,63 @@ def matmul_rate(device: torch.device, *, seconds: float = 1.0, n: int = 8192) ->
     return rate
 
 
-def predicted_step(cfg, args, device: torch.device, matmul: float | None) -> dict:
+def measured_rates(device: torch.device, host_precision: str) -> dict:
+    """This box's rates for the prediction: pinned H2D/D2H copy rates (1 GiB, best of 3) and
+    the CPU AdamW rate of ``host_precision`` (its one-pass kernel over flat buffers, as
+    ``bench.py --cpu-optimizer`` measures it; fp32 is not measured here and keeps the
+    default). Empty on the CPU."""
+    if device.type != "cuda":
+        return {}
+    sys.path.insert(0, str(HERE))
+    import measure
+    import runners
+
+    bw = measure.pinned_bandwidth(device)
+    out = {
+        "h2d_bytes_per_s": bw["h2d"],
+        "d2h_bytes_per_s": bw["d2h"],
+        "both_bytes_per_s": bw["both"],
+    }
+    if host_precision != "fp32":
+        dram = measure.dram_copy_bandwidth()
+        rates = runners._host_format_rates(1 << 27, {"steps": 3}, dram)
+        out["cpu_optimizer_params_per_s"] = rates[host_precision]["params_per_s"]
+        out["dram_copy_bytes_per_s"] = dram
+    return out
+
+
+def predicted_step(
+    cfg, args, device: torch.device, matmul: float | None, rates: dict | None = None
+) -> dict:
     """ramflow's estimate of this run's step time on a CUDA GPU (also planned on the CPU, for
     the smoke test: then with the default H200 rates and a 24 GiB budget), or why there is
-    none."""
+    none. ``rates``: this box's (``measured_rates``); missing ones are the defaults."""
     from ramflow._plan import parse_bytes
+    from ramflow._predict import (
+        HOST_FORMAT_OPTIMIZER_SPEED,
+        RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM,
+        Rates,
+    )
     from ramflow.train.estimate import estimate_memory
+
+    rates = rates or {}
+    timing = Rates()
+    if rates.get("h2d_bytes_per_s"):
+        timing = dataclasses.replace(
+            timing,
+            h2d_bytes_per_s=rates["h2d_bytes_per_s"],
+            d2h_bytes_per_s=rates["d2h_bytes_per_s"],
+            both_bytes_per_s=rates["both_bytes_per_s"],
+        )
+    if rates.get("cpu_optimizer_params_per_s"):
+        # the rate is the format's own; the copies' DRAM rate stays the fp32 kernel's
+        speed = HOST_FORMAT_OPTIMIZER_SPEED[args.host_precision]
+        timing = dataclasses.replace(
+            timing,
+            cpu_optimizer_params_per_s=rates["cpu_optimizer_params_per_s"],
+            cpu_optimizer_dram_bytes_per_param=RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM / speed,
+            host_precision=args.host_precision,
+        )
 
     common = dict(
         model_name=args.shape,
@@ -207,6 +260,7 @@ def predicted_step(cfg, args, device: torch.device, matmul: float | None) -> dic
             gpu_memory_bytes=ramflow_budget + acts,
             predict=True,
             matmul_flops_per_s=matmul,
+            timing_rates=timing,
             **common,
         )
     except Exception as e:  # noqa: BLE001 (the benchmark records why and goes on)
@@ -218,8 +272,13 @@ def predicted_step(cfg, args, device: torch.device, matmul: float | None) -> dic
         "why_none": None if pred is not None else "estimate_memory gave no prediction",
         "estimated_activation_bytes": acts,
         "plan": est.plan.describe(),
+        "rates": dataclasses.asdict(timing),
         "note": "the estimate's activations assume the model's own loss, not this chunked one; "
-        "its copy and CPU optimizer rates are the H200 box's defaults",
+        + (
+            "its copy and CPU optimizer rates are this box's, measured in this run"
+            if rates.get("cpu_optimizer_params_per_s") or rates.get("h2d_bytes_per_s")
+            else "its copy and CPU optimizer rates are the H200 box's defaults"
+        ),
     }
 
 
@@ -331,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         "prediction": {},
     }
     result["matmul_flops_per_s"] = matmul_rate(device)
-    result["prediction"] = predicted_step(cfg, args, device, result["matmul_flops_per_s"])
+    result["measured_rates"] = measured_rates(device, args.host_precision)
+    result["prediction"] = predicted_step(
+        cfg, args, device, result["matmul_flops_per_s"], result["measured_rates"]
+    )
     result["stage"] = "loading"
     result["rss_before_load_bytes"] = _vm("VmRSS")
     _write(out_dir, args.shape, result)

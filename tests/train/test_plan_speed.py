@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ramflow._plan import make_plan
-from ramflow._predict import Rates
+from ramflow._predict import HOST_FORMAT_OPTIMIZER_SPEED, Rates
 from ramflow.train import TrainConfig, plan_run
 
 
@@ -90,3 +92,43 @@ def test_a_fixed_checkpointing_setting_is_kept(checkpointing: str) -> None:
     )
     best = plan_run(config).timed_plan
     assert bool(best.checkpointed) == (checkpointing == "on")
+
+
+def test_each_host_format_is_predicted_at_its_own_cpu_optimizer_rate() -> None:
+    # a CPU-bound plan: the optimizer's time is the step's, so it scales with the format's
+    # rate (HOST_FORMAT_OPTIMIZER_SPEED), which the rates given are converted from (fp32);
+    # the copies' host DRAM time is left out (it is the same for every format)
+    slow = dataclasses.replace(
+        Rates.from_pcie(1e15, cpu_optimizer_params_per_s=1e6),
+        cpu_optimizer_dram_bytes_per_param=None,
+    )
+    steps = {}
+    for name in ("fp32", "bf16", "lean", "kahan"):
+        config = TrainConfig.from_options(
+            preset="tiny",
+            device="cuda",
+            gpu_memory="1GiB",
+            batch_size=4,
+            seq_len=256,
+            host_precision=name,
+        )
+        pred = plan_run(config, timing_rates=slow, matmul_flops_per_s=1e18).prediction
+        assert pred.bound == "CPU optimizer"
+        steps[name] = pred.step_s
+    speed = HOST_FORMAT_OPTIMIZER_SPEED
+    for name in ("bf16", "lean", "kahan"):
+        assert steps[name] / steps["fp32"] == pytest.approx(speed["fp32"] / speed[name], rel=0.02)
+    # rates convert back and forth, the machine's DRAM rate kept; a policy that is not a
+    # preset is rated as the preset with its optimizer states
+    rates = Rates()
+    lean = rates.for_host_precision("lean")
+    assert lean.cpu_optimizer_params_per_s == pytest.approx(
+        rates.cpu_optimizer_params_per_s * speed["lean"], rel=1e-12
+    )
+    dram = rates.cpu_optimizer_params_per_s * rates.cpu_optimizer_dram_bytes_per_param
+    assert lean.cpu_optimizer_params_per_s * lean.cpu_optimizer_dram_bytes_per_param == (
+        pytest.approx(dram, rel=1e-12)
+    )
+    back = lean.for_host_precision("fp32")
+    assert back.cpu_optimizer_params_per_s == pytest.approx(rates.cpu_optimizer_params_per_s)
+    assert rates.for_host_precision("bf16-sr/int8/full") == lean

@@ -256,7 +256,7 @@ def estimate_memory(
         buffer_bytes=buffer_bytes,
         device_type=device_type,
         wire_dtype=wire_dtype,
-        rates=timing_rates or Rates(),
+        rates=(timing_rates or Rates()).for_host_precision(estimate.host_precision),
         matmul_flops_per_s=matmul_flops_per_s or DEFAULT_MATMUL_FLOPS_PER_S,
     )
     return dataclasses.replace(estimate, **timing)
