@@ -342,14 +342,6 @@ def test_unknown_preset_and_unsupported_combinations():
     model = MLPStack()
     with pytest.raises(ValueError, match="not a preset"):
         ramflow.offload(model, device="cpu", wire_dtype=torch.bfloat16, host_precision="int4")
-    with pytest.raises(ValueError, match="device_optimizer"):
-        ramflow.offload(
-            model,
-            device="cpu",
-            wire_dtype=torch.bfloat16,
-            host_precision="lean",
-            device_optimizer=True,
-        )
     assert engine_of_model(model) is None  # nothing was changed
     assert all(p.dtype == torch.float32 for p in model.parameters())
 

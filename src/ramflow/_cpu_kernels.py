@@ -476,14 +476,24 @@ def _check_threads(num_threads: object) -> None:
         raise ValueError(f"num_threads must be >= 1 (or None for torch's), got {num_threads}")
 
 
-def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: int) -> None:
+def _check_tensor(
+    name: str,
+    t: object,
+    dtypes: tuple[torch.dtype, ...],
+    numel: int,
+    device: torch.device | None = None,
+) -> None:
+    """``t`` is a contiguous tensor of one of ``dtypes`` with ``numel`` elements on
+    ``device`` (None: the CPU); TypeError or ValueError saying what is wrong."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         allowed = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise TypeError(f"{name} must be {allowed}, got {str(t.dtype).removeprefix('torch.')}")
-    if t.device.type != "cpu":
+    if device is None and t.device.type != "cpu":
         raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} with the master weights, got {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous; pass {name}.contiguous() or a flat buffer")
     if t.numel() != numel:

@@ -193,9 +193,14 @@ class Engine:
         )
         if self.units and set(plan.resident) != {u.name for u in self.units if u.resident}:
             raise ValueError("adding units would change which units are resident")
-        if self.device_optimizer:
-            plan = with_device_optimizer(plan, [u.trainable_numel for u in all_units])
         precision = self.host.precision
+        if self.device_optimizer:
+            plan = with_device_optimizer(
+                plan,
+                [u.trainable_numel for u in all_units],
+                bytes_per_param=precision.device_step_bytes_per_parameter,
+                scratch_bytes=precision.device_step_scratch_bytes,
+            )
         plan = dataclasses.replace(
             plan,
             host_precision=precision.name,

@@ -169,6 +169,27 @@ class HostPrecision:
                 "with a bfloat16 wire"
             )
 
+    @property
+    def device_step_bytes_per_parameter(self) -> float:
+        """Device bytes per trainable parameter of a unit stepped on the device
+        (``ramflow.offload(device_optimizer=True)``): fp32 masters keep an fp32 master and
+        fp32 states there (12); a bf16 master is the unit's device copy, so only the states
+        (8-bit: 2 plus the absmax; bf16: 4) and a Kahan compensation (2) are added; an fp32
+        master with lean states adds its fp32 copy (4)."""
+        from ._plan import DEVICE_STEP_BYTES_PER_PARAM
+
+        if self.is_exact:
+            return float(DEVICE_STEP_BYTES_PER_PARAM)
+        master = 4.0 if self.master == "fp32" else 0.0
+        return self.optimizer_state_bytes_per_parameter + master
+
+    @property
+    def device_step_scratch_bytes(self) -> int:
+        """Device scratch of one piece of a device step (``_plan``'s constants)."""
+        from ._plan import DEVICE_STEP_SCRATCH_BYTES, LEAN_DEVICE_STEP_SCRATCH_BYTES
+
+        return DEVICE_STEP_SCRATCH_BYTES if self.is_exact else LEAN_DEVICE_STEP_SCRATCH_BYTES
+
     def bytes_per_parameter(self, *, trainable: bool, wire_dtype: torch.dtype) -> float:
         """Host RAM per parameter, in bytes, under this policy with a wire of ``wire_dtype``.
 

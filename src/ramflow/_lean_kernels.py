@@ -118,15 +118,17 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _sr_bits(key: int, counter_offset: int, n: int) -> torch.Tensor:
+def _sr_bits(
+    key: int, counter_offset: int, n: int, device: torch.device | None = None
+) -> torch.Tensor:
     """The 32 random bits (n,) int64 of elements counter_offset .. counter_offset + n - 1."""
-    index = torch.arange(counter_offset, counter_offset + n, dtype=torch.int64)
+    index = torch.arange(counter_offset, counter_offset + n, dtype=torch.int64, device=device)
     return _hash32((_hash32((index & _MASK32) ^ key) + (index >> 32)) & _MASK32)
 
 
 def _round_bf16_torch(x: torch.Tensor, key: int, counter_offset: int) -> torch.Tensor:
     u = x.contiguous().view(torch.int32).to(torch.int64) & _MASK32
-    b = ((u + (_sr_bits(key, counter_offset, x.numel()) >> 16)) >> 16) & 0xFFFF
+    b = ((u + (_sr_bits(key, counter_offset, x.numel(), x.device) >> 16)) >> 16) & 0xFFFF
     b = torch.where(torch.isnan(x), 0x7FC0, b)
     return torch.where(b >= 0x8000, b - 0x10000, b).to(torch.int16).view(torch.bfloat16)
 
@@ -196,6 +198,18 @@ class _Code:
         self.signed_table, signed_steps = _code_table(self.signed_mid)
         self.unsigned_table, unsigned_steps = _code_table(self.unsigned_mid)
         self.table_steps = max(signed_steps, unsigned_steps)
+        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(signed, unsigned, signed_mid, unsigned_mid) on ``device`` (copied once)."""
+        if device.type == "cpu":
+            return self.signed, self.unsigned, self.signed_mid, self.unsigned_mid
+        if device not in self._on:
+            self._on[device] = tuple(
+                t.to(device)
+                for t in (self.signed, self.unsigned, self.signed_mid, self.unsigned_mid)
+            )
+        return self._on[device]
 
 
 def _code_table(mid: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -234,7 +248,7 @@ def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, 
     ``signed``: the signed code (for ``exp_avg``) or the unsigned one (``exp_avg_sq``,
     never negative)."""
     n = x.numel()
-    mid = _code().signed_mid if signed else _code().unsigned_mid
+    mid = _code().on(x.device)[2 if signed else 3]
     pad = -n % QBLOCK
     blocks = torch.nn.functional.pad(x.reshape(-1), (0, pad)).view(-1, QBLOCK)
     absmax = blocks.abs().amax(dim=1)
@@ -245,7 +259,7 @@ def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, 
 
 def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, *, signed: bool) -> torch.Tensor:
     """The fp32 values (n,) of codes ``q`` (n,) uint8 with per-block ``absmax``."""
-    code = _code().signed if signed else _code().unsigned
+    code = _code().on(q.device)[0 if signed else 1]
     n = q.numel()
     scale = absmax.repeat_interleave(QBLOCK)[:n]
     return code[q.long()] * scale
@@ -469,7 +483,10 @@ def lean_adamw_step_(
         num_threads: threads of the native code; None is ``torch.get_num_threads()``. The
             result does not depend on it.
 
-    All tensors on the CPU, contiguous, not overlapping. Releases the GIL when native.
+    All tensors on the CPU (the native kernel, which releases the GIL), or all on one CUDA
+    device (the same arithmetic in PyTorch ops, one rounding per op as on the CPU, so the
+    same bits: ``ramflow.offload(device_optimizer=True)`` steps units there), contiguous,
+    not overlapping.
 
     Raises:
         TypeError: a tensor has a dtype not listed above.
@@ -482,11 +499,12 @@ def lean_adamw_step_(
     if not isinstance(master, torch.Tensor):
         raise TypeError(f"master must be a torch.Tensor, got {type(master).__name__}")
     n = master.numel()
-    _check_tensor("master", master, (torch.float32, torch.bfloat16), n)
-    _check_tensor("grad", grad, (torch.float32, torch.bfloat16, torch.float16), n)
+    dev = master.device if master.device.type == "cuda" else None
+    _check_tensor("master", master, (torch.float32, torch.bfloat16), n, dev)
+    _check_tensor("grad", grad, (torch.float32, torch.bfloat16, torch.float16), n, dev)
     states = tuple(_STATE_FORMAT)
-    _check_tensor("exp_avg", exp_avg, states, n)
-    _check_tensor("exp_avg_sq", exp_avg_sq, states, n)
+    _check_tensor("exp_avg", exp_avg, states, n, dev)
+    _check_tensor("exp_avg_sq", exp_avg_sq, states, n, dev)
     if exp_avg.dtype != exp_avg_sq.dtype:
         raise ValueError(
             f"exp_avg is {exp_avg.dtype} and exp_avg_sq {exp_avg_sq.dtype}; give both states "
@@ -501,8 +519,8 @@ def lean_adamw_step_(
                 "8-bit states need exp_avg_absmax and exp_avg_sq_absmax, fp32 "
                 f"({num_blocks},): one per block of {QBLOCK}"
             )
-        _check_tensor("exp_avg_absmax", exp_avg_absmax, (torch.float32,), num_blocks)
-        _check_tensor("exp_avg_sq_absmax", exp_avg_sq_absmax, (torch.float32,), num_blocks)
+        _check_tensor("exp_avg_absmax", exp_avg_absmax, (torch.float32,), num_blocks, dev)
+        _check_tensor("exp_avg_sq_absmax", exp_avg_sq_absmax, (torch.float32,), num_blocks, dev)
         written += [("exp_avg_absmax", exp_avg_absmax), ("exp_avg_sq_absmax", exp_avg_sq_absmax)]
         if counter_offset % QBLOCK:
             raise ValueError(
@@ -514,14 +532,14 @@ def lean_adamw_step_(
     if compensation is not None:
         if master.dtype != torch.bfloat16:
             raise ValueError("compensation goes with a bf16 master; an fp32 master needs none")
-        _check_tensor("compensation", compensation, (torch.bfloat16,), n)
+        _check_tensor("compensation", compensation, (torch.bfloat16,), n, dev)
         written.append(("compensation", compensation))
     if wire_out is not None:
         if master.dtype != torch.float32:
             raise ValueError(
                 "wire_out goes with an fp32 master; a bf16 master is its own wire copy"
             )
-        _check_tensor("wire_out", wire_out, (torch.bfloat16, torch.float16), n)
+        _check_tensor("wire_out", wire_out, (torch.bfloat16, torch.float16), n, dev)
         written.append(("wire_out", wire_out))
     _check_no_overlap(written + [("grad", grad)])
     if isinstance(step, bool) or not isinstance(step, int):
@@ -537,7 +555,7 @@ def lean_adamw_step_(
     )
     key = rounding_key(seed, step)
     apply_decay = weight_decay != 0.0
-    lib = _LEAN.get()
+    lib = _LEAN.get() if master.device.type == "cpu" else None
     if lib is None:
         _step_torch(
             master, grad, exp_avg, exp_avg_sq, compensation, exp_avg_absmax,

@@ -201,27 +201,39 @@ DEVICE_STEP_BYTES_PER_PARAM = 12
 # elements per piece of a device step (the gradient is upcast to fp32 one piece at a time)
 DEVICE_STEP_PIECE = 16 * 2**20
 DEVICE_STEP_SCRATCH_BYTES = DEVICE_STEP_PIECE * 4
+# a lean unit's device step runs the host kernel's arithmetic in PyTorch ops: its fp32 and
+# int64 temporaries take about 96 bytes per element of a piece
+LEAN_DEVICE_STEP_PIECE = 2 * 2**20
+LEAN_DEVICE_STEP_SCRATCH_BYTES = LEAN_DEVICE_STEP_PIECE * 96
 
 
-def with_device_optimizer(plan: OffloadPlan, trainable_numel: Sequence[int]) -> OffloadPlan:
-    """``plan`` with the resident units, in forward order, whose fp32 master weights and
-    AdamW states (``DEVICE_STEP_BYTES_PER_PARAM`` per trainable parameter) fit in what the
-    budget leaves after the plan, plus one piece of fp32 scratch. Those units are stepped on
-    the device: no gradient D2H, no CPU step, no refresh H2D (partial offload of the
-    optimizer, as DeepSpeed's ZeRO-Offload++ "twin-flow"). Forward order first: the last
-    units to receive gradients are the first the next forward needs, so stepping them on
-    the device takes the most off the CPU's critical path. No budget: the plan unchanged.
+def with_device_optimizer(
+    plan: OffloadPlan,
+    trainable_numel: Sequence[int],
+    *,
+    bytes_per_param: float = DEVICE_STEP_BYTES_PER_PARAM,
+    scratch_bytes: int = DEVICE_STEP_SCRATCH_BYTES,
+) -> OffloadPlan:
+    """``plan`` with the resident units, in forward order, whose master weights and AdamW
+    states (``bytes_per_param`` per trainable parameter: ``DEVICE_STEP_BYTES_PER_PARAM``
+    for fp32 ones; a lean host format's states only, ``HostPrecision.
+    device_step_bytes_per_parameter``) fit in what the budget leaves after the plan, plus
+    ``scratch_bytes`` for one piece of the step. Those units are stepped on the device: no
+    gradient D2H, no CPU step, no refresh H2D (partial offload of the optimizer, as
+    DeepSpeed's ZeRO-Offload++ "twin-flow"). Forward order first: the last units to
+    receive gradients are the first the next forward needs, so stepping them on the device
+    takes the most off the CPU's critical path. No budget: the plan unchanged.
 
     ``trainable_numel``: per unit (the plan's order), the elements of its trainable flat
     buffer (alignment padding included)."""
     if plan.gpu_memory_bytes is None:
         return plan
-    left = plan.gpu_memory_bytes - plan.planned_bytes - DEVICE_STEP_SCRATCH_BYTES
+    left = plan.gpu_memory_bytes - plan.planned_bytes - scratch_bytes
     resident = set(plan.resident)
     chosen: list[str] = []
     used = 0
     for name, numel in zip(plan.unit_names, trainable_numel):
-        need = numel * DEVICE_STEP_BYTES_PER_PARAM
+        need = int(numel * bytes_per_param)
         if name in resident and numel > 0 and used + need <= left:
             chosen.append(name)
             used += need
@@ -230,7 +242,7 @@ def with_device_optimizer(plan: OffloadPlan, trainable_numel: Sequence[int]) -> 
     return replace(
         plan,
         device_stepped=tuple(chosen),
-        device_step_bytes=used + DEVICE_STEP_SCRATCH_BYTES,
+        device_step_bytes=used + scratch_bytes,
     )
 
 

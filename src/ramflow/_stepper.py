@@ -43,7 +43,13 @@ by every ``state_dict``). A deferred step (the first, clipping, accumulation) up
 unit's host fp32 gradients. A step that the device cannot take (several optimizers or
 param groups in one unit, ZeRO) pulls the state back, steps on the host and uploads it
 again at the next device step. The device step's rounding is CUDA's fused AdamW, within
-float rounding of the host kernel (bit-identical on the CPU device).
+float rounding of the host kernel (bit-identical on the CPU device). Lean host formats: a
+bf16 master is the wire copy, hence the unit's device copy, so the device holds only the
+unit's states in their format (8-bit codes and absmax, bf16, a Kahan compensation: about 2
+bytes per parameter instead of 12) and steps the device copy in place with the host
+kernel's arithmetic in PyTorch ops (``lean_adamw_step_`` on CUDA tensors): the same bits as
+a host step, the same counter-based rounding, so runs and resumes do not depend on which
+units the plan put there.
 
 [Note: the norm without clipping]
 A loop that reads the global gradient norm without clipping (``max_norm=inf``: Hugging
@@ -598,11 +604,13 @@ class Stepper:
         self._host.before_host_write(u)
         with torch.no_grad():
             if weights:
-                u.master[:n].copy_(st["master"])
+                # an fp32 master has its own device copy; a bf16 one is the device copy
+                u.master[:n].copy_(st["master"] if "master" in st else u.device_flat[:n])
                 if u.wire is not u.master:
                     u.wire[:n].copy_(u.device_flat[:n])
-            st["host_exp_avg"].copy_(st["exp_avg"])
-            st["host_exp_avg_sq"].copy_(st["exp_avg_sq"])
+            for name, t in st.items():
+                if name.startswith("host_"):
+                    t.copy_(st[name.removeprefix("host_")])
         u.host_stale = False
 
     def drop_device_state(self, u: _Unit) -> None:

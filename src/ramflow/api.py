@@ -87,12 +87,16 @@ def offload(
             /dev/shm); each rank streams over its own PCIe link. None: one process.
             See [Note: data parallelism on the engine] in ``ramflow._dist``.
         device_optimizer: with ``gpu_memory``, what the budget leaves after the plan holds
-            the fp32 master weights and AdamW states (12 bytes per parameter) of resident
-            units, first units first; those are stepped on the GPU by PyTorch's fused AdamW
-            (no gradient copy, no CPU step for them), which shortens a step bound by the
-            CPU optimizer (partial optimizer offload, as DeepSpeed's ZeRO-Offload++). Needs a
-            ``ramflow.optim.AdamW``; other steps of those units run on the host. The host
-            copies are current after ``ramflow.synchronize`` and in every ``state_dict``.
+            the master weights and AdamW states of resident units, first units first; those
+            are stepped on the GPU (no gradient copy, no CPU step for them), which shortens
+            a step bound by the CPU optimizer (partial optimizer offload, as DeepSpeed's
+            ZeRO-Offload++). fp32 host formats: an fp32 master and states, 12 bytes per
+            parameter, stepped by PyTorch's fused AdamW. Lean host formats: the unit's
+            device copy is its bf16 master, so only its states in their format (about 2
+            bytes per parameter with 8-bit states) are added, stepped with the host
+            kernel's arithmetic (the same bits). Needs a ``ramflow.optim.AdamW``; other
+            steps of those units run on the host. The host copies are current after
+            ``ramflow.synchronize`` and in every ``state_dict``.
             ``ramflow.get_plan(model).device_stepped`` names the units. Not with
             ``zero_stage``.
         host_precision: how master weights, AdamW states and host gradients are kept in
@@ -137,8 +141,7 @@ def offload(
         RuntimeError: ``zero_stage`` without an initialized process group.
         ValueError: ``device_optimizer`` with ``zero_stage``; ``host_precision`` not a
             preset or a HostPrecision, or lean masters with a wire dtype other than bf16,
-            or other than fp32 with ``zero_stage`` or ``device_optimizer`` (the message
-            names what works).
+            or other than fp32 with ``zero_stage`` (the message names what works).
         MemoryError: ``host_precision="auto"`` and not even the leanest fits (the message
             gives each preset's size).
     """
@@ -210,16 +213,11 @@ def offload(
     else:
         precision = HostPrecision.parse(host_precision)
     precision.check_wire(wire_dtype)
-    if not precision.is_exact or precision.gradients != "full":
-        for flag, what in (
-            (zero_stage is not None, "zero_stage"),
-            (device_optimizer, "device_optimizer=True"),
-        ):
-            if flag:
-                raise ValueError(
-                    f"host_precision={precision.name!r} cannot be combined with {what} yet; "
-                    "use host_precision='fp32' with it, or leave it out"
-                )
+    if (not precision.is_exact or precision.gradients != "full") and zero_stage is not None:
+        raise ValueError(
+            f"host_precision={precision.name!r} cannot be combined with zero_stage yet; "
+            "use host_precision='fp32' with it, or leave it out"
+        )
     remove_stale_store_files(shm_directory())  # of ranks that died: see [Note: host store files]
     owners = None
     if device_optimizer and zero_stage is not None:

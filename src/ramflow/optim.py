@@ -24,6 +24,7 @@ from ._engine import Engine
 from ._host_formats import check_optimizer_formats
 from ._lean_kernels import QBLOCK, lean_adamw_step_, quantize_blockwise
 from ._linear import attach_pending
+from ._plan import LEAN_DEVICE_STEP_PIECE
 from ._registry import engine_of_param
 from ._units import _Unit
 
@@ -404,10 +405,14 @@ class AdamW(HostOptimizer):
         group: dict[str, Any],
         step: int,
         wire_out: torch.Tensor | None,
+        master: torch.Tensor | None = None,
     ) -> None:
         """One AdamW step of elements ``lo:hi`` of ``unit``'s trainable prefix in its host
         format (``_lean_kernels.lean_adamw_step_``); ``lo`` is a multiple of ``QBLOCK``, so
-        the rounding and the 8-bit blocks are those of the whole unit."""
+        the rounding and the 8-bit blocks are those of the whole unit. ``master``: the
+        unit's trainable master weights if not the host's (a device step's), ``flats``
+        then the device's states."""
+        master = unit.master if master is None else master
         beta1, beta2 = group["betas"]
         b_lo, b_hi = lo // QBLOCK, -(-hi // QBLOCK)
 
@@ -416,7 +421,7 @@ class AdamW(HostOptimizer):
 
         comp = flats.get("master_compensation")
         lean_adamw_step_(
-            unit.master[lo:hi], grad, flats["exp_avg"][lo:hi], flats["exp_avg_sq"][lo:hi],
+            master[lo:hi], grad, flats["exp_avg"][lo:hi], flats["exp_avg_sq"][lo:hi],
             step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
             eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
             compensation=None if comp is None else comp[lo:hi],
@@ -427,20 +432,26 @@ class AdamW(HostOptimizer):
         )  # fmt: skip
 
     def device_state(self, unit: _Unit, device: torch.device) -> dict[str, torch.Tensor]:
-        """Device copies of ``unit``'s fp32 master weights and AdamW states (the unit's
-        trainable flat range, ``unit.trainable_numel`` elements each, fp32, on ``device``),
-        for a unit stepped on the device (``ramflow.offload(device_optimizer=True)``); the
-        host states are made first if the unit was never stepped. ``"host_exp_avg"`` and
-        ``"host_exp_avg_sq"`` are the host buffers they are copied back into."""
+        """Device copies of ``unit``'s master weights and AdamW states (the unit's trainable
+        flat range, on ``device``), for a unit stepped on the device
+        (``ramflow.offload(device_optimizer=True)``); the host states are made first if the
+        unit was never stepped. Each state ``name`` has its host buffer, which it is copied
+        back into, as ``"host_" + name``.
+
+        fp32 masters: ``"master"`` (fp32) and the states in the unit's format. bf16 masters:
+        the states (8-bit codes with their absmax, bf16, a Kahan compensation) and no
+        ``"master"``: the bf16 master is the wire copy, so the unit's device copy is the
+        master and is stepped in place. Lean formats step with the host kernel's arithmetic
+        in PyTorch ops (the same bits; ``lean_adamw_step_``)."""
         flats = self._unit_states(unit)
         n = unit.trainable_numel
-        return {
-            "master": unit.master[:n].to(device, copy=True),
-            "exp_avg": flats["exp_avg"].to(device, copy=True),
-            "exp_avg_sq": flats["exp_avg_sq"].to(device, copy=True),
-            "host_exp_avg": flats["exp_avg"],
-            "host_exp_avg_sq": flats["exp_avg_sq"],
-        }
+        out: dict[str, torch.Tensor] = {}
+        if unit.master.dtype == torch.float32:
+            out["master"] = unit.master[:n].to(device, copy=True)
+        for name in _state_names(unit):
+            out[name] = flats[name].to(device, copy=True)
+            out["host_" + name] = flats[name]
+        return out
 
     def device_flat_step(
         self,
@@ -461,6 +472,23 @@ class AdamW(HostOptimizer):
         assert index is not None
         group = hyper[index]
         params = unit.owned[: unit.num_trainable]
+        if not _exact(unit):
+            step_count = int(self.state[params[0]]["step"]) + 1
+            n = unit.trainable_numel
+            piece = max(QBLOCK, min(piece, LEAN_DEVICE_STEP_PIECE) // QBLOCK * QBLOCK)
+            for lo in range(0, n, piece):
+                hi = min(n, lo + piece)
+                g = grad[lo:hi].to(weights_out.device, non_blocking=True)
+                # a bf16 master is the device copy; an fp32 one writes it as the wire
+                fp32 = "master" in state
+                self._lean_step(
+                    unit, state, lo, hi, g, group, step_count,
+                    weights_out[lo:hi] if fp32 else None,
+                    master=state["master"] if fp32 else weights_out,
+                )  # fmt: skip
+            for p in params:
+                self.state[p]["step"].add_(1)
+            return
         beta1, beta2 = group["betas"]
         master, m, v = state["master"], state["exp_avg"], state["exp_avg_sq"]
         step = torch.full((), float(self.state[params[0]]["step"]) + 1, device=master.device)

@@ -1,0 +1,114 @@
+"""Lean host formats with units stepped on the device (``device_optimizer=True``).
+
+A bf16 master is the unit's device copy, so a device step adds only the unit's states (in
+their format) on the device and runs the host kernel's arithmetic there in PyTorch ops.
+Against the same model and format stepped on the host alone (a deepcopy), every loss,
+weight and state is bit-identical: on the CPU device (CI) and, marked ``gpu``, on CUDA,
+where the step runs as PyTorch's CUDA ops.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ramflow
+from models import MLPStack
+from ramflow._plan import LEAN_DEVICE_STEP_SCRATCH_BYTES
+from ramflow._host_formats import HostPrecision
+from test_parity import mlp_batches, mse
+
+FORMATS = ["lean", "kahan", "bf16"]
+
+
+def offload_first_two_on_device(model, device, precision: str) -> list[str]:
+    """Offload ``model`` (every unit resident) with a budget that leaves room for the
+    device states of its first two units only; returns the units stepped there."""
+    kwargs = dict(device=device, wire_dtype=torch.bfloat16, host_precision=precision)
+    probe = copy.deepcopy(model)
+    ramflow.offload(probe, gpu_memory=10**9, **kwargs)
+    engine = ramflow.api._engine(probe)
+    planned = engine.plan.planned_bytes
+    assert len(engine.plan.resident) == len(engine.units)
+    first_two = sum(u.trainable_numel for u in engine.units[:2])
+    ramflow.undo(probe)
+    per_param = HostPrecision.parse(precision).device_step_bytes_per_parameter
+    budget = planned + LEAN_DEVICE_STEP_SCRATCH_BYTES + int(per_param * first_two) + 1
+    ramflow.offload(model, gpu_memory=budget, device_optimizer=True, **kwargs)
+    plan = ramflow.get_plan(model)
+    assert plan.planned_bytes <= budget
+    return list(plan.device_stepped)
+
+
+@pytest.mark.parametrize("precision", FORMATS)
+def test_device_steps_give_the_host_steps_bits(device, precision):
+    torch.manual_seed(0)
+    model = MLPStack(depth=4)
+    host_only = copy.deepcopy(model)
+    stepped = offload_first_two_on_device(model, device, precision)
+    assert len(stepped) == 2
+    ramflow.offload(
+        host_only, device=device, wire_dtype=torch.bfloat16, host_precision=precision
+    )
+    # the device states are the format's, not fp32 ones: 12 bytes per parameter would
+    # not have fit the budget for even one unit of this size
+    per_param = HostPrecision.parse(precision).device_step_bytes_per_parameter
+    assert per_param < 6
+    opts = [
+        ramflow.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        for m in (model, host_only)
+    ]
+    for batch in mlp_batches(6, device):
+        losses = []
+        for m, opt in zip((model, host_only), opts):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = mse(m, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+    engine = ramflow.api._engine(model)
+    assert any(u.device_state is not None for u in engine.units)  # stepped there
+    ramflow.synchronize(model)
+    ramflow.synchronize(host_only)
+    for (name, p), q in zip(model.named_parameters(), host_only.parameters()):
+        assert torch.equal(p, q), name
+    states = [opt.state_dict()["state"] for opt in opts]
+    assert states[0].keys() == states[1].keys()
+    for key in states[0]:
+        for name, t in states[0][key].items():
+            assert torch.equal(t, states[1][key][name]), (key, name)
+
+
+def test_a_model_saved_after_device_steps_resumes_with_the_same_bits(device):
+    torch.manual_seed(0)
+    base = MLPStack(depth=4)
+    model, resumed = copy.deepcopy(base), copy.deepcopy(base)
+    offload_first_two_on_device(model, device, "lean")
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = mlp_batches(6, device)
+
+    def train(m, o, part):
+        out = []
+        for batch in part:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = mse(m, batch)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+        return out
+
+    first = train(model, opt, batches[:3])
+    saved_model = copy.deepcopy(model.state_dict())  # the device's newest, pulled back
+    saved_opt = copy.deepcopy(opt.state_dict())
+    rest = train(model, opt, batches[3:])
+
+    offload_first_two_on_device(resumed, device, "lean")
+    opt2 = ramflow.optim.AdamW(resumed.parameters(), lr=1e-2)
+    resumed.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    assert first and train(resumed, opt2, batches[3:]) == rest
