@@ -16,8 +16,8 @@ import torch
 
 import ramflow
 from models import MLPStack
-from ramflow._plan import LEAN_DEVICE_STEP_SCRATCH_BYTES
 from ramflow._host_formats import HostPrecision
+from ramflow._plan import LEAN_DEVICE_STEP_SCRATCH_BYTES
 from test_parity import mlp_batches, mse
 
 FORMATS = ["lean", "kahan", "bf16"]
@@ -49,16 +49,13 @@ def test_device_steps_give_the_host_steps_bits(device, precision):
     host_only = copy.deepcopy(model)
     stepped = offload_first_two_on_device(model, device, precision)
     assert len(stepped) == 2
-    ramflow.offload(
-        host_only, device=device, wire_dtype=torch.bfloat16, host_precision=precision
-    )
+    ramflow.offload(host_only, device=device, wire_dtype=torch.bfloat16, host_precision=precision)
     # the device states are the format's, not fp32 ones: 12 bytes per parameter would
     # not have fit the budget for even one unit of this size
     per_param = HostPrecision.parse(precision).device_step_bytes_per_parameter
     assert per_param < 6
     opts = [
-        ramflow.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-        for m in (model, host_only)
+        ramflow.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, host_only)
     ]
     for batch in mlp_batches(6, device):
         losses = []
