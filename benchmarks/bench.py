@@ -141,9 +141,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--host-precision",
         choices=("fp32", "bf16", "lean", "kahan"),
         default="fp32",
-        help="ramflow.offload(host_precision=...) of ramflow's training cases; fp32 also "
-        "steps the first resident units on the GPU (device_optimizer=True), which the "
-        "others do not support",
+        help="ramflow.offload(host_precision=...) of ramflow's training cases (each steps "
+        "the first resident units on the GPU, device_optimizer=True)",
     )
     p.add_argument(
         "--list", action="store_true", help="print the cases and their time estimates, run nothing"

@@ -348,6 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before")
     p.add_argument("--loss-chunk", type=int, default=2048, help="tokens per loss chunk")
     p.add_argument("--threads", type=int, default=None, help="AdamW threads (default: torch's)")
+    p.add_argument(
+        "--device-optimizer",
+        action="store_true",
+        help="device_optimizer=True: the resident units the budget leaves room for are "
+        "stepped on the GPU (the predicted step does not model it; off by default)",
+    )
     p.add_argument("--out-dir", required=True)
     p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU, 2 steps")
     args = p.parse_args(argv)
@@ -408,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         host_precision=args.host_precision,
         activation_checkpointing=True,
         weights=random_init,
+        device_optimizer=args.device_optimizer,
     )
     result["load_s"] = time.perf_counter() - t0
     result["load_peak_rss_bytes"] = _vm("VmHWM")

@@ -319,11 +319,9 @@ def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
     )
     budget, budget_info = _ramflow_budget(case, model, ids, labels, device)
     # what the budget leaves after the plan holds the first units' optimizer on the GPU
-    # fp32 host formats: what the budget leaves after the plan holds the first units'
-    # optimizer on the GPU (the lean formats step every unit on the host)
-    device_optimizer = offload_kwargs.get("host_precision", "fp32") == "fp32"
+    # (fp32: masters and states, 12 bytes per parameter; lean formats: their states only)
     ramflow.offload(
-        model, gpu_memory=budget, device=device, device_optimizer=device_optimizer, **offload_kwargs
+        model, gpu_memory=budget, device=device, device_optimizer=True, **offload_kwargs
     )
     counter.watch(model)
     opt = ramflow.optim.AdamW(model.parameters(), **RAMFLOW_OPTIMIZER)
