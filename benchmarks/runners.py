@@ -318,10 +318,13 @@ def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
         model_shape(model).vocab_size, case["batch"], case["seq"], device=device
     )
     budget, budget_info = _ramflow_budget(case, model, ids, labels, device)
-    # what the budget leaves after the plan holds the first units' optimizer on the GPU
-    # (fp32: masters and states, 12 bytes per parameter; lean formats: their states only)
+    # fp32 host formats: what the budget leaves after the plan holds the first units'
+    # optimizer on the GPU. Not the lean formats: their device step, the host kernel's
+    # arithmetic in PyTorch ops, made the 4x2048 step slower (1452 against 980 ms on the
+    # H100, benchmarks/results/2026-11-23-nvidia-h100-lean-device-step)
+    device_optimizer = offload_kwargs.get("host_precision", "fp32") == "fp32"
     ramflow.offload(
-        model, gpu_memory=budget, device=device, device_optimizer=True, **offload_kwargs
+        model, gpu_memory=budget, device=device, device_optimizer=device_optimizer, **offload_kwargs
     )
     counter.watch(model)
     opt = ramflow.optim.AdamW(model.parameters(), **RAMFLOW_OPTIMIZER)

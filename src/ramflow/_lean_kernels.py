@@ -418,7 +418,10 @@ def _step_torch(
     v = v * c["beta2"] + (g * c["one_minus_beta2"]) * g
     # torch's fp32 sqrt is not correctly rounded on every CPU (AVX2 builds differ from
     # IEEE in about 1 of 6 elements); the fp64 square root rounded to fp32 is, as C++'s is.
-    denom = v.double().sqrt().float() / c["bc2_sqrt"] + c["eps"]
+    # PyTorch's CUDA division by a Python scalar multiplies by its reciprocal (one more
+    # rounding); a 0-dim tensor on the device is divided by, correctly rounded
+    bc2_sqrt = c["bc2_sqrt"] if v.device.type == "cpu" else v.new_tensor(c["bc2_sqrt"])
+    denom = v.double().sqrt().float() / bc2_sqrt + c["eps"]
     p = p + (m * c["neg_step_size"]) / denom
     _store_state(exp_avg.view(-1), m_absmax, m, signed=True)
     _store_state(exp_avg_sq.view(-1), v_absmax, v, signed=False)
