@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from ._clip import install_clip_route
+from ._frozen_formats import raise_if_trained
 from ._gradients import GradientPath
 from ._hooks import ModuleCall
 from ._host_formats import HostPrecision
@@ -85,6 +87,7 @@ class Engine:
         host_precision: HostPrecision | None = None,
         host_precision_reason: str | None = None,
         fill: FillMaster | None = None,
+        frozen_format: str | None = None,
     ) -> None:
         # model None: a layer engine (see ``ramflow._linear``): no root module, units are
         # added one by one with ``add_units``, worker and streams are shared per device.
@@ -101,6 +104,7 @@ class Engine:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._gpu_memory_bytes = gpu_memory_bytes
         self._host_precision_reason = host_precision_reason
+        self.frozen_format = frozen_format
         # fixed device bytes: buffers stay on the device (tiny, and BatchNorm-style running
         # statistics are updated in forward)
         self._fixed_bytes = (
@@ -181,13 +185,20 @@ class Engine:
         Called once by the constructor, and by ``ramflow.Linear`` for each layer that joins
         a layer engine. ``fill``: see ``HostStore.build``. Raises MemoryError (host RAM) or
         ValueError (GPU budget)."""
-        new = [_Unit(len(self.units) + i, s) for i, s in enumerate(specs)]
+        new = [
+            _Unit(len(self.units) + i, s, frozen_format=self.frozen_format)
+            for i, s in enumerate(specs)
+        ]
         self.host.check_memory(new)
         all_units = self.units + new
+        # a load of compressed weights stages them on the device: one unit's at a time
+        staging = 0
+        if self.device.type == "cuda":
+            staging = max((u.packed_bytes(self.wire_dtype) for u in all_units), default=0)
         plan = make_plan(
             device=str(self.device),
             **plan_inputs(all_units, self.wire_dtype),
-            fixed_bytes=self._fixed_bytes,
+            fixed_bytes=self._fixed_bytes + staging,
             gpu_memory_bytes=self._gpu_memory_bytes,
             prefetch_depth=self.prefetch_depth,
         )
@@ -210,6 +221,8 @@ class Engine:
             host_bytes=self.host.store_bytes(all_units)
             + optimizer_state_bytes(all_units, precision),
             host_precision_reason=self._host_precision_reason,
+            frozen_format=self.frozen_format,
+            unit_h2d_bytes=tuple(u.h2d_bytes(self.wire_dtype) for u in all_units),
         )
         self.plan: OffloadPlan = plan
         resident = set(plan.resident)
@@ -228,6 +241,7 @@ class Engine:
             if u.resident:
                 self.window.load_resident(u)
         self.schedule.add_units(new)
+        self._install_compressed_hooks(new, specs)
         if self._layer_engine:  # a layer: its own state dict is the way in and out
             for u in new:
                 for m in u.modules:
@@ -236,6 +250,29 @@ class Engine:
             for p in u.owned:
                 set_engine_of_param(p, self)
         return new
+
+    def _install_compressed_hooks(self, units: list[_Unit], specs: list[UnitSpec]) -> None:
+        """State-dict hooks on the modules that hold compressed weights: saving gives them
+        dequantized, loading compresses them. See [Note: compressed frozen weights] in
+        ``ramflow._frozen_formats``."""
+        for u, spec in zip(units, specs):
+            index = {id(p): i for i, p in enumerate(u.compressed)}
+            by_module: dict[nn.Module, list[tuple[str, int]]] = {}
+            for module, name in spec.slots:
+                i = index.get(id(module._parameters[name]))
+                if i is not None:
+                    by_module.setdefault(module, []).append((name, i))
+            for module, entries in by_module.items():
+                hook = _CompressedStateDict(self, u, entries)
+                # partials: torch marks the hooks it is given with an attribute
+                save, load = functools.partial(hook.save), functools.partial(hook.load)
+                self._hooks.append(module.register_state_dict_post_hook(save))
+                self._hooks.append(module.register_load_state_dict_pre_hook(load))
+
+    def raise_if_trained(self) -> None:
+        """Raise RuntimeError if a compressed weight was made trainable after offload."""
+        for u in self.units:
+            raise_if_trained(u.compressed, u.frozen_format)
 
     def _install_state_dict_hooks(self, module: nn.Module, *, before_load: bool) -> None:
         sync = weak_method(self._synchronize_hook)
@@ -287,6 +324,7 @@ class Engine:
     def schedule_step(self, opt: StepOptimizer) -> None:
         """Called by ``opt.step()``: check or schedule the step of every unit it holds."""
         self.schedule.settle()
+        self.raise_if_trained()
         self.stepper.schedule_step(opt)
         dist = self.stepper.live_dist()
         if dist is not None:
@@ -372,6 +410,10 @@ class Engine:
             module.__dict__.pop("zero_grad", None)
         for u in self.units:
             self.stepper.drop_device_state(u)
+            if u.compressed:
+                for p in u.compressed:  # swap_tensors refuses a tensor weakly referenced
+                    set_engine_of_param(p, None)
+                self.host.restore_compressed(u)
         self.window.free_all(self.units)
         with torch.no_grad():
             for u in self.units:
@@ -388,3 +430,39 @@ class Engine:
         for u in self.units:
             for p in u.owned:
                 set_engine_of_param(p, None)
+
+
+class _CompressedStateDict:
+    """The state-dict hooks of one module's compressed weights (held by the engine's
+    hook handles; they reach the engine weakly)."""
+
+    def __init__(self, engine: Engine, u: _Unit, entries: list[tuple[str, int]]) -> None:
+        self._engine = weakref.ref(engine)
+        self._unit = weakref.ref(u)
+        self._entries = entries
+
+    def save(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        """``state_dict``: each compressed weight dequantized, in the wire dtype (the
+        values the device computes with), instead of its meta stand-in."""
+        engine, u = self._engine(), self._unit()
+        if engine is None or u is None:
+            return
+        for name, i in self._entries:
+            if prefix + name in state_dict:
+                dtype = module._parameters[name].dtype
+                state_dict[prefix + name] = engine.host.read_compressed(u, i, dtype)
+
+    def load(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        """``load_state_dict``: compress the given values into the store (the root's
+        post-hook then reloads every unit), and hand the default loader a meta tensor in
+        their place, so that its copy into the meta stand-in is the no-op it is, silently."""
+        engine, u = self._engine(), self._unit()
+        if engine is None or u is None:
+            return
+        for name, i in self._entries:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and not value.is_meta:
+                if tuple(value.shape) != tuple(module._parameters[name].shape):
+                    continue  # the default loader reports the mismatch
+                engine.host.write_compressed(u, i, value)
+                state_dict[prefix + name] = torch.empty_like(value, device="meta")

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import psutil
 import torch
 
+from ._frozen_formats import FrozenStore, compressed_nbytes, give_back, meta_stand_in
 from ._host_formats import PRESETS, HostPrecision
 from ._plan import format_bytes
 from ._streams import alloc_host, pin_in_place, unpin
@@ -49,9 +50,11 @@ def store_bytes(units: list[_Unit], precision: HostPrecision, wire_dtype: torch.
     need = 0
     for u in units:
         if u.given_master is None:
-            need += u.numel * master_size
+            need += u.kept_numel * master_size
         if pr.master == "fp32" and wire_dtype != torch.float32:
-            need += u.numel * wire_size
+            need += u.kept_numel * wire_size
+        for n in u.compressed_numels():
+            need += compressed_nbytes(u.frozen_format, n, wire_dtype)
         if pr.gradients == "full":
             need += u.trainable_numel * (master_size + wire_size)
     if pr.gradients == "ring":
@@ -191,6 +194,9 @@ class HostStore:
                 [self._ring_numel, *(u.trainable_numel for u in units)], default=0
             )
         for u in units:
+            assert not u.compressed or (u.given_master is None and u.given_wire is None), (
+                "offload refuses frozen_format with given host buffers"
+            )
             u.precision = self.precision
             u.rounding_seed = self.precision.unit_seed(u.index)
             if u.given_master is not None:
@@ -207,21 +213,24 @@ class HostStore:
                 # a bf16 master is the wire copy: pinned, as a wire copy is
                 master_is_wire = lean_master or self.wire_dtype == torch.float32
                 u.master = alloc_host(
-                    u.numel,
+                    u.kept_numel,
                     self.precision.master_dtype,
                     pin=pin and master_is_wire,
                     what=f"the master weights of unit {u.name!r}",
                 )
                 u.master.zero_()  # padding between views stays defined
-                views = u.views(u.master)
+                kept = u.owned[: u.num_kept]
+                views = u.views(u.master, kept_only=True)
                 with torch.no_grad():
                     if fill is None:
-                        for view, p in zip(views, u.owned):
+                        for view, p in zip(views, kept):
                             view.copy_(p.detach())
                     else:
-                        fill(u.owned, views)
-                    for view, p in zip(views, u.owned):
+                        fill(kept, views)
+                    for view, p in zip(views, kept):
                         p.data = view
+                if u.compressed:
+                    self._build_compressed(u, fill)
             if u.given_wire is not None:
                 u.wire = u.given_wire
                 if pin:
@@ -231,9 +240,51 @@ class HostStore:
                 u.wire = u.master
             else:
                 u.wire = alloc_host(
-                    u.numel, self.wire_dtype, pin=pin, what=f"the wire copy of {u.name!r}"
+                    u.kept_numel, self.wire_dtype, pin=pin, what=f"the wire copy of {u.name!r}"
                 )
                 u.wire.copy_(u.master)
+
+    def _build_compressed(self, u: _Unit, fill: FillMaster | None) -> None:
+        """Compress ``u``'s frozen matrices one at a time (from their data, or read by
+        ``fill`` into a buffer of one parameter) and make their host parameters meta
+        stand-ins. See [Note: compressed frozen weights] in ``ramflow._frozen_formats``."""
+        params = u.compressed
+        u.frozen = FrozenStore(
+            u.frozen_format,
+            params,
+            u.compressed_numels(),
+            wire_dtype=self.wire_dtype,
+            alloc=lambda nbytes: alloc_host(
+                nbytes, torch.uint8, pin=self._pin, what=f"the compressed weights of {u.name!r}"
+            ),
+        )
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                if fill is None:
+                    u.frozen.write(i, p.detach())
+                else:
+                    buf = torch.empty(p.shape, dtype=torch.float32)
+                    fill([p], [buf])
+                    u.frozen.write(i, buf)
+                    del buf
+                meta_stand_in(p, self.wire_dtype)
+
+    def read_compressed(self, u: _Unit, i: int, dtype: torch.dtype) -> torch.Tensor:
+        """The ``i``-th compressed parameter of ``u`` dequantized (a new CPU tensor in
+        ``dtype``): the values its device copy computes with."""
+        return u.frozen.read(i, dtype)
+
+    def write_compressed(self, u: _Unit, i: int, values: torch.Tensor) -> None:
+        """Compress ``values`` into the ``i``-th compressed parameter of ``u``
+        (``load_state_dict``); the caller marks the unit stale and refreshes it after."""
+        self.before_host_write(u)
+        u.frozen.write(i, values)
+
+    def restore_compressed(self, u: _Unit) -> None:
+        """``undo``: the compressed parameters become ordinary CPU parameters again,
+        dequantized, in their original dtypes."""
+        for i, p in enumerate(u.compressed):
+            give_back(p, u.frozen.read(i, u.orig_dtypes[u.num_kept + i]))
 
     def staging(self, u: _Unit) -> torch.Tensor:
         """``u``'s gradient staging buffer (T,) in the wire dtype, pinned on a GPU. Per unit,

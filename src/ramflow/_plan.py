@@ -98,6 +98,11 @@ class OffloadPlan:
             states, for the whole model (engine plans only; None for ``ramflow plan``'s
             timed plans, which give their own host estimate).
         host_precision_reason: why ``host_precision="auto"`` chose it (None otherwise).
+        frozen_format: how frozen matrices are kept (``"int8"``, ``"nf4"``; None: in the
+            wire dtype).
+        unit_h2d_bytes: bytes one load of each unit moves over PCIe, where it differs from
+            ``unit_bytes`` (compressed frozen weights, dequantized on the device); None:
+            ``unit_bytes``.
     """
 
     device: str
@@ -123,6 +128,8 @@ class OffloadPlan:
     host_bytes_per_parameter: float | None = field(default=None, compare=False)
     host_bytes: int | None = field(default=None, compare=False)
     host_precision_reason: str | None = field(default=None, compare=False)
+    frozen_format: str | None = field(default=None, compare=False)
+    unit_h2d_bytes: tuple[int, ...] | None = field(default=None, compare=False)
 
     @property
     def resident_bytes(self) -> int:
@@ -145,7 +152,8 @@ class OffloadPlan:
     def streamed_bytes_per_pass(self) -> int:
         """H2D bytes of one forward pass (a training step moves about twice this)."""
         res = set(self.resident)
-        return sum(b for n, b in zip(self.unit_names, self.unit_bytes) if n not in res)
+        sizes = self.unit_bytes if self.unit_h2d_bytes is None else self.unit_h2d_bytes
+        return sum(b for n, b in zip(self.unit_names, sizes) if n not in res)
 
     def offload_kwargs(self) -> dict:
         """The ``ramflow.offload`` arguments that give this plan: ``gpu_memory`` (ramflow's
@@ -181,6 +189,8 @@ class OffloadPlan:
                 host += f", {format_bytes(self.host_bytes)} with AdamW's states"
             if self.host_precision_reason:
                 host += f" (auto: {self.host_precision_reason})"
+            if self.frozen_format is not None:
+                host += f"; frozen matrices {self.frozen_format}, dequantized on the device"
             lines.append(host)
         if self.device_stepped:
             lines[2] = lines[2].replace(

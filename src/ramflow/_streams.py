@@ -18,6 +18,8 @@ core from them. The wake-up costs tens of microseconds, against waits of millise
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ._plan import format_bytes
@@ -67,6 +69,27 @@ class CopyStreams:
         stream = self.h2d_stream
         with torch.cuda.stream(stream), torch.profiler.record_function("ramflow.h2d"):
             dst.copy_(src, non_blocking=True)
+            event = record_event(stream)
+        return event
+
+    def h2d_then(
+        self, src: torch.Tensor, then: Callable[[torch.Tensor], None]
+    ) -> torch.cuda.Event | None:
+        """Copy pinned ``src`` into a device staging tensor on the H2D stream and call
+        ``then(staging)`` there (it writes the unit's device tensor, e.g. dequantizes);
+        the event recorded after it covers both. On the CPU ``then(src)`` runs at once.
+
+        The staging tensor is allocated and used on the H2D stream only, so the caching
+        allocator may hand its memory to the next copy as soon as it is freed here: the
+        next use is ordered after this one. See [Note: copies and events]."""
+        if not self.is_cuda:
+            then(src)
+            return None
+        stream = self.h2d_stream
+        with torch.cuda.stream(stream), torch.profiler.record_function("ramflow.h2d_dequantize"):
+            staging = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            staging.copy_(src, non_blocking=True)
+            then(staging)
             event = record_event(stream)
         return event
 

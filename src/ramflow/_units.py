@@ -28,6 +28,8 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from ._frozen_formats import compressed_nbytes, compresses, embedding_params
+
 # elements: every parameter's view starts on a multiple of 256, which keeps views 512-byte
 # aligned in fp32 and puts each parameter on whole blocks of the 8-bit optimizer states
 # (``_lean_kernels.QBLOCK``), so a parameter can be stepped on its own in every host format
@@ -233,21 +235,35 @@ class _Unit:
     def __reduce__(self) -> Any:
         refuse_copy()
 
-    def __init__(self, index: int, spec: UnitSpec) -> None:
-        # layout (fixed at construction)
+    def __init__(self, index: int, spec: UnitSpec, *, frozen_format: str | None = None) -> None:
+        # layout (fixed at construction): trainable parameters, then the frozen ones kept
+        # in the master's dtype, then those compressed under ``frozen_format`` (see
+        # [Note: compressed frozen weights] in ``ramflow._frozen_formats``)
         self.index = index
         self.name = spec.name
         self.rest = spec.rest
         self.modules = spec.modules
-        self.owned = spec.owned
+        self.frozen_format = frozen_format
+        if frozen_format is None:
+            self.owned = spec.owned
+            self.num_kept = len(spec.owned)
+        else:
+            embeddings = embedding_params(spec.slots)
+            self.owned = sorted(
+                spec.owned, key=lambda p: (not p.requires_grad, compresses(p, embeddings))
+            )
+            self.num_kept = sum(1 for p in self.owned if not compresses(p, embeddings))
         self.num_trainable = sum(1 for p in spec.owned if p.requires_grad)
         self.offsets: list[int] = []
         n = 0
-        for p in spec.owned:
+        self.kept_numel = 0
+        for p in self.owned:
             self.offsets.append(n)
             n += -(-p.numel() // _ALIGN) * _ALIGN
             if len(self.offsets) == self.num_trainable:
                 self.trainable_numel = n
+            if len(self.offsets) == self.num_kept:
+                self.kept_numel = n
         if self.num_trainable == 0:
             self.trainable_numel = 0
         self.numel = n
@@ -255,7 +271,7 @@ class _Unit:
         self.other_deps: list[_Unit] = []  # owners of tied parameters this unit reads
         # (module, name, host parameter, device parameter) for every slot the forward reads
         self.slots: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
-        self.orig_dtypes = [p.dtype for p in spec.owned]
+        self.orig_dtypes = [p.dtype for p in self.owned]
         self.given_master = spec.master
         self.given_wire = spec.wire
         self.owner: int | None = None  # the rank that steps this unit (ZeRO), None: every rank
@@ -263,6 +279,7 @@ class _Unit:
         self.master: torch.Tensor
         self.wire: torch.Tensor
         self.staging: torch.Tensor | None = None
+        self.frozen: Any = None  # the compressed parameters' ``FrozenStore``, if any
         self.precision: Any = None  # the store's HostPrecision
         self.rounding_seed = 0  # the stochastic rounding's seed of this unit
         # device side (``_window``)
@@ -311,10 +328,41 @@ class _Unit:
 
     @property
     def nbytes(self) -> int:
+        """Device bytes of the unit (its full flat tensor in the wire dtype)."""
         return self.numel * self.wire.element_size()
 
-    def views(self, flat: torch.Tensor, *, trainable_only: bool = False) -> list[torch.Tensor]:
-        params = self.owned[: self.num_trainable] if trainable_only else self.owned
+    @property
+    def compressed(self) -> list[nn.Parameter]:
+        """The parameters kept compressed (empty without a frozen format)."""
+        return self.owned[self.num_kept :]
+
+    def compressed_numels(self) -> list[int]:
+        """The compressed parameters' padded element counts, in order."""
+        ends = [*self.offsets[self.num_kept + 1 :], self.numel]
+        return [end - off for off, end in zip(self.offsets[self.num_kept :], ends)]
+
+    def packed_bytes(self, wire_dtype: torch.dtype) -> int:
+        """Bytes of the compressed parameters (host buffer, device staging)."""
+        fmt = self.frozen_format
+        return sum(compressed_nbytes(fmt, n, wire_dtype) for n in self.compressed_numels())
+
+    def h2d_bytes(self, wire_dtype: torch.dtype) -> int:
+        """Bytes one load moves over PCIe: the kept elements in ``wire_dtype`` plus the
+        compressed parameters' bytes."""
+        return self.kept_numel * wire_dtype.itemsize + self.packed_bytes(wire_dtype)
+
+    def views(
+        self, flat: torch.Tensor, *, trainable_only: bool = False, kept_only: bool = False
+    ) -> list[torch.Tensor]:
+        """Views of ``flat`` shaped as the owned parameters: all of them (the device
+        tensor), the trainable ones, or those kept uncompressed (a master of
+        ``kept_numel``)."""
+        if trainable_only:
+            params = self.owned[: self.num_trainable]
+        elif kept_only:
+            params = self.owned[: self.num_kept]
+        else:
+            params = self.owned
         return [flat[off : off + p.numel()].view(p.shape) for off, p in zip(self.offsets, params)]
 
     def __repr__(self) -> str:
@@ -328,7 +376,7 @@ def plan_inputs(units: list[_Unit], wire_dtype: torch.dtype) -> dict[str, Any]:
     return {
         "wire_dtype": str(wire_dtype).replace("torch.", ""),
         "unit_names": [u.name for u in units],
-        "unit_bytes": [u.numel * wire_size for u in units],
+        "unit_bytes": [u.numel * wire_size for u in units],  # device bytes (the window)
         "unit_grad_bytes": [u.trainable_numel * wire_size for u in units],
         "always_resident": [u.rest for u in units],
     }

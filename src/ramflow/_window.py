@@ -172,7 +172,9 @@ class DeviceWindow:
     # ------------------------------------------------------------------ copies
 
     def _issue_h2d(self, u: _Unit) -> None:
-        """Copy ``u``'s wire buffer into its device storage (lock held, storage allocated).
+        """Copy ``u``'s wire buffer into its device storage (lock held, storage allocated),
+        and its compressed weights, dequantized there (see [Note: compressed frozen
+        weights] in ``ramflow._frozen_formats``).
 
         Overwriting a copy that is still on the device (a resident unit after its step, a
         stale cached one) waits for the streams that read it, so queued kernels never see
@@ -180,7 +182,13 @@ class DeviceWindow:
         if u.device_version != -1:
             for stream in u.used_streams:
                 self.streams.h2d_stream.wait_stream(stream)
-        event = self.streams.h2d(u.device_alias, u.wire)
+        k = u.kept_numel
+        event = self.streams.h2d(u.device_alias[:k], u.wire) if k else None
+        if u.frozen is not None:
+            # one stream: this event also stands for the kept elements' copy
+            event = self.streams.h2d_then(
+                u.frozen.host, lambda src: u.frozen.dequantize(src, u.device_alias[k:])
+            )
         u.h2d_event = event
         u.wire_read_event = event
         u.device_version = u.host_version

@@ -18,6 +18,7 @@ from ._dist import (
     shm_directory,
 )
 from ._engine import Engine
+from ._frozen_formats import check_frozen_format, parse_frozen_format
 from ._host_formats import HostPrecision
 from ._host_store import choose_precision
 from ._loading import MetaLoader, Weights
@@ -40,6 +41,7 @@ def offload(
     device_optimizer: bool = False,
     host_precision: HostPrecision | str | None = None,
     weights: Weights | None = None,
+    frozen_format: str | None = None,
 ) -> nn.Module:
     """Keep ``model``'s weights in CPU RAM and stream them through the device per unit.
 
@@ -127,6 +129,17 @@ def offload(
             ``from_pretrained`` does, and its non-persistent buffers (rotary ``inv_freq``)
             are recomputed by its ``_init_weights``. Files are checked from their headers
             before anything is allocated; on any error the model stays on the meta device.
+        frozen_format: keep frozen matrices (``requires_grad=False``, two or more
+            dimensions, not embeddings: a LoRA base) compressed in host RAM and over PCIe,
+            dequantized on the device into the wire dtype: ``"int8"`` (block-wise absmax,
+            64 elements per bf16 absmax: about 1.03 bytes per parameter) or ``"nf4"``
+            (QLoRA's 4-bit NormalFloat, Dettmers et al. 2023, through torchao: about 0.52).
+            None (default): in the wire dtype. Trainable parameters are never compressed.
+            The host parameters of compressed weights are meta tensors in the wire dtype
+            (reading their values fails; ``state_dict()`` gives them dequantized,
+            ``load_state_dict`` compresses them, ``undo`` gives them back dequantized).
+            Loading with ``weights=`` compresses each one as it is read. See [Note:
+            compressed frozen weights] in ``ramflow._frozen_formats``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``wire_dtype`` is not floating point;
@@ -144,6 +157,11 @@ def offload(
             or other than fp32 with ``zero_stage`` (the message names what works).
         MemoryError: ``host_precision="auto"`` and not even the leanest fits (the message
             gives each preset's size).
+        ValueError: ``frozen_format`` not a format, with ``zero_stage``, or for a model
+            with no frozen matrix to compress (every parameter trainable).
+        ImportError: ``frozen_format="nf4"`` without torchao.
+        RuntimeError (later, at a forward with gradients or ``opt.step()``): a compressed
+            weight was made trainable (``requires_grad=True``) after ``offload``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"ramflow.offload expects an nn.Module, got {type(model).__name__}")
@@ -204,10 +222,13 @@ def offload(
         raise TypeError(f"wire_dtype must be a floating-point torch.dtype, got {wire_dtype!r}")
     budget = None if gpu_memory is None else parse_bytes(gpu_memory)
     activation_checkpointing = checkpointing_choice(activation_checkpointing)
+    frozen_format = parse_frozen_format(frozen_format)
     specs = find_units(model, units)
+    if frozen_format is not None:
+        check_frozen_format(frozen_format, specs, zero_stage=zero_stage)
     precision_reason = None
     if isinstance(host_precision, str) and host_precision == "auto":
-        layout = [_Unit(i, spec) for i, spec in enumerate(specs)]
+        layout = [_Unit(i, spec, frozen_format=frozen_format) for i, spec in enumerate(specs)]
         available = psutil.virtual_memory().available
         precision, precision_reason = choose_precision(layout, wire_dtype, available)
     else:
@@ -253,6 +274,7 @@ def offload(
             fill=None if loader is None else loader.fill,
             host_precision=precision,
             host_precision_reason=precision_reason,
+            frozen_format=frozen_format,
         )
     except BaseException:
         if loader is not None:
