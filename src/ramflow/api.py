@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._adapters import choose_on_device
 from ._clip import clip_grad_norm_ as clip_grad_norm_  # public here
 from ._dist import (
     DistributedState,
@@ -40,6 +41,7 @@ def offload(
     device_optimizer: bool = False,
     host_precision: HostPrecision | str | None = None,
     weights: Weights | None = None,
+    trainable_on_device: bool | None = None,
 ) -> nn.Module:
     """Keep ``model``'s weights in CPU RAM and stream them through the device per unit.
 
@@ -123,6 +125,18 @@ def offload(
             ``from_pretrained`` does, and its non-persistent buffers (rotary ``inv_freq``)
             are recomputed by its ``_init_weights``. Files are checked from their headers
             before anything is allocated; on any error the model stays on the meta device.
+        trainable_on_device: keep the trainable parameters on the device as ordinary
+            device parameters, out of the units: adapters (LoRA) are stepped there by the
+            optimizer (``ramflow.optim.AdamW`` runs PyTorch's fused AdamW on them; a torch
+            optimizer works too) with no host round trip, and the plan counts them with
+            their gradients and AdamW states (four times their bytes). None (the default):
+            when they are at most 10% of the parameters (by elements) and, with
+            ``gpu_memory``, take at most half of it; never with ``zero_stage``. True:
+            always (a ValueError with ``zero_stage`` or no trainable parameter). False:
+            they stream with their units. Parameters added after ``offload``
+            (``peft.get_peft_model`` on the offloaded model) are kept on the device from
+            the next forward on. See [Note: adapters on the device] in
+            ``ramflow._adapters``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``wire_dtype`` is not floating point;
@@ -201,7 +215,13 @@ def offload(
         raise TypeError(f"wire_dtype must be a floating-point torch.dtype, got {wire_dtype!r}")
     budget = None if gpu_memory is None else parse_bytes(gpu_memory)
     activation_checkpointing = checkpointing_choice(activation_checkpointing)
-    specs = find_units(model, units)
+    on_device = choose_on_device(
+        model,
+        trainable_on_device=trainable_on_device,
+        gpu_memory_bytes=budget,
+        zero_stage=zero_stage,
+    )
+    specs = find_units(model, units, skip=on_device)
     precision_reason = None
     if isinstance(host_precision, str) and host_precision == "auto":
         layout = [_Unit(i, spec) for i, spec in enumerate(specs)]
@@ -243,6 +263,7 @@ def offload(
     try:
         if loader is not None:
             loader.materialize()
+            _fill_on_device(loader, on_device)
         engine = Engine(
             model,
             specs,
@@ -255,6 +276,7 @@ def offload(
             fill=None if loader is None else loader.fill,
             host_precision=precision,
             host_precision_reason=precision_reason,
+            on_device=on_device,
         )
     except BaseException:
         if loader is not None:
@@ -274,10 +296,28 @@ def offload(
     return model
 
 
+def _fill_on_device(loader: MetaLoader, params: list[nn.Parameter]) -> None:
+    """Give the parameters kept on the device (built on the meta device) their values
+    from ``weights``, on the CPU; the engine moves them."""
+    if not params:
+        return
+    views = [torch.empty(p.shape, dtype=torch.float32) for p in params]
+    loader.fill(params, views)
+    with torch.no_grad():
+        for p, view in zip(params, views):
+            p.data = view.to(p.dtype)
+
+
 def _engine(model: nn.Module) -> Engine:
+    """The engine of ``model``, or of the one offloaded module inside it (a
+    ``peft.PeftModel`` wraps the model that was offloaded)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
     engine = engine_of_model(model)
+    if engine is None:
+        inner = {id(e): e for e in map(engine_of_model, model.modules()) if e is not None}
+        if len(inner) == 1:
+            return next(iter(inner.values()))
     if engine is None:
         raise ValueError("this model is not offloaded by ramflow (call ramflow.offload first)")
     return engine
