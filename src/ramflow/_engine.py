@@ -196,6 +196,7 @@ class Engine:
         if self.units and set(plan.resident) != {u.name for u in self.units if u.resident}:
             raise ValueError("adding units would change which units are resident")
         self._set_plan(plan, new)
+        plan = self.plan
         resident = set(plan.resident)
         for u in new:
             u.resident = u.name in resident

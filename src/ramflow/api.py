@@ -349,6 +349,21 @@ def _engines_of(model: nn.Module) -> list[Engine]:
     return engines
 
 
+def adopt(model: nn.Module) -> None:
+    """Take in parameters added to an offloaded model (``peft.get_peft_model`` after
+    ``offload``) and units frozen since, now rather than at the next forward: the new
+    parameters move to the device (see [Note: adapters on the device] in
+    ``ramflow._adapters``). Call it before loading an optimizer state for them, which
+    PyTorch puts on its parameter's device. ``model``: the offloaded model or a module that
+    wraps it (a ``PeftModel``).
+
+    Raises:
+        ValueError: ``model`` is not offloaded; as ``Engine.adopt_changes`` (a unit partly
+            frozen or made trainable after ``offload``, new parameters over ``gpu_memory``).
+    """
+    _engine(model).adopt_changes()
+
+
 def synchronize(model: nn.Module) -> None:
     """Wait until every gradient landing and optimizer step in flight on the host is done,
     so that the host master weights and ``p.grad`` can be read. Works for offloaded models
