@@ -55,3 +55,34 @@ def test_scale_smoke(tmp_path: Path) -> None:
     assert s["peak_rss_bytes"] >= result["load_peak_rss_bytes"] > 0
     assert result["prediction"]["step_s"] is not None, result["prediction"]["why_none"]
     assert (tmp_path / "scale-tiny.md").exists()
+
+
+def test_frozen_quality_smoke(tmp_path: Path) -> None:
+    """Issue 16's quality script: the base trains, every available frozen format is
+    evaluated (the others are skipped with a reason), and LoRA trains on the bf16 base."""
+    _run("frozen_quality.py", "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "frozen_quality.json").read_text())
+    assert result["base_run"]["returncode"] == 0
+    ppl = result["perplexity"]
+    assert ppl["bf16"]["rel_to_bf16"] == 0.0 and math.isfinite(ppl["bf16"]["perplexity"])
+    for name in ("int8", "nf4"):
+        assert "perplexity" in ppl[name] or ppl[name]["skipped"]
+    assert result["lora"]["bf16"]["returncode"] == 0
+    assert math.isfinite(result["lora"]["bf16"]["final_val_loss"])
+    assert "LoRA base" in (tmp_path / "frozen_quality.md").read_text()
+
+
+def test_lora_70b_smoke(tmp_path: Path) -> None:
+    """Issue 16's 70B script on a tiny shape: materialized from the meta device, inference
+    and LoRA steps measured, and accelerate's offload as the peer."""
+    _run("lora_70b.py", "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "lora_70b.json").read_text())
+    inference = result["inference"]
+    assert inference["streamed_bytes_per_pass"] > 0
+    assert inference["prefill"]["seconds"] > 0 and inference["decode_b32"]["seconds_per_token"] > 0
+    assert [r["batch"] for r in result["lora"]] == [1, 4]
+    assert all(r["step_s"] > 0 and r["adapter_parameters"] > 0 for r in result["lora"])
+    assert result["host_rss_peak_bytes"] > 0
+    _run("lora_70b.py", "--peer", "accelerate", "--out-dir", str(tmp_path))
+    peer = json.loads((tmp_path / "lora_70b-accelerate.json").read_text())["peer"]
+    assert peer["returncode"] == 0 and peer["result"]["prefill_s"] > 0

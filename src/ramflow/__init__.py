@@ -6,6 +6,7 @@ from ._linear import Linear
 from ._plan import OffloadPlan, format_bytes, parse_bytes
 from .api import (
     accept_partial_step,
+    adopt,
     clip_grad_norm_,
     get_plan,
     is_offloaded,
@@ -22,6 +23,7 @@ __all__ = [
     "Linear",
     "OffloadPlan",
     "accept_partial_step",
+    "adopt",
     "clip_grad_norm_",
     "distributed",
     "format_bytes",

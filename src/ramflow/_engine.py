@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._adapters import DeviceParameters, device_bytes
 from ._clip import install_clip_route
 from ._frozen_formats import raise_if_trained
 from ._gradients import GradientPath
@@ -88,6 +89,7 @@ class Engine:
         host_precision_reason: str | None = None,
         fill: FillMaster | None = None,
         frozen_format: str | None = None,
+        on_device: Iterable[nn.Parameter] = (),
     ) -> None:
         # model None: a layer engine (see ``ramflow._linear``): no root module, units are
         # added one by one with ``add_units``, worker and streams are shared per device.
@@ -106,10 +108,12 @@ class Engine:
         self._host_precision_reason = host_precision_reason
         self.frozen_format = frozen_format
         # fixed device bytes: buffers stay on the device (tiny, and BatchNorm-style running
-        # statistics are updated in forward)
-        self._fixed_bytes = (
+        # statistics are updated in forward); so do adapters, see [Note: adapters on the device]
+        self._buffer_bytes = (
             0 if model is None else sum(b.numel() * b.element_size() for b in model.buffers())
         )
+        self.adapters = DeviceParameters(device)
+        self.adapters.adopt(on_device)
         self.units: list[_Unit] = []
         self._unit_of_param: dict[int, _Unit] = {}
         # the parts, each given the peers it calls (no cycle: see docs/design.md)
@@ -150,7 +154,11 @@ class Engine:
             self, _release_engine, self.worker if self._owns_worker else None,
             self.host.pinned_in_place,
         )  # fmt: skip
-        self.add_units(specs, fill=fill)
+        try:
+            self.add_units(specs, fill=fill)
+        except BaseException:
+            self.adapters.give_back()
+            raise
         if model is not None:
             for module in model.modules():
                 for name, buf in module._buffers.items():
@@ -191,40 +199,11 @@ class Engine:
         ]
         self.host.check_memory(new)
         all_units = self.units + new
-        # a load of compressed weights stages them on the device: one unit's at a time
-        staging = 0
-        if self.device.type == "cuda":
-            staging = max((u.packed_bytes(self.wire_dtype) for u in all_units), default=0)
-        plan = make_plan(
-            device=str(self.device),
-            **plan_inputs(all_units, self.wire_dtype),
-            fixed_bytes=self._fixed_bytes + staging,
-            gpu_memory_bytes=self._gpu_memory_bytes,
-            prefetch_depth=self.prefetch_depth,
-        )
+        plan = self._make_plan(all_units)
         if self.units and set(plan.resident) != {u.name for u in self.units if u.resident}:
             raise ValueError("adding units would change which units are resident")
-        precision = self.host.precision
-        if self.device_optimizer:
-            plan = with_device_optimizer(
-                plan,
-                [u.trainable_numel for u in all_units],
-                bytes_per_param=precision.device_step_bytes_per_parameter,
-                scratch_bytes=precision.device_step_scratch_bytes,
-            )
-        plan = dataclasses.replace(
-            plan,
-            host_precision=precision.name,
-            host_bytes_per_parameter=precision.bytes_per_parameter(
-                trainable=True, wire_dtype=self.wire_dtype
-            ),
-            host_bytes=self.host.store_bytes(all_units)
-            + optimizer_state_bytes(all_units, precision),
-            host_precision_reason=self._host_precision_reason,
-            frozen_format=self.frozen_format,
-            unit_h2d_bytes=tuple(u.h2d_bytes(self.wire_dtype) for u in all_units),
-        )
-        self.plan: OffloadPlan = plan
+        self._set_plan(plan, new)
+        plan = self.plan
         resident = set(plan.resident)
         for u in new:
             u.resident = u.name in resident
@@ -274,6 +253,46 @@ class Engine:
         for u in self.units:
             raise_if_trained(u.compressed, u.frozen_format)
 
+    def _make_plan(self, all_units: list[_Unit], *, extra_bytes: int = 0) -> OffloadPlan:
+        """The device plan of ``all_units`` with ``extra_bytes`` more kept on the device
+        (raises ValueError when the budget is too small)."""
+        # a load of compressed weights stages them on the device: one unit's at a time
+        staging = 0
+        if self.device.type == "cuda":
+            staging = max((u.packed_bytes(self.wire_dtype) for u in all_units), default=0)
+        return make_plan(
+            device=str(self.device),
+            **plan_inputs(all_units, self.wire_dtype),
+            fixed_bytes=self._buffer_bytes + self.adapters.nbytes + staging + extra_bytes,
+            gpu_memory_bytes=self._gpu_memory_bytes,
+            prefetch_depth=self.prefetch_depth,
+        )
+
+    def _set_plan(self, plan: OffloadPlan, new: list[_Unit]) -> None:
+        """Complete ``plan`` with the device optimizer and the host formats, and keep it."""
+        all_units = self.units + new
+        precision = self.host.precision
+        if self.device_optimizer:
+            plan = with_device_optimizer(
+                plan,
+                [u.trainable_numel for u in all_units],
+                bytes_per_param=precision.device_step_bytes_per_parameter,
+                scratch_bytes=precision.device_step_scratch_bytes,
+            )
+        plan = dataclasses.replace(
+            plan,
+            host_precision=precision.name,
+            host_bytes_per_parameter=precision.bytes_per_parameter(
+                trainable=True, wire_dtype=self.wire_dtype
+            ),
+            host_bytes=self.host.store_bytes(all_units)
+            + optimizer_state_bytes(all_units, precision),
+            host_precision_reason=self._host_precision_reason,
+            frozen_format=self.frozen_format,
+            unit_h2d_bytes=tuple(u.h2d_bytes(self.wire_dtype) for u in all_units),
+        )
+        self.plan: OffloadPlan = plan
+
     def _install_state_dict_hooks(self, module: nn.Module, *, before_load: bool) -> None:
         sync = weak_method(self._synchronize_hook)
         self._hooks.append(module.register_state_dict_pre_hook(sync))
@@ -286,11 +305,94 @@ class Engine:
 
     def _install_root_hooks(self, root: nn.Module) -> None:
         self.schedule.install_root_hooks(root)
+        # prepended after the schedule's: runs first, before a forward pass takes anything
+        self._hooks.append(
+            root.register_forward_pre_hook(weak_method(self._adopt_hook), prepend=True)
+        )
         self._install_state_dict_hooks(root, before_load=True)
         root.__dict__["zero_grad"] = ModuleCall(self._module_zero_grad, root)
 
     def _synchronize_hook(self, *args: Any, **kwargs: Any) -> None:
         self.synchronize()
+
+    def _adopt_hook(self, module: nn.Module, args: tuple) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recomputation inside backward: the pass began with this structure
+        self.adopt_changes()
+
+    def adopt_changes(self) -> None:
+        """Take in what changed in the model since ``offload`` (called before each forward).
+
+        New parameters (``peft.get_peft_model`` on an offloaded model adds adapters to
+        modules inside units) move to the device and stay there, as the adapters that
+        ``offload`` found (see [Note: adapters on the device] in ``ramflow._adapters``). A
+        unit whose trainable parameters were all frozen since (PEFT freezes the base)
+        becomes a frozen unit: no gradients, no step; its host memory stays as laid out
+        (applying the adapters before ``offload`` stores the frozen base leaner).
+
+        Raises:
+            ValueError: a unit's parameters were made trainable, or only some of them
+                frozen, after ``offload`` (its host layout keeps the trainable ones first);
+                the new parameters do not fit in ``gpu_memory`` beside the plan (they stay
+                where they are).
+        """
+        model = self.model
+        if model is None:
+            return
+        known = self.adapters.ids() | self._unit_of_param.keys()
+        new = [p for p in model.parameters() if id(p) not in known]
+        frozen: list[_Unit] = []
+        # requires_grad matters to a forward that records gradients only: under no_grad
+        # (inference) a flag changed since offload trains nothing and is let be
+        training = torch.is_grad_enabled()
+        if training:
+            self.raise_if_trained()  # a compressed weight made trainable: its own message
+        for u in self.units if training else ():
+            flags = [p.requires_grad for p in u.owned]
+            if flags == [k < u.num_trainable for k in range(len(flags))]:
+                continue
+            if any(flags[u.num_trainable :]) or any(flags[: u.num_trainable]):
+                raise ValueError(
+                    f"parameters of unit {u.name!r} changed requires_grad after "
+                    "ramflow.offload, and not all of them to False: ramflow lays out each "
+                    "unit's trainable parameters when it offloads the model. Set "
+                    "requires_grad before ramflow.offload (ramflow.undo(model), change it, "
+                    "offload again)."
+                )
+            frozen.append(u)
+        if not new and not frozen:
+            return
+        self.synchronize()
+        for u in frozen:
+            self._freeze(u)
+        plan = self._make_plan(self.units, extra_bytes=device_bytes(new))
+        if plan.resident != self.plan.resident:
+            raise ValueError(
+                f"{len(new)} parameters were added to the model after ramflow.offload "
+                f"({device_bytes(new) / 2**20:.1f} MiB on the device with gradients and AdamW "
+                "states), more than its gpu_memory leaves beside the units it keeps resident: "
+                "add them before ramflow.offload (e.g. peft.get_peft_model first), or give a "
+                "larger gpu_memory"
+            )
+        self.adapters.adopt(new)
+        self._set_plan(plan, [])
+        self.window.set_capacity(plan.window_bytes)
+
+    def _freeze(self, u: _Unit) -> None:
+        """``u``'s trainable parameters were all frozen after ``offload``: it takes no
+        gradients and no step from now on (engine idle: ``synchronize`` first)."""
+        self.stepper.drop_device_state(u)
+        u.device_stepped = False
+        for p, dp in zip(u.owned[: u.num_trainable], u.device_params):
+            p.grad = None
+            dp.grad = None
+            dp.requires_grad_(False)
+        self.host.release_staging(u)
+        u.host_grad = None
+        u.host_grad_views = []
+        u.grad_versions = []
+        u.num_trainable = 0
+        u.trainable_numel = 0
 
     def _module_zero_grad(self, module: nn.Module, set_to_none: bool = True) -> None:
         """``model.zero_grad()``: as ``opt.zero_grad()``, nothing of the last backward pass
@@ -430,6 +532,7 @@ class Engine:
         for u in self.units:
             for p in u.owned:
                 set_engine_of_param(p, None)
+        self.adapters.give_back()
 
 
 class _CompressedStateDict:

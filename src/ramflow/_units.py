@@ -153,7 +153,12 @@ def _given_units(
     return units, rest_modules
 
 
-def find_units(model: nn.Module, units: Iterable[nn.Module | str] | None = None) -> list[UnitSpec]:
+def find_units(
+    model: nn.Module,
+    units: Iterable[nn.Module | str] | None = None,
+    *,
+    skip: Iterable[nn.Parameter] = (),
+) -> list[UnitSpec]:
     """Split ``model`` into units and give every parameter exactly one owner unit.
 
     Rule (when ``units`` is None): the children of the ``nn.ModuleList``/``nn.Sequential``
@@ -168,6 +173,9 @@ def find_units(model: nn.Module, units: Iterable[nn.Module | str] | None = None)
     Args:
         model: the module to split.
         units: optional modules (or dotted names) to use as units instead of the rule.
+        skip: parameters that belong to no unit (kept on the device for good: see [Note:
+            adapters on the device] in ``ramflow._adapters``); a unit left with no
+            parameter is dropped.
 
     Returns:
         The units in module order, the rest unit (if any) last.
@@ -184,6 +192,7 @@ def find_units(model: nn.Module, units: Iterable[nn.Module | str] | None = None)
     if rest_modules:
         specs.append(UnitSpec("<rest>", [model], rest=True))
 
+    skipped = {id(p) for p in skip}
     owner: dict[int, UnitSpec] = {}
     for spec in specs:
         seen: set[tuple[int, str]] = set()
@@ -193,7 +202,7 @@ def find_units(model: nn.Module, units: Iterable[nn.Module | str] | None = None)
             sources = [(m, False) for m in spec.modules[0].modules()]
         for module, _ in sources:
             for pname, param in module._parameters.items():
-                if param is None or (id(module), pname) in seen:
+                if param is None or (id(module), pname) in seen or id(param) in skipped:
                     continue
                 if spec.rest and id(param) in owner:
                     continue

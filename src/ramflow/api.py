@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._adapters import choose_on_device
 from ._clip import clip_grad_norm_ as clip_grad_norm_  # public here
 from ._dist import (
     DistributedState,
@@ -42,6 +43,7 @@ def offload(
     host_precision: HostPrecision | str | None = None,
     weights: Weights | None = None,
     frozen_format: str | None = None,
+    trainable_on_device: bool | None = None,
 ) -> nn.Module:
     """Keep ``model``'s weights in CPU RAM and stream them through the device per unit.
 
@@ -140,6 +142,18 @@ def offload(
             ``load_state_dict`` compresses them, ``undo`` gives them back dequantized).
             Loading with ``weights=`` compresses each one as it is read. See [Note:
             compressed frozen weights] in ``ramflow._frozen_formats``.
+        trainable_on_device: keep the trainable parameters on the device as ordinary
+            device parameters, out of the units: adapters (LoRA) are stepped there by the
+            optimizer (``ramflow.optim.AdamW`` runs PyTorch's fused AdamW on them; a torch
+            optimizer works too) with no host round trip, and the plan counts them with
+            their gradients and AdamW states (four times their bytes). None (the default):
+            when they are at most 10% of the parameters (by elements) and, with
+            ``gpu_memory``, take at most half of it; never with ``zero_stage``. True:
+            always (a ValueError with ``zero_stage`` or no trainable parameter). False:
+            they stream with their units. Parameters added after ``offload``
+            (``peft.get_peft_model`` on the offloaded model) are kept on the device from
+            the next forward on. See [Note: adapters on the device] in
+            ``ramflow._adapters``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``wire_dtype`` is not floating point;
@@ -223,7 +237,13 @@ def offload(
     budget = None if gpu_memory is None else parse_bytes(gpu_memory)
     activation_checkpointing = checkpointing_choice(activation_checkpointing)
     frozen_format = parse_frozen_format(frozen_format)
-    specs = find_units(model, units)
+    on_device = choose_on_device(
+        model,
+        trainable_on_device=trainable_on_device,
+        gpu_memory_bytes=budget,
+        zero_stage=zero_stage,
+    )
+    specs = find_units(model, units, skip=on_device)
     if frozen_format is not None:
         check_frozen_format(frozen_format, specs, zero_stage=zero_stage)
     precision_reason = None
@@ -262,6 +282,7 @@ def offload(
     try:
         if loader is not None:
             loader.materialize()
+            _fill_on_device(loader, on_device)
         engine = Engine(
             model,
             specs,
@@ -275,6 +296,7 @@ def offload(
             host_precision=precision,
             host_precision_reason=precision_reason,
             frozen_format=frozen_format,
+            on_device=on_device,
         )
     except BaseException:
         if loader is not None:
@@ -294,10 +316,28 @@ def offload(
     return model
 
 
+def _fill_on_device(loader: MetaLoader, params: list[nn.Parameter]) -> None:
+    """Give the parameters kept on the device (built on the meta device) their values
+    from ``weights``, on the CPU; the engine moves them."""
+    if not params:
+        return
+    views = [torch.empty(p.shape, dtype=torch.float32) for p in params]
+    loader.fill(params, views)
+    with torch.no_grad():
+        for p, view in zip(params, views):
+            p.data = view.to(p.dtype)
+
+
 def _engine(model: nn.Module) -> Engine:
+    """The engine of ``model``, or of the one offloaded module inside it (a
+    ``peft.PeftModel`` wraps the model that was offloaded)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
     engine = engine_of_model(model)
+    if engine is None:
+        inner = {id(e): e for e in map(engine_of_model, model.modules()) if e is not None}
+        if len(inner) == 1:
+            return next(iter(inner.values()))
     if engine is None:
         raise ValueError("this model is not offloaded by ramflow (call ramflow.offload first)")
     return engine
@@ -327,6 +367,21 @@ def _engines_of(model: nn.Module) -> list[Engine]:
             "ramflow.Linear layers and run the model once)"
         )
     return engines
+
+
+def adopt(model: nn.Module) -> None:
+    """Take in parameters added to an offloaded model (``peft.get_peft_model`` after
+    ``offload``) and units frozen since, now rather than at the next forward: the new
+    parameters move to the device (see [Note: adapters on the device] in
+    ``ramflow._adapters``). Call it before loading an optimizer state for them, which
+    PyTorch puts on its parameter's device. ``model``: the offloaded model or a module that
+    wraps it (a ``PeftModel``).
+
+    Raises:
+        ValueError: ``model`` is not offloaded; as ``Engine.adopt_changes`` (a unit partly
+            frozen or made trainable after ``offload``, new parameters over ``gpu_memory``).
+    """
+    _engine(model).adopt_changes()
 
 
 def synchronize(model: nn.Module) -> None:

@@ -43,7 +43,12 @@ _TRAIN_OPTIONS = (
     "eval_every",
     "eval_batches",
     "val_fraction",
+    "lora_rank",
+    "lora_targets",
+    "frozen_format",
 )
+
+_FROZEN_FORMATS = ("int8", "nf4")  # ramflow.train.lora.FROZEN_FORMATS, without importing torch
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
@@ -83,6 +88,16 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         default=None,
         help="device budget for the whole run, e.g. 12GiB (default: 90%% of free GPU memory)",
+    )
+
+
+def _frozen_format_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--frozen-format",
+        choices=_FROZEN_FORMATS,
+        default=None,
+        help=f"keep {what} compressed in host RAM (int8: block-wise absmax, nf4: QLoRA's "
+        "4-bit) and dequantize them on the device (default: the wire dtype)",
     )
 
 
@@ -223,6 +238,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of the corpus held out (default 0.01)",
     )
     t.add_argument(
+        "--lora",
+        dest="lora_rank",
+        type=int,
+        default=None,
+        metavar="RANK",
+        help="train LoRA adapters of this rank (PEFT) on the frozen base, kept on the device; "
+        "checkpoints hold the adapters in PEFT's format (PeftModel.from_pretrained loads them)",
+    )
+    t.add_argument(
+        "--lora-targets",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated linear modules that get adapters (default: q_proj,k_proj,v_proj,"
+        "o_proj,gate_proj,up_proj,down_proj)",
+    )
+    _frozen_format_option(t, "the frozen base's weights")
+    t.add_argument(
         "--out", metavar="DIR", default=None, help="run folder (default: runs/<timestamp>)"
     )
     t.add_argument(
@@ -297,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="cap on the weights ramflow keeps on the device",
     )
+    _frozen_format_option(g, "the weights")
 
     pl = sub.add_parser(
         "plan",
@@ -416,6 +449,7 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         precision=args.precision,
         gpu_memory=args.gpu_memory,
+        frozen_format=args.frozen_format,
     )
     try:
         results = generate(model, tokenizer, args.prompt, sampling=sampling, policy=policy)

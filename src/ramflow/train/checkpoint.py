@@ -336,6 +336,7 @@ def save_checkpoint(
     state: dict[str, Any],
     keep: int = 1,
     max_shard_bytes: int = 2 << 30,
+    adapters_only: bool = False,
 ) -> Path:
     """Write a checkpoint atomically. See [Note: checkpoint layout].
 
@@ -349,6 +350,10 @@ def save_checkpoint(
         state: JSON-serialisable training state (step, data position, schedules, settings).
         keep: finished checkpoints to keep (older ones are deleted after this one is in place).
         max_shard_bytes: split weight and optimizer files above this size (bytes).
+        adapters_only: ``model`` is a ``peft.PeftModel`` of a LoRA run: write its adapters
+            in PEFT's format (``save_pretrained``: ``adapter_config.json``,
+            ``adapter_model.safetensors``) instead of the model's weights; the base is the
+            run's ``--model`` or preset (see ``ramflow.train.lora``).
 
     Returns:
         The new checkpoint folder.
@@ -363,13 +368,16 @@ def save_checkpoint(
     try:
         _fault_point("begin")
         model.config.save_pretrained(str(tmp))
-        _save_sharded(
-            _weights_to_save(model),
-            tmp,
-            WEIGHTS_FILE,
-            WEIGHTS_INDEX_FILE,
-            max_shard_bytes=max_shard_bytes,
-        )
+        if adapters_only:
+            model.save_pretrained(str(tmp))
+        else:
+            _save_sharded(
+                _weights_to_save(model),
+                tmp,
+                WEIGHTS_FILE,
+                WEIGHTS_INDEX_FILE,
+                max_shard_bytes=max_shard_bytes,
+            )
         _fault_point("weights")
         opt_tensors, opt_meta = _optimizer_payload(optimizer, param_names)
         _save_sharded(

@@ -12,6 +12,7 @@ from .._plan import parse_bytes
 from .checkpoint import Checkpoint, CheckpointError
 from .estimate import CHECKPOINTING_MODES
 from .generation import resolve_model_dir
+from .lora import check_frozen_format, parse_targets
 from .modeling import read_config
 from .precision import PRECISIONS
 from .presets import get_preset
@@ -84,6 +85,12 @@ class TrainConfig:
         eval_every: validation every this many steps (0: only at the end).
         eval_batches: micro-batches of held-out text per validation.
         val_fraction: share of the corpus held out for validation.
+        lora_rank: train LoRA adapters of this rank (PEFT) on a frozen base instead of
+            every weight (``--lora``); None: a full fine-tune. See ``ramflow.train.lora``.
+        lora_targets: comma-separated names of the linear modules that get adapters;
+            None: attention and MLP projections (``lora.DEFAULT_TARGETS``).
+        frozen_format: ``int8`` or ``nf4``: frozen weights kept compressed in host RAM
+            (``ramflow.offload(..., frozen_format=...)``); None: in the wire dtype.
     """
 
     preset: str | None = "tiny"
@@ -115,6 +122,9 @@ class TrainConfig:
     eval_every: int = 30
     eval_batches: int = 8
     val_fraction: float = 0.01
+    lora_rank: int | None = None
+    lora_targets: str | None = None
+    frozen_format: str | None = None
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.model is None):
@@ -162,6 +172,13 @@ class TrainConfig:
             )
         if self.gpu_memory is not None:
             parse_bytes(self.gpu_memory, what="--gpu-memory")
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise ValueError(f"--lora must be a positive rank, got {self.lora_rank}")
+        if self.lora_targets is not None:
+            if self.lora_rank is None:
+                raise ValueError("--lora-targets chooses where LoRA goes: give --lora RANK too")
+            parse_targets(self.lora_targets)
+        check_frozen_format(self.frozen_format)
 
     @property
     def schedule_steps(self) -> int:

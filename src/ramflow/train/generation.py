@@ -225,6 +225,7 @@ def load_for_generation(
     device: str | None = None,
     precision: str = "auto",
     gpu_memory: str | int | None = None,
+    frozen_format: str | None = None,
 ) -> tuple[nn.Module, Tokenizer, ComputePolicy]:
     """Load a checkpoint (see ``resolve_model_dir``) and offload it for inference.
 
@@ -234,6 +235,8 @@ def load_for_generation(
         device, precision: see ``resolve_compute``.
         gpu_memory: cap on what ramflow keeps on the device (weights); the KV cache and
             activations come on top.
+        frozen_format: ``int8`` or ``nf4``: the weights (all frozen for inference) are
+            kept compressed in host RAM (``ramflow.offload(..., frozen_format=...)``).
 
     Returns:
         ``(model, tokenizer, policy)``; the model is offloaded with ``ramflow.offload``.
@@ -244,6 +247,9 @@ def load_for_generation(
             (``CheckpointError``), a tokenizer larger than the model's vocabulary, a
             budget too small.
     """
+    from .lora import frozen_format_options
+
+    compressed = frozen_format_options(frozen_format)
     policy = resolve_compute(device=device, precision=precision)
     model_dir = resolve_model_dir(path)
     tok_dir = (
@@ -263,6 +269,8 @@ def load_for_generation(
         gpu_memory=budget,
         device=policy.device,
         wire_dtype=policy.wire_dtype,
+        requires_grad=not compressed,
+        **compressed,
     )
     model.eval()
     return model, tok, policy

@@ -225,7 +225,11 @@ def _needs_conversion(directory: str | os.PathLike, model: nn.Module) -> bool:
 
 
 def load_offloaded(
-    directory: str | os.PathLike, *, config=None, **offload_options: Any
+    directory: str | os.PathLike,
+    *,
+    config=None,
+    requires_grad: bool = True,
+    **offload_options: Any,
 ) -> nn.Module:
     """Read a checkpoint folder straight into ``ramflow.offload``'s host store, unit by unit.
 
@@ -238,6 +242,8 @@ def load_offloaded(
     Args:
         directory: a folder with ``config.json`` and safetensors weights.
         config: the config to build (default: the folder's own).
+        requires_grad: False freezes every parameter before offloading (a frozen base for
+            LoRA, or inference with compressed frozen weights).
         offload_options: keyword arguments of ``ramflow.offload`` (not ``weights``).
 
     Returns:
@@ -249,9 +255,9 @@ def load_offloaded(
     """
     config = read_config(directory) if config is None else config
     check_weights(directory, config)
-    model = meta_model(config)
+    model = meta_model(config).requires_grad_(requires_grad)
     if _needs_conversion(directory, model):
-        model = load_model(directory, config=config)
+        model = load_model(directory, config=config).requires_grad_(requires_grad)
         ramflow.offload(model, **offload_options)
     else:
         ramflow.offload(model, weights=directory, **offload_options)

@@ -23,7 +23,8 @@ from .checkpoint import Checkpoint
 from .config import TrainConfig
 from .data import Corpus, build_corpus, find_documents, stdlib_root
 from .estimate import MemoryEstimate, default_gpu_budget, estimate_memory
-from .modeling import check_weights, model_config, read_config
+from .lora import DEFAULT_TARGETS, check_lora_targets, parse_targets
+from .modeling import check_weights, meta_model, model_config, read_config
 from .precision import ComputePolicy, planned_compute, resolve_compute
 from .tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 
@@ -68,6 +69,15 @@ def _tokenizer_and_config(
     return tokenizer, model_config(
         preset=config.preset, model_dir=config.model, tokenizer=tokenizer
     )
+
+
+def base_weights(config: TrainConfig, checkpoint: Checkpoint | None) -> Path | str | None:
+    """The folder whose weights a run starts from: the checkpoint's, else ``--model``'s;
+    a LoRA run's checkpoints hold only the adapters, its base is always ``--model`` (None:
+    the preset's fresh weights from the seed)."""
+    if checkpoint is not None and config.lora_rank is None:
+        return checkpoint.path
+    return config.model
 
 
 def _estimate(
@@ -240,7 +250,11 @@ def prepare_run(
         policy, wire_dtype=host_wire(config, policy.device.type, policy.wire_dtype)
     )
     tokenizer, mconfig = _tokenizer_and_config(config, checkpoint)
-    weights_dir = checkpoint.path if checkpoint is not None else config.model
+    weights_dir = base_weights(config, checkpoint)
+    if config.lora_rank is not None:
+        check_lora_targets(
+            meta_model(mconfig), parse_targets(config.lora_targets) or DEFAULT_TARGETS
+        )
     if weights_dir is not None:
         # shapes from the file headers, before anything is written
         check_weights(weights_dir, mconfig)

@@ -61,6 +61,7 @@ from .checkpoint import (
 from .config import TrainConfig, resume_config
 from .data import BatchStream, validation_batches
 from .flops import model_flops_utilisation, peak_flops
+from .lora import apply_lora, frozen_format_options, load_adapters, parse_targets
 from .modeling import (
     build_model,
     count_parameters,
@@ -69,7 +70,7 @@ from .modeling import (
 from .precision import ComputePolicy
 from .report import RunReport, check_loggers, format_duration, mean_tail, summary_table
 from .schedule import make_scheduler, warmup_cosine
-from .setup import PreparedRun, prepare_run
+from .setup import PreparedRun, base_weights, prepare_run
 
 
 @dataclass(frozen=True)
@@ -372,17 +373,31 @@ def _train(
         activation_checkpointing=est.checkpointing,
         host_precision=est.host_precision,  # "auto" was decided by the estimate
     )
-    weights_dir = ckpt.path if ckpt is not None else config.model
+    lora = config.lora_rank is not None
+    offload_options.update(frozen_format_options(config.frozen_format))
+    weights_dir = base_weights(config, ckpt)
     if weights_dir is not None:
         # meta build, read unit by unit into the host store: no full fp32 model first
-        model = load_offloaded(weights_dir, config=setup.model_config, **offload_options)
+        model = load_offloaded(
+            weights_dir, config=setup.model_config, requires_grad=not lora, **offload_options
+        )
     else:
         model = build_model(setup.model_config, seed=config.seed)
         model.train()
+        model.requires_grad_(not lora)
         ramflow.offload(model, **offload_options)
     try:
         plan = ramflow.get_plan(model)
-        if plan.resident != est.plan.resident or plan.window_bytes != est.plan.window_bytes:
+        if lora:  # see ramflow.train.lora
+            model = apply_lora(
+                model,
+                rank=config.lora_rank,
+                targets=parse_targets(config.lora_targets),
+                seed=config.seed,
+            )
+            if ckpt is not None:
+                load_adapters(model, ckpt.path)
+        elif plan.resident != est.plan.resident or plan.window_bytes != est.plan.window_bytes:
             warnings.warn(
                 "ramflow chose another plan than the estimate; `ramflow plan` may be off",
                 stacklevel=2,
@@ -512,6 +527,7 @@ def _loop(
             param_names=param_names,
             tokenizer=setup.tokenizer,
             keep=config.keep_checkpoints,
+            adapters_only=config.lora_rank is not None,
             state={
                 "data_position": batches.position,
                 "tokens_seen": tokens_seen,

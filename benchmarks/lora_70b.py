@@ -1,0 +1,374 @@
+"""A Llama-3.1-70B shape on one GPU: inference and LoRA with compressed frozen weights
+(issue 16, point 5).
+
+The model is built on the meta device, frozen, and materialized unit by unit straight into
+ramflow's host store from a random init (``offload(weights=fn)``), so its full-precision
+size is never in host RAM. Measured, each against its floor:
+
+* inference: prefill of 1 x 2048 and decode steps at batch 1 and 32, each against the PCIe
+  floor of the bytes it streams (the H2D rate is measured in the same run, pinned);
+* LoRA (rank 16, attention and MLP projections): 1 x 2048 per step within 24 GiB (against
+  its PCIe floor: the streamed bytes of forward and backward), and 4 x 2048 within 32 GiB
+  (model FLOP/s, counting 4 x parameters x tokens, against the measured bf16 matmul rate);
+* host RSS peak and GPU peak; ``--peer accelerate``: accelerate's ``device_map="auto"``
+  offload of the same shape, or its failure.
+
+Without ``offload(frozen_format=...)`` in the installed ramflow, frozen weights stay bf16
+and the report says so. Writes ``lora_70b.json`` and ``lora_70b.md`` under ``--out-dir``;
+``--smoke`` runs a tiny shape on the CPU (tested in CI).
+
+    python benchmarks/lora_70b.py --shape llama-3.1-70b --frozen-format int8 --out-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ramflow
+
+SHAPES = {
+    # name: (hidden, intermediate, layers, heads, kv heads, vocab)
+    "llama-3.1-70b": (8192, 28672, 80, 64, 8, 128256),
+    "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256),
+    "tiny": (64, 128, 2, 4, 2, 128),
+}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GIB = 1 << 30
+
+
+def llama_config(shape: str):
+    from transformers import LlamaConfig
+
+    hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
+    return LlamaConfig(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def random_init(name: str, out: torch.Tensor) -> None:
+    """Weights for a benchmark: norms at one, the rest small normal values."""
+    if out.dim() == 1:
+        out.fill_(1.0)
+    else:
+        out.normal_(0.0, 0.02)
+
+
+def has_frozen_formats() -> bool:
+    return "frozen_format" in inspect.signature(ramflow.offload).parameters
+
+
+def build(shape: str, *, device: str, gpu_memory: str | None, frozen_format: str | None):
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(shape))
+    model.requires_grad_(False)
+    options: dict[str, Any] = {"device": device, "gpu_memory": gpu_memory}
+    if frozen_format is not None:
+        options["frozen_format"] = frozen_format
+    t0 = time.perf_counter()
+    ramflow.offload(model, weights=random_init, **options)
+    return model, time.perf_counter() - t0
+
+
+def streamed_bytes(model) -> int:
+    """Bytes one pass copies host to device: every unit that is not resident."""
+    plan = ramflow.get_plan(model)
+    resident = set(plan.resident)
+    return sum(b for n, b in zip(plan.unit_names, plan.unit_bytes) if n not in resident)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def h2d_rate(device: str) -> float | None:
+    """Pinned host-to-device copy rate, bytes/s (None on the CPU)."""
+    if not device.startswith("cuda"):
+        return None
+    src = torch.empty(GIB, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(GIB, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src, non_blocking=True)
+    sync(device)
+    return 4 * GIB / (time.perf_counter() - t0)
+
+
+def matmul_rate(device: str) -> float | None:
+    """Measured dense bf16 matmul rate, FLOP/s (None on the CPU)."""
+    if not device.startswith("cuda"):
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    a @ a
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    sync(device)
+    return 10 * 2 * 8192**3 / (time.perf_counter() - t0)
+
+
+def timed(fn, device: str, repeat: int) -> float:
+    """Median seconds of ``fn`` over ``repeat`` calls after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def gpu_peak(device: str) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None
+
+
+def inference(args, device: str, rate: float | None) -> dict[str, Any]:
+    model, load_s = build(
+        args.shape, device=device, gpu_memory=args.gpu_memory, frozen_format=args.frozen_format
+    )
+    model.eval()
+    per_pass = streamed_bytes(model)
+    floor = None if rate is None else per_pass / rate
+    vocab = SHAPES[args.shape][5]
+    out: dict[str, Any] = {"load_s": load_s, "streamed_bytes_per_pass": per_pass}
+    with torch.no_grad():
+        ids = torch.randint(0, vocab, (1, args.seq_len), device=device)
+        t = timed(lambda: model(input_ids=ids, use_cache=False), device, args.repeat)
+        out["prefill"] = {"tokens": args.seq_len, "seconds": t, "floor_s": floor}
+        for batch in (1, 32):
+            prompt = torch.randint(0, vocab, (batch, 16), device=device)
+            cache = model(input_ids=prompt, use_cache=True).past_key_values
+            nxt = torch.randint(0, vocab, (batch, 1), device=device)
+
+            def step(cache=cache, nxt=nxt):
+                model(input_ids=nxt, past_key_values=cache, use_cache=True)
+
+            t = timed(step, device, args.repeat)
+            out[f"decode_b{batch}"] = {"seconds_per_token": t, "floor_s": floor}
+    out["gpu_peak_bytes"] = gpu_peak(device)
+    ramflow.undo(model)
+    return out
+
+
+def lora_step(args, device: str, batch: int, gpu_memory: str | None, rate, flops) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    model, load_s = build(
+        args.shape, device=device, gpu_memory=gpu_memory, frozen_format=args.frozen_format
+    )
+    model.gradient_checkpointing_enable()  # the budget holds no full activations at 70B
+    config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                        target_modules=LORA_TARGETS, lora_dropout=0.0)  # fmt: skip
+    peft_model = get_peft_model(model, config)
+    ramflow.adopt(peft_model)  # the adapters to the device, see ramflow._adapters
+    opt = ramflow.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4)
+    vocab = SHAPES[args.shape][5]
+    ids = torch.randint(0, vocab, (batch, args.seq_len), device=device)
+
+    def step():
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
+            loss = peft_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    t = timed(step, device, args.repeat)
+    per_pass = streamed_bytes(model)
+    num_params = sum(p.numel() for p in model.parameters())
+    tokens = batch * args.seq_len
+    out = {
+        "batch": batch,
+        "tokens": tokens,
+        "gpu_memory": gpu_memory,
+        "load_s": load_s,
+        "step_s": t,
+        "streamed_bytes_per_step": 2 * per_pass,  # forward and backward
+        "floor_s": None if rate is None else 2 * per_pass / rate,
+        "model_flops_per_s": 4 * num_params * tokens / t,
+        "matmul_flops_per_s": flops,
+        "adapter_parameters": sum(p.numel() for p in opt.param_groups[0]["params"]),
+        "gpu_peak_bytes": gpu_peak(device),
+    }
+    ramflow.undo(model)
+    return out
+
+
+def accelerate_peer(args, device: str) -> dict[str, Any]:
+    """accelerate's device_map="auto" offload of the same shape, in a child process (the
+    host may not hold its bf16 copy: the failure is the result)."""
+    code = f"""
+import json, time, torch, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from lora_70b import llama_config, SHAPES
+from accelerate import dispatch_model, infer_auto_device_map
+from transformers import LlamaForCausalLM
+cfg = llama_config({args.shape!r})
+model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+gpu = {device!r}.startswith("cuda")
+max_memory = {{0: {args.gpu_memory or "24GiB"!r}, "cpu": "120GiB"}} if gpu else {{"cpu": "120GiB"}}
+device_map = infer_auto_device_map(model, max_memory=max_memory, dtype=torch.bfloat16)
+model = dispatch_model(model, device_map=device_map)
+ids = torch.randint(0, SHAPES[{args.shape!r}][5], (1, {args.seq_len}))
+with torch.no_grad():
+    model(input_ids=ids)
+    if gpu: torch.cuda.synchronize()
+    t0 = time.perf_counter(); model(input_ids=ids)
+    if gpu: torch.cuda.synchronize()
+print(json.dumps({{"prefill_s": time.perf_counter() - t0}}))
+"""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    last = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else []
+    return {
+        "returncode": proc.returncode,
+        "seconds": time.perf_counter() - t0,
+        "result": json.loads(last[0]) if last else None,
+        "error": None if proc.returncode == 0 else (proc.stderr[-1500:] or "killed"),
+    }
+
+
+def ratio(t: float | None, floor: float | None) -> str:
+    return "-" if t is None or not floor else f"{t / floor:.2f}x"
+
+
+def markdown(r: dict[str, Any]) -> str:
+    m = r["meta"]
+    lines = [
+        f"# {m['shape']} on one device ({m['device']}), frozen weights {m['frozen_format']}",
+        "",
+        f"H2D {m['h2d_gbps'] or '-'} GB/s pinned, bf16 matmul {m['matmul_tflops'] or '-'} "
+        f"TFLOP/s, host RSS peak {r['host_rss_peak_bytes'] / GIB:.1f} GiB",
+        "",
+        "| case | time | floor | vs floor | target | GPU peak |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def peak(x):
+        return "-" if x is None else f"{x / GIB:.1f} GiB"
+
+    inf = r.get("inference")
+    if inf:
+        for name, key, target in (
+            ("prefill 1x" + str(m["seq_len"]), "prefill", "<= 1.1x"),
+            ("decode b1 (per token)", "decode_b1", "<= 1.1x"),
+            ("decode b32 (per token)", "decode_b32", "<= 1.1x"),
+        ):
+            row = inf[key]
+            t = row.get("seconds", row.get("seconds_per_token"))
+            lines.append(
+                f"| {name} | {t:.3f} s | {row['floor_s'] or 0:.3f} s | "
+                f"{ratio(t, row['floor_s'])} | {target} | {peak(inf['gpu_peak_bytes'])} |"
+            )
+    for row in r.get("lora", []):
+        name = f"LoRA r{m['lora_rank']} {row['batch']}x{m['seq_len']} ({row['gpu_memory']})"
+        if row["batch"] == 1:
+            cmp, target = ratio(row["step_s"], row["floor_s"]), "<= 1.15x"
+        else:
+            frac = (
+                row["model_flops_per_s"] / row["matmul_flops_per_s"]
+                if row["matmul_flops_per_s"]
+                else None
+            )
+            cmp = "-" if frac is None else f"{frac:.2f} of matmul"
+            target = ">= 0.45 of matmul"
+        lines.append(
+            f"| {name} | {row['step_s']:.3f} s | {row['floor_s'] or 0:.3f} s | {cmp} | "
+            f"{target} | {peak(row['gpu_peak_bytes'])} |"
+        )
+    if "peer" in r:
+        p = r["peer"]
+        what = (
+            f"prefill {p['result']['prefill_s']:.3f} s"
+            if p["result"]
+            else f"failed (rc {p['returncode']})"
+        )
+        lines.append(f"| accelerate device_map=auto | {what} | - | - | - | - |")
+    lines += [f"\n{note}" for note in r["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=list(SHAPES), default="llama-3.1-70b")
+    p.add_argument("--frozen-format", choices=["bf16", "int8", "nf4"], default="int8")
+    p.add_argument("--part", choices=["all", "inference", "lora"], default="all")
+    p.add_argument("--peer", choices=["accelerate"], default=None, help="run the peer only")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--gpu-memory", default="24GiB", help="inference budget")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.shape, args.device, args.seq_len, args.repeat = "tiny", "cpu", 32, 1
+        args.lora_rank = 4
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    notes: list[str] = []
+    wanted = None if args.frozen_format == "bf16" else args.frozen_format
+    if wanted is not None and not has_frozen_formats():
+        notes.append(
+            f"This ramflow has no offload(frozen_format=...): frozen weights were bf16, "
+            f"not {wanted}."
+        )
+        wanted = None
+    args.frozen_format = wanted
+    budgets = (None, None) if device == "cpu" else ("24GiB", "32GiB")
+    if device == "cpu":
+        args.gpu_memory = None
+    rate, flops = h2d_rate(device), matmul_rate(device)
+    result: dict[str, Any] = {
+        "meta": {
+            "shape": args.shape,
+            "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+            "frozen_format": wanted or "bf16",
+            "seq_len": args.seq_len,
+            "lora_rank": args.lora_rank,
+            "h2d_gbps": None if rate is None else round(rate / 1e9, 1),
+            "matmul_tflops": None if flops is None else round(flops / 1e12, 1),
+        },
+        "notes": notes,
+    }
+    if args.peer == "accelerate":
+        result["peer"] = accelerate_peer(args, device)
+    else:
+        if args.part in ("all", "inference"):
+            result["inference"] = inference(args, device, rate)
+        if args.part in ("all", "lora"):
+            result["lora"] = [
+                lora_step(args, device, 1, budgets[0], rate, flops),
+                lora_step(args, device, 4, budgets[1], rate, flops),
+            ]
+    result["host_rss_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "lora_70b" + ("-accelerate" if args.peer else "")
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out_dir / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

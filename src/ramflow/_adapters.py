@@ -1,0 +1,138 @@
+"""Small trainable parameters (adapters) kept on the device for good, never streamed.
+
+[Note: adapters on the device]
+In LoRA-style fine-tuning (Hu et al. 2021; QLoRA, Dettmers et al. 2023) a frozen base holds
+nearly every parameter and small adapters hold the rest. Streaming the adapters with their
+units would send their gradients down and their new weights up every step and step them on
+the CPU, for a few MB. Instead ``ramflow.offload`` leaves them out of the units: they move
+to the device as ordinary parameters (like the model's buffers), autograd accumulates their
+gradients there, and an optimizer steps them there (``ramflow.optim.AdamW`` with PyTorch's
+fused AdamW on the device, as any parameter that no engine manages; a plain torch optimizer
+works too). The frozen base streams through the window as before.
+
+The rule (``offload(..., trainable_on_device=None)``, the default): the trainable parameters
+stay on the device when they are at most ``ADAPTER_SHARE`` of the model's parameters (by
+elements) and, under a ``gpu_memory`` budget, their device bytes (weights, gradients and
+AdamW's two states: four times their bytes) take at most half of it. ``True`` keeps them on
+the device whatever their share; ``False`` streams them with their units.
+
+Parameters that appear after ``offload`` (``peft.get_peft_model`` on an offloaded model adds
+its adapters to modules inside units) are adopted the same way at the next forward, and a
+unit whose parameters were all frozen since (PEFT freezes the base) stops sending gradients.
+See ``Engine.adopt_changes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+# at most this share of the model's parameters (elements) may be trainable for the
+# automatic rule to keep them on the device: LoRA of rank 8-64 on a 1B-70B model is 0.1-2%;
+# a full fine-tune, or one of a large head, is more and streams as before
+ADAPTER_SHARE = 0.10
+
+# weights, gradients and AdamW's exp_avg and exp_avg_sq, all in the parameter's dtype
+_DEVICE_COPIES = 4
+
+
+def device_bytes(params: Iterable[nn.Parameter]) -> int:
+    """Device bytes that ``params`` take when trained on the device: weights, gradients
+    (trainable ones) and AdamW's two states (four times the weights' bytes; frozen ones
+    once)."""
+    total = 0
+    for p in params:
+        copies = _DEVICE_COPIES if p.requires_grad else 1
+        total += copies * p.numel() * p.element_size()
+    return total
+
+
+def choose_on_device(
+    model: nn.Module,
+    *,
+    trainable_on_device: bool | None,
+    gpu_memory_bytes: int | None,
+    zero_stage: int | None,
+) -> list[nn.Parameter]:
+    """The parameters of ``model`` that ``ramflow.offload`` keeps on the device (see
+    [Note: adapters on the device]): its trainable ones, or none.
+
+    Raises:
+        ValueError: ``trainable_on_device=True`` with ``zero_stage`` (their gradients would
+            need their own all-reduce), or with no trainable parameter in the model.
+        TypeError: ``trainable_on_device`` is not a bool or None.
+    """
+    if trainable_on_device is not None and not isinstance(trainable_on_device, bool):
+        raise TypeError(
+            f"trainable_on_device must be True, False or None, got {trainable_on_device!r}"
+        )
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    if trainable_on_device is False:
+        return []
+    if trainable_on_device is True:
+        if zero_stage is not None:
+            raise ValueError(
+                "trainable_on_device=True cannot be combined with zero_stage yet (the "
+                "parameters kept on the device would need their own gradient all-reduce); "
+                "leave it out to stream them with their units"
+            )
+        if not trainable:
+            raise ValueError(
+                "trainable_on_device=True, but the model has no trainable parameter "
+                "(requires_grad=True): set requires_grad on the adapters before offload, or "
+                "leave the option out"
+            )
+        return trainable
+    if zero_stage is not None or not trainable or len(trainable) == len(params):
+        return []
+    numel = sum(p.numel() for p in params)
+    if sum(p.numel() for p in trainable) > ADAPTER_SHARE * numel:
+        return []
+    if gpu_memory_bytes is not None and 2 * device_bytes(trainable) > gpu_memory_bytes:
+        return []
+    return trainable
+
+
+class DeviceParameters:
+    """The parameters one engine keeps on the device.
+
+    Args:
+        device: the compute device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.params: list[nn.Parameter] = []
+
+    def adopt(self, params: Iterable[nn.Parameter]) -> None:
+        """Move ``params`` (same objects, ``.data`` replaced) and their gradients to the
+        device."""
+        with torch.no_grad():
+            for p in params:
+                self.params.append(p)
+                if p.device != self.device:
+                    p.data = p.data.to(self.device)
+                    if p.grad is not None:
+                        p.grad = p.grad.to(self.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes they take with gradients and AdamW states (see ``device_bytes``)."""
+        return device_bytes(self.params)
+
+    def ids(self) -> set[int]:
+        return {id(p) for p in self.params}
+
+    def give_back(self) -> None:
+        """Move every parameter (and gradient) to the CPU, as ``ramflow.undo`` gives back
+        the rest of the model."""
+        with torch.no_grad():
+            for p in self.params:
+                if p.device.type != "cpu":
+                    p.data = p.data.cpu()
+                    if p.grad is not None:
+                        p.grad = p.grad.cpu()
+        self.params.clear()

@@ -1,0 +1,132 @@
+"""LoRA runs of ``ramflow train --lora RANK``: PEFT adapters on an offloaded, frozen base.
+
+The base (a preset's fresh weights or ``--model``'s) is frozen and offloaded first; PEFT's
+``get_peft_model`` then adds the adapters, which ``ramflow.adopt`` moves to the device for
+good (see [Note: adapters on the device] in ``ramflow._adapters``). A LoRA run's
+checkpoints hold the adapters in PEFT's own format (``adapter_config.json`` and
+``adapter_model.safetensors``: ``peft.PeftModel.from_pretrained(base, checkpoint)`` loads
+them) and the base's ``config.json``, not the base's weights; resuming rebuilds the base
+from the run's settings (the preset and seed, or ``--model``) and loads the adapters.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+import ramflow
+
+# attention and MLP projections of Llama-style models (Llama, Mistral, Qwen2, the presets)
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+FROZEN_FORMATS = ("int8", "nf4")
+
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def parse_targets(text: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    """``--lora-targets q_proj,v_proj`` as a tuple of module names (None: the default)."""
+    if text is None:
+        return None
+    names = text.split(",") if isinstance(text, str) else list(text)
+    names = [n.strip() for n in names if n.strip()]
+    if not names:
+        raise ValueError("--lora-targets names no module: give names like q_proj,v_proj")
+    return tuple(names)
+
+
+def check_lora_targets(model: nn.Module, targets: Sequence[str]) -> None:
+    """Raise ValueError naming each target that is not the last name of a linear module of
+    ``model`` (a meta-device model is enough), with the names it does have."""
+    linear = sorted(
+        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    )
+    missing = [t for t in targets if t not in linear]
+    if missing:
+        raise ValueError(
+            f"--lora-targets: the model has no linear module named {', '.join(missing)}; its "
+            f"linear modules are {', '.join(linear)}"
+        )
+
+
+def check_frozen_format(frozen_format: str | None) -> None:
+    """Raise ValueError for a format this ramflow does not know or does not have yet."""
+    if frozen_format is None:
+        return
+    if frozen_format not in FROZEN_FORMATS:
+        raise ValueError(
+            f"--frozen-format {frozen_format!r}: choose one of {', '.join(FROZEN_FORMATS)}"
+        )
+    if "frozen_format" not in inspect.signature(ramflow.offload).parameters:
+        raise ValueError(
+            f"--frozen-format {frozen_format}: this ramflow cannot keep frozen weights "
+            "compressed yet (ramflow.offload has no frozen_format); leave the flag out"
+        )
+
+
+def frozen_format_options(frozen_format: str | None) -> dict[str, Any]:
+    """The ``ramflow.offload`` keyword for ``--frozen-format`` (none when not given)."""
+    check_frozen_format(frozen_format)
+    return {} if frozen_format is None else {"frozen_format": frozen_format}
+
+
+def apply_lora(
+    model: nn.Module, *, rank: int, targets: Sequence[str] | None, seed: int
+) -> nn.Module:
+    """Add LoRA adapters (PEFT, alpha = 2 x rank, no dropout) to the offloaded ``model``,
+    whose parameters are frozen, and move them to the device (``ramflow.adopt``).
+
+    Returns the ``peft.PeftModel``; its adapters are initialised from ``seed`` (PEFT's
+    default: A random, B zero, so the first forward equals the base's).
+
+    Raises:
+        ValueError: ``rank`` below 1; a target ``model`` does not have.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if rank < 1:
+        raise ValueError(f"--lora must be a positive rank, got {rank}")
+    targets = tuple(targets) if targets is not None else DEFAULT_TARGETS
+    check_lora_targets(model, targets)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0)
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, config)
+    ramflow.adopt(peft_model)
+    return peft_model
+
+
+def load_adapters(model: nn.Module, directory: str | os.PathLike) -> None:
+    """Load the adapters a LoRA checkpoint holds into the PEFT ``model`` (same shapes).
+
+    Raises:
+        ValueError: the checkpoint holds adapters of other names or shapes.
+    """
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(os.fspath(directory), ADAPTER_WEIGHTS_FILE))
+    result = set_peft_model_state_dict(model, tensors)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"the adapters in {directory} do not match this run's (missing "
+            f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}): resume with the "
+            "run's own --lora and --lora-targets"
+        )
+
+
+__all__ = [
+    "DEFAULT_TARGETS",
+    "FROZEN_FORMATS",
+    "apply_lora",
+    "check_frozen_format",
+    "check_lora_targets",
+    "frozen_format_options",
+    "load_adapters",
+    "parse_targets",
+]

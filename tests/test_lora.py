@@ -1,0 +1,175 @@
+"""LoRA on an offloaded model: PEFT's adapters stay on the device, the frozen base streams.
+
+Parity with plain PEFT on a deepcopy, for ``get_peft_model`` applied before and after
+``ramflow.offload``: exact on the CPU (CI), marked ``gpu`` on CUDA. See [Note: adapters on
+the device] in ``ramflow._adapters``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ramflow
+from models import LoRAStack, tiny_llama
+
+peft = pytest.importorskip("peft")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_config():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
+
+
+def base_model():
+    # hidden 128: rank-4 LoRA on every projection is about 5% of the parameters, under the
+    # automatic rule's 10%
+    return tiny_llama(tie=False, hidden=128, intermediate=256)
+
+
+def peft_pair(when: str, device: torch.device):
+    """(offloaded PEFT model, resident PEFT reference on ``device``) with equal adapters."""
+    torch.manual_seed(0)
+    base = base_model()
+    if when == "before":
+        model = peft.get_peft_model(base, lora_config())
+        ref = copy.deepcopy(model).to(device)
+        ramflow.offload(model, device=device, wire_dtype=torch.float32)
+    else:
+        ref_base = copy.deepcopy(base)
+        ramflow.offload(base, device=device, wire_dtype=torch.float32)
+        model = peft.get_peft_model(base, lora_config())
+        ref = peft.get_peft_model(ref_base, lora_config()).to(device)
+        peft.set_peft_model_state_dict(ref, peft.get_peft_model_state_dict(model))
+    return model, ref
+
+
+def lora_params(model) -> list[torch.nn.Parameter]:
+    return [p for n, p in model.named_parameters() if "lora_" in n]
+
+
+def batches(n: int, device):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 128, (2, 12), generator=g).to(device) for _ in range(n)]
+
+
+def same(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> bool:
+    if device.type == "cpu":
+        return torch.equal(a, b)
+    # cuBLAS may pick another kernel for another alignment of the same fp32 operands
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_peft_parity_adapters_on_device(device, when):
+    model, ref = peft_pair(when, device)
+    opt = ramflow.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=1e-2, fused=True
+    )
+    for step, ids in enumerate(batches(5, device)):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert same(loss, ref_loss, device), (step, loss.item(), ref_loss.item())
+    engine = ramflow.api._engine(model)
+    adapters = lora_params(model)
+    assert len(adapters) == 2 * len(TARGETS) * 3
+    assert {id(p) for p in engine.adapters.params} == {id(p) for p in adapters}
+    # ordinary device parameters, stepped there: no unit owns them, no host buffer holds them
+    masters = {u.master.untyped_storage().data_ptr() for u in engine.units}
+    for p in adapters:
+        assert p.device.type == device.type
+        assert engine.unit_of(p) is None
+        assert p.untyped_storage().data_ptr() not in masters
+        assert p in opt.state and opt.state[p]["exp_avg"].device.type == device.type
+    # the host store holds no trainable bytes: every unit is frozen (the base)
+    assert all(u.num_trainable == 0 and u.trainable_numel == 0 for u in engine.units)
+    assert all(u.staging is None and u.host_grad is None for u in engine.units)
+    # the plan counts the adapters with their gradients and AdamW states
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    adapter_bytes = sum(p.numel() * p.element_size() for p in adapters)
+    assert engine.plan.fixed_bytes == buffers + 4 * adapter_bytes
+    # undo: a plain model with the trained adapters, on the CPU
+    undone = ramflow.undo(model)
+    assert undone is model and not ramflow.is_offloaded(model.base_model.model)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.device.type == "cpu"
+        assert same(p.detach().to(device), q.detach(), device), name
+    assert not torch.equal(adapters[1].detach(), torch.zeros_like(adapters[1]))  # lora_B moved
+
+
+def test_rule_streams_a_large_trainable_share():
+    """LoRAStack trains about a fifth of its parameters: over the automatic share, so its
+    trainable parameters stream with their units; ``trainable_on_device`` overrides."""
+    torch.manual_seed(0)
+    for choice, kept in ((None, False), (True, True), (False, False)):
+        model = LoRAStack()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        ramflow.offload(model, wire_dtype=torch.float32, trainable_on_device=choice)
+        engine = ramflow.api._engine(model)
+        assert len(engine.adapters.params) == (len(trainable) if kept else 0)
+        assert all((engine.unit_of(p) is None) == kept for p in trainable)
+        ramflow.undo(model)
+
+
+def test_trainable_on_device_false_streams_peft_adapters():
+    torch.manual_seed(0)
+    model = peft.get_peft_model(base_model(), lora_config())
+    ramflow.offload(model, wire_dtype=torch.float32, trainable_on_device=False)
+    engine = ramflow.api._engine(model)
+    assert not engine.adapters.params
+    assert all(engine.unit_of(p) is not None for p in lora_params(model))
+
+
+def test_bad_trainable_on_device():
+    model = base_model().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        ramflow.offload(model, trainable_on_device=True)
+    with pytest.raises(TypeError, match="True, False or None"):
+        ramflow.offload(model, trainable_on_device="yes")
+    with pytest.raises(ValueError, match="zero_stage"):
+        ramflow.offload(base_model(), trainable_on_device=True, zero_stage=1)
+    assert not ramflow.is_offloaded(model)
+
+
+def test_partly_frozen_unit_after_offload_is_refused():
+    """Freezing some of a unit's parameters after offload cannot follow its host layout:
+    the next forward says what to do, and changes nothing."""
+    torch.manual_seed(0)
+    model = base_model()
+    ramflow.offload(model, wire_dtype=torch.float32)
+    model.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
+    ids = torch.randint(0, 128, (2, 8))
+    with pytest.raises(ValueError, match="requires_grad before ramflow.offload"):
+        model(input_ids=ids)
+    model.model.layers[0].self_attn.q_proj.weight.requires_grad_(True)
+    model(input_ids=ids, labels=ids).loss.backward()  # as before
+
+
+def test_adapters_on_meta_device_get_their_values():
+    """A PEFT model built on the meta device and loaded with ``weights=``: the adapters
+    kept on the device are written by the weights function too."""
+    with torch.device("meta"):
+        model = peft.get_peft_model(base_model(), lora_config())
+    seen = []
+
+    def weights(name, out):
+        seen.append(name)
+        out.fill_(0.01)
+
+    inner = model.base_model.model  # the transformers model: its rotary buffers are rebuilt
+    ramflow.offload(inner, wire_dtype=torch.float32, weights=weights)
+    engine = ramflow.api._engine(model)
+    assert engine.adapters.params
+    for p in engine.adapters.params:
+        assert not p.is_meta and torch.all(p == 0.01)
+    assert any("lora_A" in n for n in seen)
