@@ -26,7 +26,6 @@ import argparse
 import inspect
 import json
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -141,15 +140,16 @@ def gpu_peak(device: str) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None
 
 
-def inference(args, device: str, rate: float | None) -> dict[str, Any]:
-    model, load_s = build(
-        args.shape, device=device, gpu_memory=args.gpu_memory, frozen_format=args.frozen_format
-    )
+def inference(model, args, device: str, rate: float | None) -> dict[str, Any]:
+    """Prefill and decode steps of the offloaded ``model``, each against the PCIe floor of
+    the bytes one pass streams."""
     model.eval()
     per_pass = streamed_bytes(model)
     floor = None if rate is None else per_pass / rate
     vocab = SHAPES[args.shape][5]
-    out: dict[str, Any] = {"load_s": load_s, "streamed_bytes_per_pass": per_pass}
+    out: dict[str, Any] = {"streamed_bytes_per_pass": per_pass}
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
     with torch.no_grad():
         ids = torch.randint(0, vocab, (1, args.seq_len), device=device)
         t = timed(lambda: model(input_ids=ids, use_cache=False), device, args.repeat)
@@ -165,23 +165,26 @@ def inference(args, device: str, rate: float | None) -> dict[str, Any]:
             t = timed(step, device, args.repeat)
             out[f"decode_b{batch}"] = {"seconds_per_token": t, "floor_s": floor}
     out["gpu_peak_bytes"] = gpu_peak(device)
-    ramflow.undo(model)
     return out
 
 
-def lora_step(args, device: str, batch: int, gpu_memory: str | None, rate, flops) -> dict:
+def add_lora(model, args):
+    """PEFT's LoRA on the offloaded ``model`` (rank ``args.lora_rank``, attention and MLP
+    projections); the adapters go to the device (``ramflow.adopt``)."""
     from peft import LoraConfig, get_peft_model
 
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats(device)
-    model, load_s = build(
-        args.shape, device=device, gpu_memory=gpu_memory, frozen_format=args.frozen_format
-    )
     model.gradient_checkpointing_enable()  # the budget holds no full activations at 70B
     config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
                         target_modules=LORA_TARGETS, lora_dropout=0.0)  # fmt: skip
     peft_model = get_peft_model(model, config)
     ramflow.adopt(peft_model)  # the adapters to the device, see ramflow._adapters
+    return peft_model
+
+
+def lora_step(peft_model, model, args, device: str, batch: int, rate, flops) -> dict:
+    """Timed LoRA steps of ``batch`` x ``args.seq_len`` tokens on the offloaded model."""
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
     opt = ramflow.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4)
     vocab = SHAPES[args.shape][5]
     ids = torch.randint(0, vocab, (batch, args.seq_len), device=device)
@@ -197,11 +200,10 @@ def lora_step(args, device: str, batch: int, gpu_memory: str | None, rate, flops
     per_pass = streamed_bytes(model)
     num_params = sum(p.numel() for p in model.parameters())
     tokens = batch * args.seq_len
-    out = {
+    return {
         "batch": batch,
         "tokens": tokens,
-        "gpu_memory": gpu_memory,
-        "load_s": load_s,
+        "gpu_memory": args.gpu_memory,
         "step_s": t,
         "streamed_bytes_per_step": 2 * per_pass,  # forward and backward
         "floor_s": None if rate is None else 2 * per_pass / rate,
@@ -210,42 +212,53 @@ def lora_step(args, device: str, batch: int, gpu_memory: str | None, rate, flops
         "adapter_parameters": sum(p.numel() for p in opt.param_groups[0]["params"]),
         "gpu_peak_bytes": gpu_peak(device),
     }
-    ramflow.undo(model)
-    return out
 
 
 def accelerate_peer(args, device: str) -> dict[str, Any]:
-    """accelerate's device_map="auto" offload of the same shape, in a child process (the
-    host may not hold its bf16 copy: the failure is the result)."""
-    code = f"""
-import json, time, torch, sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-from lora_70b import llama_config, SHAPES
-from accelerate import dispatch_model, infer_auto_device_map
-from transformers import LlamaForCausalLM
-cfg = llama_config({args.shape!r})
-model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-gpu = {device!r}.startswith("cuda")
-max_memory = {{0: {args.gpu_memory or "24GiB"!r}, "cpu": "120GiB"}} if gpu else {{"cpu": "120GiB"}}
-device_map = infer_auto_device_map(model, max_memory=max_memory, dtype=torch.bfloat16)
-model = dispatch_model(model, device_map=device_map)
-ids = torch.randint(0, SHAPES[{args.shape!r}][5], (1, {args.seq_len}))
-with torch.no_grad():
-    model(input_ids=ids)
-    if gpu: torch.cuda.synchronize()
-    t0 = time.perf_counter(); model(input_ids=ids)
-    if gpu: torch.cuda.synchronize()
-print(json.dumps({{"prefill_s": time.perf_counter() - t0}}))
-"""
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    last = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else []
-    return {
-        "returncode": proc.returncode,
-        "seconds": time.perf_counter() - t0,
-        "result": json.loads(last[0]) if last else None,
-        "error": None if proc.returncode == 0 else (proc.stderr[-1500:] or "killed"),
+    """accelerate's ``device_map="auto"`` offload of the same shape, as far as this host
+    allows: the model on the meta device, ``infer_auto_device_map`` with the GPU budget and
+    the host's available RAM (less 8 GiB for the process), then what the map needs. Its
+    modules on "cpu" need their bf16 bytes in RAM; those on "disk" need a bf16 checkpoint
+    of theirs on disk to be offloaded from (``offload_folder``); the run is tried only
+    when both fit (random weights cannot be written there otherwise), else the reason is
+    the result."""
+    import shutil
+
+    import psutil
+    from accelerate import infer_auto_device_map, init_empty_weights
+    from transformers import LlamaForCausalLM
+
+    with init_empty_weights():
+        model = LlamaForCausalLM(llama_config(args.shape))
+    avail = psutil.virtual_memory().available - 8 * GIB
+    gpu = device.startswith("cuda")
+    max_memory = {"cpu": max(avail, 0)}
+    if gpu:
+        max_memory[0] = args.gpu_memory or "24GiB"
+    device_map = infer_auto_device_map(model, max_memory=max_memory, dtype=torch.bfloat16)
+    placed: dict[str, int] = {}
+    modules = dict(model.named_modules())
+    for name, where in device_map.items():
+        nbytes = sum(p.numel() * 2 for p in modules[name].parameters()) if name else 0
+        placed[str(where)] = placed.get(str(where), 0) + nbytes
+    disk_free = shutil.disk_usage(args.out_dir.resolve().anchor).free
+    out = {
+        "max_memory": {str(k): v for k, v in max_memory.items()},
+        "bf16_bytes_by_device": placed,
+        "disk_free_bytes": disk_free,
+        "result": None,
+        "returncode": None,
     }
+    need_disk = placed.get("disk", 0)
+    if need_disk:
+        out["error"] = (
+            f"device_map='auto' puts {need_disk / GIB:.0f} GiB of bf16 weights on disk "
+            f"(GPU {placed.get('0', 0) / GIB:.0f} GiB, CPU {placed.get('cpu', 0) / GIB:.0f} GiB "
+            f"of {avail / GIB:.0f} GiB available): offloading them needs a checkpoint of "
+            f"that size on disk, and this box has {disk_free / GIB:.0f} GiB free"
+            + (": it cannot run here" if need_disk > disk_free else "")
+        )
+    return out
 
 
 def ratio(t: float | None, floor: float | None) -> str:
@@ -301,7 +314,7 @@ def markdown(r: dict[str, Any]) -> str:
         what = (
             f"prefill {p['result']['prefill_s']:.3f} s"
             if p["result"]
-            else f"failed (rc {p['returncode']})"
+            else f"does not run: {p.get('error') or 'rc ' + str(p['returncode'])}"
         )
         lines.append(f"| accelerate device_map=auto | {what} | - | - | - | - |")
     lines += [f"\n{note}" for note in r["notes"]]
@@ -335,7 +348,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         wanted = None
     args.frozen_format = wanted
-    budgets = (None, None) if device == "cpu" else ("24GiB", "32GiB")
     if device == "cpu":
         args.gpu_memory = None
     rate, flops = h2d_rate(device), matmul_rate(device)
@@ -351,21 +363,37 @@ def main(argv: list[str] | None = None) -> int:
         },
         "notes": notes,
     }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "lora_70b" + ("-accelerate" if args.peer else "")
+
+    def write() -> None:
+        # after every stage, so that a run cut short keeps what it measured
+        result["host_rss_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (args.out_dir / f"{stem}.md").write_text(markdown(result))
+
     if args.peer == "accelerate":
         result["peer"] = accelerate_peer(args, device)
     else:
+        # one model for every case: a 70B shape takes minutes to materialize
+        model, result["load_s"] = build(
+            args.shape, device=device, gpu_memory=args.gpu_memory, frozen_format=wanted
+        )
+        result["plan"] = ramflow.get_plan(model).describe()
+        write()
+        print(result["plan"], flush=True)
         if args.part in ("all", "inference"):
-            result["inference"] = inference(args, device, rate)
+            result["inference"] = inference(model, args, device, rate)
+            write()
         if args.part in ("all", "lora"):
-            result["lora"] = [
-                lora_step(args, device, 1, budgets[0], rate, flops),
-                lora_step(args, device, 4, budgets[1], rate, flops),
-            ]
-    result["host_rss_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "lora_70b" + ("-accelerate" if args.peer else "")
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out_dir / f"{stem}.md").write_text(markdown(result))
+            peft_model = add_lora(model, args)
+            result["lora"] = []
+            for batch in (1, 4):
+                result["lora"].append(
+                    lora_step(peft_model, model, args, device, batch, rate, flops)
+                )
+                write()
+    write()
     print(markdown(result))
     return 0
 

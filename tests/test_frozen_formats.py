@@ -216,6 +216,47 @@ def test_peft_lora_on_a_tiny_llama(fmt):
     assert got == want
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_peft_after_offload_over_compressed_weights(fmt):
+    # PEFT makes each adapter on its base weight's device: a compressed weight's host
+    # stand-in is a meta tensor, so ramflow gives the adapters values at adoption (PEFT's
+    # default LoRA init, fp32, on the device); the model then trains as the plain PEFT model
+    # over the dequantized base with the same adapter values
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = tiny_llama(tie=False, hidden=128, intermediate=256)
+    base.requires_grad_(False)
+    plain = _with_dequantized(base, fmt)
+    ramflow.offload(base, device="cpu", frozen_format=fmt)
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = peft.get_peft_model(base, cfg)
+    ramflow.adopt(model)
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all(not p.is_meta and p.dtype == torch.float32 for p in adapters.values())
+    assert all(p.abs().sum() == 0 for n, p in adapters.items() if "lora_B" in n)
+    assert all(p.abs().sum() > 0 for n, p in adapters.items() if "lora_A" in n)
+    ref = peft.get_peft_model(plain, cfg)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if p.requires_grad:
+                p.copy_(adapters[n])
+    ids = [torch.randint(0, 128, (2, 16)) for _ in range(3)]
+
+    def run(m, opt):
+        out = []
+        for x in ids:
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    got = run(model, ramflow.optim.AdamW(list(adapters.values())))
+    want = run(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], fused=True))
+    assert got == want
+
+
 # ------------------------------------------------------------------ errors (issue 16, point 7)
 
 

@@ -96,6 +96,53 @@ def choose_on_device(
     return trainable
 
 
+def materialize_meta_adapters(
+    model: nn.Module, params: list[nn.Parameter], device: torch.device
+) -> list[nn.Parameter]:
+    """Give values to the parameters among ``params`` (new since ``offload``) that are on
+    the meta device, or raise; returns ``params`` with those replaced by the new
+    parameter objects (a meta tensor cannot take values in place).
+
+    PEFT creates each adapter on the device and in the dtype of its base layer's weight;
+    a weight kept compressed (``frozen_format``) is a meta stand-in, so
+    ``peft.get_peft_model`` after ``offload`` leaves those adapters on the meta device,
+    without values. A PEFT LoRA layer's adapters are made on ``device`` in fp32 and
+    initialized by the layer's own ``reset_lora_parameters`` with PEFT's default LoRA
+    initialization (A as ``nn.Linear``'s Kaiming-uniform, B zero: Hu et al. 2021).
+
+    Raises:
+        ValueError: a meta parameter that is not a PEFT LoRA adapter (its values are
+            unknown); the message says to add it before ``offload`` or give it values.
+    """
+    meta = {id(p) for p in params if p.is_meta}
+    if not meta:
+        return params
+    replaced: dict[int, nn.Parameter] = {}
+    for layer in model.modules():
+        if not (hasattr(layer, "reset_lora_parameters") and hasattr(layer, "lora_A")):
+            continue
+        for adapter in list(layer.lora_A.keys()):
+            parts = [layer.lora_A[adapter], layer.lora_B[adapter]]
+            if not any(id(p) in meta for m in parts for p in m.parameters()):
+                continue
+            for m in parts:
+                for name, old in list(m._parameters.items()):
+                    if old is None or id(old) not in meta:
+                        continue
+                    values = torch.empty(old.shape, dtype=torch.float32, device=device)
+                    m._parameters[name] = nn.Parameter(values, requires_grad=old.requires_grad)
+                    replaced[id(old)] = m._parameters[name]
+            layer.reset_lora_parameters(adapter, True)
+    left = meta - replaced.keys()
+    if left:
+        names = [n for n, p in model.named_parameters() if id(p) in left][:3]
+        raise ValueError(
+            f"parameters added after ramflow.offload are on the meta device, without values "
+            f"({', '.join(names)}): give them values, or add them before ramflow.offload"
+        )
+    return [replaced.get(id(p), p) for p in params]
+
+
 class DeviceParameters:
     """The parameters one engine keeps on the device.
 

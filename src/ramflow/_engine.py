@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._adapters import DeviceParameters, device_bytes
+from ._adapters import DeviceParameters, device_bytes, materialize_meta_adapters
 from ._clip import install_clip_route
 from ._frozen_formats import raise_if_trained
 from ._gradients import GradientPath
@@ -362,6 +362,7 @@ class Engine:
             frozen.append(u)
         if not new and not frozen:
             return
+        new = materialize_meta_adapters(model, new, self.device)
         self.synchronize()
         for u in frozen:
             self._freeze(u)
