@@ -84,12 +84,32 @@ def has_frozen_formats() -> bool:
     return "frozen_format" in inspect.signature(ramflow.offload).parameters
 
 
-def build(shape: str, *, device: str, gpu_memory: str | None, frozen_format: str | None):
+def build(
+    shape: str,
+    *,
+    device: str,
+    gpu_memory: str | None,
+    frozen_format: str | None,
+    lora_rank: int | None = None,
+):
+    """The frozen model of ``shape`` on the meta device, with PEFT's LoRA (rank
+    ``lora_rank``, attention and MLP projections) when given, offloaded and materialized
+    unit by unit into the store; the adapters are made on the device by ``offload``
+    (PEFT's default init) and planned with the units. Returns the model and the seconds."""
+    from accelerate import init_empty_weights
     from transformers import LlamaForCausalLM
 
-    with torch.device("meta"):
+    # parameters on the meta device, buffers (rotary frequencies) computed on the CPU
+    with init_empty_weights(include_buffers=False):
         model = LlamaForCausalLM(llama_config(shape))
     model.requires_grad_(False)
+    if lora_rank is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model.gradient_checkpointing_enable()  # the budget holds no full activations at 70B
+        config = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
+                            target_modules=LORA_TARGETS, lora_dropout=0.0)  # fmt: skip
+        model = get_peft_model(model, config)
     options: dict[str, Any] = {"device": device, "gpu_memory": gpu_memory}
     if frozen_format is not None:
         options["frozen_format"] = frozen_format
@@ -99,10 +119,12 @@ def build(shape: str, *, device: str, gpu_memory: str | None, frozen_format: str
 
 
 def streamed_bytes(model) -> int:
-    """Bytes one pass copies host to device: every unit that is not resident."""
+    """Bytes one pass copies host to device: every unit that is not resident, as it
+    crosses PCIe (compressed, where its frozen weights are)."""
     plan = ramflow.get_plan(model)
     resident = set(plan.resident)
-    return sum(b for n, b in zip(plan.unit_names, plan.unit_bytes) if n not in resident)
+    sizes = getattr(plan, "unit_h2d_bytes", None) or plan.unit_bytes
+    return sum(b for n, b in zip(plan.unit_names, sizes) if n not in resident)
 
 
 def sync(device: str) -> None:
@@ -182,19 +204,6 @@ def inference(model, args, device: str, rate: float | None) -> dict[str, Any]:
             out[f"decode_b{batch}"] = {"seconds_per_token": t, "floor_s": floor}
     out["gpu_peak_bytes"] = gpu_peak(device)
     return out
-
-
-def add_lora(model, args):
-    """PEFT's LoRA on the offloaded ``model`` (rank ``args.lora_rank``, attention and MLP
-    projections); the adapters go to the device (``ramflow.adopt``)."""
-    from peft import LoraConfig, get_peft_model
-
-    model.gradient_checkpointing_enable()  # the budget holds no full activations at 70B
-    config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                        target_modules=LORA_TARGETS, lora_dropout=0.0)  # fmt: skip
-    peft_model = get_peft_model(model, config)
-    ramflow.adopt(peft_model)  # the adapters to the device, see ramflow._adapters
-    return peft_model
 
 
 def lora_step(peft_model, model, args, device: str, batch: int, rate, flops) -> dict:
@@ -401,7 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # one model for every case: a 70B shape takes minutes to materialize
         model, result["load_s"] = build(
-            args.shape, device=device, gpu_memory=args.gpu_memory, frozen_format=wanted
+            args.shape,
+            device=device,
+            gpu_memory=args.gpu_memory,
+            frozen_format=wanted,
+            lora_rank=args.lora_rank if args.part in ("all", "lora") else None,
         )
         result["plan"] = ramflow.get_plan(model).describe()
         write()
@@ -410,12 +423,9 @@ def main(argv: list[str] | None = None) -> int:
             result["inference"] = inference(model, args, device, rate)
             write()
         if args.part in ("all", "lora"):
-            peft_model = add_lora(model, args)
             result["lora"] = []
             for batch in (1, 4):
-                result["lora"].append(
-                    lora_step(peft_model, model, args, device, batch, rate, flops)
-                )
+                result["lora"].append(lora_step(model, model, args, device, batch, rate, flops))
                 write()
     write()
     print(markdown(result))

@@ -106,7 +106,9 @@ def materialize_meta_adapters(
     PEFT creates each adapter on the device and in the dtype of its base layer's weight;
     a weight kept compressed (``frozen_format``) is a meta stand-in, so
     ``peft.get_peft_model`` after ``offload`` leaves those adapters on the meta device,
-    without values. A PEFT LoRA layer's adapters are made on ``device`` in fp32 and
+    without values; so does ``get_peft_model`` on a model built on the meta device and
+    offloaded with ``weights=`` (``offload`` calls this for the adapters it keeps on the
+    device). A PEFT LoRA layer's adapters are made on ``device`` in fp32 and
     initialized by the layer's own ``reset_lora_parameters`` with PEFT's default LoRA
     initialization (A as ``nn.Linear``'s Kaiming-uniform, B zero: Hu et al. 2021).
 

@@ -113,6 +113,8 @@ class Engine:
             0 if model is None else sum(b.numel() * b.element_size() for b in model.buffers())
         )
         self.adapters = DeviceParameters(device)
+        if model is not None:  # PEFT applied on the meta device: see the function
+            on_device = materialize_meta_adapters(model, list(on_device), device)
         self.adapters.adopt(on_device)
         self.units: list[_Unit] = []
         self._unit_of_param: dict[int, _Unit] = {}
