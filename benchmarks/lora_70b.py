@@ -27,6 +27,7 @@ import functools
 import inspect
 import json
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -239,14 +240,44 @@ def lora_step(peft_model, model, args, device: str, batch: int, rate, flops) -> 
     }
 
 
+def _run_accelerate(args, device: str, max_memory: dict) -> dict[str, Any]:
+    """The shape built in bf16 on the CPU and dispatched by accelerate, in a child process
+    (for shapes whose bf16 weights fit in RAM): one timed prefill."""
+    code = f"""
+import json, time, torch, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from lora_70b import llama_config, SHAPES
+from accelerate import dispatch_model, infer_auto_device_map
+from transformers import LlamaForCausalLM
+model = LlamaForCausalLM(llama_config({args.shape!r})).to(torch.bfloat16).eval()
+gpu = {device!r}.startswith("cuda")
+device_map = infer_auto_device_map(model, max_memory={max_memory!r}, dtype=torch.bfloat16)
+model = dispatch_model(model, device_map=device_map)
+ids = torch.randint(0, SHAPES[{args.shape!r}][5], (1, {args.seq_len}))
+with torch.no_grad():
+    model(input_ids=ids)
+    if gpu: torch.cuda.synchronize()
+    t0 = time.perf_counter(); model(input_ids=ids)
+    if gpu: torch.cuda.synchronize()
+print(json.dumps({{"prefill_s": time.perf_counter() - t0}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    last = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else []
+    return {
+        "returncode": proc.returncode,
+        "result": json.loads(last[0]) if last else None,
+        "error": None if proc.returncode == 0 else (proc.stderr[-1500:] or "killed"),
+    }
+
+
 def accelerate_peer(args, device: str) -> dict[str, Any]:
     """accelerate's ``device_map="auto"`` offload of the same shape, as far as this host
     allows: the model on the meta device, ``infer_auto_device_map`` with the GPU budget and
     the host's available RAM (less 8 GiB for the process), then what the map needs. Its
     modules on "cpu" need their bf16 bytes in RAM; those on "disk" need a bf16 checkpoint
-    of theirs on disk to be offloaded from (``offload_folder``); the run is tried only
-    when both fit (random weights cannot be written there otherwise), else the reason is
-    the result."""
+    of theirs on disk to be offloaded from (``offload_folder``). The run is tried only
+    when the whole bf16 model fits in RAM (it is built there, then dispatched), else the
+    reason is the result."""
     import shutil
 
     import psutil
@@ -276,21 +307,17 @@ def accelerate_peer(args, device: str) -> dict[str, Any]:
     }
     need_disk = placed.get("disk", 0)
     total = sum(placed.values())
+    if need_disk == 0 and total <= avail:
+        out.update(_run_accelerate(args, device, max_memory))
+        return out
     out["error"] = (
         f"device_map='auto' places {placed.get('0', 0) / GIB:.0f} GiB of bf16 weights on the "
-        f"GPU and {placed.get('cpu', 0) / GIB:.0f} GiB in host RAM: it loads them with "
-        f"from_pretrained from a checkpoint of {total / GIB:.0f} GiB, which this box's "
-        f"{disk_free / GIB:.0f} GiB of free disk cannot hold, and building them in memory "
-        f"first needs the whole {total / GIB:.0f} GiB in RAM"
+        f"GPU, {placed.get('cpu', 0) / GIB:.0f} GiB in host RAM and {need_disk / GIB:.0f} GiB "
+        f"on disk: it loads them with from_pretrained from a checkpoint of "
+        f"{total / GIB:.0f} GiB, which this box's {disk_free / GIB:.0f} GiB of free disk "
+        f"cannot hold, and building them in memory first needs the whole {total / GIB:.0f} "
+        f"GiB in RAM ({avail / GIB:.0f} GiB available)"
     )
-    if need_disk:
-        out["error"] = (
-            f"device_map='auto' puts {need_disk / GIB:.0f} GiB of bf16 weights on disk "
-            f"(GPU {placed.get('0', 0) / GIB:.0f} GiB, CPU {placed.get('cpu', 0) / GIB:.0f} GiB "
-            f"of {avail / GIB:.0f} GiB available): offloading them needs a checkpoint of "
-            f"that size on disk, and this box has {disk_free / GIB:.0f} GiB free"
-            + (": it cannot run here" if need_disk > disk_free else "")
-        )
     return out
 
 
