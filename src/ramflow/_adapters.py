@@ -11,8 +11,9 @@ fused AdamW on the device, as any parameter that no engine manages; a plain torc
 works too). The frozen base streams through the window as before.
 
 The rule (``offload(..., trainable_on_device=None)``, the default): the trainable parameters
-stay on the device when they are at most ``ADAPTER_SHARE`` of the model's parameters (by
-elements) and, under a ``gpu_memory`` budget, their device bytes (weights, gradients and
+of PEFT's adapters (the adapter containers of its tuner layers, which cast their input to
+their own dtype) stay on the device when they are at most ``ADAPTER_SHARE`` of the model's
+parameters (by elements) and, under a ``gpu_memory`` budget, their device bytes (weights, gradients and
 AdamW's two states: four times their bytes) take at most half of it. ``True`` keeps them on
 the device whatever their share; ``False`` streams them with their units.
 
@@ -47,6 +48,19 @@ def device_bytes(params: Iterable[nn.Parameter]) -> int:
         copies = _DEVICE_COPIES if p.requires_grad else 1
         total += copies * p.numel() * p.element_size()
     return total
+
+
+def _adapter_ids(model: nn.Module) -> set[int]:
+    """ids of the parameters of ``model``'s PEFT adapters: those held in the adapter
+    containers of PEFT's tuner layers (``adapter_layer_names``, e.g. ``lora_A``,
+    ``lora_B``), which also cast their input to their own dtype."""
+    ids: set[int] = set()
+    for module in model.modules():
+        for name in getattr(module, "adapter_layer_names", ()):
+            container = getattr(module, name, None)
+            if isinstance(container, nn.Module):
+                ids.update(id(p) for p in container.parameters())
+    return ids
 
 
 def choose_on_device(
@@ -87,6 +101,11 @@ def choose_on_device(
             )
         return trainable
     if zero_stage is not None or not trainable or len(trainable) == len(params):
+        return []
+    # the automatic rule takes adapters only (a trainable head of a frozen backbone streams
+    # with its unit, in the wire dtype, as any layer the model computes in it)
+    trainable = [p for p in trainable if id(p) in _adapter_ids(model)]
+    if not trainable:
         return []
     numel = sum(p.numel() for p in params)
     if sum(p.numel() for p in trainable) > ADAPTER_SHARE * numel:

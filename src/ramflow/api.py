@@ -147,10 +147,12 @@ def offload(
             optimizer (``ramflow.optim.AdamW`` runs PyTorch's fused AdamW on them; a torch
             optimizer works too) with no host round trip, and the plan counts them with
             their gradients and AdamW states (four times their bytes). None (the default):
-            when they are at most 10% of the parameters (by elements) and, with
-            ``gpu_memory``, take at most half of it; never with ``zero_stage``. True:
-            always (a ValueError with ``zero_stage`` or no trainable parameter). False:
-            they stream with their units. Parameters added after ``offload``
+            PEFT's adapters (the parameters of its tuner layers' adapter containers, which
+            cast their input to their own dtype), when they are at most 10% of the
+            parameters (by elements) and, with ``gpu_memory``, take at most half of it;
+            other trainable parameters (a head) stream with their units; never with
+            ``zero_stage``. True: every trainable parameter, always (a ValueError with
+            ``zero_stage`` or no trainable parameter). False: they stream with their units. Parameters added after ``offload``
             (``peft.get_peft_model`` on the offloaded model) are kept on the device from
             the next forward on. See [Note: adapters on the device] in
             ``ramflow._adapters``.
