@@ -530,7 +530,7 @@ RAMFLOW_AVX2 inline __m256i quantize8(const uint32_t* table, __m256 y) {
 // Both get the same code unless a midpoint lies between them: unless y0's order key is
 // within 8 of the midpoint key of its bucket or within 8 of the bucket's edges. Those 8
 // lanes (about 1 in 2000) are divided; so is a block whose absmax or reciprocal is not a
-// normal float. The result is the division's, bit for bit (tests: quantize_blocks_native
+// normal float. The result is the division's, bit for bit (tests: _quantize_blockwise_native
 // against quantize_blockwise on values next to every midpoint).
 RAMFLOW_AVX2 inline __m256i quantize8_key(__m256i u) {
   return _mm256_and_si256(_mm256_xor_si256(u, _mm256_srai_epi32(u, 31)), _mm256_set1_epi32(0xFFFF));
@@ -585,6 +585,22 @@ RAMFLOW_AVX2 inline float max_lane(__m256 x) {
   float amax = 0.0f;
   for (float l : lanes) amax = std::max(amax, l);
   return amax;
+}
+
+// One whole block x[0, kQBlock) quantized as lean_blocks_avx2 does it: the absmax (a NaN
+// |x| leaves it as it is, as std::max does in the scalar block) and the codes.
+RAMFLOW_AVX2 inline void quantize_block_avx2(const uint32_t* table, const float* x, uint8_t* q,
+                                             float* absmax) {
+  alignas(32) float xs[kQBlock];
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax8 = _mm256_setzero_ps();
+  for (int64_t j = 0; j < kQBlock; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    _mm256_store_ps(xs + j, v);
+    amax8 = _mm256_max_ps(_mm256_andnot_ps(sign, v), amax8);
+  }
+  *absmax = max_lane(amax8);
+  quantize_block(table, xs, *absmax, q);
 }
 
 template <int kGrad, int kMaster, int kState>
@@ -795,6 +811,28 @@ extern "C" int ramflow_lean_adamw_step(const LeanArgs* args) {
     }
     for (; b < hi; ++b) lean_block(a, b * kQBlock, std::min(kQBlock, a.n - b * kQBlock));
   });
+  return 0;
+}
+
+// x (n,) as 8-bit codes q and one absmax per block of kQBlock, as a lean step stores a
+// state: the AVX2 quantizer on whole blocks (unless RAMFLOW_LEAN_SCALAR=1), the scalar one
+// on a last partial block. For the tests of [Note: quantizing without a division].
+extern "C" int ramflow_quantize_blocks(const float* x, int64_t n, const uint32_t* table,
+                                       uint8_t* q, float* absmax) {
+  LeanArgs a{};
+  a.state_format = kStateQ8;
+  a.grad_dtype = kF32;
+  const bool simd = lean_blocks_simd(a) != nullptr;
+  for (int64_t begin = 0; begin < n; begin += kQBlock) {
+    const int64_t len = std::min(kQBlock, n - begin);
+#if RAMFLOW_X86
+    if (simd && len == kQBlock) {
+      quantize_block_avx2(table, x + begin, q + begin, absmax + begin / kQBlock);
+      continue;
+    }
+#endif
+    store_state(a, q, absmax, table, begin, len, x + begin);
+  }
   return 0;
 }
 

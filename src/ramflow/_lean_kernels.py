@@ -262,6 +262,27 @@ def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, 
     return q.view(-1)[:n].to(torch.uint8), absmax
 
 
+def _quantize_blockwise_native(
+    x: torch.Tensor, *, signed: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``quantize_blockwise`` by the native code a lean step stores its 8-bit states with
+    (AVX2 unless ``RAMFLOW_LEAN_SCALAR=1``), or None where it is not available. For the
+    tests, which compare the two bit for bit."""
+    lib = _LEAN.get()
+    if lib is None:
+        return None
+    x = x.reshape(-1).contiguous()
+    n = x.numel()
+    q = torch.empty(n, dtype=torch.uint8)
+    absmax = torch.empty(-(-n // QBLOCK), dtype=torch.float32)
+    table = _code().signed_table if signed else _code().unsigned_table
+    rc = lib.ramflow_quantize_blocks(
+        x.data_ptr(), n, table.data_ptr(), q.data_ptr(), absmax.data_ptr()
+    )
+    assert rc == 0, rc
+    return q, absmax
+
+
 def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, *, signed: bool) -> torch.Tensor:
     """The fp32 values (n,) of codes ``q`` (n,) uint8 with per-block ``absmax``."""
     code = _code().signed if signed else _code().unsigned
@@ -351,6 +372,10 @@ class _LeanLibrary:
             ctypes.c_int32,
         ]
         lib.ramflow_bf16_stochastic_round.restype = ctypes.c_int
+        lib.ramflow_quantize_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [
+            ctypes.c_void_p
+        ] * 3
+        lib.ramflow_quantize_blocks.restype = ctypes.c_int
         return lib
 
 
