@@ -9,6 +9,7 @@ pure-PyTorch path used without a compiler (``impl="torch"``).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import platform
 import shutil
@@ -23,14 +24,14 @@ import pytest
 import torch
 from torch.optim import adam as torch_adam
 
-from ramflow import _cpu_kernels
+from ramflow import _cpu_kernels, _lean_kernels
 from ramflow._cpu_kernels import fused_adamw_step_
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
 
 
 def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -561,3 +562,119 @@ def test_a_build_killed_half_way_does_not_block_the_next_process(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert "True" in _finish(_kernel_process(tmp_path))
+
+
+# ---- the lean kernels' 8-bit codes (_lean_kernels, [Note: 8-bit codes in one lookup]) -----
+
+
+def _old_table_method(mid: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The quantizer before the one-lookup table: a byte per bucket (the midpoints below the
+    bucket's smallest float), then one compare with the next midpoint (one was always enough
+    for these codes), as quantize_code's loop did."""
+    upper = torch.arange(1 << 16, dtype=torch.int64) << 16
+    negative = upper >= 1 << 31
+    smallest = _lean_kernels._as_float32(torch.where(negative, upper | 0xFFFF, upper))
+    start = torch.where(torch.isnan(smallest), 0, torch.bucketize(smallest, mid))
+    bits_y = y.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    k = start[bits_y >> 16]
+    return k + ((k < 255) & (mid[k.clamp(max=254)] < y)).to(torch.int64)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_one_lookup_table_gives_the_nearest_code_for_every_float(signed):
+    codes = _lean_kernels._code()
+    mid = codes.signed_mid if signed else codes.unsigned_mid
+    table = codes.signed_table if signed else codes.unsigned_table
+    # Within a bucket (one upper half) the table method is start + (key > threshold): one
+    # step, at the threshold. Its lowest and highest floats and both sides of the step
+    # therefore decide it for all 2**16 floats of the bucket; every bucket is checked.
+    upper = torch.arange(1 << 16, dtype=torch.int64) << 16
+    threshold = (table.to(torch.int64) & 0xFFFFFFFF) >> 16
+    lows = [torch.full_like(upper, c) for c in (0, 1, 0xFFFE, 0xFFFF)]
+    for d in (-1, 0, 1):  # both sides of the step, as order keys, back to lower bits
+        key = (threshold + d).clamp(0, 0xFFFF)
+        lows.append(key ^ torch.where(upper >= 1 << 31, 0xFFFF, 0))
+    y = _lean_kernels._as_float32(torch.cat([upper | low for low in lows]))
+    got = _lean_kernels._quantize_with_table(table, y)
+    assert torch.equal(got, _old_table_method(mid, y)), "differs from the old table method"
+    finite = ~torch.isnan(y)  # bucketize puts NaN last; both table methods put it first
+    assert torch.equal(got[finite], torch.bucketize(y[finite], mid))
+    # And random floats of every magnitude.
+    gen = torch.Generator().manual_seed(0)
+    r = torch.randint(-(1 << 31), 1 << 31, (1 << 20,), generator=gen, dtype=torch.int64)
+    y = r.to(torch.int32).view(torch.float32)
+    assert torch.equal(_lean_kernels._quantize_with_table(table, y), _old_table_method(mid, y))
+
+
+def _values_next_to_every_midpoint(mid: torch.Tensor, scale: float) -> torch.Tensor:
+    """Blocks of 256 whose absmax is ``scale``: the midpoints times ``scale``, each moved by
+    -6 .. +6 fp32 steps, where y0 = x * (1 / absmax) and x / absmax may disagree."""
+    x = (mid.double() * scale).float()
+    steps = []
+    for k in range(-6, 7):
+        moved = x.clone()
+        toward = torch.full_like(x, math.inf if k > 0 else -math.inf)
+        for _ in range(abs(k)):
+            moved = torch.nextafter(moved, toward)
+        steps.append(moved)
+    x = torch.cat(steps).clamp(-scale, scale)
+    blocks = torch.nn.functional.pad(x, (0, -x.numel() % 255)).view(-1, 255)
+    blocks = torch.cat([blocks, torch.full((blocks.shape[0], 1), scale)], dim=1)
+    return blocks.flatten()
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["avx2", "scalar"])
+@pytest.mark.parametrize("signed", [True, False])
+def test_native_quantizer_equals_quantize_blockwise_next_to_every_midpoint(
+    signed, scalar, monkeypatch
+):
+    if not _lean_kernels.lean_kernel_available():
+        pytest.skip("the native lean kernels are not available here")
+    if scalar:
+        monkeypatch.setenv("RAMFLOW_LEAN_SCALAR", "1")
+    codes = _lean_kernels._code()
+    mid = codes.signed_mid if signed else codes.unsigned_mid
+    gen = torch.Generator().manual_seed(1)
+    # absmax of every kind: powers of 2 (exact reciprocals), random ones, subnormal ones
+    # and ones whose reciprocal is subnormal (both divided), and 1 (all-zero blocks).
+    scales = [1.0, 0.5, 3e-39, 1e-45, 3e38, 1e-20, 7e10]
+    scales += (torch.rand(12, generator=gen, dtype=torch.float64) * 40 - 20).exp().tolist()
+    x = torch.cat([_values_next_to_every_midpoint(mid, s) for s in scales])
+    x = torch.cat([x, torch.zeros(256), torch.randn(1000, generator=gen)])  # and a partial block
+    if not signed:
+        x = x.abs()
+    got_q, got_absmax = _lean_kernels._quantize_blockwise_native(x, signed=signed)
+    want_q, want_absmax = _lean_kernels.quantize_blockwise(x, signed=signed)
+    assert_bits_equal(got_absmax, want_absmax, "absmax")
+    assert torch.equal(got_q, want_q), f"{int((got_q != want_q).sum())} codes differ"
+
+
+@pytest.mark.parametrize("master", ["bf16-sr", "bf16-kahan", "fp32"])
+def test_lean_step_avx2_equals_the_scalar_block(master, monkeypatch):
+    if not _lean_kernels.lean_kernel_available():
+        pytest.skip("the native lean kernels are not available here")
+    gen = torch.Generator().manual_seed(2)
+    n = 20 * 256 + 77
+    p32 = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    results = []
+    for scalar in ("0", "1"):
+        monkeypatch.setenv("RAMFLOW_LEAN_SCALAR", scalar)
+        s = {"master": p32.clone() if master == "fp32" else p32.to(torch.bfloat16)}
+        s["compensation"] = torch.zeros(n, dtype=torch.bfloat16) if master == "bf16-kahan" else None
+        s["wire_out"] = torch.empty(n, dtype=torch.bfloat16) if master == "fp32" else None
+        for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            s[name], s[f"{name}_absmax"] = _lean_kernels.quantize_blockwise(
+                torch.zeros(n), signed=signed
+            )
+        for step, g in enumerate(grads, start=1):
+            _lean_kernels.lean_adamw_step_(
+                s["master"], g, s["exp_avg"], s["exp_avg_sq"], step=step, lr=1e-2, beta1=0.9,
+                beta2=0.999, eps=1e-8, weight_decay=0.1, grad_scale=0.5 if step == 2 else 1.0,
+                compensation=s["compensation"], exp_avg_absmax=s["exp_avg_absmax"],
+                exp_avg_sq_absmax=s["exp_avg_sq_absmax"], wire_out=s["wire_out"], seed=5,
+            )  # fmt: skip
+        results.append(s)
+    for key, value in results[0].items():
+        if value is not None:
+            assert_bits_equal(value, results[1][key], key)

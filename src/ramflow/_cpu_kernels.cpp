@@ -337,10 +337,10 @@ struct LeanArgs {
   void* exp_avg_sq;
   float* exp_avg_absmax;        // kStateQ8: one per block of kQBlock
   float* exp_avg_sq_absmax;
-  const float* signed_code;     // kStateQ8: 256 codes and 255 midpoints, ascending
-  const float* signed_mid;
+  const float* signed_code;     // kStateQ8: the 256 codes, ascending
   const float* unsigned_code;
-  const float* unsigned_mid;
+  const uint32_t* signed_table;  // kStateQ8: 65536 entries, see [Note: 8-bit codes in one lookup]
+  const uint32_t* unsigned_table;
   void* wire_out;               // kMasterF32 only, may be null: bf16/fp16 copy, nearest even
   int64_t n;
   int64_t counter_offset;       // element index of master[0] in the rounding counter
@@ -351,9 +351,6 @@ struct LeanArgs {
   int32_t master_format, state_format;
   int32_t grad_dtype, wire_dtype;
   int32_t num_threads;
-  const uint8_t* signed_table;  // kStateQ8: 65536 entries (+ 4 bytes of padding), see quantize_code
-  const uint8_t* unsigned_table;
-  int32_t table_steps;          // kStateQ8: the most midpoints one table entry can skip
 };
 
 // A 32-bit integer hash, a bijection ("lowbias32", C. Wellons, 2018).
@@ -382,17 +379,26 @@ inline uint16_t bf16_stochastic(float x, uint32_t bits) {
 
 inline float bf16_to_float(c10::BFloat16 b) { return static_cast<float>(b); }
 
-// Index of the code nearest to x (midpoints ascending): the number of midpoints < x.
-// table[upper 16 bits of x] is that number for the smallest float with those upper bits
-// (a lower bound for x); the midpoints between it and x are counted on. A binary search
-// over the 255 midpoints costs 8 unpredictable branches per element and made the 8-bit
-// step 7x slower than the bf16 one; the table (64 KiB, in cache) needs one or two compares.
-inline uint8_t quantize_code(const float* mid, const uint8_t* table, float x) {
+// [Note: 8-bit codes in one lookup]
+// The code nearest to x is the number of midpoints (between neighbouring codes) below x.
+// Any two midpoints differ in their upper 16 bits, so the floats sharing the upper half
+// of their bit pattern (a bf16-wide bucket) lie below or above one midpoint at most. The
+// table, made in _lean_kernels.py (_code_table), holds for each bucket the count below the
+// bucket (bits 0-7) and that midpoint's lower 16 bits as an order key (bits 16-31; 0xFFFF
+// where the bucket holds none): the count is start + (key(x) > key(midpoint)), an exact
+// integer compare. The key is the lower half, inverted for negative floats, whose bit
+// patterns grow as they fall. One lookup and no float compare: NaN, infinities, signed
+// zeros and subnormals (under any flush mode) get the count of the bucket's smallest
+// float, as a search over the midpoints gives them. A binary search costs 8 unpredictable
+// branches per element and made the 8-bit step 7x slower than the bf16 one; the table
+// before this one (a byte per bucket, then a gather of the midpoint and a float compare)
+// cost two dependent gathers per 8 elements in the AVX2 step.
+inline uint8_t quantize_code(const uint32_t* table, float x) {
   uint32_t u;
   std::memcpy(&u, &x, 4);
-  int k = table[u >> 16];
-  while (k < 255 && mid[k] < x) ++k;
-  return static_cast<uint8_t>(k);
+  const uint32_t entry = table[u >> 16];
+  const uint32_t key = (u ^ (0u - (u >> 31))) & 0xFFFFu;
+  return static_cast<uint8_t>((entry & 0xFFu) + (key > (entry >> 16) ? 1u : 0u));
 }
 
 inline float load_state(const LeanArgs& a, const void* s, const float* absmax, const float* code,
@@ -406,8 +412,8 @@ inline float load_state(const LeanArgs& a, const void* s, const float* absmax, c
 
 // Writes x[0, len) as block `block` of the state s: bf16 (nearest even), fp32, or codes
 // and the block's absmax.
-inline void store_state(const LeanArgs& a, void* s, float* absmax, const float* mid,
-                        const uint8_t* table, int64_t begin, int64_t len, const float* x) {
+inline void store_state(const LeanArgs& a, void* s, float* absmax, const uint32_t* table,
+                        int64_t begin, int64_t len, const float* x) {
   if (a.state_format == kStateF32) {
     std::memcpy(static_cast<float*>(s) + begin, x, len * sizeof(float));
   } else if (a.state_format == kStateBF16) {
@@ -419,7 +425,7 @@ inline void store_state(const LeanArgs& a, void* s, float* absmax, const float* 
     absmax[begin / kQBlock] = amax;
     const float scale = amax > 0.0f ? amax : 1.0f;
     auto* out = static_cast<uint8_t*>(s) + begin;
-    for (int64_t j = 0; j < len; ++j) out[j] = quantize_code(mid, table, x[j] / scale);
+    for (int64_t j = 0; j < len; ++j) out[j] = quantize_code(table, x[j] / scale);
   }
 }
 
@@ -466,9 +472,8 @@ void lean_block(const LeanArgs& a, int64_t begin, int64_t len) {
       a.compensation[i] = c10::BFloat16(p - bf16_to_float(hi));
     }
   }
-  store_state(a, a.exp_avg, a.exp_avg_absmax, a.signed_mid, a.signed_table, begin, len, m_new);
-  store_state(a, a.exp_avg_sq, a.exp_avg_sq_absmax, a.unsigned_mid, a.unsigned_table, begin, len,
-              v_new);
+  store_state(a, a.exp_avg, a.exp_avg_absmax, a.signed_table, begin, len, m_new);
+  store_state(a, a.exp_avg_sq, a.exp_avg_sq_absmax, a.unsigned_table, begin, len, v_new);
 }
 
 #if RAMFLOW_X86
@@ -476,11 +481,15 @@ void lean_block(const LeanArgs& a, int64_t begin, int64_t len) {
 // lean_block's arithmetic 8 lanes at a time, in the same order and without fused
 // multiply-adds (division and square root are correctly rounded in both), so the bits are
 // the scalar block's; tests compare the two (RAMFLOW_LEAN_SCALAR=1 forces the scalar one).
-// 8-bit codes are dequantized with a gather from the 256-entry code and quantized with a
-// gather from the 64 KiB table, then `table_steps` vector compares against the midpoints
-// (the most midpoints any bf16-wide bucket holds, computed when the table is made), which
-// is what quantize_code's loop counts. Whole blocks of kQBlock only; a last partial block
-// takes the scalar path.
+// One pass over the block's memory: fp32 and bf16 states are stored as they are computed;
+// 8-bit ones go to two 1 KiB arrays (in L1) while the block's absmax is taken in
+// registers, and are quantized from there. A code is dequantized with a gather from the
+// 256-entry code (1 KiB, in L1) and quantized with one gather from the table of [Note:
+// 8-bit codes in one lookup] and integer compares, so a block costs 4 gathers per 8
+// elements (there were 6, two of them dependent). The constants and pointers are read
+// into locals once per work item: the intrinsics' unaligned stores may alias anything, so
+// the compiler would read fields of the arguments again after each. Whole blocks of
+// kQBlock only; a last partial block takes the scalar path.
 RAMFLOW_AVX2 inline __m256 bf16x8_to_f32(const void* base, int64_t i) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -494,70 +503,125 @@ RAMFLOW_AVX2 inline __m256i hash32_8(__m256i x) {
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
-template <int kState>
-RAMFLOW_AVX2 inline __m256 load_state8(const void* s, const float* code, float absmax, int64_t i) {
-  if constexpr (kState == kStateF32) {
-    return _mm256_loadu_ps(static_cast<const float*>(s) + i);
-  } else if constexpr (kState == kStateBF16) {
-    return bf16x8_to_f32(s, i);
-  } else {
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(s) + i));
-    const __m256 c = _mm256_i32gather_ps(code, _mm256_cvtepu8_epi32(q), 4);
-    return _mm256_mul_ps(c, _mm256_set1_ps(absmax));
+// The 8 codes at q dequantized: code[q] * absmax.
+RAMFLOW_AVX2 inline __m256 dequantize8(const uint8_t* q, const float* code, __m256 absmax) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+  return _mm256_mul_ps(_mm256_i32gather_ps(code, _mm256_cvtepu8_epi32(b), 4), absmax);
+}
+
+// quantize_code of 8 lanes: the codes, one per int32 lane.
+RAMFLOW_AVX2 inline __m256i quantize8(const uint32_t* table, __m256 y) {
+  const __m256i u = _mm256_castps_si256(y);
+  const __m256i entry =
+      _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), _mm256_srli_epi32(u, 16), 4);
+  const __m256i key =
+      _mm256_and_si256(_mm256_xor_si256(u, _mm256_srai_epi32(u, 31)), _mm256_set1_epi32(0xFFFF));
+  const __m256i above = _mm256_cmpgt_epi32(key, _mm256_srli_epi32(entry, 16));  // -1 or 0
+  return _mm256_sub_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(0xFF)), above);
+}
+
+// [Note: quantizing without a division]
+// The code of x is taken from y = x / absmax, correctly rounded. A division costs as much
+// as the rest of quantize8 (the divider is the busiest unit of the step: the square root
+// and two divisions of AdamW use it already), so y0 = x * (1 / absmax) is used instead
+// where it cannot change the code: with r = RN(1 / absmax) (a normal float),
+// |x * r - x / absmax| < 1 ulp of x / absmax, and rounding adds at most an ulp of the
+// result, so y0 and y are at most 3 floats apart (5 where they straddle a power of 2).
+// Both get the same code unless a midpoint lies between them: unless y0's order key is
+// within 8 of the midpoint key of its bucket or within 8 of the bucket's edges. Those 8
+// lanes (about 1 in 2000) are divided; so is a block whose absmax or reciprocal is not a
+// normal float. The result is the division's, bit for bit (tests: _quantize_blockwise_native
+// against quantize_blockwise on values next to every midpoint).
+RAMFLOW_AVX2 inline __m256i quantize8_key(__m256i u) {
+  return _mm256_and_si256(_mm256_xor_si256(u, _mm256_srai_epi32(u, 31)), _mm256_set1_epi32(0xFFFF));
+}
+
+RAMFLOW_AVX2 inline __m256i quantize8_fast(const uint32_t* table, __m256 x, __m256 rcp, __m256 scale) {
+  __m256i u = _mm256_castps_si256(_mm256_mul_ps(x, rcp));
+  __m256i entry =
+      _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), _mm256_srli_epi32(u, 16), 4);
+  __m256i key = quantize8_key(u);
+  const __m256i margin = _mm256_set1_epi32(8);
+  const __m256i near_mid = _mm256_cmpgt_epi32(
+      _mm256_set1_epi32(9), _mm256_abs_epi32(_mm256_sub_epi32(key, _mm256_srli_epi32(entry, 16))));
+  const __m256i near_edge = _mm256_or_si256(_mm256_cmpgt_epi32(margin, key),
+                                            _mm256_cmpgt_epi32(key, _mm256_set1_epi32(0xFFFF - 8)));
+  if (!_mm256_testz_si256(_mm256_or_si256(near_mid, near_edge), _mm256_or_si256(near_mid, near_edge))) {
+    u = _mm256_castps_si256(_mm256_div_ps(x, scale));
+    entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), _mm256_srli_epi32(u, 16), 4);
+    key = quantize8_key(u);
+  }
+  const __m256i above = _mm256_cmpgt_epi32(key, _mm256_srli_epi32(entry, 16));  // -1 or 0
+  return _mm256_sub_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(0xFF)), above);
+}
+
+// x[0, kQBlock) / amax as codes at out[0, kQBlock), 32 at a time.
+// See [Note: quantizing without a division].
+RAMFLOW_AVX2 inline void quantize_block(const uint32_t* table, const float* x, float amax,
+                                        uint8_t* out) {
+  const float scale1 = amax > 0.0f ? amax : 1.0f;
+  const float rcp1 = 1.0f / scale1;
+  const bool fast = std::isnormal(scale1) && std::isnormal(rcp1);
+  const __m256 scale = _mm256_set1_ps(scale1);
+  const __m256 rcp = _mm256_set1_ps(rcp1);
+  // the packs interleave the 128-bit lanes: 4-byte groups k0lo k1lo k2lo k3lo k0hi k1hi ...
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t j = 0; j < kQBlock; j += 32) {
+    __m256i k[4];
+    for (int r = 0; r < 4; ++r) {
+      const __m256 xr = _mm256_load_ps(x + j + 8 * r);
+      k[r] = fast ? quantize8_fast(table, xr, rcp, scale) : quantize8(table, _mm256_div_ps(xr, scale));
+    }
+    const __m256i b =
+        _mm256_packus_epi16(_mm256_packus_epi32(k[0], k[1]), _mm256_packus_epi32(k[2], k[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_permutevar8x32_epi32(b, order));
   }
 }
 
-template <int kState>
-RAMFLOW_AVX2 void store_state_block(const LeanArgs& a, void* s, float* absmax, const float* mid,
-                                    const uint8_t* table, int64_t begin, const float* x) {
-  if constexpr (kState == kStateF32) {
-    std::memcpy(static_cast<float*>(s) + begin, x, kQBlock * sizeof(float));
-  } else if constexpr (kState == kStateBF16) {
-    auto* out = static_cast<uint16_t*>(s) + begin;
-    for (int64_t j = 0; j < kQBlock; j += 8) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), to_bf16_8(_mm256_loadu_ps(x + j)));
-    }
-  } else {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 amax8 = _mm256_setzero_ps();
-    for (int64_t j = 0; j < kQBlock; j += 8) {
-      amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, amax8);
-    float amax = 0.0f;
-    for (float l : lanes) amax = std::max(amax, l);
-    absmax[begin / kQBlock] = amax;
-    const __m256 scale = _mm256_set1_ps(amax > 0.0f ? amax : 1.0f);
-    const __m256i last = _mm256_set1_epi32(255);
-    const __m256i one = _mm256_set1_epi32(1);
-    const __m256i byte = _mm256_set1_epi32(0xFF);
-    auto* out = static_cast<uint8_t*>(s) + begin;
-    for (int64_t j = 0; j < kQBlock; j += 8) {
-      const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + j), scale);
-      const __m256i upper = _mm256_srli_epi32(_mm256_castps_si256(y), 16);
-      __m256i k = _mm256_and_si256(
-          _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), upper, 1), byte);
-      for (int32_t t = 0; t < a.table_steps; ++t) {
-        const __m256i below = _mm256_cmpgt_epi32(last, k);  // k < 255
-        const __m256i kc = _mm256_min_epi32(k, _mm256_set1_epi32(254));
-        const __m256 m = _mm256_i32gather_ps(mid, kc, 4);
-        const __m256i lt = _mm256_castps_si256(_mm256_cmp_ps(m, y, _CMP_LT_OQ));
-        k = _mm256_add_epi32(k, _mm256_and_si256(_mm256_and_si256(below, lt), one));
-      }
-      const __m128i k16 = _mm_packus_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), _mm_packus_epi16(k16, k16));
-    }
+// The largest lane; NaN lanes cannot occur (see the absmax in lean_blocks_avx2).
+RAMFLOW_AVX2 inline float max_lane(__m256 x) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, x);
+  float amax = 0.0f;
+  for (float l : lanes) amax = std::max(amax, l);
+  return amax;
+}
+
+// One whole block x[0, kQBlock) quantized as lean_blocks_avx2 does it: the absmax (a NaN
+// |x| leaves it as it is, as std::max does in the scalar block) and the codes.
+RAMFLOW_AVX2 inline void quantize_block_avx2(const uint32_t* table, const float* x, uint8_t* q,
+                                             float* absmax) {
+  alignas(32) float xs[kQBlock];
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax8 = _mm256_setzero_ps();
+  for (int64_t j = 0; j < kQBlock; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    _mm256_store_ps(xs + j, v);
+    amax8 = _mm256_max_ps(_mm256_andnot_ps(sign, v), amax8);
   }
+  *absmax = max_lane(amax8);
+  quantize_block(table, xs, *absmax, q);
 }
 
 template <int kGrad, int kMaster, int kState>
-RAMFLOW_AVX2 void lean_block_avx2(const LeanArgs& a, int64_t begin) {
-  alignas(32) float m_new[kQBlock];
-  alignas(32) float v_new[kQBlock];
-  const int64_t block = begin / kQBlock;
-  const float m_absmax = kState == kStateQ8 ? a.exp_avg_absmax[block] : 0.0f;
-  const float v_absmax = kState == kStateQ8 ? a.exp_avg_sq_absmax[block] : 0.0f;
+RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64_t block_end) {
+  const void* const grad = a.grad;
+  void* const master = a.master;
+  uint16_t* const compensation = reinterpret_cast<uint16_t*>(a.compensation);
+  void* const exp_avg = a.exp_avg;
+  void* const exp_avg_sq = a.exp_avg_sq;
+  float* const exp_avg_absmax = a.exp_avg_absmax;
+  float* const exp_avg_sq_absmax = a.exp_avg_sq_absmax;
+  const float* const signed_code = a.signed_code;
+  const float* const unsigned_code = a.unsigned_code;
+  const uint32_t* const signed_table = a.signed_table;
+  const uint32_t* const unsigned_table = a.unsigned_table;
+  uint16_t* const wire_out = static_cast<uint16_t*>(a.wire_out);
+  const int32_t wire_dtype = a.wire_dtype;
+  const int64_t counter_offset = a.counter_offset;
+  const uint32_t key = a.key;
+  const bool apply_scale = a.apply_scale != 0;
+  const bool apply_decay = a.apply_decay != 0;
   const __m256 grad_scale = _mm256_set1_ps(a.grad_scale);
   const __m256 decay = _mm256_set1_ps(a.decay);
   const __m256 beta1 = _mm256_set1_ps(a.beta1);
@@ -567,84 +631,125 @@ RAMFLOW_AVX2 void lean_block_avx2(const LeanArgs& a, int64_t begin) {
   const __m256 bc2_sqrt = _mm256_set1_ps(a.bc2_sqrt);
   const __m256 eps = _mm256_set1_ps(a.eps);
   const __m256 neg_step_size = _mm256_set1_ps(a.neg_step_size);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t j = 0; j < kQBlock; j += 8) {
-    const int64_t i = begin + j;
-    __m256 g = load_grad8<kGrad>(a.grad, i);
-    if (a.apply_scale) g = _mm256_mul_ps(g, grad_scale);
-    __m256 p;
-    if constexpr (kMaster == kMasterF32) {
-      p = _mm256_loadu_ps(static_cast<const float*>(a.master) + i);
-    } else {
-      p = bf16x8_to_f32(a.master, i);
-      if constexpr (kMaster == kMasterKahan) p = _mm256_add_ps(p, bf16x8_to_f32(a.compensation, i));
+  alignas(32) float m_new[kQBlock];
+  alignas(32) float v_new[kQBlock];
+  for (int64_t block = block_begin; block < block_end; ++block) {
+    const int64_t begin = block * kQBlock;
+    __m256 m_absmax = _mm256_setzero_ps();
+    __m256 v_absmax = _mm256_setzero_ps();
+    if constexpr (kState == kStateQ8) {
+      m_absmax = _mm256_set1_ps(exp_avg_absmax[block]);
+      v_absmax = _mm256_set1_ps(exp_avg_sq_absmax[block]);
     }
-    if (a.apply_decay) p = _mm256_mul_ps(p, decay);
-    __m256 m = load_state8<kState>(a.exp_avg, a.signed_code, m_absmax, i);
-    __m256 v = load_state8<kState>(a.exp_avg_sq, a.unsigned_code, v_absmax, i);
-    m = _mm256_add_ps(_mm256_mul_ps(m, beta1), _mm256_mul_ps(g, one_minus_beta1));
-    v = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(g, one_minus_beta2), g));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
-    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(m, neg_step_size), denom));
-    _mm256_store_ps(m_new + j, m);
-    _mm256_store_ps(v_new + j, v);
-    if constexpr (kMaster == kMasterF32) {
-      _mm256_storeu_ps(static_cast<float*>(a.master) + i, p);
-      if (a.wire_dtype == kBF16) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.wire_out) + i), to_bf16_8(p));
-      } else if (a.wire_dtype == kF16) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.wire_out) + i),
-                         _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      }
-    } else if constexpr (kMaster == kMasterSR) {
-      const int64_t index = a.counter_offset + i;
-      const uint32_t lo = static_cast<uint32_t>(index);
-      __m128i b16;
-      if (lo > 0xFFFFFFFFu - 7u) {  // the lanes cross a multiple of 2^32: as the scalar does
-        alignas(32) float ps[8];
-        alignas(16) uint16_t bs[8];
-        _mm256_store_ps(ps, p);
-        for (int l = 0; l < 8; ++l) bs[l] = bf16_stochastic(ps[l], sr_bits(a.key, index + l));
-        b16 = _mm_load_si128(reinterpret_cast<const __m128i*>(bs));
+    __m256 m_max = _mm256_setzero_ps();
+    __m256 v_max = _mm256_setzero_ps();
+    for (int64_t j = 0; j < kQBlock; j += 8) {
+      const int64_t i = begin + j;
+      __m256 g = load_grad8<kGrad>(grad, i);
+      if (apply_scale) g = _mm256_mul_ps(g, grad_scale);
+      __m256 p;
+      if constexpr (kMaster == kMasterF32) {
+        p = _mm256_loadu_ps(static_cast<const float*>(master) + i);
       } else {
-        const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo)), lane);
-        const __m256i h = hash32_8(_mm256_xor_si256(idx, _mm256_set1_epi32(static_cast<int>(a.key))));
-        const __m256i hi = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(
-            static_cast<uint64_t>(index) >> 32)));
-        const __m256i bits = hash32_8(_mm256_add_epi32(h, hi));
-        const __m256i u = _mm256_castps_si256(p);
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(bits, 16)), 16);
-        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
-        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-        b16 = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        p = bf16x8_to_f32(master, i);
+        if constexpr (kMaster == kMasterKahan) p = _mm256_add_ps(p, bf16x8_to_f32(compensation, i));
       }
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.master) + i), b16);
-    } else {
-      const __m128i hi16 = to_bf16_8(p);
-      const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi16), 16));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.master) + i), hi16);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(reinterpret_cast<uint16_t*>(a.compensation) + i),
-                       to_bf16_8(_mm256_sub_ps(p, hi)));
+      if (apply_decay) p = _mm256_mul_ps(p, decay);
+      __m256 m;
+      __m256 v;
+      if constexpr (kState == kStateF32) {
+        m = _mm256_loadu_ps(static_cast<const float*>(exp_avg) + i);
+        v = _mm256_loadu_ps(static_cast<const float*>(exp_avg_sq) + i);
+      } else if constexpr (kState == kStateBF16) {
+        m = bf16x8_to_f32(exp_avg, i);
+        v = bf16x8_to_f32(exp_avg_sq, i);
+      } else {
+        m = dequantize8(static_cast<const uint8_t*>(exp_avg) + i, signed_code, m_absmax);
+        v = dequantize8(static_cast<const uint8_t*>(exp_avg_sq) + i, unsigned_code, v_absmax);
+      }
+      m = _mm256_add_ps(_mm256_mul_ps(m, beta1), _mm256_mul_ps(g, one_minus_beta1));
+      v = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(g, one_minus_beta2), g));
+      const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
+      p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(m, neg_step_size), denom));
+      if constexpr (kState == kStateF32) {
+        _mm256_storeu_ps(static_cast<float*>(exp_avg) + i, m);
+        _mm256_storeu_ps(static_cast<float*>(exp_avg_sq) + i, v);
+      } else if constexpr (kState == kStateBF16) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(exp_avg) + i), to_bf16_8(m));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(exp_avg_sq) + i), to_bf16_8(v));
+      } else {
+        _mm256_store_ps(m_new + j, m);
+        _mm256_store_ps(v_new + j, v);
+        // max(|x|, running): a NaN |x| leaves the running max as it is, as std::max does
+        // in the scalar block
+        m_max = _mm256_max_ps(_mm256_andnot_ps(sign, m), m_max);
+        v_max = _mm256_max_ps(_mm256_andnot_ps(sign, v), v_max);
+      }
+      if constexpr (kMaster == kMasterF32) {
+        _mm256_storeu_ps(static_cast<float*>(master) + i, p);
+        if (wire_dtype == kBF16) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(wire_out + i), to_bf16_8(p));
+        } else if (wire_dtype == kF16) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(wire_out + i),
+                           _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+      } else if constexpr (kMaster == kMasterSR) {
+        const int64_t index = counter_offset + i;
+        const uint32_t lo = static_cast<uint32_t>(index);
+        __m128i b16;
+        if (lo > 0xFFFFFFFFu - 7u) {  // the lanes cross a multiple of 2^32: as the scalar does
+          alignas(32) float ps[8];
+          alignas(16) uint16_t bs[8];
+          _mm256_store_ps(ps, p);
+          for (int l = 0; l < 8; ++l) bs[l] = bf16_stochastic(ps[l], sr_bits(key, index + l));
+          b16 = _mm_load_si128(reinterpret_cast<const __m128i*>(bs));
+        } else {
+          const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo)), lane);
+          const __m256i h = hash32_8(_mm256_xor_si256(idx, _mm256_set1_epi32(static_cast<int>(key))));
+          const __m256i hi = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(
+              static_cast<uint64_t>(index) >> 32)));
+          const __m256i bits = hash32_8(_mm256_add_epi32(h, hi));
+          const __m256i u = _mm256_castps_si256(p);
+          __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(bits, 16)), 16);
+          const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+          r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+          b16 = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        }
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(master) + i), b16);
+      } else {
+        const __m128i hi16 = to_bf16_8(p);
+        const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi16), 16));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(master) + i), hi16);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(compensation + i), to_bf16_8(_mm256_sub_ps(p, hi)));
+      }
+    }
+    if constexpr (kState == kStateQ8) {
+      const float m_amax = max_lane(m_max);
+      const float v_amax = max_lane(v_max);
+      exp_avg_absmax[block] = m_amax;
+      exp_avg_sq_absmax[block] = v_amax;
+      quantize_block(signed_table, m_new, m_amax, static_cast<uint8_t*>(exp_avg) + begin);
+      quantize_block(unsigned_table, v_new, v_amax, static_cast<uint8_t*>(exp_avg_sq) + begin);
     }
   }
-  store_state_block<kState>(a, a.exp_avg, a.exp_avg_absmax, a.signed_mid, a.signed_table, begin, m_new);
-  store_state_block<kState>(a, a.exp_avg_sq, a.exp_avg_sq_absmax, a.unsigned_mid, a.unsigned_table,
-                            begin, v_new);
 }
 
-using LeanBlockFn = void (*)(const LeanArgs&, int64_t);
+// Steps the whole blocks [block_begin, block_end).
+using LeanBlocksFn = void (*)(const LeanArgs&, int64_t, int64_t);
 
 template <int kGrad, int kMaster>
-LeanBlockFn pick_state(int32_t state) {
+LeanBlocksFn pick_state(int32_t state) {
   switch (state) {
-    case kStateBF16: return &lean_block_avx2<kGrad, kMaster, kStateBF16>;
-    case kStateQ8: return &lean_block_avx2<kGrad, kMaster, kStateQ8>;
-    default: return &lean_block_avx2<kGrad, kMaster, kStateF32>;
+    case kStateBF16: return &lean_blocks_avx2<kGrad, kMaster, kStateBF16>;
+    case kStateQ8: return &lean_blocks_avx2<kGrad, kMaster, kStateQ8>;
+    default: return &lean_blocks_avx2<kGrad, kMaster, kStateF32>;
   }
 }
 
 template <int kGrad>
-LeanBlockFn pick_master(int32_t master, int32_t state) {
+LeanBlocksFn pick_master(int32_t master, int32_t state) {
   switch (master) {
     case kMasterSR: return pick_state<kGrad, kMasterSR>(state);
     case kMasterKahan: return pick_state<kGrad, kMasterKahan>(state);
@@ -652,8 +757,8 @@ LeanBlockFn pick_master(int32_t master, int32_t state) {
   }
 }
 
-// The AVX2 block for these formats, or null (no AVX2, or RAMFLOW_LEAN_SCALAR=1).
-LeanBlockFn lean_block_simd(const LeanArgs& a) {
+// The AVX2 blocks for these formats, or null (no AVX2, or RAMFLOW_LEAN_SCALAR=1).
+LeanBlocksFn lean_blocks_simd(const LeanArgs& a) {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                          __builtin_cpu_supports("f16c");
   const char* scalar = std::getenv("RAMFLOW_LEAN_SCALAR");
@@ -665,8 +770,8 @@ LeanBlockFn lean_block_simd(const LeanArgs& a) {
   }
 }
 #else
-using LeanBlockFn = void (*)(const LeanArgs&, int64_t);
-LeanBlockFn lean_block_simd(const LeanArgs&) { return nullptr; }
+using LeanBlocksFn = void (*)(const LeanArgs&, int64_t, int64_t);
+LeanBlocksFn lean_blocks_simd(const LeanArgs&) { return nullptr; }
 #endif
 
 // Runs body(first_block, end_block) over [0, num_blocks) on `threads` threads taking
@@ -696,17 +801,38 @@ extern "C" int ramflow_lean_adamw_step(const LeanArgs* args) {
   const LeanArgs a = *args;
   if (a.n <= 0) return 0;
   const int64_t num_blocks = (a.n + kQBlock - 1) / kQBlock;
-  const LeanBlockFn simd = lean_block_simd(a);
+  const LeanBlocksFn simd = lean_blocks_simd(a);
+  const int64_t num_whole = a.n / kQBlock;
   share_blocks(num_blocks, kLeanGrainQBlocks, a.num_threads, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b) {
-      const int64_t len = std::min(kQBlock, a.n - b * kQBlock);
-      if (simd != nullptr && len == kQBlock) {
-        simd(a, b * kQBlock);
-      } else {
-        lean_block(a, b * kQBlock, len);
-      }
+    int64_t b = lo;
+    if (simd != nullptr && std::min(hi, num_whole) > lo) {
+      b = std::min(hi, num_whole);
+      simd(a, lo, b);
     }
+    for (; b < hi; ++b) lean_block(a, b * kQBlock, std::min(kQBlock, a.n - b * kQBlock));
   });
+  return 0;
+}
+
+// x (n,) as 8-bit codes q and one absmax per block of kQBlock, as a lean step stores a
+// state: the AVX2 quantizer on whole blocks (unless RAMFLOW_LEAN_SCALAR=1), the scalar one
+// on a last partial block. For the tests of [Note: quantizing without a division].
+extern "C" int ramflow_quantize_blocks(const float* x, int64_t n, const uint32_t* table,
+                                       uint8_t* q, float* absmax) {
+  LeanArgs a{};
+  a.state_format = kStateQ8;
+  a.grad_dtype = kF32;
+  const bool simd = lean_blocks_simd(a) != nullptr;
+  for (int64_t begin = 0; begin < n; begin += kQBlock) {
+    const int64_t len = std::min(kQBlock, n - begin);
+#if RAMFLOW_X86
+    if (simd && len == kQBlock) {
+      quantize_block_avx2(table, x + begin, q + begin, absmax + begin / kQBlock);
+      continue;
+    }
+#endif
+    store_state(a, q, absmax, table, begin, len, x + begin);
+  }
   return 0;
 }
 

@@ -188,16 +188,15 @@ def dynamic_code(*, signed: bool) -> torch.Tensor:
 
 
 class _Code:
-    """The codes and their 255 fp32 midpoints, made once."""
+    """The codes, their 255 fp32 midpoints and the native quantizer's tables, made once."""
 
     def __init__(self) -> None:
         self.signed = dynamic_code(signed=True)
         self.unsigned = dynamic_code(signed=False)
         self.signed_mid = (self.signed[:-1] + self.signed[1:]) / 2
         self.unsigned_mid = (self.unsigned[:-1] + self.unsigned[1:]) / 2
-        self.signed_table, signed_steps = _code_table(self.signed_mid)
-        self.unsigned_table, unsigned_steps = _code_table(self.unsigned_mid)
-        self.table_steps = max(signed_steps, unsigned_steps)
+        self.signed_table = _code_table(self.signed_mid)
+        self.unsigned_table = _code_table(self.unsigned_mid)
         self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -212,26 +211,46 @@ class _Code:
         return self._on[device]
 
 
-def _code_table(mid: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(65536 + 4,) uint8: for each upper half of an fp32 bit pattern, the number of
-    midpoints below the smallest float with that upper half (the native quantizer's start,
-    which it then counts on from: see ``quantize_code`` in ``_cpu_kernels.cpp``); 4 bytes of
-    padding, as the vector quantizer reads 4 bytes at each entry. Also the most midpoints
-    any one entry's floats span (how far the counting may have to go)."""
+def _as_float32(bits: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of 32-bit patterns given as int64 in [0, 2**32)."""
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+
+
+def _order_key(bits: torch.Tensor) -> torch.Tensor:
+    """The lower 16 bits of fp32 patterns (int64 in [0, 2**32)), inverted for negative
+    floats: among the floats of one upper half, larger keys are larger floats."""
+    return (bits ^ torch.where(bits >= 1 << 31, 0xFFFF, 0)) & 0xFFFF
+
+
+def _code_table(mid: torch.Tensor) -> torch.Tensor:
+    """(65536,) int32, the native quantizer's table (see [Note: 8-bit codes in one lookup]
+    in ``_cpu_kernels.cpp``): for each upper half of an fp32 bit pattern (a bucket), bits
+    0-7 hold the number of midpoints below the bucket's smallest float, bits 16-31 the
+    order key (``_order_key``) of the one midpoint inside the bucket, or 0xFFFF where there
+    is none. The quantizer gives ``start + (key(x) > that key)``, which is
+    ``torch.bucketize(x, mid)`` for every fp32 x (``_quantize_with_table`` models it)."""
     upper = torch.arange(1 << 16, dtype=torch.int64) << 16
-
-    def floats(bits: torch.Tensor) -> torch.Tensor:
-        bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
-        return bits.view(torch.float32)
-
     negative = upper >= 1 << 31
-    smallest = floats(torch.where(negative, upper | 0xFFFF, upper))  # of each entry
-    largest = floats(torch.where(negative, upper, upper | 0xFFFF))
+    smallest = _as_float32(torch.where(negative, upper | 0xFFFF, upper))  # of each bucket
+    largest = _as_float32(torch.where(negative, upper, upper | 0xFFFF))
     start = torch.where(torch.isnan(smallest), 0, torch.bucketize(smallest, mid, right=False))
     end = torch.where(torch.isnan(largest), start, torch.bucketize(largest, mid, right=False))
-    steps = int((end - start).max())
-    table = torch.cat([start.to(torch.uint8), torch.zeros(4, dtype=torch.uint8)])
-    return table.contiguous(), steps
+    # Two midpoints in one bucket would need a second compare; the dynamic codes' nearest
+    # midpoints differ by far more than a bucket's width (2**-7 relative).
+    assert int((end - start).max()) <= 1, "two midpoints share an upper half"
+    mid_bits = mid.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    inside = _order_key(mid_bits)[start.clamp(max=mid.numel() - 1)]
+    threshold = torch.where(end > start, inside, 0xFFFF)
+    entry = start | (threshold << 16)
+    return torch.where(entry >= 1 << 31, entry - (1 << 32), entry).to(torch.int32).contiguous()
+
+
+def _quantize_with_table(table: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The native quantizer's codes (int64) of fp32 ``y``, computed as it does: a model for
+    the tests, which compare it with ``torch.bucketize`` on every bucket."""
+    bits = y.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    entry = table.to(torch.int64)[bits >> 16] & 0xFFFFFFFF
+    return (entry & 0xFF) + (_order_key(bits) > (entry >> 16)).to(torch.int64)
 
 
 @functools.cache
@@ -257,6 +276,27 @@ def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, 
     return q.view(-1)[:n].to(torch.uint8), absmax
 
 
+def _quantize_blockwise_native(
+    x: torch.Tensor, *, signed: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``quantize_blockwise`` by the native code a lean step stores its 8-bit states with
+    (AVX2 unless ``RAMFLOW_LEAN_SCALAR=1``), or None where it is not available. For the
+    tests, which compare the two bit for bit."""
+    lib = _LEAN.get()
+    if lib is None:
+        return None
+    x = x.reshape(-1).contiguous()
+    n = x.numel()
+    q = torch.empty(n, dtype=torch.uint8)
+    absmax = torch.empty(-(-n // QBLOCK), dtype=torch.float32)
+    table = _code().signed_table if signed else _code().unsigned_table
+    rc = lib.ramflow_quantize_blocks(
+        x.data_ptr(), n, table.data_ptr(), q.data_ptr(), absmax.data_ptr()
+    )
+    assert rc == 0, rc
+    return q, absmax
+
+
 def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, *, signed: bool) -> torch.Tensor:
     """The fp32 values (n,) of codes ``q`` (n,) uint8 with per-block ``absmax``."""
     code = _code().on(q.device)[0 if signed else 1]
@@ -277,9 +317,9 @@ class _LeanArgs(ctypes.Structure):
         ("exp_avg_absmax", ctypes.c_void_p),
         ("exp_avg_sq_absmax", ctypes.c_void_p),
         ("signed_code", ctypes.c_void_p),
-        ("signed_mid", ctypes.c_void_p),
         ("unsigned_code", ctypes.c_void_p),
-        ("unsigned_mid", ctypes.c_void_p),
+        ("signed_table", ctypes.c_void_p),
+        ("unsigned_table", ctypes.c_void_p),
         ("wire_out", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("counter_offset", ctypes.c_int64),
@@ -300,9 +340,6 @@ class _LeanArgs(ctypes.Structure):
         ("grad_dtype", ctypes.c_int32),
         ("wire_dtype", ctypes.c_int32),
         ("num_threads", ctypes.c_int32),
-        ("signed_table", ctypes.c_void_p),
-        ("unsigned_table", ctypes.c_void_p),
-        ("table_steps", ctypes.c_int32),
     ]
 
 
@@ -349,6 +386,10 @@ class _LeanLibrary:
             ctypes.c_int32,
         ]
         lib.ramflow_bf16_stochastic_round.restype = ctypes.c_int
+        lib.ramflow_quantize_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [
+            ctypes.c_void_p
+        ] * 3
+        lib.ramflow_quantize_blocks.restype = ctypes.c_int
         return lib
 
 
@@ -581,12 +622,9 @@ def lean_adamw_step_(
         exp_avg_absmax=ptr(exp_avg_absmax),
         exp_avg_sq_absmax=ptr(exp_avg_sq_absmax),
         signed_code=codes.signed.data_ptr(),
-        signed_mid=codes.signed_mid.data_ptr(),
         unsigned_code=codes.unsigned.data_ptr(),
-        unsigned_mid=codes.unsigned_mid.data_ptr(),
         signed_table=codes.signed_table.data_ptr(),
         unsigned_table=codes.unsigned_table.data_ptr(),
-        table_steps=codes.table_steps,
         wire_out=ptr(wire_out),
         n=n,
         counter_offset=counter_offset,
