@@ -123,11 +123,18 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     """``ramflow.offload(model, zero_stage=...)`` on this rank's slice of each global batch.
     Ranks other than 0 build their model from another seed: the shared host copy must
     give them rank 0's weights. ``zero_stage`` None: each process offloads on its own
-    (private host copies, no gradient reduction; the memory baseline)."""
+    (private host copies, no gradient reduction; the memory baseline). Options beside:
+    ``host_precision`` and ``wire_dtype`` (default fp32) go to ``offload``; ``whole_batch``:
+    every rank trains on the whole global batch (its averaged gradients are then one
+    process's, bit for bit, on two ranks)."""
     device = _device(rank, options)
     model = reference_model(seed=rank, dim=options.get("dim", 32))
     ramflow.offload(
-        model, device=device, zero_stage=options["zero_stage"], wire_dtype=torch.float32
+        model,
+        device=device,
+        zero_stage=options["zero_stage"],
+        wire_dtype=options.get("wire_dtype", torch.float32),
+        host_precision=options.get("host_precision"),
     )
     opt = ramflow.optim.AdamW(
         model.parameters(), lr=1e-2, keep_grads=options.get("keep_grads", True)
@@ -138,6 +145,8 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
         if options.get("die_after") is not None and rank == 1 and step == options["die_after"]:
             os._exit(3)
         sl = slice(rank * per_rank, (rank + 1) * per_rank)
+        if options.get("whole_batch"):
+            sl = slice(None)
         loss = F.mse_loss(model(x[sl].to(device)), y[sl].to(device))
         loss.backward()
         grads_left.append(sum(p.grad is not None for p in model.parameters()))
@@ -152,12 +161,19 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     memory = _store_bytes()  # after every rank has read every page
     memory["uss"] = psutil.Process().memory_full_info().uss
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    plan = ramflow.get_plan(model)
     return {
         "losses": losses,
         "norms": norms,
         "grads_left": grads_left,
         "state": state if rank == 0 else None,
         "memory": memory,
+        "host_precision": (plan.host_precision, plan.host_precision_reason),
+        # the optimizer states this rank holds: (parameters with states, their dtypes)
+        "states": (
+            sum(bool(st) for st in opt.state.values()),
+            sorted({str(t.dtype) for st in opt.state.values() for t in st.values()}),
+        ),
     }
 
 

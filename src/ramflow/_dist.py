@@ -33,6 +33,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from ._host_formats import HostPrecision
 from ._plan import format_bytes
 from ._units import UnitSpec, _Unit
 from ._worker import STEP
@@ -175,6 +176,37 @@ class _Work:
             self._work.wait()
 
 
+def agree_on_precision(
+    precision: HostPrecision, reason: str | None, *, auto: bool
+) -> tuple[HostPrecision, str | None]:
+    """The host format every rank uses (every rank calls this, in ``ramflow.offload``).
+
+    The ranks of a host share one master per unit and the hosts' owners must round alike,
+    so every rank needs the same policy, seed included. With ``host_precision="auto"``
+    (``auto``) each rank chose from its own host's free RAM: if any chose a lean format,
+    all take the first such rank's (the others then use less RAM than they could).
+
+    Returns the policy and the reason for it (``get_plan(model).host_precision_reason``).
+
+    Raises:
+        ValueError: ranks were given different policies (the message names two of them).
+    """
+    chosen: list[tuple[HostPrecision, str | None] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(chosen, (precision, reason), group=cpu_group())
+    if all(pr == precision for pr, _ in chosen):
+        return precision, reason
+    if auto:  # some rank's host lacks the RAM for fp32: all take its lean format
+        rank, (pr, why) = next((r, c) for r, c in enumerate(chosen) if not c[0].is_exact)
+        return pr, f"rank {rank} chose it for its host: {why}"
+    for rank, (pr, _) in enumerate(chosen):
+        if pr != precision:
+            raise ValueError(
+                f"the ranks' host_precision differ (rank {dist.get_rank()}: {precision}, "
+                f"rank {rank}: {pr}); pass the same host_precision (and seed) on every rank"
+            )
+    return precision, reason
+
+
 def assign_owners(numels: list[int], ranks: list[int]) -> list[int]:
     """Give each item an owner among ``ranks``, largest first to the least loaded rank
     (ties by rank): balanced optimizer work and state memory, the same on every rank."""
@@ -289,9 +321,19 @@ class _CreatedFiles:
 
 
 def shared_host_store(
-    specs: list[UnitSpec], *, wire_dtype: torch.dtype, numels: list[int], offsets: list[list[int]]
+    specs: list[UnitSpec],
+    *,
+    wire_dtype: torch.dtype,
+    numels: list[int],
+    offsets: list[list[int]],
+    master_dtype: torch.dtype = torch.float32,
 ) -> tuple[list[int], list[int]]:
-    """Put the units' masters (fp32) and wire copies in shared memory, one copy per host.
+    """Put the units' masters and wire copies in shared memory, one copy per host.
+
+    ``master_dtype`` is the host format's (``HostPrecision.master_dtype``): fp32 masters
+    beside a wire copy of ``wire_dtype`` (none when that is fp32 too), or bf16 masters that
+    are the wire copy (a bf16 wire; no second file). Only the masters are shared: optimizer
+    states live on each unit's owner, gradient staging (per unit or the ring) on each rank.
 
     The first rank of each host writes its model's weights (after rank 0's have been
     broadcast to the first ranks of the other hosts); the other ranks map the same pages
@@ -321,8 +363,10 @@ def shared_host_store(
     dist.broadcast_object_list(token, src=0, group=group)
     directory = shm_directory()
     base = os.path.join(directory, f"ramflow-{gathered[leader][1]}-{token[0]}-{host_name()}")
-    wire_size = torch.empty((), dtype=wire_dtype).element_size()
-    need = sum(n * (4 + (wire_size if wire_dtype != torch.float32 else 0)) for n in numels)
+    # a separate wire copy only beside fp32 masters (a bf16 master is the wire copy)
+    separate_wire = master_dtype == torch.float32 and wire_dtype != torch.float32
+    per_element = master_dtype.itemsize + (wire_dtype.itemsize if separate_wire else 0)
+    need = sum(n * per_element for n in numels)
     with _CreatedFiles() as created:
         if me == leader:
             remove_stale_store_files(directory)
@@ -337,7 +381,7 @@ def shared_host_store(
         masters, wires = [], []
         for i, n in enumerate(numels):
             if me == leader:
-                master = created.create(f"{base}-{i}.master", n, torch.float32)
+                master = created.create(f"{base}-{i}.master", n, master_dtype)
                 with torch.no_grad():
                     for off, p in zip(offsets[i], specs[i].owned):
                         master[off : off + p.numel()].view(p.shape).copy_(p.detach())
@@ -349,7 +393,7 @@ def shared_host_store(
             if me == leader:
                 for master in masters:
                     dist.broadcast(master, src=0, group=leader_group)
-        if me == leader and wire_dtype != torch.float32:
+        if me == leader and separate_wire:
             for i, n in enumerate(numels):
                 wire = created.create(f"{base}-{i}.wire", n, wire_dtype)
                 wire.copy_(masters[i])
@@ -358,9 +402,9 @@ def shared_host_store(
         if me != leader:
             for i, n in enumerate(numels):
                 masters.append(
-                    torch.from_file(f"{base}-{i}.master", shared=True, size=n, dtype=torch.float32)
+                    torch.from_file(f"{base}-{i}.master", shared=True, size=n, dtype=master_dtype)
                 )
-                if wire_dtype != torch.float32:
+                if separate_wire:
                     wires.append(
                         torch.from_file(f"{base}-{i}.wire", shared=True, size=n, dtype=wire_dtype)
                     )
