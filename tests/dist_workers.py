@@ -9,6 +9,7 @@ CPU (CI) or NCCL on GPUs (the GPU box).
 from __future__ import annotations
 
 import os
+import signal
 import time
 import traceback
 from datetime import timedelta
@@ -97,6 +98,9 @@ def _entry(fn, rank: int, world_size: int, options: dict) -> None:
     torch.save(result, os.path.join(options["out"], f"rank{rank}.pt"))
     if "error" not in result:
         dist.destroy_process_group()
+    elif backend == "nccl":
+        # an NCCL communicator whose peer died may wait for it at teardown: leave at once
+        os._exit(0)
 
 
 def _device(rank: int, options: dict) -> torch.device:
@@ -141,6 +145,9 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     )
     per_rank = GLOBAL_BATCH // world_size
     losses, norms, grads_left = [], [], []
+    kill = options.get("kill")  # ("backward" or "step", step): SIGKILL rank 1 there
+    if kill is not None and kill[0] == "backward" and rank == 1:
+        _kill_in_backward_at(model, step=kill[1])
     for step, (x, y) in enumerate(batches()):
         if options.get("die_after") is not None and rank == 1 and step == options["die_after"]:
             os._exit(3)
@@ -153,10 +160,16 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
         if options.get("clip"):
             norms.append(ramflow.clip_grad_norm_(model.parameters(), options["clip"]).item())
         opt.step()
+        if kill == ("step", step) and rank == 1:
+            # opt.step() has returned; this rank's steps and the barrier run on its worker
+            os.kill(os.getpid(), signal.SIGKILL)
         opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
+        losses.append(loss.detach().clone())
+    # summed over the ranks only now: a rank that dies mid-run fails the others in
+    # ramflow's collectives, not in this one
+    total = torch.stack(losses)
+    dist.all_reduce(total)
+    losses = [t / world_size for t in total.tolist()]
     ramflow.synchronize(model)
     memory = _store_bytes()  # after every rank has read every page
     memory["uss"] = psutil.Process().memory_full_info().uss
@@ -175,6 +188,19 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
             sorted({str(t.dtype) for st in opt.state.values() for t in st.values()}),
         ),
     }
+
+
+def _kill_in_backward_at(model: torch.nn.Module, *, step: int) -> None:
+    """SIGKILL this process in the backward pass of forward call ``step`` (counted from 0),
+    when the gradient of the second block's output is computed: the later units' gradients
+    have been reduced, the earlier ones' have not."""
+    calls = iter(range(1 << 30))
+
+    def on_forward(module, args, out):
+        if next(calls) == step:
+            out.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+
+    model.blocks[1].register_forward_hook(on_forward)
 
 
 def offload_failing_in_set_up(rank: int, world_size: int, options: dict) -> dict:

@@ -25,6 +25,7 @@ import functools
 import os
 import re
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -102,6 +103,11 @@ class DistributedState:
         # how many ranks own each unit: one per host when each host steps its own copy
         # (``ramflow.offload``), one in all (``ramflow.distributed``)
         self.copies = 1
+        # every rank's (host name, PID): a failed collective names the ranks of this host
+        # that died, see [Note: a rank that dies]
+        peers: list[tuple[str, int] | None] = [None] * self.world_size
+        dist.all_gather_object(peers, (host_name(), os.getpid()), group=self.cpu_group)
+        self.peers: list[tuple[str, int]] = peers  # type: ignore[assignment]
 
     def alive(self) -> bool:
         """False once the process group this state was made for has been destroyed."""
@@ -120,12 +126,12 @@ class DistributedState:
         if self.average:
             grad.mul_(1.0 / self.world_size)
         what = f"reducing the gradients of unit {u.name!r}"
-        with _explained(what, self.rank):
+        with self.explained(what):
             if self.reduce_to_owner and u.owner is not None:
                 work = dist.reduce(grad, dst=u.owner, group=self.group, async_op=True)
             else:
                 work = dist.all_reduce(grad, group=self.group, async_op=True)
-        return _Work(work, what, self.rank)
+        return _Work(work, what, self)
 
     def after_step(self, engine: Engine) -> None:
         """Called by ``opt.step()`` once this rank's steps are scheduled: mark the units
@@ -141,7 +147,7 @@ class DistributedState:
         """Worker: wait for the other ranks' steps, take the stepped masters from their
         owners where they are not shared, and bring the wire copies up to date (a wire
         copy that is the master, or is shared with the owner, already is)."""
-        with _explained("waiting for the other ranks' optimizer steps", self.rank):
+        with self.explained("waiting for the other ranks' optimizer steps"):
             dist.barrier(group=self.step_group)
             for u in engine.units:
                 if u.owner is not None and u.num_trainable and not u.master.is_shared():
@@ -151,28 +157,83 @@ class DistributedState:
         for u in others:
             engine.refresh_wire(u, written=u.wire is u.master or u.given_wire is not None)
 
+    def dead_ranks(self) -> list[int]:
+        """The ranks of this host whose process is gone (a zombie counts as gone)."""
+        me = host_name()
+        return [r for r, (host, pid) in enumerate(self.peers) if host == me and not _pid_alive(pid)]
 
-@contextlib.contextmanager
-def _explained(what: str, rank: int) -> Iterator[None]:
-    """Turn a collective's failure into an error that says what to look at."""
-    try:
-        yield
-    except Exception as err:
-        raise RuntimeError(
-            f"ramflow: {what} failed on rank {rank}: another rank has probably died or "
-            f"stopped (the process group's timeout ends a hang); check the other ranks' logs. "
-            f"Cause: {err}"
-        ) from err
+    def failure(self, what: str, cause: BaseException | str) -> RuntimeError:
+        """ramflow's error for a collective (or a wait on one) that failed: which rank died
+        where it can tell, and what to do. See [Note: a rank that dies]."""
+        # a killed process closes its sockets (which fails our collective) a moment before
+        # it is gone from the process table: give it that moment
+        give_up = time.monotonic() + _DYING_S
+        while not (dead := self.dead_ranks()) and time.monotonic() < give_up:
+            time.sleep(0.05)
+        if dead:
+            who = ", ".join(f"rank {r} (PID {self.peers[r][1]})" for r in dead)
+            why = f"{who} on this host died"
+        else:
+            away = [r for r, (host, _) in enumerate(self.peers) if host != host_name()]
+            why = "another rank has probably died or stopped" + (
+                f" (no rank of this host has; ranks {away} are on other hosts)" if away else ""
+            )
+        return RuntimeError(
+            f"ramflow: {what} failed on rank {self.rank}: {why}. Data parallelism cannot go "
+            "on without every rank: check the other ranks' logs, stop every rank and restart "
+            "them all from the last checkpoint (torchrun --max-restarts does). "
+            f"Cause: {cause}"
+        )
+
+    @contextlib.contextmanager
+    def explained(self, what: str) -> Iterator[None]:
+        """Turn a collective's failure into ``failure``'s error."""
+        try:
+            yield
+        except Exception as err:
+            raise self.failure(what, err) from err
+
+    def wait_event(self, event: torch.cuda.Event, what: str) -> None:
+        """Host: wait for ``event``, which follows a collective on the device (NCCL), by
+        polling it, so that a rank of this host that died fails this one at once with
+        ``failure``'s error instead of blocking until NCCL's watchdog ends the process at
+        the process group's timeout. See [Note: a rank that dies]."""
+        checked = time.monotonic()
+        while not event.query():
+            if time.monotonic() - checked >= _LIVENESS_PERIOD_S:
+                checked = time.monotonic()
+                if self.dead_ranks():
+                    raise self.failure(what, "its process is gone")
+            time.sleep(_POLL_S)
+
+
+# [Note: a rank that dies]
+# A rank killed mid-step (SIGKILL, the OOM killer) runs no code, so the others learn of it
+# from their next collective: gloo's fails at once (its peer's sockets close); NCCL's never
+# completes on the device, so a host thread blocked on an event behind it (the backward's
+# gradient throttle, the worker's landing) would wait until NCCL's watchdog takes the
+# process down at the process group's timeout with its own message. ramflow therefore
+# waits for those events by polling (``wait_event``) and checks every
+# ``_LIVENESS_PERIOD_S`` whether a rank of this host is gone (its PID, gathered at
+# set-up; a process that closed its sockets may take a moment, ``_DYING_S`` at most, to
+# leave the process table); either way the error is ``DistributedState.failure``'s, naming
+# the dead ranks of this host (ranks on other hosts are only known as "another rank") and
+# saying what to do. The shared host store's files are unlinked once every rank of a host has mapped
+# them (see [Note: host store files]), so a death after set-up leaves none behind.
+_LIVENESS_PERIOD_S = 0.5
+_DYING_S = 2.0
+_POLL_S = 1e-4  # a backward that waits here stalls by at most this (plus the sleep's slack)
 
 
 class _Work:
-    """A collective's work handle whose ``wait`` explains a failure (see ``_explained``)."""
+    """A collective's work handle whose ``wait`` explains a failure (see
+    ``DistributedState.failure``)."""
 
-    def __init__(self, work: dist.Work, what: str, rank: int) -> None:
-        self._work, self._what, self._rank = work, what, rank
+    def __init__(self, work: dist.Work, what: str, state: DistributedState) -> None:
+        self._work, self._what, self._state = work, what, state
 
     def wait(self) -> None:
-        with _explained(self._what, self._rank):
+        with self._state.explained(self._what):
             self._work.wait()
 
 
