@@ -9,6 +9,7 @@ CPU (CI) or NCCL on GPUs (the GPU box).
 from __future__ import annotations
 
 import os
+import signal
 import time
 import traceback
 from datetime import timedelta
@@ -97,6 +98,9 @@ def _entry(fn, rank: int, world_size: int, options: dict) -> None:
     torch.save(result, os.path.join(options["out"], f"rank{rank}.pt"))
     if "error" not in result:
         dist.destroy_process_group()
+    elif backend == "nccl":
+        # an NCCL communicator whose peer died may wait for it at teardown: leave at once
+        os._exit(0)
 
 
 def _device(rank: int, options: dict) -> torch.device:
@@ -123,42 +127,80 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     """``ramflow.offload(model, zero_stage=...)`` on this rank's slice of each global batch.
     Ranks other than 0 build their model from another seed: the shared host copy must
     give them rank 0's weights. ``zero_stage`` None: each process offloads on its own
-    (private host copies, no gradient reduction; the memory baseline)."""
+    (private host copies, no gradient reduction; the memory baseline). Options beside:
+    ``host_precision`` and ``wire_dtype`` (default fp32) go to ``offload``; ``whole_batch``:
+    every rank trains on the whole global batch (its averaged gradients are then one
+    process's, bit for bit, on two ranks)."""
     device = _device(rank, options)
     model = reference_model(seed=rank, dim=options.get("dim", 32))
     ramflow.offload(
-        model, device=device, zero_stage=options["zero_stage"], wire_dtype=torch.float32
+        model,
+        device=device,
+        zero_stage=options["zero_stage"],
+        wire_dtype=options.get("wire_dtype", torch.float32),
+        host_precision=options.get("host_precision"),
     )
     opt = ramflow.optim.AdamW(
         model.parameters(), lr=1e-2, keep_grads=options.get("keep_grads", True)
     )
     per_rank = GLOBAL_BATCH // world_size
     losses, norms, grads_left = [], [], []
+    kill = options.get("kill")  # ("backward" or "step", step): SIGKILL rank 1 there
+    if kill is not None and kill[0] == "backward" and rank == 1:
+        _kill_in_backward_at(model, step=kill[1])
     for step, (x, y) in enumerate(batches()):
         if options.get("die_after") is not None and rank == 1 and step == options["die_after"]:
             os._exit(3)
         sl = slice(rank * per_rank, (rank + 1) * per_rank)
+        if options.get("whole_batch"):
+            sl = slice(None)
         loss = F.mse_loss(model(x[sl].to(device)), y[sl].to(device))
         loss.backward()
         grads_left.append(sum(p.grad is not None for p in model.parameters()))
         if options.get("clip"):
             norms.append(ramflow.clip_grad_norm_(model.parameters(), options["clip"]).item())
         opt.step()
+        if kill == ("step", step) and rank == 1:
+            # opt.step() has returned; this rank's steps and the barrier run on its worker
+            os.kill(os.getpid(), signal.SIGKILL)
         opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
+        losses.append(loss.detach().clone())
+    # summed over the ranks only now: a rank that dies mid-run fails the others in
+    # ramflow's collectives, not in this one
+    total = torch.stack(losses)
+    dist.all_reduce(total)
+    losses = [t / world_size for t in total.tolist()]
     ramflow.synchronize(model)
     memory = _store_bytes()  # after every rank has read every page
     memory["uss"] = psutil.Process().memory_full_info().uss
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    plan = ramflow.get_plan(model)
     return {
         "losses": losses,
         "norms": norms,
         "grads_left": grads_left,
         "state": state if rank == 0 else None,
         "memory": memory,
+        "host_precision": (plan.host_precision, plan.host_precision_reason),
+        # the optimizer states this rank holds: (parameters with states, their dtypes)
+        "states": (
+            sum(bool(st) for st in opt.state.values()),
+            sorted({str(t.dtype) for st in opt.state.values() for t in st.values()}),
+        ),
     }
+
+
+def _kill_in_backward_at(model: torch.nn.Module, *, step: int) -> None:
+    """SIGKILL this process in the backward pass of forward call ``step`` (counted from 0),
+    when the gradient of the second block's output is computed: the later units' gradients
+    have been reduced, the earlier ones' have not."""
+    calls = iter(range(1 << 30))
+
+    def on_forward(module, args, out):
+        if next(calls) == step:
+            out.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+
+    model.blocks[1].register_forward_hook(on_forward)
 
 
 def offload_failing_in_set_up(rank: int, world_size: int, options: dict) -> dict:

@@ -154,6 +154,36 @@ def test_dead_rank_fails_the_others_with_a_clear_error(tmp_path):
     assert _store_files(shm) == []  # nothing of the host store stays behind
 
 
+def _nccl_backend():
+    """ "nccl", run on the GPU box when it has 2 GPUs."""
+    enough = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+    return pytest.param("nccl", marks=[pytest.mark.gpu, enough])
+
+
+@pytest.mark.parametrize("backend", ["gloo", _nccl_backend()])
+@pytest.mark.parametrize("where", ["backward", "step"])
+def test_rank_killed_mid_step_fails_the_others_with_ramflow_error(tmp_path, where, backend):
+    """Rank 1 is SIGKILLed in its second step: in backward (some units' gradients reduced,
+    not all), or right after ``opt.step()`` returned (its steps and the barrier running on
+    its worker). Rank 0 raises ramflow's error, naming rank 1 as dead and saying what to do,
+    long before the process group's timeout would end a hang (NCCL: its collective never
+    completes, ramflow notices the dead process; see [Note: a rank that dies]); no file of
+    the shared host store stays behind."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    options = {"out": str(tmp_path), "zero_stage": 2, "kill": (where, 1), "backend": backend}
+    start = time.monotonic()
+    # pg_timeout: ramflow's error must come first; W.run's timeout: a hang fails the test
+    results = W.run(W.train_offload, 2, {**options, "shm_dir": str(shm), "pg_timeout": 300})
+    elapsed = time.monotonic() - start
+    assert results[1] == {"exitcode": -9}, results[1]
+    error = results[0].get("error", "")
+    assert error.startswith("RuntimeError: ramflow"), results[0]
+    assert "rank 1 (PID" in error and "died" in error and "restart" in error, error
+    assert elapsed < 300
+    assert os.listdir(shm) == []
+
+
 @pytest.mark.parametrize("zero_stage", [1, 2])
 def test_zero_clipping_uses_the_global_norm(tmp_path, zero_stage):
     """ramflow.clip_grad_norm_ clips by the norm of all gradients, also when each rank

@@ -25,6 +25,7 @@ import functools
 import os
 import re
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from ._host_formats import HostPrecision
 from ._plan import format_bytes
 from ._units import UnitSpec, _Unit
 from ._worker import STEP
@@ -101,6 +103,11 @@ class DistributedState:
         # how many ranks own each unit: one per host when each host steps its own copy
         # (``ramflow.offload``), one in all (``ramflow.distributed``)
         self.copies = 1
+        # every rank's (host name, PID): a failed collective names the ranks of this host
+        # that died, see [Note: a rank that dies]
+        peers: list[tuple[str, int] | None] = [None] * self.world_size
+        dist.all_gather_object(peers, (host_name(), os.getpid()), group=self.cpu_group)
+        self.peers: list[tuple[str, int]] = peers  # type: ignore[assignment]
 
     def alive(self) -> bool:
         """False once the process group this state was made for has been destroyed."""
@@ -119,12 +126,12 @@ class DistributedState:
         if self.average:
             grad.mul_(1.0 / self.world_size)
         what = f"reducing the gradients of unit {u.name!r}"
-        with _explained(what, self.rank):
+        with self.explained(what):
             if self.reduce_to_owner and u.owner is not None:
                 work = dist.reduce(grad, dst=u.owner, group=self.group, async_op=True)
             else:
                 work = dist.all_reduce(grad, group=self.group, async_op=True)
-        return _Work(work, what, self.rank)
+        return _Work(work, what, self)
 
     def after_step(self, engine: Engine) -> None:
         """Called by ``opt.step()`` once this rank's steps are scheduled: mark the units
@@ -140,7 +147,7 @@ class DistributedState:
         """Worker: wait for the other ranks' steps, take the stepped masters from their
         owners where they are not shared, and bring the wire copies up to date (a wire
         copy that is the master, or is shared with the owner, already is)."""
-        with _explained("waiting for the other ranks' optimizer steps", self.rank):
+        with self.explained("waiting for the other ranks' optimizer steps"):
             dist.barrier(group=self.step_group)
             for u in engine.units:
                 if u.owner is not None and u.num_trainable and not u.master.is_shared():
@@ -150,29 +157,115 @@ class DistributedState:
         for u in others:
             engine.refresh_wire(u, written=u.wire is u.master or u.given_wire is not None)
 
+    def dead_ranks(self) -> list[int]:
+        """The ranks of this host whose process is gone (a zombie counts as gone)."""
+        me = host_name()
+        return [r for r, (host, pid) in enumerate(self.peers) if host == me and not _pid_alive(pid)]
 
-@contextlib.contextmanager
-def _explained(what: str, rank: int) -> Iterator[None]:
-    """Turn a collective's failure into an error that says what to look at."""
-    try:
-        yield
-    except Exception as err:
-        raise RuntimeError(
-            f"ramflow: {what} failed on rank {rank}: another rank has probably died or "
-            f"stopped (the process group's timeout ends a hang); check the other ranks' logs. "
-            f"Cause: {err}"
-        ) from err
+    def failure(self, what: str, cause: BaseException | str) -> RuntimeError:
+        """ramflow's error for a collective (or a wait on one) that failed: which rank died
+        where it can tell, and what to do. See [Note: a rank that dies]."""
+        # a killed process closes its sockets (which fails our collective) a moment before
+        # it is gone from the process table: give it that moment
+        give_up = time.monotonic() + _DYING_S
+        while not (dead := self.dead_ranks()) and time.monotonic() < give_up:
+            time.sleep(0.05)
+        if dead:
+            who = ", ".join(f"rank {r} (PID {self.peers[r][1]})" for r in dead)
+            why = f"{who} on this host died"
+        else:
+            away = [r for r, (host, _) in enumerate(self.peers) if host != host_name()]
+            why = "another rank has probably died or stopped" + (
+                f" (no rank of this host has; ranks {away} are on other hosts)" if away else ""
+            )
+        return RuntimeError(
+            f"ramflow: {what} failed on rank {self.rank}: {why}. Data parallelism cannot go "
+            "on without every rank: check the other ranks' logs, stop every rank and restart "
+            "them all from the last checkpoint (torchrun --max-restarts does). "
+            f"Cause: {cause}"
+        )
+
+    @contextlib.contextmanager
+    def explained(self, what: str) -> Iterator[None]:
+        """Turn a collective's failure into ``failure``'s error."""
+        try:
+            yield
+        except Exception as err:
+            raise self.failure(what, err) from err
+
+    def wait_event(self, event: torch.cuda.Event, what: str) -> None:
+        """Host: wait for ``event``, which follows a collective on the device (NCCL), by
+        polling it, so that a rank of this host that died fails this one at once with
+        ``failure``'s error instead of blocking until NCCL's watchdog ends the process at
+        the process group's timeout. See [Note: a rank that dies]."""
+        checked = time.monotonic()
+        while not event.query():
+            if time.monotonic() - checked >= _LIVENESS_PERIOD_S:
+                checked = time.monotonic()
+                if self.dead_ranks():
+                    raise self.failure(what, "its process is gone")
+            time.sleep(_POLL_S)
+
+
+# [Note: a rank that dies]
+# A rank killed mid-step (SIGKILL, the OOM killer) runs no code, so the others learn of it
+# from their next collective: gloo's fails at once (its peer's sockets close); NCCL's never
+# completes on the device, so a host thread blocked on an event behind it (the backward's
+# gradient throttle, the worker's landing) would wait until NCCL's watchdog takes the
+# process down at the process group's timeout with its own message. ramflow therefore
+# waits for those events by polling (``wait_event``) and checks every
+# ``_LIVENESS_PERIOD_S`` whether a rank of this host is gone (its PID, gathered at
+# set-up; a process that closed its sockets may take a moment, ``_DYING_S`` at most, to
+# leave the process table); either way the error is ``DistributedState.failure``'s, naming
+# the dead ranks of this host (ranks on other hosts are only known as "another rank") and
+# saying what to do. The shared host store's files are unlinked once every rank of a host has mapped
+# them (see [Note: host store files]), so a death after set-up leaves none behind.
+_LIVENESS_PERIOD_S = 0.5
+_DYING_S = 2.0
+_POLL_S = 1e-4  # a backward that waits here stalls by at most this (plus the sleep's slack)
 
 
 class _Work:
-    """A collective's work handle whose ``wait`` explains a failure (see ``_explained``)."""
+    """A collective's work handle whose ``wait`` explains a failure (see
+    ``DistributedState.failure``)."""
 
-    def __init__(self, work: dist.Work, what: str, rank: int) -> None:
-        self._work, self._what, self._rank = work, what, rank
+    def __init__(self, work: dist.Work, what: str, state: DistributedState) -> None:
+        self._work, self._what, self._state = work, what, state
 
     def wait(self) -> None:
-        with _explained(self._what, self._rank):
+        with self._state.explained(self._what):
             self._work.wait()
+
+
+def agree_on_precision(
+    precision: HostPrecision, reason: str | None, *, auto: bool
+) -> tuple[HostPrecision, str | None]:
+    """The host format every rank uses (every rank calls this, in ``ramflow.offload``).
+
+    The ranks of a host share one master per unit and the hosts' owners must round alike,
+    so every rank needs the same policy, seed included. With ``host_precision="auto"``
+    (``auto``) each rank chose from its own host's free RAM: if any chose a lean format,
+    all take the first such rank's (the others then use less RAM than they could).
+
+    Returns the policy and the reason for it (``get_plan(model).host_precision_reason``).
+
+    Raises:
+        ValueError: ranks were given different policies (the message names two of them).
+    """
+    chosen: list[tuple[HostPrecision, str | None] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(chosen, (precision, reason), group=cpu_group())
+    if all(pr == precision for pr, _ in chosen):
+        return precision, reason
+    if auto:  # some rank's host lacks the RAM for fp32: all take its lean format
+        rank, (pr, why) = next((r, c) for r, c in enumerate(chosen) if not c[0].is_exact)
+        return pr, f"rank {rank} chose it for its host: {why}"
+    for rank, (pr, _) in enumerate(chosen):
+        if pr != precision:
+            raise ValueError(
+                f"the ranks' host_precision differ (rank {dist.get_rank()}: {precision}, "
+                f"rank {rank}: {pr}); pass the same host_precision (and seed) on every rank"
+            )
+    return precision, reason
 
 
 def assign_owners(numels: list[int], ranks: list[int]) -> list[int]:
@@ -289,9 +382,19 @@ class _CreatedFiles:
 
 
 def shared_host_store(
-    specs: list[UnitSpec], *, wire_dtype: torch.dtype, numels: list[int], offsets: list[list[int]]
+    specs: list[UnitSpec],
+    *,
+    wire_dtype: torch.dtype,
+    numels: list[int],
+    offsets: list[list[int]],
+    master_dtype: torch.dtype = torch.float32,
 ) -> tuple[list[int], list[int]]:
-    """Put the units' masters (fp32) and wire copies in shared memory, one copy per host.
+    """Put the units' masters and wire copies in shared memory, one copy per host.
+
+    ``master_dtype`` is the host format's (``HostPrecision.master_dtype``): fp32 masters
+    beside a wire copy of ``wire_dtype`` (none when that is fp32 too), or bf16 masters that
+    are the wire copy (a bf16 wire; no second file). Only the masters are shared: optimizer
+    states live on each unit's owner, gradient staging (per unit or the ring) on each rank.
 
     The first rank of each host writes its model's weights (after rank 0's have been
     broadcast to the first ranks of the other hosts); the other ranks map the same pages
@@ -321,8 +424,10 @@ def shared_host_store(
     dist.broadcast_object_list(token, src=0, group=group)
     directory = shm_directory()
     base = os.path.join(directory, f"ramflow-{gathered[leader][1]}-{token[0]}-{host_name()}")
-    wire_size = torch.empty((), dtype=wire_dtype).element_size()
-    need = sum(n * (4 + (wire_size if wire_dtype != torch.float32 else 0)) for n in numels)
+    # a separate wire copy only beside fp32 masters (a bf16 master is the wire copy)
+    separate_wire = master_dtype == torch.float32 and wire_dtype != torch.float32
+    per_element = master_dtype.itemsize + (wire_dtype.itemsize if separate_wire else 0)
+    need = sum(n * per_element for n in numels)
     with _CreatedFiles() as created:
         if me == leader:
             remove_stale_store_files(directory)
@@ -337,7 +442,7 @@ def shared_host_store(
         masters, wires = [], []
         for i, n in enumerate(numels):
             if me == leader:
-                master = created.create(f"{base}-{i}.master", n, torch.float32)
+                master = created.create(f"{base}-{i}.master", n, master_dtype)
                 with torch.no_grad():
                     for off, p in zip(offsets[i], specs[i].owned):
                         master[off : off + p.numel()].view(p.shape).copy_(p.detach())
@@ -349,7 +454,7 @@ def shared_host_store(
             if me == leader:
                 for master in masters:
                     dist.broadcast(master, src=0, group=leader_group)
-        if me == leader and wire_dtype != torch.float32:
+        if me == leader and separate_wire:
             for i, n in enumerate(numels):
                 wire = created.create(f"{base}-{i}.wire", n, wire_dtype)
                 wire.copy_(masters[i])
@@ -358,9 +463,9 @@ def shared_host_store(
         if me != leader:
             for i, n in enumerate(numels):
                 masters.append(
-                    torch.from_file(f"{base}-{i}.master", shared=True, size=n, dtype=torch.float32)
+                    torch.from_file(f"{base}-{i}.master", shared=True, size=n, dtype=master_dtype)
                 )
-                if wire_dtype != torch.float32:
+                if separate_wire:
                     wires.append(
                         torch.from_file(f"{base}-{i}.wire", shared=True, size=n, dtype=wire_dtype)
                     )

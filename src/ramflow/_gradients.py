@@ -98,7 +98,7 @@ class GradientPath:
             while len(self._grads_in_flight) >= 2:  # the plan's two gradient buffers
                 done = self._grads_in_flight.popleft()
                 if done is not None:
-                    done.synchronize()
+                    self._wait_collective(done, "waiting for an earlier unit's gradients")
             u.device_grad = torch.zeros(
                 u.trainable_numel, dtype=self.wire_dtype, device=self.device
             )
@@ -167,6 +167,16 @@ class GradientPath:
         )
         self._landing.append(u.land_future)
 
+    def _wait_collective(self, event: torch.cuda.Event, what: str) -> None:
+        """Wait for a device event that may follow a gradient reduction: through the
+        data-parallel state when there is one (See [Note: a rank that dies] in
+        ``ramflow._dist``), else plainly."""
+        dist = self._stepper.live_dist()
+        if dist is None:
+            event.synchronize()
+        else:
+            dist.wait_event(event, what)
+
     def land(self, u: _Unit, event: torch.cuda.Event | None, eager: bool) -> None:
         """Worker: add the staged gradients into the fp32 host gradients of ``u``.
 
@@ -177,7 +187,7 @@ class GradientPath:
         contents are complete once the step is (``ramflow.synchronize``)."""
         stepper = self._stepper
         if event is not None:
-            event.synchronize()
+            self._wait_collective(event, f"landing the gradients of unit {u.name!r}")
         params = u.owned[: u.num_trainable]
         staging = u.staging
         assert staging is not None

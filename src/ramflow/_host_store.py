@@ -181,13 +181,16 @@ class HostStore:
         never holds more than the store plus one unit's source tensors."""
         pin = self._pin
         lean_master = self.precision.master != "fp32"
+        # a given master in the master's dtype is zero_stage's shared host store (made for
+        # this format by ``ramflow._dist.shared_host_store``); ``ramflow.Linear`` gives fp32
         if lean_master and any(
-            u.given_master is not None or u.given_wire is not None for u in units
+            (u.given_master is not None and u.given_master.dtype != self.precision.master_dtype)
+            or u.given_wire is not None
+            for u in units
         ):
             raise ValueError(
                 f"host_precision={self.precision.name!r} keeps bf16 master weights, which "
-                "ramflow.Linear layers and zero_stage's shared host store do not support yet; "
-                "use host_precision='fp32' with them"
+                "ramflow.Linear layers do not support yet; use host_precision='fp32' with them"
             )
         if self.precision.gradients == "ring":
             self._ring_numel = max(
@@ -200,13 +203,14 @@ class HostStore:
             u.precision = self.precision
             u.rounding_seed = self.precision.unit_seed(u.index)
             if u.given_master is not None:
-                # The layer laid its parameters out as this engine would (``_ALIGN``): its
-                # buffer is the master, shared memory included (``share_memory_()``).
+                # The layer (or the shared host store) laid the parameters out as this engine
+                # would (``_ALIGN``): its buffer is the master, shared memory included.
                 u.master = u.given_master
+                assert u.master.dtype == self.precision.master_dtype
                 assert all(
                     p.data_ptr() == view.data_ptr() for p, view in zip(u.owned, u.views(u.master))
                 ), "a given master must hold the unit's parameters at the engine's offsets"
-                if pin and self.wire_dtype == torch.float32:
+                if pin and (self.wire_dtype == torch.float32 or lean_master):
                     pin_in_place(u.master, what=f"the master weights of {u.name!r}")
                     self.pinned_in_place.append(u.master)
             else:

@@ -13,6 +13,7 @@ from ._adapters import choose_on_device
 from ._clip import clip_grad_norm_ as clip_grad_norm_  # public here
 from ._dist import (
     DistributedState,
+    agree_on_precision,
     remove_stale_store_files,
     require_initialized,
     shared_host_store,
@@ -169,8 +170,8 @@ def offload(
         MemoryError: the host lacks the RAM or pinned memory for the host store.
         RuntimeError: ``zero_stage`` without an initialized process group.
         ValueError: ``device_optimizer`` with ``zero_stage``; ``host_precision`` not a
-            preset or a HostPrecision, or lean masters with a wire dtype other than bf16,
-            or other than fp32 with ``zero_stage`` (the message names what works).
+            preset or a HostPrecision, or lean masters with a wire dtype other than bf16
+            (the message names what works).
         MemoryError: ``host_precision="auto"`` and not even the leanest fits (the message
             gives each preset's size).
         ValueError: ``frozen_format`` not a format, with ``zero_stage``, or for a model
@@ -256,11 +257,6 @@ def offload(
     else:
         precision = HostPrecision.parse(host_precision)
     precision.check_wire(wire_dtype)
-    if (not precision.is_exact or precision.gradients != "full") and zero_stage is not None:
-        raise ValueError(
-            f"host_precision={precision.name!r} cannot be combined with zero_stage yet; "
-            "use host_precision='fp32' with it, or leave it out"
-        )
     remove_stale_store_files(shm_directory())  # of ranks that died: see [Note: host store files]
     owners = None
     if device_optimizer and zero_stage is not None:
@@ -273,12 +269,16 @@ def offload(
         if zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1, 2 or None, got {zero_stage!r}")
         require_initialized("ramflow.offload(..., zero_stage=...)")
+        precision, precision_reason = agree_on_precision(
+            precision, precision_reason, auto=precision_reason is not None
+        )
         layout = [_Unit(i, spec) for i, spec in enumerate(specs)]
         owners, local = shared_host_store(
             specs,
             wire_dtype=wire_dtype,
             numels=[u.numel for u in layout],
             offsets=[u.offsets for u in layout],
+            master_dtype=precision.master_dtype,
         )
     loader = None if weights is None else MetaLoader(model, weights)  # checks, allocates nothing
     try:

@@ -1,0 +1,75 @@
+"""Lean host formats under ZeRO (gloo on the CPU): the ranks of a host share one bf16 master
+per unit (it is the wire copy), AdamW's 8-bit or bf16 states live on each unit's owner only,
+and each rank keeps its own gradient ring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_workers as W
+import ramflow
+
+LEAN = {"wire_dtype": torch.bfloat16}
+
+
+def _check_ok(results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        assert "error" not in r and "exitcode" not in r and "timeout" not in r, (rank, r)
+
+
+def _num_units_and_params() -> tuple[int, int]:
+    model = ramflow.offload(W.reference_model(), device="cpu")
+    return len(model._ramflow_engine.units), sum(1 for _ in model.parameters())
+
+
+def _assert_one_bf16_copy_per_host(results: list[dict], hosts: list[str]) -> None:
+    """Every rank of a host maps the same files, one ``.master`` per unit and no ``.wire``
+    (a bf16 master is the wire copy); hosts map their own."""
+    units, _ = _num_units_and_params()
+    files = [set(r["memory"]["files"]) for r in results]
+    for host in set(hosts):
+        ranks = [r for r, h in enumerate(hosts) if h == host]
+        assert all(files[r] == files[ranks[0]] for r in ranks), files
+        assert len(files[ranks[0]]) == units, files[ranks[0]]
+        assert all(f.endswith(".master") for f in files[ranks[0]]), files[ranks[0]]
+    for a in range(len(results)):
+        for b in range(len(results)):
+            if hosts[a] != hosts[b]:
+                assert not files[a] & files[b]
+
+
+@pytest.mark.parametrize(
+    "zero_stage,preset",
+    [(1, "lean"), (2, "lean"), (2, "bf16"), (2, "kahan")],
+)
+def test_lean_zero_on_two_ranks_is_one_process_bit_for_bit(tmp_path, zero_stage, preset):
+    """Two ranks that each train on the whole global batch average two equal bf16
+    gradients, which is exact (g/2 + g/2 = g), so they step with one process's gradients;
+    the stochastic rounding is keyed by (seed, unit, step, element), not by the rank that
+    steps: losses and weights equal the one process's with the same lean format, bit for
+    bit. Each unit's states exist once, on its owner, in the format's dtype."""
+    options = {**LEAN, "host_precision": preset}
+    ref = W.run(W.train_offload, 1, {**options, "out": str(tmp_path / "one"), "zero_stage": None})
+    _check_ok(ref)
+    results = W.run(
+        W.train_offload,
+        2,
+        {**options, "out": str(tmp_path / "two"), "zero_stage": zero_stage, "whole_batch": True},
+    )
+    _check_ok(results)
+    for r in results:
+        assert r["losses"] == ref[0]["losses"]
+        assert r["host_precision"][0] == preset
+    state, ref_state = results[0]["state"], ref[0]["state"]
+    assert state.keys() == ref_state.keys()
+    for k, v in ref_state.items():
+        assert state[k].dtype == torch.bfloat16 and torch.equal(state[k], v), k
+    # ZeRO: each parameter's states on one rank only, in the lean format's dtypes
+    _, num_params = _num_units_and_params()
+    held = [r["states"][0] for r in results]
+    assert sum(held) == num_params and all(0 < n < num_params for n in held), held
+    assert results[0]["states"][1] == ref[0]["states"][1]
+    expected = {"lean": "torch.uint8", "kahan": "torch.uint8", "bf16": "torch.bfloat16"}[preset]
+    assert expected in ref[0]["states"][1] and "torch.float32" in ref[0]["states"][1]
+    _assert_one_bf16_copy_per_host(results, ["host", "host"])
