@@ -212,12 +212,9 @@ def predicted_step(
     """ramflow's estimate of this run's step time on a CUDA GPU (also planned on the CPU, for
     the smoke test: then with the default H200 rates and a 24 GiB budget), or why there is
     none. ``rates``: this box's (``measured_rates``); missing ones are the defaults."""
+    from ramflow._host_formats import optimizer_speed
     from ramflow._plan import parse_bytes
-    from ramflow._predict import (
-        HOST_FORMAT_OPTIMIZER_SPEED,
-        RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM,
-        Rates,
-    )
+    from ramflow._predict import RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM, Rates
     from ramflow.train.estimate import estimate_memory
 
     rates = rates or {}
@@ -231,7 +228,7 @@ def predicted_step(
         )
     if rates.get("cpu_optimizer_params_per_s"):
         # the rate is the format's own; the copies' DRAM rate stays the fp32 kernel's
-        speed = HOST_FORMAT_OPTIMIZER_SPEED[args.host_precision]
+        speed = optimizer_speed(args.host_precision)
         timing = dataclasses.replace(
             timing,
             cpu_optimizer_params_per_s=rates["cpu_optimizer_params_per_s"],

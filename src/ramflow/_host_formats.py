@@ -18,6 +18,16 @@ __all__ = ["HostPrecision", "check_optimizer_formats"]
 
 MASTERS = ("fp32", "bf16-sr", "bf16-kahan")
 OPTIMIZER_STATES = ("fp32", "bf16", "int8")
+
+# fp32 master weights, exp_avg and exp_avg_sq of a unit stepped on the device
+DEVICE_STEP_BYTES_PER_PARAM = 12
+# elements per piece of a device step (the gradient is upcast to fp32 one piece at a time)
+DEVICE_STEP_PIECE = 16 * 2**20
+DEVICE_STEP_SCRATCH_BYTES = DEVICE_STEP_PIECE * 4
+# a lean unit's device step runs the host kernel's arithmetic in PyTorch ops: its fp32 and
+# int64 temporaries take about 96 bytes per element of a piece
+LEAN_DEVICE_STEP_PIECE = 2 * 2**20
+LEAN_DEVICE_STEP_SCRATCH_BYTES = LEAN_DEVICE_STEP_PIECE * 96
 GRADIENTS = ("full", "ring")
 # the named policies (``HostPrecision.parse``; the classmethods of the same names)
 PRESETS = ("fp32", "bf16", "lean", "kahan")
@@ -176,8 +186,6 @@ class HostPrecision:
         fp32 states there (12); a bf16 master is the unit's device copy, so only the states
         (8-bit: 2 plus the absmax; bf16: 4) and a Kahan compensation (2) are added; an fp32
         master with lean states adds its fp32 copy (4)."""
-        from ._plan import DEVICE_STEP_BYTES_PER_PARAM
-
         if self.is_exact:
             return float(DEVICE_STEP_BYTES_PER_PARAM)
         master = 4.0 if self.master == "fp32" else 0.0
@@ -186,8 +194,6 @@ class HostPrecision:
     @property
     def device_step_scratch_bytes(self) -> int:
         """Device scratch of one piece of a device step (``_plan``'s constants)."""
-        from ._plan import DEVICE_STEP_SCRATCH_BYTES, LEAN_DEVICE_STEP_SCRATCH_BYTES
-
         return DEVICE_STEP_SCRATCH_BYTES if self.is_exact else LEAN_DEVICE_STEP_SCRATCH_BYTES
 
     def bytes_per_parameter(self, *, trainable: bool, wire_dtype: torch.dtype) -> float:
@@ -255,3 +261,28 @@ def check_optimizer_formats(precision: HostPrecision, optimizer: Any) -> None:
         "optimizer with master='fp32' and optimizer_states='fp32' (HostPrecision.fp32()); "
         "AdamW with any master and optimizer_states (e.g. HostPrecision.lean())"
     )
+
+
+OPTIMIZER_SPEED = {"fp32": 1.0, "bf16": 1.16, "lean": 0.60, "kahan": 0.61}
+"""Each preset's CPU AdamW parameter rate over the fp32 one, measured on the H100 box of
+2026-11-23 with all 16 threads: fp32 4.65, bf16 5.39, lean 2.80 and kahan 2.85 G params/s
+(``bench.py --cpu-optimizer``, its ``host_formats`` rates;
+benchmarks/results/2026-11-23-nvidia-h100-host-formats). The bf16 step moves fewer bytes;
+the 8-bit ones are bound by their table lookups, not by DRAM. The predictor's
+(``_predict.Rates.for_host_precision``)."""
+
+
+def rated_as(name: str) -> str:
+    """The preset whose CPU optimizer rate stands for the host formats ``name``
+    (``HostPrecision.name``): itself, or the preset with the same optimizer states."""
+    if name in OPTIMIZER_SPEED:
+        return name
+    master, states = ([*name.split("/"), "", ""])[:2]
+    if states == "int8":
+        return "kahan" if master == "bf16-kahan" else "lean"
+    return "bf16" if states == "bf16" else "fp32"
+
+
+def optimizer_speed(name: str) -> float:
+    """``OPTIMIZER_SPEED`` of the preset that ``name`` is rated as."""
+    return OPTIMIZER_SPEED[rated_as(name)]

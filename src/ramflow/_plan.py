@@ -15,6 +15,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from ._host_formats import (  # noqa: F401 (the device step's sizes, used here and by tests)
+    DEVICE_STEP_BYTES_PER_PARAM,
+    DEVICE_STEP_PIECE,
+    DEVICE_STEP_SCRATCH_BYTES,
+    LEAN_DEVICE_STEP_PIECE,
+    LEAN_DEVICE_STEP_SCRATCH_BYTES,
+)
 from ._predict import Rates, StepPrediction, UnitCost, predict_step
 
 _UNITS = {
@@ -204,17 +211,6 @@ class OffloadPlan:
                 lines.append(f"activations at their peak: {format_bytes(self.activation_bytes)}")
             lines.append(f"predicted step: {self.prediction.describe()}")
         return "\n".join(lines)
-
-
-# fp32 master weights, exp_avg and exp_avg_sq of a unit stepped on the device
-DEVICE_STEP_BYTES_PER_PARAM = 12
-# elements per piece of a device step (the gradient is upcast to fp32 one piece at a time)
-DEVICE_STEP_PIECE = 16 * 2**20
-DEVICE_STEP_SCRATCH_BYTES = DEVICE_STEP_PIECE * 4
-# a lean unit's device step runs the host kernel's arithmetic in PyTorch ops: its fp32 and
-# int64 temporaries take about 96 bytes per element of a piece
-LEAN_DEVICE_STEP_PIECE = 2 * 2**20
-LEAN_DEVICE_STEP_SCRATCH_BYTES = LEAN_DEVICE_STEP_PIECE * 96
 
 
 def with_device_optimizer(

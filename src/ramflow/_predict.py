@@ -53,6 +53,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ._host_formats import optimizer_speed, rated_as
+
 # ----------------------------------------------------------------------------- constants
 # Calibrated against the H200 run of 2026-11-22 (benchmarks/results/2026-11-22-nvidia-h200-*):
 # see tests/test_predict.py, which reproduces those step times from their recorded inputs.
@@ -107,24 +109,6 @@ DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S = 3.72e9
 """Rates measured on the H200 box of 2026-11-22 (PCIe 5.0 x16, 16 CPU threads), the defaults
 of ``ramflow plan``; give your machine's own (``--pcie-gbps``, ``--gpu-tflops``,
 ``--cpu-adamw-gparams``)."""
-
-HOST_FORMAT_OPTIMIZER_SPEED = {"fp32": 1.0, "bf16": 1.16, "lean": 0.60, "kahan": 0.61}
-"""Each host format's CPU AdamW parameter rate over the fp32 one (``ramflow.HostPrecision``
-presets by name), measured on the H100 box of 2026-11-23 with all 16 threads: fp32 4.65,
-bf16 5.39, lean 2.80 and kahan 2.85 G params/s (``bench.py --cpu-optimizer``, its
-``host_formats`` rates; benchmarks/results/2026-11-23-nvidia-h100-host-formats). The bf16
-step moves fewer bytes; the 8-bit ones are bound by their table lookups, not by DRAM."""
-
-
-def _rated_as(name: str) -> str:
-    """The preset whose CPU optimizer rate stands for the host formats ``name``."""
-    if name in HOST_FORMAT_OPTIMIZER_SPEED:
-        return name
-    master, states = ([*name.split("/"), "", ""])[:2]
-    if states == "int8":
-        return "kahan" if master == "bf16-kahan" else "lean"
-    return "bf16" if states == "bf16" else "fp32"
-
 
 STEPS_SIMULATED = 3
 """Training steps simulated before the last one is read (the first starts with every wire copy
@@ -242,17 +226,15 @@ class Rates:
         (``ramflow.HostPrecision.name``: a preset, ``fp32``, ``bf16``, ``lean``, ``kahan``,
         or ``master/states/gradients``, rated as the preset with the same optimizer
         states), converted from the formats the rate was measured with by
-        ``HOST_FORMAT_OPTIMIZER_SPEED``. The host DRAM rate the PCIe copies are charged at
+        ``_host_formats.optimizer_speed``. The host DRAM rate the PCIe copies are charged at
         (``copies_on_host_dram_s``) stays the machine's: the 8-bit steps are bound by their
         lookups, not by DRAM, so it is not their parameter rate times their bytes. The same
         rates when the formats rate alike."""
-        speeds = HOST_FORMAT_OPTIMIZER_SPEED
-        name = _rated_as(name)
-        if name == _rated_as(self.host_precision):
+        name = rated_as(name)
+        if name == rated_as(self.host_precision):
             return self
-        rate = (
-            self.cpu_optimizer_params_per_s * speeds[name] / speeds[_rated_as(self.host_precision)]
-        )
+        speed = optimizer_speed(name) / optimizer_speed(self.host_precision)
+        rate = self.cpu_optimizer_params_per_s * speed
         return dataclasses.replace(
             self,
             cpu_optimizer_params_per_s=rate,

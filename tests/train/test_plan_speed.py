@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
+from ramflow._host_formats import OPTIMIZER_SPEED
 from ramflow._plan import make_plan
-from ramflow._predict import HOST_FORMAT_OPTIMIZER_SPEED, Rates
+from ramflow._predict import Rates
 from ramflow.train import TrainConfig, plan_run
 
 
@@ -96,7 +97,7 @@ def test_a_fixed_checkpointing_setting_is_kept(checkpointing: str) -> None:
 
 def test_each_host_format_is_predicted_at_its_own_cpu_optimizer_rate() -> None:
     # a CPU-bound plan: the optimizer's time is the step's, so it scales with the format's
-    # rate (HOST_FORMAT_OPTIMIZER_SPEED), which the rates given are converted from (fp32);
+    # rate (OPTIMIZER_SPEED), which the rates given are converted from (fp32);
     # the copies' host DRAM time is left out (it is the same for every format)
     slow = dataclasses.replace(
         Rates.from_pcie(1e15, cpu_optimizer_params_per_s=1e6),
@@ -115,7 +116,7 @@ def test_each_host_format_is_predicted_at_its_own_cpu_optimizer_rate() -> None:
         pred = plan_run(config, timing_rates=slow, matmul_flops_per_s=1e18).prediction
         assert pred.bound == "CPU optimizer"
         steps[name] = pred.step_s
-    speed = HOST_FORMAT_OPTIMIZER_SPEED
+    speed = OPTIMIZER_SPEED
     for name in ("bf16", "lean", "kahan"):
         assert steps[name] / steps["fp32"] == pytest.approx(speed["fp32"] / speed[name], rel=0.02)
     # rates convert back and forth, the machine's DRAM rate kept; a policy that is not a
