@@ -7,6 +7,7 @@ counter-based generator.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,7 +270,7 @@ OPTIMIZER_SPEED = {"fp32": 1.0, "bf16": 1.16, "lean": 0.60, "kahan": 0.61}
 (``bench.py --cpu-optimizer``, its ``host_formats`` rates;
 benchmarks/results/2026-11-23-nvidia-h100-host-formats). The bf16 step moves fewer bytes;
 the 8-bit ones are bound by their table lookups, not by DRAM. The predictor's
-(``_predict.Rates.for_host_precision``)."""
+(``rates_for``)."""
 
 
 def rated_as(name: str) -> str:
@@ -286,3 +287,30 @@ def rated_as(name: str) -> str:
 def optimizer_speed(name: str) -> float:
     """``OPTIMIZER_SPEED`` of the preset that ``name`` is rated as."""
     return OPTIMIZER_SPEED[rated_as(name)]
+
+
+def rates_for(rates: Any, name: str) -> Any:
+    """``rates`` (a ``_predict.Rates``) with the CPU optimizer's rate for the host formats
+    ``name`` (``HostPrecision.name``: a preset, or ``master/states/gradients``, rated as the
+    preset with the same optimizer states), converted from the formats the rate was measured
+    with (``rates.host_precision``) by ``OPTIMIZER_SPEED``. The host DRAM rate the PCIe
+    copies are charged at stays the machine's: the 8-bit steps are bound by their lookups,
+    not by DRAM, so it is not their parameter rate times their bytes. The same rates when
+    the formats rate alike."""
+    name = rated_as(name)
+    if name == rated_as(rates.host_precision):
+        return rates
+    rate = (
+        rates.cpu_optimizer_params_per_s
+        * optimizer_speed(name)
+        / optimizer_speed(rates.host_precision)
+    )
+    dram = rates.cpu_optimizer_dram_bytes_per_param
+    return dataclasses.replace(
+        rates,
+        cpu_optimizer_params_per_s=rate,
+        cpu_optimizer_dram_bytes_per_param=(
+            dram * rates.cpu_optimizer_params_per_s / rate if dram else None
+        ),
+        host_precision=name,
+    )

@@ -47,13 +47,10 @@ the next forward's first unit, so it crosses once per forward, not twice).
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-from ._host_formats import optimizer_speed, rated_as
 
 # ----------------------------------------------------------------------------- constants
 # Calibrated against the H200 run of 2026-11-22 (benchmarks/results/2026-11-22-nvidia-h200-*):
@@ -211,7 +208,7 @@ class Rates:
             the product, and each byte the PCIe copies move to or from host memory takes
             optimizer time at that rate. None: the copies do not slow the optimizer.
         host_precision: the host formats (a ``ramflow.HostPrecision`` preset's name) the
-            optimizer's rate and bytes are of; ``for_host_precision`` converts them.
+            optimizer's rate and bytes are of; ``_host_formats.rates_for`` converts them.
     """
 
     h2d_bytes_per_s: float = DEFAULT_H2D_BYTES_PER_S
@@ -220,31 +217,6 @@ class Rates:
     cpu_optimizer_params_per_s: float = DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S
     cpu_optimizer_dram_bytes_per_param: float | None = RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM
     host_precision: str = "fp32"
-
-    def for_host_precision(self, name: str) -> Rates:
-        """These rates with the CPU optimizer's for the host formats ``name``
-        (``ramflow.HostPrecision.name``: a preset, ``fp32``, ``bf16``, ``lean``, ``kahan``,
-        or ``master/states/gradients``, rated as the preset with the same optimizer
-        states), converted from the formats the rate was measured with by
-        ``_host_formats.optimizer_speed``. The host DRAM rate the PCIe copies are charged at
-        (``copies_on_host_dram_s``) stays the machine's: the 8-bit steps are bound by their
-        lookups, not by DRAM, so it is not their parameter rate times their bytes. The same
-        rates when the formats rate alike."""
-        name = rated_as(name)
-        if name == rated_as(self.host_precision):
-            return self
-        speed = optimizer_speed(name) / optimizer_speed(self.host_precision)
-        rate = self.cpu_optimizer_params_per_s * speed
-        return dataclasses.replace(
-            self,
-            cpu_optimizer_params_per_s=rate,
-            cpu_optimizer_dram_bytes_per_param=(
-                self.cpu_optimizer_dram_bytes_per_param * self.cpu_optimizer_params_per_s / rate
-                if self.cpu_optimizer_dram_bytes_per_param
-                else None
-            ),
-            host_precision=name,
-        )
 
     def copies_on_host_dram_s(self, nbytes: float) -> float:
         """Optimizer time lost to ``nbytes`` of PCIe copies through host DRAM."""

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from ramflow._host_formats import OPTIMIZER_SPEED
+from ramflow._host_formats import OPTIMIZER_SPEED, rates_for
 from ramflow._plan import make_plan
 from ramflow._predict import Rates
 from ramflow.train import TrainConfig, plan_run
@@ -122,7 +122,7 @@ def test_each_host_format_is_predicted_at_its_own_cpu_optimizer_rate() -> None:
     # rates convert back and forth, the machine's DRAM rate kept; a policy that is not a
     # preset is rated as the preset with its optimizer states
     rates = Rates()
-    lean = rates.for_host_precision("lean")
+    lean = rates_for(rates, "lean")
     assert lean.cpu_optimizer_params_per_s == pytest.approx(
         rates.cpu_optimizer_params_per_s * speed["lean"], rel=1e-12
     )
@@ -130,6 +130,6 @@ def test_each_host_format_is_predicted_at_its_own_cpu_optimizer_rate() -> None:
     assert lean.cpu_optimizer_params_per_s * lean.cpu_optimizer_dram_bytes_per_param == (
         pytest.approx(dram, rel=1e-12)
     )
-    back = lean.for_host_precision("fp32")
+    back = rates_for(lean, "fp32")
     assert back.cpu_optimizer_params_per_s == pytest.approx(rates.cpu_optimizer_params_per_s)
-    assert rates.for_host_precision("bf16-sr/int8/full") == lean
+    assert rates_for(rates, "bf16-sr/int8/full") == lean

@@ -32,6 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .._costs import unit_costs, unit_shapes
+from .._host_formats import rates_for
 from .._plan import OffloadPlan, PlanTiming, make_plan
 from .._predict import DEFAULT_MATMUL_FLOPS_PER_S, Rates, predict_step
 from .._units import _Unit, plan_inputs
@@ -256,7 +257,7 @@ def estimate_memory(
         buffer_bytes=buffer_bytes,
         device_type=device_type,
         wire_dtype=wire_dtype,
-        rates=(timing_rates or Rates()).for_host_precision(estimate.host_precision),
+        rates=rates_for(timing_rates or Rates(), estimate.host_precision),
         matmul_flops_per_s=matmul_flops_per_s or DEFAULT_MATMUL_FLOPS_PER_S,
     )
     return dataclasses.replace(estimate, **timing)
