@@ -7,8 +7,8 @@
 3. ``ramflow train --lora`` tunes adapters for the same steps on a bf16 base and on an int8
    base (``--frozen-format int8``); final validation losses (target: within 1%).
 
-A format the installed ramflow lacks (no ``frozen_format`` in ``ramflow.offload``) is
-skipped, and the report says so. Writes ``frozen_quality.json`` and ``frozen_quality.md``
+A format that cannot run here (NF4 without torchao) is skipped, and the report says
+why. Writes ``frozen_quality.json`` and ``frozen_quality.md``
 under ``--out-dir``. ``--smoke`` runs it all on the CPU in about a minute (tested in CI).
 
     python benchmarks/frozen_quality.py --out-dir benchmarks/results/<date>-frozen-quality
@@ -17,7 +17,6 @@ under ``--out-dir``. ``--smoke`` runs it all on the CPU in about a minute (teste
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import subprocess
@@ -34,10 +33,6 @@ from ramflow.train.trainer import evaluate
 
 TARGETS = {"int8": 0.01, "nf4": 0.05}  # relative perplexity over bf16's
 LORA_TARGET = 0.01  # LoRA on an int8 base: relative validation loss over a bf16 base's
-
-
-def has_frozen_formats() -> bool:
-    return "frozen_format" in inspect.signature(ramflow.offload).parameters
 
 
 def ramflow_train(args: list[str], out: Path) -> dict[str, Any]:
@@ -153,9 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     perplexity: dict[str, Any] = {}
     for fmt in formats:
         name = fmt or "bf16"
-        if fmt is not None and not has_frozen_formats():
-            perplexity[name] = {"skipped": "this ramflow has no offload(frozen_format=...)"}
-            continue
         try:
             ppl = frozen_perplexity(
                 runs / "base", frozen_format=fmt, device=args.device, seq_len=args.seq_len,
@@ -176,9 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     lora_flags += ["--steps", str(args.steps), *common, *device_flags]
     for fmt in (None, "int8"):
         name = fmt or "bf16"
-        if fmt is not None and not has_frozen_formats():
-            lora[name] = {"skipped": "this ramflow has no offload(frozen_format=...)"}
-            continue
         flags = lora_flags + (["--frozen-format", fmt] if fmt else [])
         lora[name] = ramflow_train(flags, runs / f"lora-{name}")
     ref_loss = lora["bf16"].get("final_val_loss")
@@ -193,7 +182,6 @@ def main(argv: list[str] | None = None) -> int:
             "seq_len": args.seq_len,
             "device": args.device or "default",
             "smoke": args.smoke,
-            "frozen_formats_available": has_frozen_formats(),
         },
         "base_run": base,
         "perplexity": perplexity,

@@ -13,8 +13,7 @@ size is never in host RAM. Measured, each against its floor:
 * host RSS peak and GPU peak; ``--peer accelerate``: accelerate's ``device_map="auto"``
   offload of the same shape, or its failure.
 
-Without ``offload(frozen_format=...)`` in the installed ramflow, frozen weights stay bf16
-and the report says so. Writes ``lora_70b.json`` and ``lora_70b.md`` under ``--out-dir``;
+``--frozen-format bf16`` keeps frozen weights in the wire dtype. Writes ``lora_70b.json`` and ``lora_70b.md`` under ``--out-dir``;
 ``--smoke`` runs a tiny shape on the CPU (tested in CI).
 
     python benchmarks/lora_70b.py --shape llama-3.1-70b --frozen-format int8 --out-dir DIR
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import json
 import resource
 import subprocess
@@ -79,10 +77,6 @@ def random_init(name: str, out: torch.Tensor) -> None:
     for lo in range(0, flat.numel(), src.numel()):
         hi = min(flat.numel(), lo + src.numel())
         flat[lo:hi].copy_(src[: hi - lo])
-
-
-def has_frozen_formats() -> bool:
-    return "frozen_format" in inspect.signature(ramflow.offload).parameters
 
 
 def build(
@@ -401,12 +395,6 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     notes: list[str] = []
     wanted = None if args.frozen_format == "bf16" else args.frozen_format
-    if wanted is not None and not has_frozen_formats():
-        notes.append(
-            f"This ramflow has no offload(frozen_format=...): frozen weights were bf16, "
-            f"not {wanted}."
-        )
-        wanted = None
     args.frozen_format = wanted
     if device == "cpu":
         args.gpu_memory = None

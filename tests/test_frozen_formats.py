@@ -60,6 +60,18 @@ def _with_dequantized(model: nn.Module, fmt: str) -> nn.Module:
     return ref
 
 
+def _lm_losses(ids: list[torch.Tensor], m: nn.Module, opt) -> list[float]:
+    """The causal-LM losses of one step of ``opt`` per batch of ``ids`` (each (B, T))."""
+    out = []
+    for x in ids:
+        loss = m(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
 # ------------------------------------------------------------------ the formats
 
 
@@ -201,18 +213,12 @@ def test_peft_lora_on_a_tiny_llama(fmt):
     ramflow.offload(model, device="cpu", frozen_format=fmt)
     ids = [torch.randint(0, 128, (2, 16)) for _ in range(3)]
 
-    def run(m, opt):
-        out = []
-        for x in ids:
-            loss = m(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.item())
-        return out
-
-    got = run(model, ramflow.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
-    want = run(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], fused=True))
+    got = _lm_losses(
+        ids, model, ramflow.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    )
+    want = _lm_losses(
+        ids, ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], fused=True)
+    )
     assert got == want
 
 
@@ -242,18 +248,10 @@ def test_peft_after_offload_over_compressed_weights(fmt):
                 p.copy_(adapters[n])
     ids = [torch.randint(0, 128, (2, 16)) for _ in range(3)]
 
-    def run(m, opt):
-        out = []
-        for x in ids:
-            loss = m(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.item())
-        return out
-
-    got = run(model, ramflow.optim.AdamW(list(adapters.values())))
-    want = run(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], fused=True))
+    got = _lm_losses(ids, model, ramflow.optim.AdamW(list(adapters.values())))
+    want = _lm_losses(
+        ids, ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], fused=True)
+    )
     assert got == want
 
 

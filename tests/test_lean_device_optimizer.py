@@ -42,6 +42,19 @@ def offload_first_two_on_device(model, device, precision: str) -> list[str]:
     return list(plan.device_stepped)
 
 
+def train(m, opt, batches) -> list[float]:
+    """The losses of one bf16-autocast step of ``opt`` per batch of ``batches``."""
+    out = []
+    for batch in batches:
+        with torch.autocast(batch[0].device.type, dtype=torch.bfloat16):
+            loss = mse(m, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
 @pytest.mark.parametrize("precision", FORMATS)
 def test_device_steps_give_the_host_steps_bits(device, precision):
     torch.manual_seed(0)
@@ -57,16 +70,8 @@ def test_device_steps_give_the_host_steps_bits(device, precision):
     opts = [
         ramflow.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, host_only)
     ]
-    for batch in mlp_batches(6, device):
-        losses = []
-        for m, opt in zip((model, host_only), opts):
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = mse(m, batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        assert losses[0] == losses[1]
+    batches = mlp_batches(6, device)
+    assert train(model, opts[0], batches) == train(host_only, opts[1], batches)
     engine = ramflow.api._engine(model)
     assert any(u.device_state is not None for u in engine.units)  # stepped there
     ramflow.synchronize(model)
@@ -87,17 +92,6 @@ def test_a_model_saved_after_device_steps_resumes_with_the_same_bits(device):
     offload_first_two_on_device(model, device, "lean")
     opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
     batches = mlp_batches(6, device)
-
-    def train(m, o, part):
-        out = []
-        for batch in part:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = mse(m, batch)
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            out.append(loss.item())
-        return out
 
     first = train(model, opt, batches[:3])
     saved_model = copy.deepcopy(model.state_dict())  # the device's newest, pulled back

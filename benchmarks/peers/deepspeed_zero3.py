@@ -19,6 +19,34 @@ import _common  # noqa: F401
 from _common import emit, parser, require, run, single_process_env, skip
 
 
+def zero3_offload_config(batch: int, *, weight_decay: float) -> dict:
+    """DeepSpeed's config for ZeRO-3 with parameters and optimizer states offloaded to pinned
+    CPU memory, bf16, its AdamW (lr 1e-5), ``batch`` sequences per step on one GPU."""
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 1e-5,
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "weight_decay": weight_decay,
+            },
+        },
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     import torch
@@ -37,24 +65,7 @@ def main() -> None:
     deepspeed.init_distributed()
     model = build_model(args.model, tiny=args.tiny)
     shape = model_shape(model)
-    config = {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "cpu", "pin_memory": True},
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-        },
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
-        },
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
+    config = zero3_offload_config(args.batch, weight_decay=0.01)
     t0 = time.perf_counter()
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config

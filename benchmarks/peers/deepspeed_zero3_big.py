@@ -40,6 +40,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 import _common  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
+from deepspeed_zero3 import zero3_offload_config  # noqa: E402
 
 GIB = 2**30
 
@@ -124,23 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         threading.Thread(target=watchdog, daemon=True).start()
         deepspeed.init_distributed()
-        config = {
-            "train_micro_batch_size_per_gpu": args.batch,
-            "gradient_accumulation_steps": 1,
-            "bf16": {"enabled": True},
-            "zero_optimization": {
-                "stage": 3,
-                "offload_param": {"device": "cpu", "pin_memory": True},
-                "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                "overlap_comm": True,
-                "contiguous_gradients": True,
-            },
-            "optimizer": {
-                "type": "AdamW",
-                "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0},
-            },
-            "steps_per_print": 1 << 30,
-        }
+        config = zero3_offload_config(args.batch, weight_decay=0.0)
         result["stage"] = "building (zero.Init)"
         write()
         t0 = time.perf_counter()

@@ -74,7 +74,6 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ._frozen_formats import raise_if_trained
 from ._gradients import GradientPath
 from ._hooks import ModuleCall, UnitHook
 from ._registry import weak_method
@@ -506,10 +505,6 @@ class Schedule:
         self.settle()
         self.worker.raise_error()
         self._stepper.raise_if_partial_step()
-        if torch.is_grad_enabled():  # a compressed weight made trainable: never silently
-            for u in self.units:
-                if u.frozen_format is not None:
-                    raise_if_trained(u.compressed, u.frozen_format)
         if self._order:
             self._prev_order = self._order
         self._order = []

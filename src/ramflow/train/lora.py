@@ -11,7 +11,6 @@ from the run's settings (the preset and seed, or ``--model``) and loads the adap
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -55,17 +54,12 @@ def check_lora_targets(model: nn.Module, targets: Sequence[str]) -> None:
 
 
 def check_frozen_format(frozen_format: str | None) -> None:
-    """Raise ValueError for a format this ramflow does not know or does not have yet."""
+    """Raise ValueError for a format ``ramflow.offload(frozen_format=...)`` does not know."""
     if frozen_format is None:
         return
     if frozen_format not in FROZEN_FORMATS:
         raise ValueError(
             f"--frozen-format {frozen_format!r}: choose one of {', '.join(FROZEN_FORMATS)}"
-        )
-    if "frozen_format" not in inspect.signature(ramflow.offload).parameters:
-        raise ValueError(
-            f"--frozen-format {frozen_format}: this ramflow cannot keep frozen weights "
-            "compressed yet (ramflow.offload has no frozen_format); leave the flag out"
         )
 
 
