@@ -82,6 +82,8 @@ def test_lora_70b_smoke(tmp_path: Path) -> None:
     assert inference["prefill"]["seconds"] > 0 and inference["decode_b32"]["seconds_per_token"] > 0
     assert [r["batch"] for r in result["lora"]] == [1, 4]
     assert all(r["step_s"] > 0 and r["adapter_parameters"] > 0 for r in result["lora"])
+    # gradients reached every adapter (the tiny shape: 2 layers x 7 projections)
+    assert [r["adapters_trained"] for r in result["lora"]] == ["14 of 14"] * 2
     assert result["host_rss_peak_bytes"] > 0
     _run("lora_70b.py", "--peer", "accelerate", "--out-dir", str(tmp_path))
     peer = json.loads((tmp_path / "lora_70b-accelerate.json").read_text())["peer"]

@@ -38,7 +38,7 @@ from ._registry import (
 )
 from ._schedule import Schedule
 from ._stepper import Stepper
-from ._streams import CopyStreams, unpin
+from ._streams import CopyStreams, StagingBuffers, unpin
 from ._units import UnitSpec, _Unit, plan_inputs, refuse_copy
 from ._window import DeviceWindow
 from ._worker import HostWorker
@@ -258,10 +258,11 @@ class Engine:
     def _make_plan(self, all_units: list[_Unit], *, extra_bytes: int = 0) -> OffloadPlan:
         """The device plan of ``all_units`` with ``extra_bytes`` more kept on the device
         (raises ValueError when the budget is too small)."""
-        # a load of compressed weights stages them on the device: one unit's at a time
+        # compressed weights are staged on the device, two units' at most (ramflow._streams)
         staging = 0
         if self.device.type == "cuda":
-            staging = max((u.packed_bytes(self.wire_dtype) for u in all_units), default=0)
+            largest = max((u.packed_bytes(self.wire_dtype) for u in all_units), default=0)
+            staging = StagingBuffers.COUNT * largest
         return make_plan(
             device=str(self.device),
             **plan_inputs(all_units, self.wire_dtype),

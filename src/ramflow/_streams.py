@@ -14,6 +14,18 @@ the waiting thread sleeps until the GPU signals, instead of spinning on a core. 
 optimizer's threads use every core while the training loop's threads wait (the autograd
 thread for a gradient buffer, the loop for a window slot), and a spinning waiter takes a
 core from them. The wake-up costs tens of microseconds, against waits of milliseconds.
+
+[Note: the copy engine never waits for a kernel]
+A compressed unit is copied as it is stored (int8 or NF4 bytes) and dequantized on the
+device. The copy runs on the H2D stream and the dequantize on a second, high-priority
+stream that waits for the copy's event: were both on one stream, the next unit's copy would
+queue behind this unit's dequantize, which itself waits for SMs the compute stream holds,
+and PCIe would idle for every dequantize. The copies land in two staging buffers used in
+turn (``StagingBuffers``); a copy into one first waits for the dequantize that last read it,
+so at most two compressed units are staged at once, which the plan counts. The unit's H2D
+event is the dequantize's, so its readers wait for both; and since the dequantize writes
+storage that the window allocated on the H2D stream, evicting a unit makes the H2D stream
+wait for that event before the storage goes back to the caching allocator.
 """
 
 from __future__ import annotations
@@ -44,12 +56,21 @@ class CopyStreams:
         self.is_cuda = device.type == "cuda"
         self._h2d: torch.cuda.Stream | None = None
         self._d2h: torch.cuda.Stream | None = None
+        self._decompress: torch.cuda.Stream | None = None
 
     @property
     def h2d_stream(self) -> torch.cuda.Stream:
         if self._h2d is None:
             self._h2d = torch.cuda.Stream(self.device)
         return self._h2d
+
+    @property
+    def decompress_stream(self) -> torch.cuda.Stream:
+        """The stream that turns staged compressed bytes into a unit's device tensor: high
+        priority, so that its short kernels start between the compute stream's."""
+        if self._decompress is None:
+            self._decompress = torch.cuda.Stream(self.device, priority=-1)
+        return self._decompress
 
     @property
     def d2h_stream(self) -> torch.cuda.Stream:
@@ -73,24 +94,29 @@ class CopyStreams:
         return event
 
     def h2d_then(
-        self, src: torch.Tensor, then: Callable[[torch.Tensor], None]
+        self, src: torch.Tensor, then: Callable[[torch.Tensor], None], staging: StagingBuffers
     ) -> torch.cuda.Event | None:
-        """Copy pinned ``src`` into a device staging tensor on the H2D stream and call
-        ``then(staging)`` there (it writes the unit's device tensor, e.g. dequantizes);
-        the event recorded after it covers both. On the CPU ``then(src)`` runs at once.
-
-        The staging tensor is allocated and used on the H2D stream only, so the caching
-        allocator may hand its memory to the next copy as soon as it is freed here: the
-        next use is ordered after this one. See [Note: copies and events]."""
+        """Copy pinned ``src`` (flat, uint8) into one of ``staging``'s device buffers on the
+        H2D stream, then call ``then(staged)`` on the decompression stream (it writes the
+        unit's device tensor, e.g. dequantizes); the returned event, recorded on the
+        decompression stream, covers both. On the CPU ``then(src)`` runs at once. See
+        [Note: the copy engine never waits for a kernel]."""
         if not self.is_cuda:
             then(src)
             return None
-        stream = self.h2d_stream
-        with torch.cuda.stream(stream), torch.profiler.record_function("ramflow.h2d_dequantize"):
-            staging = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-            staging.copy_(src, non_blocking=True)
-            then(staging)
-            event = record_event(stream)
+        copy_stream, work = self.h2d_stream, self.decompress_stream
+        buf, last_read = staging.next_buffer(src.numel(), self.device)
+        with torch.cuda.stream(copy_stream), torch.profiler.record_function("ramflow.h2d"):
+            if last_read is not None:
+                copy_stream.wait_event(last_read)  # its previous contents were dequantized
+            staged = buf[: src.numel()]
+            staged.copy_(src, non_blocking=True)
+            copied = record_event(copy_stream)
+        with torch.cuda.stream(work), torch.profiler.record_function("ramflow.dequantize"):
+            work.wait_event(copied)
+            then(staged)
+            event = record_event(work)
+        staging.read_until(event)
         return event
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, after=None) -> torch.cuda.Event | None:
@@ -131,6 +157,47 @@ class CopyStreams:
             src.record_stream(stream)
             event = record_event(stream)
         return event
+
+
+class StagingBuffers:
+    """Two device buffers, used in turn, that compressed units are copied into before
+    they are dequantized into their slots (one engine's; ``DeviceWindow`` owns them). Each
+    is made on first use, as large as the largest unit staged so far. See [Note: the copy
+    engine never waits for a kernel]."""
+
+    COUNT = 2
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None] * self.COUNT
+        self._read: list[torch.cuda.Event | None] = [None] * self.COUNT
+        self._next = 0
+
+    def next_buffer(
+        self, nbytes: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The next buffer in turn, of at least ``nbytes`` uint8 on ``device``, and the
+        event after which its last contents were read (None: nothing to wait for)."""
+        i = self._next
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < nbytes:
+            if self._read[i] is not None:
+                self._read[i].synchronize()  # a smaller one still read: rare, at growth only
+                self._read[i] = None
+            self._buffers[i] = buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf, self._read[i]
+
+    def read_until(self, event: torch.cuda.Event) -> None:
+        """The buffer just handed out is read until ``event``; the next call takes the other."""
+        self._read[self._next] = event
+        self._next = (self._next + 1) % self.COUNT
+
+    def free(self) -> None:
+        """Give the buffers back, once every event that reads them has completed."""
+        for event in self._read:
+            if event is not None:
+                event.synchronize()
+        self._buffers = [None] * self.COUNT
+        self._read = [None] * self.COUNT
 
 
 def alloc_host(numel: int, dtype: torch.dtype, *, pin: bool, what: str) -> torch.Tensor:

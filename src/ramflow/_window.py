@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ._streams import CopyStreams, record_event
+from ._streams import CopyStreams, StagingBuffers, record_event
 from ._units import UnitSpec, _Unit
 from ._worker import HostWorker
 
@@ -57,6 +57,7 @@ class DeviceWindow:
         self._capacity = 0
         self._used = 0
         self._lru: OrderedDict[_Unit, None] = OrderedDict()
+        self._staging = StagingBuffers()  # compressed units' copies land here first
 
     # ------------------------------------------------------------------ set-up
 
@@ -122,6 +123,10 @@ class DeviceWindow:
             event.synchronize()
         u.idle_events = []
         u.used_streams.clear()
+        if u.frozen is not None and u.h2d_event is not None:
+            # the dequantize wrote this storage on another stream, perhaps never read since:
+            # its next owner on the H2D stream waits for it (see ramflow._streams)
+            self.streams.h2d_stream.wait_event(u.h2d_event)
         u.device_flat.untyped_storage().resize_(0)
         u.allocated = False
         u.device_version = -1
@@ -168,6 +173,7 @@ class DeviceWindow:
                     self._used += u.nbytes
                 if u.allocated:
                     self._evict(u)
+            self._staging.free()
 
     # ------------------------------------------------------------------ copies
 
@@ -185,9 +191,12 @@ class DeviceWindow:
         k = u.kept_numel
         event = self.streams.h2d(u.device_alias[:k], u.wire) if k else None
         if u.frozen is not None:
-            # one stream: this event also stands for the kept elements' copy
+            # on the stream that waited for the H2D stream: this event also stands for the
+            # kept elements' copy
             event = self.streams.h2d_then(
-                u.frozen.host, lambda src: u.frozen.dequantize(src, u.device_alias[k:])
+                u.frozen.host,
+                lambda src: u.frozen.dequantize(src, u.device_alias[k:]),
+                self._staging,
             )
         u.h2d_event = event
         u.wire_read_event = event
