@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -61,3 +62,37 @@ def test_staging_is_made_once_for_the_trainable_prefix():
     staging = store.staging(u)
     assert staging.shape == (u.trainable_numel,) and staging.dtype == torch.bfloat16
     assert store.staging(u) is staging
+
+
+@pytest.mark.gpu
+def test_pinned_buffers_take_their_own_pages_not_a_power_of_two():
+    """The wire copies are page-locked over their own size, rounded to pages only: PyTorch's
+    caching host allocator would round each 2.5 MiB wire copy up to 4 MiB (see [Note:
+    pinned memory of its own size] in ramflow._streams). They are unlocked by ``undo``."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import mmap
+
+    import ramflow
+    from ramflow._streams import registered_bytes
+
+    model = nn.Sequential(*[nn.Linear(1024, 1280, bias=False) for _ in range(6)])
+    before, torch_before = registered_bytes(), torch.cuda.host_memory_stats()
+    ramflow.offload(model, device="cuda")  # fp32 masters (pageable), bf16 wire copies (pinned)
+    engine = ramflow.api._engine(model)
+    page = mmap.PAGESIZE
+    expected = sum(-(-u.wire.numel() * 2 // page) * page for u in engine.units)
+    assert all(u.wire.is_pinned() and not u.master.is_pinned() for u in engine.units)
+    assert registered_bytes() - before == expected
+    torch_after = torch.cuda.host_memory_stats()
+    grown = torch_after.get("allocated_bytes.current", 0) - torch_before.get(
+        "allocated_bytes.current", 0
+    )
+    assert grown < 1280 * 1024 * 2, grown  # no wire copy came from PyTorch's allocator
+    x = torch.randn(4, 1024, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(x).sum().backward()  # the gradient staging is pinned the same way
+    ramflow.synchronize(model)
+    assert registered_bytes() - before >= expected
+    ramflow.undo(model)
+    assert registered_bytes() == before

@@ -29,7 +29,7 @@ import torch
 from ._frozen_formats import FrozenStore, compressed_nbytes, give_back, meta_stand_in
 from ._host_formats import PRESETS, HostPrecision
 from ._plan import format_bytes
-from ._streams import alloc_host, pin_in_place, unpin
+from ._streams import alloc_host, alloc_pinned, pin_in_place, unpin
 from ._units import _Unit
 from ._window import DeviceWindow
 
@@ -216,7 +216,7 @@ class HostStore:
             else:
                 # a bf16 master is the wire copy: pinned, as a wire copy is
                 master_is_wire = lean_master or self.wire_dtype == torch.float32
-                u.master = alloc_host(
+                u.master = self._alloc(
                     u.kept_numel,
                     self.precision.master_dtype,
                     pin=pin and master_is_wire,
@@ -243,10 +243,19 @@ class HostStore:
             elif self.wire_dtype == torch.float32 or lean_master:
                 u.wire = u.master
             else:
-                u.wire = alloc_host(
+                u.wire = self._alloc(
                     u.kept_numel, self.wire_dtype, pin=pin, what=f"the wire copy of {u.name!r}"
                 )
                 u.wire.copy_(u.master)
+
+    def _alloc(self, numel: int, dtype: torch.dtype, *, pin: bool, what: str) -> torch.Tensor:
+        """A flat host buffer; ``pin``: page-locked over exactly its own pages, unlocked by
+        ``unpin_all`` (see [Note: pinned memory of its own size] in ``ramflow._streams``)."""
+        if not pin:
+            return alloc_host(numel, dtype, pin=False, what=what)
+        t = alloc_pinned(numel, dtype, what=what)
+        self.pinned_in_place.append(t)
+        return t
 
     def _build_compressed(self, u: _Unit, fill: FillMaster | None) -> None:
         """Compress ``u``'s frozen matrices one at a time (from their data, or read by
@@ -258,7 +267,7 @@ class HostStore:
             params,
             u.compressed_numels(),
             wire_dtype=self.wire_dtype,
-            alloc=lambda nbytes: alloc_host(
+            alloc=lambda nbytes: self._alloc(
                 nbytes, torch.uint8, pin=self._pin, what=f"the compressed weights of {u.name!r}"
             ),
         )
@@ -304,7 +313,7 @@ class HostStore:
                     buf = self._ring_free.pop()
                 else:
                     self._ring_made += 1
-                    buf = alloc_host(
+                    buf = self._alloc(
                         self._ring_numel,
                         self.wire_dtype,
                         pin=self._pin,
@@ -313,7 +322,7 @@ class HostStore:
                 self._ring_lent[u] = buf
             u.staging = buf[: u.trainable_numel]
             return u.staging
-        u.staging = alloc_host(
+        u.staging = self._alloc(
             u.trainable_numel,
             self.wire_dtype,
             pin=self._pin,

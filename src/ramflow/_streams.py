@@ -26,10 +26,22 @@ so at most two compressed units are staged at once, which the plan counts. The u
 event is the dequantize's, so its readers wait for both; and since the dequantize writes
 storage that the window allocated on the H2D stream, evicting a unit makes the H2D stream
 wait for that event before the storage goes back to the caching allocator.
+
+[Note: pinned memory of its own size]
+PyTorch's pinned allocations (``torch.empty(..., pin_memory=True)``) come from its caching
+host allocator, which rounds every block up to a power of two: a Qwen2.5-14B layer's bf16
+master (550 MB) took 1 GiB, and the 14B run's host RSS was 103 GiB against a 61 GiB
+store. So ramflow maps its large host buffers itself (an anonymous private mapping, whole
+pages of its own, marked not to be inherited by a fork as ``cudaHostAlloc``'s are) and
+page-locks exactly those pages with ``cudaHostRegister``; the host store unlocks them when
+the engine goes (``HostStore.unpin_all``, or the engine's finalizer). Their bytes are
+counted by ``registered_bytes``, outside ``torch.cuda.host_memory_stats()``.
 """
 
 from __future__ import annotations
 
+import mmap
+import threading
 from collections.abc import Callable
 
 import torch
@@ -214,6 +226,40 @@ def alloc_host(numel: int, dtype: torch.dtype, *, pin: bool, what: str) -> torch
         ) from err
 
 
+def alloc_pinned(numel: int, dtype: torch.dtype, *, what: str) -> torch.Tensor:
+    """A flat host tensor of ``numel`` elements of ``dtype``, zeros, page-locked over exactly
+    its own pages; ``unpin`` it before the last reference goes. See [Note: pinned memory
+    of its own size].
+
+    Raises:
+        MemoryError: the host cannot map the pages or the driver refuses to lock them."""
+    nbytes = numel * dtype.itemsize
+    span = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    try:
+        pages = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as err:
+        raise MemoryError(
+            f"ramflow could not map {format_bytes(span)} of host memory for {what}: {err}. "
+            "Free host memory or lower the model size."
+        ) from err
+    if hasattr(mmap, "MADV_DONTFORK"):
+        pages.madvise(mmap.MADV_DONTFORK)  # as cudaHostAlloc's memory: no copy-on-write
+    t = torch.frombuffer(pages, dtype=torch.uint8)  # holds a reference to ``pages``
+    pin_in_place(t, what=what)
+    return t[:nbytes].view(dtype)
+
+
+_registered: dict[int, int] = {}  # data pointer -> bytes page-locked by ramflow in place
+_registered_lock = threading.Lock()
+
+
+def registered_bytes() -> int:
+    """Host bytes that ramflow has page-locked in place (``cudaHostRegister``) and not yet
+    unlocked: outside PyTorch's pinned-memory statistics."""
+    with _registered_lock:
+        return sum(_registered.values())
+
+
 def pin_in_place(t: torch.Tensor, *, what: str) -> None:
     """Page-lock the memory of a CPU tensor that already exists (shared memory included),
     so that copies from it are asynchronous DMA (``cudaHostRegister``). Undo with ``unpin``.
@@ -221,16 +267,22 @@ def pin_in_place(t: torch.Tensor, *, what: str) -> None:
     Raises MemoryError when the driver refuses (the locked-memory limit, ``ulimit -l``)."""
     if t.is_pinned():
         return
+    ptr = t.untyped_storage().data_ptr()
     nbytes = t.untyped_storage().nbytes()
-    err = torch.cuda.cudart().cudaHostRegister(t.untyped_storage().data_ptr(), nbytes, 0)
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
         raise MemoryError(
             f"ramflow could not page-lock {format_bytes(nbytes)} of host memory for {what} "
             f"(cudaHostRegister error {int(err)}). Raise the locked-memory limit (ulimit -l) or "
             "free host memory."
         )
+    with _registered_lock:
+        _registered[ptr] = nbytes
 
 
 def unpin(t: torch.Tensor) -> None:
-    """Undo ``pin_in_place``."""
-    torch.cuda.cudart().cudaHostUnregister(t.untyped_storage().data_ptr())
+    """Undo ``pin_in_place`` (or ``alloc_pinned``)."""
+    ptr = t.untyped_storage().data_ptr()
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+    with _registered_lock:
+        _registered.pop(ptr, None)

@@ -17,19 +17,22 @@ import psutil
 import torch
 
 from .._plan import format_bytes
+from .._streams import registered_bytes
 
 __all__ = ["MemoryTracker", "cuda_pinned_bytes"]
 
 
 def cuda_pinned_bytes() -> int | None:
-    """Bytes of pinned host memory held by PyTorch's caching host allocator, or None.
+    """Bytes of pinned host memory: PyTorch's caching host allocator's plus what ramflow
+    page-locked in place, or None.
 
-    This is what ``torch.empty(..., pin_memory=True)`` and ``Tensor.pin_memory()`` draw from
-    (ramflow's pinned wire copies and staging buffers among them), read from
-    ``torch.cuda.host_memory_stats()["allocated_bytes.current"]`` (block sizes rounded up to
-    a power of two, cached free blocks included). Memory page-locked in place with
-    ``cudaHostRegister`` (ramflow does so for shared fp32 masters) is not in this counter;
-    ``ramflow.memory.tensor_census`` finds it among live tensors.
+    PyTorch's part is what ``torch.empty(..., pin_memory=True)`` and ``Tensor.pin_memory()``
+    draw from, read from ``torch.cuda.host_memory_stats()["allocated_bytes.current"]``
+    (block sizes rounded up to a power of two, cached free blocks included). ramflow's host
+    store (masters, wire copies, gradient staging, compressed weights) maps its buffers
+    itself and page-locks exactly their pages with ``cudaHostRegister``, as it does shared
+    masters (see [Note: pinned memory of its own size] in ``ramflow._streams``): those
+    bytes are added from ramflow's own count.
 
     Returns:
         The byte count, or None when CUDA is not available or not yet initialized (no
@@ -38,7 +41,7 @@ def cuda_pinned_bytes() -> int | None:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     stats = torch.cuda.host_memory_stats()
-    return int(stats.get("allocated_bytes.current", 0))
+    return int(stats.get("allocated_bytes.current", 0)) + registered_bytes()
 
 
 class MemoryTracker:
