@@ -67,7 +67,7 @@ def test_staging_is_made_once_for_the_trainable_prefix():
 @pytest.mark.gpu
 def test_pinned_buffers_take_their_own_pages_not_a_power_of_two():
     """The wire copies are page-locked over their own size, rounded to pages only: PyTorch's
-    caching host allocator would round each 2.5 MiB wire copy up to 4 MiB (see [Note:
+    caching host allocator would round each 3.1 MiB wire copy up to 4 MiB (see [Note:
     pinned memory of its own size] in ramflow._streams). They are unlocked by ``undo``."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -76,7 +76,7 @@ def test_pinned_buffers_take_their_own_pages_not_a_power_of_two():
     import ramflow
     from ramflow._streams import registered_bytes
 
-    model = nn.Sequential(*[nn.Linear(1024, 1280, bias=False) for _ in range(6)])
+    model = nn.Sequential(*[nn.Linear(1280, 1280, bias=False) for _ in range(6)])
     before, torch_before = registered_bytes(), torch.cuda.host_memory_stats()
     ramflow.offload(model, device="cuda")  # fp32 masters (pageable), bf16 wire copies (pinned)
     engine = ramflow.api._engine(model)
@@ -88,8 +88,8 @@ def test_pinned_buffers_take_their_own_pages_not_a_power_of_two():
     grown = torch_after.get("allocated_bytes.current", 0) - torch_before.get(
         "allocated_bytes.current", 0
     )
-    assert grown < 1280 * 1024 * 2, grown  # no wire copy came from PyTorch's allocator
-    x = torch.randn(4, 1024, device="cuda")
+    assert grown < 1280 * 1280 * 2, grown  # no wire copy came from PyTorch's allocator
+    x = torch.randn(4, 1280, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         model(x).sum().backward()  # the gradient staging is pinned the same way
     ramflow.synchronize(model)
