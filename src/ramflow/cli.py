@@ -35,6 +35,7 @@ _TRAIN_OPTIONS = (
     "precision",
     "checkpointing",
     "host_precision",
+    "device_optimizer",
     "seed",
     "device",
     "gpu_memory",
@@ -236,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="share of the corpus held out (default 0.01)",
+    )
+    t.add_argument(
+        "--device-optimizer",
+        action="store_true",
+        default=None,
+        help="step the optimizer of resident units on the device where ramflow's budget "
+        "leaves room for their states (same arithmetic as the CPU step; fp32 masters cost "
+        "12 bytes per parameter there, bf16 masters their states only); the rest on the CPU",
     )
     t.add_argument(
         "--lora",

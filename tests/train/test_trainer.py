@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -265,3 +266,49 @@ def test_resume_with_more_steps_keeps_the_first_runs_schedule(
     fn = warmup_cosine(warmup_steps=1, total_steps=6, min_lr_ratio=floor_ratio)
     assert stretched[4] == pytest.approx(peak * fn(4), rel=1e-12)  # float rounding of one product
     assert stretched[4] > peak * floor_ratio
+
+
+@pytest.mark.parametrize("host_precision", ["fp32", "lean"])
+def test_device_optimizer_steps_as_the_host_does_and_resumes_exactly(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, fast, capsys, host_precision: str
+) -> None:
+    """``--device-optimizer`` on the CPU device runs the device step's code (PyTorch's
+    fused AdamW for fp32 masters, the host kernel's arithmetic in PyTorch ops for bf16
+    masters) in place of the host step: the same losses bit for bit. Stopped at step 2
+    and resumed, it ends with the uninterrupted run's losses, weights and states."""
+    common = (
+        "--data", corpus_file, "--steps", "4", "--eval-every", "0", "--save-every", "2",
+        "--host-precision", host_precision, "--gpu-memory", "1GiB", *fast,
+    )  # fmt: skip
+    assert ramflow_cli("train", *common, "--out", tmp_path / "host") == 0
+    capsys.readouterr()
+    assert ramflow_cli("train", *common, "--device-optimizer", "--out", tmp_path / "device") == 0
+    stepped = re.search(
+        r"optimizer on the device for (\d+) of (\d+) units", capsys.readouterr().out
+    )
+    assert stepped and int(stepped[1]) == int(stepped[2]) > 0  # the tiny model fits in 1 GiB
+    assert _losses(tmp_path / "device") == _losses(tmp_path / "host")
+
+    first = [a if a != "4" else "2" for a in common]  # --steps 2, decay still at step 4
+    out = tmp_path / "split"
+    assert (
+        ramflow_cli("train", *first, "--decay-steps", "4", "--device-optimizer", "--out", out) == 0
+    )
+    resume = ("--resume", out, "--steps", "4", "--no-progress", "--device", "cpu")
+    assert ramflow_cli("train", *resume) == 0
+    assert _losses(out) == _losses(tmp_path / "device")
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        a, b = _final(tmp_path / "device", name), _final(out, name)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_device_optimizer_refuses_lora(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, fast, capsys
+):
+    out = tmp_path / "run"
+    argv = ("--data", corpus_file, "--lora", "4", "--device-optimizer", "--out", out, *fast)
+    assert ramflow_cli("train", *argv) == 2
+    err = capsys.readouterr().err
+    assert "drop --device-optimizer" in err and "Traceback" not in err
+    assert not out.exists()

@@ -76,6 +76,13 @@ class TrainConfig:
             ``fp32``, ``bf16``, ``lean``, ``kahan`` or ``auto``. Formats other than fp32
             need a bf16 wire: on the CPU the weights are then kept and computed in bf16.
             A resumed run keeps its format.
+        device_optimizer: step the optimizer of resident units on the device where
+            ramflow's budget leaves room for their states (``ramflow.offload(...,
+            device_optimizer=True)``): the same arithmetic as the host formats' CPU step,
+            without the gradients' copy and the CPU's pass for those units. It costs
+            device memory within the budget (fp32: 12 bytes per parameter stepped there;
+            bf16 masters: their states only). Not with ``lora_rank`` (adapters are on the
+            device already).
         seed: seeds the model's initialisation and the data order.
         device: ``cuda``, ``cuda:N`` or ``cpu``; None: CUDA when available.
         gpu_memory: the device budget for the whole run (weights, gradients, activations),
@@ -114,6 +121,7 @@ class TrainConfig:
     precision: str = "auto"
     checkpointing: str = "auto"
     host_precision: str = "fp32"
+    device_optimizer: bool = False
     seed: int = 0
     device: str | None = None
     gpu_memory: str | None = None
@@ -179,6 +187,11 @@ class TrainConfig:
                 raise ValueError("--lora-targets chooses where LoRA goes: give --lora RANK too")
             parse_targets(self.lora_targets)
         check_frozen_format(self.frozen_format)
+        if self.device_optimizer and self.lora_rank is not None:
+            raise ValueError(
+                "--device-optimizer steps a full fine-tune's units on the device; with --lora "
+                "the adapters are stepped there already: drop --device-optimizer"
+            )
 
     @property
     def schedule_steps(self) -> int:

@@ -372,6 +372,7 @@ def _train(
         wire_dtype=policy.wire_dtype,
         activation_checkpointing=est.checkpointing,
         host_precision=est.host_precision,  # "auto" was decided by the estimate
+        device_optimizer=config.device_optimizer,
     )
     lora = config.lora_rank is not None
     offload_options.update(frozen_format_options(config.frozen_format))
@@ -388,6 +389,16 @@ def _train(
         ramflow.offload(model, **offload_options)
     try:
         plan = ramflow.get_plan(model)
+        if config.device_optimizer:
+            say(
+                f"optimizer on the device for {len(plan.device_stepped)} of "
+                f"{len(plan.unit_names)} units"
+                + (
+                    ": the budget leaves no room for their states"
+                    if not plan.device_stepped
+                    else ""
+                )
+            )
         if lora:  # see ramflow.train.lora
             model = apply_lora(
                 model,
