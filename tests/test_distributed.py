@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import socket
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -162,15 +165,18 @@ def _nccl_backend():
 
 @pytest.mark.parametrize("backend", ["gloo", _nccl_backend()])
 @pytest.mark.parametrize("where", ["backward", "step"])
-def test_rank_killed_mid_step_fails_the_others_with_ramflow_error(tmp_path, where, backend):
+def test_rank_killed_mid_step_fails_the_others_with_ramflow_error(
+    tmp_path, request, where, backend
+):
     """Rank 1 is SIGKILLed in its second step: in backward (some units' gradients reduced,
     not all), or right after ``opt.step()`` returned (its steps and the barrier running on
     its worker). Rank 0 raises ramflow's error, naming rank 1 as dead and saying what to do,
     long before the process group's timeout would end a hang (NCCL: its collective never
     completes, ramflow notices the dead process; see [Note: a rank that dies]); no file of
     the shared host store stays behind."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    # memory-backed, as a GPU run's shared host store must be (check_shm_directory_pins)
+    shm = Path(tempfile.mkdtemp(prefix="ramflow-test-", dir="/dev/shm"))
+    request.addfinalizer(lambda: shutil.rmtree(shm, ignore_errors=True))
     options = {"out": str(tmp_path), "zero_stage": 2, "kill": (where, 1), "backend": backend}
     start = time.monotonic()
     # pg_timeout: ramflow's error must come first; W.run's timeout: a hang fails the test
@@ -291,3 +297,23 @@ def test_store_file_is_created_exclusively(tmp_path):
     assert torch.equal(
         torch.from_file(str(tmp_path / "fresh"), size=4, dtype=torch.bfloat16), fresh
     )
+
+
+def test_shared_store_directory_must_be_memory_backed_on_a_gpu(tmp_path):
+    """Linux does not page-lock a disk file's pages: a GPU run's shared host store must be
+    on a tmpfs, and a directory elsewhere is refused up front with what to use instead."""
+    from ramflow._dist import check_shm_directory_pins, filesystem_type
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "overlay / overlay rw 0 0\n"
+        "tmpfs /ramflow-test-mem tmpfs rw 0 0\n"
+        "/dev/sda1 /ramflow-test\\040disk ext4 rw 0 0\n"
+    )
+    assert filesystem_type("/ramflow-test-mem/x", mounts=str(mounts)) == "tmpfs"
+    assert filesystem_type("/ramflow-test disk/store", mounts=str(mounts)) == "ext4"
+    assert filesystem_type("/ramflow-test-other", mounts=str(mounts)) == "overlay"
+    check_shm_directory_pins("/ramflow-test-mem/x", mounts=str(mounts))
+    with pytest.raises(ValueError, match="ext4 filesystem.*Use /dev/shm"):
+        check_shm_directory_pins("/ramflow-test disk/store", mounts=str(mounts))
+    check_shm_directory_pins("/x", mounts=str(tmp_path / "missing"))  # unknown: allowed

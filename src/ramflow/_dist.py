@@ -303,6 +303,40 @@ def shm_directory() -> str:
     return os.environ.get("RAMFLOW_SHM_DIR", "/dev/shm")
 
 
+_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
+
+
+def filesystem_type(path: str, *, mounts: str = "/proc/self/mounts") -> str | None:
+    """The type of the filesystem that holds ``path`` (from the ``mounts`` table: the
+    longest mount point above it), or None where that cannot be read."""
+    real = os.path.realpath(path)
+    try:
+        with open(mounts, encoding="utf-8") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+    except OSError:
+        return None
+    best, kind = "", None
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best):
+            best, kind = point, fstype
+    return kind
+
+
+def check_shm_directory_pins(directory: str, *, mounts: str = "/proc/self/mounts") -> None:
+    """Raise ValueError when the shared host store's ``directory`` is not memory-backed:
+    Linux does not page-lock the pages of a file on disk for DMA (``cudaHostRegister``
+    fails), so a GPU run could not copy from the shared masters asynchronously."""
+    kind = filesystem_type(directory, mounts=mounts)
+    if kind is not None and kind not in _MEMORY_FILESYSTEMS:
+        raise ValueError(
+            f"RAMFLOW_SHM_DIR={directory} is on a {kind} filesystem: the shared host store "
+            "must be in memory-backed files for the GPU to copy from them (Linux does not "
+            "page-lock a disk file's pages). Use /dev/shm (the default) or another tmpfs."
+        )
+
+
 def _pid_alive(pid: int) -> bool:
     """Whether ``pid`` is a running process of this PID namespace (a zombie is not)."""
     try:

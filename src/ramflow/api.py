@@ -14,6 +14,7 @@ from ._clip import clip_grad_norm_ as clip_grad_norm_  # public here
 from ._dist import (
     DistributedState,
     agree_on_precision,
+    check_shm_directory_pins,
     remove_stale_store_files,
     require_initialized,
     shared_host_store,
@@ -171,7 +172,8 @@ def offload(
         RuntimeError: ``zero_stage`` without an initialized process group.
         ValueError: ``device_optimizer`` with ``zero_stage``; ``host_precision`` not a
             preset or a HostPrecision, or lean masters with a wire dtype other than bf16
-            (the message names what works).
+            (the message names what works); ``zero_stage`` on a GPU with
+            ``$RAMFLOW_SHM_DIR`` on a filesystem that is not memory-backed (tmpfs).
         MemoryError: ``host_precision="auto"`` and not even the leanest fits (the message
             gives each preset's size).
         ValueError: ``frozen_format`` not a format, with ``zero_stage``, or for a model
@@ -269,6 +271,8 @@ def offload(
         if zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1, 2 or None, got {zero_stage!r}")
         require_initialized("ramflow.offload(..., zero_stage=...)")
+        if device.type == "cuda":
+            check_shm_directory_pins(shm_directory())
         precision, precision_reason = agree_on_precision(
             precision, precision_reason, auto=precision_reason is not None
         )
