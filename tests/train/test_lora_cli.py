@@ -109,3 +109,41 @@ def test_frozen_format_flag(ramflow_cli, fast, capsys) -> None:
         ramflow_cli("train", "--frozen-format", "int4", *fast)
     assert exc.value.code == 2
     assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_generate_loads_a_lora_checkpoint_on_its_base(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, fast, monkeypatch
+) -> None:
+    """``ramflow generate --model <LoRA run>`` loads the base the run trained on (the
+    ``--model`` folder, named by an absolute path in ``adapter_config.json``, so from any
+    folder; or the preset's weights from the run's seed) and puts the adapters on it: the
+    logits equal PEFT's over the plain base, on the CPU in fp32, bit for bit."""
+    from ramflow.train.generation import load_for_generation
+    from ramflow.train.modeling import load_model
+
+    common = ("--data", corpus_file, "--eval-every", "0", *fast)
+    base_run = tmp_path / "base"
+    assert ramflow_cli("train", *common, "--steps", "2", "--out", base_run) == 0
+    on_model, on_preset = tmp_path / "lora-model", tmp_path / "lora-preset"
+    assert (
+        ramflow_cli("train", *common, *LORA, "--steps", "3", "--model", base_run, "--out", on_model)
+        == 0
+    )
+    assert ramflow_cli("train", *common, *LORA, "--steps", "3", "--out", on_preset) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    for run, base in (
+        (on_model, lambda cfg: load_model(open_checkpoint(base_run).path, config=cfg)),
+        (on_preset, lambda cfg: build_model(cfg, seed=3)),
+    ):
+        ckpt = open_checkpoint(run).path
+        model, _, _ = load_for_generation(run, device="cpu")
+        ref = peft.PeftModel.from_pretrained(base(read_config(ckpt)), str(ckpt)).eval()
+        with torch.no_grad():
+            out, expected = model(input_ids=ids).logits, ref(input_ids=ids).logits
+        assert torch.equal(out, expected), run.name
+        # the adapters are trained ones (B left zero), so the base alone would differ
+        with torch.no_grad(), ref.disable_adapter():
+            assert not torch.equal(ref(input_ids=ids).logits, expected), run.name

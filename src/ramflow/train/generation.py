@@ -19,9 +19,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import ramflow
+
 from .._plan import parse_bytes
 from .checkpoint import STATE_FILE, find_checkpoint, open_checkpoint
-from .modeling import load_offloaded, read_config
+from .modeling import build_model, load_offloaded, read_config
 from .precision import ComputePolicy, resolve_compute
 from .tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 
@@ -230,7 +232,9 @@ def load_for_generation(
     """Load a checkpoint (see ``resolve_model_dir``) and offload it for inference.
 
     Args:
-        path: run, checkpoint or Hugging Face model folder.
+        path: run, checkpoint or Hugging Face model folder. A LoRA run's checkpoint (PEFT
+            adapters) loads its base model (``base_model_name_or_path`` of its
+            ``adapter_config.json``) and puts the adapters on it.
         tokenizer: a tokenizer folder; None: the model folder's own, else the byte tokenizer.
         device, precision: see ``resolve_compute``.
         gpu_memory: cap on what ramflow keeps on the device (weights); the KV cache and
@@ -242,36 +246,64 @@ def load_for_generation(
         ``(model, tokenizer, policy)``; the model is offloaded with ``ramflow.offload``.
 
     Raises:
-        FileNotFoundError, ValueError: a missing folder, unreadable or mismatched weights
+        FileNotFoundError, ValueError: a missing folder (a LoRA checkpoint's base model
+            included), unreadable or mismatched weights or adapters
             (another model shape), a checkpoint whose files do not match its manifest
             (``CheckpointError``), a tokenizer larger than the model's vocabulary, a
             budget too small.
     """
-    from .lora import frozen_format_options
+    from .lora import adapter_base, attach_adapters, frozen_format_options, is_adapter_checkpoint
 
     compressed = frozen_format_options(frozen_format)
     policy = resolve_compute(device=device, precision=precision)
     model_dir = resolve_model_dir(path)
+    adapters = model_dir if is_adapter_checkpoint(model_dir) else None
+    weights_dir: Path | None = model_dir
+    seed = None
+    if adapters is not None:  # a LoRA run's checkpoint: its base model, then its adapters
+        base = adapter_base(adapters)
+        weights_dir = None if base is None else base
+    if adapters is not None and weights_dir is None:  # the preset's weights from the run's seed
+        if not (adapters / STATE_FILE).is_file():
+            raise ValueError(
+                f"{adapters} holds LoRA adapters whose adapter_config.json names no base model "
+                "(base_model_name_or_path): write the base's folder there"
+            )
+        seed = open_checkpoint(adapters, model_only=True).state["train_config"]["seed"]
+    elif adapters is not None:
+        try:
+            weights_dir = resolve_model_dir(base)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(
+                f"{adapters} holds LoRA adapters trained on the base model {base!r}, which is "
+                f"not found from {os.getcwd()}: run from the folder the training ran in, or "
+                "write the base's path into its adapter_config.json (base_model_name_or_path)"
+            ) from err
     tok_dir = (
         tokenizer if tokenizer is not None else (model_dir if has_tokenizer(model_dir) else None)
     )
     tok = load_tokenizer(tok_dir)
-    config = read_config(model_dir)
+    config = read_config(weights_dir if weights_dir is not None else model_dir)
     if tok.vocab_size > config.vocab_size:
         raise ValueError(
             f"the tokenizer has {tok.vocab_size} tokens but the model has {config.vocab_size} embedding "
             "rows; give the model's own tokenizer with --tokenizer DIR"
         )
     budget = None if gpu_memory is None else parse_bytes(gpu_memory, what="--gpu-memory")
-    model = load_offloaded(
-        model_dir,
-        config=config,
-        gpu_memory=budget,
-        device=policy.device,
-        wire_dtype=policy.wire_dtype,
-        requires_grad=not compressed,
-        **compressed,
-    )
+    options = dict(gpu_memory=budget, device=policy.device, wire_dtype=policy.wire_dtype)
+    if weights_dir is None:
+        model = build_model(config, seed=seed).requires_grad_(False)
+        ramflow.offload(model, **options, **compressed)
+    else:
+        model = load_offloaded(
+            weights_dir,
+            config=config,
+            requires_grad=not compressed and adapters is None,
+            **options,
+            **compressed,
+        )
+    if adapters is not None:
+        model = attach_adapters(model, adapters)
     model.eval()
     return model, tok, policy
 

@@ -26,6 +26,7 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 FROZEN_FORMATS = ("int8", "nf4")
 
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
 
 
 def parse_targets(text: str | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -114,13 +115,50 @@ def load_adapters(model: nn.Module, directory: str | os.PathLike) -> None:
         )
 
 
+def is_adapter_checkpoint(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds PEFT adapters (``adapter_config.json``), as a LoRA run's
+    checkpoints do, rather than a whole model."""
+    return os.path.isfile(os.path.join(os.fspath(directory), ADAPTER_CONFIG_FILE))
+
+
+def adapter_base(directory: str | os.PathLike) -> str | None:
+    """The base model folder that the adapters in ``directory`` were trained on (PEFT's
+    ``base_model_name_or_path``, absolute for a base that ``ramflow train --model`` read),
+    or None: a run on a preset's fresh weights, whose base is rebuilt from its seed."""
+    from peft import LoraConfig
+
+    return LoraConfig.from_pretrained(os.fspath(directory)).base_model_name_or_path or None
+
+
+def attach_adapters(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
+    """Put the LoRA adapters saved in ``directory`` (PEFT's format) on the offloaded base
+    ``model``, with the saved config as it is (rank, alpha, targets, dropout), on the
+    device (``ramflow.adopt``). Returns the ``peft.PeftModel``.
+
+    Raises:
+        ValueError: the adapters do not match the base (names or shapes).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig.from_pretrained(os.fspath(directory))
+    check_lora_targets(model, config.target_modules)
+    peft_model = get_peft_model(model, config)
+    ramflow.adopt(peft_model)
+    load_adapters(peft_model, directory)
+    return peft_model
+
+
 __all__ = [
+    "ADAPTER_CONFIG_FILE",
     "DEFAULT_TARGETS",
     "FROZEN_FORMATS",
+    "adapter_base",
     "apply_lora",
+    "attach_adapters",
     "check_frozen_format",
     "check_lora_targets",
     "frozen_format_options",
+    "is_adapter_checkpoint",
     "load_adapters",
     "parse_targets",
 ]

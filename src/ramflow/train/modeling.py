@@ -52,7 +52,8 @@ def read_config(directory: str | os.PathLike):
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(str(d), local_files_only=True)
+        # an absolute name_or_path: a LoRA run's adapter_config.json names its base by it
+        config = AutoConfig.from_pretrained(str(d.resolve()), local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(f"cannot read {d / 'config.json'}: {err}") from err
     return config
