@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
+import measure
 import ramflow
-from host_formats_scale import ChunkedLossHead
+from host_formats_scale import ChunkedLossHead, matmul_rate
 
 SHAPES = {
     # name: (hidden, intermediate, layers, heads, kv heads, vocab)
@@ -139,42 +140,6 @@ def streamed_bytes(model) -> int:
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def h2d_rate(device: str) -> float | None:
-    """Pinned host-to-device copy rate, bytes/s (None on the CPU): the best of 5 rounds of
-    4 copies of 1 GiB, after about a second of copies (an idle GPU's PCIe link may run at
-    a lower speed until it has been busy a while)."""
-    if not device.startswith("cuda"):
-        return None
-    src = torch.empty(GIB, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(GIB, dtype=torch.uint8, device=device)
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < 1.0:
-        dst.copy_(src, non_blocking=True)
-        sync(device)
-    best = 0.0
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(4):
-            dst.copy_(src, non_blocking=True)
-        sync(device)
-        best = max(best, 4 * GIB / (time.perf_counter() - t0))
-    return best
-
-
-def matmul_rate(device: str) -> float | None:
-    """Measured dense bf16 matmul rate, FLOP/s (None on the CPU)."""
-    if not device.startswith("cuda"):
-        return None
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    a @ a
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    sync(device)
-    return 10 * 2 * 8192**3 / (time.perf_counter() - t0)
 
 
 def timed(fn, device: str, repeat: int) -> float:
@@ -438,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     args.frozen_format = wanted
     if device == "cpu":
         args.gpu_memory = None
-    rate, flops = h2d_rate(device), matmul_rate(device)
+    dev = torch.device(device)
+    rate, flops = measure.pinned_bandwidth(dev)["h2d"], matmul_rate(dev)
     result: dict[str, Any] = {
         "meta": {
             "shape": args.shape,

@@ -104,7 +104,9 @@ def pinned_bandwidth(
     a D2H of ``nbytes`` each at once on two streams, total bytes over the time of both;
     ``h2d_pieces``: the same H2D as ``piece_bytes`` copies back to back on one stream (the
     way a streaming engine copies units), and ``d2h_pieces`` likewise. Each time is taken on
-    the host between two ``torch.cuda.synchronize`` calls. All None on the CPU.
+    the host between two ``torch.cuda.synchronize`` calls, after about a second of copies
+    (an idle GPU's PCIe link can run slower until it has been busy a while: one cold
+    measurement gave 34 GB/s on a link that streamed 50). All None on the CPU.
     """
     keys = ("h2d", "d2h", "both", "h2d_pieces", "d2h_pieces")
     if device.type != "cuda":
@@ -130,6 +132,11 @@ def pinned_bandwidth(
     def h2d() -> None:
         with torch.cuda.stream(s1):
             dev_a.copy_(host_src, non_blocking=True)
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 1.0:  # wakes the link up
+        h2d()
+        torch.cuda.synchronize(device)
 
     def d2h() -> None:
         with torch.cuda.stream(s2):

@@ -312,11 +312,11 @@ def filesystem_type(path: str, *, mounts: str = "/proc/self/mounts") -> str | No
     real = os.path.realpath(path)
     try:
         with open(mounts, encoding="utf-8") as f:
-            mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+            table = [line.split()[1:3] for line in f if len(line.split()) >= 3]
     except OSError:
         return None
     best, kind = "", None
-    for point, fstype in mounts:
+    for point, fstype in table:
         point = point.replace("\\040", " ")
         inside = real == point or real.startswith(point.rstrip("/") + "/")
         if inside and len(point) > len(best):

@@ -220,6 +220,35 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
     )
 
 
+def _adapters_base(adapters: Path) -> tuple[Path | None, int | None]:
+    """Where the base of the LoRA checkpoint ``adapters`` comes from: its model folder
+    (``base_model_name_or_path``) and None, or None and the run's seed (a run on a
+    preset's fresh weights).
+
+    Raises:
+        FileNotFoundError: the named base folder is not found from here.
+        ValueError: no base is named and the folder is not a ramflow checkpoint.
+    """
+    from .lora import adapter_base
+
+    base = adapter_base(adapters)
+    if base is not None:
+        try:
+            return resolve_model_dir(base), None
+        except FileNotFoundError as err:
+            raise FileNotFoundError(
+                f"{adapters} holds LoRA adapters trained on the base model {base!r}, which is "
+                f"not found from {os.getcwd()}: run from the folder the training ran in, or "
+                "write the base's path into its adapter_config.json (base_model_name_or_path)"
+            ) from err
+    if not (adapters / STATE_FILE).is_file():
+        raise ValueError(
+            f"{adapters} holds LoRA adapters whose adapter_config.json names no base model "
+            "(base_model_name_or_path): write the base's folder there"
+        )
+    return None, open_checkpoint(adapters, model_only=True).state["train_config"]["seed"]
+
+
 def load_for_generation(
     path: str | os.PathLike,
     *,
@@ -252,33 +281,13 @@ def load_for_generation(
             (``CheckpointError``), a tokenizer larger than the model's vocabulary, a
             budget too small.
     """
-    from .lora import adapter_base, attach_adapters, frozen_format_options, is_adapter_checkpoint
+    from .lora import attach_adapters, frozen_format_options, is_adapter_checkpoint
 
     compressed = frozen_format_options(frozen_format)
     policy = resolve_compute(device=device, precision=precision)
     model_dir = resolve_model_dir(path)
     adapters = model_dir if is_adapter_checkpoint(model_dir) else None
-    weights_dir: Path | None = model_dir
-    seed = None
-    if adapters is not None:  # a LoRA run's checkpoint: its base model, then its adapters
-        base = adapter_base(adapters)
-        weights_dir = None if base is None else base
-    if adapters is not None and weights_dir is None:  # the preset's weights from the run's seed
-        if not (adapters / STATE_FILE).is_file():
-            raise ValueError(
-                f"{adapters} holds LoRA adapters whose adapter_config.json names no base model "
-                "(base_model_name_or_path): write the base's folder there"
-            )
-        seed = open_checkpoint(adapters, model_only=True).state["train_config"]["seed"]
-    elif adapters is not None:
-        try:
-            weights_dir = resolve_model_dir(base)
-        except FileNotFoundError as err:
-            raise FileNotFoundError(
-                f"{adapters} holds LoRA adapters trained on the base model {base!r}, which is "
-                f"not found from {os.getcwd()}: run from the folder the training ran in, or "
-                "write the base's path into its adapter_config.json (base_model_name_or_path)"
-            ) from err
+    weights_dir, seed = (model_dir, None) if adapters is None else _adapters_base(adapters)
     tok_dir = (
         tokenizer if tokenizer is not None else (model_dir if has_tokenizer(model_dir) else None)
     )

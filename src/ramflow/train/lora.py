@@ -82,7 +82,7 @@ def apply_lora(
     Raises:
         ValueError: ``rank`` below 1; a target ``model`` does not have.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     if rank < 1:
         raise ValueError(f"--lora must be a positive rank, got {rank}")
@@ -90,6 +90,14 @@ def apply_lora(
     check_lora_targets(model, targets)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0)
     torch.manual_seed(seed)
+    return _peft_on_device(model, config)
+
+
+def _peft_on_device(model: nn.Module, config: Any) -> nn.Module:
+    """PEFT's ``get_peft_model`` of the offloaded ``model`` with the ``LoraConfig``, its
+    adapters moved to the device (``ramflow.adopt``)."""
+    from peft import get_peft_model
+
     peft_model = get_peft_model(model, config)
     ramflow.adopt(peft_model)
     return peft_model
@@ -138,12 +146,11 @@ def attach_adapters(model: nn.Module, directory: str | os.PathLike) -> nn.Module
     Raises:
         ValueError: the adapters do not match the base (names or shapes).
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     config = LoraConfig.from_pretrained(os.fspath(directory))
     check_lora_targets(model, config.target_modules)
-    peft_model = get_peft_model(model, config)
-    ramflow.adopt(peft_model)
+    peft_model = _peft_on_device(model, config)
     load_adapters(peft_model, directory)
     return peft_model
 
