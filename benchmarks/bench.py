@@ -141,9 +141,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--host-precision",
         choices=("fp32", "bf16", "lean", "kahan"),
         default="fp32",
-        help="ramflow.offload(host_precision=...) of ramflow's training cases; fp32 also "
-        "steps the first resident units on the GPU (device_optimizer=True), which is slower "
-        "with the others (their device step is PyTorch ops, not one kernel)",
+        help="ramflow.offload(host_precision=...) of ramflow's training cases; the first "
+        "resident units are stepped on the GPU (device_optimizer=True; for the lean formats "
+        "only where Triton runs their device step as one kernel)",
     )
     p.add_argument(
         "--list", action="store_true", help="print the cases and their time estimates, run nothing"

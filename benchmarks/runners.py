@@ -318,11 +318,15 @@ def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
         model_shape(model).vocab_size, case["batch"], case["seq"], device=device
     )
     budget, budget_info = _ramflow_budget(case, model, ids, labels, device)
-    # fp32 host formats: what the budget leaves after the plan holds the first units'
-    # optimizer on the GPU. Not the lean formats: their device step, the host kernel's
-    # arithmetic in PyTorch ops, made the 4x2048 step slower (1452 against 980 ms on the
-    # H100, benchmarks/results/2026-11-23-nvidia-h100-lean-device-step)
-    device_optimizer = offload_kwargs.get("host_precision", "fp32") == "fp32"
+    # what the budget leaves after the plan holds the first units' optimizer on the GPU,
+    # in every host format (the lean formats' device step is one Triton kernel; without it,
+    # PyTorch ops made the 4x2048 step slower: 1452 against 980 ms on the H100,
+    # benchmarks/results/2026-11-23-nvidia-h100-lean-device-step)
+    from ramflow._lean_triton import available as lean_kernel_on
+
+    device_optimizer = True
+    if not lean_kernel_on(torch.device(device)):
+        device_optimizer = offload_kwargs.get("host_precision", "fp32") == "fp32"
     ramflow.offload(
         model, gpu_memory=budget, device=device, device_optimizer=device_optimizer, **offload_kwargs
     )

@@ -25,8 +25,10 @@ DEVICE_STEP_BYTES_PER_PARAM = 12
 # elements per piece of a device step (the gradient is upcast to fp32 one piece at a time)
 DEVICE_STEP_PIECE = 16 * 2**20
 DEVICE_STEP_SCRATCH_BYTES = DEVICE_STEP_PIECE * 4
-# a lean unit's device step runs the host kernel's arithmetic in PyTorch ops: its fp32 and
-# int64 temporaries take about 96 bytes per element of a piece
+# a lean unit's device step without Triton runs the host kernel's arithmetic in PyTorch
+# ops: its fp32 and int64 temporaries take about 96 bytes per element of a piece. With
+# Triton (one kernel, no temporaries) a piece is DEVICE_STEP_PIECE elements and its only
+# scratch is a host gradient's upload (4 bytes each), within this reserve
 LEAN_DEVICE_STEP_PIECE = 2 * 2**20
 LEAN_DEVICE_STEP_SCRATCH_BYTES = LEAN_DEVICE_STEP_PIECE * 96
 GRADIENTS = ("full", "ring")

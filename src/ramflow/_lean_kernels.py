@@ -48,7 +48,7 @@ import warnings
 
 import torch
 
-from . import _cpu_kernels
+from . import _cpu_kernels, _lean_triton
 from ._cpu_kernels import _check_no_overlap, _check_tensor, _check_threads
 
 __all__ = [
@@ -528,9 +528,10 @@ def lean_adamw_step_(
             result does not depend on it.
 
     All tensors on the CPU (the native kernel, which releases the GIL), or all on one CUDA
-    device (the same arithmetic in PyTorch ops, one rounding per op as on the CPU, so the
-    same bits: ``ramflow.offload(device_optimizer=True)`` steps units there), contiguous,
-    not overlapping.
+    device (one fused Triton kernel, ``_lean_triton``, or without Triton the same
+    arithmetic in PyTorch ops; either gives the CPU's bits, see [Note: the same bits on the
+    GPU]: ``ramflow.offload(device_optimizer=True)`` steps units there), contiguous, not
+    overlapping.
 
     Raises:
         TypeError: a tensor has a dtype not listed above.
@@ -600,6 +601,13 @@ def lean_adamw_step_(
     key = rounding_key(seed, step)
     apply_decay = weight_decay != 0.0
     lib = _LEAN.get() if master.device.type == "cpu" else None
+    if lib is None and _lean_triton.available(master.device):
+        _lean_triton.lean_adamw_step(
+            master, grad, exp_avg, exp_avg_sq, compensation, exp_avg_absmax,
+            exp_avg_sq_absmax, wire_out, _code(), key=key, counter_offset=counter_offset,
+            grad_scale=_f32(grad_scale), apply_decay=apply_decay, c=c,
+        )  # fmt: skip
+        return
     if lib is None:
         _step_torch(
             master, grad, exp_avg, exp_avg_sq, compensation, exp_avg_absmax,

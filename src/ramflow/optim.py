@@ -19,6 +19,7 @@ import torch
 from torch.optim import adam as _adam
 from torch.optim import sgd as _sgd
 
+from . import _lean_triton
 from ._cpu_kernels import _check_threads, fused_adamw_step_
 from ._engine import Engine
 from ._host_formats import check_optimizer_formats
@@ -475,7 +476,10 @@ class AdamW(HostOptimizer):
         if not _exact(unit):
             step_count = int(self.state[params[0]]["step"]) + 1
             n = unit.trainable_numel
-            piece = max(QBLOCK, min(piece, LEAN_DEVICE_STEP_PIECE) // QBLOCK * QBLOCK)
+            if not _lean_triton.available(weights_out.device):
+                # the PyTorch-ops step: its temporaries are what the plan's scratch holds
+                piece = min(piece, LEAN_DEVICE_STEP_PIECE)
+            piece = max(QBLOCK, piece // QBLOCK * QBLOCK)
             for lo in range(0, n, piece):
                 hi = min(n, lo + piece)
                 g = grad[lo:hi].to(weights_out.device, non_blocking=True)

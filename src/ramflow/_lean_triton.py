@@ -1,0 +1,113 @@
+"""The lean AdamW step as one fused GPU kernel (Triton), for units stepped on the device.
+
+``ramflow.offload(device_optimizer=True)`` steps the units the GPU budget leaves room for
+on the device, in their host format (see [Note: the optimizer on the device] in
+``_stepper``). The PyTorch-ops version of the lean step (``_lean_kernels._step_torch``)
+launches about 30 kernels per piece and made a device-stepped 4x2048 step slower than a
+host-stepped one (benchmarks/results/2026-11-23-nvidia-h100-lean-device-step). This kernel
+reads the gradient, master and states once and writes them once, like the CPU kernel.
+
+[Note: the same bits on the GPU]
+The kernel computes [Note: lean formats, one pass] of ``_lean_kernels`` in the same order,
+with the same roundings, so a device step gives the host step's bits:
+
+* no fused multiply-adds: launched with ``enable_fp_fusion=False`` (Triton contracts
+  ``a * b + c`` by default);
+* the square root and the two divisions correctly rounded (``tl.sqrt_rn``, ``tl.div_rn``;
+  Triton's ``/`` on fp32 is the approximate ``div.full``);
+* the stochastic rounding's random bits from the same counter-based hash of (key, element
+  index), in uint32 arithmetic;
+* 8-bit codes by the native quantizer's one-lookup table (``_lean_kernels._code_table``),
+  which gives ``torch.bucketize`` over the code's midpoints for every fp32 value.
+
+One program takes ``_ROWS`` blocks of 256 elements (an 8-bit block's absmax is a row's
+max). Triton is imported on first use; where it is missing (CPU-only PyTorch) or the
+tensors are not on a CUDA device, ``lean_adamw_step_`` keeps the PyTorch path.
+``RAMFLOW_DISABLE_TRITON=1`` keeps it too (for comparisons).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+QBLOCK = 256
+_ROWS = 4  # blocks of 256 per program: 1024 elements, 4 warps
+_ENV_DISABLE = "RAMFLOW_DISABLE_TRITON"
+
+
+@functools.cache
+def _kernel():
+    """The jitted kernel, or None where Triton cannot be imported."""
+    try:
+        from ._lean_triton_kernel import lean_adamw_kernel
+    except ImportError:
+        return None
+    return lean_adamw_kernel
+
+
+def available(device: torch.device) -> bool:
+    """Whether lean steps of tensors on ``device`` run this kernel."""
+    if device.type != "cuda" or os.environ.get(_ENV_DISABLE, "") not in ("", "0"):
+        return False
+    return _kernel() is not None
+
+
+_MASTER = {"f32": 0, "sr": 1, "kahan": 2}
+_STATE = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
+_WIRE = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def lean_adamw_step(
+    master, grad, exp_avg, exp_avg_sq, compensation, m_absmax, v_absmax, wire_out, code,
+    *, key, counter_offset, grad_scale, apply_decay, c,
+) -> None:  # fmt: skip
+    """One lean step on CUDA tensors, checked by ``_lean_kernels.lean_adamw_step_`` (same
+    arguments as its ``_step_torch``; ``code`` is its ``_Code``, whose tables are copied to
+    the device once)."""
+    kernel = _kernel()
+    dev = master.device
+    signed, unsigned, signed_table, unsigned_table = _tables(code, dev)
+    if master.dtype == torch.float32:
+        fmt = "f32"
+    else:
+        fmt = "sr" if compensation is None else "kahan"
+    n = master.numel()
+    grid = (triton_cdiv(n, _ROWS * QBLOCK),)
+    dummy = master
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        kernel[grid](
+            master, compensation if compensation is not None else dummy, grad,
+            exp_avg, exp_avg_sq,
+            m_absmax if m_absmax is not None else dummy,
+            v_absmax if v_absmax is not None else dummy,
+            signed, unsigned, signed_table, unsigned_table,
+            wire_out if wire_out is not None else dummy,
+            n, counter_offset, key,
+            c["decay"], c["beta1"], c["one_minus_beta1"], c["beta2"], c["one_minus_beta2"],
+            c["bc2_sqrt"], c["eps"], c["neg_step_size"], grad_scale,
+            MASTER=_MASTER[fmt], STATE=_STATE[exp_avg.dtype],
+            WIRE=_WIRE[None if wire_out is None else wire_out.dtype],
+            APPLY_SCALE=grad_scale != 1.0, APPLY_DECAY=bool(apply_decay),
+            ROWS=_ROWS, BLOCK=QBLOCK, num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+_TABLES: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+
+def _tables(code, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The codes and quantizer tables on ``device``, copied once."""
+    if device not in _TABLES:
+        _TABLES[device] = tuple(
+            t.to(device)
+            for t in (code.signed, code.unsigned, code.signed_table, code.unsigned_table)
+        )
+    return _TABLES[device]

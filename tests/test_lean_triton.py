@@ -1,0 +1,141 @@
+"""The fused Triton lean AdamW step (``_lean_triton``) against the PyTorch-ops step.
+
+Both implement [Note: lean formats, one pass] and must give the same bits (see [Note: the
+same bits on the GPU]): every master, compensation, state, absmax and wire copy, over
+several steps, for every master and state format, gradient dtype, size (blocks cut at the
+end), counter offset (past 2**32: the hash's high word) and with a gradient scale and
+weight decay. On the CPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``,
+in a subprocess: the variable is read when the kernel is defined); marked ``gpu``, it is
+compiled for the device, where fused multiply-adds and approximate divisions would show.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ramflow import _lean_kernels as lk
+
+# (n, master, states, grad dtype, wire, grad_scale, weight_decay, counter_offset)
+CASES = [
+    (1000, "sr", torch.uint8, torch.bfloat16, None, 1.0, 0.1, 256 * 7),
+    (4099, "kahan", torch.uint8, torch.float32, None, 0.5, 0.0, 0),
+    (777, "sr", torch.bfloat16, torch.float16, None, 1.0, 0.01, 3),
+    (1, "kahan", torch.bfloat16, torch.bfloat16, None, 1.0, 0.01, 0),
+    (2048, "fp32", torch.float32, torch.float32, torch.bfloat16, 1.0, 0.01, 0),
+    (300, "fp32", torch.uint8, torch.bfloat16, torch.float16, 0.7, 0.01, 0),
+    (5000, "sr", torch.uint8, torch.bfloat16, None, 1.0, 0.0, (1 << 32) + 512),
+    (1536, "sr", torch.float32, torch.float32, None, 1.0, 0.0, 0),
+]
+
+
+def _tensors(n, master, states, grad_dtype, wire, gen):
+    def randn(scale):
+        return torch.randn(n, generator=gen) * scale
+
+    w = randn(1.0)
+    if master != "fp32":
+        w = w.to(torch.bfloat16)
+    comp = randn(1e-3).to(torch.bfloat16) if master == "kahan" else None
+    m, v = randn(1e-3), randn(1e-3).square()
+    if n > 300:
+        m[256:512] = 0.0  # a block whose absmax is zero
+        v[256:512] = 0.0
+    if states == torch.uint8:
+        (m, m_amax), (v, v_amax) = (
+            lk.quantize_blockwise(m, signed=True),
+            lk.quantize_blockwise(v, signed=False),
+        )
+    else:
+        m, v, m_amax, v_amax = m.to(states), v.to(states), None, None
+    wire_out = torch.empty(n, dtype=wire) if wire is not None else None
+    return [w, comp, m, v, m_amax, v_amax, wire_out]
+
+
+def mismatches(device: str) -> list[str]:
+    """Runs every case three steps with both implementations on ``device``; returns what
+    differed (empty: all bits equal)."""
+    from ramflow import _lean_triton
+
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for case in CASES:
+        n, master, states, grad_dtype, wire, scale, wd, offset = case
+        ref = [t.to(device) if t is not None else None for t in _tensors(*case[:5], gen)]
+        new = [t.clone() if t is not None else None for t in ref]
+        if master == "sr" and states == torch.float32:
+            ref[0][5] = new[0][5] = float("nan")  # NaN rounds to 0x7FC0 in both
+        for step in (1, 2, 7):
+            g = (torch.randn(n, generator=gen) * 1e-2).to(grad_dtype).to(device)
+            if n > 300:
+                g[256:512] = 0.0
+            c = lk._coefficients(
+                step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd
+            )
+            key = lk.rounding_key(12345678901, step)
+            for impl, t in ((lk._step_torch, ref), (_lean_triton.lean_adamw_step, new)):
+                w, comp, m, v, m_amax, v_amax, wire_out = t
+                extra = (lk._code(),) if impl is _lean_triton.lean_adamw_step else ()
+                impl(
+                    w, g, m, v, comp, m_amax, v_amax, wire_out, *extra, key=key,
+                    counter_offset=offset, grad_scale=lk._f32(scale), apply_decay=wd != 0, c=c,
+                )  # fmt: skip
+            names = ["master", "compensation", "exp_avg", "exp_avg_sq", "m_absmax", "v_absmax"]
+            for name, a, b in zip(names + ["wire"], ref, new):
+                if a is not None and not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                    out.append(f"{case[:4]} step {step}: {name} differs")
+    return out
+
+
+def test_interpreted_kernel_gives_the_pytorch_steps_bits():
+    pytest.importorskip("triton", reason="Triton is installed by the dev extra on Linux x86-64")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import test_lean_triton as t; "
+        "bad = t.mismatches('cpu'); print('\\n'.join(bad)); sys.exit(1 if bad else 0)"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_gives_the_pytorch_steps_bits():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from ramflow import _lean_triton
+
+    assert _lean_triton.available(torch.device("cuda")), "Triton is not importable"
+    assert mismatches("cuda") == []
+
+
+@pytest.mark.gpu
+def test_device_lean_step_runs_the_triton_kernel():
+    """``lean_adamw_step_`` on CUDA tensors goes to the kernel (not the PyTorch ops): the
+    profiler sees one kernel launch for one call."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    n = 1 << 20
+    w = torch.randn(n, device="cuda").to(torch.bfloat16)
+    g = torch.randn(n, device="cuda").to(torch.bfloat16)
+    m, m_amax = lk.quantize_blockwise(torch.zeros(n, device="cuda"), signed=True)
+    v, v_amax = lk.quantize_blockwise(torch.zeros(n, device="cuda"), signed=False)
+    kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, seed=1)
+    kw.update(exp_avg_absmax=m_amax, exp_avg_sq_absmax=v_amax)
+    lk.lean_adamw_step_(w, g, m, v, **kw)  # compiles
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        lk.lean_adamw_step_(w, g, m, v, **kw)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels == ["lean_adamw_kernel"], kernels
