@@ -187,3 +187,30 @@ def test_device_state_survives_state_dicts_and_loads(device):
     assert params_rel(model, ref) < tol(device)
     ramflow.undo(model)
     assert params_rel(model, ref.cpu()) < tol(device)
+
+
+def test_units_in_two_param_groups_step_on_the_device(device):
+    """Weights with decay, biases without and at another learning rate: each unit's runs
+    are stepped on the device with their own group's hyperparameters, as resident."""
+    from test_lean_device_optimizer import decay_groups
+
+    torch.manual_seed(0)
+    model = MLPStack(depth=4)
+    ref = copy.deepcopy(model).to(device)
+    stepped = offload_two_on_device(model, device)
+    opt = ramflow.optim.AdamW(decay_groups(model, 1e-2), lr=1e-2)
+    ref_opt = torch.optim.AdamW(
+        decay_groups(ref, 1e-2), lr=1e-2, fused=device.type == "cpu" or None
+    )
+    batches = mlp_batches(3, device)
+    for step in range(6):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            mse(m, batches[step % 3]).backward()
+            o.step()
+            o.zero_grad()
+    ramflow.synchronize(model)
+    assert params_rel(model, ref) < tol(device)
+    engine = ramflow.api._engine(model)
+    assert all(u.device_state is not None for u in engine.units if u.name in stepped)
+    host_units = [u for u in engine.units if u.name not in stepped]
+    assert engine.host_step_totals()[0] <= 6 * sum(u.trainable_numel for u in host_units)

@@ -103,3 +103,40 @@ def test_a_model_saved_after_device_steps_resumes_with_the_same_bits(device):
     resumed.load_state_dict(saved_model)
     opt2.load_state_dict(saved_opt)
     assert first and train(resumed, opt2, batches[3:]) == rest
+
+
+def decay_groups(model, lr: float) -> list[dict]:
+    """The usual LLM recipe: matrices with weight decay, biases without and (to show that
+    each run gets its own group) at another learning rate."""
+    mats = [p for p in model.parameters() if p.dim() >= 2]
+    vecs = [p for p in model.parameters() if p.dim() < 2]
+    return [
+        {"params": mats, "weight_decay": 0.1},
+        {"params": vecs, "weight_decay": 0.0, "lr": 2 * lr},
+    ]
+
+
+@pytest.mark.parametrize("precision", ["lean", "kahan"])
+def test_units_in_two_param_groups_step_on_the_device(device, precision):
+    """A unit whose parameters sit in two param groups (weights with decay, biases
+    without) is stepped on the device run by run, not handed back to the host: the same
+    bits as the host steps, and the host stepped only the other units."""
+    torch.manual_seed(0)
+    model = MLPStack(depth=4)
+    host_only = copy.deepcopy(model)
+    stepped = offload_first_two_on_device(model, device, precision)
+    ramflow.offload(host_only, device=device, wire_dtype=torch.bfloat16, host_precision=precision)
+    opts = [ramflow.optim.AdamW(decay_groups(m, 1e-2), lr=1e-2) for m in (model, host_only)]
+    batches = mlp_batches(6, device)
+    assert train(model, opts[0], batches) == train(host_only, opts[1], batches)
+    ramflow.synchronize(model)
+    ramflow.synchronize(host_only)
+    for (name, p), q in zip(model.named_parameters(), host_only.parameters()):
+        assert torch.equal(p, q), name
+    engine = ramflow.api._engine(model)
+    dev_units = [u for u in engine.units if u.name in stepped]
+    assert dev_units and all(u.device_state is not None for u in dev_units)
+    # the first step is deferred and stepped from the host's gradients on the device too:
+    # the host stepped only the other units, each step
+    host_units = [u for u in engine.units if u.name not in stepped]
+    assert engine.host_step_totals()[0] <= 6 * sum(u.trainable_numel for u in host_units)

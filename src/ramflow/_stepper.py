@@ -40,16 +40,21 @@ In a step bound by the CPU optimizer that takes their share off the CPU (DeepSpe
 ZeRO-Offload++ does the same with a fixed ratio). The device holds the newest state; the
 host's masters, wire copies and states are brought up to date by ``synchronize`` (and so
 by every ``state_dict``). A deferred step (the first, clipping, accumulation) uploads the
-unit's host fp32 gradients. A step that the device cannot take (several optimizers or
-param groups in one unit, ZeRO) pulls the state back, steps on the host and uploads it
+unit's host fp32 gradients. A unit whose parameters sit in several param groups (a block's norm
+weights without weight decay, its matrices with: Hugging Face's and ``ramflow train``'s
+recipe) is stepped run by run, each with its group's hyperparameters (``flat_runs``).
+A step that the device cannot take (several optimizers in one unit, parameters at
+different step counts, ZeRO) pulls the state back, steps on the host and uploads it
 again at the next device step. The device step's rounding is CUDA's fused AdamW, within
 float rounding of the host kernel (bit-identical on the CPU device). Lean host formats: a
 bf16 master is the wire copy, hence the unit's device copy, so the device holds only the
 unit's states in their format (8-bit codes and absmax, bf16, a Kahan compensation: about 2
 bytes per parameter instead of 12) and steps the device copy in place with the host
-kernel's arithmetic in PyTorch ops (``lean_adamw_step_`` on CUDA tensors): the same bits as
-a host step, the same counter-based rounding, so runs and resumes do not depend on which
-units the plan put there.
+kernel's arithmetic (``lean_adamw_step_`` on CUDA tensors: one Triton kernel, see
+``_lean_triton``, or PyTorch ops without Triton): the same bits as a host step, the same
+counter-based rounding, so runs and resumes do not depend on which units the plan put
+there. A deferred step's round trip (gradients D2H to the host's fp32 buffer, then H2D
+again) is what a clipping loop, and ``ramflow train``, which always defers, pay for it.
 
 [Note: the norm without clipping]
 A loop that reads the global gradient norm without clipping (``max_norm=inf``: Hugging
@@ -505,10 +510,15 @@ class Stepper:
     def whole_unit(self, u: _Unit, item: tuple) -> bool:
         """Whether ``item`` (see ``step_items``) steps all of ``u`` flat from the host
         gradients as they landed."""
-        opt, _, params, grads = item
+        return item[0].flat_group(u) is not None and self.all_host_grads(u, item)
+
+    @staticmethod
+    def all_host_grads(u: _Unit, item: tuple) -> bool:
+        """Whether ``item`` (see ``step_items``) holds every trainable parameter of ``u``
+        with the host gradients as they landed (the unit's flat host gradient)."""
+        _, _, params, grads = item
         return (
             u.host_grad is not None
-            and opt.flat_group(u) is not None
             and len(params) == u.num_trainable == len(u.host_grad_views)
             and all(g is v for g, v in zip(grads, u.host_grad_views))
         )
@@ -523,7 +533,7 @@ class Stepper:
             u.device_stepped
             and len(items) == 1
             and self.device_steppable(u, items[0][0])
-            and self.whole_unit(u, items[0])
+            and self.all_host_grads(u, items[0])
         ):
             opt, hyper, _, _ = items[0]
             assert u.host_grad is not None
@@ -547,14 +557,15 @@ class Stepper:
 
     def device_steppable(self, u: _Unit, opt: StepOptimizer | None = None) -> bool:
         """Whether ``u`` can be stepped on the device now: planned so, one process, and one
-        optimizer with a device step holding all of it flat (one group, one step count)."""
+        optimizer with a device step holding all of it (any param groups, one step count;
+        ``flat_runs``)."""
         if not u.device_stepped or self.live_dist() is not None:
             return False
         if opt is None:
             if len(self.optimizers) != 1:
                 return False
             opt = self.optimizers[0]
-        return hasattr(opt, "device_flat_step") and opt.flat_group(u) is not None
+        return hasattr(opt, "device_flat_step") and opt.flat_runs(u) is not None
 
     def device_step(
         self, u: _Unit, opt: StepOptimizer, hyper: list[dict], grad: torch.Tensor

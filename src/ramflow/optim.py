@@ -97,6 +97,14 @@ class HostOptimizer(torch.optim.Optimizer):
         one flat buffer (it holds all of them, in one group, at one step count), else None."""
         return None
 
+    def flat_runs(self, unit: _Unit) -> list[tuple[int, int, int]] | None:
+        """``unit``'s trainable prefix as runs of consecutive parameters of one param group,
+        ``(group index, begin, end)`` in elements, covering it in order (each begin is a
+        parameter's offset, so a whole 8-bit block), if this optimizer holds all of them at
+        one step count; else None. A device step takes each run with its group's
+        hyperparameters (a block's norm weights without weight decay, its matrices with)."""
+        return None
+
     def flat_step(
         self,
         unit: _Unit,
@@ -312,6 +320,20 @@ class AdamW(HostOptimizer):
         steps = {float(self.state[p]["step"]) if self.state.get(p) else 0.0 for p in params}
         return groups.pop() if len(steps) == 1 else None
 
+    def flat_runs(self, unit: _Unit) -> list[tuple[int, int, int]] | None:
+        params = unit.owned[: unit.num_trainable]
+        if not params:
+            return None
+        groups = [self._group_of.get(id(p)) for p in params]
+        if None in groups:
+            return None
+        steps = {float(self.state[p]["step"]) if self.state.get(p) else 0.0 for p in params}
+        if len(steps) != 1:
+            return None
+        starts = [k for k in range(len(params)) if k == 0 or groups[k] != groups[k - 1]]
+        ends = [unit.offsets[k] for k in starts[1:]] + [unit.trainable_numel]
+        return [(groups[k], unit.offsets[k], end) for k, end in zip(starts, ends)]
+
     def flat_step(
         self,
         unit: _Unit,
@@ -469,44 +491,42 @@ class AdamW(HostOptimizer):
         at a time: ``grad`` (the unit's flat gradient: the device's wire-dtype buffer or the
         host's fp32 one) is upcast or copied to fp32 on the device per piece, and the new
         weights are written to ``weights_out`` (the unit's device copy, wire dtype)."""
-        index = self.flat_group(unit)
-        assert index is not None
-        group = hyper[index]
+        runs = self.flat_runs(unit)
+        assert runs is not None
         params = unit.owned[: unit.num_trainable]
+        step_count = int(self.state[params[0]]["step"]) + 1
         if not _exact(unit):
-            step_count = int(self.state[params[0]]["step"]) + 1
-            n = unit.trainable_numel
             if not _lean_triton.available(weights_out.device):
                 # the PyTorch-ops step: its temporaries are what the plan's scratch holds
                 piece = min(piece, LEAN_DEVICE_STEP_PIECE)
             piece = max(QBLOCK, piece // QBLOCK * QBLOCK)
-            for lo in range(0, n, piece):
-                hi = min(n, lo + piece)
-                g = grad[lo:hi].to(weights_out.device, non_blocking=True)
-                # a bf16 master is the device copy; an fp32 one writes it as the wire
-                fp32 = "master" in state
-                self._lean_step(
-                    unit, state, lo, hi, g, group, step_count,
-                    weights_out[lo:hi] if fp32 else None,
-                    master=state["master"] if fp32 else weights_out,
-                )  # fmt: skip
-            for p in params:
-                self.state[p]["step"].add_(1)
-            return
-        beta1, beta2 = group["betas"]
-        master, m, v = state["master"], state["exp_avg"], state["exp_avg_sq"]
-        step = torch.full((), float(self.state[params[0]]["step"]) + 1, device=master.device)
-        n = master.numel()
-        for lo in range(0, n, piece):
-            hi = min(n, lo + piece)
-            g = grad[lo:hi].to(master.device, torch.float32)
-            torch._fused_adamw_(
-                [master[lo:hi]], [g], [m[lo:hi]], [v[lo:hi]], [], [step],
-                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
-                amsgrad=False, maximize=False,
-            )  # fmt: skip
-            weights_out[lo:hi].copy_(master[lo:hi])
+            # a bf16 master is the device copy; an fp32 one writes it as the wire
+            fp32 = "master" in state
+            for index, begin, end in runs:
+                for lo in range(begin, end, piece):  # begin: a parameter's, a whole block
+                    hi = min(end, lo + piece)
+                    g = grad[lo:hi].to(weights_out.device, non_blocking=True)
+                    self._lean_step(
+                        unit, state, lo, hi, g, hyper[index], step_count,
+                        weights_out[lo:hi] if fp32 else None,
+                        master=state["master"] if fp32 else weights_out,
+                    )  # fmt: skip
+        else:
+            master, m, v = state["master"], state["exp_avg"], state["exp_avg_sq"]
+            step = torch.full((), float(step_count), device=master.device)
+            for index, begin, end in runs:
+                group = hyper[index]
+                beta1, beta2 = group["betas"]
+                for lo in range(begin, end, piece):
+                    hi = min(end, lo + piece)
+                    g = grad[lo:hi].to(master.device, torch.float32)
+                    torch._fused_adamw_(
+                        [master[lo:hi]], [g], [m[lo:hi]], [v[lo:hi]], [], [step],
+                        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                        weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
+                        amsgrad=False, maximize=False,
+                    )  # fmt: skip
+                    weights_out[lo:hi].copy_(master[lo:hi])
         for p in params:
             self.state[p]["step"].add_(1)
 
