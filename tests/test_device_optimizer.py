@@ -160,6 +160,64 @@ def test_device_steps_with_clipping_and_accumulation(device):
         assert params_rel(model, ref) < tol(device), clip
 
 
+def zero_in_place_after_each_step(model, ref, opt, ref_opt, device) -> None:
+    """Four clipped steps of ``model`` and ``ref``, each followed at once by
+    ``p.grad.zero_()`` on every parameter (PyTorch accumulates into the zeros next)."""
+    for batch in mlp_batches(4, device):
+        for m, o, clip in (
+            (model, opt, ramflow.clip_grad_norm_),
+            (ref, ref_opt, torch.nn.utils.clip_grad_norm_),
+        ):
+            (mse(m, batch) * 30).backward()
+            clip(m.parameters(), 0.5)
+            o.step()
+            for p in m.parameters():
+                p.grad.zero_()
+
+
+def test_gradients_written_right_after_a_deferred_device_step(device):
+    """A clipped (deferred) step uploads the host gradients of device-stepped units, on a
+    GPU asynchronously from pinned memory: ``step()`` returns only once the uploads have
+    read them, so zeroing ``p.grad`` in place at once does not reach the device step (a
+    missing wait shows on the GPU as steps taken with zeros: weights far from the
+    reference's)."""
+    torch.manual_seed(0)
+    model = MLPStack(depth=4)
+    ref = copy.deepcopy(model).to(device)
+    ramflow.offload(
+        model, device=device, wire_dtype=torch.float32, gpu_memory=10**9, device_optimizer=True
+    )
+    engine = ramflow.api._engine(model)
+    assert all(u.device_stepped for u in engine.units)
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
+    zero_in_place_after_each_step(
+        model, ref, opt, ref_adamw(ref.parameters(), 1e-2, device), device
+    )
+    ramflow.synchronize(model)
+    assert params_rel(model, ref) < tol(device)
+    assert all(u.device_state is not None for u in engine.units)
+    if device.type == "cuda":
+        assert all(u.host_grad.is_pinned() for u in engine.units)
+
+
+def test_gradients_written_during_a_host_step_are_never_silent(device):
+    """Host-stepped units: the CPU optimizer reads the gradients after ``step()`` returns,
+    so zeroing them in place at once may step with zeros. Either the worker had read them
+    first (the weights are the reference's) or ramflow says so at the next call; never a
+    silently wrong model (before the check: weights 100% off)."""
+    torch.manual_seed(0)
+    model, ref, opt, ref_opt = trained_pair(device)
+    engine = ramflow.api._engine(model)
+    assert any(not u.device_stepped for u in engine.units)
+    try:
+        zero_in_place_after_each_step(model, ref, opt, ref_opt, device)
+        ramflow.synchronize(model)
+    except RuntimeError as err:
+        assert "written in place" in str(err) and "zero_grad()" in str(err)
+    else:
+        assert params_rel(model, ref) < tol(device)
+
+
 def test_device_state_survives_state_dicts_and_loads(device):
     """Saving reads the device's newest weights and states; loading either (a fresh
     optimizer, or the model's weights) replaces what the device holds."""

@@ -213,9 +213,9 @@ class GradientPath:
             u.host_grad = None  # the full buffer of earlier steps is not needed any more
             u.host_grad_views = []
         elif u.host_grad is None:
-            # in the master's dtype: PyTorch wants a gradient's dtype to be its parameter's
-            u.host_grad = torch.empty(u.trainable_numel, dtype=self._host.precision.master_dtype)
+            u.host_grad = self._host.host_gradients(u, pinned=u.device_stepped)
             u.host_grad_views = u.views(u.host_grad, trainable_only=True)
+        stepper.wait_host_grad_read(u)  # a device step's upload of the last ones
         with torch.no_grad():
             if fused:
                 pass  # See the docstring: the step writes the gradients.
@@ -280,6 +280,7 @@ class GradientPath:
             if u.device_step_pending:
                 u.device_step_pending = False
                 stepper.step_from_host(u, stepper.step_items(u, stepper.optimizers))
+        stepper.wait_host_grad_reads()
         self._pass_open = False
         self._pass_landed.clear()
         self._pass_stepped.clear()

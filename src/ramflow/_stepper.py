@@ -53,8 +53,12 @@ bytes per parameter instead of 12) and steps the device copy in place with the h
 kernel's arithmetic (``lean_adamw_step_`` on CUDA tensors: one Triton kernel, see
 ``_lean_triton``, or PyTorch ops without Triton): the same bits as a host step, the same
 counter-based rounding, so runs and resumes do not depend on which units the plan put
-there. A deferred step's round trip (gradients D2H to the host's fp32 buffer, then H2D
-again) is what a clipping loop, and ``ramflow train``, which always defers, pay for it.
+there. A deferred step's round trip (gradients D2H to the host's buffer, then H2D
+again) is what a clipping loop, and ``ramflow train``, which always defers, pay for it: so
+a device-stepped unit's host gradients are pinned (the upload is a DMA at the PCIe rate,
+not a synchronous copy through the driver's bounce buffers, about ten times slower), and
+``step()`` returns once the uploads have read them (``wait_host_grad_reads``): the loop may
+then write ``p.grad`` at once, as after a host step.
 
 [Note: the norm without clipping]
 A loop that reads the global gradient norm without clipping (``max_norm=inf``: Hugging
@@ -391,6 +395,7 @@ class Stepper:
                 items = self.step_items(u, [opt])
                 if items:
                     self.step_from_host(u, items)
+            self.wait_host_grad_reads()
         self._seen_step = True
         self._eager_allowed = (
             opt.overlap and self._final_backwards == 1 and not modified and not self._clip_used
@@ -414,14 +419,16 @@ class Stepper:
     # ------------------------------------------------------------------ host steps
 
     def step_items(self, u: _Unit, optimizers: list[StepOptimizer]) -> list[tuple]:
-        """What a step of ``u`` needs, captured now: per optimizer its hyperparameters, and
-        the parameters it holds with their gradients (the user may zero_grad before the
-        worker gets to the step)."""
+        """What a step of ``u`` needs, captured now: per optimizer its hyperparameters, the
+        parameters it holds with their gradients (the user may zero_grad before the worker
+        gets to the step) and the gradients' version counters (see ``step_unit``)."""
         items = []
         for opt in optimizers:
             params = [p for p in u.owned[: u.num_trainable] if p.grad is not None and opt._holds(p)]
             if params:
-                items.append((opt, opt._hyperparameters(), params, [p.grad for p in params]))
+                grads = [p.grad for p in params]
+                versions = [g._version for g in grads]
+                items.append((opt, opt._hyperparameters(), params, grads, versions))
         return items
 
     def step_unit(self, u: _Unit, items: list[tuple]) -> None:
@@ -433,7 +440,7 @@ class Stepper:
         start = time.perf_counter()
         with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
             if len(items) == 1 and self.whole_unit(u, items[0]):
-                opt, hyper, _, _ = items[0]
+                opt, hyper = items[0][:2]
                 pieces = self._refresh_pieces(u)
                 opt.flat_step(
                     u,
@@ -445,10 +452,29 @@ class Stepper:
                 )
                 wire_written = True
             else:
-                for opt, hyper, params, grads in items:
+                for opt, hyper, params, grads, _ in items:
                     opt._step_params(params, grads, hyper)
         self._count_host_step(sum(p.numel() for item in items for p in item[2]), start)
         self._host.refresh_wire(u, written=wire_written, sent=wire_written and bool(pieces))
+        self._check_grads_unwritten(u, items)
+
+    @staticmethod
+    def _check_grads_unwritten(u: _Unit, items: list[tuple]) -> None:
+        """Worker, after a host step: the gradients it read were not written in place
+        between ``step()`` and now (``p.grad.zero_()``, ``zero_grad(set_to_none=False)``
+        right after ``step()``), which would have stepped with what was written. Raised on
+        the worker, so at the loop's next ramflow call."""
+        for _, _, params, grads, versions in items:
+            written = [p for p, g, v in zip(params, grads, versions) if g._version != v]
+            if written:
+                raise RuntimeError(
+                    f"the gradients of unit {u.name!r} were written in place (e.g. "
+                    "p.grad.zero_() or zero_grad(set_to_none=False)) while ramflow's CPU "
+                    "optimizer was still reading them for the step just taken, so that step "
+                    "may have used the new values. Use zero_grad() (set_to_none=True, "
+                    "PyTorch's default), or call ramflow.synchronize(model) before writing "
+                    "gradients in place; reload a checkpoint to undo this step."
+                )
 
     def step_staged(
         self,
@@ -516,7 +542,7 @@ class Stepper:
     def all_host_grads(u: _Unit, item: tuple) -> bool:
         """Whether ``item`` (see ``step_items``) holds every trainable parameter of ``u``
         with the host gradients as they landed (the unit's flat host gradient)."""
-        _, _, params, grads = item
+        params, grads = item[2], item[3]
         return (
             u.host_grad is not None
             and len(params) == u.num_trainable == len(u.host_grad_views)
@@ -535,7 +561,7 @@ class Stepper:
             and self.device_steppable(u, items[0][0])
             and self.all_host_grads(u, items[0])
         ):
-            opt, hyper, _, _ = items[0]
+            opt, hyper = items[0][:2]
             assert u.host_grad is not None
             self.device_step(u, opt, hyper, u.host_grad)
             return
@@ -589,7 +615,25 @@ class Stepper:
             )
         if self.device.type == "cuda":
             u.device_step_event = record_event(torch.cuda.current_stream(self.device))
+            if grad.device.type == "cpu":
+                u.host_grad_read = u.device_step_event
         u.host_stale = True
+
+    @staticmethod
+    def wait_host_grad_read(u: _Unit) -> None:
+        """Before the host gradients of ``u`` are written: the device step that uploads them
+        (asynchronously, from pinned memory) has read them."""
+        if u.host_grad_read is not None:
+            u.host_grad_read.synchronize()
+            u.host_grad_read = None
+
+    def wait_host_grad_reads(self) -> None:
+        """At the end of ``step()`` (and of a pass that stepped units from the host): every
+        upload of host gradients is done, so ``p.grad`` may be written (clipped, zeroed,
+        accumulated into) as soon as the call returns. See [Note: the optimizer on the
+        device]."""
+        for u in self.units:
+            self.wait_host_grad_read(u)
 
     @staticmethod
     def _wait_host_idle(u: _Unit) -> None:

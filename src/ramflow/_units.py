@@ -328,6 +328,10 @@ class _Unit:
         self.device_step_event: torch.cuda.Event | None = None
         self.host_stale = False  # the device state is newer than the host's copies
         self.device_step_pending = False
+        # a device step that uploads the host gradients: their pinned buffer (kept for the
+        # unit's life) and the event after which the upload has read it
+        self.pinned_host_grad: torch.Tensor | None = None
+        self.host_grad_read: torch.cuda.Event | None = None
 
     @property
     def deps(self) -> list[_Unit]:
