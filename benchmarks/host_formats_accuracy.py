@@ -15,23 +15,26 @@ difference from fp32's, relative; steps reached; the command lines), and per for
 themselves (with checkpoints, about 15 GiB for fp32 at 1.24 B parameters) go under
 ``--run-root`` (default: a folder in the system's temporary directory), not the output.
 
-GPU (H100, 16 cores), first call:
+GPU (H100, 16 cores): two formats per call (four at once share the host's DRAM for the
+deferred steps' gradients and run slower than two), then a call that resumes all four:
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/host_formats_accuracy.py --budget-s 560 \\
-        --device-optimizer --gpu-memory 18GiB \\
-        --run-root /tmp/acc-runs --out-dir $OUT/host-formats-accuracy
+    PYTHONUNBUFFERED=1 python3 benchmarks/host_formats_accuracy.py --formats fp32,lean \\
+        --budget-s 470 --device-optimizer --gpu-memory 30GiB --run-root /tmp/acc-runs \\
+        --out-dir $OUT/acc
+    ... --formats bf16,kahan ... (the same)
+    PYTHONUNBUFFERED=1 python3 benchmarks/host_formats_accuracy.py --resume --budget-s 420 \\
+        --device-optimizer --gpu-memory 30GiB --run-root /tmp/acc-runs --out-dir $OUT/accf
 
 With ``--device-optimizer`` the units step on the GPU with each format's own arithmetic
-(``ramflow train --device-optimizer``; tested to give the CPU step's bits), so the four
-runs are not bound by the host's DRAM; without it, each run steps on the CPU with a
-quarter of the cores (about 200 of 500 steps of llama-1b in 560 s on the H100 box).
+(``ramflow train --device-optimizer``; tested to give the CPU step's bits; the lean formats
+in one Triton kernel), so the runs are not bound by the CPU optimizer: 0.74-1.08 s per step
+of llama-1b, two runs at once. The deferred step's gradient round trip and the clipping
+over the host's copy are what remain on the CPU (not profiled separately;
+``benchmarks/results/2026-11-24-nvidia-h100-lean-triton``).
 
 A run that was stopped by the budget left a checkpoint in ``--run-root``: on the same
 machine (still warm), the same command with ``--resume`` continues every unfinished run to
-``--steps`` (finished ones are only collected again):
-
-    PYTHONUNBUFFERED=1 python3 benchmarks/host_formats_accuracy.py --budget-s 560 --resume \\
-        --run-root /tmp/acc-runs --out-dir $OUT/host-formats-accuracy
+``--steps`` (finished ones are only collected again), as above.
 
 Defaults: ``--preset llama-1b --steps 500 --batch-size 4 --seq-len 512 --eval-every 100
 --gpu-memory 16GiB`` (per run), clipping at 1.0 and the seed 0, the standard library corpus.
