@@ -60,8 +60,6 @@ def _tensors(n, master, states, grad_dtype, wire, gen):
 def mismatches(device: str) -> list[str]:
     """Runs every case three steps with both implementations on ``device``; returns what
     differed (empty: all bits equal)."""
-    from ramflow import _lean_triton
-
     gen = torch.Generator().manual_seed(0)
     out = []
     for case in CASES:
@@ -78,12 +76,11 @@ def mismatches(device: str) -> list[str]:
                 step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd
             )
             key = lk.rounding_key(12345678901, step)
-            for impl, t in ((lk._step_torch, ref), (_lean_triton.lean_adamw_step, new)):
+            for impl, t in ((lk._step_torch, ref), (lk._step_triton, new)):
                 w, comp, m, v, m_amax, v_amax, wire_out = t
-                extra = (lk._code(),) if impl is _lean_triton.lean_adamw_step else ()
                 impl(
-                    w, g, m, v, comp, m_amax, v_amax, wire_out, *extra, key=key,
-                    counter_offset=offset, grad_scale=lk._f32(scale), apply_decay=wd != 0, c=c,
+                    w, g, m, v, comp, m_amax, v_amax, wire_out, key=key, counter_offset=offset,
+                    grad_scale=scale, apply_decay=wd != 0, c=c,
                 )  # fmt: skip
             names = ["master", "compensation", "exp_avg", "exp_avg_sq", "m_absmax", "v_absmax"]
             for name, a, b in zip(names + ["wire"], ref, new):

@@ -197,7 +197,17 @@ class _Code:
         self.unsigned_mid = (self.unsigned[:-1] + self.unsigned[1:]) / 2
         self.signed_table = _code_table(self.signed_mid)
         self.unsigned_table = _code_table(self.unsigned_mid)
-        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        self._on: dict[object, tuple[torch.Tensor, ...]] = {}  # by device (, what)
+
+    def tables_on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(signed, unsigned, signed_table, unsigned_table) on ``device`` (copied once),
+        for the Triton step."""
+        if ("tables", device) not in self._on:
+            self._on[("tables", device)] = tuple(
+                t.to(device)
+                for t in (self.signed, self.unsigned, self.signed_table, self.unsigned_table)
+            )
+        return self._on[("tables", device)]
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(signed, unsigned, signed_mid, unsigned_mid) on ``device`` (copied once)."""
@@ -478,6 +488,25 @@ def _step_torch(
         compensation.view(-1).copy_(p - hi.to(torch.float32))
 
 
+def _master_format(master: torch.Tensor, compensation: torch.Tensor | None) -> int:
+    if master.dtype == torch.float32:
+        return _MASTER_F32
+    return _MASTER_SR if compensation is None else _MASTER_KAHAN
+
+
+def _step_triton(
+    master, grad, exp_avg, exp_avg_sq, compensation, m_absmax, v_absmax, wire_out,
+    *, key, counter_offset, grad_scale, apply_decay, c,
+) -> None:  # fmt: skip
+    """``_step_torch``'s step as one Triton kernel (CUDA tensors; the same bits)."""
+    _lean_triton.lean_adamw_step(
+        master, grad, exp_avg, exp_avg_sq, compensation, m_absmax, v_absmax, wire_out,
+        _code().tables_on(master.device), master_format=_master_format(master, compensation),
+        state_format=_STATE_FORMAT[exp_avg.dtype], key=key, counter_offset=counter_offset,
+        grad_scale=_f32(grad_scale), apply_decay=apply_decay, c=c, block=QBLOCK,
+    )  # fmt: skip
+
+
 def lean_adamw_step_(
     master: torch.Tensor,
     grad: torch.Tensor,
@@ -601,25 +630,16 @@ def lean_adamw_step_(
     key = rounding_key(seed, step)
     apply_decay = weight_decay != 0.0
     lib = _LEAN.get() if master.device.type == "cpu" else None
-    if lib is None and _lean_triton.available(master.device):
-        _lean_triton.lean_adamw_step(
-            master, grad, exp_avg, exp_avg_sq, compensation, exp_avg_absmax,
-            exp_avg_sq_absmax, wire_out, _code(), key=key, counter_offset=counter_offset,
-            grad_scale=_f32(grad_scale), apply_decay=apply_decay, c=c,
-        )  # fmt: skip
-        return
     if lib is None:
-        _step_torch(
+        step = _step_triton if _lean_triton.available(master.device) else _step_torch
+        step(
             master, grad, exp_avg, exp_avg_sq, compensation, exp_avg_absmax,
             exp_avg_sq_absmax, wire_out, key=key, counter_offset=counter_offset,
             grad_scale=grad_scale, apply_decay=apply_decay, c=c,
         )  # fmt: skip
         return
     ptr = _cpu_kernels._ptr
-    if master.dtype == torch.float32:
-        master_format = _MASTER_F32
-    else:
-        master_format = _MASTER_SR if compensation is None else _MASTER_KAHAN
+    master_format = _master_format(master, compensation)
     codes = _code()
     args = _LeanArgs(
         master=master.data_ptr(),

@@ -34,7 +34,6 @@ import os
 
 import torch
 
-QBLOCK = 256
 _ROWS = 4  # blocks of 256 per program: 1024 elements, 4 warps
 _ENV_DISABLE = "RAMFLOW_DISABLE_TRITON"
 
@@ -56,58 +55,32 @@ def available(device: torch.device) -> bool:
     return _kernel() is not None
 
 
-_MASTER = {"f32": 0, "sr": 1, "kahan": 2}
-_STATE = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
-_WIRE = {None: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
 def lean_adamw_step(
-    master, grad, exp_avg, exp_avg_sq, compensation, m_absmax, v_absmax, wire_out, code,
-    *, key, counter_offset, grad_scale, apply_decay, c,
+    master, grad, exp_avg, exp_avg_sq, compensation, m_absmax, v_absmax, wire_out, tables,
+    *, master_format, state_format, key, counter_offset, grad_scale, apply_decay, c, block,
 ) -> None:  # fmt: skip
-    """One lean step on CUDA tensors, checked by ``_lean_kernels.lean_adamw_step_`` (same
-    arguments as its ``_step_torch``; ``code`` is its ``_Code``, whose tables are copied to
-    the device once)."""
-    kernel = _kernel()
+    """One lean step on CUDA tensors, checked by ``_lean_kernels.lean_adamw_step_`` (the
+    tensors and scalars of its ``_step_torch``; ``tables``: the codes and quantizer tables
+    on the device, ``_Code.tables_on``; the formats: its ``_MASTER_*`` and
+    ``_STATE_FORMAT`` codes; ``block``: the 8-bit block, ``QBLOCK``)."""
     dev = master.device
-    signed, unsigned, signed_table, unsigned_table = _tables(code, dev)
-    if master.dtype == torch.float32:
-        fmt = "f32"
-    else:
-        fmt = "sr" if compensation is None else "kahan"
-    n = master.numel()
-    grid = (triton_cdiv(n, _ROWS * QBLOCK),)
-    dummy = master
+    dummy = master  # for the pointers a format does not read
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        kernel[grid](
+        _kernel()[(-(-master.numel() // (_ROWS * block)),)](
             master, compensation if compensation is not None else dummy, grad,
             exp_avg, exp_avg_sq,
             m_absmax if m_absmax is not None else dummy,
             v_absmax if v_absmax is not None else dummy,
-            signed, unsigned, signed_table, unsigned_table,
+            *tables,
             wire_out if wire_out is not None else dummy,
-            n, counter_offset, key,
+            master.numel(), counter_offset, key,
             c["decay"], c["beta1"], c["one_minus_beta1"], c["beta2"], c["one_minus_beta2"],
             c["bc2_sqrt"], c["eps"], c["neg_step_size"], grad_scale,
-            MASTER=_MASTER[fmt], STATE=_STATE[exp_avg.dtype],
+            MASTER=master_format, STATE=state_format,
             WIRE=_WIRE[None if wire_out is None else wire_out.dtype],
             APPLY_SCALE=grad_scale != 1.0, APPLY_DECAY=bool(apply_decay),
-            ROWS=_ROWS, BLOCK=QBLOCK, num_warps=4, enable_fp_fusion=False,
+            ROWS=_ROWS, BLOCK=block, num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-_TABLES: dict[torch.device, tuple[torch.Tensor, ...]] = {}
-
-
-def _tables(code, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The codes and quantizer tables on ``device``, copied once."""
-    if device not in _TABLES:
-        _TABLES[device] = tuple(
-            t.to(device)
-            for t in (code.signed, code.unsigned, code.signed_table, code.unsigned_table)
-        )
-    return _TABLES[device]
+_WIRE = {None: 0, torch.bfloat16: 1, torch.float16: 2}

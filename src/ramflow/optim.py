@@ -486,11 +486,13 @@ class AdamW(HostOptimizer):
         weights_out: torch.Tensor,
         piece: int,
     ) -> None:
-        """One AdamW step of ``unit`` on the device with PyTorch's fused kernel
-        (``torch._fused_adamw_``, as ``torch.optim.AdamW(fused=True)``), ``piece`` elements
-        at a time: ``grad`` (the unit's flat gradient: the device's wire-dtype buffer or the
-        host's fp32 one) is upcast or copied to fp32 on the device per piece, and the new
-        weights are written to ``weights_out`` (the unit's device copy, wire dtype)."""
+        """One AdamW step of ``unit`` on the device, run by run of ``flat_runs`` (each with
+        its param group's hyperparameters), ``piece`` elements at a time: fp32 masters with
+        PyTorch's fused kernel (``torch._fused_adamw_``, as ``torch.optim.AdamW(fused=True)``),
+        lean formats with ``lean_adamw_step_`` (the host kernel's bits). ``grad`` (the unit's
+        flat gradient: the device's wire-dtype buffer or the host's) is copied to the device
+        per piece, and the new weights are written to ``weights_out`` (the unit's device
+        copy, wire dtype)."""
         runs = self.flat_runs(unit)
         assert runs is not None
         params = unit.owned[: unit.num_trainable]
