@@ -187,6 +187,74 @@ def inference(model, args, device: str, rate: float | None) -> dict[str, Any]:
     return out
 
 
+def copy_engine_trace(model, args, device: str, out_dir: Path) -> dict[str, Any]:
+    """One prefill and one batch-1 decode step under ``torch.profiler``: for each, the H2D
+    copies (count, bytes, summed time, the rate of the copies themselves), the wall from the
+    first copy's start to the last one's end, the share of that wall the H2D engine was
+    busy, and the longest gaps between copies with the kernels that ran meanwhile. Tells a
+    slow link (copies slower than the measured pinned rate) from an idle one (gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = SHAPES[args.shape][5]
+    calls = {}
+    with torch.no_grad():
+        ids = torch.randint(0, vocab, (1, args.seq_len), device=device)
+        calls["prefill"] = lambda: model(input_ids=ids, use_cache=False)
+        prompt = torch.randint(0, vocab, (1, 16), device=device)
+        cache = model(input_ids=prompt, use_cache=True).past_key_values
+        nxt = torch.randint(0, vocab, (1, 1), device=device)
+        calls["decode_b1"] = lambda: model(input_ids=nxt, past_key_values=cache, use_cache=True)
+        out: dict[str, Any] = {}
+        for name, fn in calls.items():
+            fn()
+            sync(device)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn()
+                sync(device)
+            path = out_dir / f"trace-{name}.json"
+            prof.export_chrome_trace(str(path))
+            events = json.loads(path.read_text())["traceEvents"]
+            out[name] = _copy_summary(events)
+    return out
+
+
+def _copy_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """See ``copy_engine_trace``; times in the trace's microseconds."""
+    h2d = sorted(
+        (e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")),
+        key=lambda e: e["ts"],
+    )
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not h2d:
+        return {"copies": 0}
+    busy = sum(e["dur"] for e in h2d)
+    nbytes = sum(int(e.get("args", {}).get("bytes", 0)) for e in h2d)
+    wall = h2d[-1]["ts"] + h2d[-1]["dur"] - h2d[0]["ts"]
+    gaps = []
+    for a, b in zip(h2d, h2d[1:]):
+        lo, hi = a["ts"] + a["dur"], b["ts"]
+        if hi - lo > 20:
+            during = [k["name"][:60] for k in kernels if k["ts"] < hi and k["ts"] + k["dur"] > lo]
+            gaps.append({"us": round(hi - lo, 1), "after_bytes": a.get("args", {}).get("bytes"),
+                         "kernels": sorted(set(during))[:4]})  # fmt: skip
+    gaps.sort(key=lambda g: -g["us"])
+    big = [e for e in h2d if int(e.get("args", {}).get("bytes", 0)) >= 1 << 24]
+    return {
+        "copies": len(h2d),
+        "bytes": nbytes,
+        "copy_busy_us": round(busy, 1),
+        "first_to_last_us": round(wall, 1),
+        "busy_share": round(busy / wall, 4) if wall else None,
+        "rate_in_copies_gbps": round(nbytes / busy / 1e3, 2) if busy else None,
+        "rate_of_large_copies_gbps": sorted(
+            round(int(e["args"]["bytes"]) / e["dur"] / 1e3, 1) for e in big
+        ),
+        "gaps_over_20us": len(gaps),
+        "gap_sum_us": round(sum(g["us"] for g in gaps), 1),
+        "longest_gaps": gaps[:8],
+    }
+
+
 def lora_step(peft_model, model, args, device: str, batch: int, rate, flops) -> dict:
     """Timed LoRA steps of ``batch`` x ``args.seq_len`` tokens on the offloaded model."""
     if device.startswith("cuda"):
@@ -393,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="profile one prefill and one decode step: the copy engine's busy share and gaps",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.shape, args.device, args.seq_len, args.repeat = "tiny", "cpu", 32, 1
@@ -445,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.part in ("all", "inference"):
             result["inference"] = inference(model, args, device, rate)
             write()
+            if args.trace and device.startswith("cuda"):
+                result["copy_trace"] = copy_engine_trace(model, args, device, args.out_dir)
+                write()
         if args.part in ("all", "lora"):
             result["lora"] = []
             for batch in (1, 4):
