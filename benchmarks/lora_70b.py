@@ -142,10 +142,11 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, device: str, repeat: int) -> float:
-    """Median seconds of ``fn`` over ``repeat`` calls after one warm-up."""
+def timed(fn, device: str, repeat: int, times: list[float] | None = None) -> float:
+    """Median seconds of ``fn`` over ``repeat`` calls after one warm-up (the upper middle
+    one for an even ``repeat``); every call's seconds are appended to ``times``."""
     fn()
-    times = []
+    times = [] if times is None else times
     for _ in range(repeat):
         sync(device)
         t0 = time.perf_counter()
@@ -171,8 +172,9 @@ def inference(model, args, device: str, rate: float | None) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
     with torch.no_grad():
         ids = torch.randint(0, vocab, (1, args.seq_len), device=device)
-        t = timed(lambda: model(input_ids=ids, use_cache=False), device, args.repeat)
-        out["prefill"] = {"tokens": args.seq_len, "seconds": t, "floor_s": floor}
+        runs: list[float] = []
+        t = timed(lambda: model(input_ids=ids, use_cache=False), device, args.repeat, runs)
+        out["prefill"] = {"tokens": args.seq_len, "seconds": t, "floor_s": floor, "runs_s": runs}
         for batch in (1, 32):
             prompt = torch.randint(0, vocab, (batch, 16), device=device)
             cache = model(input_ids=prompt, use_cache=True).past_key_values
@@ -181,8 +183,9 @@ def inference(model, args, device: str, rate: float | None) -> dict[str, Any]:
             def step(cache=cache, nxt=nxt):
                 model(input_ids=nxt, past_key_values=cache, use_cache=True)
 
-            t = timed(step, device, args.repeat)
-            out[f"decode_b{batch}"] = {"seconds_per_token": t, "floor_s": floor}
+            runs = []
+            t = timed(step, device, args.repeat, runs)
+            out[f"decode_b{batch}"] = {"seconds_per_token": t, "floor_s": floor, "runs_s": runs}
     out["gpu_peak_bytes"] = gpu_peak(device)
     return out
 
