@@ -142,27 +142,80 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, device: str, repeat: int, times: list[float] | None = None) -> float:
+class LinkProbe:
+    """The pinned H2D rate of the link right now: one copy of ``nbytes`` from a pinned host
+    buffer into a device buffer made for the copy and freed after it (so it adds nothing
+    to a case's GPU peak, which is reached while the model runs, not between runs).
+
+    Taken before and after every timed call (``timed(..., probe=...)``): the link's rate
+    moved between 42 and 55 GB/s within one session on the H100 box (copies of the same
+    unit, 2026-11-24), so a floor from a rate taken minutes earlier misjudges a step by as
+    much. The mean of the two rates beside a call is that call's floor rate."""
+
+    def __init__(self, device: str, nbytes: int = GIB) -> None:
+        self.device = torch.device(device)
+        self.nbytes = nbytes
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+
+    def rate(self) -> float:
+        dev = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        dev.copy_(self.host, non_blocking=True)
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        del dev
+        return self.nbytes / seconds
+
+
+def timed(
+    fn,
+    device: str,
+    repeat: int,
+    times: list[float] | None = None,
+    *,
+    probe: LinkProbe | None = None,
+    rates: list[float] | None = None,
+) -> float:
     """Median seconds of ``fn`` over ``repeat`` calls after one warm-up (the upper middle
-    one for an even ``repeat``); every call's seconds are appended to ``times``."""
+    one for an even ``repeat``); every call's seconds are appended to ``times`` and, with a
+    ``probe``, the link's rate beside each call (see ``LinkProbe``) to ``rates``."""
     fn()
     times = [] if times is None else times
+    rates = [] if rates is None else rates
     for _ in range(repeat):
+        before = probe.rate() if probe is not None else None
         sync(device)
         t0 = time.perf_counter()
         fn()
         sync(device)
         times.append(time.perf_counter() - t0)
+        if probe is not None:
+            rates.append((before + probe.rate()) / 2)
     return sorted(times)[len(times) // 2]
+
+
+def adjacent(bytes_moved: int, times: list[float], rates: list[float]) -> dict[str, Any]:
+    """Each call's time over the PCIe floor at the rate measured beside it: the median
+    and the best ratio, and the rates (GB/s)."""
+    ratios = sorted(t * r / bytes_moved for t, r in zip(times, rates))
+    if not ratios:
+        return {}
+    return {
+        "x_floor_adjacent_median": ratios[len(ratios) // 2],
+        "x_floor_adjacent_best": ratios[0],
+        "adjacent_rates_gbps": [round(r / 1e9, 1) for r in rates],
+    }
 
 
 def gpu_peak(device: str) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None
 
 
-def inference(model, args, device: str, rate: float | None) -> dict[str, Any]:
+def inference(model, args, device: str, rate: float | None, probe=None) -> dict[str, Any]:
     """Prefill and decode steps of the offloaded ``model``, each against the PCIe floor of
-    the bytes one pass streams."""
+    the bytes one pass streams: at ``rate`` (measured at the start) and, with a ``probe``,
+    at the rate measured beside each call."""
     model.eval()
     per_pass = streamed_bytes(model)
     floor = None if rate is None else per_pass / rate
@@ -173,8 +226,11 @@ def inference(model, args, device: str, rate: float | None) -> dict[str, Any]:
     with torch.no_grad():
         ids = torch.randint(0, vocab, (1, args.seq_len), device=device)
         runs: list[float] = []
-        t = timed(lambda: model(input_ids=ids, use_cache=False), device, args.repeat, runs)
+        rates: list[float] = []
+        fn = functools.partial(model, input_ids=ids, use_cache=False)
+        t = timed(fn, device, args.repeat, runs, probe=probe, rates=rates)
         out["prefill"] = {"tokens": args.seq_len, "seconds": t, "floor_s": floor, "runs_s": runs}
+        out["prefill"].update(adjacent(per_pass, runs, rates))
         for batch in (1, 32):
             prompt = torch.randint(0, vocab, (batch, 16), device=device)
             cache = model(input_ids=prompt, use_cache=True).past_key_values
@@ -183,9 +239,10 @@ def inference(model, args, device: str, rate: float | None) -> dict[str, Any]:
             def step(cache=cache, nxt=nxt):
                 model(input_ids=nxt, past_key_values=cache, use_cache=True)
 
-            runs = []
-            t = timed(step, device, args.repeat, runs)
-            out[f"decode_b{batch}"] = {"seconds_per_token": t, "floor_s": floor, "runs_s": runs}
+            runs, rates = [], []
+            t = timed(step, device, args.repeat, runs, probe=probe, rates=rates)
+            row = {"seconds_per_token": t, "floor_s": floor, "runs_s": runs}
+            out[f"decode_b{batch}"] = row | adjacent(per_pass, runs, rates)
     out["gpu_peak_bytes"] = gpu_peak(device)
     return out
 
@@ -258,7 +315,7 @@ def _copy_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def lora_step(peft_model, model, args, device: str, batch: int, rate, flops) -> dict:
+def lora_step(peft_model, model, args, device: str, batch: int, rate, flops, probe=None) -> dict:
     """Timed LoRA steps of ``batch`` x ``args.seq_len`` tokens on the offloaded model."""
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
@@ -280,7 +337,9 @@ def lora_step(peft_model, model, args, device: str, batch: int, rate, flops) -> 
         opt.step()
         opt.zero_grad()
 
-    t = timed(step, device, args.repeat)
+    runs: list[float] = []
+    rates: list[float] = []
+    t = timed(step, device, args.repeat, runs, probe=probe, rates=rates)
     # LoRA's B matrices start at zero: every one moved iff gradients reached every adapter
     moved = [bool(p.count_nonzero()) for n, p in peft_model.named_parameters() if "lora_B" in n]
     per_pass = streamed_bytes(model)
@@ -294,6 +353,8 @@ def lora_step(peft_model, model, args, device: str, batch: int, rate, flops) -> 
         "step_s": t,
         "streamed_bytes_per_step": 2 * per_pass,  # forward and backward
         "floor_s": None if rate is None else 2 * per_pass / rate,
+        "runs_s": runs,
+        **adjacent(2 * per_pass, runs, rates),
         "model_flops_per_s": 4 * num_params * tokens / t,
         "matmul_flops_per_s": flops,
         "adapter_parameters": sum(p.numel() for p in opt.param_groups[0]["params"]),
@@ -396,12 +457,18 @@ def markdown(r: dict[str, Any]) -> str:
         f"H2D {m['h2d_gbps'] or '-'} GB/s pinned, bf16 matmul {m['matmul_tflops'] or '-'} "
         f"TFLOP/s, host RSS peak {r['host_rss_peak_bytes'] / GIB:.1f} GiB",
         "",
-        "| case | time | floor | vs floor | target | GPU peak |",
-        "|---|---|---|---|---|---|",
+        "| case | time | floor | vs floor | vs floor at the adjacent rate (median, best) "
+        "| target | GPU peak |",
+        "|---|---|---|---|---|---|---|",
     ]
 
     def peak(x):
         return "-" if x is None else f"{x / GIB:.1f} GiB"
+
+    def near(row):
+        if "x_floor_adjacent_median" not in row:
+            return "-"
+        return f"{row['x_floor_adjacent_median']:.2f}x, {row['x_floor_adjacent_best']:.2f}x"
 
     inf = r.get("inference")
     if inf:
@@ -414,7 +481,8 @@ def markdown(r: dict[str, Any]) -> str:
             t = row.get("seconds", row.get("seconds_per_token"))
             lines.append(
                 f"| {name} | {t:.3f} s | {row['floor_s'] or 0:.3f} s | "
-                f"{ratio(t, row['floor_s'])} | {target} | {peak(inf['gpu_peak_bytes'])} |"
+                f"{ratio(t, row['floor_s'])} | {near(row)} | {target} | "
+                f"{peak(inf['gpu_peak_bytes'])} |"
             )
     for row in r.get("lora", []):
         name = f"LoRA r{m['lora_rank']} {row['batch']}x{m['seq_len']} (ramflow {row['gpu_memory']})"
@@ -432,7 +500,7 @@ def markdown(r: dict[str, Any]) -> str:
             target += f", GPU <= {row['gpu_limit_gib']} GiB"
         lines.append(
             f"| {name} | {row['step_s']:.3f} s | {row['floor_s'] or 0:.3f} s | {cmp} | "
-            f"{target} | {peak(row['gpu_peak_bytes'])} |"
+            f"{near(row) if row['batch'] == 1 else '-'} | {target} | {peak(row['gpu_peak_bytes'])} |"
         )
     if "peer" in r:
         p = r["peer"]
@@ -441,7 +509,7 @@ def markdown(r: dict[str, Any]) -> str:
             if p["result"]
             else f"does not run: {p.get('error') or 'rc ' + str(p['returncode'])}"
         )
-        lines.append(f"| accelerate device_map=auto | {what} | - | - | - | - |")
+        lines.append(f"| accelerate device_map=auto | {what} | - | - | - | - | - |")
     lines += [f"\n{note}" for note in r["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -481,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         args.gpu_memory = None
     dev = torch.device(device)
     rate, flops = measure.pinned_bandwidth(dev)["h2d"], matmul_rate(dev)
+    probe = LinkProbe(device) if device.startswith("cuda") else None
     result: dict[str, Any] = {
         "meta": {
             "shape": args.shape,
@@ -519,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         write()
         print(result["plan"], flush=True)
         if args.part in ("all", "inference"):
-            result["inference"] = inference(model, args, device, rate)
+            result["inference"] = inference(model, args, device, rate, probe)
             write()
             if args.trace and device.startswith("cuda"):
                 result["copy_trace"] = copy_engine_trace(model, args, device, args.out_dir)
@@ -527,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.part in ("all", "lora"):
             result["lora"] = []
             for batch in (1, 4):
-                result["lora"].append(lora_step(model, model, args, device, batch, rate, flops))
+                row = lora_step(model, model, args, device, batch, rate, flops, probe)
+                result["lora"].append(row)
                 write()
     write()
     print(markdown(result))
