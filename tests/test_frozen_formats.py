@@ -416,3 +416,73 @@ def test_gpu_copies_run_ahead_of_dequantize_without_a_race(fmt):
         out.float().square().sum().backward()
         ref.float().square().sum().backward()
         assert torch.equal(x.grad, x_plain.grad)
+
+
+# ------------------------------------------------------------------ the Triton dequantize
+
+
+def dequantize_mismatches(device: str) -> list[str]:
+    """The int8 dequantize as one Triton launch against the PyTorch ops, on ``device``, for
+    every output dtype: codes from int8_quantize over magnitudes from 1e-30 to 1e30 (fp16
+    overflows and underflows at the ends), a zero block, and a block count that leaves
+    part of the last program empty (returns what differed; empty: all bits equal). See
+    [Note: one dequantize kernel] in ramflow._frozen_formats."""
+    from ramflow import _frozen_formats as ff
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = ff._TRITON_ROWS * 3 + 5
+    scales = torch.logspace(-30, 30, blocks).repeat_interleave(INT8_BLOCK)
+    w = torch.randn(blocks * INT8_BLOCK, generator=gen) * scales
+    w[:INT8_BLOCK] = 0.0
+    codes, absmax = int8_quantize(w)
+    out_of = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        ref = torch.empty(w.numel(), dtype=dtype, device=device)
+        new = torch.full_like(ref, float("nan"))
+        c, a = codes.to(device), absmax.to(device)
+        scale = a.float() / 127
+        torch.mul(c.view(-1, INT8_BLOCK), scale[:, None], out=ref.view(-1, INT8_BLOCK))
+        ff._dequantize_triton(c, a, new)
+        if not torch.equal(ref.view(torch.uint8), new.view(torch.uint8)):
+            bad = (ref.float() != new.float()).nonzero().flatten()[:5].tolist()
+            out_of.append(f"{dtype}: differs at {bad}")
+    return out_of
+
+
+def test_interpreted_dequantize_kernel_gives_the_pytorch_ops_bits():
+    pytest.importorskip("triton", reason="Triton is installed by the dev extra on Linux x86-64")
+    import os
+    import subprocess
+
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import test_frozen_formats as t; "
+        "bad = t.dequantize_mismatches('cpu'); print('\\n'.join(bad)); sys.exit(1 if bad else 0)"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.gpu
+def test_compiled_dequantize_kernel_gives_the_pytorch_ops_bits_in_one_launch():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ramflow import _frozen_formats as ff
+
+    assert ff._triton_dequantize() is not None, "Triton is not importable"
+    assert dequantize_mismatches("cuda") == []
+    codes, absmax = int8_quantize(torch.randn(1 << 20, device="cuda"))
+    out = torch.empty(1 << 20, dtype=torch.bfloat16, device="cuda")
+    int8_dequantize(codes, absmax, out)  # compiles
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        int8_dequantize(codes, absmax, out)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels == ["int8_dequantize_kernel"], kernels

@@ -35,7 +35,10 @@ data): whatever reads their values fails as a meta tensor does, never silently w
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -180,12 +183,62 @@ def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.to(torch.int8).view(-1), amax.to(torch.bfloat16)
 
 
+# [Note: one dequantize kernel]
+# On a GPU the int8 dequantize of every unit runs beside the model's kernels (on the
+# decompression stream). As PyTorch ops (an int8 tensor times a broadcast fp32 scale, into
+# bf16) it is PyTorch's generic strided elementwise kernel: 4.4 ms for a Llama-3.1-70B layer
+# on an H100 (0.88 G elements), the SMs taken from the LoRA step's matmuls for as long, and
+# the last layer's dequantize a tail no copy hides (2026-11-24 trace, lora_70b.py --trace).
+# Where Triton is importable, one kernel (``_dequant_triton_kernel``) reads each code and
+# absmax once and writes each output once. Same arithmetic, same bits: the scale is
+# absmax / 127 correctly rounded in fp32 (``tl.div_rn``), the product one fp32 multiply
+# rounded once to the output dtype, bf16 rounded to nearest even in integer bits as the
+# lean kernel does. Tests compare the two (interpreted in CI, compiled on the GPU).
+# ``RAMFLOW_DISABLE_TRITON=1`` keeps the PyTorch ops.
+_TRITON_ROWS = 32  # blocks of 64 per program: 2048 elements
+_TRITON_OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@functools.cache
+def _triton_dequantize():
+    """The jitted int8 dequantize kernel, or None where Triton cannot be imported."""
+    try:
+        from ._dequant_triton_kernel import int8_dequantize_kernel
+    except ImportError:
+        return None
+    return int8_dequantize_kernel
+
+
 def int8_dequantize(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor) -> None:
     """Write ``codes`` (n,) int8 times their block's ``absmax`` (B,) / 127 into ``out`` (n,),
-    any float dtype, on their device: one multiply in fp32 per element, rounded once to
-    ``out``'s dtype (so the CPU and a GPU give the same bits)."""
+    fp32, bf16 or fp16, on their device: one multiply in fp32 per element, rounded once to
+    ``out``'s dtype (so the CPU and a GPU give the same bits). On a CUDA device, one Triton
+    kernel where Triton is importable (see [Note: one dequantize kernel])."""
+    if out.is_cuda and _use_triton(out):
+        _dequantize_triton(codes, absmax, out)
+        return
     scale = absmax.float() / 127
     torch.mul(codes.view(-1, INT8_BLOCK), scale[:, None], out=out.view(-1, INT8_BLOCK))
+
+
+def _use_triton(out: torch.Tensor) -> bool:
+    if os.environ.get("RAMFLOW_DISABLE_TRITON", "") not in ("", "0"):
+        return False
+    return out.dtype in _TRITON_OUT and _triton_dequantize() is not None
+
+
+def _dequantize_triton(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor) -> None:
+    """``int8_dequantize`` as one Triton launch (any device Triton runs on: the CPU
+    interpreter in the tests)."""
+    num_blocks = absmax.numel()
+    assert codes.numel() == out.numel() == num_blocks * INT8_BLOCK
+    grid = (-(-num_blocks // _TRITON_ROWS),)
+    with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+        _triton_dequantize()[grid](
+            codes, absmax, out, num_blocks,
+            OUT=_TRITON_OUT[out.dtype], QBLOCK=INT8_BLOCK, ROWS=_TRITON_ROWS,
+            num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
 
 
 class FrozenStore:
