@@ -422,11 +422,12 @@ def test_gpu_copies_run_ahead_of_dequantize_without_a_race(fmt):
 
 
 def dequantize_mismatches(device: str) -> list[str]:
-    """The int8 dequantize as one Triton launch against the PyTorch ops, on ``device``, for
-    every output dtype: codes from int8_quantize over magnitudes from 1e-30 to 1e30 (fp16
-    overflows and underflows at the ends), a zero block, and a block count that leaves
-    part of the last program empty (returns what differed; empty: all bits equal). See
-    [Note: one dequantize kernel] in ramflow._frozen_formats."""
+    """The int8 dequantize on ``device``, as one Triton launch and as PyTorch ops (with
+    Triton disabled), against the PyTorch ops on the CPU (the definition), for every output
+    dtype: codes from int8_quantize over magnitudes from 1e-30 to 1e30 (fp16 overflows and
+    underflows at the ends), a zero block, and a block count that leaves part of the last
+    program empty (returns what differed; empty: all bits equal). See [Note: one
+    dequantize kernel] in ramflow._frozen_formats."""
     from ramflow import _frozen_formats as ff
 
     gen = torch.Generator().manual_seed(0)
@@ -437,15 +438,20 @@ def dequantize_mismatches(device: str) -> list[str]:
     codes, absmax = int8_quantize(w)
     out_of = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        ref = torch.empty(w.numel(), dtype=dtype, device=device)
-        new = torch.full_like(ref, float("nan"))
+        ref = torch.empty(w.numel(), dtype=dtype)
+        ff.int8_dequantize(codes, absmax, ref)  # on the CPU: PyTorch ops
         c, a = codes.to(device), absmax.to(device)
-        scale = a.float() / 127
-        torch.mul(c.view(-1, INT8_BLOCK), scale[:, None], out=ref.view(-1, INT8_BLOCK))
-        ff._dequantize_triton(c, a, new)
-        if not torch.equal(ref.view(torch.uint8), new.view(torch.uint8)):
-            bad = (ref.float() != new.float()).nonzero().flatten()[:5].tolist()
-            out_of.append(f"{dtype}: differs at {bad}")
+        triton_out = torch.full(ref.shape, float("nan"), dtype=dtype, device=device)
+        ff._dequantize_triton(c, a, triton_out)
+        ops_out = torch.full_like(triton_out, float("nan"))
+        with pytest.MonkeyPatch.context() as mp_:
+            mp_.setenv("RAMFLOW_DISABLE_TRITON", "1")
+            ff.int8_dequantize(c, a, ops_out)
+        for name, new in (("triton", triton_out), ("ops", ops_out)):
+            new = new.cpu()
+            if not torch.equal(ref.view(torch.uint8), new.view(torch.uint8)):
+                bad = (ref.float() != new.float()).nonzero().flatten()[:5].tolist()
+                out_of.append(f"{name} {dtype}: differs at {bad}")
     return out_of
 
 
@@ -476,7 +482,8 @@ def test_compiled_dequantize_kernel_gives_the_pytorch_ops_bits_in_one_launch():
     from ramflow import _frozen_formats as ff
 
     assert ff._triton_dequantize() is not None, "Triton is not importable"
-    assert dequantize_mismatches("cuda") == []
+    mismatches = dequantize_mismatches("cuda")
+    assert mismatches == [], mismatches
     codes, absmax = int8_quantize(torch.randn(1 << 20, device="cuda"))
     out = torch.empty(1 << 20, dtype=torch.bfloat16, device="cuda")
     int8_dequantize(codes, absmax, out)  # compiles

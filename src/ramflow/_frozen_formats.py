@@ -217,7 +217,9 @@ def int8_dequantize(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor
     if out.is_cuda and _use_triton(out):
         _dequantize_triton(codes, absmax, out)
         return
-    scale = absmax.float() / 127
+    # a divisor on the tensors' device: PyTorch's CUDA division by a Python or CPU scalar
+    # multiplies by its reciprocal, which is not correctly rounded (not the CPU's bits)
+    scale = absmax.float() / torch.full((), 127.0, device=absmax.device)
     torch.mul(codes.view(-1, INT8_BLOCK), scale[:, None], out=out.view(-1, INT8_BLOCK))
 
 
