@@ -601,6 +601,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU")
     p.add_argument(
+        "--compare-waits",
+        action="store_true",
+        help="run inference again with spinning waits (ramflow._streams._BLOCKING = False)",
+    )
+    p.add_argument(
         "--trace",
         action="store_true",
         help="profile one prefill and one decode step: the copy engine's busy share and gaps",
@@ -658,6 +663,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.part in ("all", "inference"):
             result["inference"] = inference(model, args, device, rate, probe)
             write()
+            if args.compare_waits and device.startswith("cuda"):
+                from ramflow import _streams
+
+                _streams._BLOCKING = False
+                try:
+                    result["inference_spinning_waits"] = inference(model, args, device, rate, probe)
+                    write()
+                    if args.trace:
+                        result["copy_events_spinning_waits"] = copy_event_timeline(
+                            model, args, device
+                        )
+                finally:
+                    _streams._BLOCKING = True
+                result["inference_sleeping_waits_again"] = inference(
+                    model, args, device, rate, probe
+                )
+                write()
             if args.trace and device.startswith("cuda"):
                 result["copy_events"] = copy_event_timeline(model, args, device)
                 write()
