@@ -16,6 +16,12 @@ size is never in host RAM. Measured, each against its floor:
 * host RSS peak and GPU peak; ``--peer accelerate``: accelerate's ``device_map="auto"``
   offload of the same shape, or its failure.
 
+``--lora-variants`` times the LoRA cases once per variant, each on top of the ones before
+it, on one model: ``stock`` (Hugging Face's Llama and PEFT's LoRA as they come), ``fused``
+(``ramflow.helpers.fuse_lora``: the rank-r update written in the frozen matmul's epilogue),
+``liger`` (also Liger Kernel's RMSNorm, SwiGLU and RoPE, ``apply_liger_kernel_to_llama``;
+needs ``liger-kernel``).
+
 ``--frozen-format bf16`` keeps frozen weights in the wire dtype. Writes ``lora_70b.json`` and ``lora_70b.md`` under ``--out-dir``;
 ``--smoke`` runs a tiny shape on the CPU (tested in CI).
 
@@ -431,6 +437,26 @@ def lora_step(peft_model, model, args, device: str, batch: int, rate, flops, pro
     }
 
 
+def apply_variant(peft_model, variant: str) -> None:
+    """Make ``peft_model`` the LoRA ``variant`` (see ``--lora-variants``), in place."""
+    if variant == "stock":
+        return
+    if variant not in ("fused", "liger"):
+        raise ValueError(f"unknown LoRA variant {variant!r}: stock, fused or liger")
+    ramflow.helpers.fuse_lora(peft_model)
+    if variant == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(
+            rope=True,
+            rms_norm=True,
+            swiglu=True,
+            cross_entropy=False,
+            fused_linear_cross_entropy=False,  # the benchmark's head computes its chunked loss
+            model=peft_model.get_base_model(),
+        )
+
+
 def _run_accelerate(args, device: str, max_memory: dict) -> dict[str, Any]:
     """The shape built in bf16 on the CPU and dispatched by accelerate, in a child process
     (for shapes whose bf16 weights fit in RAM): one timed prefill."""
@@ -554,6 +580,8 @@ def markdown(r: dict[str, Any]) -> str:
             )
     for row in r.get("lora", []):
         name = f"LoRA r{m['lora_rank']} {row['batch']}x{m['seq_len']} (ramflow {row['gpu_memory']})"
+        if row.get("variant", "stock") != "stock":
+            name += f", {row['variant']}"
         if row["batch"] == 1:
             cmp, target = ratio(row["step_s"], row["floor_s"]), "<= 1.15x"
         else:
@@ -596,6 +624,11 @@ def main(argv: list[str] | None = None) -> int:
         help="ramflow's device budget, one plan for every case (activations come on top)",
     )
     p.add_argument("--layers", type=int, default=None, help="fewer decoder layers (a quick check)")
+    p.add_argument(
+        "--lora-variants",
+        default="stock",
+        help="comma-separated, cumulative, in this order: stock, fused, liger (see above)",
+    )
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--device", default=None)
     p.add_argument("--out-dir", type=Path, required=True)
@@ -687,10 +720,12 @@ def main(argv: list[str] | None = None) -> int:
                 write()
         if args.part in ("all", "lora"):
             result["lora"] = []
-            for batch in (1, 4):
-                row = lora_step(model, model, args, device, batch, rate, flops, probe)
-                result["lora"].append(row)
-                write()
+            for variant in args.lora_variants.split(","):
+                apply_variant(model, variant)
+                for batch in (1, 4):
+                    row = lora_step(model, model, args, device, batch, rate, flops, probe)
+                    result["lora"].append({"variant": variant, **row})
+                    write()
     write()
     print(markdown(result))
     return 0

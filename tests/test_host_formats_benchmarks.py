@@ -75,15 +75,18 @@ def test_frozen_quality_smoke(tmp_path: Path) -> None:
 def test_lora_70b_smoke(tmp_path: Path) -> None:
     """Issue 16's 70B script on a tiny shape: materialized from the meta device, inference
     and LoRA steps measured, and accelerate's offload as the peer."""
-    _run("lora_70b.py", "--out-dir", str(tmp_path))
+    _run("lora_70b.py", "--lora-variants", "stock,fused", "--out-dir", str(tmp_path))
     result = json.loads((tmp_path / "lora_70b.json").read_text())
     inference = result["inference"]
     assert inference["streamed_bytes_per_pass"] > 0
     assert inference["prefill"]["seconds"] > 0 and inference["decode_b32"]["seconds_per_token"] > 0
-    assert [r["batch"] for r in result["lora"]] == [1, 4]
+    assert [(r["variant"], r["batch"]) for r in result["lora"]] == [
+        ("stock", 1), ("stock", 4), ("fused", 1), ("fused", 4)
+    ]  # fmt: skip
     assert all(r["step_s"] > 0 and r["adapter_parameters"] > 0 for r in result["lora"])
     # gradients reached every adapter (the tiny shape: 2 layers x 7 projections)
-    assert [r["adapters_trained"] for r in result["lora"]] == ["14 of 14"] * 2
+    assert [r["adapters_trained"] for r in result["lora"]] == ["14 of 14"] * 4
+    assert "4x32 (ramflow None), fused" in (tmp_path / "lora_70b.md").read_text()
     assert result["host_rss_peak_bytes"] > 0
     _run("lora_70b.py", "--peer", "accelerate", "--out-dir", str(tmp_path))
     peer = json.loads((tmp_path / "lora_70b-accelerate.json").read_text())["peer"]

@@ -162,6 +162,67 @@ def test_checkpoint_inside_unit(device, mode):
     assert max_rel(ours, theirs) < 1e-6
 
 
+class ReadsChildWeights(torch.nn.Module):
+    """Computes its child's linear map from the child's parameters without calling the
+    child, as a fused kernel does (``ramflow.helpers.fuse_lora``'s layers read their base
+    layer's weight so); ``direct`` calls the child instead."""
+
+    def __init__(self, dim: int, direct: bool) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+        self.direct = direct
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.direct:
+            return self.proj(x)
+        return torch.nn.functional.linear(x, self.proj.weight, self.proj.bias)
+
+
+class IndirectBlock(torch.nn.Module):
+    def __init__(self, dim: int, *, reentrant: bool, direct: bool) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.mix = ReadsChildWeights(dim, direct)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return x + checkpoint(self.mix, torch.tanh(self.norm(x)), use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("child", ["trained", "frozen_int8"])
+def test_checkpointed_module_reading_a_childs_parameters(device, mode, child):
+    """The recomputation in backward calls a module that holds no parameter itself but reads
+    its child's: it must see the device parameters (see [Note: parameters during
+    backward]) and its gradients must reach the child's, so it trains as the same model
+    calling the child does. Reading the host parameters instead fails on the GPU (another
+    device) and, for frozen int8 weights, on the CPU too (the host keeps no bf16 copy)."""
+    curves = []
+    for direct in (True, False):
+        torch.manual_seed(0)
+        blocks = [IndirectBlock(32, reentrant=mode == "reentrant", direct=direct) for _ in range(3)]
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), *blocks, torch.nn.Linear(32, 8))
+        extra = {}
+        if child == "frozen_int8":
+            for b in blocks:
+                b.mix.proj.requires_grad_(False)
+            extra["frozen_format"] = "int8"
+        ramflow.offload(model, device=device, wire_dtype=torch.bfloat16, **extra)
+        opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
+        curve = []
+        for batch in mlp_batches(3, device) * 2:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = mse(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            curve.append(loss.item())
+        curves.append(torch.tensor(curve))
+    assert torch.equal(curves[0], curves[1]), curves
+
+
 def test_unit_called_twice_and_skipped(device):
     """The schedule changes between steps: a block runs twice, another is skipped."""
     torch.manual_seed(0)

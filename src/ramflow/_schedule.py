@@ -19,8 +19,10 @@ The module slots of a unit point at its device parameters only while one of its 
 calls runs (pre- to post-forward hook, ``always_call``, so also when the forward raises).
 A recomputation during backward that does not call the unit's own forward (the user's
 ``torch.utils.checkpoint`` inside the unit, or ours, which wraps ``forward``) swaps the
-unit in for the duration of each call of a module inside it that holds its parameters
-(forward hooks on those modules), and our wrapper swaps around its call. So outside a
+unit in for the duration of each call of a module inside it that holds its parameters or
+has a submodule that does (forward hooks on those modules: a module may read a child's
+parameters without calling the child, as ``ramflow.helpers.fuse_lora``'s layers read their
+base layer's weight), and our wrapper swaps around its call. So outside a
 forward call, ``model.parameters()`` always yields the user's host parameters, even after
 a backward pass that raised halfway.
 
@@ -91,6 +93,26 @@ from .memory.checkpointing import (
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _slot_callers(roots: list[nn.Module], holders: list[nn.Module]) -> list[nn.Module]:
+    """The modules under the unit's ``roots`` (not the roots themselves) that hold one of
+    its parameters (``holders``) or contain a module that does, each once, in module
+    order. See [Note: parameters during backward]."""
+    holder_ids = {id(m) for m in holders}
+    root_ids = {id(r) for r in roots}
+    found: dict[int, nn.Module] = {}
+    for root in roots:
+        for sub in root.modules():
+            if id(sub) in root_ids or id(sub) in found:
+                continue
+            if any(id(d) in holder_ids for d in sub.modules()):
+                found[id(sub)] = sub
+    # holders outside every root (a parameter tied into another module) keep their hooks
+    for m in holders:
+        if id(m) not in root_ids:
+            found.setdefault(id(m), m)
+    return list(found.values())
 
 
 def _checkpointed_forward(
@@ -259,8 +281,8 @@ class Schedule:
                     )
                 )
             # See [Note: parameters during backward]
-            inner = {id(m): m for m, _, _, _ in u.slots if all(m is not v for v in u.modules)}
-            for m in inner.values():
+            inner = _slot_callers(u.modules, [m for m, _, _, _ in u.slots])
+            for m in inner:
                 self._hooks.append(
                     m.register_forward_pre_hook(UnitHook(self._slot_pre_forward, u.index))
                 )

@@ -1,6 +1,8 @@
 """Converting existing models: ``replace_linear`` swaps ``nn.Linear`` layers for
-``ramflow.Linear`` ones that keep their weights in CPU RAM."""
+``ramflow.Linear`` ones that keep their weights in CPU RAM; ``fuse_lora`` computes PEFT's
+LoRA layers without the elementwise passes around their rank-r update."""
 
 from ._linear import replace_linear
+from ._lora_fused import fuse_lora, unfuse_lora
 
-__all__ = ["replace_linear"]
+__all__ = ["fuse_lora", "replace_linear", "unfuse_lora"]
