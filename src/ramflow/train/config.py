@@ -98,6 +98,9 @@ class TrainConfig:
             None: attention and MLP projections (``lora.DEFAULT_TARGETS``).
         frozen_format: ``int8`` or ``nf4``: frozen weights kept compressed in host RAM
             (``ramflow.offload(..., frozen_format=...)``); None: in the wire dtype.
+        fuse_lora: compute each LoRA layer as one frozen matmul with the rank-r update
+            written in its epilogue (``ramflow.helpers.fuse_lora``, ``--fuse-lora``): fewer
+            passes over activations, the same function up to one rounding of the sum.
     """
 
     preset: str | None = "tiny"
@@ -133,6 +136,7 @@ class TrainConfig:
     lora_rank: int | None = None
     lora_targets: str | None = None
     frozen_format: str | None = None
+    fuse_lora: bool = False
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.model is None):
@@ -187,6 +191,10 @@ class TrainConfig:
                 raise ValueError("--lora-targets chooses where LoRA goes: give --lora RANK too")
             parse_targets(self.lora_targets)
         check_frozen_format(self.frozen_format)
+        if self.fuse_lora and self.lora_rank is None:
+            raise ValueError(
+                "--fuse-lora fuses the LoRA layers of a LoRA run: give --lora RANK too"
+            )
         if self.device_optimizer and self.lora_rank is not None:
             raise ValueError(
                 "--device-optimizer steps a full fine-tune's units on the device; with --lora "

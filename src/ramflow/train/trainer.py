@@ -406,6 +406,8 @@ def _train(
                 targets=parse_targets(config.lora_targets),
                 seed=config.seed,
             )
+            if config.fuse_lora:
+                ramflow.helpers.fuse_lora(model)
             if ckpt is not None:
                 load_adapters(model, ckpt.path)
         elif plan.resident != est.plan.resident or plan.window_bytes != est.plan.window_bytes:
