@@ -309,6 +309,73 @@ def _markdown(result: dict, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summarize_seeds(dirs: list[Path], out_dir: Path) -> dict:
+    """Several seeds' outputs of this script (each a folder with ``accuracy.json`` and
+    ``<format>/log.jsonl``) in one report: per seed, each format's final validation loss
+    against the same seed's fp32; per format, the mean over its seeds against fp32's mean
+    over the same seeds. A seed counts for a format only where both runs reached the last
+    step. Writes ``seeds.json``, ``seeds.md`` and ``seeds.png`` (every run's validation
+    curve) into ``out_dir``."""
+    seeds = []
+    curves: dict[str, dict] = {}
+    for d in dirs:
+        r = json.loads((d / "accuracy.json").read_text())
+        meta, rows = r["meta"], r["formats"]
+        final = {
+            f: row["final_val_loss"]
+            for f, row in rows.items()
+            if row["final_val_step"] == meta["steps"] and row["final_val_loss"] is not None
+        }
+        seeds.append(
+            {"seed": meta["seed"], "folder": str(d), "steps": meta["steps"], "final_val": final}
+        )
+        for f in rows:
+            log = d / f / "log.jsonl"
+            if log.exists():
+                curves[f"{f}, seed {meta['seed']}"] = _curves(d / f)
+    formats = [f for f in FORMATS if any(f in s["final_val"] for s in seeds)]
+    summary = {}
+    for f in formats:
+        pairs = [(s["final_val"][f], s["final_val"]["fp32"], s["seed"]) for s in seeds
+                 if f in s["final_val"] and "fp32" in s["final_val"]]  # fmt: skip
+        if not pairs:
+            continue
+        mine = sum(a for a, _, _ in pairs) / len(pairs)
+        base = sum(b for _, b, _ in pairs) / len(pairs)
+        summary[f] = {
+            "seeds": [seed for _, _, seed in pairs],
+            "rel_to_fp32_per_seed": [(a - b) / b for a, b, _ in pairs],
+            "mean_final_val": mine,
+            "fp32_mean_final_val": base,
+            "mean_rel_to_fp32": (mine - base) / base,
+            "within_target": abs(mine - base) / base <= TARGET_RELATIVE,
+        }
+    result = {"seeds": seeds, "formats": summary, "target_relative": TARGET_RELATIVE}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "seeds.json").write_text(json.dumps(result, indent=2) + "\n")
+    _plot(curves, out_dir / "seeds.png", "host formats, every seed")
+    lines = [
+        "# Host formats over several seeds",
+        "",
+        f"Final validation loss against fp32's over the same seeds (target: within "
+        f"{TARGET_RELATIVE:.0%}). Folders: " + ", ".join(f"`{s['folder']}`" for s in seeds) + ".",
+        "",
+        "![curves](seeds.png)",
+        "",
+        "| format | seeds | vs fp32, per seed | mean final val | fp32 mean | mean vs fp32 | within |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for f, row in summary.items():
+        per = ", ".join(f"{x:+.2%}" for x in row["rel_to_fp32_per_seed"])
+        lines.append(
+            f"| {f} | {', '.join(map(str, row['seeds']))} | {per} | "
+            f"{row['mean_final_val']:.4f} | {row['fp32_mean_final_val']:.4f} | "
+            f"{row['mean_rel_to_fp32']:+.2%} | {row['within_target']} |"
+        )
+    (out_dir / "seeds.md").write_text("\n".join(lines) + "\n")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", required=True, help="folder for the plot, report and logs")
@@ -335,7 +402,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace-s", type=float, default=90.0, help="time left for the runs to save")
     p.add_argument("--resume", action="store_true", help="continue runs stopped by the budget")
     p.add_argument("--smoke", action="store_true", help="tiny preset, few steps, on the CPU")
+    p.add_argument(
+        "--seeds",
+        default=None,
+        metavar="DIRS",
+        help="comma-separated output folders of runs with other seeds: write their summary "
+        "(seeds.md, seeds.json, seeds.png) into --out-dir and run nothing",
+    )
     args = p.parse_args(argv)
+    if args.seeds is not None:
+        summarize_seeds([Path(d) for d in args.seeds.split(",") if d], Path(args.out_dir))
+        print((Path(args.out_dir) / "seeds.md").read_text())
+        return 0
     args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = sorted(set(args.formats) - set(FORMATS))
     if unknown or not args.formats:

@@ -39,6 +39,13 @@ def test_accuracy_smoke(tmp_path: Path) -> None:
     assert rows["lean"]["final_val_rel_to_fp32"] is not None
     assert (out / "accuracy.png").stat().st_size > 0
     assert "lean" in (out / "accuracy.md").read_text()
+    # the summary over seeds: here the same run twice, so the mean is that run's figure
+    _run("host_formats_accuracy.py", "--seeds", f"{out},{out}", "--out-dir", str(tmp_path / "s"))
+    seeds = json.loads((tmp_path / "s" / "seeds.json").read_text())["formats"]
+    lean = rows["lean"]["final_val_rel_to_fp32"]
+    assert seeds["lean"]["rel_to_fp32_per_seed"] == [lean, lean]
+    assert seeds["lean"]["mean_rel_to_fp32"] == lean  # (x + x) / 2 is x exactly
+    assert (tmp_path / "s" / "seeds.png").stat().st_size > 0
 
 
 def test_scale_smoke(tmp_path: Path) -> None:
