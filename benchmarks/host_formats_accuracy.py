@@ -311,28 +311,35 @@ def _markdown(result: dict, title: str) -> str:
 
 def summarize_seeds(dirs: list[Path], out_dir: Path) -> dict:
     """Several seeds' outputs of this script (each a folder with ``accuracy.json`` and
-    ``<format>/log.jsonl``) in one report: per seed, each format's final validation loss
-    against the same seed's fp32; per format, the mean over its seeds against fp32's mean
-    over the same seeds. A seed counts for a format only where both runs reached the last
-    step. Writes ``seeds.json``, ``seeds.md`` and ``seeds.png`` (every run's validation
+    ``<format>/log.jsonl``; folders of one seed are merged, so a format run later is set
+    against the same seed's fp32 run of another folder) in one report: per seed, each
+    format's final validation loss against the same seed's fp32; per format, the mean over
+    its seeds against fp32's mean over the same seeds. A seed counts for a format only
+    where both runs reached the last step. Raises ValueError for two runs of one format
+    and seed, or folders of one seed with different step counts. Writes ``seeds.json``, ``seeds.md`` and ``seeds.png`` (every run's validation
     curve) into ``out_dir``."""
-    seeds = []
+    by_seed: dict[int, dict] = {}
     curves: dict[str, dict] = {}
     for d in dirs:
         r = json.loads((d / "accuracy.json").read_text())
         meta, rows = r["meta"], r["formats"]
-        final = {
-            f: row["final_val_loss"]
-            for f, row in rows.items()
-            if row["final_val_step"] == meta["steps"] and row["final_val_loss"] is not None
-        }
-        seeds.append(
-            {"seed": meta["seed"], "folder": str(d), "steps": meta["steps"], "final_val": final}
+        entry = by_seed.setdefault(
+            meta["seed"],
+            {"seed": meta["seed"], "folders": [], "steps": meta["steps"], "final_val": {}},
         )
-        for f in rows:
-            log = d / f / "log.jsonl"
-            if log.exists():
+        if meta["steps"] != entry["steps"]:
+            raise ValueError(
+                f"{d} ran {meta['steps']} steps, another folder of seed {meta['seed']} {entry['steps']}"
+            )
+        entry["folders"].append(str(d))
+        for f, row in rows.items():
+            if f in entry["final_val"]:
+                raise ValueError(f"seed {meta['seed']} has two {f} runs ({d} and another folder)")
+            if row["final_val_step"] == meta["steps"] and row["final_val_loss"] is not None:
+                entry["final_val"][f] = row["final_val_loss"]
+            if (d / f / "log.jsonl").exists():
                 curves[f"{f}, seed {meta['seed']}"] = _curves(d / f)
+    seeds = [by_seed[k] for k in sorted(by_seed)]
     formats = [f for f in FORMATS if any(f in s["final_val"] for s in seeds)]
     summary = {}
     for f in formats:
@@ -358,7 +365,9 @@ def summarize_seeds(dirs: list[Path], out_dir: Path) -> dict:
         "# Host formats over several seeds",
         "",
         f"Final validation loss against fp32's over the same seeds (target: within "
-        f"{TARGET_RELATIVE:.0%}). Folders: " + ", ".join(f"`{s['folder']}`" for s in seeds) + ".",
+        f"{TARGET_RELATIVE:.0%}). Folders: "
+        + ", ".join(f"`{f}`" for s in seeds for f in s["folders"])
+        + ".",
         "",
         "![curves](seeds.png)",
         "",

@@ -39,13 +39,28 @@ def test_accuracy_smoke(tmp_path: Path) -> None:
     assert rows["lean"]["final_val_rel_to_fp32"] is not None
     assert (out / "accuracy.png").stat().st_size > 0
     assert "lean" in (out / "accuracy.md").read_text()
-    # the summary over seeds: here the same run twice, so the mean is that run's figure
-    _run("host_formats_accuracy.py", "--seeds", f"{out},{out}", "--out-dir", str(tmp_path / "s"))
+    # the summary over seeds: seed 1's lean and fp32 runs in two folders, merged by seed
+    for fmt in ("lean", "fp32"):
+        _run("host_formats_accuracy.py", "--formats", fmt, "--seed", "1",
+             "--out-dir", str(tmp_path / f"{fmt}-1"), "--run-root", str(tmp_path / f"runs-{fmt}-1"))  # fmt: skip
+    final = {f: json.loads((tmp_path / f"{f}-1" / "accuracy.json").read_text())["formats"][f]["final_val_loss"]
+             for f in ("lean", "fp32")}  # fmt: skip
+    folders = f"{out},{tmp_path / 'lean-1'},{tmp_path / 'fp32-1'}"
+    _run("host_formats_accuracy.py", "--seeds", folders, "--out-dir", str(tmp_path / "s"))
     seeds = json.loads((tmp_path / "s" / "seeds.json").read_text())["formats"]
-    lean = rows["lean"]["final_val_rel_to_fp32"]
-    assert seeds["lean"]["rel_to_fp32_per_seed"] == [lean, lean]
-    assert seeds["lean"]["mean_rel_to_fp32"] == lean  # (x + x) / 2 is x exactly
+    assert seeds["lean"]["seeds"] == [0, 1]
+    lean_1 = (final["lean"] - final["fp32"]) / final["fp32"]
+    assert seeds["lean"]["rel_to_fp32_per_seed"] == [rows["lean"]["final_val_rel_to_fp32"], lean_1]
+    fp32_mean = (rows["fp32"]["final_val_loss"] + final["fp32"]) / 2
+    assert seeds["lean"]["fp32_mean_final_val"] == fp32_mean
     assert (tmp_path / "s" / "seeds.png").stat().st_size > 0
+    # one format twice for one seed is refused
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "host_formats_accuracy.py"), "--seeds",
+         f"{out},{out}", "--out-dir", str(tmp_path / "dup")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "seed 0 has two fp32 runs" in proc.stderr
 
 
 def test_scale_smoke(tmp_path: Path) -> None:
