@@ -389,18 +389,14 @@ def _copy_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def lora_step(peft_model, model, args, device: str, batch: int, rate, flops, probe=None) -> dict:
-    """Timed LoRA steps of ``batch`` x ``args.seq_len`` tokens on the offloaded model."""
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats(device)
-    peft_model.train()  # inference() left it in eval mode, where checkpointing is off
-    opt = ramflow.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4)
-    vocab = SHAPES[args.shape][5]
-    ids = torch.randint(0, vocab, (batch, args.seq_len), device=device)
-
+def make_lora_step(peft_model, opt, ids: torch.Tensor, device: str):
+    """One LoRA training step of ``peft_model`` (built by ``build``) on the token ids
+    ``ids`` (batch, seq_len) under bf16 autocast: forward with the chunked loss, backward,
+    ``opt.step()``, ``opt.zero_grad()``. Returns a function that runs it and returns the
+    loss (a 0-dim fp32 tensor on ``device``)."""
     head = peft_model.get_base_model().lm_head
 
-    def step():
+    def step() -> torch.Tensor:
         head.labels_BT = ids  # the forward returns the chunked loss as its "logits"
         try:
             with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
@@ -410,7 +406,21 @@ def lora_step(peft_model, model, args, device: str, batch: int, rate, flops, pro
         loss.backward()
         opt.step()
         opt.zero_grad()
+        return loss
 
+    return step
+
+
+def lora_step(peft_model, model, args, device: str, batch: int, rate, flops, probe=None) -> dict:
+    """Timed LoRA steps of ``batch`` x ``args.seq_len`` tokens on the offloaded model."""
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    peft_model.train()  # inference() left it in eval mode, where checkpointing is off
+    opt = ramflow.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4)
+    vocab = SHAPES[args.shape][5]
+    ids = torch.randint(0, vocab, (batch, args.seq_len), device=device)
+
+    step = make_lora_step(peft_model, opt, ids, device)
     runs: list[float] = []
     rates: list[float] = []
     t = timed(step, device, args.repeat, runs, probe=probe, rates=rates)

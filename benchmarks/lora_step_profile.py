@@ -14,6 +14,8 @@ before it):
   with ``lora``.
 
     python benchmarks/lora_step_profile.py --layers 8 --batch 4 --out-dir DIR
+
+``--smoke`` runs the tiny shape on the CPU without the profiler (tested in CI).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 
 import ramflow
 from host_formats_scale import matmul_rate
-from lora_70b import SHAPES, build
+from lora_70b import SHAPES, build, make_lora_step, sync
 
 KINDS = [
     ("dequantize", ("dequantize",)),
@@ -123,9 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default="stock,lora,rms,liger")
     p.add_argument("--profile", default="stock,liger", help="variants to profile, comma-separated")
     p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU, no profile")
     args = p.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     device = "cuda"
+    if args.smoke:
+        args.shape, args.layers, args.batch, args.seq_len, args.repeat = "tiny", None, 2, 32, 1
+        args.gpu_memory, args.variants, args.profile, device = None, "stock,lora,rms", "", "cpu"
+    cuda = device == "cuda"
     flops = matmul_rate(torch.device(device))
     model, load_s = build(args.shape, device=device, gpu_memory=args.gpu_memory,
                           frozen_format=args.frozen_format, lora_rank=16, layers=args.layers)  # fmt: skip
@@ -133,25 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     opt = ramflow.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, SHAPES[args.shape][5], (args.batch, args.seq_len), device=device)
-    head = model.get_base_model().lm_head
-
-    def step():
-        head.labels_BT = ids
-        try:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=ids).logits
-        finally:
-            head.labels_BT = None
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = make_lora_step(model, opt, ids, device)
     result: dict[str, Any] = {
         "meta": {"shape": args.shape, "layers": args.layers, "batch": args.batch,
                  "seq_len": args.seq_len, "frozen_format": args.frozen_format,
                  "parameters": num_params, "load_s": load_s,
-                 "matmul_tflops": flops / 1e12, "device": torch.cuda.get_device_name()},
+                 "matmul_tflops": flops and flops / 1e12,
+                 "device": torch.cuda.get_device_name() if cuda else "cpu"},
         "variants": {},
     }  # fmt: skip
     tokens = args.batch * args.seq_len
@@ -165,26 +160,27 @@ def main(argv: list[str] | None = None) -> int:
 
             apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                         fused_linear_cross_entropy=False, model=model.get_base_model())  # fmt: skip
-        torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         step()
         runs = []
         losses = []
         for _ in range(args.repeat):
-            torch.cuda.synchronize()
+            sync(device)
             t0 = time.perf_counter()
             losses.append(float(step()))
-            torch.cuda.synchronize()
+            sync(device)
             runs.append(time.perf_counter() - t0)
         t = sorted(runs)[len(runs) // 2]
         row: dict[str, Any] = {
             "step_s": t,
             "runs_s": runs,
             "losses": losses,
-            "x_matmul_4PT": 4 * num_params * tokens / t / flops,
-            "x_matmul_6PT": 6 * num_params * tokens / t / flops,
-            "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "x_matmul_4PT": flops and 4 * num_params * tokens / t / flops,
+            "x_matmul_6PT": flops and 6 * num_params * tokens / t / flops,
+            "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         }
-        if variant in args.profile.split(","):
+        if cuda and variant in args.profile.split(","):
             row["profile"] = profile_step(step, args.out_dir, variant)
         result["variants"][variant] = row
         print(variant, json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)

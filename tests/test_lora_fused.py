@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import ramflow
-from models import tiny_llama
+from models import enable_hf_checkpointing, tiny_llama
 
 peft = pytest.importorskip("peft")
 from ramflow._lora_fused import _LoraLinear  # noqa: E402
@@ -117,12 +117,7 @@ def test_offloaded_fused_equals_resident_fused(device, when, checkpointing):
     torch.manual_seed(0)
     base = tiny_llama(tie=False, hidden=128, intermediate=256)
     if checkpointing:
-        kwargs = {"use_reentrant": False}
-        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x
-            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        base.train()
+        enable_hf_checkpointing(base)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
     model = peft.get_peft_model(base, config)
     ref = copy.deepcopy(model).to(device)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ramflow
-from models import LoRAStack, MLPStack, minilm_dir, tiny_llama
+from models import LoRAStack, MLPStack, enable_hf_checkpointing, minilm_dir, tiny_llama
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -141,12 +141,7 @@ def test_llama_gradient_checkpointing_hf(device):
     """Hugging Face's own activation checkpointing wraps each decoder layer (a unit)."""
     torch.manual_seed(0)
     model = tiny_llama(tie=False)
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model.train()
+    enable_hf_checkpointing(model)
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 128, (2, 16), generator=g).to(device) for _ in range(2)]
     ours, theirs, _ = train_pair(model, batches, device, loss_fn=lm_loss, steps=6, lr=3e-3)
