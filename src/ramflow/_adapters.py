@@ -104,7 +104,8 @@ def choose_on_device(
         return []
     # the automatic rule takes adapters only (a trainable head of a frozen backbone streams
     # with its unit, in the wire dtype, as any layer the model computes in it)
-    trainable = [p for p in trainable if id(p) in _adapter_ids(model)]
+    adapters = _adapter_ids(model)  # once: it walks the whole model
+    trainable = [p for p in trainable if id(p) in adapters]
     if not trainable:
         return []
     numel = sum(p.numel() for p in params)

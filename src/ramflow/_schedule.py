@@ -101,13 +101,22 @@ def _slot_callers(roots: list[nn.Module], holders: list[nn.Module]) -> list[nn.M
     order. See [Note: parameters during backward]."""
     holder_ids = {id(m) for m in holders}
     root_ids = {id(r) for r in roots}
+    contains: dict[int, bool] = {}  # module id -> whether its subtree holds a parameter
+
+    def holds(m: nn.Module) -> bool:
+        key = id(m)
+        if key not in contains:
+            contains[key] = False  # a module reached again through itself adds nothing
+            below = [holds(c) for c in m.children()]  # every child, to fill the memo
+            contains[key] = key in holder_ids or any(below)
+        return contains[key]
+
     found: dict[int, nn.Module] = {}
     for root in roots:
+        holds(root)
         for sub in root.modules():
-            if id(sub) in root_ids or id(sub) in found:
-                continue
-            if any(id(d) in holder_ids for d in sub.modules()):
-                found[id(sub)] = sub
+            if id(sub) not in root_ids and contains.get(id(sub)):
+                found.setdefault(id(sub), sub)
     # holders outside every root (a parameter tied into another module) keep their hooks
     for m in holders:
         if id(m) not in root_ids:
