@@ -80,7 +80,7 @@ from ._gradients import GradientPath
 from ._hooks import ModuleCall, UnitHook
 from ._registry import weak_method
 from ._stepper import Stepper
-from ._units import _Unit
+from ._units import _Unit, slot_callers
 from ._window import DeviceWindow
 from ._worker import HostWorker
 from .memory.checkpointing import (
@@ -93,35 +93,6 @@ from .memory.checkpointing import (
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-def _slot_callers(roots: list[nn.Module], holders: list[nn.Module]) -> list[nn.Module]:
-    """The modules under the unit's ``roots`` (not the roots themselves) that hold one of
-    its parameters (``holders``) or contain a module that does, each once, in module
-    order. See [Note: parameters during backward]."""
-    holder_ids = {id(m) for m in holders}
-    root_ids = {id(r) for r in roots}
-    contains: dict[int, bool] = {}  # module id -> whether its subtree holds a parameter
-
-    def holds(m: nn.Module) -> bool:
-        key = id(m)
-        if key not in contains:
-            contains[key] = False  # a module reached again through itself adds nothing
-            below = [holds(c) for c in m.children()]  # every child, to fill the memo
-            contains[key] = key in holder_ids or any(below)
-        return contains[key]
-
-    found: dict[int, nn.Module] = {}
-    for root in roots:
-        holds(root)
-        for sub in root.modules():
-            if id(sub) not in root_ids and contains.get(id(sub)):
-                found.setdefault(id(sub), sub)
-    # holders outside every root (a parameter tied into another module) keep their hooks
-    for m in holders:
-        if id(m) not in root_ids:
-            found.setdefault(id(m), m)
-    return list(found.values())
 
 
 def _checkpointed_forward(
@@ -290,7 +261,7 @@ class Schedule:
                     )
                 )
             # See [Note: parameters during backward]
-            inner = _slot_callers(u.modules, [m for m, _, _, _ in u.slots])
+            inner = slot_callers(u.modules, [m for m, _, _, _ in u.slots])
             for m in inner:
                 self._hooks.append(
                     m.register_forward_pre_hook(UnitHook(self._slot_pre_forward, u.index))

@@ -393,3 +393,32 @@ def plan_inputs(units: list[_Unit], wire_dtype: torch.dtype) -> dict[str, Any]:
         "unit_grad_bytes": [u.trainable_numel * wire_size for u in units],
         "always_resident": [u.rest for u in units],
     }
+
+
+def slot_callers(roots: list[nn.Module], holders: list[nn.Module]) -> list[nn.Module]:
+    """The modules under the unit's ``roots`` (not the roots themselves) that hold one of
+    its parameters (``holders``) or contain a module that does, each once, in module
+    order. See [Note: parameters during backward] in ``ramflow._schedule``."""
+    holder_ids = {id(m) for m in holders}
+    root_ids = {id(r) for r in roots}
+    contains: dict[int, bool] = {}  # module id -> whether its subtree holds a parameter
+
+    def holds(m: nn.Module) -> bool:
+        key = id(m)
+        if key not in contains:
+            contains[key] = False  # a module reached again through itself adds nothing
+            below = [holds(c) for c in m.children()]  # every child, to fill the memo
+            contains[key] = key in holder_ids or any(below)
+        return contains[key]
+
+    found: dict[int, nn.Module] = {}
+    for root in roots:
+        holds(root)
+        for sub in root.modules():
+            if id(sub) not in root_ids and contains.get(id(sub)):
+                found.setdefault(id(sub), sub)
+    # holders outside every root (a parameter tied into another module) keep their hooks
+    for m in holders:
+        if id(m) not in root_ids:
+            found.setdefault(id(m), m)
+    return list(found.values())
