@@ -316,8 +316,9 @@ def summarize_seeds(dirs: list[Path], out_dir: Path) -> dict:
     format's final validation loss against the same seed's fp32; per format, the mean over
     its seeds against fp32's mean over the same seeds. A seed counts for a format only
     where both runs reached the last step. Raises ValueError for two runs of one format
-    and seed, or folders of one seed with different step counts. Writes ``seeds.json``, ``seeds.md`` and ``seeds.png`` (every run's validation
-    curve) into ``out_dir``."""
+    and seed, or folders of one seed with different step counts. Writes ``seeds.json``,
+    ``seeds.md`` and ``seeds.png`` (every run's training and validation curves) into
+    ``out_dir``."""
     by_seed: dict[int, dict] = {}
     curves: dict[str, dict] = {}
     for d in dirs:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import ramflow
 from host_formats_scale import matmul_rate
-from lora_70b import SHAPES, build, make_lora_step, sync
+from lora_70b import SHAPES, apply_variant, build, make_lora_step, sync
 
 KINDS = [
     ("dequantize", ("dequantize",)),
@@ -156,10 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         elif variant == "lora":
             ramflow.helpers.fuse_lora(model)
         elif variant == "liger":
-            from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-            apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                        fused_linear_cross_entropy=False, model=model.get_base_model())  # fmt: skip
+            apply_variant(model, "liger")  # lora_70b's: fuse_lora (kept) and Liger Kernel
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         step()

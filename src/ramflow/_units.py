@@ -417,7 +417,8 @@ def slot_callers(roots: list[nn.Module], holders: list[nn.Module]) -> list[nn.Mo
         for sub in root.modules():
             if id(sub) not in root_ids and contains.get(id(sub)):
                 found.setdefault(id(sub), sub)
-    # holders outside every root (a parameter tied into another module) keep their hooks
+    # every holder that is not a root, also one outside every root (a parameter tied into
+    # a module of another unit's subtree)
     for m in holders:
         if id(m) not in root_ids:
             found.setdefault(id(m), m)
