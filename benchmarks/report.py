@@ -203,7 +203,42 @@ def cpu_optimizer_line(cpu: dict[str, Any] | None) -> list[str]:
         f"params/s ({ours * bpp.get('ramflow', 30) / 1e9:.1f} GB/s), torch fused "
         f"{theirs / 1e9:.2f} G params/s ({theirs * bpp.get('torch_adamw', 28) / 1e9:.1f} GB/s).",
         "",
+        *host_formats_lines(cpu.get("host_formats")),
     ]
+
+
+def host_formats_lines(formats: dict[str, Any] | None) -> list[str]:
+    """Issue 14 point 2: each host format's one-pass CPU AdamW, per instruction set, against
+    the host's copy rate (the larger of the two measured around the formats)."""
+    if not formats or "lean" not in formats:
+        return []
+    copy = formats.get("dram_copy_bytes_per_s")
+    if not isinstance(copy, dict):  # runs before 2026-11-26 measured it once
+        copy = {"used": formats["lean"]["bytes_per_s"] / formats["lean"]["share_of_dram_copy"]}
+    out = [
+        f"Host formats, one pass each over {formats['params'] / 1e6:.0f} M parameters; copy "
+        f"rate {copy['used'] / 1e9:.1f} GB/s"
+        + (
+            f" (larger of {copy['before'] / 1e9:.1f} before and {copy['after'] / 1e9:.1f} after)"
+            if "before" in copy
+            else ""
+        )
+        + "; target 0.85 of it:",
+        "",
+        "| instruction set | format | G params/s | bytes/param | GB/s | share of copy rate |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    sets = {formats.get("isa", "?"): formats, **formats.get("by_isa", {})}
+    for isa, rates in sets.items():
+        for name in ("bf16", "lean", "kahan"):
+            r = rates.get(name)
+            if r:
+                out.append(
+                    f"| {isa} | {name} | {r['params_per_s'] / 1e9:.2f} | "
+                    f"{r['bytes_per_param']:.2f} | {r['bytes_per_s'] / 1e9:.1f} | "
+                    f"{r['share_of_dram_copy']:.2f} |"
+                )
+    return [*out, ""]
 
 
 def _trace_section(trace: dict[str, Any] | None) -> list[str]:

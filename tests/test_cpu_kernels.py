@@ -623,15 +623,24 @@ def _values_next_to_every_midpoint(mid: torch.Tensor, scale: float) -> torch.Ten
     return blocks.flatten()
 
 
-@pytest.mark.parametrize("scalar", [False, True], ids=["avx2", "scalar"])
-@pytest.mark.parametrize("signed", [True, False])
-def test_native_quantizer_equals_quantize_blockwise_next_to_every_midpoint(
-    signed, scalar, monkeypatch
-):
+def _use_lean_isa(isa: str, monkeypatch) -> None:
+    """Caps the native lean step at ``isa``; skips where this CPU or build cannot run it."""
     if not _lean_kernels.lean_kernel_available():
         pytest.skip("the native lean kernels are not available here")
-    if scalar:
-        monkeypatch.setenv("RAMFLOW_LEAN_SCALAR", "1")
+    monkeypatch.setenv("RAMFLOW_LEAN_ISA", isa)
+    if _lean_kernels.lean_isa() != isa:
+        pytest.skip(f"this CPU runs the lean step in {_lean_kernels.lean_isa()}, not {isa}")
+
+
+_LEAN_ISAS = ["avx512", "avx2", "scalar"]
+
+
+@pytest.mark.parametrize("isa", _LEAN_ISAS)
+@pytest.mark.parametrize("signed", [True, False])
+def test_native_quantizer_equals_quantize_blockwise_next_to_every_midpoint(
+    signed, isa, monkeypatch
+):
+    _use_lean_isa(isa, monkeypatch)
     codes = _lean_kernels._code()
     mid = codes.signed_mid if signed else codes.unsigned_mid
     gen = torch.Generator().manual_seed(1)
@@ -649,17 +658,17 @@ def test_native_quantizer_equals_quantize_blockwise_next_to_every_midpoint(
     assert torch.equal(got_q, want_q), f"{int((got_q != want_q).sum())} codes differ"
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("master", ["bf16-sr", "bf16-kahan", "fp32"])
-def test_lean_step_avx2_equals_the_scalar_block(master, monkeypatch):
-    if not _lean_kernels.lean_kernel_available():
-        pytest.skip("the native lean kernels are not available here")
+def test_lean_step_simd_equals_the_scalar_block(master, isa, monkeypatch):
+    _use_lean_isa(isa, monkeypatch)
     gen = torch.Generator().manual_seed(2)
     n = 20 * 256 + 77
     p32 = torch.randn(n, generator=gen)
     grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(3)]
     results = []
-    for scalar in ("0", "1"):
-        monkeypatch.setenv("RAMFLOW_LEAN_SCALAR", scalar)
+    for cap in (isa, "scalar"):
+        monkeypatch.setenv("RAMFLOW_LEAN_ISA", cap)
         s = {"master": p32.clone() if master == "fp32" else p32.to(torch.bfloat16)}
         s["compensation"] = torch.zeros(n, dtype=torch.bfloat16) if master == "bf16-kahan" else None
         s["wire_out"] = torch.empty(n, dtype=torch.bfloat16) if master == "fp32" else None

@@ -187,14 +187,24 @@ def run_steps(s: dict, grads, *, num_threads=None, **hyper) -> None:
         )
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("master_format,state_dtype", itertools.product(MASTERS, STATES))
-def test_lean_step_native_matches_torch_and_thread_counts(master_format, state_dtype, monkeypatch):
+def test_lean_step_native_matches_torch_and_thread_counts(
+    master_format, state_dtype, isa, monkeypatch
+):
     if not _lean_kernels.lean_kernel_available():
         pytest.skip("the native lean kernels are not available here")
+    monkeypatch.setenv("RAMFLOW_LEAN_ISA", isa)
+    if _lean_kernels.lean_isa() != isa:
+        pytest.skip(f"this CPU runs the lean step in {_lean_kernels.lean_isa()}, not {isa}")
     gen = torch.Generator().manual_seed(3)
     n = 2 * 16384 + 5 * QBLOCK + 37  # several work items and a partial last block
     p32 = torch.randn(n, generator=gen)
-    grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    # one step per gradient dtype the staging buffer can have
+    grads = [
+        torch.randn(n, generator=gen).to(dtype)
+        for dtype in (torch.bfloat16, torch.float32, torch.float16)
+    ]
     hyper = dict(HYPER, weight_decay=0.1)
     results = {}
     for name, threads in (("native1", 1), ("native2", 2), ("torch", None)):

@@ -736,41 +736,396 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
   }
 }
 
+// [Note: the lean step in AVX-512]
+// lean_blocks_avx2 16 lanes at a time, with the same operations in the same order, so the
+// bits are the scalar block's (tests compare all three, RAMFLOW_LEAN_ISA). Besides the
+// width: lane masks replace blends, and 8-bit states are dequantized a block at a time
+// with byte permutes instead of gathers ([Note: dequantizing with byte permutes]), which
+// needs AVX-512 VBMI (Ice Lake and later, Zen 4). The quantizer keeps its one gather per
+// 16 lanes from the whole table of [Note: 8-bit codes in one lookup]: a compact table of
+// the buckets in [1e-7, 1] (45 KiB for both codes, in L1) measured 3% slower on the
+// H100 box's Xeon, where the whole tables (512 KiB) stay in its 2 MiB L2.
+#define RAMFLOW_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx2,fma,f16c")))
+
+template <int kGrad>
+RAMFLOW_AVX512 inline __m512 load_grad16(const void* grad, int64_t i) {
+  if constexpr (kGrad == kF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(grad) + i);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i));
+    if constexpr (kGrad == kF16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+RAMFLOW_AVX512 inline __m512 bf16x16_to_f32(const void* base, int64_t i) {
+  return load_grad16<kBF16>(base, i);
+}
+
+// float -> bfloat16 bits, nearest even; NaN -> 0x7FC0 (as to_bf16_8).
+RAMFLOW_AVX512 inline __m256i to_bf16_16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+RAMFLOW_AVX512 inline __m512i hash32_16(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bU)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+// [Note: dequantizing with byte permutes]
+// A gather of 16 codes costs as much as the rest of a lane's AdamW. AVX-512 VBMI looks up
+// 64 bytes at once in a 128-byte table held in two registers (vpermt2b), so the 256 fp32
+// codes are kept as four byte planes (plane b: byte b of each code, 256 bytes), and 64
+// codes are dequantized with two lookups and a blend (on the index's top bit) per plane,
+// then the planes are interleaved into fp32 (two rounds of unpacks). The unpacks work
+// within 128-bit lanes, so the 64 indices are first put in the order that makes the
+// floats come out in memory order (kDequantOrder). About 22 instructions per 64 codes
+// against four gathers; the values are the codes' own bits, so the result is the
+// gather's.
+struct CodePlanes {
+  alignas(64) uint8_t byte[4][256];
+};
+
+inline void make_code_planes(const float* code, CodePlanes* out) {
+  for (int i = 0; i < 256; ++i) {
+    uint32_t u;
+    std::memcpy(&u, code + i, 4);
+    for (int b = 0; b < 4; ++b) out->byte[b][i] = static_cast<uint8_t>(u >> (8 * b));
+  }
+}
+
+// Byte i of the 128-bit lane L of the k-th unpacked result holds element 16k + 4L + i of
+// the 64; so source position 16L + 4k + i must hold that element (i < 4).
+alignas(64) constexpr uint8_t kDequantOrder[64] = {
+    0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+    4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+    8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+    12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+
+// The 64 codes at q as fp32 code values (not yet times the absmax), out[0, 64).
+RAMFLOW_AVX512 inline void dequantize64(const uint8_t* q, const CodePlanes& c, float* out) {
+  const __m512i order = _mm512_load_si512(kDequantOrder);
+  const __m512i idx = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(q));
+  const __mmask64 upper = _mm512_movepi8_mask(idx);  // index >= 128
+  __m512i plane[4];
+  for (int b = 0; b < 4; ++b) {
+    const __m512i* t = reinterpret_cast<const __m512i*>(c.byte[b]);
+    const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t), idx, _mm512_load_si512(t + 1));
+    const __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(t + 2), idx, _mm512_load_si512(t + 3));
+    plane[b] = _mm512_mask_blend_epi8(upper, lo, hi);
+  }
+  const __m512i w01_lo = _mm512_unpacklo_epi8(plane[0], plane[1]);
+  const __m512i w01_hi = _mm512_unpackhi_epi8(plane[0], plane[1]);
+  const __m512i w23_lo = _mm512_unpacklo_epi8(plane[2], plane[3]);
+  const __m512i w23_hi = _mm512_unpackhi_epi8(plane[2], plane[3]);
+  _mm512_store_si512(out, _mm512_unpacklo_epi16(w01_lo, w23_lo));
+  _mm512_store_si512(out + 16, _mm512_unpackhi_epi16(w01_lo, w23_lo));
+  _mm512_store_si512(out + 32, _mm512_unpacklo_epi16(w01_hi, w23_hi));
+  _mm512_store_si512(out + 48, _mm512_unpackhi_epi16(w01_hi, w23_hi));
+}
+
+RAMFLOW_AVX512 inline __m512i quantize16_key(__m512i u) {
+  return _mm512_and_si512(_mm512_xor_si512(u, _mm512_srai_epi32(u, 31)), _mm512_set1_epi32(0xFFFF));
+}
+
+// The table entries of the buckets of the fp32 patterns u.
+RAMFLOW_AVX512 inline __m512i table_entry16(const uint32_t* table, __m512i u) {
+  return _mm512_i32gather_epi32(_mm512_srli_epi32(u, 16), reinterpret_cast<const int*>(table), 4);
+}
+
+// quantize8_fast (or, with fast false, quantize8 of x / scale) on 16 lanes: the codes, one
+// per int32 lane. See [Note: quantizing without a division].
+RAMFLOW_AVX512 inline __m512i quantize16(const uint32_t* t, __m512 x, __m512 rcp, __m512 scale, bool fast) {
+  __m512i u = _mm512_castps_si512(fast ? _mm512_mul_ps(x, rcp) : _mm512_div_ps(x, scale));
+  __m512i entry = table_entry16(t, u);
+  __m512i key = quantize16_key(u);
+  if (fast) {
+    const __mmask16 near_mid = _mm512_cmplt_epi32_mask(
+        _mm512_abs_epi32(_mm512_sub_epi32(key, _mm512_srli_epi32(entry, 16))), _mm512_set1_epi32(9));
+    const __mmask16 near_edge = _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(8)) |
+                                _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(0xFFFF - 8));
+    if ((near_mid | near_edge) != 0) {
+      u = _mm512_castps_si512(_mm512_div_ps(x, scale));
+      entry = table_entry16(t, u);
+      key = quantize16_key(u);
+    }
+  }
+  const __mmask16 above = _mm512_cmpgt_epi32_mask(key, _mm512_srli_epi32(entry, 16));
+  const __m512i start = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
+  return _mm512_mask_add_epi32(start, above, start, _mm512_set1_epi32(1));
+}
+
+// The divisor of a block's quantizer: its absmax (1 for an all-zero block), the
+// reciprocal, and whether x * reciprocal may stand in for x / absmax.
+struct QScale {
+  __m512 scale, rcp;
+  bool fast;
+};
+
+RAMFLOW_AVX512 inline QScale qscale(float amax) {
+  const float scale1 = amax > 0.0f ? amax : 1.0f;
+  const float rcp1 = 1.0f / scale1;
+  return {_mm512_set1_ps(scale1), _mm512_set1_ps(rcp1), std::isnormal(scale1) && std::isnormal(rcp1)};
+}
+
+// x[0, kQBlock) / amax as codes at out[0, kQBlock), as quantize_block does.
+RAMFLOW_AVX512 inline void quantize_block16(const uint32_t* t, const float* x, float amax, uint8_t* out) {
+  const QScale s = qscale(amax);
+  for (int64_t j = 0; j < kQBlock; j += 16) {
+    const __m512i k = quantize16(t, _mm512_load_ps(x + j), s.rcp, s.scale, s.fast);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(k));
+  }
+}
+
+// quantize_block16 of both states in one loop: two independent chains of gathers in
+// flight instead of one.
+RAMFLOW_AVX512 inline void quantize_blocks16(const uint32_t* mt, const float* m, float m_amax, uint8_t* m_out,
+                                             const uint32_t* vt, const float* v, float v_amax, uint8_t* v_out) {
+  const QScale ms = qscale(m_amax);
+  const QScale vs = qscale(v_amax);
+  for (int64_t j = 0; j < kQBlock; j += 16) {
+    const __m512i mk = quantize16(mt, _mm512_load_ps(m + j), ms.rcp, ms.scale, ms.fast);
+    const __m512i vk = quantize16(vt, _mm512_load_ps(v + j), vs.rcp, vs.scale, vs.fast);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(m_out + j), _mm512_cvtepi32_epi8(mk));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(v_out + j), _mm512_cvtepi32_epi8(vk));
+  }
+}
+
+// One whole block x[0, kQBlock) quantized as lean_blocks_avx512 does it.
+RAMFLOW_AVX512 inline void quantize_block_avx512(const uint32_t* t, const float* x, uint8_t* q, float* absmax) {
+  alignas(64) float xs[kQBlock];
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  __m512 amax16 = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kQBlock; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    _mm512_store_ps(xs + j, v);
+    amax16 = _mm512_max_ps(_mm512_andnot_ps(sign, v), amax16);
+  }
+  *absmax = _mm512_reduce_max_ps(amax16);
+  quantize_block16(t, xs, *absmax, q);
+}
+
+template <int kGrad, int kMaster, int kState>
+RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, int64_t block_end) {
+  const void* const grad = a.grad;
+  void* const master = a.master;
+  uint16_t* const compensation = reinterpret_cast<uint16_t*>(a.compensation);
+  void* const exp_avg = a.exp_avg;
+  void* const exp_avg_sq = a.exp_avg_sq;
+  float* const exp_avg_absmax = a.exp_avg_absmax;
+  float* const exp_avg_sq_absmax = a.exp_avg_sq_absmax;
+  const float* const signed_code = a.signed_code;
+  const float* const unsigned_code = a.unsigned_code;
+  uint16_t* const wire_out = static_cast<uint16_t*>(a.wire_out);
+  const int32_t wire_dtype = a.wire_dtype;
+  const int64_t counter_offset = a.counter_offset;
+  const uint32_t key = a.key;
+  const bool apply_scale = a.apply_scale != 0;
+  const bool apply_decay = a.apply_decay != 0;
+  const __m512 grad_scale = _mm512_set1_ps(a.grad_scale);
+  const __m512 decay = _mm512_set1_ps(a.decay);
+  const __m512 beta1 = _mm512_set1_ps(a.beta1);
+  const __m512 one_minus_beta1 = _mm512_set1_ps(a.one_minus_beta1);
+  const __m512 beta2 = _mm512_set1_ps(a.beta2);
+  const __m512 one_minus_beta2 = _mm512_set1_ps(a.one_minus_beta2);
+  const __m512 bc2_sqrt = _mm512_set1_ps(a.bc2_sqrt);
+  const __m512 eps = _mm512_set1_ps(a.eps);
+  const __m512 neg_step_size = _mm512_set1_ps(a.neg_step_size);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i key16 = _mm512_set1_epi32(static_cast<int>(key));
+  const uint32_t* const signed_table = a.signed_table;
+  const uint32_t* const unsigned_table = a.unsigned_table;
+  alignas(64) float m_new[kQBlock];
+  alignas(64) float v_new[kQBlock];
+  alignas(64) float m_code[kQBlock];  // the block's codes as code values
+  alignas(64) float v_code[kQBlock];
+  CodePlanes signed_planes, unsigned_planes;
+  if constexpr (kState == kStateQ8) {
+    make_code_planes(signed_code, &signed_planes);
+    make_code_planes(unsigned_code, &unsigned_planes);
+  }
+  for (int64_t block = block_begin; block < block_end; ++block) {
+    const int64_t begin = block * kQBlock;
+    __m512 m_absmax = _mm512_setzero_ps();
+    __m512 v_absmax = _mm512_setzero_ps();
+    if constexpr (kState == kStateQ8) {
+      m_absmax = _mm512_set1_ps(exp_avg_absmax[block]);
+      v_absmax = _mm512_set1_ps(exp_avg_sq_absmax[block]);
+      for (int64_t j = 0; j < kQBlock; j += 64) {
+        dequantize64(static_cast<const uint8_t*>(exp_avg) + begin + j, signed_planes, m_code + j);
+        dequantize64(static_cast<const uint8_t*>(exp_avg_sq) + begin + j, unsigned_planes, v_code + j);
+      }
+    }
+    __m512 m_max = _mm512_setzero_ps();
+    __m512 v_max = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kQBlock; j += 16) {
+      const int64_t i = begin + j;
+      __m512 g = load_grad16<kGrad>(grad, i);
+      if (apply_scale) g = _mm512_mul_ps(g, grad_scale);
+      __m512 p;
+      if constexpr (kMaster == kMasterF32) {
+        p = _mm512_loadu_ps(static_cast<const float*>(master) + i);
+      } else {
+        p = bf16x16_to_f32(master, i);
+        if constexpr (kMaster == kMasterKahan) p = _mm512_add_ps(p, bf16x16_to_f32(compensation, i));
+      }
+      if (apply_decay) p = _mm512_mul_ps(p, decay);
+      __m512 m;
+      __m512 v;
+      if constexpr (kState == kStateF32) {
+        m = _mm512_loadu_ps(static_cast<const float*>(exp_avg) + i);
+        v = _mm512_loadu_ps(static_cast<const float*>(exp_avg_sq) + i);
+      } else if constexpr (kState == kStateBF16) {
+        m = bf16x16_to_f32(exp_avg, i);
+        v = bf16x16_to_f32(exp_avg_sq, i);
+      } else {
+        m = _mm512_mul_ps(_mm512_load_ps(m_code + j), m_absmax);
+        v = _mm512_mul_ps(_mm512_load_ps(v_code + j), v_absmax);
+      }
+      m = _mm512_add_ps(_mm512_mul_ps(m, beta1), _mm512_mul_ps(g, one_minus_beta1));
+      v = _mm512_add_ps(_mm512_mul_ps(v, beta2), _mm512_mul_ps(_mm512_mul_ps(g, one_minus_beta2), g));
+      const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
+      p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(m, neg_step_size), denom));
+      if constexpr (kState == kStateF32) {
+        _mm512_storeu_ps(static_cast<float*>(exp_avg) + i, m);
+        _mm512_storeu_ps(static_cast<float*>(exp_avg_sq) + i, v);
+      } else if constexpr (kState == kStateBF16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(exp_avg) + i), to_bf16_16(m));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(exp_avg_sq) + i), to_bf16_16(v));
+      } else {
+        _mm512_store_ps(m_new + j, m);
+        _mm512_store_ps(v_new + j, v);
+        // max(|x|, running): a NaN |x| leaves the running max as it is (as std::max)
+        m_max = _mm512_max_ps(_mm512_andnot_ps(sign, m), m_max);
+        v_max = _mm512_max_ps(_mm512_andnot_ps(sign, v), v_max);
+      }
+      if constexpr (kMaster == kMasterF32) {
+        _mm512_storeu_ps(static_cast<float*>(master) + i, p);
+        if (wire_dtype == kBF16) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(wire_out + i), to_bf16_16(p));
+        } else if (wire_dtype == kF16) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(wire_out + i),
+                              _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+      } else if constexpr (kMaster == kMasterSR) {
+        const int64_t index = counter_offset + i;
+        const uint32_t lo = static_cast<uint32_t>(index);
+        __m256i b16;
+        if (lo > 0xFFFFFFFFu - 15u) {  // the lanes cross a multiple of 2^32: as the scalar does
+          alignas(64) float ps[16];
+          alignas(32) uint16_t bs[16];
+          _mm512_store_ps(ps, p);
+          for (int l = 0; l < 16; ++l) bs[l] = bf16_stochastic(ps[l], sr_bits(key, index + l));
+          b16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(bs));
+        } else {
+          const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(lo)), lane);
+          const __m512i h = hash32_16(_mm512_xor_si512(idx, key16));
+          const __m512i hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(
+              static_cast<uint64_t>(index) >> 32)));
+          const __m512i bits = hash32_16(_mm512_add_epi32(h, hi));
+          const __m512i u = _mm512_castps_si512(p);
+          __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_srli_epi32(bits, 16)), 16);
+          r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+          b16 = _mm512_cvtepi32_epi16(r);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(master) + i), b16);
+      } else {
+        const __m256i hi16 = to_bf16_16(p);
+        const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi16), 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(master) + i), hi16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(compensation + i), to_bf16_16(_mm512_sub_ps(p, hi)));
+      }
+    }
+    if constexpr (kState == kStateQ8) {
+      const float m_amax = _mm512_reduce_max_ps(m_max);
+      const float v_amax = _mm512_reduce_max_ps(v_max);
+      exp_avg_absmax[block] = m_amax;
+      exp_avg_sq_absmax[block] = v_amax;
+      quantize_blocks16(signed_table, m_new, m_amax, static_cast<uint8_t*>(exp_avg) + begin,
+                        unsigned_table, v_new, v_amax, static_cast<uint8_t*>(exp_avg_sq) + begin);
+    }
+  }
+}
+
 // Steps the whole blocks [block_begin, block_end).
 using LeanBlocksFn = void (*)(const LeanArgs&, int64_t, int64_t);
 
-template <int kGrad, int kMaster>
+enum Isa : int { kIsaScalar = 0, kIsaAvx2 = 2, kIsaAvx512 = 3 };
+
+template <int kIsa, int kGrad, int kMaster>
 LeanBlocksFn pick_state(int32_t state) {
-  switch (state) {
-    case kStateBF16: return &lean_blocks_avx2<kGrad, kMaster, kStateBF16>;
-    case kStateQ8: return &lean_blocks_avx2<kGrad, kMaster, kStateQ8>;
-    default: return &lean_blocks_avx2<kGrad, kMaster, kStateF32>;
+  if constexpr (kIsa == kIsaAvx512) {
+    switch (state) {
+      case kStateBF16: return &lean_blocks_avx512<kGrad, kMaster, kStateBF16>;
+      case kStateQ8: return &lean_blocks_avx512<kGrad, kMaster, kStateQ8>;
+      default: return &lean_blocks_avx512<kGrad, kMaster, kStateF32>;
+    }
+  } else {
+    switch (state) {
+      case kStateBF16: return &lean_blocks_avx2<kGrad, kMaster, kStateBF16>;
+      case kStateQ8: return &lean_blocks_avx2<kGrad, kMaster, kStateQ8>;
+      default: return &lean_blocks_avx2<kGrad, kMaster, kStateF32>;
+    }
   }
 }
 
-template <int kGrad>
+template <int kIsa, int kGrad>
 LeanBlocksFn pick_master(int32_t master, int32_t state) {
   switch (master) {
-    case kMasterSR: return pick_state<kGrad, kMasterSR>(state);
-    case kMasterKahan: return pick_state<kGrad, kMasterKahan>(state);
-    default: return pick_state<kGrad, kMasterF32>(state);
+    case kMasterSR: return pick_state<kIsa, kGrad, kMasterSR>(state);
+    case kMasterKahan: return pick_state<kIsa, kGrad, kMasterKahan>(state);
+    default: return pick_state<kIsa, kGrad, kMasterF32>(state);
   }
 }
 
-// The AVX2 blocks for these formats, or null (no AVX2, or RAMFLOW_LEAN_SCALAR=1).
-LeanBlocksFn lean_blocks_simd(const LeanArgs& a) {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  const char* scalar = std::getenv("RAMFLOW_LEAN_SCALAR");
-  if (!ok || (scalar != nullptr && scalar[0] == '1')) return nullptr;
+template <int kIsa>
+LeanBlocksFn pick_grad(const LeanArgs& a) {
   switch (a.grad_dtype) {
-    case kBF16: return pick_master<kBF16>(a.master_format, a.state_format);
-    case kF16: return pick_master<kF16>(a.master_format, a.state_format);
-    default: return pick_master<kF32>(a.master_format, a.state_format);
+    case kBF16: return pick_master<kIsa, kBF16>(a.master_format, a.state_format);
+    case kF16: return pick_master<kIsa, kF16>(a.master_format, a.state_format);
+    default: return pick_master<kIsa, kF32>(a.master_format, a.state_format);
+  }
+}
+
+// The instruction set the lean step runs: the best this CPU has (AVX-512 F/BW/DQ/VL, else
+// AVX2/FMA/F16C, else scalar code), capped by RAMFLOW_LEAN_ISA=scalar|avx2|avx512 (tests
+// compare the three).
+int lean_isa() {
+  static const int best = (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                           __builtin_cpu_supports("avx512vbmi"))
+                              ? kIsaAvx512
+                          : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                             __builtin_cpu_supports("f16c"))
+                              ? kIsaAvx2
+                              : kIsaScalar;
+  const char* cap = std::getenv("RAMFLOW_LEAN_ISA");
+  if (cap == nullptr || cap[0] == '\0') return best;
+  if (std::strcmp(cap, "scalar") == 0) return kIsaScalar;
+  if (std::strcmp(cap, "avx2") == 0) return std::min(best, static_cast<int>(kIsaAvx2));
+  return best;
+}
+
+// The SIMD blocks for these formats, or null (scalar code).
+LeanBlocksFn lean_blocks_simd(const LeanArgs& a) {
+  switch (lean_isa()) {
+    case kIsaAvx512: return pick_grad<kIsaAvx512>(a);
+    case kIsaAvx2: return pick_grad<kIsaAvx2>(a);
+    default: return nullptr;
   }
 }
 #else
 using LeanBlocksFn = void (*)(const LeanArgs&, int64_t, int64_t);
+int lean_isa() { return 0; }
 LeanBlocksFn lean_blocks_simd(const LeanArgs&) { return nullptr; }
 #endif
 
@@ -815,18 +1170,22 @@ extern "C" int ramflow_lean_adamw_step(const LeanArgs* args) {
 }
 
 // x (n,) as 8-bit codes q and one absmax per block of kQBlock, as a lean step stores a
-// state: the AVX2 quantizer on whole blocks (unless RAMFLOW_LEAN_SCALAR=1), the scalar one
-// on a last partial block. For the tests of [Note: quantizing without a division].
+// state: the SIMD quantizer of lean_isa() on whole blocks, the scalar one on a last
+// partial block. For the tests of [Note: quantizing without a division].
 extern "C" int ramflow_quantize_blocks(const float* x, int64_t n, const uint32_t* table,
                                        uint8_t* q, float* absmax) {
   LeanArgs a{};
   a.state_format = kStateQ8;
   a.grad_dtype = kF32;
-  const bool simd = lean_blocks_simd(a) != nullptr;
+  const int isa = lean_isa();
   for (int64_t begin = 0; begin < n; begin += kQBlock) {
     const int64_t len = std::min(kQBlock, n - begin);
 #if RAMFLOW_X86
-    if (simd && len == kQBlock) {
+    if (isa == kIsaAvx512 && len == kQBlock) {
+      quantize_block_avx512(table, x + begin, q + begin, absmax + begin / kQBlock);
+      continue;
+    }
+    if (isa == kIsaAvx2 && len == kQBlock) {
       quantize_block_avx2(table, x + begin, q + begin, absmax + begin / kQBlock);
       continue;
     }
@@ -835,6 +1194,9 @@ extern "C" int ramflow_quantize_blocks(const float* x, int64_t n, const uint32_t
   }
   return 0;
 }
+
+// The instruction set of the lean step: 0 scalar, 2 AVX2, 3 AVX-512 (see lean_isa).
+extern "C" int ramflow_lean_isa() { return lean_isa(); }
 
 extern "C" int ramflow_bf16_stochastic_round(const float* x, uint16_t* out, int64_t n,
                                              int64_t counter_offset, uint32_t key,

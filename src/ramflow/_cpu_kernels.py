@@ -16,7 +16,8 @@ The C++ source, ``_cpu_kernels.cpp`` (package data beside this module, read with
 one; a PyTorch without ``load_inline``'s ``no_implicit_headers`` adds torch/extension.h and
 takes a minute). It is built without ``-march=native``, so a cached build is portable
 between machines sharing a home directory: its AVX2/FMA/F16C loop is compiled with a
-per-function target and chosen at run time from CPUID. When no compiler is available, the
+per-function target and chosen at run time from CPUID (the lean steps of ``_lean_kernels``
+also have an AVX-512 loop, chosen the same way). When no compiler is available, the
 build fails, the CPU is not x86-64, the native kernel does not reproduce PyTorch on a probe
 at load time, or ``RAMFLOW_DISABLE_CPU_KERNELS=1`` is set, the same results come from a
 pure-PyTorch path (three passes, one warning, never an error).

@@ -6,7 +6,10 @@ compensation; the AdamW states fp32, bf16 or 8-bit block-wise. Each step reads t
 states once, computes in fp32 and writes them back once. The native code is the
 ``ramflow_lean_adamw_step`` entry point of ``_cpu_kernels.cpp``, built and cached as the fp32
 kernel is (see ``_cpu_kernels``); where it is not available (no compiler, not x86-64,
-``RAMFLOW_DISABLE_CPU_KERNELS=1``) a PyTorch path gives the same bits, slower.
+``RAMFLOW_DISABLE_CPU_KERNELS=1``) a PyTorch path gives the same bits, slower. It runs
+the best of three loops the CPU has, all with the same bits (``lean_isa``): AVX-512 (F, BW,
+DQ, VL and VBMI: Ice Lake and later Xeons, Zen 4), AVX2 with FMA and F16C, or scalar code;
+``RAMFLOW_LEAN_ISA=avx2`` or ``scalar`` caps it (tests and benchmarks compare them).
 
 [Note: lean formats, one pass]
 Per element, in fp32 and in this order (both implementations; no fused multiply-adds)::
@@ -255,6 +258,15 @@ def _code_table(mid: torch.Tensor) -> torch.Tensor:
     return torch.where(entry >= 1 << 31, entry - (1 << 32), entry).to(torch.int32).contiguous()
 
 
+def lean_isa() -> str | None:
+    """The instruction set of the native lean step here: "avx512", "avx2" or "scalar"
+    (capped by ``RAMFLOW_LEAN_ISA``, read at each call), or None without the native code."""
+    lib = _LEAN.get()
+    if lib is None:
+        return None
+    return {3: "avx512", 2: "avx2"}.get(lib.ramflow_lean_isa(), "scalar")
+
+
 def _quantize_with_table(table: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The native quantizer's codes (int64) of fp32 ``y``, computed as it does: a model for
     the tests, which compare it with ``torch.bucketize`` on every bucket."""
@@ -290,7 +302,7 @@ def _quantize_blockwise_native(
     x: torch.Tensor, *, signed: bool
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``quantize_blockwise`` by the native code a lean step stores its 8-bit states with
-    (AVX2 unless ``RAMFLOW_LEAN_SCALAR=1``), or None where it is not available. For the
+    (that of ``lean_isa()``), or None where it is not available. For the
     tests, which compare the two bit for bit."""
     lib = _LEAN.get()
     if lib is None:
@@ -299,7 +311,8 @@ def _quantize_blockwise_native(
     n = x.numel()
     q = torch.empty(n, dtype=torch.uint8)
     absmax = torch.empty(-(-n // QBLOCK), dtype=torch.float32)
-    table = _code().signed_table if signed else _code().unsigned_table
+    codes = _code()
+    table = codes.signed_table if signed else codes.unsigned_table
     rc = lib.ramflow_quantize_blocks(
         x.data_ptr(), n, table.data_ptr(), q.data_ptr(), absmax.data_ptr()
     )
@@ -400,6 +413,8 @@ class _LeanLibrary:
             ctypes.c_void_p
         ] * 3
         lib.ramflow_quantize_blocks.restype = ctypes.c_int
+        lib.ramflow_lean_isa.argtypes = []
+        lib.ramflow_lean_isa.restype = ctypes.c_int
         return lib
 
 
