@@ -267,7 +267,9 @@ def test_adamw_threads_reach_the_kernel_and_keep_the_result(monkeypatch):
         ramflow.offload(model, device="cpu", wire_dtype=torch.bfloat16)
         opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2, threads=threads)
         for _ in range(3):
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            # the model computes in bf16 (a bf16 wire casts the input); the loss in fp32, as
+            # torch 2.11's mse_loss backward rejects a bf16 input with an fp32 target
+            torch.nn.functional.mse_loss(model(x).float(), y).backward()
             opt.step()
             opt.zero_grad()
         ramflow.synchronize(model)

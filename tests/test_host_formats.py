@@ -219,6 +219,21 @@ def test_lean_step_native_matches_torch_and_thread_counts(
         assert_bits_equal(results["native1"][key], results["torch"][key], f"{key}, torch")
 
 
+def test_the_plans_optimizer_rates_are_those_of_the_lean_step_that_runs(monkeypatch):
+    """The planner rates the CPU optimizer by the instruction set it reads from the CPU's
+    flags, without building the native code; it must be the one the lean step runs."""
+    from ramflow import _host_formats
+
+    if not _lean_kernels.lean_kernel_available():
+        pytest.skip("the native lean kernels are not available here")
+    monkeypatch.delenv("RAMFLOW_LEAN_ISA", raising=False)
+    # (a CPU without AVX2 is rated as an AVX2 one: its step runs the scalar loop)
+    assert (_host_formats._cpu_lean_isa() == "avx512") == (_lean_kernels.lean_isa() == "avx512")
+    monkeypatch.setenv("RAMFLOW_LEAN_ISA", "avx2")
+    assert _host_formats._cpu_lean_isa() == "avx2"
+    assert _host_formats.OPTIMIZER_SPEED in _host_formats.OPTIMIZER_SPEED_BY_ISA.values()
+
+
 def test_fp32_master_with_fp32_states_matches_torch_adamw_closely(impl):
     # Not bit-identical by design (torch's lerp and fused multiply-adds differ in the last
     # bit): 3 steps stay within a few fp32 ulps of the weights' size (2**-23 ~ 1.2e-7).

@@ -8,6 +8,7 @@ counter-based generator.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,13 +267,38 @@ def check_optimizer_formats(precision: HostPrecision, optimizer: Any) -> None:
     )
 
 
-OPTIMIZER_SPEED = {"fp32": 1.0, "bf16": 1.16, "lean": 0.60, "kahan": 0.61}
-"""Each preset's CPU AdamW parameter rate over the fp32 one, measured on the H100 box of
-2026-11-23 with all 16 threads: fp32 4.65, bf16 5.39, lean 2.80 and kahan 2.85 G params/s
-(``bench.py --cpu-optimizer``, its ``host_formats`` rates;
-benchmarks/results/2026-11-23-nvidia-h100-host-formats). The bf16 step moves fewer bytes;
-the 8-bit ones are bound by their table lookups, not by DRAM. The predictor's
-(``rates_for``)."""
+OPTIMIZER_SPEED_BY_ISA = {
+    "avx512": {"fp32": 1.0, "bf16": 1.64, "lean": 1.13, "kahan": 1.06},
+    "avx2": {"fp32": 1.0, "bf16": 1.32, "lean": 0.78, "kahan": 0.64},
+}
+"""Each preset's CPU AdamW parameter rate over the fp32 one, by the instruction set its lean
+step runs (``_lean_kernels.lean_isa``), measured on the H100 box of 2026-11-26 with all 16
+threads in one run (``bench.py --cpu-optimizer``: ramflow's fp32 AdamW 4.89 G params/s; its
+``host_formats`` rates, AVX-512 bf16 8.04, lean 5.53, kahan 5.16, AVX2 6.47, 3.82, 3.13;
+benchmarks/results/2026-11-26-nvidia-h100-lean-avx512). The bf16 step moves fewer bytes;
+the 8-bit ones are bound by their lookups and arithmetic, not by DRAM."""
+
+
+def _cpu_lean_isa() -> str:
+    """The instruction set the lean step will run here, read from /proc/cpuinfo's flags
+    (without building the native code, which a plan does not need): "avx512" where the
+    CPU has AVX-512 F, BW, DQ, VL and VBMI, else "avx2"; ``RAMFLOW_LEAN_ISA=avx2`` caps it
+    as it caps the step."""
+    if os.environ.get("RAMFLOW_LEAN_ISA", "") in ("avx2", "scalar"):
+        return "avx2"
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next(
+                (line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []
+            )
+    except OSError:
+        return "avx2"
+    need = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vbmi"}
+    return "avx512" if need <= set(flags) else "avx2"
+
+
+OPTIMIZER_SPEED = OPTIMIZER_SPEED_BY_ISA[_cpu_lean_isa()]
+"""``OPTIMIZER_SPEED_BY_ISA`` of this CPU: the predictor's (``rates_for``)."""
 
 
 def rated_as(name: str) -> str:
