@@ -154,7 +154,9 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
         sl = slice(rank * per_rank, (rank + 1) * per_rank)
         if options.get("whole_batch"):
             sl = slice(None)
-        loss = F.mse_loss(model(x[sl].to(device)), y[sl].to(device))
+        # the loss in fp32: with a bf16 wire the model computes in bf16, and torch 2.11's
+        # mse_loss backward rejects a bf16 input with an fp32 target
+        loss = F.mse_loss(model(x[sl].to(device)).float(), y[sl].to(device))
         loss.backward()
         grads_left.append(sum(p.grad is not None for p in model.parameters()))
         if options.get("clip"):
