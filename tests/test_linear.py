@@ -98,6 +98,25 @@ def test_to_moves_compute_not_weights():
         model.to(torch.float16)
 
 
+@pytest.mark.gpu
+def test_a_move_to_the_cpu_before_the_first_call_computes_on_the_cpu():
+    """RamTorch builds layers with device="cuda"; a model then moved to the CPU computes
+    there (the examples' --device cpu on a GPU machine). share_memory() is not a move."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    model = nn.Sequential(ramflow.Linear(8, 4, device="cuda"), nn.ReLU())
+    model.share_memory()
+    assert model[0].extra_repr().endswith("device=cuda, wire_dtype=float32")
+    model.to("cpu")
+    x = torch.randn(2, 8)
+    y = model(x)
+    assert y.device.type == "cpu"
+    ref = F.relu(F.linear(x, model[0].weight, model[0].bias))
+    assert torch.equal(y, ref)  # fp32 wire on the CPU: nn.Linear's own computation
+    model.cpu()  # after the first call a move to the CPU changes nothing
+
+
 def test_fp32_input_with_bf16_wire_returns_fp32():
     layer = ramflow.Linear(8, 4, wire_dtype=torch.bfloat16, device="cpu")
     x = torch.randn(3, 8)

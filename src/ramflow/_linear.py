@@ -109,7 +109,8 @@ class Linear(nn.Linear):
     before the next call, or the device keeps running the old weights.
 
     ``.to(device)`` / ``.cuda()`` pick the compute device (the weights stay on the host; a
-    move to the CPU is ignored, since the weights are there already);
+    move to the CPU makes the CPU the compute device before the first call, and is ignored
+    after it, since the weights are there already);
     ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` pick the wire dtype (the masters stay
     fp32); ``share_memory()`` moves the host buffer to shared memory, for workers started
     with ``torch.multiprocessing`` (see [Note: layer engines]). Neither may change after the
@@ -200,11 +201,27 @@ class Linear(nn.Linear):
         dtype = probe.dtype if probe.dtype.is_floating_point else torch.float32
         if device.type != "cpu" and device != self._device:
             self._set("device", device)
+        elif device.type == "cpu" and self._engine is None and self._moves_to_cpu(fn):
+            self._device = device
         if dtype != torch.float32 and dtype != self._wire_dtype:
             self._set("wire dtype", dtype)
         if device.type == "cpu" and dtype == torch.float32 and self._engine is None:
             fn(self._host_flat)  # share_memory_() and friends act on the buffer in place
         return self
+
+    def _moves_to_cpu(self, fn: Any) -> bool:
+        """Whether ``fn`` (of ``_apply``) takes a tensor on this layer's CUDA compute device
+        to the CPU: ``.to("cpu")`` and ``.cpu()`` do; ``share_memory_``, ``.float()`` and
+        the like, which a CPU probe cannot tell apart from them, do not."""
+        device = self._device
+        if device is not None and device.type != "cuda":
+            return False
+        if not torch.cuda.is_available():
+            return False
+        try:
+            return fn(torch.zeros((), device=device or "cuda")).device.type == "cpu"
+        except (RuntimeError, TypeError):  # an fn meant for host tensors only
+            return False
 
     def _set(self, what: str, value: Any) -> None:
         if self._engine is not None:
