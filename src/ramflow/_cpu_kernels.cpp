@@ -744,7 +744,8 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
 // needs AVX-512 VBMI (Ice Lake and later, Zen 4). The quantizer keeps its one gather per
 // 16 lanes from the whole table of [Note: 8-bit codes in one lookup]: a compact table of
 // the buckets in [1e-7, 1] (45 KiB for both codes, in L1) measured 3% slower on the
-// H100 box's Xeon, where the whole tables (512 KiB) stay in its 2 MiB L2.
+// H100 box's Xeon, where the whole tables (512 KiB) stay in its 2 MiB L2 (measured while
+// the dequantizer still gathered; benchmarks/results/2026-11-26-nvidia-h100-lean-avx512).
 #define RAMFLOW_AVX512 \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx2,fma,f16c")))
 
@@ -1096,7 +1097,7 @@ LeanBlocksFn pick_grad(const LeanArgs& a) {
   }
 }
 
-// The instruction set the lean step runs: the best this CPU has (AVX-512 F/BW/DQ/VL, else
+// The instruction set the lean step runs: the best this CPU has (AVX-512 F/BW/DQ/VL/VBMI, else
 // AVX2/FMA/F16C, else scalar code), capped by RAMFLOW_LEAN_ISA=scalar|avx2|avx512 (tests
 // compare the three).
 int lean_isa() {
