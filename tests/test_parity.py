@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ramflow
-from models import LoRAStack, MLPStack, enable_hf_checkpointing, minilm_dir, tiny_llama
+from models import Block, LoRAStack, MLPStack, enable_hf_checkpointing, minilm_dir, tiny_llama
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -235,6 +235,55 @@ def test_unit_called_twice_and_skipped(device):
             o.zero_grad()
     ramflow.synchronize(model)
     assert params_rel(model, ref) < 1e-5
+
+
+class ContainerModel(torch.nn.Module):
+    """Blocks in a container the root never calls itself: its forward calls the children."""
+
+    def __init__(self, container: str) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 32)
+        blocks = [Block(32), Block(32), torch.nn.Sequential(torch.nn.Linear(32, 32))]
+        if container == "dict":
+            self.blocks = torch.nn.ModuleDict({f"b{i}": b for i, b in enumerate(blocks)})
+        else:  # three classes: no repeated block, so the list is a top-level child
+            self.blocks = torch.nn.ModuleList(blocks[:1] + [MixedBlock(32)] + blocks[2:])
+        self.head = torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.inp(x)
+        blocks = (
+            self.blocks.values() if isinstance(self.blocks, torch.nn.ModuleDict) else self.blocks
+        )
+        for block in blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class MixedBlock(Block):
+    pass
+
+
+@pytest.mark.parametrize("container", ["dict", "mixed-list"])
+def test_blocks_in_a_container_that_is_never_called(device, container):
+    """A ModuleDict (or a ModuleList of different classes) has no forward: its hooks never
+    fire, so its children must be the units. As one unit, its eager steps were skipped and
+    the run drifted from the reference without an error."""
+    torch.manual_seed(0)
+    model = ContainerModel(container)
+    ours, theirs, ref = train_pair(model, mlp_batches(3, device), device, loss_fn=mse, steps=4)
+    names = [u.name for u in ramflow.api._engine(model).units]
+    assert "blocks" not in names and any(n.startswith("blocks.") for n in names), names
+    assert torch.equal(ours, theirs)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.detach().cpu(), q.detach().cpu())
+
+
+def test_a_container_given_as_a_unit_is_refused():
+    model = ContainerModel("dict")
+    with pytest.raises(ValueError, match="never called itself.*'blocks.0'"):
+        ramflow.offload(model, device="cpu", units=["inp", "blocks", "head"])
+    assert not ramflow.is_offloaded(model)
 
 
 def test_frozen_base_and_adapters(device):

@@ -90,6 +90,13 @@ def _contains(module: nn.Module, targets: set[int]) -> bool:
     return any(id(m) in targets for m in module.modules())
 
 
+def never_called(module: nn.Module) -> bool:
+    """A container without a ``forward`` of its own (``nn.ModuleList``, ``nn.ModuleDict``,
+    ``nn.ParameterList``...): its owner calls its children, never the container, so its
+    forward hooks never fire and it cannot be a unit."""
+    return type(module).forward is nn.Module.forward
+
+
 def _auto_units(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[nn.Module]]:
     blocks = {id(m) for m in _repeated_blocks(model)}
     if not blocks:
@@ -99,6 +106,13 @@ def _auto_units(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[nn.
     rest_modules: list[nn.Module] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
+        if never_called(module):
+            # its children are the units; parameters it holds itself go to the rest unit
+            if any(True for _ in module.parameters(recurse=False)):
+                rest_modules.append(module)
+            for name, child in module.named_children():
+                visit(f"{prefix}.{name}" if prefix else name, child)
+            return
         if id(module) in blocks:
             units.append((prefix, module))
             return
@@ -130,6 +144,13 @@ def _given_units(
             raise TypeError(f"units: expected modules or module names, got {type(item).__name__}")
         if id(item) not in names:
             raise ValueError(f"units: {type(item).__name__} is not a submodule of the model")
+        if never_called(item):
+            name = names[id(item)] or "the model"
+            raise ValueError(
+                f"units: {name!r} is a {type(item).__name__}, a container that is never called "
+                "itself (its owner calls its children), so ramflow could not see it run. Give "
+                f"its children instead (e.g. {name + '.0'!r}), or leave units out."
+            )
         units.append((names[id(item)], item))
     ids = [id(m) for _, m in units]
     if len(set(ids)) != len(ids):
@@ -165,7 +186,9 @@ def find_units(
     whose repeated same-class children hold the most parameters are the blocks (Hugging
     Face decoder/encoder layers, a stack of MLP blocks). Every other subtree that holds
     parameters but no block is a unit of its own (embeddings, final norm, head). Parameters
-    held directly by a module that also contains blocks go to one "rest" unit.
+    held directly by a module that also contains blocks go to one "rest" unit. A container
+    without a forward of its own (``nn.ModuleDict``, a ``nn.ModuleList`` of different
+    classes) is never a unit: its owner calls its children, which become the units.
 
     Tied or shared parameters (``lm_head.weight is embed_tokens.weight``) are owned by the
     first unit in module order that reads them; later units list them in ``slots`` only.
@@ -181,8 +204,9 @@ def find_units(
         The units in module order, the rest unit (if any) last.
 
     Raises:
-        ValueError: a given unit is not a submodule, is given twice, or nests in another;
-            a parameter is not floating point.
+        ValueError: a given unit is not a submodule, is given twice, nests in another, or
+            is a container without a forward (``nn.ModuleList``, ``nn.ModuleDict``); a
+            parameter is not floating point.
     """
     if units is None:
         found, rest_modules = _auto_units(model)
