@@ -176,10 +176,19 @@ def dynamic_code(*, signed: bool) -> torch.Tensor:
 
     Seven decades 10**-6 .. 10**0 below 1: decade d (0 for the smallest) holds 2**d values
     (signed: and their negatives) or 2**(d + 1) values (unsigned), the midpoints of a
-    linear grid from 0.1 to 1 times the decade's scale; plus 0 and 1. Dense near zero, so
-    the small states of a block whose absmax is large keep their magnitude.
+    linear grid from 0.1 to 1 times the decade's scale; plus 1, and 0 (signed) or half the
+    smallest value (unsigned). Dense near zero, so the small states of a block whose absmax
+    is large keep their magnitude.
+
+    The unsigned code, the second moment's, has no zero (the "zero-point problem" of Li et
+    al. 2023, "Memory Efficient Optimizers with 4-bit States"): an element whose second
+    moment is below 1.2e-7 of its block's absmax would read back as 0 while its first
+    moment, on its own code, does not, and AdamW's update m / (sqrt(v) + eps) would become
+    m / eps, steps of thousands. Its lowest value, 1.625e-7, bounds the update instead. An
+    all-zero block still reads back as zeros (its absmax is 0).
     """
-    values = [0.0, 1.0]
+    smallest = 10.0**-6 * (0.1 + 0.9 / 4)  # the lowest mean: (0.1 + (0.1 + 0.9 / 2)) / 2
+    values = [0.0 if signed else smallest / 2, 1.0]
     for d in range(7):
         count = 2**d if signed else 2 ** (d + 1)
         scale = 10.0 ** (d - 6)
