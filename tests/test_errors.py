@@ -138,6 +138,81 @@ def test_gradients_changed_after_eager_step_are_detected():
         opt.step()
 
 
+def test_a_step_skipped_after_an_eager_backward_is_an_error():
+    """A loop that skips opt.step() (a guard against non-finite gradients) after ramflow
+    stepped during backward: the update is in the weights, and zero_grad says so at once
+    (it used to show only at the next backward, blaming accumulation)."""
+    model = ramflow.offload(MLPStack(), device="cpu")
+    opt = ramflow.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(_x()).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model(_x()).sum().backward()
+    with pytest.raises(RuntimeError, match="without an opt.step.*overlap=False"):
+        opt.zero_grad()
+    opt.zero_grad()  # goes on from these weights, learning the loop afresh
+    model(_x()).sum().backward()
+    opt.step()
+
+
+def test_a_skipping_loop_without_overlap_is_exact():
+    """What the error above points to: overlap=False never steps before step()."""
+    torch.manual_seed(0)
+    model = MLPStack()
+    ref = copy.deepcopy(model)
+    ramflow.offload(model, device="cpu", wire_dtype=torch.float32)
+    opt = ramflow.optim.AdamW(model.parameters(), overlap=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True)
+    for step in range(5):
+        x = _x()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).sum().backward()
+            if step != 3:  # the loop's guard skips one step
+                o.step()
+            o.zero_grad()
+    ramflow.synchronize(model)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_settings_changed_between_backward_and_step_after_eager_steps():
+    """The learning rate set after backward, once ramflow steps during backward: that step
+    already used the old rate, so step() refuses instead of ignoring the new one."""
+    model = ramflow.offload(MLPStack(), device="cpu")
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(_x()).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model(_x()).sum().backward()
+    opt.param_groups[0]["lr"] = 5e-4
+    with pytest.raises(RuntimeError, match="settings.*changed between backward and opt.step"):
+        opt.step()
+
+
+def test_settings_set_between_backward_and_step_from_the_first_step_are_exact():
+    """A loop that sets the rate after backward from its first step on (a warm-up written
+    just before step()): ramflow learns it and never steps during backward."""
+    torch.manual_seed(0)
+    model = MLPStack()
+    ref = copy.deepcopy(model)
+    ramflow.offload(model, device="cpu", wire_dtype=torch.float32)
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1.0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1.0, fused=True)
+    for step in range(5):
+        x = _x()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).sum().backward()
+            for group in o.param_groups:
+                group["lr"] = 1e-3 * (step + 1)
+            o.step()
+            o.zero_grad()
+    ramflow.synchronize(model)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_step_with_gradients_set_by_hand():
     """Gradients assigned by the user (no backward) are stepped like torch.optim.AdamW."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
@@ -170,3 +245,62 @@ def test_exit_with_a_step_in_flight_is_clean():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+@pytest.mark.parametrize("how", ["new-parameter", "assign-load", "data"])
+@pytest.mark.parametrize("precision", ["fp32", "lean"])
+def test_a_parameter_replaced_after_offload_is_refused(how, precision):
+    """The engine streams the parameters it offloaded: a slot given another Parameter was
+    put back at the next forward, and a parameter whose data was replaced kept training
+    its old values, both without a word."""
+    torch.manual_seed(0)
+    model = MLPStack()
+    wire = torch.float32 if precision == "fp32" else torch.bfloat16
+    ramflow.offload(model, device="cpu", wire_dtype=wire, host_precision=precision)
+    x = torch.randn(4, 16)
+    model(x)
+    head = model.head
+    new = torch.zeros_like(head.weight)
+    if how == "new-parameter":
+        head.weight = nn.Parameter(new)
+    elif how == "assign-load":
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    else:
+        head.weight.data = new
+    with pytest.raises(RuntimeError, match="replaced after ramflow.offload.*copy_"):
+        model(x)
+
+
+def test_values_copied_into_a_parameter_after_offload_are_used():
+    """The way the error above points to: copy_ into the offloaded parameter."""
+    torch.manual_seed(0)
+    model = MLPStack()
+    ramflow.offload(model, device="cpu", wire_dtype=torch.float32)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert torch.equal(model(x), torch.zeros(4, 8))
+
+
+def test_double_backward_is_refused():
+    """create_graph=True (a gradient penalty) crashed the process (SIGSEGV) once a unit's
+    device weights were freed under the gradients' graph."""
+    model = ramflow.offload(MLPStack(), device="cpu")
+    x = torch.randn(4, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    opt = ramflow.optim.AdamW(model.parameters())
+    opt.zero_grad()  # a refused pass leaves nothing behind
+    model(_x()).sum().backward()
+    opt.step()
+
+
+def test_second_backward_through_a_retained_graph_is_refused():
+    """backward(retain_graph=True) and a second backward failed deep in autograd
+    ("setStorage ... out of bounds for storage of size 0")."""
+    model = ramflow.offload(MLPStack(), device="cpu")
+    loss = model(_x()).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True.*forward again"):
+        loss.backward()

@@ -155,13 +155,22 @@ class _Frame:
 class _Call:
     """One forward call of a unit that autograd may run backward through."""
 
-    __slots__ = ("deps", "order", "position", "pre_backward_done", "bw_pinned", "rc_pinned")
+    __slots__ = (
+        "deps",
+        "order",
+        "position",
+        "pre_backward_done",
+        "backward_task",
+        "bw_pinned",
+        "rc_pinned",
+    )
 
     def __init__(self, deps: list[_Unit], order: list[_Unit] | None, position: int) -> None:
         self.deps = deps
         self.order = order
         self.position = position
         self.pre_backward_done = False
+        self.backward_task = -1  # the autograd graph task of its backward
         self.bw_pinned = False
         self.rc_pinned = False
 
@@ -495,11 +504,47 @@ class Schedule:
         """Point the unit's module slots at the device parameters while a forward call or
         a backward call of the unit is in flight (counted: they nest under checkpointing,
         whose recomputation may call submodules directly, without the unit's hooks)."""
+        if to_device and u.swaps == 0:
+            self._check_host_parameters(u)
         u.swaps += 1 if to_device else -1
         assert u.swaps >= 0
         if u.swaps == (1 if to_device else 0):
             for module, name, host, dev in u.slots:
                 module._parameters[name] = dev if to_device else host
+
+    @staticmethod
+    def _check_host_parameters(u: _Unit) -> None:
+        """The unit's module slots still hold the parameters ramflow offloaded, and those
+        still view its host store: ``module.weight = nn.Parameter(t)``,
+        ``load_state_dict(..., assign=True)`` or ``p.data = t`` after ``offload`` would
+        otherwise be undone by the next swap (or ignored, the store keeping the old values),
+        silently.
+
+        Raises:
+            RuntimeError: a slot holds another tensor, or a parameter's data was replaced.
+        """
+        for module, name, host, _ in u.slots:
+            if module._parameters.get(name) is not host:
+                raise RuntimeError(
+                    f"{type(module).__name__}.{name} (unit {u.name!r}) was replaced after "
+                    "ramflow.offload (module.{0} = ..., or load_state_dict(..., assign=True)); "
+                    "ramflow streams the parameter it offloaded and would put it back. Copy the "
+                    "new values into it instead (with torch.no_grad(): module.{0}.copy_(t), or "
+                    "load_state_dict without assign=True), or call ramflow.undo(model) first "
+                    "and offload again.".format(name)
+                )
+        if u.master is None or u.num_kept == 0:
+            return
+        storage = u.master.untyped_storage().data_ptr()
+        for p in u.owned[: u.num_kept]:
+            if p.untyped_storage().data_ptr() != storage:
+                raise RuntimeError(
+                    f"the data of a parameter of unit {u.name!r} (shape {tuple(p.shape)}) was "
+                    "replaced after ramflow.offload (p.data = t); ramflow streams its own copy "
+                    "and would keep training the old values. Copy the new values into the "
+                    "parameter instead (with torch.no_grad(): p.copy_(t)), or call "
+                    "ramflow.undo(model) first and offload again."
+                )
 
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if _in_backward():
@@ -664,9 +709,26 @@ class Schedule:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _pre_backward(self, call: _Call, grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
         if call.pre_backward_done:
-            return
+            if task != call.backward_task:
+                raise RuntimeError(
+                    "a second backward pass ran through the graph of one forward of an "
+                    "offloaded model (backward(retain_graph=True), then backward again): "
+                    "ramflow frees each unit's device weights once its backward is done, so "
+                    "the graph cannot be run again. Run the forward again before each backward."
+                )
+            return  # another output of the same call, in the same pass
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "backward with create_graph=True (a double backward: gradient penalties, "
+                "Hessian-vector products) is not supported on an offloaded model: the graph "
+                "of the gradients would hold device weights that ramflow frees after each "
+                "unit's backward. Compute it on a resident model (ramflow.undo(model)), or "
+                "approximate the penalty without create_graph (finite differences)."
+            )
         call.pre_backward_done = True
+        call.backward_task = task
         self._gradients.open_pass()
         if self._layer_engine:  # no root output to end the backward pass from
             self._root_output_grad(grad)

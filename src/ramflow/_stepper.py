@@ -97,6 +97,30 @@ from ._worker import STEP, HostWorker
 REFRESH_PIECE_BYTES = 64 << 20
 
 
+def same_settings(a: list[dict], b: list[dict]) -> bool:
+    """Whether two copies of an optimizer's param-group settings (``_hyperparameters``)
+    are equal; tensors (a tensor learning rate) compare by value."""
+    if len(a) != len(b):
+        return False
+    for group_a, group_b in zip(a, b):
+        if group_a.keys() != group_b.keys():
+            return False
+        for key, x in group_a.items():
+            y = group_b[key]
+            if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+                same = (
+                    isinstance(x, torch.Tensor)
+                    and isinstance(y, torch.Tensor)
+                    and x.shape == y.shape
+                    and bool(torch.equal(x.cpu(), y.cpu()))
+                )
+                if not same:
+                    return False
+            elif x != y:
+                return False
+    return True
+
+
 class Stepper:
     """The optimizer steps of one engine's units.
 
@@ -134,6 +158,12 @@ class Stepper:
         self._last_backward_eager = False
         self._final_backwards = 0
         self._clip_used = False
+        # the optimizer's settings when the last backward ended (learned: a loop that sets
+        # them between backward and step() cannot step during backward), and those an eager
+        # pass stepped with (checked at step())
+        self._settings_at_backward: list[dict] | None = None
+        self._settings_late = False
+        self._eager_settings: list[dict] | None = None
         self._seen_step = False  # an opt.step() has run (see _eager_from_the_start)
         # unit gradient norms of the last eager pass, see [Note: the norm without clipping]
         self._pass_norms: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
@@ -155,6 +185,7 @@ class Stepper:
             self._last_backward_eager = False
             self._final_backwards = 0
             self._eager_allowed = False
+            self._settings_late = False
             self._seen_step = False
 
     @property
@@ -205,6 +236,9 @@ class Stepper:
                 and self._final_backwards == 0
                 and len(self.optimizers) == 1
             )
+            self._eager_settings = (
+                self.optimizers[0]._hyperparameters() if self._eager_now else None
+            )
             self._pass_norms = []
             self._pass_norms_whole = self._eager_now
             self._pass_fresh = False
@@ -233,6 +267,8 @@ class Stepper:
             if not no_step:
                 self._final_backwards += 1
             self._last_backward_eager = self._eager_now
+            opts = self.optimizers
+            self._settings_at_backward = opts[0]._hyperparameters() if len(opts) == 1 else None
         self._eager_now = None
 
     def failed_pass(self, *, stepped: Iterable[_Unit], partial_grads: bool) -> None:
@@ -264,7 +300,21 @@ class Stepper:
 
     def zero_grad(self) -> None:
         """``opt.zero_grad()``: the gradients are whole again, and after a loop-pattern
-        error the step policy starts afresh (the optimizer's states stay as they are)."""
+        error the step policy starts afresh (the optimizer's states stay as they are).
+
+        Raises:
+            RuntimeError: the last backward pass stepped during backward and no
+                ``opt.step()`` followed it: the loop skipped a step that ramflow had
+                already applied (a loop-pattern error; a second call goes on).
+        """
+        if self._last_backward_eager and not self._pattern_error:
+            raise self.pattern(
+                "opt.zero_grad() ran after a backward pass without an opt.step() between them, "
+                "but ramflow had already applied that step during backward (it saw one "
+                "backward per step so far), so its update is in the weights. A loop that skips "
+                "steps (a guard against non-finite gradients, ...) needs the optimizer built "
+                "with overlap=False; reload a checkpoint to take this update back."
+            )
         self._partial_grads = False
         self._pass_norms_whole = False
         if self._pattern_error:
@@ -273,6 +323,7 @@ class Stepper:
             self._final_backwards = 0
             self._eager_allowed = False
             self._clip_used = False
+            self._settings_late = False
 
     def pattern(self, message: str) -> RuntimeError:
         """A loop-pattern error; ``opt.zero_grad()`` recovers from it."""
@@ -380,6 +431,7 @@ class Stepper:
                 "opt.zero_grad() and run the micro-batches of this step again."
             )
         modified = self._grads_modified(opt)
+        settings = opt._hyperparameters()
         if self._last_backward_eager:
             if modified:
                 raise self.pattern(
@@ -388,7 +440,22 @@ class Stepper:
                     "ramflow.clip_grad_norm_ from the first step on, or construct the "
                     "optimizer with overlap=False."
                 )
+            if self._eager_settings is not None and not same_settings(
+                settings, self._eager_settings
+            ):
+                raise self.pattern(
+                    "the optimizer's settings (learning rate, weight decay, ...) changed between "
+                    "backward and opt.step(), but ramflow had already applied this step during "
+                    "backward with the settings of then (it saw them unchanged at the first "
+                    "step). Set them before backward or after opt.step() (as an LR scheduler's "
+                    "step() after opt.step() does), or construct the optimizer with "
+                    "overlap=False."
+                )
         else:
+            if self._settings_at_backward is not None and not same_settings(
+                settings, self._settings_at_backward
+            ):
+                self._settings_late = True  # set between backward and step: never eager
             for u in sorted(self.units, key=self.priority):
                 if not self.steps_here(u):
                     continue
@@ -398,7 +465,11 @@ class Stepper:
             self.wait_host_grad_reads()
         self._seen_step = True
         self._eager_allowed = (
-            opt.overlap and self._final_backwards == 1 and not modified and not self._clip_used
+            opt.overlap
+            and self._final_backwards == 1
+            and not modified
+            and not self._clip_used
+            and not self._settings_late
         )
         self._final_backwards = 0
         self._last_backward_eager = False
