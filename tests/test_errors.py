@@ -304,3 +304,40 @@ def test_second_backward_through_a_retained_graph_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph=True.*forward again"):
         loss.backward()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error():
+    model = MLPStack()
+    with pytest.raises(ValueError, match="no CUDA device.*leave device out"):
+        ramflow.offload(model, device="cuda")
+    assert not ramflow.is_offloaded(model)
+
+
+def test_is_offloaded_sees_the_offloaded_model_inside_a_wrapper():
+    """As get_plan, adopt and undo do (a PEFT model wraps the one that was offloaded)."""
+    inner = ramflow.offload(MLPStack(), device="cpu")
+    wrapper = nn.Sequential(inner, nn.ReLU())
+    assert ramflow.is_offloaded(wrapper) and ramflow.get_plan(wrapper) is not None
+    ramflow.undo(wrapper)
+    assert not ramflow.is_offloaded(wrapper) and not ramflow.is_offloaded(inner)
+
+
+def test_the_float64_cast_error_says_what_to_do():
+    model = ramflow.offload(MLPStack(), device="cpu")
+    with pytest.raises(ValueError, match="for float64, call ramflow.undo.*resident"):
+        model.double()
+
+
+def test_pickling_an_offloaded_model_says_what_to_do():
+    """torch.save(model) raised "Can't pickle local object 'weak_method.<locals>.call'"."""
+    import io
+    import pickle
+
+    model = ramflow.offload(MLPStack(), device="cpu")
+    for save in (pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+        with pytest.raises(TypeError, match="state_dict.*ramflow.undo"):
+            save(model)
+    torch.save(model.state_dict(), io.BytesIO())
+    ramflow.undo(model)
+    pickle.dumps(model)

@@ -35,11 +35,22 @@ def engine_of_model(model: Any) -> Any | None:
 
 
 def set_engine_of_model(model: nn.Module, engine: Any | None) -> None:
-    """Make ``model`` own ``engine`` (None: forget it)."""
+    """Make ``model`` own ``engine`` (None: forget it). While it does, ``pickle`` and
+    ``torch.save`` of the model raise ``refuse_copy``'s TypeError (an instance
+    ``__reduce_ex__``, which the pickler looks up before it meets a hook it cannot pickle
+    and raises an AttributeError about a local object)."""
     if engine is None:
         model.__dict__.pop(ENGINE_ATTR, None)
+        model.__dict__.pop("__reduce_ex__", None)
     else:
         model.__dict__[ENGINE_ATTR] = engine
+        model.__dict__["__reduce_ex__"] = _refuse_pickle
+
+
+def _refuse_pickle(protocol: int) -> Any:
+    from ._units import refuse_copy
+
+    refuse_copy()
 
 
 def engine_of_param(p: Any) -> Any | None:

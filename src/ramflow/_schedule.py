@@ -822,13 +822,12 @@ class Schedule:
             raise ValueError(
                 f"this model is offloaded by ramflow with master weights in host RAM that compute in "
                 f"{wire} (its wire dtype); casting it to {name} is not supported in place. "
-                f"Call ramflow.undo(model), then ramflow.offload(model, wire_dtype=torch.{name})"
                 + (
-                    ""
+                    f"Call ramflow.undo(model), then ramflow.offload(model, wire_dtype=torch.{name})."
                     if dtype != torch.float64
-                    else " is not possible either: float64 needs a resident model"
+                    else "ramflow computes in float32, bfloat16 or float16: for float64, call "
+                    "ramflow.undo(model) and keep the model resident."
                 )
-                + "."
             )
         # device and dtype are what they already are: only the buffers follow (they live on
         # the device, and a plain model casts its floating-point buffers too)

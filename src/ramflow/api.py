@@ -231,6 +231,11 @@ def offload(
             else torch.device("cpu")
         )
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {device}: this PyTorch sees no CUDA device (torch.cuda.is_available() is "
+            "False); leave device out to run on the CPU, or install a CUDA build of PyTorch"
+        )
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cuda", "cpu"):
@@ -423,5 +428,13 @@ def get_plan(model: nn.Module) -> OffloadPlan:
 
 
 def is_offloaded(model: nn.Module) -> bool:
-    """True if ``model`` is currently offloaded by ramflow."""
-    return engine_of_model(model) is not None
+    """True if ``model`` is currently offloaded by ramflow, or wraps the one module that is
+    (a ``peft.PeftModel``, an ``nn.Sequential`` around it): the models ``get_plan``,
+    ``adopt`` and ``undo`` accept."""
+    if engine_of_model(model) is not None:
+        return True
+    try:
+        _engine(model)
+    except (TypeError, ValueError):
+        return False
+    return True
