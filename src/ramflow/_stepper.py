@@ -463,6 +463,10 @@ class Stepper:
                 if items:
                     self.step_from_host(u, items)
             self.wait_host_grad_reads()
+            if self._final_backwards == 0:
+                # no backward since the last step (step() twice, gradients set by hand): the
+                # next backward's gradients would land in the buffers this step still reads
+                self.worker.wait_idle()
         self._seen_step = True
         self._eager_allowed = (
             opt.overlap
