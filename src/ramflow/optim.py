@@ -23,7 +23,7 @@ from . import _lean_triton
 from ._cpu_kernels import _check_threads, fused_adamw_step_
 from ._engine import Engine
 from ._host_formats import check_optimizer_formats
-from ._lean_kernels import QBLOCK, lean_adamw_step_, quantize_blockwise
+from ._lean_kernels import QBLOCK, dequantize_blockwise, lean_adamw_step_, quantize_blockwise
 from ._linear import attach_pending
 from ._plan import LEAN_DEVICE_STEP_PIECE
 from ._registry import engine_of_param
@@ -42,7 +42,9 @@ class HostOptimizer(torch.optim.Optimizer):
         self.keep_grads = keep_grads
         self._no_step_depth = 0
         self._group_of: dict[int, int] = {}
+        # See [Note: parameters that change hands]
         self._engines: list[Engine] = []
+        self._probes: list[torch.Tensor] = []  # one parameter of each engine, in its order
         self._unmanaged: list[torch.Tensor] = []
         self._unit_state: dict[_Unit, dict[str, torch.Tensor]] = {}
         self._fused_ok = True
@@ -55,15 +57,83 @@ class HostOptimizer(torch.optim.Optimizer):
         attach_pending([param_group])  # ramflow.Linear layers that have not run yet
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
-        for p in self.param_groups[-1]["params"]:
+        params = self.param_groups[-1]["params"]
+        for p in params:
             self._group_of[id(p)] = index
-            engine = engine_of_param(p)
+        self._unmanaged.extend(params)  # until sorted, just below
+        self._sort_params(params)
+
+    # [Note: parameters that change hands]
+    # A parameter keeps its identity through ``ramflow.offload`` and ``ramflow.undo``, so
+    # this optimizer may outlive the engine that held its parameters when it was built, or
+    # be built before one takes them. Before it steps, zeroes or saves, it checks that each
+    # engine it knows still holds its parameters (one registry look-up per engine: ``undo``
+    # releases all of an engine's parameters at once) and that no engine took one of the
+    # unmanaged parameters (one look-up each; those are stepped here anyway). If either
+    # changed, it sorts every parameter again: a new engine is attached, and the states of
+    # a parameter that changed hands are moved (``_states_to_unit``, ``_states_to_plain``),
+    # so that it steps on exactly as an optimizer built after the change would.
+
+    def _engines_changed(self) -> bool:
+        """Whether an engine released this optimizer's parameters or took one of the
+        unmanaged ones since they were sorted."""
+        released = any(engine_of_param(p) is not e for e, p in zip(self._engines, self._probes))
+        return released or any(engine_of_param(p) is not None for p in self._unmanaged)
+
+    def _follow_engines(self) -> None:
+        """Sort the parameters again if they changed hands (see [Note: parameters that
+        change hands]). Raises ValueError as ``_sort_params``."""
+        if self._engines_changed():
+            self._sort_params()
+
+    def _sort_params(self, params: list[torch.Tensor] | None = None) -> None:
+        """Sort the parameters into those of engines (stepped by the engine, states in
+        its units' flat buffers) and unmanaged ones (stepped in ``step()``), moving the
+        states of those that changed hands. ``params``: only these, unmanaged so far (a
+        new param group), while every engine known holds its parameters; None: all.
+
+        Raises:
+            ValueError: a new engine keeps its parameters in host formats this optimizer
+                has no step for (``check_optimizer_formats``); nothing is changed then.
+        """
+        kept = [(e, p) for e, p in zip(self._engines, self._probes) if engine_of_param(p) is e]
+        kept_ids = {id(e) for e, _ in kept}
+        was_unmanaged = {id(p) for p in self._unmanaged}
+        if params is None or len(kept) < len(self._engines):
+            params = [p for g in self.param_groups for p in g["params"]]
+        owners = [engine_of_param(p) for p in params]
+        new: dict[int, tuple[Engine, torch.Tensor]] = {}
+        for p, engine in zip(params, owners):
+            if engine is not None and id(engine) not in kept_ids:
+                new.setdefault(id(engine), (engine, p))
+        for engine, _ in new.values():
+            check_optimizer_formats(engine.host.precision, self)
+        for engine in self._engines:
+            if id(engine) not in kept_ids:  # removed by ramflow.undo
+                for u in engine.units:
+                    self._unit_state.pop(u, None)
+        self._engines = [e for e, _ in kept] + [e for e, _ in new.values()]
+        self._probes = [p for _, p in kept] + [p for _, p in new.values()]
+        resorted = {id(p) for p in params}
+        self._unmanaged = [p for p in self._unmanaged if id(p) not in resorted]
+        for p, engine in zip(params, owners):
+            moved = id(p) in was_unmanaged or engine is None or id(engine) not in kept_ids
+            if moved and id(p) not in was_unmanaged:
+                self._states_to_plain(p)  # its engine was removed
             if engine is None:
                 self._unmanaged.append(p)
-            elif engine not in self._engines:
-                check_optimizer_formats(engine.host.precision, self)
-                self._engines.append(engine)
-                engine.attach(self)
+            elif moved:
+                self._states_to_unit(p, engine)
+        for engine, _ in new.values():
+            engine.attach(self)
+
+    def _states_to_unit(self, p: torch.Tensor, engine: Engine) -> None:
+        """``p`` joined ``engine``: its states (kept as plain tensors) move into its
+        unit's flat buffers, in the unit's host format. Nothing to do by default."""
+
+    def _states_to_plain(self, p: torch.Tensor) -> None:
+        """``p``'s engine was removed: its states become plain tensors of its dtype and
+        device, as a plain optimizer keeps them. Nothing to do by default."""
 
     # ------------------------------------------------------------------ used by the engine
 
@@ -182,11 +252,20 @@ class HostOptimizer(torch.optim.Optimizer):
         Offloaded units are stepped on the worker thread; ``step`` returns before they are
         done, and each unit's next forward waits for its own step. Call
         ``ramflow.synchronize(model)`` (or ``model.state_dict()``) to read the new weights.
+        Parameters offloaded after this optimizer was built, or given back by
+        ``ramflow.undo``, are stepped as by an optimizer built now, with their states.
+
+        Raises:
+            ValueError: parameters were offloaded since this optimizer was built in host
+                formats it has no step for (``ramflow.optim.SGD`` on lean formats).
+            RuntimeError: the loop broke a rule of the overlapped step (see
+                [Note: when the step runs]), or a worker step failed.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._follow_engines()
         for engine in self._engines:
             engine.schedule_step(self)
         params = [p for p in self._unmanaged if p.grad is not None]
@@ -199,7 +278,9 @@ class HostOptimizer(torch.optim.Optimizer):
         steps in flight, which read the gradients. Nothing of the last backward pass lands
         afterwards, a failed one included; after a loop-pattern ``RuntimeError`` (a second
         backward before ``step``, clipping begun late) it also lets training go on, with
-        the optimizer's states as they are."""
+        the optimizer's states as they are. Raises ValueError as ``step`` does for
+        parameters offloaded since in host formats this optimizer has no step for."""
+        self._follow_engines()
         for engine in self._engines:
             engine.on_zero_grad()
         if not set_to_none:
@@ -219,6 +300,10 @@ class HostOptimizer(torch.optim.Optimizer):
             self._no_step_depth -= 1
 
     def state_dict(self) -> dict[str, Any]:
+        """As ``torch.optim.Optimizer.state_dict``, once the steps in flight are done.
+        Raises ValueError as ``step`` does for parameters offloaded since in host formats
+        this optimizer has no step for."""
+        self._follow_engines()
         for engine in self._engines:
             engine.synchronize()
         return super().state_dict()
@@ -227,7 +312,15 @@ class HostOptimizer(torch.optim.Optimizer):
         """As ``torch.optim.Optimizer.load_state_dict``; managed states are copied into the
         flat per-unit buffers so they stay contiguous, from the tensors given (PyTorch's
         load casts floating-point states to their parameter's dtype, which would round
-        fp32 states of bf16 master weights)."""
+        fp32 states of bf16 master weights). As in PyTorch, a parameter without state in
+        ``state_dict`` starts afresh at its next step (zero moments, step 0).
+
+        Raises:
+            ValueError: as ``torch.optim.Optimizer.load_state_dict`` (other param groups),
+                or a managed state's dtype or shape is not the one its host format keeps
+                (a state saved with another ``host_precision``).
+        """
+        self._follow_engines()
         for engine in self._engines:
             engine.synchronize()
         saved_ids = [i for g in state_dict.get("param_groups", ()) for i in g["params"]]
@@ -238,6 +331,9 @@ class HostOptimizer(torch.optim.Optimizer):
             if i in state_dict.get("state", {})
         }
         super().load_state_dict(state_dict)
+        # new flat buffers: the old ones hold the states of parameters the loaded dict has
+        # none for, which must start from zero (the tensors in ``given`` keep theirs alive)
+        self._unit_state.clear()
         for p, st in self.state.items():
             if engine_of_param(p) is None:
                 continue
@@ -273,7 +369,9 @@ class AdamW(HostOptimizer):
             those steps: 4 fewer bytes of DRAM traffic per parameter (about an eighth of
             the step, which bounds small-batch training) for loops that never read the
             gradients. Steps that are not applied during backward (the first, clipping,
-            accumulation) always fill ``p.grad``.
+            accumulation) always fill ``p.grad``. Under the gradient ring of the lean host
+            formats (``HostPrecision.gradients == "ring"``) steps during backward leave
+            ``p.grad`` None either way: the ring keeps no full gradient buffer.
         threads: CPU threads of the step over the host masters (ramflow's native AdamW
             kernel), an int >= 1; None (the default) is ``torch.get_num_threads()``. The
             step is bound by DRAM, so leaving a core or two to a data loader costs little;
@@ -398,6 +496,44 @@ class AdamW(HostOptimizer):
                 self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
                 self.state[p].update(self._flat_state(p, names))
         return self._unit_state[unit]
+
+    def _states_to_unit(self, p: torch.Tensor, engine: Engine) -> None:
+        """``p`` joined ``engine`` with states (stepped before ``offload``, or before an
+        ``undo`` and a new ``offload``): they move into its unit's flat buffers, in the
+        unit's host format (8-bit moments quantized per block, a Kahan compensation of
+        zero). See [Note: parameters that change hands]."""
+        st = self.state.get(p)
+        unit = engine.unit_of(p)
+        if not st or unit is None or not any(q is p for q in unit.owned[: unit.num_trainable]):
+            return  # no state, or a frozen parameter: never stepped by the unit
+        views = self._flat_state(p, _state_names(unit))
+        for name in ("exp_avg", "exp_avg_sq"):
+            value = st[name].detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+            if name + "_absmax" in views:
+                codes, absmax = quantize_blockwise(value, signed=name == "exp_avg")
+                views[name].copy_(codes.view_as(views[name]))
+                views[name + "_absmax"].copy_(absmax)
+            else:
+                views[name].copy_(value.view_as(views[name]))
+        st.update(views)
+
+    def _states_to_plain(self, p: torch.Tensor) -> None:
+        """``p``'s engine was removed (``ramflow.undo``): its moments become plain tensors
+        of the parameter's dtype and device, 8-bit ones decoded; a Kahan compensation is
+        dropped (``undo`` gives back the weights without it). See [Note: parameters
+        that change hands]."""
+        st = self.state.get(p)
+        if not st or "exp_avg" not in st:
+            return
+        plain = engine_of_param(p) is None  # else it joins a new engine, in fp32 until then
+        for name in ("exp_avg", "exp_avg_sq"):
+            value = st[name]
+            absmax = st.pop(name + "_absmax", None)
+            if absmax is not None:
+                value = dequantize_blockwise(value.reshape(-1), absmax, signed=name == "exp_avg")
+            value = value.detach().to(torch.float32).view(p.shape)
+            st[name] = value.to(p.device, p.dtype, copy=True) if plain else value.clone()
+        st.pop("master_compensation", None)
 
     def _new_flats(self, unit: _Unit, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """New flat states of ``unit`` in its host format: fp32 or bf16 zeros; 8-bit codes
