@@ -474,14 +474,16 @@ class AdamW(HostOptimizer):
             for p in params:
                 self.state[p]["step"].add_(1)
             return
+        tails = _odd_tails(unit)
         for lo, hi in pieces or [(0, unit.trainable_numel)]:
-            fused_adamw_step_(
-                unit.master[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi],
-                step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                accumulate=cut(accumulate, lo, hi), grad_out=cut(grad_out, lo, hi),
-                wire_out=cut(wire_out, lo, hi), num_threads=self.threads,
-            )  # fmt: skip
+            for a, b in _kernel_ranges(lo, hi, tails):
+                fused_adamw_step_(
+                    unit.master[a:b], grad[a:b], m[a:b], v[a:b],
+                    step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                    accumulate=cut(accumulate, a, b), grad_out=cut(grad_out, a, b),
+                    wire_out=cut(wire_out, a, b), num_threads=self.threads,
+                )  # fmt: skip
             if after_piece is not None:
                 after_piece(lo, hi)
         for p in params:
@@ -728,6 +730,49 @@ class AdamW(HostOptimizer):
             unit, flats, lo, lo + p.numel(), g.contiguous(), group, int(st["step"]) + 1, None
         )
         st["step"].add_(1)
+
+
+# [Note: each parameter's own tail]
+# PyTorch's fused CPU AdamW steps each parameter on its own: 8-lane vectors, then a scalar
+# loop for its last numel % 8 elements, which fuses the second moment's multiply-add
+# differently ([Note: matching PyTorch's fused AdamW bit for bit]). The flat step covers a
+# unit's parameters in one call, so a parameter whose size is not a multiple of 8 (a
+# 5-class head's bias) would get the vector form on its tail and drift from PyTorch by an
+# ulp a step. The flat step therefore cuts its range at those tails: the kernel, which
+# gives the last n % 8 elements of a call the tail form, takes each tail as a call of its
+# own. The padding after a tail (to the next multiple of 8, where the next parameter
+# starts) is left out: it holds zeros and is never read.
+_TAIL_LANES = 8
+
+
+def _odd_tails(unit: _Unit) -> list[tuple[int, int]]:
+    """The ``[begin, end)`` element ranges of the scalar tails of ``unit``'s trainable
+    parameters whose size is not a multiple of 8, in order. See [Note: each parameter's
+    own tail]."""
+    tails = []
+    for k, p in enumerate(unit.owned[: unit.num_trainable]):
+        r = p.numel() % _TAIL_LANES
+        if r:
+            end = unit.offsets[k] + p.numel()
+            tails.append((end - r, end))
+    return tails
+
+
+def _kernel_ranges(lo: int, hi: int, tails: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` cut so that each tail in ``tails`` is a range of its own and every
+    other range is whole vectors; the padding after a tail is skipped."""
+    out = []
+    cur = lo
+    for a, b in tails:
+        if b <= lo or a >= hi:
+            continue
+        if a > cur:
+            out.append((cur, a))
+        out.append((a, b))
+        cur = min(hi, -(-b // _TAIL_LANES) * _TAIL_LANES)
+    if cur < hi:
+        out.append((cur, hi))
+    return out
 
 
 def _exact(unit: _Unit) -> bool:
