@@ -84,6 +84,8 @@ def test_report_changes_nothing_in_the_model():
         p.grad = g
     activation_report(model, torch.randn(B, D))
     assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    # values too: the report's own backward must not be added into the existing grads
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
 
 
 def test_nothing_saved_without_grad():

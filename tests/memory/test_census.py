@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -49,3 +50,19 @@ def test_unnamed_parameter_and_no_pinned_on_cpu():
     if not torch.cuda.is_available():
         assert census.pinned_bytes is None
     del p
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_nested_tensors_are_counted_with_no_bytes():
+    before = tensor_census()
+    nested = [
+        torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),  # strided: has no sizes
+        torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged),
+    ]
+    grown = census_diff(before, tensor_census())
+    # both nested tensors in one group of 0 bytes; the jagged one's values are a tensor
+    # of their own, counted with their bytes
+    on_cpu = {g.shape: (g.count, g.bytes) for g in grown if g.device == "cpu"}
+    assert on_cpu[()] == (2, 0)
+    assert on_cpu[(5,)] == (1, 5 * 4)
+    assert len(nested) == 2

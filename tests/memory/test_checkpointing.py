@@ -15,10 +15,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import ramflow
 from models import MLPStack, tiny_llama
 from ramflow.memory import (
     CheckpointAll,
     CheckpointEveryKth,
+    CheckpointPlan,
     CheckpointSegments,
     CheckpointToBudget,
     SelectiveCheckpoint,
@@ -26,6 +28,7 @@ from ramflow.memory import (
     apply_checkpointing,
     find_blocks,
 )
+from ramflow.memory.checkpointing import resolve_over_units
 
 
 def backward_forward_calls(model: nn.Module, probes: list[nn.Module], x: torch.Tensor) -> list[int]:
@@ -155,6 +158,40 @@ def test_segments_refuse_blocks_of_a_module_list():
         apply_checkpointing(MLPStack(dim=8, depth=4), CheckpointSegments(2))
 
 
+class ResidualStack(nn.Sequential):
+    """A Sequential subclass with its own forward: a chain of its children is another function."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self:
+            x = x + block(x)
+        return x
+
+
+def test_segments_refuse_a_sequential_subclass_with_its_own_forward():
+    torch.manual_seed(0)
+    model = ResidualStack(*(nn.Linear(8, 8) for _ in range(4)))
+    with pytest.raises(ValueError, match="overrides nn.Sequential.forward.*CheckpointAll"):
+        apply_checkpointing(model, CheckpointSegments(2))
+    assert "forward" not in model.__dict__
+    # the same refusal on offload's path, before anything is offloaded
+    with pytest.raises(ValueError, match="overrides nn.Sequential.forward"):
+        resolve_over_units(CheckpointSegments(2), model, list(model.named_children()))
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="overrides nn.Sequential.forward"):
+        ramflow.offload(
+            model,
+            device="cpu",
+            wire_dtype=torch.float32,
+            activation_checkpointing=CheckpointSegments(2),
+        )
+    assert torch.equal(model(x), reference(x))
+    # per-block checkpointing keeps the subclass's forward
+    handle = apply_checkpointing(model, CheckpointAll())
+    assert torch.equal(model(x), reference(x))
+    handle.undo()
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten operators that actually run (selective checkpointing answers the
     saved ones from its cache, below this mode, so they are not counted)."""
@@ -215,6 +252,34 @@ def test_given_blocks_and_bad_input():
         CheckpointEveryKth(0)
 
 
+class NamesNoBlock:
+    def resolve(self, model, blocks):
+        return CheckpointPlan(blocks=("nope",))
+
+
+class SegmentOfNoBlock:
+    def resolve(self, model, blocks):
+        return CheckpointPlan(blocks=("0",), segments=(("0", "nope"),))
+
+
+class ReturnsAList:
+    def resolve(self, model, blocks):
+        return [name for name, _ in blocks]
+
+
+def test_custom_policy_mistakes_get_clear_errors():
+    model = MLPStack(dim=8, depth=3)
+    with pytest.raises(ValueError, match=r"chose \['nope'\], which are not blocks.*blocks\.0"):
+        apply_checkpointing(model, NamesNoBlock())
+    with pytest.raises(TypeError, match="returned list, not a CheckpointPlan"):
+        apply_checkpointing(model, ReturnsAList())
+    sequential = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
+    with pytest.raises(ValueError, match=r"chose \['nope'\]"):
+        apply_checkpointing(sequential, SegmentOfNoBlock())
+    for m in (model, sequential):
+        assert all("forward" not in sub.__dict__ for sub in m.modules())  # nothing applied
+
+
 def test_report_charges_a_checkpointed_block_its_inputs_only():
     torch.manual_seed(0)
     model = MLPStack(dim=16, depth=4)
@@ -228,6 +293,16 @@ def test_report_charges_a_checkpointed_block_its_inputs_only():
             assert row.saved_bytes == row.input_bytes == 4 * 4 * 16
         else:
             assert row.saved_bytes == before.saved_bytes > row.input_bytes
+    handle.undo()
+
+
+def test_batch_norm_in_a_checkpointed_block_updates_its_statistics_twice():
+    """What the module docstring and the README warn about: the recomputation runs the
+    block's forward again in train mode."""
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(2)))
+    handle = apply_checkpointing(model, CheckpointAll())
+    model(torch.randn(8, 4)).sum().backward()
+    assert [int(block[1].num_batches_tracked) for block in model] == [2, 2]
     handle.undo()
 
 

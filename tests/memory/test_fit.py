@@ -34,6 +34,26 @@ def test_estimate_picks_the_largest_micro_batch_without_checkpointing_first() ->
         fit_batch(global_batch=16, budget_bytes=5, estimate=estimate)
 
 
+def test_budget_takes_size_strings_and_the_hint_fits_what_was_tried() -> None:
+    def estimate(micro_batch: int, checkpointing: bool) -> int:
+        return micro_batch * (256 if checkpointing else 1024)
+
+    fit = fit_batch(global_batch=8, budget_bytes="2KiB", estimate=estimate)
+    assert (fit.micro_batch, fit.checkpointing, fit.budget_bytes) == (2, False, 2048)
+    # checkpointed levels were tried and failed: no advice to turn checkpointing on
+    with pytest.raises(ValueError, match="no micro-batch") as both:
+        fit_batch(global_batch=8, budget_bytes="100 B", estimate=estimate)
+    assert "--checkpointing on" not in str(both.value)
+    with pytest.raises(ValueError, match="turn --checkpointing on"):
+        fit_batch(global_batch=8, budget_bytes=100, estimate=estimate, checkpointing=(False,))
+    with pytest.raises(ValueError, match="budget_bytes"):
+        fit_batch(global_batch=8, budget_bytes="lots", estimate=estimate)
+    with pytest.raises(ValueError, match="negative"):
+        fit_batch(global_batch=8, budget_bytes=-1, estimate=estimate)
+    with pytest.raises(TypeError, match="budget_bytes"):
+        fit_batch(global_batch=8, budget_bytes=True, estimate=estimate)
+
+
 def test_trial_steps_back_off_on_out_of_memory() -> None:
     """A real forward and backward; the model raises the allocator's error above 3 rows."""
     model = nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, 1))

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ramflow
-from ramflow.memory import ActivationProfile, activation_report, estimate_memory
+from ramflow.memory import ActivationProfile, activation_report, estimate_memory, find_blocks
 
 B, D, NUM_BLOCKS = 4, 32, 3
 
@@ -53,6 +53,37 @@ def test_profile_from_a_report_splits_blocks_from_the_rest() -> None:
     assert profile.layer_input_bytes == 4 * B * D
     assert profile.other_bytes == report.total_saved_bytes - sum(profile.layer_bytes)
     assert profile.saved_bytes(checkpointing=True) < profile.saved_bytes(checkpointing=False)
+
+
+class ExpertBlock(nn.Module):
+    """A block holding a numbered ModuleList of its own, with more members than the model
+    has blocks (experts, heads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(D, 4) for _ in range(8))
+        self.out = nn.Linear(32, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(torch.cat([torch.tanh(e(x)) for e in self.experts], -1))
+
+
+def test_profile_default_layers_are_the_blocks_find_blocks_names() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    model.blocks = nn.ModuleList(ExpertBlock() for _ in range(NUM_BLOCKS))
+    report = activation_report(model, torch.randn(B, D))
+    names = [name for name, _ in find_blocks(model)]
+    assert report.blocks == tuple(names) == ("blocks.0", "blocks.1", "blocks.2")
+    profile = ActivationProfile.from_report(report)
+    # not the 8 experts of blocks.0, the prefix with the most numbered rows
+    assert profile == ActivationProfile.from_report(report, blocks=names)
+    assert profile.layer_bytes == tuple(report[n].saved_bytes for n in names)
+    # a model without repeated blocks: no layers, everything is "other"
+    flat = nn.Sequential(nn.Linear(D, D), nn.ReLU())
+    flat_report = activation_report(flat, torch.randn(B, D))
+    assert flat_report.blocks == ()
+    assert ActivationProfile.from_report(flat_report).other_bytes == flat_report.total_saved_bytes
 
 
 def test_figures_follow_the_shapes_and_match_the_real_plan() -> None:
@@ -106,3 +137,22 @@ def test_a_budget_turns_checkpointing_on_and_a_smaller_one_is_refused() -> None:
         estimate_memory(meta, gpu_memory=1024, **common)
     with pytest.raises(ValueError, match="choose one of"):
         estimate_memory(meta, checkpointing="sometimes", **common)
+
+
+@pytest.mark.parametrize("device_type", ["cuda:0", "mps", "gpu"])
+def test_device_type_must_be_cuda_or_cpu(device_type: str) -> None:
+    with pytest.raises(ValueError, match="device_type must be 'cuda' or 'cpu'"):
+        estimate_memory(
+            Net(), activations=_profile(), batch_size=B, seq_len=1, device_type=device_type
+        )
+
+
+def test_a_numeric_budget_is_checked_as_a_size_string_is() -> None:
+    common = dict(activations=_profile(), batch_size=B, seq_len=1, wire_dtype=torch.float32)
+    for bad in (-1, "-1"):
+        with pytest.raises(ValueError, match="must not be negative"):
+            estimate_memory(Net(), gpu_memory=bad, **common)
+    with pytest.raises(TypeError, match="gpu_memory"):
+        estimate_memory(Net(), gpu_memory=True, **common)
+    est = estimate_memory(Net(), gpu_memory=float(1 << 30), **common)
+    assert est.gpu_memory_bytes == 1 << 30 and isinstance(est.gpu_memory_bytes, int)

@@ -55,6 +55,20 @@ def test_other_devices_are_refused():
             pass
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 0, torch.device("cuda", 0)])
+def test_cuda_without_cuda_is_refused_clearly(monkeypatch, device):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a CUDA device.*device='cpu'"):
+        MemoryTracker(device=device)
+
+
+def test_bad_device_arguments_are_refused():
+    with pytest.raises(ValueError, match="device must be"):
+        MemoryTracker(device=True)
+    with pytest.raises(ValueError, match="cannot read device"):
+        MemoryTracker(device="gpu")
+
+
 @pytest.mark.gpu
 def test_cuda_peaks_match_max_memory_allocated():
     torch.manual_seed(0)

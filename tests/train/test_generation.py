@@ -161,9 +161,35 @@ def test_train_from_a_hugging_face_folder_then_generate(
     assert "(5 new tokens)" in capsys.readouterr().out
 
 
+def test_generation_past_the_models_context_is_refused(
+    hf_folder: Path, ramflow_cli, capsys
+) -> None:
+    model, tok, policy = load_for_generation(hf_folder, device="cpu")  # context: 256
+    try:
+        # bos + 5 bytes = 6 prompt tokens; 250 new tokens reach the context exactly
+        assert len(tok.encode("hello")) == 5
+        with pytest.raises(ValueError, match="--max-new-tokens 250 or less"):
+            generate(
+                model, tok, ["hello"], sampling=SamplingConfig(max_new_tokens=251), policy=policy
+            )
+        with pytest.raises(ValueError, match="shorten the prompt"):
+            generate(model, tok, ["x" * 300], sampling=SamplingConfig(), policy=policy)
+    finally:
+        ramflow.undo(model)
+    rc = ramflow_cli(
+        "generate", "--device", "cpu", "--model", hf_folder, "--prompt", "hello",
+        "--max-new-tokens", "300",
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "context of 256 tokens" in err and "Traceback" not in err
+
+
 def test_sampling_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="--top-p"):
         SamplingConfig(top_p=0.0)
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="--temperature"):
+            SamplingConfig(temperature=bad)
     with pytest.raises(ValueError, match="--max-new-tokens"):
         SamplingConfig(max_new_tokens=0)
     policy = resolve_compute(device="cpu", precision="fp32")

@@ -172,6 +172,15 @@ def test_global_batch_sets_the_accumulation() -> None:
     assert auto.auto_batch_size and auto.global_batch == 8
 
 
+def test_auto_batch_size_without_global_batch_takes_the_presets_batch() -> None:
+    # --global-batch defaults to --batch-size x --grad-accum: the preset's batch here
+    preset_batch = TrainConfig.from_options().batch_size
+    auto = TrainConfig.from_options(batch_size="auto")
+    assert auto.auto_batch_size and auto.global_batch == preset_batch
+    doubled = TrainConfig.from_options(batch_size="auto", grad_accum=2)
+    assert doubled.auto_batch_size and doubled.global_batch == 2 * preset_batch
+
+
 @pytest.mark.gpu
 def test_a_real_out_of_memory_error_on_the_gpu_backs_off_and_the_run_goes_on(
     tmp_path: Path, corpus_file: Path

@@ -149,6 +149,35 @@ def test_unreadable_budget_and_bad_settings(
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--clip-grad", "nan"),
+        ("--clip-grad", "inf"),
+        ("--weight-decay", "nan"),
+        ("--weight-decay", "-1"),
+        ("--lr", "inf"),
+        ("--min-lr-ratio", "5"),
+        ("--min-lr-ratio", "nan"),
+        ("--val-fraction", "nan"),
+    ],
+)
+def test_non_finite_or_out_of_range_floats_are_refused_before_anything_is_written(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, capsys, fast, flag: str, value: str
+) -> None:
+    out = tmp_path / "out"
+    _fails(
+        ramflow_cli, capsys, "train", "--data", corpus_file, *fast, flag, value, "--out", out,
+        expect=flag,
+    )  # fmt: skip
+    assert not out.exists()  # so the corrected command can use the same --out
+
+
+@pytest.mark.parametrize("flag", ["--gpu-tflops", "--pcie-gbps", "--cpu-adamw-gparams"])
+def test_plan_refuses_non_finite_rates(ramflow_cli, capsys, flag: str) -> None:
+    _fails(ramflow_cli, capsys, "plan", "--preset", "tiny", flag, "nan", expect=flag)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "state"])
 def test_corrupt_checkpoint_is_refused_and_nothing_changes(
     run_copy: Path, ramflow_cli, capsys, damage: str

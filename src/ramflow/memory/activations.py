@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .._plan import format_bytes
+from .._units import _repeated_blocks
 
 __all__ = ["ActivationReport", "ModuleActivations", "activation_report"]
 
@@ -72,11 +73,15 @@ class ActivationReport:
         total_saved_bytes: bytes of all storages saved for backward during the forward,
             each once (see [Note: counting saved storages]).
         device: where the model ran.
+        blocks: names of the model's repeated blocks that ran, in block order: the blocks
+            ``ramflow.memory.find_blocks`` names on the same model (empty when it has none);
+            None for a report not made by ``activation_report``.
     """
 
     modules: tuple[ModuleActivations, ...]
     total_saved_bytes: int
     device: torch.device
+    blocks: tuple[str, ...] | None = None
 
     def __getitem__(self, name: str) -> ModuleActivations:
         for row in self.modules:
@@ -156,6 +161,7 @@ class _Meter:
         self.cuda = device.type == "cuda"
         self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self.modules = {id(m): m for m in model.modules()}
+        self.blocks = [id(m) for m in _repeated_blocks(model)]  # find_blocks' rule
         self.fixed = {
             key
             for t in (*model.parameters(), *model.buffers())
@@ -263,6 +269,7 @@ class _Meter:
             modules=tuple(row for _, row in rows),
             total_saved_bytes=sum(self.all_saved.values()),
             device=self.device,
+            blocks=tuple(self.names[mid] for mid in self.blocks if mid in self.calls),
         )
 
 
@@ -312,6 +319,10 @@ def activation_report(
         )
     grads = [(p, p.grad) for p in model.parameters()]
     try:
+        # backward accumulates into an existing .grad in place, so the held tensors are
+        # detached first; otherwise putting them back would put back the sum.
+        for p, _ in grads:
+            p.grad = None
         if meter.cuda:
             torch.cuda.reset_peak_memory_stats(device)
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):

@@ -104,6 +104,23 @@ def _live_tensors() -> Iterable[torch.Tensor]:
             yield obj
 
 
+def _measure(t: torch.Tensor) -> tuple[tuple[int, ...], int, torch.UntypedStorage | None]:
+    """(shape, bytes spanned, storage) of a tensor; ``((), 0, None)`` for one without
+    sizes or storage of its own (nested tensors, whose shape is ragged: the jagged layout's
+    values are a tensor of their own and are counted as such)."""
+    if t.is_nested:
+        return (), 0, None
+    try:
+        shape = tuple(t.shape)
+        if t.layout != torch.strided or t.device.type == "meta":
+            return shape, 0, None
+        return shape, t.numel() * t.element_size(), t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        # a tensor subclass (a functional or fake tensor...) that has no sizes or storage:
+        # the census must not fail on whatever another library keeps alive
+        return (), 0, None
+
+
 def tensor_census(model: nn.Module | None = None) -> TensorCensus:
     """Count the live tensors of this process.
 
@@ -116,7 +133,8 @@ def tensor_census(model: nn.Module | None = None) -> TensorCensus:
         not keep anything alive.
 
     Raises:
-        Nothing: tensors that cannot be measured (meta, sparse) are counted with 0 bytes.
+        Nothing: tensors that cannot be measured (meta, sparse) are counted with 0 bytes;
+        nested tensors, and tensor subclasses without sizes, with 0 bytes and shape ``()``.
     """
     names: dict[int, str] = {}
     if model is not None:
@@ -129,14 +147,12 @@ def tensor_census(model: nn.Module | None = None) -> TensorCensus:
     for t in _live_tensors():
         name = names.get(id(t), "<parameter>" if isinstance(t, nn.Parameter) else "")
         device = str(t.device)
-        measurable = t.layout == torch.strided and t.device.type != "meta"
-        nbytes = t.numel() * t.element_size() if measurable else 0
-        key = (device, str(t.dtype), tuple(t.shape), name)
+        shape, nbytes, storage = _measure(t)
+        key = (device, str(t.dtype), shape, name)
         entry = groups.setdefault(key, [0, 0])
         entry[0] += 1
         entry[1] += nbytes
-        if measurable:
-            storage = t.untyped_storage()
+        if storage is not None:
             storages.setdefault(device, {})[storage.data_ptr()] = storage.nbytes()
             if check_pinned and t.device.type == "cpu" and t.is_pinned():
                 pinned[storage.data_ptr()] = storage.nbytes()

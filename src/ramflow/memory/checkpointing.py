@@ -17,6 +17,12 @@ gradient_checkpointing_kwargs={"use_reentrant": False})``; wrapping their decode
 with ``apply_checkpointing`` works as well (``find_blocks`` finds them). Either way, train
 with ``use_cache=False``: a key-value cache updated inside a checkpointed layer would be
 updated again by the recomputation.
+
+The same holds for any state a block's forward updates: the recomputation runs the forward
+again in train mode (``torch.utils.checkpoint`` does not restore module state), so a
+``BatchNorm`` inside a checkpointed block updates its running statistics twice per step
+(``num_batches_tracked`` grows by 2, and the running mean and variance move twice).
+Gradients are unaffected; the batch-norm buffers differ from a run without checkpointing.
 """
 
 from __future__ import annotations
@@ -183,9 +189,10 @@ class CheckpointSegments:
     one region, as ``torch.utils.checkpoint.checkpoint_sequential`` does (and through it):
     only the segments' inputs are kept, and backward recomputes one segment at a time.
 
-    The blocks must be all the children, in order, of one ``nn.Sequential`` (the model
-    ``checkpoint_sequential`` runs); for blocks a model's own loop calls (Hugging Face
-    layers) use ``CheckpointAll`` or ``CheckpointEveryKth``.
+    The blocks must be all the children, in order, of one ``nn.Sequential`` that keeps
+    ``nn.Sequential``'s own ``forward`` (the chain ``checkpoint_sequential`` runs); for
+    blocks a model's own loop calls (Hugging Face layers, a subclass with its own
+    ``forward``) use ``CheckpointAll`` or ``CheckpointEveryKth``.
 
     Attributes:
         num_segments: how many segments, 1 to the number of blocks. Segments have
@@ -193,8 +200,9 @@ class CheckpointSegments:
             checkpointed.
 
     Raises (from ``resolve``):
-        ValueError: the blocks are not the children of one ``nn.Sequential``, or
-            ``num_segments`` is out of range.
+        ValueError: the blocks are not the children of one ``nn.Sequential``, that
+            ``nn.Sequential`` is a subclass overriding ``forward``, or ``num_segments`` is
+            out of range.
     """
 
     num_segments: int
@@ -300,11 +308,15 @@ def _given_blocks(
 
 
 def sequential_parent(model: nn.Module, blocks: Blocks) -> nn.Sequential:
-    """The ``nn.Sequential`` whose children, in order, are exactly ``blocks``.
+    """The ``nn.Sequential`` whose children, in order, are exactly ``blocks``, and whose
+    ``forward`` is ``nn.Sequential``'s own (it runs the children one after another, which is
+    what segmented checkpointing replaces it with).
 
     Raises:
         ValueError: there is none (the blocks sit in a ``ModuleList``, or the
-            ``nn.Sequential`` has other children as well).
+            ``nn.Sequential`` has other children as well), or the parent is a subclass
+            that overrides ``forward`` (a residual stack, extra inputs): running its
+            children in a chain would compute another function.
     """
     parents = {name.rpartition(".")[0] for name, _ in blocks}
     parent = model.get_submodule(parents.pop()) if len(parents) == 1 else None
@@ -314,6 +326,13 @@ def sequential_parent(model: nn.Module, blocks: Blocks) -> nn.Sequential:
         raise ValueError(
             "CheckpointSegments needs blocks that are all the children, in order, of one "
             "nn.Sequential; use CheckpointAll or CheckpointEveryKth for other models"
+        )
+    if type(parent).forward is not nn.Sequential.forward:
+        raise ValueError(
+            f"CheckpointSegments: {type(parent).__name__} overrides nn.Sequential.forward, "
+            "and segmented checkpointing would run its children in a plain chain instead, "
+            "computing another function; use CheckpointAll or CheckpointEveryKth, which keep "
+            "the model's own forward and checkpoint each block"
         )
     return parent
 
@@ -373,7 +392,9 @@ def apply_checkpointing(
     use_reentrant=False)``; under ``torch.no_grad`` it runs the original directly.
     ``CheckpointSegments`` wraps the parent ``nn.Sequential`` instead. The model's outputs
     and gradients are unchanged; backward runs the chosen blocks' forward again
-    (Chen et al., 2016).
+    (Chen et al., 2016), in train mode, so state a forward updates is updated twice: a
+    ``BatchNorm`` in a checkpointed block updates its running statistics twice per step,
+    and a key-value cache must be off (``use_cache=False``).
 
     Args:
         model: any ``nn.Module``, on any device.
@@ -389,14 +410,21 @@ def apply_checkpointing(
 
     Raises:
         ValueError: no blocks are found or given, a given block is not in the model, the
-            policy cannot resolve (see each policy), or a chosen module's ``forward`` is
-            already replaced (checkpointed before, or offloaded with checkpointing: undo
-            that first).
+            policy cannot resolve (see each policy) or chose names that are not among the
+            blocks, or a chosen module's ``forward`` is already replaced (checkpointed
+            before, or offloaded with checkpointing: undo that first).
+        TypeError: the policy's ``resolve`` did not return a ``CheckpointPlan``.
     """
     found = find_blocks(model) if blocks is None else _given_blocks(model, blocks)
     if not found:
         raise ValueError("apply_checkpointing: no blocks given")
-    plan = policy.resolve(model, found)
+    plan = _checked_plan(
+        policy,
+        policy.resolve(model, found),
+        found,
+        who=f"apply_checkpointing: {policy!r}",
+        where="blocks",
+    )
     by_name = dict(found)
     if plan.segments:
         parent = sequential_parent(model, found)
@@ -415,6 +443,31 @@ def apply_checkpointing(
     for module, forward in targets:
         module.forward = forward
     return CheckpointHandle(plan, [module for module, _ in targets])
+
+
+def _checked_plan(
+    policy: CheckpointPolicyLike, plan: Any, blocks: Blocks, *, who: str, where: str
+) -> CheckpointPlan:
+    """``plan``, which ``policy.resolve`` returned, checked against the ``blocks`` it was
+    given (a custom policy's mistakes become clear errors here, not a KeyError later).
+
+    Raises:
+        TypeError: ``plan`` is not a ``CheckpointPlan``.
+        ValueError: it names blocks, or segments of blocks, that are not among ``blocks``.
+    """
+    if not isinstance(plan, CheckpointPlan):
+        raise TypeError(
+            f"{type(policy).__name__}.resolve returned {type(plan).__name__}, not a "
+            "CheckpointPlan; return CheckpointPlan(blocks=(names...))"
+        )
+    names = [name for name, _ in blocks]
+    chosen = {*plan.blocks, *(name for segment in plan.segments for name in segment)}
+    unknown = sorted(chosen - set(names), key=str)
+    if unknown:
+        raise ValueError(
+            f"{who} chose {unknown}, which are not {where}; the names to choose from: {names}"
+        )
+    return plan
 
 
 def resolve_over_units(
@@ -453,18 +506,13 @@ def resolve_over_units(
         )
     repeated = {id(m) for m in _repeated_blocks(model)}
     blocks = [(name, m) for name, m in units if id(m) in repeated] or list(units)
-    plan = policy.resolve(model, blocks)
-    if not isinstance(plan, CheckpointPlan):
-        raise TypeError(
-            f"{type(policy).__name__}.resolve returned {type(plan).__name__}, not a CheckpointPlan"
-        )
-    names = [name for name, _ in blocks]
-    unknown = sorted(set(plan.blocks) - set(names))
-    if unknown:
-        raise ValueError(
-            f"activation_checkpointing={policy!r} chose {unknown}, which are not units of the "
-            f"offloaded model; its units to choose from: {names}"
-        )
+    plan = _checked_plan(
+        policy,
+        policy.resolve(model, blocks),
+        blocks,
+        who=f"activation_checkpointing={policy!r}",
+        where="units of the offloaded model",
+    )
     if plan.segments:
         parent = sequential_parent(model, blocks)
         position = {id(child): i for i, child in enumerate(parent)}

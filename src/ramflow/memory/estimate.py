@@ -71,13 +71,18 @@ class ActivationProfile:
 
         Args:
             report: the measured report.
-            blocks: dotted names of the blocks, in order (default: the rows named
-                ``<prefix>.<int>`` under the prefix that has the most of them, e.g. the
-                ``model.layers.N`` of a Hugging Face decoder).
+            blocks: dotted names of the blocks, in order. Default: ``report.blocks``, the
+                blocks ``ramflow.memory.find_blocks`` names on the measured model (the
+                ``model.layers.N`` of a Hugging Face decoder; the same blocks that
+                checkpointing and ``ramflow.offload`` use), none when the model has no
+                repeated blocks. For a report built by hand (``report.blocks`` is None): the
+                rows named ``<prefix>.<int>`` under the prefix that has the most of them.
 
         Raises:
             KeyError: a name in ``blocks`` did not run in the measured forward.
         """
+        if blocks is None and report.blocks is not None:
+            blocks = list(report.blocks)
         if blocks is None:
             groups: dict[str, list[str]] = {}
             for row in report.modules:
@@ -441,9 +446,11 @@ def estimate_memory(
         A ``MemoryEstimate``; ``describe()`` prints it.
 
     Raises:
-        ValueError: ``checkpointing`` unknown; non-positive sizes; an unreadable budget;
-            the budget is too small for the activations and ramflow's smallest plan (the
-            message gives the figures and the smallest budget that works).
+        ValueError: ``checkpointing`` or ``device_type`` unknown; non-positive sizes; an
+            unreadable or negative budget; the budget is too small for the activations and
+            ramflow's smallest plan (the message gives the figures and the smallest budget
+            that works).
+        TypeError: ``gpu_memory`` is neither a number nor a string (a bool, say).
     """
     if isinstance(checkpointing, bool):
         checkpointing = "on" if checkpointing else "off"
@@ -457,9 +464,12 @@ def estimate_memory(
         )
     if optimizer_states < 0:
         raise ValueError(f"optimizer_states must be >= 0, got {optimizer_states}")
-    gpu_memory_bytes = (
-        parse_bytes(gpu_memory, what="gpu_memory") if isinstance(gpu_memory, str) else gpu_memory
-    )
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(
+            f"device_type must be 'cuda' or 'cpu' (a device type: 'cuda' for any GPU index), "
+            f"got {device_type!r}"
+        )
+    gpu_memory_bytes = None if gpu_memory is None else parse_bytes(gpu_memory, what="gpu_memory")
     units, buffer_bytes = offload_units(model)
     acts = activations
     smallest = _make_plan(

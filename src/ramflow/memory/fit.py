@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._plan import format_bytes
+from .._plan import format_bytes, parse_bytes
 
 __all__ = ["BatchFit", "BatchTrial", "fit_batch", "micro_batch_candidates", "smaller_micro_batch"]
 
@@ -111,7 +111,7 @@ def smaller_micro_batch(micro_batch: int) -> int | None:
 def fit_batch(
     *,
     global_batch: int,
-    budget_bytes: int | None = None,
+    budget_bytes: int | str | None = None,
     estimate: Callable[[int, bool], int] | None = None,
     trial: Callable[[int, bool], None] | None = None,
     checkpointing: Sequence[bool] = (False, True),
@@ -124,8 +124,8 @@ def fit_batch(
 
     Args:
         global_batch: sequences per optimizer step; micro-batches are its divisors.
-        budget_bytes: the device budget the estimate is held to (None: no cap, the
-            estimate rules nothing out).
+        budget_bytes: the device budget the estimate is held to, bytes or a size string
+            (``"12GiB"``); None: no cap, the estimate rules nothing out.
         estimate: ``(micro_batch, checkpointing) -> device bytes``, e.g. from
             ``estimate_memory(...).device_total_bytes``; a ``ValueError`` from it counts
             as over budget. None: no estimate.
@@ -143,9 +143,13 @@ def fit_batch(
         A ``BatchFit`` with ``trials`` listing what was looked at.
 
     Raises:
-        ValueError: bad sizes, no levels, or nothing fits (not even a micro-batch of 1
-            under the heaviest checkpointing; the message lists the candidates tried).
+        ValueError: bad sizes (an unreadable or negative budget included), no levels, or
+            nothing fits (not even a micro-batch of 1 under the heaviest checkpointing; the
+            message lists the candidates tried).
+        TypeError: ``budget_bytes`` is neither a number nor a string.
     """
+    if budget_bytes is not None:
+        budget_bytes = parse_bytes(budget_bytes, what="budget_bytes")
     if not checkpointing:
         raise ValueError("give at least one checkpointing level to try, e.g. (False, True)")
     candidates = micro_batch_candidates(global_batch, max_micro_batch=max_micro_batch)
@@ -184,8 +188,9 @@ def fit_batch(
         for t in trials
     )
     budget = "" if budget_bytes is None else f" of {format_bytes(budget_bytes)}"
+    # checkpointing is worth suggesting only where no checkpointed level was tried
+    hint = "" if any(checkpointing) else ", or turn --checkpointing on"
     raise ValueError(
         f"no micro-batch of a global batch of {global_batch} fits the device budget{budget} "
-        f"(tried {tried}). Give a larger --gpu-memory, a shorter --seq-len, or turn "
-        "--checkpointing on."
+        f"(tried {tried}). Give a larger --gpu-memory or a shorter --seq-len{hint}."
     )

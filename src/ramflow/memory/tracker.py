@@ -44,6 +44,39 @@ def cuda_pinned_bytes() -> int | None:
     return int(stats.get("allocated_bytes.current", 0)) + registered_bytes()
 
 
+def _checked_device(device: torch.device | str | int) -> torch.device:
+    """``MemoryTracker``'s ``device`` argument as a CPU or CUDA ``torch.device`` (an int is
+    a CUDA index), checked against this machine."""
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise ValueError(
+            f"MemoryTracker: device must be a torch.device, a string or a CUDA index, got "
+            f"{device!r}"
+        )
+    try:
+        # torch.device(0) means "the current accelerator", which fails without one
+        resolved = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"MemoryTracker: cannot read device {device!r} ({err})") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"MemoryTracker reads CUDA or CPU memory; got device {resolved}. "
+            "Pass device='cuda' (or 'cuda:N'), or 'cpu' for host memory only."
+        )
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"MemoryTracker(device={str(resolved)!r}) reads the CUDA allocator and needs a "
+                "CUDA device, and this machine has none; on the CPU use "
+                "MemoryTracker(device='cpu') (host RSS) or tensor_census."
+            )
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"MemoryTracker: device {resolved} does not exist; this machine has "
+                f"{torch.cuda.device_count()} CUDA device(s)"
+            )
+    return resolved
+
+
 class MemoryTracker:
     """Record labelled memory readings over a block of code.
 
@@ -74,23 +107,26 @@ class MemoryTracker:
     - ``pinned_bytes`` (int or None, from the ``pinned_bytes`` callable).
 
     Args:
-        device: the CUDA device to read, or a CPU device (host readings only). Default:
+        device: the CUDA device to read (``"cuda"``, ``"cuda:N"`` or an index ``N``), or a
+            CPU device (host readings only). Default:
             the current CUDA device when CUDA is available, else the CPU.
         pinned_bytes: a callable returning the pinned host bytes to record (or None for
             "not measured"). Default: ``cuda_pinned_bytes`` (PyTorch's pinned allocator).
 
     Raises:
-        ValueError: ``device`` is neither CPU nor CUDA.
-        RuntimeError: ``snapshot`` is called outside the ``with`` block.
+        ValueError: ``device`` is neither CPU nor CUDA, or names a CUDA device this machine
+            does not have (on construction).
+        RuntimeError: ``device`` is a CUDA device and CUDA is not available (on
+            construction), or ``snapshot`` is called outside the ``with`` block.
     """
 
     def __init__(
         self,
         *,
-        device: torch.device | str | None = None,
+        device: torch.device | str | int | None = None,
         pinned_bytes: Callable[[], int | None] | None = None,
     ) -> None:
-        self._device_arg = device
+        self._device_arg = _checked_device(device) if device is not None else None
         self._pinned_bytes = pinned_bytes if pinned_bytes is not None else cuda_pinned_bytes
         self._process = psutil.Process()
         self.device: torch.device | None = None
@@ -100,19 +136,9 @@ class MemoryTracker:
     def __enter__(self) -> MemoryTracker:
         device = self._device_arg
         if device is None:
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if torch.cuda.is_available()
-                else "cpu"
-            )
-        device = torch.device(device)
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(
-                f"MemoryTracker reads CUDA or CPU memory; got device {device}. "
-                "Pass device='cuda' (or 'cuda:N'), or 'cpu' for host memory only."
-            )
         self.device = device
         self.records = []
         if device.type == "cuda":

@@ -60,14 +60,15 @@ class TrainConfig:
             (``--batch-size auto``): the largest divisor of ``global_batch`` whose estimate
             fits and whose trial step does not run out of memory; default False.
         lr: peak learning rate.
-        min_lr_ratio: the cosine decay ends at ``lr * min_lr_ratio``.
+        min_lr_ratio: the cosine decay ends at ``lr * min_lr_ratio``; in [0, 1].
         warmup_steps: linear warmup steps.
         decay_steps: the cosine decay reaches ``lr * min_lr_ratio`` at this step and stays
             there; None: ``steps``. ``from_options`` sets it to ``steps``, so a resumed run
             with another ``steps`` keeps the first run's schedule unless it is given anew.
-        weight_decay: AdamW decoupled weight decay of matrices (norm weights get none).
+        weight_decay: AdamW decoupled weight decay of matrices (norm weights get none);
+            finite, >= 0.
         beta1, beta2, eps: AdamW's.
-        clip_grad: global gradient-norm limit; 0 turns clipping off.
+        clip_grad: global gradient-norm limit, finite; 0 turns clipping off.
         precision: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``bf16``, ``fp16`` (with a
             GradScaler) or ``fp32``.
         checkpointing: activation checkpointing ``on``, ``off`` or ``auto`` (on when the
@@ -91,7 +92,7 @@ class TrainConfig:
         keep_checkpoints: finished checkpoints kept on disk.
         eval_every: validation every this many steps (0: only at the end).
         eval_batches: micro-batches of held-out text per validation.
-        val_fraction: share of the corpus held out for validation.
+        val_fraction: share of the corpus held out for validation, between 0 and 1.
         lora_rank: train LoRA adapters of this rank (PEFT) on a frozen base instead of
             every weight (``--lora``); None: a full fine-tune. See ``ramflow.train.lora``.
         lora_targets: comma-separated names of the linear modules that get adapters;
@@ -163,12 +164,32 @@ class TrainConfig:
                 )
         if self.decay_steps is not None and self.decay_steps < 1:
             raise ValueError(f"--decay-steps must be at least 1, got {self.decay_steps}")
+        # Every float is checked for NaN and infinity as well: a NaN passes any `x < 0`
+        # test and turns every weight into NaN at the first step.
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
-        if self.clip_grad < 0:
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(
-                f"--clip-grad must be >= 0 (0 turns clipping off), got {self.clip_grad}"
+                f"--min-lr-ratio must be in [0, 1] (the LR floor as a share of --lr), "
+                f"got {self.min_lr_ratio}"
             )
+        if not (self.clip_grad >= 0 and math.isfinite(self.clip_grad)):
+            raise ValueError(
+                f"--clip-grad must be a finite number >= 0 (0 turns clipping off), "
+                f"got {self.clip_grad}"
+            )
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(
+                f"--weight-decay must be a finite number >= 0 (0 turns it off), "
+                f"got {self.weight_decay}"
+            )
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(f"eps must be a positive number, got {self.eps}")
         if self.precision not in PRECISIONS:
             raise ValueError(
                 f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}"
@@ -234,7 +255,9 @@ class TrainConfig:
         given = {k: v for k, v in options.items() if v is not None}
         global_batch = given.pop("global_batch", None)
         if given.get("batch_size") == "auto":
-            given["batch_size"] = None
+            # the preset's (or the model folder's) batch fills it in below, as the global
+            # batch when no --global-batch is given
+            del given["batch_size"]
             given["auto_batch_size"] = True
         elif isinstance(given.get("batch_size"), str):
             raise ValueError(

@@ -12,6 +12,7 @@ attention mask and explicit position ids; the prompt goes through the model once
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,8 @@ class SamplingConfig:
 
     Attributes:
         max_new_tokens: tokens to generate per prompt (at most).
-        temperature: 0 picks the most likely token (greedy); above 0 samples from the
-            softmax of ``logits / temperature``.
+        temperature: 0 picks the most likely token (greedy); above 0 (finite) samples
+            from the softmax of ``logits / temperature``.
         top_k: sample only among the ``top_k`` most likely tokens (0: all).
         top_p: sample only among the most likely tokens whose probabilities add up to
             ``top_p`` (nucleus sampling, Holtzman et al. 2020; 1.0: all).
@@ -53,8 +54,10 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(
+                f"--temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}"
+            )
         if self.top_k < 0:
             raise ValueError(f"--top-k must be >= 0 (0 keeps all tokens), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -98,6 +101,25 @@ def _pick(
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
+def _check_context(config: object, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a generation longer than the model's context: positions past
+    ``max_position_embeddings`` are outside what the model was trained on (and what its
+    position tables or rotary caches are built for), and the output is garbage."""
+    context = getattr(config, "max_position_embeddings", None)
+    if not isinstance(context, int) or prompt_tokens + max_new_tokens <= context:
+        return
+    if prompt_tokens >= context:
+        raise ValueError(
+            f"the prompt is {prompt_tokens} tokens, and the model's context is {context} "
+            "tokens (max_position_embeddings): shorten the prompt"
+        )
+    raise ValueError(
+        f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} exceeds "
+        f"the model's context of {context} tokens (max_position_embeddings); give "
+        f"--max-new-tokens {context - prompt_tokens} or less, or a shorter prompt"
+    )
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -122,7 +144,9 @@ def generate(
         One ``Generation`` per prompt, in order.
 
     Raises:
-        ValueError: no prompts, or an empty prompt with a tokenizer that has no bos token.
+        ValueError: no prompts, an empty prompt with a tokenizer that has no bos token, or
+            the longest prompt (in tokens, bos included) plus ``max_new_tokens`` exceeds the
+            model's context (``config.max_position_embeddings``, where it has one).
     """
     from transformers import DynamicCache
 
@@ -135,6 +159,7 @@ def generate(
             "an empty prompt cannot be continued by a model whose tokenizer has no bos token"
         )
     n, longest = len(encoded), max(len(ids) for ids in encoded)
+    _check_context(getattr(model, "config", None), longest, sampling.max_new_tokens)
     dev = policy.device
     ids = torch.full((n, longest), tokenizer.pad_id, dtype=torch.long)  # (n, L)
     mask = torch.zeros((n, longest), dtype=torch.long)  # (n, L)

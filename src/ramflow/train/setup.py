@@ -8,6 +8,7 @@ refuses exactly the runs that ``plan`` says will not fit.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 from dataclasses import dataclass
@@ -159,8 +160,21 @@ def plan_run(
 
     Raises:
         ValueError, FileNotFoundError: as ``train``'s checks (settings, model, tokenizer,
-            a device budget too small).
+            a device budget too small), or a rate that is not a positive finite number.
     """
+    rates = [(matmul_flops_per_s, "matmul_flops_per_s (--gpu-tflops)")]
+    if timing_rates is not None:
+        rates += [
+            (timing_rates.h2d_bytes_per_s, "timing_rates.h2d_bytes_per_s (--pcie-gbps)"),
+            (timing_rates.d2h_bytes_per_s, "timing_rates.d2h_bytes_per_s (--pcie-gbps)"),
+            (
+                timing_rates.cpu_optimizer_params_per_s,
+                "timing_rates.cpu_optimizer_params_per_s (--cpu-adamw-gparams)",
+            ),
+        ]
+    for value, what in rates:
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{what} must be a positive finite number, got {value}")
     device, note = config.device, None
     if device is None and not torch.cuda.is_available():
         if config.gpu_memory is not None:
