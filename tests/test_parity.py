@@ -274,9 +274,13 @@ def test_blocks_in_a_container_that_is_never_called(device, container):
     ours, theirs, ref = train_pair(model, mlp_batches(3, device), device, loss_fn=mse, steps=4)
     names = [u.name for u in ramflow.api._engine(model).units]
     assert "blocks" not in names and any(n.startswith("blocks.") for n in names), names
-    assert torch.equal(ours, theirs)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        assert torch.equal(p.detach().cpu(), q.detach().cpu())
+    if device.type == "cpu":
+        assert torch.equal(ours, theirs)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p, q)
+    # CUDA: the reference steps with CUDA's AdamW, the host with PyTorch's CPU one; a unit
+    # that missed its steps differs by about lr (1e-2)
+    assert params_rel(model, ref) < 1e-5
 
 
 def test_a_container_given_as_a_unit_is_refused():
