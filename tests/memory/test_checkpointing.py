@@ -250,6 +250,8 @@ def test_given_blocks_and_bad_input():
         apply_checkpointing(nn.Linear(3, 3), CheckpointAll())
     with pytest.raises(ValueError, match="k must be"):
         CheckpointEveryKth(0)
+    with pytest.raises(ValueError, match="k must be"):
+        CheckpointEveryKth(True)  # a bool is not a stride
 
 
 class NamesNoBlock:

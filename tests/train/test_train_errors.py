@@ -352,3 +352,14 @@ def test_generate_checks_checksums_as_resume_does(run_copy: Path, ramflow_cli, c
             ramflow_cli, capsys, "generate", "--model", model, "--prompt", "x",
             "--max-new-tokens", "1", expect="checksum",
         )  # fmt: skip
+
+
+def test_out_at_a_file_is_refused(tmp_path: Path, corpus_file: Path, ramflow_cli, capsys, fast):
+    """It used to end in a raw "[Errno 17] File exists"."""
+    out = tmp_path / "a-file"
+    out.write_text("mine")
+    _fails(
+        ramflow_cli, capsys, "train", "--data", corpus_file, "--out", out, *fast,
+        expect="is a file, not a folder",
+    )  # fmt: skip
+    assert out.read_text() == "mine"

@@ -118,7 +118,7 @@ class CheckpointEveryKth:
     k: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or self.k < 1:
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
             raise ValueError(f"CheckpointEveryKth: k must be an int >= 1, got {self.k!r}")
 
     def resolve(self, model: nn.Module, blocks: Blocks) -> CheckpointPlan:
@@ -210,7 +210,11 @@ class CheckpointSegments:
     def resolve(self, model: nn.Module, blocks: Blocks) -> CheckpointPlan:
         sequential_parent(model, blocks)
         n = len(blocks)
-        if not isinstance(self.num_segments, int) or not 1 <= self.num_segments <= n:
+        if (
+            not isinstance(self.num_segments, int)
+            or isinstance(self.num_segments, bool)
+            or not 1 <= self.num_segments <= n
+        ):
             raise ValueError(
                 f"CheckpointSegments: num_segments must be between 1 and the {n} blocks, "
                 f"got {self.num_segments!r}"

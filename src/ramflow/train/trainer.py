@@ -164,8 +164,11 @@ def _refuse_other_run(run_dir: Path | None, ckpt: Checkpoint | None) -> None:
     over in it would overwrite its checkpoints and mix its log.
 
     Raises:
-        FileExistsError: ``run_dir`` holds ``run.json``, ``log.jsonl`` or ``checkpoints``.
+        FileExistsError: ``run_dir`` is a file, or holds ``run.json``, ``log.jsonl`` or
+            ``checkpoints``.
     """
+    if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
+        raise FileExistsError(f"--out {run_dir} is a file, not a folder; give a folder for the run")
     if run_dir is None or not run_dir.is_dir():
         return
     if ckpt is not None and run_dir.resolve() == ckpt.run_dir.resolve():
