@@ -94,6 +94,48 @@ _ENV_DISABLE = "RAMFLOW_DISABLE_CPU_KERNELS"
 # AVX2 build; the DEFAULT build also uses 32-byte Vectorized<float>.
 _TORCH_VEC_WIDTH = 8
 
+# [Note: each parameter's own tail]
+# PyTorch's fused CPU AdamW steps each parameter on its own: 8-lane vectors, then a scalar
+# loop for its last numel % 8 elements, which fuses the second moment's multiply-add
+# differently ([Note: matching PyTorch's fused AdamW bit for bit]). The flat step covers a
+# unit's parameters in one call, so a parameter whose size is not a multiple of 8 (a
+# 5-class head's bias) would get the vector form on its tail and drift from PyTorch by an
+# ulp a step. The flat step therefore cuts its range at those tails: the kernel, which
+# gives the last n % 8 elements of a call the tail form, takes each tail as a call of its
+# own. The padding after a tail (to the next multiple of 8, where the next parameter
+# starts) is left out: it holds zeros and is never read.
+_TAIL_LANES = _TORCH_VEC_WIDTH
+
+
+def odd_tails(offsets: Sequence[int], numels: Sequence[int]) -> list[tuple[int, int]]:
+    """The ``[begin, end)`` element ranges of the scalar tails of the parameters at
+    ``offsets`` (of a flat buffer) with ``numels`` elements whose size is not a multiple of
+    8, in order. See [Note: each parameter's own tail]."""
+    tails = []
+    for off, n in zip(offsets, numels):
+        r = n % _TAIL_LANES
+        if r:
+            tails.append((off + n - r, off + n))
+    return tails
+
+
+def cut_at_tails(lo: int, hi: int, tails: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` cut so that each tail in ``tails`` is a range of its own and every
+    other range is whole vectors; the padding after a tail is skipped."""
+    out = []
+    cur = lo
+    for a, b in tails:
+        if b <= lo or a >= hi:
+            continue
+        if a > cur:
+            out.append((cur, a))
+        out.append((a, b))
+        cur = min(hi, -(-b // _TAIL_LANES) * _TAIL_LANES)
+    if cur < hi:
+        out.append((cur, hi))
+    return out
+
+
 _DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WIRE_DTYPES = (torch.bfloat16, torch.float16)

@@ -7,9 +7,11 @@ engine's parts weakly keeps the engine free of reference cycles, so it goes with
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from ._units import refuse_copy
@@ -57,3 +59,49 @@ class ModuleCall:
 
     def __deepcopy__(self, memo: dict) -> ModuleCall:
         refuse_copy()
+
+
+def checkpointed_unit_forward(
+    module_ref: weakref.ref,
+    forward: Any,
+    call_swapped: Any,
+    context_fn: Callable[[], Any] | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """A unit's forward under ``torch.utils.checkpoint`` (non-reentrant, with a policy's
+    ``context_fn`` for selective checkpointing); the recomputation runs with the unit's
+    parameters swapped in (see ``Schedule._call_swapped``)."""
+    module = module_ref()
+    if not torch.is_grad_enabled():
+        return forward(module, *args, **kwargs)
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    return torch.utils.checkpoint.checkpoint(
+        call_swapped, forward, module, *args, use_reentrant=False, **extra, **kwargs
+    )
+
+
+def segmented_unit_forward(
+    parent_ref: weakref.ref,
+    run_segment: Callable[..., Any],
+    segments: tuple[tuple[int, int], ...],
+    input: Any,
+) -> Any:
+    """An ``nn.Sequential``'s forward with the children ``start:stop`` of each segment run
+    as one checkpointed region (as ``torch.utils.checkpoint.checkpoint_sequential``), the
+    other children plainly. See [Note: checkpointed segments of units]."""
+    parent = parent_ref()
+    if not torch.is_grad_enabled():
+        return type(parent).forward(parent, input)
+    children = list(parent)
+    done = 0
+    for start, stop in segments:
+        for child in children[done:start]:
+            input = child(input)
+        input = torch.utils.checkpoint.checkpoint(
+            run_segment, start, stop, input, use_reentrant=False
+        )
+        done = stop
+    for child in children[done:]:
+        input = child(input)
+    return input

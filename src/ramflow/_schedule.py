@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -77,10 +77,10 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._gradients import GradientPath
-from ._hooks import ModuleCall, UnitHook
+from ._hooks import ModuleCall, UnitHook, checkpointed_unit_forward, segmented_unit_forward
 from ._registry import weak_method
 from ._stepper import Stepper
-from ._units import _Unit, slot_callers
+from ._units import _Unit, check_host_parameters, slot_callers
 from ._window import DeviceWindow
 from ._worker import HostWorker
 from .memory.checkpointing import (
@@ -93,52 +93,6 @@ from .memory.checkpointing import (
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-def _checkpointed_forward(
-    module_ref: weakref.ref,
-    forward: Any,
-    call_swapped: Any,
-    context_fn: Callable[[], Any] | None,
-    *args: Any,
-    **kwargs: Any,
-) -> Any:
-    """A unit's forward under ``torch.utils.checkpoint`` (non-reentrant, with a policy's
-    ``context_fn`` for selective checkpointing); the recomputation runs with the unit's
-    parameters swapped in (see ``Schedule._call_swapped``)."""
-    module = module_ref()
-    if not torch.is_grad_enabled():
-        return forward(module, *args, **kwargs)
-    extra = {} if context_fn is None else {"context_fn": context_fn}
-    return torch.utils.checkpoint.checkpoint(
-        call_swapped, forward, module, *args, use_reentrant=False, **extra, **kwargs
-    )
-
-
-def _segmented_forward(
-    parent_ref: weakref.ref,
-    run_segment: Callable[..., Any],
-    segments: tuple[tuple[int, int], ...],
-    input: Any,
-) -> Any:
-    """An ``nn.Sequential``'s forward with the children ``start:stop`` of each segment run
-    as one checkpointed region (as ``torch.utils.checkpoint.checkpoint_sequential``), the
-    other children plainly. See [Note: checkpointed segments of units]."""
-    parent = parent_ref()
-    if not torch.is_grad_enabled():
-        return type(parent).forward(parent, input)
-    children = list(parent)
-    done = 0
-    for start, stop in segments:
-        for child in children[done:start]:
-            input = child(input)
-        input = torch.utils.checkpoint.checkpoint(
-            run_segment, start, stop, input, use_reentrant=False
-        )
-        done = stop
-    for child in children[done:]:
-        input = child(input)
-    return input
 
 
 class _Frame:
@@ -376,7 +330,7 @@ class Schedule:
                 continue  # already wrapped by someone else; leave it alone
             # the wrapper lives in the module: it holds the module and the schedule weakly
             forward = functools.partial(
-                _checkpointed_forward,
+                checkpointed_unit_forward,
                 weakref.ref(module),
                 type(module).forward,
                 UnitHook(self._call_swapped, u.index),
@@ -409,7 +363,7 @@ class Schedule:
             at = [position[id(by_name[name])] for name in segment]
             runs.append((at[0], at[-1] + 1))
         parent.forward = functools.partial(
-            _segmented_forward,
+            segmented_unit_forward,
             weakref.ref(parent),
             functools.partial(weak_method(self._run_segment), weakref.ref(parent)),
             tuple(sorted(runs)),
@@ -505,46 +459,12 @@ class Schedule:
         a backward call of the unit is in flight (counted: they nest under checkpointing,
         whose recomputation may call submodules directly, without the unit's hooks)."""
         if to_device and u.swaps == 0:
-            self._check_host_parameters(u)
+            check_host_parameters(u)
         u.swaps += 1 if to_device else -1
         assert u.swaps >= 0
         if u.swaps == (1 if to_device else 0):
             for module, name, host, dev in u.slots:
                 module._parameters[name] = dev if to_device else host
-
-    @staticmethod
-    def _check_host_parameters(u: _Unit) -> None:
-        """The unit's module slots still hold the parameters ramflow offloaded, and those
-        still view its host store: ``module.weight = nn.Parameter(t)``,
-        ``load_state_dict(..., assign=True)`` or ``p.data = t`` after ``offload`` would
-        otherwise be undone by the next swap (or ignored, the store keeping the old values),
-        silently.
-
-        Raises:
-            RuntimeError: a slot holds another tensor, or a parameter's data was replaced.
-        """
-        for module, name, host, _ in u.slots:
-            if module._parameters.get(name) is not host:
-                raise RuntimeError(
-                    f"{type(module).__name__}.{name} (unit {u.name!r}) was replaced after "
-                    "ramflow.offload (module.{0} = ..., or load_state_dict(..., assign=True)); "
-                    "ramflow streams the parameter it offloaded and would put it back. Copy the "
-                    "new values into it instead (with torch.no_grad(): module.{0}.copy_(t), or "
-                    "load_state_dict without assign=True), or call ramflow.undo(model) first "
-                    "and offload again.".format(name)
-                )
-        if u.master is None or u.num_kept == 0:
-            return
-        storage = u.master.untyped_storage().data_ptr()
-        for p in u.owned[: u.num_kept]:
-            if p.untyped_storage().data_ptr() != storage:
-                raise RuntimeError(
-                    f"the data of a parameter of unit {u.name!r} (shape {tuple(p.shape)}) was "
-                    "replaced after ramflow.offload (p.data = t); ramflow streams its own copy "
-                    "and would keep training the old values. Copy the new values into the "
-                    "parameter instead (with torch.no_grad(): p.copy_(t)), or call "
-                    "ramflow.undo(model) first and offload again."
-                )
 
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if _in_backward():

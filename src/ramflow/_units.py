@@ -447,3 +447,37 @@ def slot_callers(roots: list[nn.Module], holders: list[nn.Module]) -> list[nn.Mo
         if id(m) not in root_ids:
             found.setdefault(id(m), m)
     return list(found.values())
+
+
+def check_host_parameters(u: _Unit) -> None:
+    """The unit's module slots still hold the parameters ramflow offloaded, and those
+    still view its host store: ``module.weight = nn.Parameter(t)``,
+    ``load_state_dict(..., assign=True)`` or ``p.data = t`` after ``offload`` would
+    otherwise be undone by the next swap (or ignored, the store keeping the old values),
+    silently.
+
+    Raises:
+        RuntimeError: a slot holds another tensor, or a parameter's data was replaced.
+    """
+    for module, name, host, _ in u.slots:
+        if module._parameters.get(name) is not host:
+            raise RuntimeError(
+                f"{type(module).__name__}.{name} (unit {u.name!r}) was replaced after "
+                "ramflow.offload (module.{0} = ..., or load_state_dict(..., assign=True)); "
+                "ramflow streams the parameter it offloaded and would put it back. Copy the "
+                "new values into it instead (with torch.no_grad(): module.{0}.copy_(t), or "
+                "load_state_dict without assign=True), or call ramflow.undo(model) first "
+                "and offload again.".format(name)
+            )
+    if u.master is None or u.num_kept == 0:
+        return
+    storage = u.master.untyped_storage().data_ptr()
+    for p in u.owned[: u.num_kept]:
+        if p.untyped_storage().data_ptr() != storage:
+            raise RuntimeError(
+                f"the data of a parameter of unit {u.name!r} (shape {tuple(p.shape)}) was "
+                "replaced after ramflow.offload (p.data = t); ramflow streams its own copy "
+                "and would keep training the old values. Copy the new values into the "
+                "parameter instead (with torch.no_grad(): p.copy_(t)), or call "
+                "ramflow.undo(model) first and offload again."
+            )

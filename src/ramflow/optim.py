@@ -20,10 +20,17 @@ from torch.optim import adam as _adam
 from torch.optim import sgd as _sgd
 
 from . import _lean_triton
-from ._cpu_kernels import _check_threads, fused_adamw_step_
+from ._cpu_kernels import _check_threads, cut_at_tails, fused_adamw_step_, odd_tails
 from ._engine import Engine
 from ._host_formats import check_optimizer_formats
-from ._lean_kernels import QBLOCK, dequantize_blockwise, lean_adamw_step_, quantize_blockwise
+from ._lean_kernels import (
+    QBLOCK,
+    adamw_state_names,
+    lean_adamw_step_,
+    moments_into,
+    moments_to_plain,
+    quantize_blockwise,
+)
 from ._linear import attach_pending
 from ._plan import LEAN_DEVICE_STEP_PIECE
 from ._registry import engine_of_param
@@ -74,16 +81,11 @@ class HostOptimizer(torch.optim.Optimizer):
     # a parameter that changed hands are moved (``_states_to_unit``, ``_states_to_plain``),
     # so that it steps on exactly as an optimizer built after the change would.
 
-    def _engines_changed(self) -> bool:
-        """Whether an engine released this optimizer's parameters or took one of the
-        unmanaged ones since they were sorted."""
-        released = any(engine_of_param(p) is not e for e, p in zip(self._engines, self._probes))
-        return released or any(engine_of_param(p) is not None for p in self._unmanaged)
-
     def _follow_engines(self) -> None:
-        """Sort the parameters again if they changed hands (see [Note: parameters that
-        change hands]). Raises ValueError as ``_sort_params``."""
-        if self._engines_changed():
+        """Sort the parameters again if an engine released some or took an unmanaged one
+        (see [Note: parameters that change hands]). Raises ValueError as ``_sort_params``."""
+        released = any(engine_of_param(p) is not e for e, p in zip(self._engines, self._probes))
+        if released or any(engine_of_param(p) is not None for p in self._unmanaged):
             self._sort_params()
 
     def _sort_params(self, params: list[torch.Tensor] | None = None) -> None:
@@ -474,9 +476,10 @@ class AdamW(HostOptimizer):
             for p in params:
                 self.state[p]["step"].add_(1)
             return
-        tails = _odd_tails(unit)
+        params_t = unit.owned[: unit.num_trainable]
+        tails = odd_tails(unit.offsets, [p.numel() for p in params_t])
         for lo, hi in pieces or [(0, unit.trainable_numel)]:
-            for a, b in _kernel_ranges(lo, hi, tails):
+            for a, b in cut_at_tails(lo, hi, tails):
                 fused_adamw_step_(
                     unit.master[a:b], grad[a:b], m[a:b], v[a:b],
                     step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
@@ -502,40 +505,19 @@ class AdamW(HostOptimizer):
     def _states_to_unit(self, p: torch.Tensor, engine: Engine) -> None:
         """``p`` joined ``engine`` with states (stepped before ``offload``, or before an
         ``undo`` and a new ``offload``): they move into its unit's flat buffers, in the
-        unit's host format (8-bit moments quantized per block, a Kahan compensation of
-        zero). See [Note: parameters that change hands]."""
+        unit's host format. See [Note: parameters that change hands]."""
         st = self.state.get(p)
         unit = engine.unit_of(p)
         if not st or unit is None or not any(q is p for q in unit.owned[: unit.num_trainable]):
             return  # no state, or a frozen parameter: never stepped by the unit
-        views = self._flat_state(p, _state_names(unit))
-        for name in ("exp_avg", "exp_avg_sq"):
-            value = st[name].detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-            if name + "_absmax" in views:
-                codes, absmax = quantize_blockwise(value, signed=name == "exp_avg")
-                views[name].copy_(codes.view_as(views[name]))
-                views[name + "_absmax"].copy_(absmax)
-            else:
-                views[name].copy_(value.view_as(views[name]))
-        st.update(views)
+        st.update(moments_into(st, self._flat_state(p, _state_names(unit))))
 
     def _states_to_plain(self, p: torch.Tensor) -> None:
-        """``p``'s engine was removed (``ramflow.undo``): its moments become plain tensors
-        of the parameter's dtype and device, 8-bit ones decoded; a Kahan compensation is
-        dropped (``undo`` gives back the weights without it). See [Note: parameters
-        that change hands]."""
+        """``p``'s engine was removed (``ramflow.undo``): its moments become plain tensors.
+        See [Note: parameters that change hands]."""
         st = self.state.get(p)
-        if not st or "exp_avg" not in st:
-            return
-        plain = engine_of_param(p) is None  # else it joins a new engine, in fp32 until then
-        for name in ("exp_avg", "exp_avg_sq"):
-            value = st[name]
-            absmax = st.pop(name + "_absmax", None)
-            if absmax is not None:
-                value = dequantize_blockwise(value.reshape(-1), absmax, signed=name == "exp_avg")
-            value = value.detach().to(torch.float32).view(p.shape)
-            st[name] = value.to(p.device, p.dtype, copy=True) if plain else value.clone()
-        st.pop("master_compensation", None)
+        if st and "exp_avg" in st:
+            moments_to_plain(st, p, plain=engine_of_param(p) is None)
 
     def _new_flats(self, unit: _Unit, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """New flat states of ``unit`` in its host format: fp32 or bf16 zeros; 8-bit codes
@@ -732,49 +714,6 @@ class AdamW(HostOptimizer):
         st["step"].add_(1)
 
 
-# [Note: each parameter's own tail]
-# PyTorch's fused CPU AdamW steps each parameter on its own: 8-lane vectors, then a scalar
-# loop for its last numel % 8 elements, which fuses the second moment's multiply-add
-# differently ([Note: matching PyTorch's fused AdamW bit for bit]). The flat step covers a
-# unit's parameters in one call, so a parameter whose size is not a multiple of 8 (a
-# 5-class head's bias) would get the vector form on its tail and drift from PyTorch by an
-# ulp a step. The flat step therefore cuts its range at those tails: the kernel, which
-# gives the last n % 8 elements of a call the tail form, takes each tail as a call of its
-# own. The padding after a tail (to the next multiple of 8, where the next parameter
-# starts) is left out: it holds zeros and is never read.
-_TAIL_LANES = 8
-
-
-def _odd_tails(unit: _Unit) -> list[tuple[int, int]]:
-    """The ``[begin, end)`` element ranges of the scalar tails of ``unit``'s trainable
-    parameters whose size is not a multiple of 8, in order. See [Note: each parameter's
-    own tail]."""
-    tails = []
-    for k, p in enumerate(unit.owned[: unit.num_trainable]):
-        r = p.numel() % _TAIL_LANES
-        if r:
-            end = unit.offsets[k] + p.numel()
-            tails.append((end - r, end))
-    return tails
-
-
-def _kernel_ranges(lo: int, hi: int, tails: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``[lo, hi)`` cut so that each tail in ``tails`` is a range of its own and every
-    other range is whole vectors; the padding after a tail is skipped."""
-    out = []
-    cur = lo
-    for a, b in tails:
-        if b <= lo or a >= hi:
-            continue
-        if a > cur:
-            out.append((cur, a))
-        out.append((a, b))
-        cur = min(hi, -(-b // _TAIL_LANES) * _TAIL_LANES)
-    if cur < hi:
-        out.append((cur, hi))
-    return out
-
-
 def _exact(unit: _Unit) -> bool:
     """Whether ``unit`` keeps fp32 masters and fp32 states (PyTorch's exact AdamW)."""
     return unit.precision is None or unit.precision.is_exact
@@ -791,13 +730,7 @@ def _lean_param(p: torch.Tensor) -> bool:
 
 def _state_names(unit: _Unit) -> tuple[str, ...]:
     """Names of AdamW's per-parameter state tensors in ``unit``'s host format."""
-    names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
-    pr = unit.precision
-    if pr is not None and pr.optimizer_states == "int8":
-        names += ("exp_avg_absmax", "exp_avg_sq_absmax")
-    if pr is not None and pr.master == "bf16-kahan":
-        names += ("master_compensation",)
-    return names
+    return adamw_state_names(unit.precision)
 
 
 class SGD(HostOptimizer):
