@@ -155,6 +155,18 @@ def test_missing_or_misshapen_tensors_are_named_and_nothing_changes(tmp_path):
     assert _all_meta(model) and not ramflow.is_offloaded(model)
 
 
+def test_a_tensor_in_two_files_of_a_folder_without_index_is_refused(tmp_path):
+    """A stale shard beside newer ones: the last file read used to win, silently."""
+    ref = _reference("llama")
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    save_file(state, tmp_path / "a.safetensors")
+    save_file({k: torch.zeros_like(v) for k, v in state.items()}, tmp_path / "b.safetensors")
+    model = _meta("llama")
+    with pytest.raises(ValueError, match="in both .*a.safetensors and .*b.safetensors"):
+        ramflow.offload(model, device="cpu", weights=tmp_path)
+    assert _all_meta(model) and not ramflow.is_offloaded(model)
+
+
 def test_a_failure_while_loading_gives_the_model_back_on_meta():
     """An error in the middle (here the weights function's, after some units were built)
     leaves the model as it came: on the meta device, not offloaded, ready for a retry."""

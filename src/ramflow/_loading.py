@@ -228,6 +228,13 @@ class MetaLoader:
                     if was_converted:
                         converted.append(key)
                         continue
+                    if name in self._where and self._where[name][0] != path:
+                        raise ValueError(
+                            f"{self._source}: {key!r} is in both {self._where[name][0]} and "
+                            f"{path}; a folder without an index must hold each tensor once "
+                            "(a stale shard beside newer ones?). Remove the extra files, or "
+                            "give weights= the index or the one file to load."
+                        )
                     self._where[name] = (path, key)
                     shapes[name] = tuple(f.get_slice(key).get_shape())
         if converted:

@@ -122,3 +122,23 @@ def test_checkpointing_shrinks_the_activations() -> None:
 def test_plan_refuses_bad_settings(bad: dict) -> None:
     with pytest.raises(ValueError):
         plan_run(TrainConfig.from_options(preset="tiny", device="cpu", **bad))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_activations_of_a_model_without_intermediate_size(family) -> None:
+    """GPT-2 names its MLP width n_inner (None: 4 x hidden), OPT ffn_dim: `ramflow plan
+    --model` and `train --model` crashed on their folders reading intermediate_size."""
+    import transformers
+
+    from ramflow.train.estimate import measure_activations
+
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64)
+    else:
+        config = transformers.OPTConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=48,
+            vocab_size=64, word_embed_proj_dim=32,
+        )  # fmt: skip
+    profile = measure_activations(config, batch_size=2, seq_len=8, dtype=torch.float32)
+    mlp = 4 * 32 if family == "gpt2" else 48
+    assert profile.layer_bytes == (2 * 8 * (12 * 32 + 3 * mlp) * 4,) * 2

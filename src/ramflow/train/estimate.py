@@ -108,7 +108,11 @@ def measure_activations(
     model = meta_model(config).to(dtype)
     parts = _decoder_parts(model)
     if parts is None:
-        per_layer = n * (12 * hidden + 3 * config.intermediate_size) * size
+        # the MLP's width under the names configs give it (GPT-2: n_inner, None for 4 x
+        # hidden; OPT: ffn_dim; Bloom: none, 4 x hidden)
+        widths = (getattr(config, k, None) for k in ("intermediate_size", "n_inner", "ffn_dim"))
+        mlp = next((w for w in widths if w), 4 * hidden)
+        per_layer = n * (12 * hidden + 3 * mlp) * size
         return ActivationProfile(
             (per_layer,) * config.num_hidden_layers,
             n * hidden * size,
