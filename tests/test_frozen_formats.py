@@ -89,6 +89,11 @@ def test_int8_error_is_within_half_a_step_per_block():
     # half a step by construction; fp32 rounds w / scale and q * scale once each
     # (relative 2**-24), which the factor 1 + 2**-20 covers
     assert ((w - out).abs() <= amax / 254 * (1 + 2**-20)).all()
+    # the stored absmax is at most 2**-7 above the true one (bf16 keeps 8 significant
+    # bits), so relative to the true absmax the bound is (1 + 2**-7) / 254
+    true_amax = w.view(-1, INT8_BLOCK).abs().amax(dim=1).repeat_interleave(INT8_BLOCK)
+    assert (amax <= true_amax * (1 + 2**-7)).all()
+    assert ((w - out).abs() <= true_amax * (1 + 2**-7) / 254 * (1 + 2**-20)).all()
     assert torch.equal(out[:64], torch.zeros(64))
 
 
@@ -174,6 +179,74 @@ def test_host_parameters_state_dict_load_and_undo(fmt):
     assert model.blocks[0][0].weight.device.type == "cpu"
     assert model.blocks[0][0].weight is w
     assert torch.equal(model(x), other_ref(x))
+
+
+def _compressed_bytes(model: nn.Module) -> list[torch.Tensor]:
+    """A copy of every compressed unit's host buffer (codes, absmax, scalers)."""
+    units = ramflow.api._engine(model).units
+    return [u.frozen.host.clone() for u in units if u.frozen is not None]
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_own_state_dict_loads_back_bit_for_bit(fmt, wire):
+    # re-quantizing dequantized values is no fixed point (int8's absmax rounded up to bf16
+    # gives another scale; NF4 moves on every reload from fp32), so a reload keeps the codes
+    # of a weight given exactly its dequantized values; the weights below have rows of very
+    # different sizes, where the re-quantized absmax moved most
+    torch.manual_seed(0)
+    model = Stack()
+    with torch.no_grad():
+        for p in model.blocks.parameters():
+            p.mul_(torch.logspace(-2, 1, p.shape[0]).view(-1, *[1] * (p.dim() - 1)))
+    model.blocks.requires_grad_(False)
+    ramflow.offload(model, device="cpu", wire_dtype=wire, frozen_format=fmt)
+    before = _compressed_bytes(model)
+    state = model.state_dict()
+    x = torch.randn(2, 128)
+    out = model(x)
+    for _ in range(2):
+        model.load_state_dict(state)
+        assert all(torch.equal(a, b) for a, b in zip(_compressed_bytes(model), before))
+    assert torch.equal(model(x), out)
+    # a saved copy in another dtype that holds the values exactly keeps them too
+    model.load_state_dict({k: v.double() for k, v in state.items()})
+    assert all(torch.equal(a, b) for a, b in zip(_compressed_bytes(model), before))
+    # other values are compressed as given
+    model.load_state_dict({k: v * 2 for k, v in state.items()})
+    assert not torch.equal(_compressed_bytes(model)[0], before[0])
+
+
+def test_trainer_over_int8_weights_resumes_exactly(tmp_path):
+    # a full (non-PEFT) Trainer checkpoint holds the int8 weights dequantized; loading it
+    # into a fresh offload of the same initial model reproduces the codes, so the resumed
+    # run matches the uninterrupted one bit for bit
+    from test_hf_trainer import lm_data, trainer_args
+
+    torch.manual_seed(0)
+    initial = tiny_llama(tie=False)
+    data = lm_data()
+
+    def run(out_dir, resume=None):
+        model = copy.deepcopy(initial)
+        for n, p in model.named_parameters():
+            p.requires_grad_("norm" in n or "lm_head" in n)  # the matrices stay frozen
+        ramflow.offload(model, device="cpu", wire_dtype=torch.float32, frozen_format="int8")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        trainer = transformers.Trainer(
+            model=model,
+            args=trainer_args(torch.device("cpu"), out_dir),
+            train_dataset=data,
+            optimizers=(ramflow.optim.AdamW(trainable, lr=1e-3), None),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+    losses, final = run(tmp_path / "ours")
+    resumed_losses, resumed = run(tmp_path / "resumed", str(tmp_path / "ours" / "checkpoint-2"))
+    assert resumed_losses == losses  # the checkpoint carries the first two steps' log
+    assert all(torch.equal(resumed[k], v) for k, v in final.items())
 
 
 def _train(model, opt, xs):

@@ -181,3 +181,35 @@ def test_refresh_after_foreign_in_place_edit():
     model = nn.Sequential(layer)
     ramflow.refresh(model)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "assign-load"])
+def test_a_layer_copied_before_its_first_call_computes_as_nn_linear(how):
+    """A copy gives weight and bias storage of their own; the first call used to fail an
+    assertion and leave a half-built unit in the process's layer engine, breaking the
+    other layers."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    layer = ramflow.Linear(5, 3)
+    ref = torch.nn.Linear(5, 3)
+    if how == "deepcopy":
+        layer = copy.deepcopy(layer)
+    elif how == "pickle":
+        layer = pickle.loads(pickle.dumps(layer))
+    else:
+        layer.load_state_dict({"weight": torch.randn(3, 5), "bias": torch.randn(3)}, assign=True)
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 5)
+    assert torch.equal(layer(x), ref(x))
+    other = ramflow.Linear(5, 3)  # the process's layer engine still works
+    other(x).sum().backward()
+    assert other.weight.grad is not None
+
+
+def test_a_float64_layer_is_refused_when_made():
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16.*torch.nn.Linear"):
+        ramflow.Linear(4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        ramflow.Linear(4, 3).double()

@@ -188,3 +188,51 @@ def test_adapters_are_found_in_one_walk_of_the_model(monkeypatch):
     ramflow.offload(model, device="cpu", wire_dtype=torch.float32)
     assert len(calls) == 1
     assert len(ramflow.api._engine(model).adapters.params) == 2 * len(TARGETS) * 3
+
+
+def test_modules_to_save_after_offload_says_to_apply_peft_first():
+    """PEFT's ``modules_to_save`` deep-copies the modules it names inside
+    ``get_peft_model``; an offloaded module cannot be copied, and the error says to apply
+    PEFT before ``offload`` (where it works)."""
+    torch.manual_seed(0)
+    base = base_model()
+    ramflow.offload(base, device="cpu", wire_dtype=torch.float32)
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    with pytest.raises(TypeError, match="modules_to_save.*get_peft_model before ramflow.offload"):
+        peft.get_peft_model(base, cfg)
+
+
+@pytest.mark.parametrize("frozen_format", [None, "int8"])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_merge_after_undo_gives_the_adapted_model(when, frozen_format):
+    """The documented way to merge: ``ramflow.undo`` gives back dense weights (under
+    ``frozen_format`` the dequantized ones the device computed with), then PEFT merges the
+    adapters into them. (On the offloaded model PEFT writes the base weights through
+    ``.data``, which ramflow does not see: see README's LoRA section.)"""
+    torch.manual_seed(0)
+    base = base_model()
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    if when == "before":
+        model = peft.get_peft_model(base, cfg)
+        ramflow.offload(model, device="cpu", wire_dtype=torch.float32, frozen_format=frozen_format)
+    else:
+        base.requires_grad_(False)
+        ramflow.offload(base, device="cpu", wire_dtype=torch.float32, frozen_format=frozen_format)
+        model = peft.get_peft_model(base, cfg)
+        ramflow.adopt(model)  # over a meta stand-in the adapters get PEFT's default init: B = 0
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.1)
+    ids = torch.randint(0, 128, (2, 8))
+    model.eval()
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with model.disable_adapter():
+            plain = model(input_ids=ids).logits
+    assert (adapted - plain).abs().max() > 1e-2  # the adapters change the output
+    ramflow.undo(model)
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        got = merged(input_ids=ids).logits
+    torch.testing.assert_close(got, adapted, atol=1e-4, rtol=1e-4)

@@ -13,8 +13,8 @@ Each compressed unit has one flat uint8 host buffer (pinned on a GPU) holding, p
 after parameter, every component of its format, each on a 64-byte boundary:
 - ``"int8"``: codes int8 (n,) and one bf16 absmax per block of 64 (B,). The absmax is
   rounded *up* to bf16, so no element exceeds it and ``q = round(w / (absmax / 127))`` needs
-  no clamp; ``|w - q * absmax / 127| <= absmax / 254`` (plus fp32 rounding). 1.03 bytes per
-  element.
+  no clamp; ``|w - q * absmax / 127| <= absmax / 254`` (plus fp32 rounding) for the stored
+  absmax, which is at most ``1 + 2**-7`` times the block's true one. 1.03 bytes per element.
 - ``"nf4"``: torchao's ``NF4Tensor`` (QLoRA, Dettmers et al. 2023: 4-bit NormalFloat codes
   in blocks of 64, their absmax double-quantized to int8 in blocks of 256 absmax), made by
   ``torchao``'s ``to_nf4`` from the values in the wire dtype: codes (n/2,), int8 scalers
@@ -29,7 +29,9 @@ and dequantizes it there, into the unit's device tensor after the kept elements,
 records the unit's H2D event; on the CPU the same code dequantizes from the host buffer.
 The host parameters of compressed weights are on the meta device (shape and dtype, no
 data): whatever reads their values fails as a meta tensor does, never silently wrong;
-``state_dict()`` dequantizes them, ``load_state_dict`` compresses what it is given, and
+``state_dict()`` dequantizes them, ``load_state_dict`` compresses what it is given (but
+keeps a parameter's bytes when given exactly its dequantized values, so that a model's own
+``state_dict()`` loads back bit for bit: re-quantizing is no fixed point), and
 ``ramflow.undo`` gives them back dequantized in their original dtype.
 """
 
@@ -350,6 +352,20 @@ class FrozenStore:
             ones = torch.ones(NF4_BLOCK, dtype=self.wire_dtype, device=device)
             table = self._tables[device] = _nf4_module().to_nf4(ones, NF4_BLOCK, 1).nf4
         return table
+
+    def holds(self, i: int, values: torch.Tensor) -> bool:
+        """Whether ``values`` equal parameter ``i`` dequantized, compared in a dtype that
+        holds both exactly (no rounding can make them equal).
+
+        ``load_state_dict`` keeps the bytes of a parameter given its own dequantized values
+        (its ``state_dict()`` loaded back: a checkpoint resumed): re-quantizing them is no
+        fixed point (int8's absmax rounded up to bf16 picks another scale, NF4's double
+        quantization moves), so a reload would change the weights. See [Note: compressed
+        frozen weights]."""
+        if not values.is_floating_point():
+            return False
+        dtype = torch.promote_types(values.dtype, self.wire_dtype)
+        return torch.equal(self.read(i, dtype), values.detach().to("cpu", dtype))
 
     def read(self, i: int, dtype: torch.dtype) -> torch.Tensor:
         """Parameter ``i`` dequantized on the host, a new tensor of its shape in ``dtype``:

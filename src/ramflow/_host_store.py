@@ -289,7 +289,11 @@ class HostStore:
 
     def write_compressed(self, u: _Unit, i: int, values: torch.Tensor) -> None:
         """Compress ``values`` into the ``i``-th compressed parameter of ``u``
-        (``load_state_dict``); the caller marks the unit stale and refreshes it after."""
+        (``load_state_dict``); the caller marks the unit stale and refreshes it after.
+        Values equal to its current dequantized ones keep its bytes (``FrozenStore.holds``:
+        a model's own ``state_dict()`` loads back bit for bit)."""
+        if u.frozen.holds(i, values):
+            return
         self.before_host_write(u)
         u.frozen.write(i, values)
 

@@ -43,6 +43,15 @@ _names = itertools.count()
 LAYER_PREFETCH_DEPTH = 4  # layers are small units: look further ahead than for blocks
 
 
+def _check_wire_dtype(dtype: torch.dtype) -> None:
+    """Raises ValueError for a wire dtype the layer engines do not run (float64)."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"ramflow.Linear computes in float32, bfloat16 or float16, not {dtype}; use "
+            "torch.nn.Linear for a float64 layer"
+        )
+
+
 def _round_up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
@@ -153,6 +162,7 @@ class Linear(nn.Linear):
         self._wire_dtype = wire_dtype or dtype or torch.float32
         if not self._wire_dtype.is_floating_point:
             raise TypeError(f"wire_dtype must be floating point, got {self._wire_dtype}")
+        _check_wire_dtype(self._wire_dtype)
         self._engine: Engine | None = None
         self._register_pending()
 
@@ -171,6 +181,7 @@ class Linear(nn.Linear):
             device = _default_device()
         elif device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        self._relink()
         engine = layer_engine(device, self._wire_dtype)
         owned = [p for p in (self.weight, self.bias) if p is not None]
         owned.sort(key=lambda p: not p.requires_grad)
@@ -187,6 +198,32 @@ class Linear(nn.Linear):
         self._device = device
         for p in owned:
             PENDING.pop(p, None)
+
+    def _relink(self) -> None:
+        """Point ``weight`` and ``bias`` into ``_host_flat`` again, with their values: a
+        ``copy.deepcopy``, a pickle without ``share_memory()`` or ``load_state_dict(...,
+        assign=True)`` before the first call gives them storage of their own.
+
+        Raises:
+            ValueError: a parameter was replaced by one of another shape.
+        """
+        n_weight = self.out_features * self.in_features
+        places = [
+            (self.weight, self._host_flat[:n_weight].view(self.out_features, self.in_features))
+        ]
+        if self.bias is not None:
+            offset = _round_up(n_weight)
+            places.append((self.bias, self._host_flat[offset : offset + self.out_features]))
+        with torch.no_grad():
+            for p, view in places:
+                if p.shape != view.shape:
+                    raise ValueError(
+                        f"a parameter of ramflow.Linear({self.in_features}, "
+                        f"{self.out_features}) was replaced by one of shape {tuple(p.shape)}"
+                    )
+                if p.data_ptr() != view.data_ptr():
+                    view.copy_(p.detach())
+                    p.data = view
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._engine is None:
@@ -232,6 +269,7 @@ class Linear(nn.Linear):
         if what == "device":
             self._device = value
         else:
+            _check_wire_dtype(value)
             self._wire_dtype = value
 
     def __getstate__(self) -> dict[str, Any]:

@@ -249,7 +249,9 @@ def refuse_copy() -> NoReturn:
     raise TypeError(
         "an offloaded model cannot be copied with copy.deepcopy or pickled (its weights live "
         "in ramflow's host store and its hooks belong to its engine). Deep-copy the model "
-        "before ramflow.offload, save model.state_dict(), or call ramflow.undo(model) first."
+        "before ramflow.offload, save model.state_dict(), or call ramflow.undo(model) first. "
+        "PEFT's modules_to_save copies the modules it names (copy.deepcopy) inside "
+        "peft.get_peft_model: with modules_to_save, call get_peft_model before ramflow.offload."
     )
 
 
