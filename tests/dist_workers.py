@@ -220,3 +220,21 @@ def offload_failing_in_set_up(rank: int, world_size: int, options: dict) -> dict
     model = reference_model(seed=rank)
     ramflow.offload(model, device=torch.device("cpu"), zero_stage=2, wire_dtype=torch.bfloat16)
     return {}
+
+
+def offload_mismatched(rank: int, world_size: int, options: dict) -> dict:
+    """``ramflow.offload`` with what the ranks must agree on differing on rank 1:
+    ``options["what"]`` is ``"zero_stage"`` (1 against 2; their collectives would not
+    match, a hang) or ``"shapes"`` (the same unit sizes, other parameter shapes)."""
+    torch.manual_seed(0)
+    if options["what"] == "shapes" and rank == 1:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(4, 8, bias=False)
+        )
+    else:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(8, 4, bias=False)
+        )
+    stage = 2 if options["what"] == "zero_stage" and rank == 1 else 1
+    ramflow.offload(model, device=torch.device("cpu"), zero_stage=stage)
+    return {}

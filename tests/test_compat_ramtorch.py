@@ -234,3 +234,22 @@ def test_linear_positional_order_and_skip_init_of_ramtorch():
     assert "wire_dtype=bfloat16" in repr(layer)
     assert layer.device == torch.device("cpu")
     assert not layer.weight.any()  # skip_init: nothing drawn
+
+
+def test_replace_linear_with_ramtorch_takes_skip_as_its_error_says():
+    """A head tied to the embeddings is refused with "leave it resident with
+    skip=('lm_head',)": the compat helper now takes that argument."""
+    from ramflow.compat.ramtorch.helpers import replace_linear_with_ramtorch
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.body = torch.nn.Linear(4, 4)
+            self.lm_head = torch.nn.Linear(4, 10, bias=False)
+            self.lm_head.weight = self.embed.weight
+
+    with pytest.raises(ValueError, match="skip=\\('lm_head',\\)"):
+        replace_linear_with_ramtorch(Tied(), "cpu")
+    model = replace_linear_with_ramtorch(Tied(), "cpu", skip=("lm_head",))
+    assert isinstance(model.body, ramflow.Linear) and type(model.lm_head) is torch.nn.Linear

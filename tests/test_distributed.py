@@ -317,3 +317,14 @@ def test_shared_store_directory_must_be_memory_backed_on_a_gpu(tmp_path):
     with pytest.raises(ValueError, match="ext4 filesystem.*Use /dev/shm"):
         check_shm_directory_pins("/ramflow-test disk/store", mounts=str(mounts))
     check_shm_directory_pins("/x", mounts=str(tmp_path / "missing"))  # unknown: allowed
+
+
+@pytest.mark.parametrize("what", ["zero_stage", "shapes"])
+def test_ranks_that_disagree_are_refused_at_offload(tmp_path, what):
+    """Ranks with other zero_stage values hung in mismatched collectives until the process
+    group's timeout; models with the same unit sizes but other shapes trained, averaging
+    gradients of different tensors."""
+    results = W.run(W.offload_mismatched, 2, {"out": str(tmp_path), "what": what})
+    expect = "different zero_stage" if what == "zero_stage" else "parameter shapes"
+    for r in results:
+        assert expect in r.get("error", ""), r

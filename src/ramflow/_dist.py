@@ -422,6 +422,7 @@ def shared_host_store(
     numels: list[int],
     offsets: list[list[int]],
     master_dtype: torch.dtype = torch.float32,
+    zero_stage: int | None = None,
 ) -> tuple[list[int], list[int]]:
     """Put the units' masters and wire copies in shared memory, one copy per host.
 
@@ -438,8 +439,9 @@ def shared_host_store(
     leaders that this call removes first. Returns each unit's owner (a global rank on this
     host) and this host's ranks.
 
-    Raises ValueError when the ranks' models differ, MemoryError when the shared-memory
-    directory lacks room.
+    Raises ValueError when the ranks' models differ (unit sizes, parameter shapes) or
+    their ``zero_stage`` does (their collectives would not match: a hang), MemoryError
+    when the shared-memory directory lacks room.
     """
     group = cpu_group()
     world = dist.get_world_size()
@@ -447,12 +449,19 @@ def shared_host_store(
     me = dist.get_rank()
     leader = local[0]
     # unit sizes (every rank's must match) and PIDs (the leaders' name their files)
-    gathered: list[tuple[list[int], int] | None] = [None] * world
-    dist.all_gather_object(gathered, (numels, os.getpid()), group=group)
-    if any(g[0] != numels for g in gathered):
+    shapes = [[tuple(p.shape) for p in spec.owned] for spec in specs]
+    gathered: list[tuple | None] = [None] * world
+    dist.all_gather_object(gathered, (numels, os.getpid(), shapes, zero_stage), group=group)
+    if any(g[0] != numels or g[2] != shapes for g in gathered):
         raise ValueError(
-            "the ranks' models differ (unit sizes do not match); build the same model on "
-            "every rank before ramflow.offload"
+            "the ranks' models differ (unit sizes or parameter shapes do not match); build "
+            "the same model on every rank before ramflow.offload"
+        )
+    stages = sorted({g[3] for g in gathered}, key=str)
+    if len(stages) > 1:
+        raise ValueError(
+            f"the ranks were given different zero_stage values ({', '.join(map(str, stages))}); "
+            "pass the same zero_stage on every rank"
         )
     token = [uuid.uuid4().hex if me == 0 else None]
     dist.broadcast_object_list(token, src=0, group=group)

@@ -288,6 +288,7 @@ def offload(
             numels=[u.numel for u in layout],
             offsets=[u.offsets for u in layout],
             master_dtype=precision.master_dtype,
+            zero_stage=zero_stage,
         )
     loader = None if weights is None else MetaLoader(model, weights)  # checks, allocates nothing
     try:
