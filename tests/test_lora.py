@@ -236,3 +236,37 @@ def test_merge_after_undo_gives_the_adapted_model(when, frozen_format):
     with torch.no_grad():
         got = merged(input_ids=ids).logits
     torch.testing.assert_close(got, adapted, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_merge_on_the_offloaded_model_gives_the_adapted_model(when):
+    """PEFT writes the merged base weights in place through ``.data``: the unit's copies
+    went stale and the merged model computed without the adapters, silently. Its tuner
+    layers' merge now refreshes the unit; under frozen_format it refuses before writing."""
+    torch.manual_seed(0)
+    base = base_model()
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    if when == "before":
+        model = peft.get_peft_model(base, cfg)
+        ramflow.offload(model, device="cpu", wire_dtype=torch.float32)
+    else:
+        ramflow.offload(base, device="cpu", wire_dtype=torch.float32)
+        model = peft.get_peft_model(base, cfg)
+    ids = torch.randint(0, 128, (2, 8))
+    model.eval()
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        merged = model.merge_and_unload()
+        got = merged(input_ids=ids).logits
+    # merging rounds W + B A once per weight: fp32 rounding of the sums, not the adapters
+    torch.testing.assert_close(got, adapted, rtol=0, atol=1e-5)
+
+
+def test_merge_into_compressed_weights_is_refused():
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        base_model(), peft.LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False)
+    )
+    ramflow.offload(model, device="cpu", wire_dtype=torch.float32, frozen_format="int8")
+    with pytest.raises(ValueError, match="compressed.*ramflow.undo"):
+        model.merge_and_unload()

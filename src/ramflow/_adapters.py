@@ -25,7 +25,8 @@ See ``Engine.adopt_changes``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -205,3 +206,49 @@ class DeviceParameters:
                     if p.grad is not None:
                         p.grad = p.grad.cpu()
         self.params.clear()
+
+
+# [Note: merging adapters into an offloaded base]
+# PEFT merges an adapter by writing the base layer's weight in place (``weight.data +=
+# delta``, or ``weight.data = merged`` with ``safe_merge``), which ramflow does not see: the
+# unit's wire and device copies went stale and the merged model computed without the
+# adapter; under ``frozen_format`` the base weight is a stand-in on the meta device, where
+# the write is lost without an error. So each PEFT tuner layer of an offloaded model gets
+# instance ``merge``/``unmerge`` methods that call PEFT's and then give the unit the new
+# host weights (``Engine.refresh_param``), and that refuse a compressed base before PEFT
+# writes anything.
+
+
+def guard_adapter_merges(model: nn.Module, refresh_param: Callable[[nn.Parameter], None]) -> None:
+    """Wrap ``merge``/``unmerge`` of ``model``'s PEFT tuner layers (modules with a
+    ``base_layer``) once. See [Note: merging adapters into an offloaded base]."""
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if not isinstance(base, nn.Module) or "merge" in module.__dict__:
+            continue
+        for name in ("merge", "unmerge"):
+            method = getattr(module, name, None)
+            if callable(method):
+                module.__dict__[name] = GuardedMerge(method, base, refresh_param)
+
+
+class GuardedMerge:
+    """A tuner layer's ``merge`` or ``unmerge`` on an offloaded base layer."""
+
+    def __init__(self, method: Any, base: nn.Module, refresh_param: Any) -> None:
+        self._method = method
+        self._base = base
+        self._refresh = refresh_param
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        weights = [p for p in self._base.parameters() if p is not None]
+        if any(p.is_meta for p in weights):
+            raise ValueError(
+                "cannot merge adapters into base weights that ramflow keeps compressed "
+                "(frozen_format): call ramflow.undo(model) first, which gives back dense "
+                "weights, then merge"
+            )
+        out = self._method(*args, **kwargs)
+        for p in weights:
+            self._refresh(p)
+        return out

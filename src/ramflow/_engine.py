@@ -20,7 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._adapters import DeviceParameters, device_bytes, materialize_meta_adapters
+from ._adapters import (
+    DeviceParameters,
+    GuardedMerge,
+    device_bytes,
+    guard_adapter_merges,
+    materialize_meta_adapters,
+)
 from ._clip import install_clip_route
 from ._frozen_formats import raise_if_trained
 from ._gradients import GradientPath
@@ -167,6 +173,7 @@ class Engine:
                     if buf is not None and buf.device != self.device:
                         module._buffers[name] = buf.to(self.device)
             self._install_root_hooks(model)
+            guard_adapter_merges(model, weak_method(self.refresh_param))
             if activation_checkpointing:
                 try:
                     self.schedule.checkpoint_units(model, activation_checkpointing)
@@ -379,6 +386,7 @@ class Engine:
                 "larger gpu_memory"
             )
         self.adapters.adopt(new)
+        guard_adapter_merges(model, weak_method(self.refresh_param))
         self._set_plan(plan, [])
         self.window.set_capacity(plan.window_bytes)
 
@@ -426,6 +434,25 @@ class Engine:
 
     def unit_of(self, p: torch.Tensor) -> _Unit | None:
         return self._unit_of_param.get(id(p))
+
+    def refresh_param(self, p: torch.Tensor) -> None:
+        """``p``'s host values were written outside ramflow (a PEFT merge): its data back in
+        its unit's master if it was replaced, then the unit's wire and device copies."""
+        u = self._unit_of_param.get(id(p))
+        if u is None or u.master is None:
+            return
+        self.schedule.settle()
+        self.worker.wait_idle()
+        k = next(i for i, q in enumerate(u.owned) if q is p)
+        if (
+            k < u.num_kept
+            and p.untyped_storage().data_ptr() != u.master.untyped_storage().data_ptr()
+        ):
+            view = u.views(u.master, kept_only=True)[k]
+            with torch.no_grad():
+                view.copy_(p.detach())
+                p.data = view
+        self.stepper.refresh_from_host(u)
 
     def schedule_step(self, opt: StepOptimizer) -> None:
         """Called by ``opt.step()``: check or schedule the step of every unit it holds."""
@@ -514,6 +541,9 @@ class Engine:
         self.schedule.restore(model)
         for module in model.modules() if model is not None else ():
             module.__dict__.pop("zero_grad", None)
+            for name in ("merge", "unmerge"):  # guard_adapter_merges' wrappers
+                if isinstance(module.__dict__.get(name), GuardedMerge):
+                    del module.__dict__[name]
         for u in self.units:
             self.stepper.drop_device_state(u)
             if u.compressed:
