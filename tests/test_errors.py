@@ -83,26 +83,28 @@ def _x():
     return torch.randn(4, 16)
 
 
-def test_second_backward_after_eager_step_is_an_error():
-    """Accumulating without ``no_step`` after the loop showed one backward per step."""
+def _stepping_during_backward(**adamw):
+    """An offloaded MLPStack and its AdamW after two steps of one backward each: ramflow has
+    learned the loop, and the next backward steps each unit as its gradients land."""
     model = ramflow.offload(MLPStack(), device="cpu")
-    opt = ramflow.optim.AdamW(model.parameters())
-    for _ in range(2):  # learn: one backward per step
+    opt = ramflow.optim.AdamW(model.parameters(), **adamw)
+    for _ in range(2):
         model(_x()).sum().backward()
         opt.step()
         opt.zero_grad()
+    return model, opt
+
+
+def test_second_backward_after_eager_step_is_an_error():
+    """Accumulating without ``no_step`` after the loop showed one backward per step."""
+    model, opt = _stepping_during_backward()
     model(_x()).sum().backward()
     with pytest.raises(RuntimeError, match="no_step"):
         model(_x()).sum().backward()
 
 
 def test_clipping_after_eager_step_is_an_error():
-    model = ramflow.offload(MLPStack(), device="cpu")
-    opt = ramflow.optim.AdamW(model.parameters())
-    for _ in range(2):
-        model(_x()).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt = _stepping_during_backward()
     model(_x()).sum().backward()
     with pytest.raises(RuntimeError, match="clip"):
         ramflow.clip_grad_norm_(model.parameters(), 1.0)
@@ -111,12 +113,7 @@ def test_clipping_after_eager_step_is_an_error():
 def test_torch_clip_after_eager_step_is_detected():
     """torch.nn.utils.clip_grad_norm_ (routed to ramflow's) would change gradients already
     stepped: never silently skipped."""
-    model = ramflow.offload(MLPStack(), device="cpu")
-    opt = ramflow.optim.AdamW(model.parameters())
-    for _ in range(2):
-        model(_x()).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt = _stepping_during_backward()
     model(_x()).sum().backward()
     with pytest.raises(RuntimeError, match="clip"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
@@ -124,12 +121,7 @@ def test_torch_clip_after_eager_step_is_detected():
 
 def test_gradients_changed_after_eager_step_are_detected():
     """A change by hand after a step ran during backward (no call into ramflow)."""
-    model = ramflow.offload(MLPStack(), device="cpu")
-    opt = ramflow.optim.AdamW(model.parameters())
-    for _ in range(2):
-        model(_x()).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt = _stepping_during_backward()
     model(_x()).sum().backward()
     ramflow.synchronize(model)
     for p in model.parameters():
@@ -142,12 +134,7 @@ def test_a_step_skipped_after_an_eager_backward_is_an_error():
     """A loop that skips opt.step() (a guard against non-finite gradients) after ramflow
     stepped during backward: the update is in the weights, and zero_grad says so at once
     (it used to show only at the next backward, blaming accumulation)."""
-    model = ramflow.offload(MLPStack(), device="cpu")
-    opt = ramflow.optim.AdamW(model.parameters())
-    for _ in range(2):
-        model(_x()).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt = _stepping_during_backward()
     model(_x()).sum().backward()
     with pytest.raises(RuntimeError, match="without an opt.step.*overlap=False"):
         opt.zero_grad()
@@ -179,12 +166,7 @@ def test_a_skipping_loop_without_overlap_is_exact():
 def test_settings_changed_between_backward_and_step_after_eager_steps():
     """The learning rate set after backward, once ramflow steps during backward: that step
     already used the old rate, so step() refuses instead of ignoring the new one."""
-    model = ramflow.offload(MLPStack(), device="cpu")
-    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(2):
-        model(_x()).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt = _stepping_during_backward(lr=1e-3)
     model(_x()).sum().backward()
     opt.param_groups[0]["lr"] = 5e-4
     with pytest.raises(RuntimeError, match="settings.*changed between backward and opt.step"):
