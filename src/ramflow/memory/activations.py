@@ -319,8 +319,8 @@ def activation_report(
         )
     grads = [(p, p.grad) for p in model.parameters()]
     try:
-        # backward accumulates into an existing .grad in place, so the held tensors are
-        # detached first; otherwise putting them back would put back the sum.
+        # backward accumulates into an existing .grad in place, so the gradients are taken
+        # off the parameters first; otherwise putting them back would put back the sum.
         for p, _ in grads:
             p.grad = None
         if meter.cuda:
