@@ -148,7 +148,7 @@ def build_cases(
         # The compute floor of each ramflow case: the same model and step, all on the GPU.
         # 16x2048 without checkpointing is left out: about 4x the activations of the 4x2048
         # step on top of 43 GB of fp32 weights, gradients and AdamW states does not fit
-        # (ANCHORS.md estimates it from 4x2048; so does the report). A case that would not fit
+        # (estimated from 4x2048, as the report does). A case that would not fit
         # this device (``models.resident_peak_bytes``) is recorded as skipped, not run.
         plain_small = {**train[2], "batch": train[0]["batch"]}
         for shape, est in ((train[0], 14), (plain_small, 14), (train[1], 19)):

@@ -173,7 +173,7 @@ def pinned_bandwidth(
 def matmul_flops(
     device: torch.device, *, m: int = 8192, k: int = 4096, n: int = 11008, repeats: int = 20
 ) -> float:
-    """bf16 matmul rate (FLOP/s) of an (m, k) @ (k, n) product on ``device`` (ANCHORS.md's shape).
+    """bf16 matmul rate (FLOP/s) of an (m, k) @ (k, n) product on ``device`` (the benchmarks' shape).
     On the CPU the shape is scaled down 16x each way so that it takes a moment."""
     if device.type != "cuda":
         m, k, n, repeats = m // 16, k // 16, n // 16, 3

@@ -1,6 +1,6 @@
 """The models the harness runs, their inputs, and what a step of each computes.
 
-Two models: ``reference`` (``reference_model.py``, the model of ANCHORS.md) and
+Two models: ``reference`` (``reference_model.py``, a 2.69 B Llama-like decoder) and
 ``llama-3b`` (``transformers``' ``LlamaForCausalLM`` in the shape of Llama 3.2 3B: width
 3072, 28 layers, 24 heads with 8 key/value heads, vocabulary 128256, tied embeddings). Both
 are built from a config with random weights: the GPU box has no network, and timing does not

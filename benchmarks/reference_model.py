@@ -1,4 +1,4 @@
-"""The reference model of ANCHORS.md: a Llama-like decoder in plain PyTorch.
+"""The benchmarks' reference model: a Llama-like decoder in plain PyTorch.
 
 Legend: B = batch, T = sequence length, D = model width, H = heads, K = head width (D / H),
 F = SwiGLU hidden width, V = vocabulary.
@@ -8,7 +8,7 @@ fused SwiGLU gate/up D->2F, down F->D], no biases, residual connections around a
 the MLP. The blocks live in an ``nn.ModuleList`` named ``layers`` so that ramflow (and any
 block-wise engine) finds them as units; embedding, final norm and head are separate modules.
 No rotary embedding: it has no parameters and little compute, and timing is all we measure
-(ANCHORS.md lists no positional encoding either).
+(the reference shape has no positional encoding either).
 
 With ``REFERENCE`` (12 blocks, D=4096, F=11008, V=32000) the model has 2.69 B parameters.
 """
@@ -30,7 +30,7 @@ class ReferenceConfig:
     """Shape of the reference model.
 
     Attributes:
-        num_layers: number of decoder blocks (12 in ANCHORS.md).
+        num_layers: number of decoder blocks (12 in the reference shape).
         dim: model width D (4096).
         num_heads: attention heads H (32); ``dim`` must divide by it.
         ffn_dim: SwiGLU hidden width F (11008).

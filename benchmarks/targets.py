@@ -1,6 +1,6 @@
 """Issue 4's targets, each a ratio from one run, met or not, and a one-line reason for a miss.
 
-The targets are for the reference model of ANCHORS.md; other models' rows are measured against
+The targets are for the reference model (reference_model.py); other models' rows are measured against
 the same thresholds and reported (``met`` None, ``within`` says how they compare). Each target
 names the table row it belongs to (``key``: ``row_key`` or ``kofn_key``). Pure Python.
 """

@@ -6,7 +6,7 @@ and ``offload_optimizer`` on ``cpu`` with ``pin_memory``, ``overlap_comm``,
 CPU), its AdamW (DeepSpeedCPUAdam, compiled on first use: about a minute, outside the timed
 steps). A world of one: RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR/PORT and
 ``deepspeed.init_distributed()``. Training step: ``loss = engine(x, y)``,
-``engine.backward(loss)``, ``engine.step()``. No activation checkpointing (as in ANCHORS.md).
+``engine.backward(loss)``, ``engine.step()``. No activation checkpointing (as in the reference cases).
 The model is built on the CPU and handed to ``deepspeed.initialize`` (``zero.Init`` matters
 for models that do not fit in host memory; this one does).
 """

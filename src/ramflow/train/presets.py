@@ -3,7 +3,7 @@
 Every preset is a Hugging Face ``LlamaConfig`` built from the numbers below, so the model
 is ``transformers``' own ``LlamaForCausalLM``. The public shapes are those of Meta's
 Llama 3.2-1B, Llama 3.2-3B and Llama 3.1-8B ``config.json`` files; ``anchor-2.7b`` is the
-reference model of the project's ANCHORS.md; ``tiny`` trains on a laptop CPU in minutes.
+benchmarks' reference model (benchmarks/reference_model.py); ``tiny`` trains on a laptop CPU in minutes.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ PRESETS: dict[str, ModelPreset] = {
         ),
         ModelPreset(
             name="anchor-2.7b",
-            description="the reference model of ANCHORS.md (2.69 B parameters, 12 layers of width 4096)",
+            description="the benchmarks' reference model (2.69 B parameters, 12 layers of width 4096)",
             hidden_size=4096,
             intermediate_size=11008,
             num_layers=12,
