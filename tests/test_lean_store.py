@@ -327,8 +327,41 @@ def test_seed_changes_the_rounding():
 
 
 def test_lean_masters_need_a_bf16_wire():
-    with pytest.raises(ValueError, match="needs a bfloat16 wire dtype"):
-        ramflow.offload(MLPStack(), device="cpu", host_precision="lean")
+    with pytest.raises(
+        ValueError,
+        match=r"host_precision='lean' .*needs a bfloat16 wire dtype, got "
+        r"wire_dtype=torch.float32. Leave wire_dtype out",
+    ):
+        ramflow.offload(MLPStack(), device="cpu", wire_dtype=torch.float32, host_precision="lean")
+    custom = ramflow.HostPrecision(master="bf16-kahan", optimizer_states="bf16")
+    with pytest.raises(ValueError, match=r"HostPrecision\(master='bf16-kahan', "):
+        ramflow.offload(MLPStack(), device="cpu", wire_dtype=torch.float16, host_precision=custom)
+
+
+@pytest.mark.parametrize("preset", ["bf16", "lean", "kahan"])
+def test_lean_on_the_cpu_without_a_wire_dtype(preset):
+    """The README's CPU path: without ``wire_dtype`` the wire follows the bf16 master, and
+    the model trains (the loss falls) with ramflow's AdamW."""
+    torch.manual_seed(0)
+    model = ramflow.offload(MLPStack(), device="cpu", host_precision=preset)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    losses = []
+    for _ in range(6):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    ramflow.undo(model)
+
+
+def test_fp32_on_the_cpu_keeps_an_fp32_wire():
+    model = ramflow.offload(MLPStack(), device="cpu", host_precision="fp32")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    ramflow.undo(model)
 
 
 def test_lean_states_need_adamw():

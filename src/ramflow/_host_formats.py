@@ -166,21 +166,46 @@ class HostPrecision:
         """The stochastic rounding's seed of unit ``index``: the policy's seed mixed with it."""
         return (self.seed * 0x9E3779B97F4A7C15 + index + 1) % 2**64
 
+    @property
+    def spelled(self) -> str:
+        """This policy as a user writes it: ``host_precision='lean'`` for a preset (seed
+        aside), else ``HostPrecision(master=..., optimizer_states=..., gradients=...)``; for
+        error messages."""
+        if "/" not in self.name:
+            return f"host_precision={self.name!r}"
+        return (
+            f"HostPrecision(master={self.master!r}, optimizer_states="
+            f"{self.optimizer_states!r}, gradients={self.gradients!r})"
+        )
+
+    def wire_for(self, wire_dtype: torch.dtype | None, *, default: torch.dtype) -> torch.dtype:
+        """The wire dtype of a run: ``wire_dtype`` when the user gave one, else the
+        master's own when the master is the wire copy (bf16), else ``default`` (the
+        device's: bf16 on CUDA, fp32 on the CPU)."""
+        if wire_dtype is not None:
+            return wire_dtype
+        return torch.bfloat16 if self.master != "fp32" else default
+
     def check_wire(self, wire_dtype: torch.dtype) -> None:
         """Raise ValueError when these masters cannot serve a wire copy of ``wire_dtype``.
 
         A bf16 master is the wire copy itself, so it needs a bf16 wire: an fp32 wire would
         send twice the bytes with no more precision than the master has, an fp16 wire
-        would be a second copy that loses bf16's range on every refresh.
+        would be a second copy that loses bf16's range on every refresh. The message names
+        the arguments the user typed (``host_precision=``, ``wire_dtype=``).
         """
         if wire_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"wire dtype must be float32, bfloat16 or float16, got {wire_dtype}")
+            raise ValueError(
+                f"wire_dtype must be torch.float32, torch.bfloat16 or torch.float16, got "
+                f"wire_dtype={wire_dtype}"
+            )
         if self.master != "fp32" and wire_dtype != torch.bfloat16:
             raise ValueError(
-                f"master={self.master!r} needs a bfloat16 wire dtype, got "
-                f"{str(wire_dtype).removeprefix('torch.')}. Combinations that work: "
-                f"master='fp32' with any wire dtype; master in {_choices(MASTERS[1:])} "
-                "with a bfloat16 wire"
+                f"{self.spelled} keeps bf16 master weights, which are the wire copy, so it "
+                f"needs a bfloat16 wire dtype, got wire_dtype={wire_dtype}. Leave wire_dtype "
+                "out (the wire then follows the master) or pass wire_dtype=torch.bfloat16. "
+                "Combinations that work: host_precision='fp32' with any wire_dtype; "
+                "host_precision='bf16', 'lean' or 'kahan' with a bfloat16 wire"
             )
 
     @property
@@ -260,10 +285,10 @@ def check_optimizer_formats(precision: HostPrecision, optimizer: Any) -> None:
     if precision.is_exact or name.lower() in _LEAN_OPTIMIZERS:
         return
     raise ValueError(
-        f"{name} has no CPU step for master={precision.master!r}, "
-        f"optimizer_states={precision.optimizer_states!r}. Combinations that work: any "
-        "optimizer with master='fp32' and optimizer_states='fp32' (HostPrecision.fp32()); "
-        "AdamW with any master and optimizer_states (e.g. HostPrecision.lean())"
+        f"{name} has no CPU step for {precision.spelled} (master={precision.master!r}, "
+        f"optimizer_states={precision.optimizer_states!r}). Combinations that work: any "
+        "optimizer with host_precision='fp32' (HostPrecision.fp32()); ramflow.optim.AdamW "
+        "with any host_precision (e.g. host_precision='lean')"
     )
 
 

@@ -74,11 +74,17 @@ AUTO_FP32_SHARE = 0.75
 
 
 def choose_precision(
-    units: list[_Unit], wire_dtype: torch.dtype, available: int
+    units: list[_Unit],
+    wire_dtype: torch.dtype | None,
+    available: int,
+    *,
+    default_wire: torch.dtype = torch.bfloat16,
 ) -> tuple[HostPrecision, str]:
     """``host_precision="auto"``: fp32 where the store and AdamW's states fit in
     ``AUTO_FP32_SHARE`` of ``available`` bytes, else the leanest (``lean``) where it fits
-    (it needs a bf16 wire). Returns the policy and a sentence saying why.
+    (it needs a bf16 wire). ``wire_dtype`` None: each candidate's wire follows its master
+    (``HostPrecision.wire_for``, ``default_wire`` for fp32 masters). Returns the policy and
+    a sentence saying why.
 
     Raises:
         MemoryError: not even the leanest fits; the message gives each preset's size.
@@ -86,13 +92,15 @@ def choose_precision(
     sizes = {}
     for name in ("fp32", "lean"):
         pr = HostPrecision.parse(name)
-        sizes[name] = store_bytes(units, pr, wire_dtype) + optimizer_state_bytes(units, pr)
+        wire = pr.wire_for(wire_dtype, default=default_wire)
+        sizes[name] = store_bytes(units, pr, wire) + optimizer_state_bytes(units, pr)
     if sizes["fp32"] <= AUTO_FP32_SHARE * available:
         return HostPrecision.fp32(), (
             f"fp32: the store and AdamW's states ({format_bytes(sizes['fp32'])}) fit in "
             f"{AUTO_FP32_SHARE:.0%} of the available {format_bytes(available)}"
         )
-    if wire_dtype == torch.bfloat16 and sizes["lean"] <= available:
+    lean_wire = HostPrecision.lean().wire_for(wire_dtype, default=default_wire)
+    if lean_wire == torch.bfloat16 and sizes["lean"] <= available:
         return HostPrecision.lean(), (
             f"lean: fp32 would need {format_bytes(sizes['fp32'])} of the available "
             f"{format_bytes(available)}; lean needs {format_bytes(sizes['lean'])}"
@@ -100,7 +108,7 @@ def choose_precision(
     raise MemoryError(
         f"no host_precision fits: fp32 needs about {format_bytes(sizes['fp32'])} and lean "
         f"about {format_bytes(sizes['lean'])} (with AdamW's states"
-        + ("" if wire_dtype == torch.bfloat16 else "; lean needs wire_dtype=torch.bfloat16")
+        + ("" if lean_wire == torch.bfloat16 else "; lean needs wire_dtype=torch.bfloat16")
         + f"), but only {format_bytes(available)} of host RAM is available. Free memory, "
         "freeze parameters you do not train, or use a smaller model."
     )
@@ -164,7 +172,7 @@ class HostStore:
                 sizes.append(f"{name} {format_bytes(total)}")
             raise MemoryError(
                 f"ramflow needs about {format_bytes(need)} of host RAM for this model's host "
-                f"store (host_precision={self.precision.name!r}: master weights, wire copies, "
+                f"store ({self.precision.spelled}: master weights, wire copies, "
                 f"gradients) but only {format_bytes(avail)} is available. With AdamW's states, "
                 f"each host_precision needs about: {', '.join(sizes)}. Pick one that fits "
                 "(ramflow.offload(..., host_precision=...)), free memory, freeze parameters "
@@ -189,7 +197,7 @@ class HostStore:
             for u in units
         ):
             raise ValueError(
-                f"host_precision={self.precision.name!r} keeps bf16 master weights, which "
+                f"{self.precision.spelled} keeps bf16 master weights, which "
                 "ramflow.Linear layers do not support yet; use host_precision='fp32' with them"
             )
         if self.precision.gradients == "ring":

@@ -66,8 +66,9 @@ def offload(
         units: modules (or dotted names) to use as units instead of the automatic rule
             (repeated ``ModuleList``/``Sequential`` children; embeddings, final norm and
             head on their own; see ``ramflow._units.find_units``).
-        wire_dtype: dtype of the weights on the wire and on the device: bfloat16 by
-            default on CUDA, float32 on the CPU. float32 gives the resident model's results
+        wire_dtype: dtype of the weights on the wire and on the device. By default it
+            follows the master weights: bfloat16 with bf16 masters (``host_precision``
+            other than fp32, on any device), else bfloat16 on CUDA and float32 on the CPU. float32 gives the resident model's results
             bit for bit; bfloat16 halves the PCIe bytes and rounds weights to bf16.
         prefetch_depth: how many units ahead to load (>= 1; 2 is the default).
         activation_checkpointing: recompute each unit's activations in backward instead of
@@ -240,9 +241,10 @@ def offload(
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"device {device} is not supported; use a CUDA device or the CPU")
-    if wire_dtype is None:
-        wire_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point:
+    default_wire = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if wire_dtype is not None and (
+        not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point
+    ):
         raise TypeError(f"wire_dtype must be a floating-point torch.dtype, got {wire_dtype!r}")
     budget = None if gpu_memory is None else parse_bytes(gpu_memory)
     activation_checkpointing = checkpointing_choice(activation_checkpointing)
@@ -260,9 +262,12 @@ def offload(
     if isinstance(host_precision, str) and host_precision == "auto":
         layout = [_Unit(i, spec, frozen_format=frozen_format) for i, spec in enumerate(specs)]
         available = psutil.virtual_memory().available
-        precision, precision_reason = choose_precision(layout, wire_dtype, available)
+        precision, precision_reason = choose_precision(
+            layout, wire_dtype, available, default_wire=default_wire
+        )
     else:
         precision = HostPrecision.parse(host_precision)
+    wire_dtype = precision.wire_for(wire_dtype, default=default_wire)
     precision.check_wire(wire_dtype)
     remove_stale_store_files(shm_directory())  # of ranks that died: see [Note: host store files]
     owners = None
