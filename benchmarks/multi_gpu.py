@@ -4,13 +4,21 @@ Each rank is a ``torchrun`` process with its own GPU and micro-batch of the same
 N GPUs process N times the tokens of one per step. One GPU runs plain
 ``ramflow.offload(model)``; N > 1 run ``ramflow.offload(model, zero_stage=...)``, sharing one
 host copy of the weights and splitting the CPU optimizer's work. Rank 0 writes one JSON
-line (median step time, tokens/s, peak GPU memory of each rank) to ``--out``.
+line (median step time, tokens/s, peak GPU memory of each rank, the bytes each rank copied
+per step, the CPU optimizer's rate and the host memory in use) to ``--out``.
 
-    torchrun --nproc-per-node 1 benchmarks/multi_gpu.py --out r1.json
-    torchrun --nproc-per-node 2 benchmarks/multi_gpu.py --zero-stage 2 --out r2.json
-    python benchmarks/multi_gpu.py --report r1.json r2.json     # the markdown table
+    torchrun --nproc-per-node 1 benchmarks/multi_gpu.py --out r.jsonl
+    torchrun --nproc-per-node 4 benchmarks/multi_gpu.py --zero-stage 2 --out r.jsonl
+    torchrun --nproc-per-node 4 benchmarks/multi_gpu.py --floors --out floors.jsonl
+    python benchmarks/multi_gpu.py --report r.jsonl --floors-from floors.jsonl
 
-The ranks share the host's cores: each uses cores / ranks threads (as the README advises).
+``--floors`` measures what the ranks share instead of training: pinned H2D and D2H of every
+GPU at once (their sum is what the host's DRAM serves to PCIe), one GPU alone, the host's
+memory copy rate with all cores, and each GPU's bf16 matmul rate. The report divides each
+step's host DRAM traffic (every rank's H2D and D2H plus the CPU optimizer's bytes) by the
+copy rate, and each rank's H2D by its link's rate, to say which resource binds.
+
+The ranks share the host's cores: each uses cores / ranks threads.
 """
 
 from __future__ import annotations
@@ -28,19 +36,34 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "src")]
 
 
-def _run(args: argparse.Namespace) -> None:
+def _host_memory_sampler(stop, peak: list[int]) -> None:
+    """Every 50 ms, the host memory in use by everyone (``used`` + ``shared``: the
+    /dev/shm store counts as shared), kept as the peak in ``peak[0]``."""
+    import psutil
+
+    while not stop.wait(0.05):
+        vm = psutil.virtual_memory()
+        peak[0] = max(peak[0], vm.used + getattr(vm, "shared", 0))
+
+
+def _host_in_use() -> int:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return vm.used + getattr(vm, "shared", 0)
+
+
+def _init_process(args: argparse.Namespace):
     import torch
     import torch.distributed as dist
 
-    import measure
-    import ramflow
-    from models import build_model, make_batch, model_shape
-    from runners import _train_step
-
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    # the ranks share the host's cores (torchrun --numa-binding may narrow them further)
+    threads = max(1, (os.cpu_count() or 1) // local_world)
+    if hasattr(os, "sched_getaffinity"):
+        threads = min(threads, len(os.sched_getaffinity(0)))
+    torch.set_num_threads(threads)
     if args.cpu:  # a smoke test of this script without GPUs (gloo)
         device = torch.device("cpu")
         dist.init_process_group("gloo")
@@ -48,44 +71,157 @@ def _run(args: argparse.Namespace) -> None:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
+    return device
+
+
+def _floors(args: argparse.Namespace) -> None:
+    """What the ranks share: every GPU's pinned copies at once, then one alone, the host's
+    copy rate and each GPU's matmul rate."""
+    import torch
+    import torch.distributed as dist
+
+    import measure
+
+    device = _init_process(args)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    together = measure.pinned_bandwidth(device)  # all ranks at once
+    dist.barrier()
+    alone = measure.pinned_bandwidth(device) if rank == 0 else None
+    dist.barrier()
+    matmul = measure.matmul_flops(device) if device.type == "cuda" else None
+    dist.barrier()
+    dram = measure.dram_copy_bandwidth(nbytes=4 * measure.GiB) if rank == 0 else None
+    mine = {"rank": rank, "together": together, "matmul_flops": matmul}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        out = {
+            "kind": "floors",
+            "date": date.today().isoformat(),
+            "device": "cpu" if args.cpu else torch.cuda.get_device_name(device),
+            "gpus": world,
+            "alone": alone,
+            "ranks": everyone,
+            "dram_copy_bytes_per_s": dram,
+            "cores": os.cpu_count(),
+            "numa_nodes": _numa_nodes(),
+            "command": " ".join(sys.argv),
+        }
+        with open(args.out, "a") as f:
+            f.write(json.dumps(out) + "\n")
+        print(json.dumps(out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _numa_nodes() -> int:
+    nodes = Path("/sys/devices/system/node")
+    return len(list(nodes.glob("node[0-9]*"))) if nodes.exists() else 1
+
+
+def _run(args: argparse.Namespace) -> None:
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    import measure
+    import ramflow
+    from models import build_model, make_batch, model_shape
+    from ramflow._registry import engine_of_model
+    from runners import _train_step
+
+    device = _init_process(args)
+    world = dist.get_world_size()
     rank = dist.get_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    stop, host_peak = threading.Event(), [0]
+    host_before = _host_in_use()
+    sampler = None
+    if local_rank == 0:
+        sampler = threading.Thread(target=_host_memory_sampler, args=(stop, host_peak), daemon=True)
+        sampler.start()
     t0 = time.perf_counter()
-    model = build_model("reference", tiny=args.tiny, device="cpu", num_layers=args.layers)
+    model = build_model(
+        "reference",
+        tiny=args.tiny,
+        device="cpu",
+        num_layers=args.layers,
+        checkpoint=args.checkpoint,
+        loss_chunk_tokens=args.loss_chunk,
+    )
     zero = args.zero_stage if world > 1 else None
-    ramflow.offload(model, device=device, gpu_memory=args.gpu_memory, zero_stage=zero)
+    counter = measure.CopyCounter()
+    ramflow.offload(
+        model,
+        device=device,
+        gpu_memory=args.gpu_memory,
+        zero_stage=zero,
+        host_precision=args.host_precision,
+    )
+    counter.watch(model)
+    engine = engine_of_model(model)
     opt = ramflow.optim.AdamW(model.parameters(), lr=1e-5, keep_grads=False)
     ids, labels = make_batch(
         model_shape(model).vocab_size, args.batch, args.seq, device=device, seed=rank
     )
+    dist.barrier()
     setup_s = time.perf_counter() - t0
-
+    host_after_offload = _host_in_use()
+    before = [(0, 0.0)]
     res = measure.time_steps(
         _train_step(model, opt, ids, labels, device),
         device=device,
         warmup=args.warmup,
         steps=args.steps,
         drain=lambda: ramflow.synchronize(model),
+        counter=counter,
+        on_timed_start=lambda: before.__setitem__(0, engine.host_step_totals()),
     )
-    # every rank's own times and peak, gathered on rank 0
-    mine = {"rank": rank, "step_s": res["step_s"], "peak_bytes": res["peak_bytes"]}
+    params, seconds = (a - b for a, b in zip(engine.host_step_totals(), before[0]))
+    stop.set()
+    # every rank's own times, bytes and peak, gathered on rank 0
+    mine = {
+        "rank": rank,
+        "step_s": res["step_s"],
+        "step_times_s": res["step_times_s"],
+        "peak_bytes": res["peak_bytes"],
+        "h2d_bytes_per_step": res.get("h2d_bytes_counted"),
+        "d2h_bytes_per_step": res.get("d2h_bytes_counted"),
+        "h2d_refresh_bytes_per_step": res.get("h2d_refresh_bytes_counted"),
+        "optimizer_params_per_step": params / args.steps,
+        "optimizer_params_per_s": params / seconds if seconds > 0 else None,
+        "threads": torch.get_num_threads(),
+        "host_peak_in_use": host_peak[0] if local_rank == 0 else None,
+    }
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
         step_s = max(r["step_s"] for r in everyone)  # the step ends when the slowest rank's does
         tokens = world * args.batch * args.seq
+        plan = ramflow.get_plan(model)
         out = {
+            "kind": "train",
             "date": date.today().isoformat(),
             "device": "cpu" if args.cpu else torch.cuda.get_device_name(device),
             "gpus": world,
             "zero_stage": zero,
+            "host_precision": args.host_precision,
+            "checkpoint": args.checkpoint,
             "batch_per_gpu": args.batch,
             "seq": args.seq,
             "gpu_memory": args.gpu_memory,
+            "resident_units": len(plan.resident),
+            "num_units": len(plan.unit_names),
+            "num_params": sum(p.numel() for p in model.parameters()),
             "step_s": step_s,
             "tokens_per_s": tokens / step_s,
             "ranks": everyone,
             "setup_s": setup_s,
-            "threads_per_rank": torch.get_num_threads(),
+            "host_in_use_before": host_before,
+            "host_in_use_after_offload": host_after_offload,
+            "host_in_use_peak": host_peak[0],
             "command": " ".join(sys.argv),
             "host": platform.node(),
         }
@@ -96,27 +232,77 @@ def _run(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+# Host bytes the CPU optimizer reads and writes per parameter it steps, one pass (see
+# docs/design.md, "The CPU step is one pass" and "Host formats"): fp32 masters read the
+# bf16 gradient, read and write the fp32 master and both fp32 states, and write the bf16
+# wire copy; lean reads the bf16 gradient, reads and writes the bf16 master and two 8-bit
+# states (their block scales are under 2% more).
+_OPTIMIZER_BYTES_PER_PARAM = {"fp32": 30, "lean": 10}
+
+
 def _report(paths: list[str]) -> None:
     rows = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line]
-    base = {}
-    for r in rows:
-        if r["gpus"] == 1:
-            base[(r["batch_per_gpu"], r["seq"], r["gpu_memory"])] = r["tokens_per_s"]
+    floors = next((r for r in rows if r.get("kind") == "floors"), None)
+    rows = [r for r in rows if r.get("kind", "train") == "train"]
+
+    def key(r):
+        return (
+            r["batch_per_gpu"],
+            r["seq"],
+            r["gpu_memory"],
+            r.get("host_precision"),
+            r.get("checkpoint"),
+        )
+
+    base = {key(r): r["tokens_per_s"] for r in rows if r["gpus"] == 1}
     print(
-        "| GPUs | ZeRO | batch per GPU | budget | step | tokens/s | vs one GPU | peak GPU memory |"
+        "| GPUs | host formats | batch per GPU | budget | step | tokens/s | vs one GPU | "
+        "peak GPU | host in use (peak) | H2D per rank | host DRAM floor | binds |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    dram = floors["dram_copy_bytes_per_s"] if floors else None
+    link = None
+    if floors:
+        link = min(r["together"]["h2d_pieces"] or 0 for r in floors["ranks"]) or None
     for r in rows:
-        one = base.get((r["batch_per_gpu"], r["seq"], r["gpu_memory"]))
+        one = base.get(key(r))
         ratio = f"{r['tokens_per_s'] / one:.2f}x" if one else "-"
         peaks = [x["peak_bytes"] for x in r["ranks"] if x["peak_bytes"] is not None]
         peak = f"{max(peaks) / 2**30:.1f} GiB" if peaks else "-"
+        h2d = [x["h2d_bytes_per_step"] or 0 for x in r["ranks"]]
+        d2h = [x["d2h_bytes_per_step"] or 0 for x in r["ranks"]]
+        stepped = sum(x["optimizer_params_per_step"] for x in r["ranks"])
+        per_param = _OPTIMIZER_BYTES_PER_PARAM.get(r.get("host_precision") or "fp32")
+        floors_s = {}
+        if dram and per_param:
+            floors_s["host DRAM"] = (sum(h2d) + sum(d2h) + stepped * per_param) / dram
+        if link:
+            floors_s["H2D link"] = max(h2d) / link
+        dram_txt = f"{floors_s['host DRAM'] * 1e3:.0f} ms" if "host DRAM" in floors_s else "-"
+        binds = "-"
+        if floors_s:
+            name, t = max(floors_s.items(), key=lambda kv: kv[1])
+            binds = f"{name} ({t / r['step_s']:.0%} of the step)"
         print(
-            f"| {r['gpus']} | {r['zero_stage'] or '-'} | {r['batch_per_gpu']}x{r['seq']} | "
-            f"{r['gpu_memory'] or 'no cap'} | {r['step_s'] * 1e3:.0f} ms | "
-            f"{r['tokens_per_s']:.0f} | {ratio} | {peak} |"
+            f"| {r['gpus']} | {r.get('host_precision') or 'fp32'} | "
+            f"{r['batch_per_gpu']}x{r['seq']} | {r['gpu_memory'] or 'no cap'} | "
+            f"{r['step_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} | {ratio} | {peak} | "
+            f"{r['host_in_use_peak'] / 2**30:.1f} GiB | {max(h2d) / 1e9:.1f} GB | "
+            f"{dram_txt} | {binds} |"
         )
     print(f"\n{rows[0]['date']}, {rows[0]['device']}; step = median of the slowest rank.")
+    if floors:
+        alone = floors["alone"] or {}
+        together = [x["together"] for x in floors["ranks"]]
+        print(
+            f"Floors: host memory copy {floors['dram_copy_bytes_per_s'] / 1e9:.0f} GB/s "
+            f"({floors['cores']} cores, {floors['numa_nodes']} NUMA node(s)); pinned H2D "
+            f"{(alone.get('h2d_pieces') or 0) / 1e9:.1f} GB/s one GPU alone, "
+            f"{sum(t['h2d_pieces'] or 0 for t in together) / 1e9:.1f} GB/s summed over "
+            f"{len(together)} GPUs at once (D2H {sum(t['d2h_pieces'] or 0 for t in together) / 1e9:.1f}); "
+            f"bf16 matmul {min(x['matmul_flops'] or 0 for x in floors['ranks']) / 1e12:.0f} "
+            "TFLOP/s on the slowest GPU."
+        )
 
 
 def main() -> None:
@@ -129,12 +315,24 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="the 4-layer smoke-test model")
+    parser.add_argument(
+        "--host-precision", default="fp32", help="ramflow host formats (fp32, lean, ...)"
+    )
+    parser.add_argument(
+        "--checkpoint", action="store_true", help="the model recomputes each block in backward"
+    )
+    parser.add_argument(
+        "--loss-chunk", type=int, default=0, help="head and loss in chunks of this many tokens"
+    )
+    parser.add_argument("--floors", action="store_true", help="measure the shared floors only")
     parser.add_argument("--cpu", action="store_true", help="gloo on the CPU (smoke test)")
     parser.add_argument("--out", default="multi_gpu.jsonl")
     parser.add_argument("--report", nargs="+", metavar="JSONL", help="print the table and exit")
     args = parser.parse_args()
     if args.report:
         _report(args.report)
+    elif args.floors:
+        _floors(args)
     else:
         _run(args)
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One host, 1, 2 and 4 GPUs: tokens/s of the reference model at 4x2048 and 16x2048 tokens per
+# GPU, under 24 GiB per GPU (the model's own checkpointing, the head and loss in chunks), for
+# each host format named, ZeRO-2. With FLOORS=1 it first measures what the ranks share
+# (`multi_gpu.py --floors`). Appends to $1/scaling.jsonl, a log per run beside it.
+# Usage: FLOORS=1 bash benchmarks/run_scaling.sh "$OUT" fp32 lean
+set -u
+out=${1:?usage: run_scaling.sh OUT FORMAT...}
+shift
+mkdir -p "$out"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+run() {  # gpus, extra args
+  local n=$1; shift
+  local log="$out/run-$n-$(echo "$*" | tr -d '-' | tr ' ' '_').log"
+  timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/multi_gpu.py \
+    --out "$out/scaling.jsonl" "$@" > "$log" 2>&1 || echo "run $n $* failed: $? (see $log)"
+}
+if [ "${FLOORS:-0}" = 1 ]; then
+  run "$gpus" --floors
+fi
+# ramflow's own budget; the model's checkpointed activations take the rest of 24 GiB
+# (about 3 GiB at 4x2048, 9 GiB at 16x2048; each row reports the peak it reached)
+for fmt in "$@"; do
+  for n in 1 2 4; do
+    [ "$n" -le "$gpus" ] || continue
+    run "$n" --host-precision "$fmt" --batch 4 --gpu-memory 18GiB --checkpoint --loss-chunk 4096
+    run "$n" --host-precision "$fmt" --batch 16 --gpu-memory 12GiB --checkpoint --loss-chunk 4096
+  done
+done
+python3 benchmarks/multi_gpu.py --report "$out/scaling.jsonl" | tee "$out/scaling.md"
