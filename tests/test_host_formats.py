@@ -393,3 +393,47 @@ def test_policy_rejects_what_cannot_work():
     check_optimizer_formats(HostPrecision.lean(), ramflow.optim.AdamW)
     with pytest.raises(AttributeError):
         HostPrecision.lean().master = "fp32"  # frozen
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16", "lean", "kahan"])
+def test_one_byte_model(preset):
+    """``host_bytes`` (the store's, the estimate's and ``auto``'s) and
+    ``bytes_per_parameter`` (the plan's) are one model: per trained parameter of a large
+    unit they agree, the ring's fixed staging aside."""
+    from types import SimpleNamespace
+
+    pr = HostPrecision.parse(preset)
+    n = 1 << 20
+    unit = SimpleNamespace(
+        kept_numel=n,
+        trainable_numel=n,
+        given_master=None,
+        frozen_format=None,
+        compressed_numels=lambda: [],
+    )
+    parts = pr.host_bytes([unit], torch.bfloat16)
+    ring = parts.staging if pr.gradient_format.ring else 0
+    per = (parts.total - ring) / n
+    assert per == pytest.approx(pr.bytes_per_parameter(trainable=True, wire_dtype=torch.bfloat16))
+    assert parts.states == pr.state_bytes(n)
+
+
+def test_format_objects_own_their_state_tensors():
+    from ramflow._host_formats import saved_state_shape
+
+    lean, kahan = HostPrecision.lean(), HostPrecision.kahan()
+    assert lean.state_names == ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
+    assert kahan.state_names[-1] == "master_compensation"
+    assert HostPrecision.bf16().state_names == ("exp_avg", "exp_avg_sq")
+    n = 3 * QBLOCK + 5
+    assert kahan.new_state("master_compensation", n).dtype == torch.bfloat16
+    assert lean.new_state("exp_avg_absmax", n).shape == (4,)
+    assert lean.new_state("exp_avg", n).dtype == torch.uint8
+    flat = torch.arange(10.0)
+    assert torch.equal(
+        lean.state_view("exp_avg_sq_absmax", flat, QBLOCK, 2 * QBLOCK + 1), flat[1:3]
+    )
+    assert saved_state_shape("exp_avg_absmax", torch.Size([n])) == (4,)
+    assert saved_state_shape("exp_avg", torch.Size([3, 7])) == (3, 7)
+    assert HostPrecision.lean().wire_for(None, default=torch.float32) == torch.bfloat16
+    assert HostPrecision.fp32().wire_for(None, default=torch.float32) == torch.float32

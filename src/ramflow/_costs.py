@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ._predict import UnitCost, forward_flops, forward_seconds
-from ._units import UnitSpec, _repeated_blocks, find_units
-
-_ALIGN = 256  # the engine pads each parameter's view to 256 elements (``_units._ALIGN``)
+from ._units import _ALIGN, UnitSpec, _repeated_blocks, find_units
 
 
 @dataclass(frozen=True)

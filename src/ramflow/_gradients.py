@@ -207,7 +207,7 @@ class GradientPath:
         )
         # the optimizer's keep_grads=False, or the gradient ring: the fused step does not
         # write p.grad at all (see [Note: the gradient ring] in ``ramflow._host_store``)
-        ring = self._host.precision.gradients == "ring"
+        ring = self._host.precision.gradient_format.ring
         drop = fused and fresh and (ring or not optimizers[0].keep_grads)
         if drop and ring:
             u.host_grad = None  # the full buffer of earlier steps is not needed any more

@@ -1,25 +1,32 @@
 """Host formats: how master weights, optimizer states and gradients are kept in host RAM.
 
-``HostPrecision`` is the policy; ``_lean_kernels`` steps its formats on the CPU. See
-docs/design.md, "Host formats", for what each stores and why stochastic rounding needs a
-counter-based generator.
+Each format is an object that owns its layout and its arithmetic (as torchao's
+``OptimState8bit`` owns its code and block size): ``MasterFormat`` (the master weights: dtype,
+whether it is the wire copy, a compensation), ``StateFormat`` (AdamW's states: dtype, block,
+state tensors and their views) and ``GradientFormat`` (host gradients: one per unit, or a
+ring). ``HostPrecision`` is the policy that names one of each; it answers every question the
+store, the optimizer, the planner, the estimate and the checkpoint ask (``host_bytes`` is the
+one byte model), so nothing outside this module branches on a format's name. To add a format,
+add one object to ``MASTERS``, ``OPTIMIZER_STATES`` or ``GRADIENTS`` (and its kernel to
+``_lean_kernels``). ``_lean_kernels`` steps the formats on the CPU. See docs/design.md, "Host
+formats", for what each stores and why stochastic rounding needs a counter-based generator.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ._lean_kernels import QBLOCK
+from ._frozen_formats import compressed_nbytes
+from ._lean_kernels import QBLOCK, quantize_blockwise
 
 __all__ = ["HostPrecision", "check_optimizer_formats"]
-
-MASTERS = ("fp32", "bf16-sr", "bf16-kahan")
-OPTIMIZER_STATES = ("fp32", "bf16", "int8")
 
 # fp32 master weights, exp_avg and exp_avg_sq of a unit stepped on the device
 DEVICE_STEP_BYTES_PER_PARAM = 12
@@ -32,16 +39,210 @@ DEVICE_STEP_SCRATCH_BYTES = DEVICE_STEP_PIECE * 4
 # scratch is a host gradient's upload (4 bytes each), within this reserve
 LEAN_DEVICE_STEP_PIECE = 2 * 2**20
 LEAN_DEVICE_STEP_SCRATCH_BYTES = LEAN_DEVICE_STEP_PIECE * 96
-GRADIENTS = ("full", "ring")
-# the named policies (``HostPrecision.parse``; the classmethods of the same names)
-PRESETS = ("fp32", "bf16", "lean", "kahan")
+# staging buffers of the gradient ring, see [Note: the gradient ring] in ``_host_store``
+RING_BUFFERS = 4
+# a step cut in pieces (the refresh's, a device step's) starts each piece on a multiple of
+# this many elements: whole blocks of the 8-bit states, and a parameter's start
+# (``_units._ALIGN``), so each piece rounds and quantizes as the whole unit would
+STEP_ALIGN = QBLOCK
 
+# AdamW's moments, in every state format
+MOMENTS = ("exp_avg", "exp_avg_sq")
 # Optimizers with a CPU kernel for each format; the fp32 formats go with every optimizer.
 _LEAN_OPTIMIZERS = ("adamw",)
 
 
-def _choices(values: tuple[str, ...]) -> str:
+def _choices(values: Iterable[str]) -> str:
     return ", ".join(repr(v) for v in values)
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class MasterFormat:
+    """How a trained parameter's master weights are kept in host RAM.
+
+    Attributes:
+        name: ``HostPrecision.master``'s value.
+        dtype: the master's dtype (that of its host gradients too).
+        is_wire: the master is the wire copy itself (a step writes it in place and the
+            refresh is only the H2D copy); it then needs a wire of its ``dtype``.
+        compensated: a compensation buffer in ``dtype`` holds what rounding dropped
+            (Kahan summation); the optimizer keeps it with its states, as
+            ``COMPENSATION``.
+        exact: steps are PyTorch's fp32 arithmetic (else stochastic or compensated
+            rounding of the lean kernel).
+    """
+
+    name: str
+    dtype: torch.dtype
+    is_wire: bool
+    compensated: bool = False
+    exact: bool = False
+
+    COMPENSATION = "master_compensation"
+
+    def wire_copy_bytes(self, wire_dtype: torch.dtype) -> int:
+        """Bytes per element of a separate wire copy beside the master (0 when the master
+        is the wire copy, or the wire is the master's own dtype)."""
+        return 0 if self.is_wire or wire_dtype == self.dtype else _size(wire_dtype)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """Tensors the optimizer keeps for the master (a compensation), per parameter."""
+        return (self.COMPENSATION,) if self.compensated else ()
+
+    @property
+    def state_bytes_per_parameter(self) -> float:
+        return float(_size(self.dtype)) if self.compensated else 0.0
+
+    @property
+    def device_step_bytes_per_parameter(self) -> float:
+        """Device bytes of the master of a unit stepped on the device: none when the
+        master is the unit's device copy, else its own copy."""
+        return 0.0 if self.is_wire else float(_size(self.dtype))
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """How AdamW's states (``exp_avg``, ``exp_avg_sq``) are kept in host RAM.
+
+    Attributes:
+        name: ``HostPrecision.optimizer_states``' value.
+        dtype: the stored elements' dtype (``torch.uint8`` for 8-bit codes).
+        block: elements per block with one fp32 absmax (8-bit codes; Dettmers et al.
+            2022), None for a plain dtype. The kernels take it from here
+            (``_lean_kernels.QBLOCK`` is the one they are built for).
+    """
+
+    name: str
+    dtype: torch.dtype
+    block: int | None = None
+
+    @property
+    def exact(self) -> bool:
+        """fp32 states: PyTorch's own AdamW steps them."""
+        return self.dtype == torch.float32
+
+    ABSMAX = "_absmax"  # suffix of a moment's per-block absmax
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """The moments and, for block-wise codes, their absmax."""
+        absmax = tuple(m + self.ABSMAX for m in MOMENTS) if self.block else ()
+        return MOMENTS + absmax
+
+    def bytes_per_parameter(self, num_states: int = len(MOMENTS)) -> float:
+        """Bytes per trained parameter of ``num_states`` states (AdamW's two), with the
+        absmax of block-wise codes (4 bytes per block)."""
+        per = _size(self.dtype) + (4 / self.block if self.block else 0)
+        return num_states * per
+
+    def numel(self, name: str, n: int) -> int:
+        """Elements of state ``name`` for ``n`` parameter elements."""
+        return -(-n // self.block) if self.block and name.endswith(self.ABSMAX) else n
+
+    def view(self, name: str, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """State ``name``'s part for elements ``lo:hi`` of its flat buffer ``flat``; ``lo``
+        starts a block (``STEP_ALIGN``)."""
+        if self.block and name.endswith(self.ABSMAX):
+            return flat[lo // self.block : -(-hi // self.block)]
+        return flat[lo:hi]
+
+    def new(self, name: str, n: int) -> torch.Tensor:
+        """State ``name`` for ``n`` elements, at zero: codes of zero with a zero absmax."""
+        if self.block and name.endswith(self.ABSMAX):
+            return torch.zeros(self.numel(name, n), dtype=torch.float32)
+        if self.block:
+            codes, _ = quantize_blockwise(torch.zeros(n), signed=name == "exp_avg")
+            return codes
+        return torch.zeros(n, dtype=self.dtype)
+
+
+@dataclass(frozen=True)
+class GradientFormat:
+    """How host gradients are kept.
+
+    Attributes:
+        name: ``HostPrecision.gradients``' value.
+        ring: units are stepped during backward and only the units in flight hold a
+            staging buffer (``RING_BUFFERS`` of the largest unit's size), borrowed from a
+            ring; else a full host gradient (in the master's dtype) and a staging buffer
+            (in the wire dtype) per unit.
+    """
+
+    name: str
+    ring: bool
+
+    def bytes_per_parameter(self, master: MasterFormat, wire_dtype: torch.dtype) -> float:
+        """Per trained parameter: full, the master's dtype plus staging; a ring, 0 (a
+        fixed cost that does not grow with the model)."""
+        return 0.0 if self.ring else float(_size(master.dtype) + _size(wire_dtype))
+
+
+MASTERS = {
+    f.name: f
+    for f in (
+        MasterFormat("fp32", torch.float32, is_wire=False, exact=True),
+        MasterFormat("bf16-sr", torch.bfloat16, is_wire=True),
+        MasterFormat("bf16-kahan", torch.bfloat16, is_wire=True, compensated=True),
+    )
+}
+OPTIMIZER_STATES = {
+    f.name: f
+    for f in (
+        StateFormat("fp32", torch.float32),
+        StateFormat("bf16", torch.bfloat16),
+        StateFormat("int8", torch.uint8, block=QBLOCK),
+    )
+}
+GRADIENTS = {
+    f.name: f for f in (GradientFormat("full", ring=False), GradientFormat("ring", ring=True))
+}
+# the named policies (``HostPrecision.parse``; the classmethods of the same names)
+PRESETS = ("fp32", "bf16", "lean", "kahan")
+
+
+class StoredUnit(Protocol):
+    """What the byte model reads of a unit (``_units._Unit``)."""
+
+    kept_numel: int
+    trainable_numel: int
+    given_master: torch.Tensor | None
+    frozen_format: str | None
+
+    def compressed_numels(self) -> Iterable[int]: ...
+
+
+class HostBytes(NamedTuple):
+    """Host bytes of units under one policy, by part (``HostPrecision.host_bytes``).
+
+    Attributes:
+        master: master weights (a buffer a layer or another rank gave is not counted).
+        wire: wire copies beside fp32 masters.
+        compressed: frozen weights kept compressed (``frozen_format``).
+        gradients: full host gradients, in the master's dtype.
+        staging: D2H staging in the wire dtype (per unit, or the ring's buffers).
+        states: AdamW's states and a Kahan compensation (the optimizer's).
+    """
+
+    master: int
+    wire: int
+    compressed: int
+    gradients: int
+    staging: int
+    states: int
+
+    @property
+    def store(self) -> int:
+        """The host store's bytes (what ``HostStore`` allocates): all but the states."""
+        return self.master + self.wire + self.compressed + self.gradients + self.staging
+
+    @property
+    def total(self) -> int:
+        return self.store + self.states
 
 
 @dataclass(frozen=True)
@@ -158,9 +359,26 @@ class HostPrecision:
         return f"{self.master}/{self.optimizer_states}/{self.gradients}"
 
     @property
+    def master_format(self) -> MasterFormat:
+        return MASTERS[self.master]
+
+    @property
+    def state_format(self) -> StateFormat:
+        return OPTIMIZER_STATES[self.optimizer_states]
+
+    @property
+    def gradient_format(self) -> GradientFormat:
+        return GRADIENTS[self.gradients]
+
+    @property
     def master_dtype(self) -> torch.dtype:
         """dtype of the host master weights (and of the host gradients)."""
-        return torch.float32 if self.master == "fp32" else torch.bfloat16
+        return self.master_format.dtype
+
+    @property
+    def master_is_wire(self) -> bool:
+        """The master is the wire copy (a bf16 master: one buffer, stepped in place)."""
+        return self.master_format.is_wire
 
     def unit_seed(self, index: int) -> int:
         """The stochastic rounding's seed of unit ``index``: the policy's seed mixed with it."""
@@ -184,7 +402,7 @@ class HostPrecision:
         device's: bf16 on CUDA, fp32 on the CPU)."""
         if wire_dtype is not None:
             return wire_dtype
-        return torch.bfloat16 if self.master != "fp32" else default
+        return self.master_dtype if self.master_is_wire else default
 
     def check_wire(self, wire_dtype: torch.dtype) -> None:
         """Raise ValueError when these masters cannot serve a wire copy of ``wire_dtype``.
@@ -199,14 +417,106 @@ class HostPrecision:
                 f"wire_dtype must be torch.float32, torch.bfloat16 or torch.float16, got "
                 f"wire_dtype={wire_dtype}"
             )
-        if self.master != "fp32" and wire_dtype != torch.bfloat16:
+        if self.master_is_wire and wire_dtype != self.master_dtype:
             raise ValueError(
-                f"{self.spelled} keeps bf16 master weights, which are the wire copy, so it "
-                f"needs a bfloat16 wire dtype, got wire_dtype={wire_dtype}. Leave wire_dtype "
-                "out (the wire then follows the master) or pass wire_dtype=torch.bfloat16. "
-                "Combinations that work: host_precision='fp32' with any wire_dtype; "
-                "host_precision='bf16', 'lean' or 'kahan' with a bfloat16 wire"
+                f"{self.spelled} keeps {str(self.master_dtype).removeprefix('torch.')} master "
+                f"weights, which are the wire copy, so it needs a bfloat16 wire dtype, got "
+                f"wire_dtype={wire_dtype}. Leave wire_dtype out (the wire then follows the "
+                "master) or pass wire_dtype=torch.bfloat16. Combinations that work: "
+                "host_precision='fp32' with any wire_dtype; host_precision='bf16', 'lean' or "
+                "'kahan' with a bfloat16 wire"
             )
+
+    # ------------------------------------------------------------------ state tensors
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """Names of AdamW's per-parameter state tensors in this format: the moments, their
+        absmax when block-wise, a Kahan compensation."""
+        return self.state_format.state_names + self.master_format.state_names
+
+    def new_state(self, name: str, n: int) -> torch.Tensor:
+        """State ``name`` of ``n`` elements at zero, in this format (a flat host buffer)."""
+        if name in self.master_format.state_names:
+            return torch.zeros(n, dtype=self.master_dtype)
+        return self.state_format.new(name, n)
+
+    def state_view(self, name: str, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """State ``name``'s part for elements ``lo:hi`` of its flat buffer (per element,
+        or the blocks that cover them); ``lo`` is a multiple of ``STEP_ALIGN``."""
+        return self.state_format.view(name, flat, lo, hi)
+
+    # ------------------------------------------------------------------ the byte model
+
+    def host_bytes(
+        self,
+        units: Iterable[StoredUnit],
+        wire_dtype: torch.dtype,
+        *,
+        num_states: int = len(MOMENTS),
+    ) -> HostBytes:
+        """Host bytes of ``units`` under this policy with a wire of ``wire_dtype``, by part:
+        the one byte model (the store's check, ``auto``, the plan, ``memory.estimate`` and
+        the checkpoint's size read it). ``num_states``: fp32 state tensors per trained
+        parameter in the exact formats (2 for AdamW, 1 for SGD with momentum); the lean
+        formats' states are AdamW's."""
+        units = list(units)
+        master = self.master_format
+        wire_size = _size(wire_dtype)
+        master_size = _size(master.dtype)
+        trainable = sum(u.trainable_numel for u in units)
+        largest = max((u.trainable_numel for u in units), default=0)
+        ring = self.gradient_format.ring
+        return HostBytes(
+            master=sum(u.kept_numel for u in units if u.given_master is None) * master_size,
+            wire=sum(u.kept_numel for u in units) * master.wire_copy_bytes(wire_dtype),
+            compressed=sum(
+                compressed_nbytes(u.frozen_format, n, wire_dtype)
+                for u in units
+                for n in u.compressed_numels()
+            ),
+            gradients=0 if ring else trainable * master_size,
+            staging=RING_BUFFERS * largest * wire_size if ring else trainable * wire_size,
+            states=self.state_bytes(trainable, num_states=num_states),
+        )
+
+    def state_bytes(self, numel: int, *, num_states: int = len(MOMENTS)) -> int:
+        """Bytes of the optimizer's states (and a Kahan compensation) for ``numel`` trained
+        parameter elements; ``num_states`` as for ``host_bytes``."""
+        states = self.state_format.bytes_per_parameter(
+            num_states if self.is_exact else len(MOMENTS)
+        )
+        return int(numel * (states + self.master_format.state_bytes_per_parameter))
+
+    def bytes_per_parameter(self, *, trainable: bool, wire_dtype: torch.dtype) -> float:
+        """Host RAM per parameter, in bytes, under this policy with a wire of ``wire_dtype``.
+
+        Trained: master (fp32 4 plus the wire copy; bf16-sr 2, it is the wire copy;
+        bf16-kahan 2) + states (fp32 8; bf16 4; int8 2 + 2 x 4 / 256 for the absmax; a Kahan
+        master's compensation, 2, is counted here as the optimizer keeps it) + gradients
+        (full: the master's dtype plus staging in the wire dtype; ring: 0). Frozen
+        (``trainable=False``): stored once in the wire dtype, except with fp32 masters,
+        which keep today's fp32 master and wire copy.
+
+        Raises:
+            ValueError: ``check_wire`` fails for ``wire_dtype``.
+        """
+        self.check_wire(wire_dtype)
+        master = self.master_format
+        per_master = _size(master.dtype) + master.wire_copy_bytes(wire_dtype)
+        if not trainable:
+            return float(per_master)
+        gradients = self.gradient_format.bytes_per_parameter(master, wire_dtype)
+        return per_master + self.optimizer_state_bytes_per_parameter + gradients
+
+    @property
+    def optimizer_state_bytes_per_parameter(self) -> float:
+        """AdamW's states per trained parameter, in bytes (fp32 8; bf16 4; int8 2 plus two
+        fp32 absmax per block), plus a Kahan master's bf16 compensation (2), which the
+        optimizer keeps with its states."""
+        return (
+            self.state_format.bytes_per_parameter() + self.master_format.state_bytes_per_parameter
+        )
 
     @property
     def device_step_bytes_per_parameter(self) -> float:
@@ -217,51 +527,35 @@ class HostPrecision:
         master with lean states adds its fp32 copy (4)."""
         if self.is_exact:
             return float(DEVICE_STEP_BYTES_PER_PARAM)
-        master = 4.0 if self.master == "fp32" else 0.0
-        return self.optimizer_state_bytes_per_parameter + master
+        return (
+            self.optimizer_state_bytes_per_parameter
+            + self.master_format.device_step_bytes_per_parameter
+        )
 
     @property
     def device_step_scratch_bytes(self) -> int:
         """Device scratch of one piece of a device step (``_plan``'s constants)."""
         return DEVICE_STEP_SCRATCH_BYTES if self.is_exact else LEAN_DEVICE_STEP_SCRATCH_BYTES
 
-    def bytes_per_parameter(self, *, trainable: bool, wire_dtype: torch.dtype) -> float:
-        """Host RAM per parameter, in bytes, under this policy with a wire of ``wire_dtype``.
-
-        Trained: master (fp32 4 plus the wire copy; bf16-sr 2, it is the wire copy;
-        bf16-kahan 2) + states (fp32 8; bf16 4; int8 2 + 2 x 4 / 256 for the absmax; a Kahan
-        master's compensation, 2, is counted here as the optimizer keeps it) +
-        gradients (full: 4 with fp32 masters, else 2, plus staging in the wire dtype; ring:
-        0). Frozen
-        (``trainable=False``): stored once in the wire dtype, except with fp32 masters,
-        which keep today's fp32 master and wire copy.
-
-        Raises:
-            ValueError: ``check_wire`` fails for ``wire_dtype``.
-        """
-        self.check_wire(wire_dtype)
-        wire = torch.empty((), dtype=wire_dtype).element_size()
-        wire_copy = 0 if wire_dtype == torch.float32 else wire
-        if not trainable:
-            return float(4 + wire_copy if self.master == "fp32" else wire)
-        master = {"fp32": 4 + wire_copy, "bf16-sr": 2, "bf16-kahan": 2}[self.master]
-        states = self.optimizer_state_bytes_per_parameter
-        grad = 4 if self.master == "fp32" else 2
-        gradients = grad + wire if self.gradients == "full" else 0
-        return master + states + gradients
-
-    @property
-    def optimizer_state_bytes_per_parameter(self) -> float:
-        """AdamW's states per trained parameter, in bytes (fp32 8; bf16 4; int8 2 plus two
-        fp32 absmax per 256 elements), plus a Kahan master's bf16 compensation (2), which
-        the optimizer keeps with its states."""
-        states = {"fp32": 8.0, "bf16": 4.0, "int8": 2 + 2 * 4 / QBLOCK}[self.optimizer_states]
-        return states + (2 if self.master == "bf16-kahan" else 0)
-
     @property
     def is_exact(self) -> bool:
         """Whether steps are bit-identical to torch's fused AdamW (fp32 masters and states)."""
-        return self.master == "fp32" and self.optimizer_states == "fp32"
+        return self.master_format.exact and self.state_format.exact
+
+
+FP32 = HostPrecision.fp32()
+"""The policy of a unit that has none (not built by a store yet): fp32 throughout."""
+
+
+def saved_state_shape(name: str, param_shape: torch.Size) -> tuple[int, ...]:
+    """The shape a checkpoint holds for optimizer state ``name`` of a parameter of
+    ``param_shape``, in whichever format owns that state: the parameter's, or its blocks'
+    (1-D) for a block-wise absmax."""
+    n = math.prod(param_shape)
+    for f in OPTIMIZER_STATES.values():
+        if name in f.state_names and f.numel(name, n) != n:
+            return (f.numel(name, n),)
+    return tuple(param_shape)
 
 
 def check_optimizer_formats(precision: HostPrecision, optimizer: Any) -> None:

@@ -26,8 +26,8 @@ from collections.abc import Callable
 import psutil
 import torch
 
-from ._frozen_formats import FrozenStore, compressed_nbytes, give_back, meta_stand_in
-from ._host_formats import PRESETS, HostPrecision
+from ._frozen_formats import FrozenStore, give_back, meta_stand_in
+from ._host_formats import PRESETS, RING_BUFFERS, HostPrecision
 from ._plan import format_bytes
 from ._streams import alloc_host, alloc_pinned, pin_in_place, unpin
 from ._units import _Unit
@@ -36,36 +36,18 @@ from ._window import DeviceWindow
 # writes a unit's parameter values into their views of its new master (``HostStore.build``)
 FillMaster = Callable[[list[torch.nn.Parameter], list[torch.Tensor]], None]
 
-# staging buffers of the gradient ring, see [Note: the gradient ring]
-RING_BUFFERS = 4
-
 
 def store_bytes(units: list[_Unit], precision: HostPrecision, wire_dtype: torch.dtype) -> int:
     """Host bytes of ``units``' masters, wire copies and gradients under ``precision`` with
-    a wire of ``wire_dtype``; the optimizer's states are not counted (see
-    ``optimizer_state_bytes``). Buffers a layer or another rank gave are not new."""
-    pr = precision
-    wire_size = wire_dtype.itemsize
-    master_size = pr.master_dtype.itemsize
-    need = 0
-    for u in units:
-        if u.given_master is None:
-            need += u.kept_numel * master_size
-        if pr.master == "fp32" and wire_dtype != torch.float32:
-            need += u.kept_numel * wire_size
-        for n in u.compressed_numels():
-            need += compressed_nbytes(u.frozen_format, n, wire_dtype)
-        if pr.gradients == "full":
-            need += u.trainable_numel * (master_size + wire_size)
-    if pr.gradients == "ring":
-        need += RING_BUFFERS * max((u.trainable_numel for u in units), default=0) * wire_size
-    return need
+    a wire of ``wire_dtype`` (``HostPrecision.host_bytes``, the one byte model); the
+    optimizer's states are not counted (see ``optimizer_state_bytes``). Buffers a layer or
+    another rank gave are not new."""
+    return precision.host_bytes(units, wire_dtype).store
 
 
 def optimizer_state_bytes(units: list[_Unit], precision: HostPrecision) -> int:
     """Host bytes of AdamW's states (and a Kahan master's compensation) for ``units``."""
-    trainable = sum(u.trainable_numel for u in units)
-    return int(trainable * precision.optimizer_state_bytes_per_parameter)
+    return precision.host_bytes(units, torch.float32).states
 
 
 # ``auto`` keeps fp32 masters when the store and AdamW's states take at most this share of
@@ -112,6 +94,43 @@ def choose_precision(
         + f"), but only {format_bytes(available)} of host RAM is available. Free memory, "
         "freeze parameters you do not train, or use a smaller model."
     )
+
+
+AUTO = "auto"  # ``host_precision="auto"``: decided by ``resolve_precision``
+
+
+def resolve_precision(
+    host_precision: HostPrecision | str | None,
+    units: Callable[[], list[_Unit]],
+    *,
+    wire_dtype: torch.dtype | None,
+    default_wire: torch.dtype,
+    available: int | None = None,
+) -> tuple[HostPrecision, torch.dtype, str | None]:
+    """The policy and the wire dtype of a run from what the user gave: the one place
+    where ``"auto"`` is decided (``choose_precision`` over ``units()``, made only then, on
+    ``available`` bytes, default this machine's available RAM) and where the wire follows
+    the master when ``wire_dtype`` is None (``HostPrecision.wire_for``). Returns
+    (policy, wire dtype, why ``auto`` chose it or None).
+
+    Raises:
+        ValueError: an unknown preset, or masters that cannot serve ``wire_dtype``
+            (``HostPrecision.check_wire``).
+        TypeError: ``host_precision`` is neither a policy nor a string.
+        MemoryError: ``"auto"`` and not even the leanest fits.
+    """
+    reason = None
+    if isinstance(host_precision, str) and host_precision == AUTO:
+        if available is None:
+            available = psutil.virtual_memory().available
+        precision, reason = choose_precision(
+            units(), wire_dtype, available, default_wire=default_wire
+        )
+    else:
+        precision = HostPrecision.parse(host_precision)
+    wire = precision.wire_for(wire_dtype, default=default_wire)
+    precision.check_wire(wire)
+    return precision, wire, reason
 
 
 class HostStore:
@@ -166,7 +185,9 @@ class HostStore:
             sizes = []
             for name in PRESETS:
                 pr = HostPrecision.parse(name)
-                if pr.master != "fp32" and self.wire_dtype != torch.bfloat16:
+                try:
+                    pr.check_wire(self.wire_dtype)
+                except ValueError:
                     continue
                 total = self.store_bytes(units, pr) + optimizer_state_bytes(units, pr)
                 sizes.append(f"{name} {format_bytes(total)}")
@@ -188,7 +209,7 @@ class HostStore:
         A model built on the meta device is loaded through it unit by unit, so the host
         never holds more than the store plus one unit's source tensors."""
         pin = self._pin
-        lean_master = self.precision.master != "fp32"
+        lean_master = self.precision.master_is_wire
         # a given master in the master's dtype is zero_stage's shared host store (made for
         # this format by ``ramflow._dist.shared_host_store``); ``ramflow.Linear`` gives fp32
         if lean_master and any(
@@ -200,7 +221,9 @@ class HostStore:
                 f"{self.precision.spelled} keeps bf16 master weights, which "
                 "ramflow.Linear layers do not support yet; use host_precision='fp32' with them"
             )
-        if self.precision.gradients == "ring":
+        # the master is the wire copy (a bf16 master, or fp32 with an fp32 wire)
+        serves_wire = self.precision.master_format.wire_copy_bytes(self.wire_dtype) == 0
+        if self.precision.gradient_format.ring:
             self._ring_numel = max(
                 [self._ring_numel, *(u.trainable_numel for u in units)], default=0
             )
@@ -218,16 +241,15 @@ class HostStore:
                 assert all(
                     p.data_ptr() == view.data_ptr() for p, view in zip(u.owned, u.views(u.master))
                 ), "a given master must hold the unit's parameters at the engine's offsets"
-                if pin and (self.wire_dtype == torch.float32 or lean_master):
+                if pin and serves_wire:
                     pin_in_place(u.master, what=f"the master weights of {u.name!r}")
                     self.pinned_in_place.append(u.master)
             else:
-                # a bf16 master is the wire copy: pinned, as a wire copy is
-                master_is_wire = lean_master or self.wire_dtype == torch.float32
+                # a master that is the wire copy is pinned, as a wire copy is
                 u.master = self._alloc(
                     u.kept_numel,
                     self.precision.master_dtype,
-                    pin=pin and master_is_wire,
+                    pin=pin and serves_wire,
                     what=f"the master weights of unit {u.name!r}",
                 )
                 u.master.zero_()  # padding between views stays defined
@@ -248,7 +270,7 @@ class HostStore:
                 if pin:
                     pin_in_place(u.wire, what=f"the wire copy of {u.name!r}")
                     self.pinned_in_place.append(u.wire)
-            elif self.wire_dtype == torch.float32 or lean_master:
+            elif serves_wire:
                 u.wire = u.master
             else:
                 u.wire = self._alloc(
@@ -317,7 +339,7 @@ class HostStore:
         from the ring (waiting for a free buffer) until ``release_staging``."""
         if u.staging is not None:
             return u.staging
-        if self.precision.gradients == "ring":
+        if self.precision.gradient_format.ring:
             with self._ring_cond:
                 while not self._ring_free and self._ring_made >= RING_BUFFERS:
                     self._ring_cond.wait()
@@ -360,7 +382,7 @@ class HostStore:
     def release_staging(self, u: _Unit) -> None:
         """Worker or main thread: the host has read ``u``'s staged gradients; with the
         gradient ring its buffer goes back to the ring (a per-unit buffer stays)."""
-        if self.precision.gradients != "ring" or u.staging is None:
+        if not self.precision.gradient_format.ring or u.staging is None:
             return
         u.staging = None
         with self._ring_cond:

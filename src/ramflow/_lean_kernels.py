@@ -48,7 +48,6 @@ import os
 import platform
 import threading
 import warnings
-from typing import Any
 
 import torch
 
@@ -724,15 +723,3 @@ def moments_to_plain(state: dict, p: torch.Tensor, *, plain: bool) -> None:
         value = value.detach().to(torch.float32).view(p.shape)
         state[name] = value.to(p.device, p.dtype, copy=True) if plain else value.clone()
     state.pop("master_compensation", None)
-
-
-def adamw_state_names(precision: Any) -> tuple[str, ...]:
-    """Names of AdamW's per-parameter state tensors in a unit's host format
-    (``HostPrecision``, or None for fp32): the moments, their absmax when 8-bit, a Kahan
-    compensation."""
-    names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
-    if precision is not None and precision.optimizer_states == "int8":
-        names += ("exp_avg_absmax", "exp_avg_sq_absmax")
-    if precision is not None and precision.master == "bf16-kahan":
-        names += ("master_compensation",)
-    return names

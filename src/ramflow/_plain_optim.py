@@ -62,13 +62,13 @@ def _format_refusal(opt: torch.optim.Optimizer, precision: Any) -> ValueError:
     """The error for plain optimizer ``opt`` on parameters kept in ``precision`` (a
     ``HostPrecision`` that is not fp32 throughout), naming what works."""
     why = []
-    if precision.master != "fp32":
+    if not precision.master_format.exact:
         why.append("round its updates of the bf16 master weights to nearest (small ones vanish)")
-    if precision.optimizer_states != "fp32":
+    if not precision.state_format.exact:
         why.append(f"keep fp32 states of its own, not {precision.optimizer_states!r} ones")
     return ValueError(
         f"{type(opt).__module__}.{type(opt).__name__} cannot step parameters that ramflow "
-        f"keeps with host_precision={precision.name!r}: it would {' and '.join(why)}. Use "
+        f"keeps with {precision.spelled}: it would {' and '.join(why)}. Use "
         "ramflow.optim.AdamW, which steps every host format, or offload with "
         "host_precision='fp32' to train with a torch.optim optimizer."
     )

@@ -252,7 +252,7 @@ class Stepper:
         store). A loop that breaks the promise gets the loop-pattern errors."""
         opts = self.optimizers
         return (
-            self._host.precision.gradients == "ring"
+            self._host.precision.gradient_format.ring
             and not self._seen_step
             and not self._pattern_error
             and len(opts) == 1

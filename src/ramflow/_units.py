@@ -29,11 +29,12 @@ import torch
 from torch import nn
 
 from ._frozen_formats import compressed_nbytes, compresses, embedding_params
+from ._lean_kernels import QBLOCK
 
-# elements: every parameter's view starts on a multiple of 256, which keeps views 512-byte
-# aligned in fp32 and puts each parameter on whole blocks of the 8-bit optimizer states
-# (``_lean_kernels.QBLOCK``), so a parameter can be stepped on its own in every host format
-_ALIGN = 256
+# elements: every parameter's view starts on a multiple of the 8-bit optimizer states'
+# block (256), which keeps views 512-byte aligned in fp32 and puts each parameter on whole
+# blocks, so a parameter can be stepped on its own in every host format
+_ALIGN = QBLOCK
 
 
 @dataclass(eq=False)

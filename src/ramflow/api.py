@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,7 +22,7 @@ from ._dist import (
 from ._engine import Engine
 from ._frozen_formats import check_frozen_format, parse_frozen_format
 from ._host_formats import HostPrecision
-from ._host_store import choose_precision
+from ._host_store import resolve_precision
 from ._loading import MetaLoader, Weights
 from ._plan import OffloadPlan, parse_bytes
 from ._registry import engine_of_model, engine_of_param
@@ -258,17 +257,12 @@ def offload(
     specs = find_units(model, units, skip=on_device)
     if frozen_format is not None:
         check_frozen_format(frozen_format, specs, zero_stage=zero_stage)
-    precision_reason = None
-    if isinstance(host_precision, str) and host_precision == "auto":
-        layout = [_Unit(i, spec, frozen_format=frozen_format) for i, spec in enumerate(specs)]
-        available = psutil.virtual_memory().available
-        precision, precision_reason = choose_precision(
-            layout, wire_dtype, available, default_wire=default_wire
-        )
-    else:
-        precision = HostPrecision.parse(host_precision)
-    wire_dtype = precision.wire_for(wire_dtype, default=default_wire)
-    precision.check_wire(wire_dtype)
+    precision, wire_dtype, precision_reason = resolve_precision(
+        host_precision,
+        lambda: [_Unit(i, spec, frozen_format=frozen_format) for i, spec in enumerate(specs)],
+        wire_dtype=wire_dtype,
+        default_wire=default_wire,
+    )
     remove_stale_store_files(shm_directory())  # of ranks that died: see [Note: host store files]
     owners = None
     if device_optimizer and zero_stage is not None:

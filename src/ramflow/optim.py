@@ -22,15 +22,8 @@ from torch.optim import sgd as _sgd
 from . import _lean_triton
 from ._cpu_kernels import _check_threads, cut_at_tails, fused_adamw_step_, odd_tails
 from ._engine import Engine
-from ._host_formats import check_optimizer_formats
-from ._lean_kernels import (
-    QBLOCK,
-    adamw_state_names,
-    lean_adamw_step_,
-    moments_into,
-    moments_to_plain,
-    quantize_blockwise,
-)
+from ._host_formats import FP32, STEP_ALIGN, HostPrecision, check_optimizer_formats
+from ._lean_kernels import lean_adamw_step_, moments_into, moments_to_plain
 from ._linear import attach_pending
 from ._plan import LEAN_DEVICE_STEP_PIECE
 from ._registry import engine_of_param
@@ -214,8 +207,8 @@ class HostOptimizer(torch.optim.Optimizer):
         """State tensors of a managed parameter: views into one flat buffer per unit and
         name, so that a unit's optimizer states are contiguous like its masters. A buffer
         of ``unit.trainable_numel`` elements gives the parameter's shape; a per-block one
-        (the absmax of 8-bit states, one per ``QBLOCK`` elements) gives the parameter's
-        blocks, 1-D (parameters start on whole blocks, ``_units._ALIGN``)."""
+        (the absmax of 8-bit states) gives the parameter's blocks, 1-D (parameters start on
+        whole blocks, ``_units._ALIGN``): ``HostPrecision.state_view``."""
         engine = engine_of_param(p)
         unit = engine.unit_of(p)
         assert unit is not None
@@ -233,7 +226,7 @@ class HostOptimizer(torch.optim.Optimizer):
             if flat.numel() == unit.trainable_numel:
                 out[n] = flat[off : off + p.numel()].view(p.shape)
             else:
-                out[n] = flat[off // QBLOCK : off // QBLOCK + -(-p.numel() // QBLOCK)]
+                out[n] = _format(unit).state_view(n, flat, off, off + p.numel())
         return out
 
     def _new_flats(self, unit: _Unit, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -520,23 +513,9 @@ class AdamW(HostOptimizer):
             moments_to_plain(st, p, plain=engine_of_param(p) is None)
 
     def _new_flats(self, unit: _Unit, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """New flat states of ``unit`` in its host format: fp32 or bf16 zeros; 8-bit codes
-        of zero with a zero absmax per block; a zero Kahan compensation (bf16)."""
-        states = unit.precision.optimizer_states if unit.precision is not None else "fp32"
-        n = unit.trainable_numel
-        out = {}
-        for name in names:
-            if name == "master_compensation":
-                out[name] = torch.zeros(n, dtype=torch.bfloat16)
-            elif name.endswith("_absmax"):
-                out[name] = torch.zeros(-(-n // QBLOCK), dtype=torch.float32)
-            elif states == "int8":
-                codes, _ = quantize_blockwise(torch.zeros(n), signed=name == "exp_avg")
-                out[name] = codes
-            else:
-                dtype = torch.bfloat16 if states == "bf16" else torch.float32
-                out[name] = torch.zeros(n, dtype=dtype)
-        return out
+        """New flat states of ``unit`` in its host format (``HostPrecision.new_state``)."""
+        fmt = _format(unit)
+        return {name: fmt.new_state(name, unit.trainable_numel) for name in names}
 
     def _lean_step(
         self,
@@ -551,25 +530,20 @@ class AdamW(HostOptimizer):
         master: torch.Tensor | None = None,
     ) -> None:
         """One AdamW step of elements ``lo:hi`` of ``unit``'s trainable prefix in its host
-        format (``_lean_kernels.lean_adamw_step_``); ``lo`` is a multiple of ``QBLOCK``, so
-        the rounding and the 8-bit blocks are those of the whole unit. ``master``: the
+        format (``_lean_kernels.lean_adamw_step_``); ``lo`` is a multiple of ``STEP_ALIGN``,
+        so the rounding and the 8-bit blocks are those of the whole unit. ``master``: the
         unit's trainable master weights if not the host's (a device step's), ``flats``
         then the device's states."""
         master = unit.master if master is None else master
         beta1, beta2 = group["betas"]
-        b_lo, b_hi = lo // QBLOCK, -(-hi // QBLOCK)
-
-        def blocks(name: str) -> torch.Tensor | None:
-            return flats[name][b_lo:b_hi] if name in flats else None
-
-        comp = flats.get("master_compensation")
+        fmt = _format(unit)
+        # this piece of each state (the state tensors' names are the kernel's arguments)
+        st = {name: fmt.state_view(name, flats[name], lo, hi) for name in fmt.state_names}
         lean_adamw_step_(
-            master[lo:hi], grad, flats["exp_avg"][lo:hi], flats["exp_avg_sq"][lo:hi],
+            master[lo:hi], grad, st.pop("exp_avg"), st.pop("exp_avg_sq"),
             step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
             eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-            compensation=None if comp is None else comp[lo:hi],
-            exp_avg_absmax=blocks("exp_avg_absmax"),
-            exp_avg_sq_absmax=blocks("exp_avg_sq_absmax"),
+            compensation=st.pop(fmt.master_format.COMPENSATION, None), **st,
             wire_out=wire_out, seed=unit.rounding_seed, counter_offset=lo,
             num_threads=self.threads,
         )  # fmt: skip
@@ -621,7 +595,7 @@ class AdamW(HostOptimizer):
             if not _lean_triton.available(weights_out.device):
                 # the PyTorch-ops step: its temporaries are what the plan's scratch holds
                 piece = min(piece, LEAN_DEVICE_STEP_PIECE)
-            piece = max(QBLOCK, piece // QBLOCK * QBLOCK)
+            piece = max(STEP_ALIGN, piece // STEP_ALIGN * STEP_ALIGN)
             # a bf16 master is the device copy; an fp32 one writes it as the wire
             fp32 = "master" in state
             for index, begin, end in runs:
@@ -714,9 +688,14 @@ class AdamW(HostOptimizer):
         st["step"].add_(1)
 
 
+def _format(unit: _Unit) -> HostPrecision:
+    """``unit``'s host formats (fp32 for a unit no store has built yet)."""
+    return FP32 if unit.precision is None else unit.precision
+
+
 def _exact(unit: _Unit) -> bool:
     """Whether ``unit`` keeps fp32 masters and fp32 states (PyTorch's exact AdamW)."""
-    return unit.precision is None or unit.precision.is_exact
+    return _format(unit).is_exact
 
 
 def _lean_param(p: torch.Tensor) -> bool:
@@ -730,7 +709,7 @@ def _lean_param(p: torch.Tensor) -> bool:
 
 def _state_names(unit: _Unit) -> tuple[str, ...]:
     """Names of AdamW's per-parameter state tensors in ``unit``'s host format."""
-    return adamw_state_names(unit.precision)
+    return _format(unit).state_names
 
 
 class SGD(HostOptimizer):

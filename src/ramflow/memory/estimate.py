@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .._host_formats import HostPrecision
-from .._host_store import RING_BUFFERS, choose_precision, optimizer_state_bytes
+from .._host_store import resolve_precision
 from .._plan import OffloadPlan, format_bytes, make_plan, parse_bytes
 from .._predict import TRAIN_MATMUL_EFFICIENCY, Rates, StepPrediction
 from .._units import _Unit, find_units, plan_inputs
@@ -510,30 +510,13 @@ def estimate_memory(
         prefetch_depth=prefetch_depth,
     )
 
-    wire_size = torch.empty((), dtype=wire_dtype).element_size()
-    numel = sum(u.numel for u in units)
-    trainable = sum(u.trainable_numel for u in units)
     cuda = device_type == "cuda"
-    reason = None
-    if isinstance(host_precision, str) and host_precision == "auto":
-        host, reason = choose_precision(units, wire_dtype, psutil.virtual_memory().available)
-    else:
-        host = HostPrecision.parse(host_precision)
-    host.check_wire(wire_dtype)
-    master_size = host.master_dtype.itemsize
-    master = numel * master_size
-    # a bf16 master is the wire copy; an fp32 one has a wire copy beside it
-    wire = numel * wire_size if wire_dtype != torch.float32 and host.master == "fp32" else 0
-    master_pinned = cuda and (wire_dtype == torch.float32 or host.master != "fp32")
-    if host.gradients == "ring":
-        staging = RING_BUFFERS * max((u.trainable_numel for u in units), default=0) * wire_size
-        full_grad = 0
-    else:
-        staging, full_grad = trainable * wire_size, trainable * master_size
-    if host.is_exact:
-        state_bytes = optimizer_states * trainable * 4
-    else:
-        state_bytes = optimizer_state_bytes(units, host)
+    host, wire_dtype, reason = resolve_precision(
+        host_precision, lambda: units, wire_dtype=wire_dtype, default_wire=wire_dtype
+    )
+    parts = host.host_bytes(units, wire_dtype, num_states=optimizer_states)
+    # a master that is the wire copy (or fp32 with an fp32 wire) is pinned, as a wire is
+    master_pinned = cuda and host.master_format.wire_copy_bytes(wire_dtype) == 0
     distinct = {id(p): p for p in model.parameters()}.values()
     num_parameters = sum(p.numel() for p in distinct)
     num_trainable = sum(p.numel() for p in distinct if p.requires_grad)
@@ -560,13 +543,16 @@ def estimate_memory(
         device_parameter_bytes=plan.window_bytes + plan.resident_bytes + plan.fixed_bytes,
         device_gradient_bytes=plan.grad_bytes,
         device_activation_bytes=act_bytes,
-        host_parameter_pinned_bytes=(master if master_pinned else 0) + (wire if cuda else 0),
-        host_parameter_pageable_bytes=(0 if master_pinned else master) + (0 if cuda else wire),
-        host_gradient_pinned_bytes=staging if cuda else 0,
-        host_gradient_pageable_bytes=full_grad + (0 if cuda else staging),
-        host_optimizer_bytes=state_bytes,
-        checkpoint_bytes=num_parameters * master_size
-        + (optimizer_states * num_trainable * 4 if host.is_exact else state_bytes),
+        host_parameter_pinned_bytes=(parts.master if master_pinned else 0)
+        + (parts.wire if cuda else 0),
+        host_parameter_pageable_bytes=(0 if master_pinned else parts.master)
+        + (0 if cuda else parts.wire),
+        host_gradient_pinned_bytes=parts.staging if cuda else 0,
+        host_gradient_pageable_bytes=parts.gradients + (0 if cuda else parts.staging),
+        host_optimizer_bytes=parts.states,
+        # on disk: unpadded parameters and their states
+        checkpoint_bytes=num_parameters * host.master_dtype.itemsize
+        + host.state_bytes(num_trainable, num_states=optimizer_states),
         ram_available_bytes=psutil.virtual_memory().available,
         disk_free_bytes=disk_free,
         host_precision=host.name,

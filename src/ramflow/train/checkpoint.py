@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._host_formats import saved_state_shape
 from .modeling import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, file_in
 from .tokenizer import Tokenizer
 
@@ -630,8 +631,7 @@ def load_optimizer_state(
                 f"optimizer state {key} in {ckpt.path} belongs to no parameter of this model"
             )
         i = index_of[name]
-        # 8-bit states keep one absmax per block of 256 elements (ramflow.HostPrecision)
-        expected = (-(-params[i].numel() // 256),) if field.endswith("_absmax") else params[i].shape
+        expected = saved_state_shape(field, params[i].shape)  # per element, or per block
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != expected:
             raise CheckpointError(
                 f"optimizer state {key} in {ckpt.path} has shape {tuple(value.shape)}, but the "

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .._host_formats import HostPrecision
 from .._plan import format_bytes, parse_bytes
 from .._predict import Rates
 from ..memory.fit import BatchFit, fit_batch
@@ -132,8 +133,9 @@ def host_wire(config: TrainConfig, device_type: str, wire: torch.dtype) -> torch
     """The wire dtype of a run: bf16 on the CPU when ``--host-precision`` keeps bf16 master
     weights (they are the wire copy; a CUDA run's wire is bf16 already, an fp16 one is
     refused by the estimate with what works)."""
-    lean = config.host_precision in ("bf16", "lean", "kahan")
-    return torch.bfloat16 if lean and device_type == "cpu" else wire
+    if device_type != "cpu" or config.host_precision == "auto":
+        return wire
+    return HostPrecision.parse(config.host_precision).wire_for(None, default=wire)
 
 
 def plan_run(
