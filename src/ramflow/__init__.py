@@ -1,6 +1,7 @@
 """ramflow: train and run PyTorch models whose weights live in CPU RAM, streamed through the GPU."""
 
-from . import distributed, helpers, memory, optim
+# _quiet first: its filters must be in place before anything imports torchao
+from . import _quiet, distributed, helpers, memory, optim  # noqa: F401 (_quiet: its filters)
 from ._host_formats import HostPrecision
 from ._linear import Linear
 from ._plan import OffloadPlan, format_bytes, parse_bytes

@@ -84,3 +84,46 @@ def test_progress_into_a_pipe_is_whole_lines(tmp_path: Path, corpus_file: Path) 
         "step 6",
     ]
     assert lines[0].startswith("model tiny")
+
+
+# What a line about something other than the user's run looks like: a Python warning
+# ("FutureWarning: ...", "warnings.warn(" as its source line), a logging warning of torch's
+# format ("W1127 04:41:23.656000 6139 torch/..."), or torchao's "Failed to load".
+_NOT_ABOUT_THE_RUN = re.compile(r"warn|deprecat|^[WE]\d{4} \d\d:|Failed to load", re.IGNORECASE)
+
+
+def _ramflow(*argv: str | Path) -> subprocess.CompletedProcess[str]:
+    """``ramflow ARGV`` in a fresh process (import-time messages are printed once per
+    process), its output on pipes."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env.pop("PYTHONWARNINGS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "ramflow", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+
+
+def test_commands_print_only_lines_about_the_run(tmp_path: Path, corpus_file: Path) -> None:
+    """With the test extra installed (torchao, PEFT, TRL, ...), ``--help``, ``plan``,
+    ``train``, ``train --lora`` and ``generate`` print nothing on stderr and no warning on
+    stdout: see [Note: quiet imports] in ``ramflow/_quiet.py``."""
+    fast = ("--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--device", "cpu")
+    run, lora = tmp_path / "run", tmp_path / "lora"
+    commands = [
+        ("--help",),
+        ("plan", "--seq-len", "32", "--batch-size", "2", "--device", "cpu"),
+        ("train", "--data", corpus_file, "--steps", "2", "--out", run, *fast),
+        ("generate", "--model", run, "--prompt", "def ", "--max-new-tokens", "4"),
+        ("train", "--model", run / "checkpoints" / "step-00000002", "--lora", "4")
+        + ("--data", corpus_file, "--steps", "1", "--eval-every", "0", "--out", lora, *fast),
+    ]
+    for argv in commands:
+        proc = _ramflow(*argv)
+        command = " ".join(map(str, argv[:1]))
+        assert proc.returncode == 0, f"ramflow {command}: {proc.stderr}"
+        assert proc.stderr == "", f"ramflow {command} printed on stderr:\n{proc.stderr}"
+        unexpected = [line for line in proc.stdout.splitlines() if _NOT_ABOUT_THE_RUN.search(line)]
+        assert not unexpected, f"ramflow {command} printed: {unexpected}"

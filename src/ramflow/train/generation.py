@@ -12,6 +12,7 @@ attention mask and explicit position ids; the prompt goes through the model once
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from dataclasses import dataclass
@@ -120,6 +121,14 @@ def _check_context(config: object, prompt_tokens: int, max_new_tokens: int) -> N
     )
 
 
+def _cache_keyword(model: nn.Module) -> str:
+    """The name the model's forward gives its KV cache: ``cache`` in recent transformers,
+    which deprecates ``past_key_values`` with a FutureWarning at every call."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    params = inspect.signature(base.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -133,7 +142,8 @@ def generate(
 
     Args:
         model: a causal LM (offloaded or not) whose forward takes ``attention_mask``,
-            ``position_ids``, ``past_key_values`` and ``logits_to_keep``.
+            ``position_ids``, ``cache`` (``past_key_values`` in older transformers) and
+            ``logits_to_keep``.
         tokenizer: encodes the prompts (after its bos token, when it has one) and decodes.
         prompts: the texts to continue (at least one; each non-empty unless the
             tokenizer has a bos token).
@@ -179,7 +189,7 @@ def generate(
         if special is not None and special < vocab:
             banned[special] = True
     generator = torch.Generator().manual_seed(sampling.seed)
-    cache = DynamicCache(config=model.config)
+    cache_arg = {_cache_keyword(model): DynamicCache(config=model.config)}
     new: list[list[int]] = [[] for _ in range(n)]
     finished = torch.zeros(n, dtype=torch.bool)
     was_training = model.training
@@ -190,7 +200,7 @@ def generate(
                 input_ids=ids,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=cache,
+                **cache_arg,
                 use_cache=True,
                 logits_to_keep=1,
             )
@@ -212,7 +222,7 @@ def generate(
                     input_ids=nxt[:, None].to(dev),
                     attention_mask=mask,
                     position_ids=positions,
-                    past_key_values=cache,
+                    **cache_arg,
                     use_cache=True,
                 )
     finally:

@@ -20,6 +20,8 @@ from torch import nn
 
 import ramflow
 
+from .._quiet import quiet_peft_wrap
+
 # attention and MLP projections of Llama-style models (Llama, Mistral, Qwen2, the presets)
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -98,7 +100,8 @@ def _peft_on_device(model: nn.Module, config: Any) -> nn.Module:
     adapters moved to the device (``ramflow.adopt``)."""
     from peft import get_peft_model
 
-    peft_model = get_peft_model(model, config)
+    with quiet_peft_wrap():  # see [Note: quiet imports]
+        peft_model = get_peft_model(model, config)
     ramflow.adopt(peft_model)
     return peft_model
 
