@@ -127,3 +127,33 @@ def test_commands_print_only_lines_about_the_run(tmp_path: Path, corpus_file: Pa
         assert proc.stderr == "", f"ramflow {command} printed on stderr:\n{proc.stderr}"
         unexpected = [line for line in proc.stdout.splitlines() if _NOT_ABOUT_THE_RUN.search(line)]
         assert not unexpected, f"ramflow {command} printed: {unexpected}"
+
+
+@pytest.mark.parametrize("interactive", [False, True])
+def test_slow_tokenizing_says_so_on_stderr(capsys, monkeypatch, interactive: bool) -> None:
+    """Work that outlasts the delay gets a line (a pipe) or a tqdm bar (a terminal) on
+    stderr; quick work prints nothing."""
+    from ramflow.train import data
+    from ramflow.train.report import SlowProgress
+
+    with SlowProgress(100, desc="quick", delay_s=60, interactive=interactive) as p:
+        p.update(100)
+    assert capsys.readouterr() == ("", "")
+    with SlowProgress(100, desc="tokenizing 2 documents", delay_s=0, interactive=interactive) as p:
+        p.update(60)
+        p.update(40)
+    out, err = capsys.readouterr()
+    assert out == "" and "tokenizing 2 documents" in err
+    if not interactive:
+        assert err.splitlines()[0] == "tokenizing 2 documents ..."
+        assert err.splitlines()[1].startswith("tokenizing 2 documents: done in ")
+
+    class Words:  # a tokenizer that is not the byte tokenizer: encoded in chunks
+        name = "words"
+
+        def encode_batch(self, texts: list[str]) -> list[list[int]]:
+            return [[len(w) for w in t.split()] for t in texts]
+
+    monkeypatch.setattr(data, "_ENCODE_CHUNK_CHARS", 5)  # a chunk per document or two
+    texts = ["a bb ccc", "dd", "dd", "ee f"]
+    assert [t.tolist() for t in data._token_tensor(Words(), texts)] == [[1, 2, 3], [2], [2], [2, 1]]

@@ -180,3 +180,24 @@ def test_generate_loads_a_lora_checkpoint_on_its_base(
         # the adapters are trained ones (B left zero), so the base alone would differ
         with torch.no_grad(), ref.disable_adapter():
             assert not torch.equal(ref(input_ids=ids).logits, expected), run.name
+
+
+def test_lora_run_counts_only_the_adapters_as_trained(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, fast, capsys
+) -> None:
+    out = tmp_path / "run"
+    argv = ["--steps", "1", "--eval-every", "0", "--lora", "4", *fast, "--out", out]
+    assert ramflow_cli("train", "--data", corpus_file, *argv) == 0
+    text = capsys.readouterr().out
+    adapters = sum(
+        t.numel()
+        for t in load_file(str(open_checkpoint(out).path / "adapter_model.safetensors")).values()
+    )
+    base = build_model(read_config(open_checkpoint(out).path), seed=0)
+    num_base = sum(p.numel() for p in base.parameters())
+    assert adapters < num_base / 10
+    summary = next(line for line in text.splitlines() if line.endswith(" M trained"))
+    assert summary.endswith(
+        f"({(num_base + adapters) / 1e6:,.2f} M parameters), {adapters / 1e6:,.2f} M trained"
+    )
+    assert f"LoRA rank 4: {adapters / 1e6:,.2f} M parameters trained in the adapters" in text

@@ -61,16 +61,25 @@ def memory_snapshot(path: str | Path, *, max_entries: int = 100_000) -> Iterator
             torch.cuda.memory._record_memory_history(enabled=None)
 
 
+# Each reading gets an equal slot on the x axis, wide enough for its label: readings taken
+# milliseconds apart (a backward and the optimizer step after it) would otherwise print their
+# labels on top of each other. The time of each reading is in its label.
+_LABEL_SLOT_INCHES = 0.32
+_MAX_LABELS = 80  # past this many readings, every k-th is labelled
+
+
 def plot_timeline(
     records: Sequence[dict[str, Any]], path: str | Path, *, title: str = "memory over a step"
 ) -> Path:
-    """Draw a ``MemoryTracker``'s records as a PNG: memory against time, phases marked.
+    """Draw a ``MemoryTracker``'s records as a PNG: memory at each reading, phases marked.
 
     With device readings, the device's allocated bytes (a line through the readings), its
     peak in each phase (a step from one reading to the next) and reserved bytes are drawn;
-    without them (a CPU tracker) the host RSS. Each reading is a dashed vertical line with
-    its label; the span between two readings is the phase that the later label names.
-    Drawn with matplotlib's Agg backend, without pyplot's global state.
+    without them (a CPU tracker) the host RSS. The readings are evenly spaced along the x
+    axis, in order, each labelled below the plot with its label and its time since the
+    first reading, so that no two labels overlap however close in time the readings are;
+    the span between two readings is the phase that the later label names. Drawn with
+    matplotlib's Agg backend, without pyplot's global state.
 
     Args:
         records: ``MemoryTracker.records`` (dicts with ``label``, ``time_s`` and the
@@ -84,6 +93,15 @@ def plot_timeline(
     Raises:
         ValueError: ``records`` is empty.
     """
+    fig = timeline_figure(records, title=title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+def timeline_figure(records: Sequence[dict[str, Any]], *, title: str):
+    """The ``matplotlib.figure.Figure`` that ``plot_timeline`` writes (see there)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -96,42 +114,39 @@ def plot_timeline(
         for r in records
     )
     unit, scale = ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
-    times = [r["time_s"] for r in records]
-    fig = Figure(figsize=(9, 4.5))
+    n = len(records)
+    xs = list(range(n))
+    every = -(-n // _MAX_LABELS)
+    fig = Figure(figsize=(max(9.0, 2.5 + _LABEL_SLOT_INCHES * -(-n // every)), 6.0))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     if records[0].get("device_allocated_bytes") is not None:
-        ax.plot(
-            times, [r["device_allocated_bytes"] / scale for r in records], "o-", label="allocated"
-        )
+        ax.plot(xs, [r["device_allocated_bytes"] / scale for r in records], "o-", label="allocated")
         ax.step(
-            times,
+            xs,
             [r["device_peak_bytes"] / scale for r in records],
             where="pre",
             label="peak in phase",
         )
-        ax.plot(times, [r["device_reserved_bytes"] / scale for r in records], ":", label="reserved")
+        ax.plot(xs, [r["device_reserved_bytes"] / scale for r in records], ":", label="reserved")
         ax.set_ylabel(f"device memory ({unit})")
     else:
-        ax.plot(times, [r["host_rss_bytes"] / scale for r in records], "o-", label="host RSS")
+        ax.plot(xs, [r["host_rss_bytes"] / scale for r in records], "o-", label="host RSS")
         ax.set_ylabel(f"host memory ({unit})")
-    for r in records:
-        ax.axvline(r["time_s"], color="grey", linestyle="--", linewidth=0.8)
-        ax.annotate(
-            r["label"],
-            (r["time_s"], 1.0),
-            xycoords=("data", "axes fraction"),
-            rotation=90,
-            va="top",
-            ha="right",
-            fontsize=8,
-        )
+    for x in xs:
+        ax.axvline(x, color="grey", linestyle="--", linewidth=0.6)
+    t0 = records[0]["time_s"]
+    shown = xs[::every]
+    ax.set_xticks(shown)
+    ax.set_xticklabels(
+        [f"{records[i]['label']} ({records[i]['time_s'] - t0:.2f} s)" for i in shown],
+        rotation=90,
+        fontsize=8,
+    )
+    ax.set_xlim(-0.5, n - 0.5)
     ax.ticklabel_format(axis="y", useOffset=False, style="plain")
-    ax.set_xlabel("time since start (s)")
+    ax.set_xlabel("readings, in order (time since the first)")
     ax.set_title(title)
-    ax.legend(loc="lower right")
+    ax.legend(loc="best")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
+    return fig

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .report import SlowProgress
 from .tokenizer import ByteTokenizer, Tokenizer
 
 TEXT_SUFFIXES = frozenset(
@@ -189,13 +190,29 @@ class Corpus:
         return self.train_tokens.numel() + self.val_tokens.numel()
 
 
+_ENCODE_CHUNK_CHARS = 1 << 20  # text per encode_batch call, so that progress can show
+
+
 def _token_tensor(tokenizer: Tokenizer, texts: list[str]) -> list[torch.Tensor]:
     if isinstance(tokenizer, ByteTokenizer):
         return [
             torch.frombuffer(bytearray(t.encode("utf-8")), dtype=torch.uint8).to(torch.int32)
             for t in texts
         ]
-    return [torch.tensor(ids, dtype=torch.int32) for ids in tokenizer.encode_batch(texts)]
+    out: list[torch.Tensor] = []
+    desc = f"tokenizing {len(texts):,} documents ({tokenizer.name} tokenizer)"
+    with SlowProgress(sum(len(t) for t in texts), desc=desc) as progress:
+        start = 0
+        while start < len(texts):
+            end, size = start, 0
+            while end < len(texts) and (end == start or size < _ENCODE_CHUNK_CHARS):
+                size += len(texts[end])
+                end += 1
+            ids = tokenizer.encode_batch(texts[start:end])
+            out += [torch.tensor(row, dtype=torch.int32) for row in ids]
+            progress.update(size)
+            start = end
+    return out
 
 
 def build_corpus(

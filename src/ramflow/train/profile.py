@@ -152,6 +152,7 @@ def _run_variant(
 ) -> VariantProfile:
     """``len(batches)`` steps of ``model`` (a copy it may modify), tracked."""
     cuda = policy.device.type == "cuda"
+    where = "GPU" if cuda else policy.device.type.upper()
     losses: list[float] = []
     times: list[float] = []
     error = None
@@ -168,7 +169,7 @@ def _run_variant(
             else:
                 model.to(policy.device)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            tracker.snapshot("model on the device" if not offloaded else "offloaded")
+            tracker.snapshot("offloaded" if offloaded else f"model on the {where}")
             for k, x in enumerate(batches):
                 last = k == len(batches) - 1
                 record = (
@@ -203,7 +204,9 @@ def _run_variant(
     if len(tracker.records) > 1:
         timeline = str(
             plot_timeline(
-                tracker.records, out_dir / f"timeline-{name}.png", title=f"ramflow profile: {name}"
+                tracker.records,
+                out_dir / f"timeline-{name}.png",
+                title=f"ramflow profile on the {where}: {name} model",
             )
         )
     return VariantProfile(

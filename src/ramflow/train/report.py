@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -60,6 +61,70 @@ def format_duration(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class SlowProgress:
+    """Progress of work before training (tokenizing the corpus) that shows only when slow.
+
+    Nothing is shown while the work takes less than ``delay_s``. Past it, on a terminal a
+    tqdm bar appears on stderr; in a file or a pipe (see [Note: progress on a terminal and
+    in a file]) one line on stderr says what is running, and another how long it took.
+
+    Args:
+        total: the work's size in ``unit`` (e.g. characters of text).
+        desc: what is running, e.g. ``"tokenizing 1,762 documents"``.
+        unit: tqdm's unit.
+        delay_s: seconds before anything is shown.
+        interactive: use the bar (default: whether stderr is a terminal).
+    """
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        desc: str,
+        unit: str = "char",
+        delay_s: float = 3.0,
+        interactive: bool | None = None,
+    ) -> None:
+        self.desc = desc
+        self.delay_s = delay_s
+        self._start = time.perf_counter()
+        self._said = False
+        self._bar = None
+        if interactive if interactive is not None else sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(
+                total=total,
+                desc=desc,
+                unit=unit,
+                unit_scale=True,
+                delay=delay_s,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+
+    def update(self, n: int) -> None:
+        """``n`` more units done."""
+        if self._bar is not None:
+            self._bar.update(n)
+        elif not self._said and time.perf_counter() - self._start >= self.delay_s:
+            self._said = True
+            print(f"{self.desc} ...", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self._said:
+            elapsed = format_duration(time.perf_counter() - self._start)
+            print(f"{self.desc}: done in {elapsed}", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> SlowProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class RunReport:

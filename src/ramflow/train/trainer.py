@@ -413,6 +413,11 @@ def _train(
                 ramflow.helpers.fuse_lora(model)
             if ckpt is not None:
                 load_adapters(model, ckpt.path)
+            trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            say(
+                f"LoRA rank {config.lora_rank}: {trained / 1e6:,.2f} M parameters trained in the "
+                f"adapters, the base's {est.num_parameters / 1e6:,.2f} M frozen"
+            )
         elif plan.resident != est.plan.resident or plan.window_bytes != est.plan.window_bytes:
             warnings.warn(
                 "ramflow chose another plan than the estimate; `ramflow plan` may be off",
@@ -678,8 +683,8 @@ def _loop(
     rows = [
         (
             "model",
-            f"{config.model_name} ({setup.estimate.num_parameters / 1e6:,.2f} M parameters), "
-            f"{count_parameters(model) / 1e6:,.2f} M trained",
+            f"{config.model_name} ({count_parameters(model) / 1e6:,.2f} M parameters), "
+            f"{num_trained / 1e6:,.2f} M trained",
         ),
         (
             "device",
