@@ -384,3 +384,31 @@ class MetaLoader:
         self._swapped.clear()
         for module, name, buf in self._meta_buffers:
             module._buffers[name] = buf
+
+
+def load_resident(model: nn.Module, weights: Weights) -> nn.Module:
+    """The resident counterpart of ``ramflow.offload(model, weights=...)``: give a model
+    built on the meta device ordinary CPU parameters, in their own dtypes, filled from
+    ``weights`` one tensor at a time (buffers as ``MetaLoader.materialize`` makes them).
+    Returns ``model``.
+
+    Raises:
+        as ``MetaLoader``; on any error the model is given back on the meta device.
+    """
+    params = list({id(p): p for p in model.parameters()}.values())
+    if not params or not all(p.is_meta for p in params):
+        raise ValueError("load_resident takes a model whose parameters are all on the meta device")
+    loader = MetaLoader(model, weights)
+    try:
+        loader.materialize()
+        with torch.no_grad():
+            for p in params:
+                data = torch.empty(p.shape, dtype=p.dtype)
+                loader.fill([p], [data])
+                p.data = data
+    except BaseException:
+        loader.restore()
+        raise
+    finally:
+        loader.close()
+    return model

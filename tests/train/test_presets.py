@@ -14,6 +14,7 @@ from ramflow.train.presets import PRESETS, get_preset
         ("llama-1b", 1_235_814_400),
         ("llama-3b", 3_212_749_824),
         ("llama-8b", 8_030_261_248),
+        ("llama-70b", 70_553_706_496),
         ("anchor-2.7b", 2_690_748_416),
     ],
 )
@@ -46,4 +47,18 @@ def test_tiny_takes_the_tokenizer_vocabulary() -> None:
         get_preset("anchor-2.7b").to_config(vocab_size=50000)
     with pytest.raises(ValueError, match="choose one of"):
         get_preset("gpt-5")
-    assert set(PRESETS) == {"tiny", "llama-1b", "llama-3b", "llama-8b", "anchor-2.7b"}
+    assert set(PRESETS) == {"tiny", "llama-1b", "llama-3b", "llama-8b", "llama-70b", "anchor-2.7b"}
+
+
+def test_llama_70b_is_llama_3_1_70b() -> None:
+    """The numbers of Meta's Llama-3.1-70B config.json."""
+    config = get_preset("llama-70b").to_config()
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (
+        8192,
+        28672,
+        80,
+    )
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (64, 8, 128)
+    assert config.rope_parameters["rope_theta"] == 500000.0
+    assert config.rope_parameters["rope_type"] == "llama3"
+    assert config.vocab_size == 128256 and not config.tie_word_embeddings

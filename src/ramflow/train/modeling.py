@@ -2,7 +2,9 @@
 
 Models are ``transformers`` ``AutoModelForCausalLM`` instances in fp32 on the CPU, of any
 architecture that ``transformers`` knows: a preset is built from its config with a seeded
-random initialisation; a checkpoint folder (config plus safetensors, what
+random initialisation (``SeededInit``: the same weights whether one process builds it
+resident, ``build_model``, or it is drawn unit by unit into the host store by one process
+or N ranks, ``build_offloaded``); a checkpoint folder (config plus safetensors, what
 ``save_pretrained`` or ``ramflow train`` writes) is first checked against the config from
 the file headers alone. ``load_offloaded`` (the CLI's way) builds the model on the meta
 device and reads the files into ``ramflow.offload``'s host store unit by unit, so no full
@@ -28,9 +30,11 @@ from .._loading import (
     WEIGHTS_INDEX_FILE,
     checkpoint_key_mapper,
     file_in,
+    load_resident,
     open_safetensors,
     weight_files,
 )
+from .initialization import SeededInit
 from .presets import get_preset
 from .tokenizer import Tokenizer
 
@@ -97,11 +101,42 @@ def meta_model(config) -> nn.Module:
 
 
 def build_model(config, *, seed: int) -> nn.Module:
-    """A freshly initialised fp32 model of ``config`` on the CPU (``torch.manual_seed(seed)`` first)."""
-    from transformers import AutoModelForCausalLM
+    """A freshly initialised fp32 model of ``config`` on the CPU, resident: the weights
+    ``SeededInit(model, seed=seed)`` draws (see [Note: a seeded init that does not depend
+    on who fills it] in ``ramflow.train.initialization``), the same as ``build_offloaded``
+    gives an offloaded model on one process or on N ranks.
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    Raises:
+        ValueError: ``config`` is not a causal language model, or has parameters the
+            seeded init has no rule for.
+    """
+    model = meta_model(config)
+    return load_resident(model, SeededInit(model, seed=seed))
+
+
+def build_offloaded(
+    config, *, seed: int, requires_grad: bool = True, **offload_options: Any
+) -> nn.Module:
+    """A freshly initialised model of ``config``, offloaded: built on the meta device and
+    given ``SeededInit(model, seed=seed)``'s weights unit by unit as ``ramflow.offload``
+    builds the host store (with ``zero_stage``, each rank draws the units it owns into the
+    host's shared copy). No full fp32 model exists first; the weights are ``build_model``'s.
+
+    Args:
+        config: a ``transformers`` config of a causal language model.
+        seed: the seed of the initial weights.
+        requires_grad: False freezes every parameter before offloading.
+        offload_options: keyword arguments of ``ramflow.offload`` (not ``weights``).
+
+    Returns:
+        The offloaded model, in train mode.
+
+    Raises:
+        ValueError: see ``build_model``; MemoryError, ValueError: see ``ramflow.offload``.
+    """
+    model = meta_model(config).requires_grad_(requires_grad)
+    ramflow.offload(model, weights=SeededInit(model, seed=seed), **offload_options)
+    model.train()
     return model
 
 
@@ -275,6 +310,7 @@ __all__ = [
     "WEIGHTS_FILE",
     "WEIGHTS_INDEX_FILE",
     "build_model",
+    "build_offloaded",
     "check_weights",
     "count_parameters",
     "file_in",

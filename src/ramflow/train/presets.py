@@ -2,8 +2,9 @@
 
 Every preset is a Hugging Face ``LlamaConfig`` built from the numbers below, so the model
 is ``transformers``' own ``LlamaForCausalLM``. The public shapes are those of Meta's
-Llama 3.2-1B, Llama 3.2-3B and Llama 3.1-8B ``config.json`` files; ``anchor-2.7b`` is the
-benchmarks' reference model (benchmarks/reference_model.py); ``tiny`` trains on a laptop CPU in minutes.
+Llama 3.2-1B, Llama 3.2-3B, Llama 3.1-8B and Llama 3.1-70B ``config.json`` files;
+``anchor-2.7b`` is the benchmarks' reference model (benchmarks/reference_model.py); ``tiny``
+trains on a laptop CPU in minutes.
 """
 
 from __future__ import annotations
@@ -194,6 +195,23 @@ PRESETS: dict[str, ModelPreset] = {
             max_position_embeddings=131072,
             tie_word_embeddings=False,
             rope_parameters=_LLAMA3_ROPE_8,
+        ),
+        ModelPreset(
+            name="llama-70b",
+            description="the shape of Llama 3.1-70B (70.6 B parameters); a full fine-tune "
+            "needs about 4 bytes per parameter of host RAM (--host-precision lean)",
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_layers=80,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=128,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            tie_word_embeddings=False,
+            rope_parameters=_LLAMA3_ROPE_8,
+            batch_size=1,
+            lr=1e-5,
         ),
         ModelPreset(
             name="anchor-2.7b",
