@@ -143,6 +143,8 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     opt = ramflow.optim.AdamW(
         model.parameters(), lr=1e-2, keep_grads=options.get("keep_grads", True)
     )
+    if options.get("slow_owner") is not None and rank == options["slow_owner"]:
+        _slow_host_steps(opt, seconds=0.2)
     per_rank = GLOBAL_BATCH // world_size
     losses, norms, grads_left = [], [], []
     kill = options.get("kill")  # ("backward" or "step", step): SIGKILL rank 1 there
@@ -190,6 +192,19 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
             sorted({str(t.dtype) for st in opt.state.values() for t in st.values()}),
         ),
     }
+
+
+def _slow_host_steps(opt: torch.optim.Optimizer, *, seconds: float) -> None:
+    """Make this rank's host steps start ``seconds`` late: the other ranks then reach the
+    next forward long before the units this rank owns are written, so a rank that read a
+    unit before its owner published it would train on the previous step's weights."""
+    flat_step = opt.flat_step
+
+    def late(*args, **kwargs):
+        time.sleep(seconds)
+        return flat_step(*args, **kwargs)
+
+    opt.flat_step = late
 
 
 def _kill_in_backward_at(model: torch.nn.Module, *, step: int) -> None:

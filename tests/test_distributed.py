@@ -70,6 +70,11 @@ def test_zero_offload_equals_single_process(tmp_path, zero_stage, world_size, ba
         {"out": str(tmp_path), "zero_stage": zero_stage, "backend": backend},
     )
     _check_ok(results)
+    _assert_matches_reference(results, backend)
+
+
+def _assert_matches_reference(results: list[dict], backend: str = "gloo") -> None:
+    """Every rank's loss curve and rank 0's final weights are the single process's."""
     ref_losses, ref_state = reference_run()
     # gloo: the CPU reference's arithmetic but for the order of the gradient sums (fp32,
     # about 1e-7 relative); NCCL: also the GPU's fp32 matmuls, so looser
@@ -188,6 +193,21 @@ def test_rank_killed_mid_step_fails_the_others_with_ramflow_error(
     assert "rank 1 (PID" in error and "died" in error and "restart" in error, error
     assert elapsed < 300
     assert os.listdir(shm) == []
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_a_slow_owner_is_waited_for_unit_by_unit(tmp_path, zero_stage):
+    """Rank 1's host steps start 0.2 s late. The other ranks wait for each unit it owns
+    until its step counter says it was written ([Note: step counters instead of a
+    barrier]), so the run is still the single process's: a rank that refreshed a unit
+    before its owner wrote it would step from stale weights and drift from the reference."""
+    results = W.run(
+        W.train_offload,
+        4,
+        {"out": str(tmp_path), "zero_stage": zero_stage, "slow_owner": 1},
+    )
+    _check_ok(results)
+    _assert_matches_reference(results)
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2])
