@@ -162,12 +162,14 @@ class HFTokenizer:
         self.pad_id = pad if pad is not None else (self.eos_id if self.eos_id is not None else 0)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False)
+        return self._tok.encode(text, add_special_tokens=False, verbose=False)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if not texts:
             return []
-        return self._tok(texts, add_special_tokens=False)["input_ids"]
+        # whole documents, cut into --seq-len sequences later: the model's maximum length,
+        # which transformers warns about (verbose), does not apply here
+        return self._tok(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
