@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from ._frozen_formats import compressed_nbytes
-from ._lean_kernels import QBLOCK, quantize_blockwise
+from ._lean_kernels import QBLOCK, dequantize_blockwise, quantize_blockwise
 
 __all__ = ["HostPrecision", "check_optimizer_formats"]
 
@@ -150,6 +150,25 @@ class StateFormat:
         if self.block and name.endswith(self.ABSMAX):
             return flat[lo // self.block : -(-hi // self.block)]
         return flat[lo:hi]
+
+    def encode(self, name: str, value: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
+        """Write moment ``name``'s fp32 ``value`` (n,) into its host ``views`` in this format:
+        block-wise codes with their absmax, or the dtype's rounding."""
+        if self.block:
+            codes, absmax = quantize_blockwise(value, signed=name == "exp_avg")
+            views[name].copy_(codes.view_as(views[name]))
+            views[name + self.ABSMAX].copy_(absmax)
+        else:
+            views[name].copy_(value.view_as(views[name]))
+
+    def decode(self, name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Moment ``name`` of one parameter's ``state`` in this format as values (its absmax
+        taken out of ``state``)."""
+        value = state[name]
+        if self.block:
+            absmax = state.pop(name + self.ABSMAX)
+            return dequantize_blockwise(value.reshape(-1), absmax, signed=name == "exp_avg")
+        return value
 
     def new(self, name: str, n: int) -> torch.Tensor:
         """State ``name`` for ``n`` elements, at zero: codes of zero with a zero absmax."""
@@ -541,6 +560,35 @@ class HostPrecision:
     def is_exact(self) -> bool:
         """Whether steps are bit-identical to torch's fused AdamW (fp32 masters and states)."""
         return self.master_format.exact and self.state_format.exact
+
+
+def moments_into(
+    precision: HostPrecision, state: dict, views: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """AdamW's moments of one parameter (``state``'s ``exp_avg``/``exp_avg_sq``, any dtype
+    and device) written into ``views``, its flat host state in ``precision``'s format
+    (``StateFormat.encode``); a Kahan compensation is left at zero. Returns ``views``."""
+    for name in MOMENTS:
+        value = state[name].detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+        precision.state_format.encode(name, value, views)
+    return views
+
+
+def moments_to_plain(state: dict, p: torch.Tensor, *, plain: bool) -> None:
+    """``state``'s moments, as a unit's host format keeps them (whichever format holds
+    exactly these state tensors), made plain tensors in place: block-wise ones decoded, a
+    compensation dropped; in ``p``'s dtype and device when ``plain`` (a plain optimizer's),
+    else fp32 on the host (for another unit)."""
+    fmt = next(
+        (f for f in OPTIMIZER_STATES.values() if f.block and set(f.state_names) <= state.keys()),
+        OPTIMIZER_STATES["fp32"],
+    )
+    for name in MOMENTS:
+        value = fmt.decode(name, state).detach().to(torch.float32).view(p.shape)
+        state[name] = value.to(p.device, p.dtype, copy=True) if plain else value.clone()
+    for master in MASTERS.values():
+        for name in master.state_names:
+            state.pop(name, None)
 
 
 FP32 = HostPrecision.fp32()

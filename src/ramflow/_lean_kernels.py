@@ -693,33 +693,3 @@ def lean_adamw_step_(
     )
     rc = lib.ramflow_lean_adamw_step(ctypes.byref(args))
     assert rc == 0, rc
-
-
-def moments_into(state: dict, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """AdamW's moments of one parameter (``state``'s ``exp_avg``/``exp_avg_sq``, any dtype
-    and device) written into ``views``, its flat host state in a unit's host format: 8-bit
-    ones quantized per block (with their ``*_absmax`` views), a Kahan compensation left at
-    zero. Returns ``views``."""
-    for name in ("exp_avg", "exp_avg_sq"):
-        value = state[name].detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-        if name + "_absmax" in views:
-            codes, absmax = quantize_blockwise(value, signed=name == "exp_avg")
-            views[name].copy_(codes.view_as(views[name]))
-            views[name + "_absmax"].copy_(absmax)
-        else:
-            views[name].copy_(value.view_as(views[name]))
-    return views
-
-
-def moments_to_plain(state: dict, p: torch.Tensor, *, plain: bool) -> None:
-    """``state``'s moments, as a unit's host format keeps them, made plain tensors in
-    place: 8-bit ones decoded, a Kahan compensation dropped; in ``p``'s dtype and device
-    when ``plain`` (a plain optimizer's), else fp32 on the host (for another unit)."""
-    for name in ("exp_avg", "exp_avg_sq"):
-        value = state[name]
-        absmax = state.pop(name + "_absmax", None)
-        if absmax is not None:
-            value = dequantize_blockwise(value.reshape(-1), absmax, signed=name == "exp_avg")
-        value = value.detach().to(torch.float32).view(p.shape)
-        state[name] = value.to(p.device, p.dtype, copy=True) if plain else value.clone()
-    state.pop("master_compensation", None)

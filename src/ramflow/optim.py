@@ -22,8 +22,15 @@ from torch.optim import sgd as _sgd
 from . import _lean_triton
 from ._cpu_kernels import _check_threads, cut_at_tails, fused_adamw_step_, odd_tails
 from ._engine import Engine
-from ._host_formats import FP32, STEP_ALIGN, HostPrecision, check_optimizer_formats
-from ._lean_kernels import lean_adamw_step_, moments_into, moments_to_plain
+from ._host_formats import (
+    FP32,
+    STEP_ALIGN,
+    HostPrecision,
+    check_optimizer_formats,
+    moments_into,
+    moments_to_plain,
+)
+from ._lean_kernels import lean_adamw_step_
 from ._linear import attach_pending
 from ._plan import LEAN_DEVICE_STEP_PIECE
 from ._registry import engine_of_param
@@ -365,7 +372,7 @@ class AdamW(HostOptimizer):
             the step, which bounds small-batch training) for loops that never read the
             gradients. Steps that are not applied during backward (the first, clipping,
             accumulation) always fill ``p.grad``. Under the gradient ring of the lean host
-            formats (``HostPrecision.gradients == "ring"``) steps during backward leave
+            formats (a ``HostPrecision`` whose gradients are a ring) steps during backward leave
             ``p.grad`` None either way: the ring keeps no full gradient buffer.
         threads: CPU threads of the step over the host masters (ramflow's native AdamW
             kernel), an int >= 1; None (the default) is ``torch.get_num_threads()``. The
@@ -503,7 +510,7 @@ class AdamW(HostOptimizer):
         unit = engine.unit_of(p)
         if not st or unit is None or not any(q is p for q in unit.owned[: unit.num_trainable]):
             return  # no state, or a frozen parameter: never stepped by the unit
-        st.update(moments_into(st, self._flat_state(p, _state_names(unit))))
+        st.update(moments_into(_format(unit), st, self._flat_state(p, _state_names(unit))))
 
     def _states_to_plain(self, p: torch.Tensor) -> None:
         """``p``'s engine was removed (``ramflow.undo``): its moments become plain tensors.
