@@ -1,9 +1,10 @@
 """The stepper: when and where each unit is stepped, and the refresh that follows.
 
-Owns the step policy (eager during backward or deferred to ``opt.step()``, loop-pattern
-errors and their recovery, refused partial steps), the optimizers attached to the engine,
-host steps on the worker (whole units in one flat pass, the refresh in pieces), device
-steps and the device state they keep, and the data-parallel state (``DataParallel``).
+Runs what the step policy decides (``_step_policy.StepPolicy``: eager during backward or
+deferred to ``opt.step()``, loop-pattern errors and their recovery, refused partial steps)
+and owns the optimizers attached to the engine, host steps on the worker (whole units in
+one flat pass, the refresh in pieces), device steps and the device state they keep, and
+the data-parallel state (``DataParallel``).
 
 [Note: when the step runs]
 The first optimizer step is applied by ``opt.step()`` (deferred). If that step saw exactly
@@ -87,6 +88,7 @@ import torch
 from ._host_store import HostStore
 from ._interfaces import DataParallel, StepOptimizer
 from ._plan import DEVICE_STEP_PIECE
+from ._step_policy import StepItem, StepPolicy
 from ._streams import record_event
 from ._units import _ALIGN, _Unit
 from ._window import DeviceWindow
@@ -95,30 +97,6 @@ from ._worker import STEP, HostWorker
 # A resident unit's refresh is sent in pieces of this many wire bytes, each as soon as the
 # step has written it. See [Note: the refresh follows the step].
 REFRESH_PIECE_BYTES = 64 << 20
-
-
-def same_settings(a: list[dict], b: list[dict]) -> bool:
-    """Whether two copies of an optimizer's param-group settings (``_hyperparameters``)
-    are equal; tensors (a tensor learning rate) compare by value."""
-    if len(a) != len(b):
-        return False
-    for group_a, group_b in zip(a, b):
-        if group_a.keys() != group_b.keys():
-            return False
-        for key, x in group_a.items():
-            y = group_b[key]
-            if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-                same = (
-                    isinstance(x, torch.Tensor)
-                    and isinstance(y, torch.Tensor)
-                    and x.shape == y.shape
-                    and bool(torch.equal(x.cpu(), y.cpu()))
-                )
-                if not same:
-                    return False
-            elif x != y:
-                return False
-    return True
 
 
 class Stepper:
@@ -151,42 +129,22 @@ class Stepper:
         self._positions: dict[_Unit, int] = {}
         # the worker's optimizer kernels so far: parameters stepped, seconds (host_step_totals)
         self._host_steps = [0, 0.0]
-        # step policy, see [Note: when the step runs]
         self._optimizers: list[weakref.ref[StepOptimizer]] = []
-        self._eager_allowed = False
-        self._eager_now: bool | None = None
-        self._last_backward_eager = False
-        self._final_backwards = 0
-        self._clip_used = False
-        # the optimizer's settings when the last backward ended (learned: a loop that sets
-        # them between backward and step() cannot step during backward), and those an eager
-        # pass stepped with (checked at step())
-        self._settings_at_backward: list[dict] | None = None
-        self._settings_late = False
-        self._eager_settings: list[dict] | None = None
-        self._seen_step = False  # an opt.step() has run (see _eager_from_the_start)
+        # when units step, see [Note: when the step runs]; its recovery state, see [Note: a
+        # failed backward] in ``ramflow._schedule``
+        self.policy = StepPolicy()
         # unit gradient norms of the last eager pass, see [Note: the norm without clipping]
         self._pass_norms: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self._pass_norms_whole = False  # every unit of the pass started from no gradients
         self._pass_fresh = False  # some unit of the pass started from no gradients
-        # recovery state, see [Note: a failed backward] in ``ramflow._schedule``
-        self._partial_step: list[str] = []  # units a failed backward had already stepped
-        self._partial_grads = False  # gradients hold part of a failed backward
-        self._pattern_error = False  # a loop-pattern RuntimeError was raised
 
     # ------------------------------------------------------------------ optimizers, order
 
     def attach(self, opt: StepOptimizer) -> None:
         """Step ``opt``'s parameters of this engine (held weakly)."""
         if opt not in self.optimizers:
-            # a new optimizer starts the step policy afresh (a layer engine outlives the
-            # models and optimizers of earlier runs in the same process)
             self._optimizers.append(weakref.ref(opt))
-            self._last_backward_eager = False
-            self._final_backwards = 0
-            self._eager_allowed = False
-            self._settings_late = False
-            self._seen_step = False
+            self.policy.new_optimizer()
 
     @property
     def optimizers(self) -> list[StepOptimizer]:
@@ -221,82 +179,36 @@ class Stepper:
     def decide_eager(self) -> bool:
         """Whether this backward pass steps units as their gradients land (decided at its
         first dispatched unit). See [Note: when the step runs]."""
-        if self._eager_now is None:
-            no_step = any(opt._no_step_depth for opt in self.optimizers)
-            if self._last_backward_eager and not no_step:
-                raise self.pattern(
-                    "a second backward pass ran before opt.step(), but ramflow had already "
-                    "applied the step during the first (it saw one backward per step so far). "
-                    "For gradient accumulation, run the non-final micro-batches under "
-                    "`with opt.no_step():`, or construct the optimizer with overlap=False."
-                )
-            self._eager_now = (
-                (self._eager_allowed or self._eager_from_the_start())
-                and not no_step
-                and self._final_backwards == 0
-                and len(self.optimizers) == 1
-            )
-            self._eager_settings = (
-                self.optimizers[0]._hyperparameters() if self._eager_now else None
-            )
-            self._pass_norms = []
-            self._pass_norms_whole = self._eager_now
-            self._pass_fresh = False
-        return self._eager_now
-
-    def _eager_from_the_start(self) -> bool:
-        """With the gradient ring and an optimizer that keeps no gradients
-        (``keep_grads=False``, a promise that the loop never reads them, so never clips),
-        the first backward steps during backward too: no full host gradient buffer is ever
-        made for a first, deferred step (it would be the largest host buffer of a lean
-        store). A loop that breaks the promise gets the loop-pattern errors."""
-        opts = self.optimizers
-        return (
-            self._host.precision.gradient_format.ring
-            and not self._seen_step
-            and not self._pattern_error
-            and len(opts) == 1
-            and opts[0].overlap
-            and not opts[0].keep_grads
+        first = self.policy.eager_now is None
+        eager = self.policy.begin_pass(
+            self.optimizers, ring=self._host.precision.gradient_format.ring
         )
+        if first:
+            self._pass_norms = []
+            self._pass_norms_whole = eager
+            self._pass_fresh = False
+        return eager
 
     def end_pass(self) -> None:
         """A backward pass finished: count it for the step policy."""
-        if self._eager_now is not None:
-            no_step = any(opt._no_step_depth for opt in self.optimizers)
-            if not no_step:
-                self._final_backwards += 1
-            self._last_backward_eager = self._eager_now
-            opts = self.optimizers
-            self._settings_at_backward = opts[0]._hyperparameters() if len(opts) == 1 else None
-        self._eager_now = None
+        self.policy.end_pass(self.optimizers)
 
     def failed_pass(self, *, stepped: Iterable[_Unit], partial_grads: bool) -> None:
         """A backward pass raised after it had stepped ``stepped`` (refused until a reload
         or ``accept_partial_step``) and, with ``partial_grads``, added to accumulated
         gradients (refused until ``zero_grad``)."""
         names = {u.name for u in stepped}
-        self._partial_step = [u.name for u in self.units if u.name in names]
-        self._partial_grads = self._partial_grads or partial_grads
-        self._eager_now = None
+        self.policy.failed_pass(
+            [u.name for u in self.units if u.name in names], partial_grads=partial_grads
+        )
 
     def raise_if_partial_step(self) -> None:
-        if self._partial_step:
-            names = self._partial_step
-            shown = ", ".join(repr(n) for n in names[:4]) + (" ..." if len(names) > 4 else "")
-            raise RuntimeError(
-                f"the last backward pass raised after ramflow had already applied this step's "
-                f"optimizer update to {len(names)} unit(s) ({shown}): steps run during backward "
-                "once the loop is known to step after every backward. The model is partly "
-                "stepped. Reload a checkpoint (model.load_state_dict and opt.load_state_dict), "
-                "or call ramflow.accept_partial_step(model) to go on from these weights; "
-                "AdamW(..., overlap=False) never steps before backward has finished."
-            )
+        self.policy.raise_if_partial_step()
 
     def accept_partial_step(self) -> None:
         """Go on from the weights a failed backward left partly stepped (also after a
         checkpoint was loaded)."""
-        self._partial_step = []
+        self.policy.partial_step = []
 
     def zero_grad(self) -> None:
         """``opt.zero_grad()``: the gradients are whole again, and after a loop-pattern
@@ -307,47 +219,19 @@ class Stepper:
                 ``opt.step()`` followed it: the loop skipped a step that ramflow had
                 already applied (a loop-pattern error; a second call goes on).
         """
-        if self._last_backward_eager and not self._pattern_error:
-            raise self.pattern(
-                "opt.zero_grad() ran after a backward pass without an opt.step() between them, "
-                "but ramflow had already applied that step during backward (it saw one "
-                "backward per step so far), so its update is in the weights. A loop that skips "
-                "steps (a guard against non-finite gradients, ...) needs the optimizer built "
-                "with overlap=False; reload a checkpoint to take this update back."
-            )
-        self._partial_grads = False
+        self.policy.zero_grad()
         self._pass_norms_whole = False
-        if self._pattern_error:
-            self._pattern_error = False
-            self._last_backward_eager = False
-            self._final_backwards = 0
-            self._eager_allowed = False
-            self._clip_used = False
-            self._settings_late = False
 
     def pattern(self, message: str) -> RuntimeError:
         """A loop-pattern error; ``opt.zero_grad()`` recovers from it."""
-        self._pattern_error = True
-        return RuntimeError(
-            message + " After this error, call opt.zero_grad() and go on: ramflow then "
-            "learns the loop's pattern afresh (the optimizer's states are kept)."
-        )
+        return self.policy.pattern(message)
 
     def note_clip(self, *, norm_only: bool = False) -> None:
         """Called by ``ramflow.clip_grad_norm_`` before it reads the gradients.
         ``norm_only``: the 2-norm is read and the gradients are left as they are, so steps
         may still run during backward. See [Note: the norm without clipping]."""
-        if norm_only:
-            return
-        if self._last_backward_eager:
-            raise self.pattern(
-                "gradients were clipped (ramflow.clip_grad_norm_, or torch.nn.utils."
-                "clip_grad_norm_ with a finite max_norm) after ramflow had already applied the "
-                "step during backward (it saw no clipping at the first step). Clip from the "
-                "first step on, or construct the optimizer with overlap=False."
-            )
-        self._clip_used = True
-        self._eager_allowed = False
+        if not norm_only:
+            self.policy.note_clip()
 
     def note_grad_norm(
         self,
@@ -361,7 +245,7 @@ class Stepper:
         flat device gradients ``grad`` (fp32 device scalar). ``after``: the work handle of
         their data-parallel reduction (in place), which the norm waits for, on ``stream``
         (on CUDA; None: the calling stream). See [Note: the norm without clipping]."""
-        if not self._eager_now:
+        if not self.policy.eager_now:
             return
         fresh = all(p.grad is None for p in u.owned[: u.num_trainable])
         self._pass_fresh = self._pass_fresh or fresh
@@ -398,7 +282,7 @@ class Stepper:
                 gradients to units that had none, which the optimizer's
                 ``keep_grads=False`` leaves out of ``p.grad``.
         """
-        if not self._last_backward_eager:
+        if not self.policy.last_eager:
             return None
         if not self._pass_norms_whole:
             if self._pass_fresh and not all(opt.keep_grads for opt in self.optimizers):
@@ -423,39 +307,8 @@ class Stepper:
         """``opt.step()`` (the last backward pass settled): check or schedule the step of
         every unit ``opt`` holds."""
         self.worker.raise_error()
-        self.raise_if_partial_step()
-        if self._partial_grads:
-            raise RuntimeError(
-                "the gradients hold part of a backward pass that raised, added to gradients "
-                "accumulated before it; that part cannot be taken out again. Call "
-                "opt.zero_grad() and run the micro-batches of this step again."
-            )
         modified = self._grads_modified(opt)
-        settings = opt._hyperparameters()
-        if self._last_backward_eager:
-            if modified:
-                raise self.pattern(
-                    "gradients were changed after backward (clipping, unscaling or a manual "
-                    "edit), but ramflow had already applied this step during backward. Use "
-                    "ramflow.clip_grad_norm_ from the first step on, or construct the "
-                    "optimizer with overlap=False."
-                )
-            if self._eager_settings is not None and not same_settings(
-                settings, self._eager_settings
-            ):
-                raise self.pattern(
-                    "the optimizer's settings (learning rate, weight decay, ...) changed between "
-                    "backward and opt.step(), but ramflow had already applied this step during "
-                    "backward with the settings of then (it saw them unchanged at the first "
-                    "step). Set them before backward or after opt.step() (as an LR scheduler's "
-                    "step() after opt.step() does), or construct the optimizer with "
-                    "overlap=False."
-                )
-        else:
-            if self._settings_at_backward is not None and not same_settings(
-                settings, self._settings_at_backward
-            ):
-                self._settings_late = True  # set between backward and step: never eager
+        if self.policy.check_step(opt._hyperparameters(), modified=modified):
             for u in sorted(self.units, key=self.priority):
                 if not self.steps_here(u):
                     continue
@@ -463,20 +316,11 @@ class Stepper:
                 if items:
                     self.step_from_host(u, items)
             self.wait_host_grad_reads()
-            if self._final_backwards == 0:
+            if self.policy.final_backwards == 0:
                 # no backward since the last step (step() twice, gradients set by hand): the
                 # next backward's gradients would land in the buffers this step still reads
                 self.worker.wait_idle()
-        self._seen_step = True
-        self._eager_allowed = (
-            opt.overlap
-            and self._final_backwards == 1
-            and not modified
-            and not self._clip_used
-            and not self._settings_late
-        )
-        self._final_backwards = 0
-        self._last_backward_eager = False
+        self.policy.after_step(opt, modified=modified)
         self._pass_norms_whole = False
 
     def _grads_modified(self, opt: StepOptimizer) -> bool:
@@ -493,7 +337,7 @@ class Stepper:
 
     # ------------------------------------------------------------------ host steps
 
-    def step_items(self, u: _Unit, optimizers: list[StepOptimizer]) -> list[tuple]:
+    def step_items(self, u: _Unit, optimizers: list[StepOptimizer]) -> list[StepItem]:
         """What a step of ``u`` needs, captured now: per optimizer its hyperparameters, the
         parameters it holds with their gradients (the user may zero_grad before the worker
         gets to the step) and the gradients' version counters (see ``step_unit``)."""
@@ -503,10 +347,10 @@ class Stepper:
             if params:
                 grads = [p.grad for p in params]
                 versions = [g._version for g in grads]
-                items.append((opt, opt._hyperparameters(), params, grads, versions))
+                items.append(StepItem(opt, opt._hyperparameters(), params, grads, versions))
         return items
 
-    def step_unit(self, u: _Unit, items: list[tuple]) -> None:
+    def step_unit(self, u: _Unit, items: list[StepItem]) -> None:
         """Worker: step ``u``'s master weights with each optimizer, then refresh its wire
         copy (in the same pass when one optimizer steps the whole unit flat)."""
         self._host.before_host_write(u)
@@ -515,11 +359,10 @@ class Stepper:
         start = time.perf_counter()
         with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
             if len(items) == 1 and self.whole_unit(u, items[0]):
-                opt, hyper = items[0][:2]
                 pieces = self._refresh_pieces(u)
-                opt.flat_step(
+                items[0].optimizer.flat_step(
                     u,
-                    hyper,
+                    items[0].hyper,
                     grad=u.host_grad,
                     wire_out=self._host.wire_prefix(u),
                     pieces=pieces,
@@ -527,21 +370,23 @@ class Stepper:
                 )
                 wire_written = True
             else:
-                for opt, hyper, params, grads, _ in items:
-                    opt._step_params(params, grads, hyper)
-        self._count_host_step(sum(p.numel() for item in items for p in item[2]), start)
+                for item in items:
+                    item.optimizer._step_params(item.params, item.grads, item.hyper)
+        self._count_host_step(sum(p.numel() for item in items for p in item.params), start)
         self._host.refresh_wire(u, written=wire_written, sent=wire_written and bool(pieces))
         self._published(u)
         self._check_grads_unwritten(u, items)
 
     @staticmethod
-    def _check_grads_unwritten(u: _Unit, items: list[tuple]) -> None:
+    def _check_grads_unwritten(u: _Unit, items: list[StepItem]) -> None:
         """Worker, after a host step: the gradients it read were not written in place
         between ``step()`` and now (``p.grad.zero_()``, ``zero_grad(set_to_none=False)``
         right after ``step()``), which would have stepped with what was written. Raised on
         the worker, so at the loop's next ramflow call."""
-        for _, _, params, grads, versions in items:
-            written = [p for p, g, v in zip(params, grads, versions) if g._version != v]
+        for item in items:
+            written = [
+                p for p, g, v in zip(item.params, item.grads, item.versions) if g._version != v
+            ]
             if written:
                 raise RuntimeError(
                     f"the gradients of unit {u.name!r} were written in place (e.g. "
@@ -617,23 +462,23 @@ class Stepper:
         (after ``synchronize``) for exact figures."""
         return self._host_steps[0], self._host_steps[1]
 
-    def whole_unit(self, u: _Unit, item: tuple) -> bool:
+    def whole_unit(self, u: _Unit, item: StepItem) -> bool:
         """Whether ``item`` (see ``step_items``) steps all of ``u`` flat from the host
         gradients as they landed."""
-        return item[0].flat_group(u) is not None and self.all_host_grads(u, item)
+        return item.optimizer.flat_group(u) is not None and self.all_host_grads(u, item)
 
     @staticmethod
-    def all_host_grads(u: _Unit, item: tuple) -> bool:
+    def all_host_grads(u: _Unit, item: StepItem) -> bool:
         """Whether ``item`` (see ``step_items``) holds every trainable parameter of ``u``
         with the host gradients as they landed (the unit's flat host gradient)."""
-        params, grads = item[2], item[3]
+        params, grads = item.params, item.grads
         return (
             u.host_grad is not None
             and len(params) == u.num_trainable == len(u.host_grad_views)
             and all(g is v for g, v in zip(grads, u.host_grad_views))
         )
 
-    def step_from_host(self, u: _Unit, items: list[tuple]) -> None:
+    def step_from_host(self, u: _Unit, items: list[StepItem]) -> None:
         """Step ``u`` from its host gradients: on the device if it is stepped there and one
         optimizer steps it whole, else on the worker (a device-stepped unit then gives its
         state back to the host first, and uploads it again at its next device step)."""
@@ -642,12 +487,11 @@ class Stepper:
         if (
             u.device_stepped
             and len(items) == 1
-            and self.device_steppable(u, items[0][0])
+            and self.device_steppable(u, items[0].optimizer)
             and self.all_host_grads(u, items[0])
         ):
-            opt, hyper = items[0][:2]
             assert u.host_grad is not None
-            self.device_step(u, opt, hyper, u.host_grad)
+            self.device_step(u, items[0].optimizer, items[0].hyper, u.host_grad)
             return
         self.drop_device_state(u)
         self._window.begin_host_write([u])

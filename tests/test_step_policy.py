@@ -1,0 +1,79 @@
+"""The step policy on its own: what it learns from a loop and what it refuses."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ramflow._step_policy import StepItem, StepPolicy
+
+
+def _opt(*, overlap: bool = True, keep_grads: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(
+        overlap=overlap,
+        keep_grads=keep_grads,
+        _no_step_depth=0,
+        _hyperparameters=lambda: [{"lr": 1e-3}],
+    )
+
+
+def _step(policy: StepPolicy, opt, *, modified: bool = False) -> bool:
+    needs = policy.check_step(opt._hyperparameters(), modified=modified)
+    policy.after_step(opt, modified=modified)
+    return needs
+
+
+def test_one_backward_per_step_becomes_eager():
+    policy, opt = StepPolicy(), _opt()
+    assert not policy.begin_pass([opt], ring=False)  # the first step is deferred
+    policy.end_pass([opt])
+    assert _step(policy, opt)
+    assert policy.begin_pass([opt], ring=False)  # learned: steps during backward
+    policy.end_pass([opt])
+    assert not _step(policy, opt)  # already stepped
+
+
+def test_ring_without_kept_gradients_is_eager_from_the_start():
+    opt = _opt(keep_grads=False)
+    assert StepPolicy().begin_pass([opt], ring=True)
+    assert not StepPolicy().begin_pass([opt], ring=False)
+
+
+def test_clipping_defers_and_a_late_clip_is_a_pattern_error():
+    policy, opt = StepPolicy(), _opt()
+    policy.begin_pass([opt], ring=False)
+    policy.end_pass([opt])
+    policy.note_clip()
+    _step(policy, opt)
+    assert not policy.begin_pass([opt], ring=False)
+    policy.end_pass([opt])
+    _step(policy, opt)
+
+    policy, opt = StepPolicy(), _opt()
+    policy.begin_pass([opt], ring=False)
+    policy.end_pass([opt])
+    _step(policy, opt)
+    policy.begin_pass([opt], ring=False)
+    policy.end_pass([opt])
+    with pytest.raises(RuntimeError, match="clipped"):
+        policy.note_clip()
+    policy.zero_grad()  # recovers
+    assert not policy.pattern_error and not policy.allowed
+
+
+def test_second_backward_after_an_eager_one_is_refused():
+    policy, opt = StepPolicy(), _opt()
+    for _ in range(2):
+        policy.begin_pass([opt], ring=False)
+        policy.end_pass([opt])
+        _step(policy, opt)
+    assert policy.begin_pass([opt], ring=False)
+    policy.end_pass([opt])
+    with pytest.raises(RuntimeError, match="second backward pass"):
+        policy.begin_pass([opt], ring=False)
+
+
+def test_step_item_is_read_by_name():
+    item = StepItem(_opt(), [{}], [], [], [])
+    assert item.hyper == [{}] and item.params == [] and item.versions == []
