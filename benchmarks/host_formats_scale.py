@@ -199,8 +199,8 @@ def measured_rates(device: torch.device, host_precision: str) -> dict:
     if device.type != "cuda":
         return {}
     sys.path.insert(0, str(HERE))
+    import cpu_optimizer_runner
     import measure
-    import runners
 
     bw = measure.pinned_bandwidth(device)
     out = {
@@ -210,7 +210,7 @@ def measured_rates(device: torch.device, host_precision: str) -> dict:
     }
     if host_precision != "fp32":
         dram = measure.dram_copy_bandwidth()
-        rates = runners._host_format_rates(1 << 27, {"steps": 3}, dram)
+        rates = cpu_optimizer_runner._host_format_rates(1 << 27, {"steps": 3}, dram)
         out["cpu_optimizer_params_per_s"] = rates[host_precision]["params_per_s"]
         out["dram_copy_bytes_per_s"] = dram
     return out

@@ -1,0 +1,181 @@
+"""The CPU optimizer case: ramflow's AdamW against torch's fused and foreach CPU AdamW on the
+same tensors, one process, and each host format's step rate (``cases.py``'s
+``cpu_optimizer``)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import measure
+from case_steps import (
+    LR,
+    _model,
+    compute_device,
+)
+from models import (
+    loss_of,
+    make_batch,
+    model_shape,
+)
+
+
+def run_cpu_optimizer(case: dict[str, Any]) -> dict[str, Any]:
+    """ramflow's AdamW over an offloaded model's host masters vs torch's CPU AdamW (fused and
+    foreach) over the very same parameter tensors and gradients, in this process.
+
+    One forward and backward (batch 1) lands every gradient in ramflow's host gradients; then
+    each timed ramflow step is ``opt.step()`` and ``ramflow.synchronize`` (no backward in
+    between, so every step is the deferred kind: the worker steps each unit's fp32 masters
+    from its fp32 host gradients and, with a bf16 wire, writes the wire copy). torch's
+    optimizers then step the same parameters with the same ``.grad`` tensors.
+
+    GB/s counts the least traffic each step needs, in one pass: AdamW reads param, grad,
+    exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq (28 B per fp32 parameter);
+    ramflow also writes the bf16 wire copy (2 B more).
+    """
+    import ramflow
+
+    device = compute_device()
+    model = _model(case, device="cpu")
+    ramflow.offload(model, gpu_memory=None, device=device)
+    rf_opt = ramflow.optim.AdamW(model.parameters(), lr=LR)
+    ids, labels = make_batch(model_shape(model).vocab_size, 1, case["seq"], device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = loss_of(model, ids, labels)
+    loss.backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    num = sum(p.numel() for p in params)
+    wire_refresh = ramflow.get_plan(model).wire_dtype != "float32"
+
+    def timed(step, drain=None) -> list[float]:
+        step()  # states are allocated here
+        if drain:
+            drain()
+        times = []
+        for _ in range(case["steps"]):
+            t0 = time.perf_counter()
+            step()
+            if drain:
+                drain()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    rf_times = timed(rf_opt.step, lambda: ramflow.synchronize(model))
+    missing = sum(1 for p in params if p.grad is None)
+    if missing:
+        raise RuntimeError(f"{missing} parameters have no gradient after backward")
+    fused_opt = torch.optim.AdamW(params, lr=LR, fused=True)
+    fused_times = timed(fused_opt.step)
+    del fused_opt
+    foreach_opt = torch.optim.AdamW(params, lr=LR, foreach=True)
+    foreach_times = timed(foreach_opt.step)
+    del foreach_opt
+    dram = measure.dram_copy_bandwidth(nbytes=measure.GiB if not case["tiny"] else 64 * measure.MiB)
+    formats = _host_format_rates(min(num, 1 << 28 if not case["tiny"] else 1 << 20), case, dram)
+    adam_bytes = 28
+    rf_bytes = adam_bytes + (2 if wire_refresh else 0)
+    med = statistics.median
+    return {
+        "num_params": num,
+        "wire_refresh": wire_refresh,
+        "ramflow_step_s": med(rf_times),
+        "torch_fused_step_s": med(fused_times),
+        "torch_foreach_step_s": med(foreach_times),
+        "ramflow_params_per_s": num / med(rf_times),
+        "torch_fused_params_per_s": num / med(fused_times),
+        "torch_foreach_params_per_s": num / med(foreach_times),
+        "ramflow_bytes_per_s": num * rf_bytes / med(rf_times),
+        "torch_fused_bytes_per_s": num * adam_bytes / med(fused_times),
+        "bytes_per_param": {"torch_adamw": adam_bytes, "ramflow": rf_bytes},
+        "dram_copy_bytes_per_s": dram,
+        "host_formats": formats,
+        "cpu_threads": torch.get_num_threads(),
+        "step_times_s": {
+            "ramflow": rf_times,
+            "torch_fused": fused_times,
+            "torch_foreach": foreach_times,
+        },
+    }
+
+
+# one pass over DRAM per format: bytes read plus written per parameter (the gradient is the
+# bf16 staging buffer; 8-bit states add one fp32 absmax per 256 elements each way)
+HOST_FORMAT_BYTES = {
+    "bf16": 2 + 2 * 2 + 2 * 4,  # gradient, bf16 master (it is the wire), bf16 m and v
+    "lean": 2 + 2 * 2 + 2 * 2 + 4 * 4 / 256,  # ... 8-bit m and v, their absmax
+    "kahan": 2 + 2 * 4 + 2 * 2 + 4 * 4 / 256,  # ... bf16 master and compensation
+}
+
+
+def _host_format_rates(n: int, case: dict[str, Any], dram: float) -> dict[str, Any]:
+    """Each lean host format's CPU AdamW step over ``n`` parameters of flat buffers
+    (``_lean_kernels.lean_adamw_step_``, all threads, fastest of the case's steps after one
+    untimed): params/s, bytes/s and their share of the DRAM copy rate (issue 14 wants 0.85).
+
+    The top-level rates are those of the instruction set the step runs here
+    (``lean_isa``); on an AVX-512 CPU ``by_isa["avx2"]`` has the AVX2 step's too, from the
+    same buffers. The copy rate drifts between processes and within one (see
+    benchmarks/results/2026-11-22-nvidia-h200-refresh), so it is measured again after the
+    formats, and each share is taken against the larger of the two: the lower share."""
+    from ramflow._lean_kernels import QBLOCK, lean_adamw_step_, lean_isa, quantize_blockwise
+
+    isas = [lean_isa() or "torch"]
+    if isas[0] == "avx512":
+        isas.append("avx2")
+    grad = torch.randn(n).to(torch.bfloat16)
+    by_isa: dict[str, dict[str, Any]] = {}
+    before = os.environ.get("RAMFLOW_LEAN_ISA")
+    try:
+        for isa in isas:
+            if isa in ("avx512", "avx2"):
+                os.environ["RAMFLOW_LEAN_ISA"] = isa
+            by_isa[isa] = {}
+            for name, nbytes in HOST_FORMAT_BYTES.items():
+                master = torch.randn(n).to(torch.bfloat16)
+                comp = torch.zeros(n, dtype=torch.bfloat16) if name == "kahan" else None
+                if name == "bf16":
+                    m = torch.zeros(n, dtype=torch.bfloat16)
+                    v = torch.zeros(n, dtype=torch.bfloat16)
+                    am = av = None
+                else:
+                    m = quantize_blockwise(torch.zeros(n), signed=True)[0]
+                    v = quantize_blockwise(torch.zeros(n), signed=False)[0]
+                    am, av = torch.zeros(-(-n // QBLOCK)), torch.zeros(-(-n // QBLOCK))
+                times = []
+                for step in range(1, case["steps"] + 2):
+                    t0 = time.perf_counter()
+                    lean_adamw_step_(
+                        master, grad, m, v, step=step, lr=1e-6, beta1=0.9, beta2=0.999,
+                        eps=1e-8, weight_decay=0.0, compensation=comp, exp_avg_absmax=am,
+                        exp_avg_sq_absmax=av,
+                    )  # fmt: skip
+                    times.append(time.perf_counter() - t0)
+                best = min(times[1:])
+                by_isa[isa][name] = {"step_s": best, "bytes_per_param": nbytes}
+                del master, comp, m, v, am, av
+    finally:
+        if before is None:
+            os.environ.pop("RAMFLOW_LEAN_ISA", None)
+        else:
+            os.environ["RAMFLOW_LEAN_ISA"] = before
+    after = measure.dram_copy_bandwidth(
+        nbytes=measure.GiB if not case["tiny"] else 64 * measure.MiB
+    )
+    copy = max(dram, after)
+    for rates in by_isa.values():
+        for r in rates.values():
+            r["params_per_s"] = n / r["step_s"]
+            r["bytes_per_s"] = n * r["bytes_per_param"] / r["step_s"]
+            r["share_of_dram_copy"] = r["bytes_per_s"] / copy
+    return {
+        "params": n,
+        "isa": isas[0],
+        **by_isa[isas[0]],
+        "by_isa": {isa: rates for isa, rates in by_isa.items() if isa != isas[0]},
+        "dram_copy_bytes_per_s": {"before": dram, "after": after, "used": copy},
+    }
