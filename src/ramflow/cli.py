@@ -273,6 +273,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _frozen_format_option(t, "the frozen base's weights")
     t.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="data parallelism: start N ranks on this host, one per GPU (gloo on the CPU); "
+        "--batch-size is each rank's micro-batch. torchrun --nproc-per-node N -m ramflow "
+        "train does the same",
+    )
+    t.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[1, 2],
+        default=None,
+        help="with several ranks: ZeRO stage (default: the plan's, 2)",
+    )
+    t.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with several ranks: how long a rank waits for the others in a collective "
+        "before failing (default 600); must exceed the time rank 0 takes to write a "
+        "checkpoint's weights",
+    )
+    t.add_argument(
         "--out", metavar="DIR", default=None, help="run folder (default: runs/<timestamp>)"
     )
     t.add_argument(
@@ -383,6 +408,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="G/S",
         help="the host's AdamW rate in billions of parameters per second (default 3.72: 16 threads)",
     )
+    pl.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="plan N ranks on this host: one rank's GPU as above, the host's RAM for all "
+        "of them, and (GPU plans) their predicted tokens/s and what binds",
+    )
+    pl.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[1, 2],
+        default=None,
+        help="with --nproc-per-node: ZeRO stage (default: the plan's, 2)",
+    )
+    pl.add_argument(
+        "--host-dram-gbps",
+        type=float,
+        default=None,
+        metavar="GB/S",
+        help="with --nproc-per-node: host DRAM traffic, bytes read plus written per second "
+        "(default 192, twice an H200 box's 96 GB/s memory copy rate)",
+    )
     pr = sub.add_parser(
         "profile",
         help="run a few training steps and write where their memory went",
@@ -426,23 +474,42 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
-    from .train import TrainConfig, open_checkpoint, resume_config, train
+def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import os
 
+    from .train import TrainConfig, open_checkpoint, resume_config, train
+    from .train.ranks import DEFAULT_TIMEOUT_S
+
+    timeout_s = args.dist_timeout if args.dist_timeout is not None else DEFAULT_TIMEOUT_S
+    if args.nproc_per_node is not None and "WORLD_SIZE" not in os.environ:
+        # the launcher: see [Note: the launcher] in ramflow.train.launch
+        from .train.launch import launch
+
+        if args.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
+        return launch(list(argv), nproc=args.nproc_per_node, timeout_s=timeout_s)
+    if args.nproc_per_node is not None and os.environ.get("LOCAL_WORLD_SIZE") != str(
+        args.nproc_per_node
+    ):
+        raise ValueError(
+            f"--nproc-per-node {args.nproc_per_node} inside a launched run of "
+            f"{os.environ.get('LOCAL_WORLD_SIZE')} ranks per host: leave it out under torchrun"
+        )
     options: dict[str, Any] = {k: getattr(args, k) for k in _TRAIN_OPTIONS}
+    run_options: dict[str, Any] = {
+        "out": args.out,
+        "progress": not args.no_progress,
+        "log_to": args.log_to,
+        "zero_stage": args.zero_stage,
+        "dist_timeout_s": timeout_s,
+    }
     if args.resume is not None:
         ckpt = open_checkpoint(args.resume)
         config = resume_config(ckpt, **options)
-        result = train(
-            config,
-            out=args.out,
-            resume=ckpt,
-            progress=not args.no_progress,
-            log_to=args.log_to,
-        )
+        result = train(config, resume=ckpt, **run_options)
     else:
         config = TrainConfig.from_options(**options)
-        result = train(config, out=args.out, progress=not args.no_progress, log_to=args.log_to)
+        result = train(config, **run_options)
     if not result.interrupted:
         return 0
     return 128 + (result.stop_signal or signal.SIGINT)  # the shell's convention
@@ -520,13 +587,34 @@ def _plan(args: argparse.Namespace) -> int:
         matmul_flops_per_s=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
     )
     print(estimate.describe())
-    return 0 if estimate.fits_ram and estimate.fits_disk else 1
+    if args.nproc_per_node is None or args.nproc_per_node == 1:
+        return 0 if estimate.fits_ram and estimate.fits_disk else 1
+    from .train.scale import DEFAULT_HOST_DRAM_BYTES_PER_S, plan_ranks
+
+    if args.host_dram_gbps is not None and args.host_dram_gbps <= 0:
+        raise ValueError(f"--host-dram-gbps must be positive, got {args.host_dram_gbps}")
+    ranks = plan_ranks(
+        estimate,
+        num_ranks=args.nproc_per_node,
+        zero_stage=args.zero_stage,
+        host_dram_bytes_per_s=(
+            args.host_dram_gbps * 1e9 if args.host_dram_gbps else DEFAULT_HOST_DRAM_BYTES_PER_S
+        ),
+    )
+    print(ranks.describe())
+    return 0 if ranks.fits_ram and estimate.fits_disk else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ramflow`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    handlers = {"train": _train, "generate": _generate, "plan": _plan, "profile": _profile}
+    handlers = {
+        "train": lambda a: _train(a, argv),
+        "generate": _generate,
+        "plan": _plan,
+        "profile": _profile,
+    }
     try:
         return handlers[args.command](args)
     except (ValueError, MemoryError, OSError) as err:

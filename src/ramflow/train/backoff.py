@@ -15,7 +15,8 @@ which accumulation sums). A failed backward cannot be undone where ramflow had a
 stepped units during it (the eager overlap); eager steps never run when the gradients are
 clipped (the default), and without clipping the loop builds the optimizer with
 ``overlap=False``, so every back-off is exact. A micro-batch of 1 that runs out of memory
-ends the run with the error (nothing smaller is left). With ``--batch-size auto`` the
+ends the run with the error (nothing smaller is left), and so does any micro-batch of a run
+of several ranks (see [Note: several ranks from the CLI] in ``ranks.py``). With ``--batch-size auto`` the
 micro-batch the estimate chose is first tried on the data of the first step (forward and
 backward, no step), backing off the same way (``ramflow.memory.fit_batch``).
 """
@@ -74,6 +75,14 @@ def accumulate_step(
             smaller = smaller_micro_batch(batches.batch_size)
             if smaller is None:
                 raise
+            if batches.num_ranks > 1:
+                # every rank would have to back off together, in step with the
+                # collectives: not supported, see [Note: several ranks from the CLI]
+                raise torch.OutOfMemoryError(
+                    f"{err} -- with {batches.num_ranks} ranks ramflow does not back off "
+                    f"after an out-of-memory error: give a smaller --batch-size than "
+                    f"{batches.batch_size} and a larger --grad-accum"
+                ) from err
             reason = str(err).splitlines()[0] if str(err) else ""
         # out of the except block: the traceback, and the failed pass's tensors, are gone
         x = loss = loss_sum = None

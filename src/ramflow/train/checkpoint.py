@@ -14,6 +14,15 @@ A run folder keeps its checkpoints in ``checkpoints/step-NNNNNNNN/``:
   ``random`` state, the training settings, the optimizer's param groups, and a manifest
   with the size and sha256 of every other file.
 
+A run of N > 1 ranks (see [Note: several ranks from the CLI] in ``ranks.py``) writes the
+weights once, from rank 0 (the ranks share one host copy of them), and each rank's
+optimizer shard (the states of the units it steps) as ``optimizer-rank-RRRRR.safetensors``
+(or shards plus an index) and its generator states as ``rng-rank-RRRRR.safetensors``;
+``trainer_state.json`` adds ``num_ranks`` and ``optimizer_ranks`` (each rank's param
+names, groups, scalar states and Python ``random`` state) and lists every rank's files in
+its manifest. Such a checkpoint resumes with the same number of ranks only (ZeRO's owner of
+each unit depends on it); ``check_num_ranks`` says so before anything is loaded.
+
 [Note: atomic checkpoints]
 A checkpoint is written into a hidden temporary folder (``.step-NNNNNNNN.tmp-PID``),
 flushed to disk, and renamed into place (a rename is atomic); then ``checkpoints/latest``
@@ -25,7 +34,10 @@ had nothing left to do) writes into the step's second slot ``step-NNNNNNNN.1`` (
 ``step-NNNNNNNN`` when the second slot holds the current one), switches ``latest`` and then
 deletes the other: no rename ever leaves the run without a resumable checkpoint. Hidden
 temporaries of a save killed midway are removed by ``remove_stale_temporaries`` when the
-next run starts in the folder (one process trains a run folder at a time).
+next run starts in the folder (one process trains a run folder at a time). With several
+ranks, rank 0 makes the temporary folder, every rank writes its shard into it and sends
+rank 0 its manifest entries, and rank 0 alone writes the rest, renames and deletes; a kill
+of any rank (or all) before the rename leaves only the hidden temporary folder.
 
 Reading checks the manifest first, so a truncated or altered file is reported before
 anything is loaded; tensors are read with safetensors and metadata with ``json``: nothing
@@ -33,10 +45,12 @@ is unpickled. Every name read from ``latest``, the manifest or an index must be 
 name inside its folder (no ``..``, no absolute path).
 
 [Note: test faults]
-Test-only: ``RAMFLOW_TEST_FAULT=ACTION:PHASE:N`` makes the N-th save phase PHASE of this
-process send the process SIGKILL (ACTION ``kill``) or SIGTERM (``term``), so that tests
-can stop a real process at a chosen moment of a save without timing. The phases are
-``SAVE_PHASES``. Unset, it costs one environment lookup per phase of a save.
+Test-only: ``RAMFLOW_TEST_FAULT=ACTION:PHASE:N[:RANK]`` makes the N-th save phase PHASE of
+this process (of rank RANK only, when given) send the process SIGKILL (ACTION ``kill``) or
+SIGTERM (``term``), so that tests can stop a real process at a chosen moment of a save
+without timing. The phases are ``SAVE_PHASES``, and ``step``, which the training loop
+passes at the start of each optimizer step. Unset, it costs one environment lookup per
+phase.
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ from torch import nn
 
 from .._host_formats import saved_state_shape
 from .modeling import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, file_in
+from .ranks import Ranks
 from .tokenizer import Tokenizer
 
 FORMAT = "ramflow-train-checkpoint"
@@ -121,14 +136,15 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fault_point(phase: str) -> None:
+def fault_point(phase: str) -> None:
     """Test-only: stop this process here if ``RAMFLOW_TEST_FAULT`` asks for it. See
     [Note: test faults]."""
     spec = os.environ.get(_FAULT_ENV)
     if spec is None:
         return
-    action, where, nth = (spec.split(":") + ["1"])[:3]
-    if where != phase:
+    fields = spec.split(":")
+    action, where, nth, rank = [*fields, *("1", "")[len(fields) - 2 :]][:4]
+    if where != phase or (rank and rank != os.environ.get("RANK", "0")):
         return
     _fault_hits[phase] += 1
     if _fault_hits[phase] == int(nth):
@@ -142,9 +158,9 @@ def _save_sharded(
     index_name: str,
     *,
     max_shard_bytes: int,
-) -> None:
+) -> list[str]:
     """Write ``tensors`` as one safetensors file, or as shards plus an index (HF layout),
-    copying at most one shard's worth of bytes at a time."""
+    copying at most one shard's worth of bytes at a time; returns the names written."""
     from safetensors.torch import save_file
 
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -158,7 +174,7 @@ def _save_sharded(
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], str(directory / filename), metadata={"format": "pt"})
-        return
+        return [filename]
     stem = filename.removesuffix(".safetensors")
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
@@ -169,6 +185,7 @@ def _save_sharded(
     (directory / index_name).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
     )
+    return [*sorted(set(weight_map.values())), index_name]
 
 
 def _weights_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -206,6 +223,13 @@ def _optimizer_payload(
         for g in sd["param_groups"]
     ]
     return tensors, {"param_names": list(param_names), "param_groups": groups, "scalars": scalars}
+
+
+def rank_file(filename: str, rank: int) -> str:
+    """The name of rank ``rank``'s own ``filename`` in a checkpoint of several ranks:
+    ``optimizer.safetensors`` -> ``optimizer-rank-00001.safetensors``."""
+    stem, dot, suffix = filename.partition(".")
+    return f"{stem}-rank-{rank:05d}{dot}{suffix}"
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:
@@ -262,7 +286,7 @@ def _delete(path: Path) -> None:
     [Note: atomic checkpoints]."""
     hidden = path.with_name(f".{path.name}.del-{os.getpid()}")
     os.rename(path, hidden)
-    _fault_point("deleting")
+    fault_point("deleting")
     shutil.rmtree(hidden)
 
 
@@ -338,6 +362,7 @@ def save_checkpoint(
     keep: int = 1,
     max_shard_bytes: int = 2 << 30,
     adapters_only: bool = False,
+    ranks: Ranks | None = None,
 ) -> Path:
     """Write a checkpoint atomically. See [Note: checkpoint layout].
 
@@ -355,70 +380,136 @@ def save_checkpoint(
             in PEFT's format (``save_pretrained``: ``adapter_config.json``,
             ``adapter_model.safetensors``) instead of the model's weights; the base is the
             run's ``--model`` or preset (see ``ramflow.train.lora``).
+        ranks: the ranks of a data-parallel run; every rank calls this with its own
+            optimizer (None: one process).
 
     Returns:
-        The new checkpoint folder.
-    """
-    root = Path(checkpoints_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = _free_slot(root, step)
-    tmp = root / f".{step_dir_name(step)}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        _fault_point("begin")
-        model.config.save_pretrained(str(tmp))
-        if adapters_only:
-            model.save_pretrained(str(tmp))
-        else:
-            _save_sharded(
-                _weights_to_save(model),
-                tmp,
-                WEIGHTS_FILE,
-                WEIGHTS_INDEX_FILE,
-                max_shard_bytes=max_shard_bytes,
-            )
-        _fault_point("weights")
-        opt_tensors, opt_meta = _optimizer_payload(optimizer, param_names)
-        _save_sharded(
-            opt_tensors, tmp, OPTIMIZER_FILE, OPTIMIZER_INDEX_FILE, max_shard_bytes=max_shard_bytes
-        )
-        _fault_point("optimizer")
-        from safetensors.torch import save_file
+        The new checkpoint folder (on every rank).
 
-        save_file(_rng_tensors(), str(tmp / RNG_FILE))
-        tokenizer.save(tmp)
-        files = {}
-        for f in sorted(tmp.iterdir()):
-            _fsync(f)
-            files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-        _fault_point("files")
-        payload = {
-            "format": FORMAT,
-            "version": VERSION,
-            "step": step,
-            **state,
-            "python_random": _python_random_state(),
-            "optimizer": opt_meta,
-            "files": files,
-        }
-        (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n")
-        _fsync(tmp / STATE_FILE)
-        _fsync(tmp)
-        _fault_point("state")
-        os.rename(tmp, final)
-        _fsync(root)
+    Raises:
+        OSError: a file cannot be written (on every rank when one rank's write fails:
+            ``RankSetupError`` on the others); nothing visible changes then.
+    """
+    ranks = ranks if ranks is not None else Ranks()
+    root = Path(checkpoints_dir)
+
+    def begin() -> tuple[Path, Path]:
+        root.mkdir(parents=True, exist_ok=True)
+        final = _free_slot(root, step)
+        tmp = root / f".{step_dir_name(step)}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        return final, tmp
+
+    final, tmp = ranks.broadcast(ranks.together(begin if ranks.is_main else lambda: None))
+    try:
+        fault_point("begin")
+        own = ranks.together(
+            lambda: _write_rank_files(tmp, optimizer, param_names, ranks, max_shard_bytes)
+        )
+        shards = ranks.all_gather(own)
+
+        def finish() -> None:
+            model.config.save_pretrained(str(tmp))
+            if adapters_only:
+                model.save_pretrained(str(tmp))
+            else:
+                _save_sharded(
+                    _weights_to_save(model),
+                    tmp,
+                    WEIGHTS_FILE,
+                    WEIGHTS_INDEX_FILE,
+                    max_shard_bytes=max_shard_bytes,
+                )
+            fault_point("weights")
+            tokenizer.save(tmp)
+            theirs = {name for files, _ in shards for name in files}
+            files = {}
+            for f in sorted(tmp.iterdir()):
+                if f.name not in theirs:
+                    _fsync(f)
+                    files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+            for rank_files, _ in shards:
+                files.update(rank_files)
+            files = dict(sorted(files.items()))
+            fault_point("files")
+            metas = [meta for _, meta in shards]
+            payload = {
+                "format": FORMAT,
+                "version": VERSION,
+                "step": step,
+                **state,
+                "python_random": metas[0]["python_random"],
+                "optimizer": {k: v for k, v in metas[0].items() if k != "python_random"},
+                **(
+                    {"num_ranks": ranks.world_size, "optimizer_ranks": metas}
+                    if ranks.several
+                    else {}
+                ),
+                "files": files,
+            }
+            (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+            _fsync(tmp / STATE_FILE)
+            _fsync(tmp)
+            fault_point("state")
+            os.rename(tmp, final)
+            _fsync(root)
+
+        ranks.together(finish if ranks.is_main else lambda: None)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if ranks.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fault_point("renamed")
+    if ranks.is_main:
+        fault_point("renamed")
+        _publish(root, final, step, keep)
+    # no rank goes on (and may save again) before the checkpoint is in place
+    ranks.barrier()
+    return final
+
+
+def _write_rank_files(
+    tmp: Path,
+    optimizer: torch.optim.Optimizer,
+    param_names: Sequence[str],
+    ranks: Ranks,
+    max_shard_bytes: int,
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Write this rank's optimizer states and generator states into ``tmp``; returns their
+    manifest entries and the optimizer's metadata (with the Python ``random`` state)."""
+    from safetensors.torch import save_file
+
+    def name(filename: str) -> str:
+        return rank_file(filename, ranks.rank) if ranks.several else filename
+
+    opt_tensors, opt_meta = _optimizer_payload(optimizer, param_names)
+    written = _save_sharded(
+        opt_tensors,
+        tmp,
+        name(OPTIMIZER_FILE),
+        name(OPTIMIZER_INDEX_FILE),
+        max_shard_bytes=max_shard_bytes,
+    )
+    fault_point("optimizer")
+    save_file(_rng_tensors(), str(tmp / name(RNG_FILE)))
+    files = {}
+    for filename in [*written, name(RNG_FILE)]:
+        f = tmp / filename
+        _fsync(f)
+        files[filename] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+    return files, {**opt_meta, "python_random": _python_random_state()}
+
+
+def _publish(root: Path, final: Path, step: int, keep: int) -> None:
+    """Point ``latest`` at ``final``, then delete the other slot of ``step`` and the
+    checkpoints beyond ``keep``. See [Note: atomic checkpoints]."""
     tmp_latest = root / f".{LATEST_FILE}.tmp-{os.getpid()}"
     tmp_latest.write_text(final.name + "\n")
     _fsync(tmp_latest)
     os.replace(tmp_latest, root / LATEST_FILE)
     _fsync(root)
-    _fault_point("latest")
+    fault_point("latest")
     # only now that latest names the new folder: the other slot of this step, then the oldest
     same_step = {step_dir_name(step), step_dir_name(step) + _SECOND_SLOT}
     for old in list_checkpoints(root):
@@ -428,8 +519,7 @@ def save_checkpoint(
         if old != final:
             _delete(old)
     _fsync(root)
-    _fault_point("done")
-    return final
+    fault_point("done")
 
 
 # ---------------------------------------------------------------------------------- reading
@@ -504,6 +594,17 @@ def _state_problem(state: dict[str, Any]) -> str | None:
             return f"the manifest entry of {name} has no byte count"
         if not isinstance(meta.get("sha256"), str):
             return f"the manifest entry of {name} has no sha256"
+    if state.get("num_ranks", 1) != 1:
+        shards = state.get("optimizer_ranks")
+        if not (
+            _is_int(state["num_ranks"])
+            and state["num_ranks"] > 1
+            and isinstance(shards, list)
+            and len(shards) == state["num_ranks"]
+            and all(isinstance(m, dict) and kinds["optimizer"](m) for m in shards)
+            and all(isinstance(m.get("python_random"), list) for m in shards)
+        ):
+            return "num_ranks or optimizer_ranks (each rank's optimizer shard) is malformed"
     scaler = state["grad_scaler"]
     needed = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
     if scaler and not all(isinstance(scaler.get(k), (int, float)) for k in needed):
@@ -518,7 +619,35 @@ def _state_problem(state: dict[str, Any]) -> str | None:
 
 def _model_file(name: str) -> bool:
     """Whether a model loader reads the checkpoint file ``name`` (not optimizer or RNG state)."""
-    return not name.startswith("optimizer") and name != RNG_FILE
+    return not name.startswith(("optimizer", RNG_FILE.partition(".")[0]))
+
+
+def num_ranks(ckpt: Checkpoint) -> int:
+    """How many ranks wrote ``ckpt`` (1 for one process)."""
+    return int(ckpt.state.get("num_ranks", 1))
+
+
+def check_num_ranks(ckpt: Checkpoint, world_size: int) -> None:
+    """Refuse to resume ``ckpt`` with another number of ranks than wrote it: each rank's
+    optimizer shard holds the states of the units ZeRO gave it, which depend on the number
+    of ranks, and the data order's position assumes the same global batch.
+
+    Raises:
+        CheckpointError: the numbers differ (the message says how to resume it).
+    """
+    saved = num_ranks(ckpt)
+    if saved == world_size:
+        return
+    how = (
+        "one process (without torchrun or --nproc-per-node)"
+        if saved == 1
+        else f"{saved} ranks (ramflow train --nproc-per-node {saved}, or torchrun "
+        f"--nproc-per-node {saved} -m ramflow train)"
+    )
+    raise CheckpointError(
+        f"the checkpoint {ckpt.path} was written by {saved} rank{'s' if saved > 1 else ''}, "
+        f"this run has {world_size}: resume it with {how}, or start a new run"
+    )
 
 
 def open_checkpoint(
@@ -606,21 +735,31 @@ def _read_tensors(d: Path, filename: str, index_name: str) -> dict[str, torch.Te
 
 
 def load_optimizer_state(
-    ckpt: Checkpoint, optimizer: torch.optim.Optimizer, param_names: Sequence[str]
+    ckpt: Checkpoint,
+    optimizer: torch.optim.Optimizer,
+    param_names: Sequence[str],
+    *,
+    rank: int = 0,
 ) -> None:
-    """Restore ``optimizer``'s state from ``ckpt``; parameters are matched by name.
+    """Restore ``optimizer``'s state from ``ckpt`` (rank ``rank``'s shard of a checkpoint of
+    several ranks); parameters are matched by name.
 
     Raises:
         CheckpointError: the checkpoint's parameters differ from ``param_names`` (another
             model), or a state tensor has another shape than its parameter.
     """
-    meta = ckpt.state["optimizer"]
+    several = num_ranks(ckpt) > 1
+    meta = ckpt.state["optimizer_ranks"][rank] if several else ckpt.state["optimizer"]
     if list(meta["param_names"]) != list(param_names):
         raise CheckpointError(
             f"the optimizer state in {ckpt.path} belongs to another model: its parameters differ "
             f"({len(meta['param_names'])} saved, {len(param_names)} in this model)"
         )
-    tensors = _read_tensors(ckpt.path, OPTIMIZER_FILE, OPTIMIZER_INDEX_FILE)
+    tensors = _read_tensors(
+        ckpt.path,
+        rank_file(OPTIMIZER_FILE, rank) if several else OPTIMIZER_FILE,
+        rank_file(OPTIMIZER_INDEX_FILE, rank) if several else OPTIMIZER_INDEX_FILE,
+    )
     index_of = {n: i for i, n in enumerate(param_names)}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state: dict[int, dict[str, Any]] = {}
@@ -644,14 +783,17 @@ def load_optimizer_state(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def restore_rng_state(ckpt: Checkpoint) -> None:
-    """Restore the torch CPU/CUDA and Python ``random`` generator states saved in ``ckpt``."""
-    tensors = _read_tensors(ckpt.path, RNG_FILE, "")
+def restore_rng_state(ckpt: Checkpoint, *, rank: int = 0) -> None:
+    """Restore the torch CPU/CUDA and Python ``random`` generator states saved in ``ckpt``
+    (by rank ``rank`` in a checkpoint of several ranks)."""
+    several = num_ranks(ckpt) > 1
+    tensors = _read_tensors(ckpt.path, rank_file(RNG_FILE, rank) if several else RNG_FILE, "")
     torch.set_rng_state(tensors["torch_cpu"])
     cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
-    version, internal, gauss = ckpt.state["python_random"]
+    saved = ckpt.state["optimizer_ranks"][rank] if several else ckpt.state
+    version, internal, gauss = saved["python_random"]
     random.setstate((version, tuple(internal), gauss))
 
 
@@ -659,10 +801,14 @@ __all__ = [
     "SAVE_PHASES",
     "Checkpoint",
     "CheckpointError",
+    "check_num_ranks",
+    "fault_point",
     "find_checkpoint",
     "list_checkpoints",
     "load_optimizer_state",
+    "num_ranks",
     "open_checkpoint",
+    "rank_file",
     "remove_stale_temporaries",
     "restore_rng_state",
     "save_checkpoint",

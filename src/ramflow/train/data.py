@@ -10,6 +10,10 @@ cut into ``len // T`` sequences. Epoch ``e`` visits them in the order of
 ``randperm(num_sequences)`` drawn from a generator seeded with ``(seed, e)``; so the
 position in the data is one integer, the number of sequences consumed, and a resumed run
 that knows it sees exactly the sequences the uninterrupted run would have seen.
+
+With several ranks the position is global: each micro-batch consumes the B x N sequences
+one process with a micro-batch of B x N would take, and rank r keeps rows r*B:(r+1)*B (see
+[Note: several ranks from the CLI] in ``ranks.py``).
 """
 
 from __future__ import annotations
@@ -284,16 +288,31 @@ class BatchStream:
         batch_size: sequences per micro-batch (B).
         seq_len: tokens per sequence (T).
         seed: seeds each epoch's order.
-        position: sequences already consumed (to resume).
+        position: sequences already consumed by all ranks together (to resume).
+        rank: this rank, 0 to ``num_ranks - 1``.
+        num_ranks: ranks that share each micro-batch of ``batch_size * num_ranks``
+            sequences (see [Note: data position]).
     """
 
     def __init__(
-        self, tokens: torch.Tensor, *, batch_size: int, seq_len: int, seed: int, position: int = 0
+        self,
+        tokens: torch.Tensor,
+        *,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        position: int = 0,
+        rank: int = 0,
+        num_ranks: int = 1,
     ) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ValueError(
                 f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}"
             )
+        if not 0 <= rank < num_ranks:
+            raise ValueError(f"rank {rank} is not one of num_ranks {num_ranks}")
+        self.rank = rank
+        self.num_ranks = num_ranks
         self.num_sequences = tokens.numel() // seq_len
         if self.num_sequences < 1:
             raise ValueError(
@@ -320,31 +339,44 @@ class BatchStream:
         return self.position / self.num_sequences
 
     def next_batch(self) -> torch.Tensor:
-        """The next micro-batch: (B, T) int64 token ids; advances ``position`` by B."""
+        """This rank's part of the next micro-batch: (B, T) int64 token ids; advances
+        ``position`` by B x ``num_ranks``."""
         rows = []
-        for k in range(self.position, self.position + self.batch_size):
+        first = self.position + self.rank * self.batch_size
+        for k in range(first, first + self.batch_size):
             epoch, i = divmod(k, self.num_sequences)
             rows.append(int(self._epoch_order(epoch)[i]))
-        self.position += self.batch_size
+        self.position += self.batch_size * self.num_ranks
         return self._sequences[rows].long()
 
 
 def validation_batches(
-    tokens: torch.Tensor, *, batch_size: int, seq_len: int, max_batches: int
+    tokens: torch.Tensor,
+    *,
+    batch_size: int,
+    seq_len: int,
+    max_batches: int,
+    rank: int = 0,
+    num_ranks: int = 1,
 ) -> Iterator[torch.Tensor]:
     """At most ``max_batches`` (B, T) int64 batches of the held-out (N,) stream (the last
     may have fewer rows). The sequences are spread evenly over the whole stream, so that a
-    few batches sample all of it rather than its first documents."""
+    few batches sample all of it rather than its first documents. With ``num_ranks``, the
+    batches are those of one process at a batch of B x ``num_ranks``, and this ``rank``
+    gets its rows of each (possibly none of the last)."""
     n = tokens.numel() // seq_len
     sequences = tokens[: n * seq_len].view(n, seq_len)
-    count = min(n, max_batches * batch_size)
+    step = batch_size * num_ranks
+    count = min(n, max_batches * step)
     rows = (
         torch.linspace(0, n - 1, count).round().long()
         if count > 1
         else torch.zeros(count, dtype=torch.long)
     )
-    for b in range(0, count, batch_size):
-        yield sequences[rows[b : b + batch_size]].long()
+    for b in range(0, count, step):
+        mine = rows[b : b + step][rank * batch_size : (rank + 1) * batch_size]
+        if mine.numel():
+            yield sequences[mine].long()
 
 
 __all__ = [

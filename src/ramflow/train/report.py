@@ -303,6 +303,45 @@ class RunReport:
         return path
 
 
+class QuietReport:
+    """``RunReport``'s stand-in on the ranks other than 0 of a run of several: records
+    are kept in memory (for the rank's own ``TrainResult``), nothing is printed or written
+    (see [Note: several ranks from the CLI] in ``ranks.py``).
+
+    Args:
+        run_dir: the run folder (rank 0 writes ``log.jsonl`` there).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.run_dir = Path(run_dir)
+        self.log_path = self.run_dir / LOG_FILE
+        self.records: list[dict[str, Any]] = []
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def step(self, record: dict[str, Any]) -> None:
+        self.log({"event": "step", **record})
+
+    def eval(self, step: int, val_loss: float) -> None:
+        self.log({"event": "eval", "step": step, "val_loss": val_loss})
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def step_records(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if r.get("event") == "step"]
+
+    def eval_records(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if r.get("event") == "eval"]
+
+    def write_plot(self, *, title: str) -> Path | None:
+        return None
+
+
 def check_loggers(log_to: Sequence[str]) -> None:
     """Refuse ``log_to`` entries that ``RunReport`` cannot serve, before anything is written.
 

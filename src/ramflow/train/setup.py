@@ -251,17 +251,27 @@ def _check_machine(estimate: MemoryEstimate, *, corpus_bytes: int) -> None:
 
 
 def prepare_run(
-    config: TrainConfig, checkpoint: Checkpoint | None, out_dir: Path | None
+    config: TrainConfig,
+    checkpoint: Checkpoint | None,
+    out_dir: Path | None,
+    *,
+    device: str | None = None,
 ) -> PreparedRun:
     """Check everything that can be refused, in order of cost, before anything is written:
     device and precision, tokenizer and model config, the weights' shapes (file headers
     only), the memory plan against the device budget and this machine's RAM and disk, and
     the data.
 
+    Args:
+        device: the device this process computes on, when it is not ``config.device``
+            (one rank's GPU, ``Ranks.device``); None: ``config.device``.
+
     Raises:
         ValueError, FileNotFoundError, CheckpointError, MemoryError, OSError: see ``train``.
     """
-    policy = resolve_compute(device=config.device, precision=config.precision)
+    policy = resolve_compute(
+        device=device if device is not None else config.device, precision=config.precision
+    )
     policy = dataclasses.replace(
         policy, wire_dtype=host_wire(config, policy.device.type, policy.wire_dtype)
     )

@@ -51,6 +51,8 @@ from .backoff import accumulate_step, fit_micro_batch
 from .checkpoint import (
     Checkpoint,
     CheckpointError,
+    check_num_ranks,
+    fault_point,
     find_checkpoint,
     load_optimizer_state,
     open_checkpoint,
@@ -65,10 +67,20 @@ from .lora import apply_lora, frozen_format_options, load_adapters, parse_target
 from .modeling import (
     build_model,
     count_parameters,
+    load_model,
     load_offloaded,
 )
 from .precision import ComputePolicy
-from .report import RunReport, check_loggers, format_duration, mean_tail, summary_table
+from .ranks import DEFAULT_TIMEOUT_S, Ranks, check_several_ranks
+from .report import (
+    QuietReport,
+    RunReport,
+    check_loggers,
+    format_duration,
+    mean_tail,
+    summary_table,
+)
+from .scale import choose_zero_stage
 from .schedule import make_scheduler, warmup_cosine
 from .setup import PreparedRun, base_weights, prepare_run
 
@@ -215,15 +227,24 @@ def evaluate(
     batch_size: int,
     seq_len: int,
     max_batches: int,
+    ranks: Ranks | None = None,
 ) -> float:
     """Mean cross-entropy (nats per token) of ``model`` on held-out (N,) ``tokens``, over
-    at most ``max_batches`` (B, T) batches."""
+    at most ``max_batches`` (B, T) batches; with ``ranks``, each rank computes its rows of
+    every batch of B x ranks (see [Note: several ranks from the CLI] in ``ranks.py``) and
+    every rank returns the mean over all of them."""
+    ranks = ranks if ranks is not None else Ranks()
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     try:
         for batch in validation_batches(
-            tokens, batch_size=batch_size, seq_len=seq_len, max_batches=max_batches
+            tokens,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            max_batches=max_batches,
+            rank=ranks.rank,
+            num_ranks=ranks.world_size,
         ):
             batch = batch.to(policy.device)
             with policy.autocast():
@@ -232,6 +253,7 @@ def evaluate(
             count += batch.shape[0]
     finally:
         model.train(was_training)
+    total, count = ranks.sum([total, count])
     return total / max(count, 1)
 
 
@@ -245,6 +267,8 @@ def train(
     on_step: Callable[[dict[str, Any]], None] | None = None,
     handle_sigint: bool = True,
     log_to: Sequence[str] = (),
+    zero_stage: int | None = None,
+    dist_timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> TrainResult:
     """Train a causal language model with ramflow and write the run folder.
 
@@ -262,9 +286,16 @@ def train(
         handle_sigint: in the main thread, Ctrl-C and SIGTERM stop after the current step
             and save (see [Note: stopping and resuming]).
         log_to: loggers beside ``log.jsonl``: ``"tensorboard"`` (see ``RunReport``).
+        zero_stage: with several ranks (``torchrun``'s environment, or a process group
+            already initialized): ZeRO stage 1 or 2 (``ramflow.offload``'s); None: the
+            plan's choice, 2 (see ``estimate.choose_zero_stage``). Ignored by one process.
+            See [Note: several ranks from the CLI] in ``ranks.py``.
+        dist_timeout_s: the process group's timeout (seconds) when this call creates it:
+            how long a rank waits in a collective for the others (a hung rank, or rank 0
+            writing a checkpoint's weights) before it fails.
 
     Returns:
-        A ``TrainResult``.
+        A ``TrainResult`` (every rank's own; rank 0's summary is the run's).
 
     Raises:
         ValueError: invalid settings, data, tokenizer or model folder; a device budget too
@@ -276,28 +307,91 @@ def train(
         OSError: the disk cannot hold two checkpoints.
         ModuleNotFoundError: ``log_to`` names TensorBoard, which is not installed.
         KeyboardInterrupt: a second Ctrl-C or SIGTERM (the last checkpoint stays).
+        RankSetupError: another rank failed one of these checks (its message says which).
         Nothing is written before these checks pass.
     """
-    check_loggers(log_to)
-    ckpt = resume if isinstance(resume, Checkpoint) or resume is None else open_checkpoint(resume)
-    if ckpt is not None:
-        resume_config(ckpt, **config.to_dict())  # refuses settings that would change the steps
-    run_dir = Path(out) if out is not None else (ckpt.run_dir if ckpt is not None else None)
-    _refuse_other_run(run_dir, ckpt)
-    setup = prepare_run(config, ckpt, run_dir)
-    run_dir = run_dir if run_dir is not None else _new_run_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # a save killed midway left hidden temporaries: see [Note: atomic checkpoints]
-    cleaned = remove_stale_temporaries(run_dir / "checkpoints")
+    ranks = Ranks.from_environment()
+    own_group = ranks.start(device=config.device, timeout_s=dist_timeout_s)
+    try:
+        return _train_ranks(
+            config,
+            ranks,
+            out=out,
+            resume=resume,
+            progress=progress,
+            stop=stop,
+            on_step=on_step,
+            handle_sigint=handle_sigint,
+            log_to=log_to,
+            zero_stage=zero_stage,
+        )
+    finally:
+        if own_group:
+            ranks.stop()
+
+
+def _train_ranks(
+    config: TrainConfig,
+    ranks: Ranks,
+    *,
+    out: str | os.PathLike | None,
+    resume: str | os.PathLike | Checkpoint | None,
+    progress: bool,
+    stop: threading.Event | None,
+    on_step: Callable[[dict[str, Any]], None] | None,
+    handle_sigint: bool,
+    log_to: Sequence[str],
+    zero_stage: int | None,
+) -> TrainResult:
+    """``train`` on each rank (one process: the only one)."""
+
+    def check() -> tuple[Checkpoint | None, Path | None, PreparedRun]:
+        check_loggers(log_to)
+        if zero_stage not in (None, 1, 2):
+            raise ValueError(f"--zero-stage must be 1 or 2, got {zero_stage}")
+        ckpt = (
+            resume if isinstance(resume, Checkpoint) or resume is None else open_checkpoint(resume)
+        )
+        if ckpt is not None:
+            check_num_ranks(ckpt, ranks.world_size)
+            resume_config(ckpt, **config.to_dict())  # refuses settings that change the steps
+        run_dir = Path(out) if out is not None else (ckpt.run_dir if ckpt is not None else None)
+        if ranks.is_main:
+            _refuse_other_run(run_dir, ckpt)
+        setup = prepare_run(config, ckpt, run_dir, device=ranks.device(config.device))
+        check_several_ranks(
+            world_size=ranks.world_size,
+            precision=setup.policy.precision,
+            lora=config.lora_rank is not None,
+            device_optimizer=config.device_optimizer,
+            auto_batch=config.auto_batch_size,
+        )
+        return ckpt, run_dir, setup
+
+    ckpt, run_dir, setup = ranks.together(check)
+
+    def make_run_dir() -> tuple[Path, list[str]]:
+        folder = run_dir if run_dir is not None else _new_run_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        # a save killed midway left hidden temporaries: see [Note: atomic checkpoints]
+        return folder, remove_stale_temporaries(folder / "checkpoints")
+
+    run_dir, cleaned = ranks.broadcast(
+        ranks.together(make_run_dir if ranks.is_main else lambda: None)
+    )
     stop = stop if stop is not None else threading.Event()
     start_step = ckpt.step if ckpt is not None else 0
-    report = RunReport(
-        run_dir,
-        total_steps=config.steps,
-        start_step=start_step,
-        keep_until=start_step if ckpt is not None else None,
-        progress=progress,
-        log_to=log_to,
+    report = (
+        RunReport(
+            run_dir,
+            total_steps=config.steps,
+            start_step=start_step,
+            keep_until=start_step if ckpt is not None else None,
+            progress=progress,
+            log_to=log_to,
+        )
+        if ranks.is_main
+        else QuietReport(run_dir)
     )
     if cleaned:
         report.message(f"checkpoints: a save was cut short before; {'; '.join(cleaned)}")
@@ -307,17 +401,21 @@ def train(
     )
     try:
         with signals:
-            result = _train(config, setup, run_dir, report, stop, on_step)
+            result = _train(config, setup, run_dir, report, stop, on_step, ranks, zero_stage)
         return dataclasses.replace(result, stop_signal=received[0] if received else None)
     finally:
         report.close()
 
 
-def _write_run_json(run_dir: Path, config: TrainConfig, setup: PreparedRun) -> None:
+def _write_run_json(
+    run_dir: Path, config: TrainConfig, setup: PreparedRun, ranks: Ranks, zero_stage: int | None
+) -> None:
     import json
 
     info = {
         "config": config.to_dict(),
+        "num_ranks": ranks.world_size,
+        "zero_stage": zero_stage,
         "device": str(setup.policy.device),
         "precision": setup.policy.precision,
         "checkpointing": setup.estimate.checkpointing,
@@ -348,10 +446,21 @@ def _train(
     report: RunReport,
     stop: threading.Event,
     on_step: Callable[[dict[str, Any]], None] | None,
+    ranks: Ranks,
+    zero_stage: int | None,
 ) -> TrainResult:
     policy, corpus, est, ckpt = setup.policy, setup.corpus, setup.estimate, setup.checkpoint
-    _write_run_json(run_dir, config, setup)
+    zero_stage = choose_zero_stage(ranks.world_size, zero_stage).stage if ranks.several else None
+    if ranks.is_main:
+        _write_run_json(run_dir, config, setup, ranks, zero_stage)
     say = report.message
+    if ranks.several:
+        say(
+            f"{ranks.world_size} ranks ({ranks.local_world_size} on this host), ZeRO-"
+            f"{zero_stage} over {'NCCL' if policy.device.type == 'cuda' else 'gloo'}: "
+            f"{config.batch_size} sequences per rank and micro-batch, "
+            f"{config.global_batch * ranks.world_size} per step"
+        )
     say(
         f"model {config.model_name}: {est.num_parameters / 1e6:,.2f} M parameters | device {policy.device}, "
         f"{policy.precision}, activation checkpointing {'on' if est.checkpointing else 'off'}"
@@ -376,11 +485,16 @@ def _train(
         activation_checkpointing=est.checkpointing,
         host_precision=est.host_precision,  # "auto" was decided by the estimate
         device_optimizer=config.device_optimizer,
+        zero_stage=zero_stage,
     )
     lora = config.lora_rank is not None
     offload_options.update(frozen_format_options(config.frozen_format))
     weights_dir = base_weights(config, ckpt)
-    if weights_dir is not None:
+    if weights_dir is not None and zero_stage is not None:
+        # until offload(weights=...) takes zero_stage, every rank reads the whole model
+        model = load_model(weights_dir, config=setup.model_config).requires_grad_(not lora)
+        ramflow.offload(model, **offload_options)
+    elif weights_dir is not None:
         # meta build, read unit by unit into the host store: no full fp32 model first
         model = load_offloaded(
             weights_dir, config=setup.model_config, requires_grad=not lora, **offload_options
@@ -445,11 +559,13 @@ def _train(
             batch_size=micro_batch,
             seq_len=config.seq_len,
             seed=config.seed,
+            rank=ranks.rank,
+            num_ranks=ranks.world_size,
         )
         step, tokens_seen = 0, 0
         if ckpt is not None:
             state = ckpt.state
-            load_optimizer_state(ckpt, opt, param_names)
+            load_optimizer_state(ckpt, opt, param_names, rank=ranks.rank)
             sched.load_state_dict(dict(state["scheduler"]))
             # the schedule may have a new length (--decay-steps given anew): the next LR
             # follows it; the same schedule gives the same value LambdaLR would
@@ -462,7 +578,7 @@ def _train(
                 g["lr"] = base * fn(sched.last_epoch)
             if state["grad_scaler"]:
                 scaler.load_state_dict(state["grad_scaler"])
-            restore_rng_state(ckpt)
+            restore_rng_state(ckpt, rank=ranks.rank)
             step, tokens_seen = ckpt.step, state["tokens_seen"]
             batches.position = state["data_position"]
             if state["corpus"]["fingerprint"] != corpus.fingerprint:
@@ -480,6 +596,8 @@ def _train(
                     "step": 0,
                     "config": config.to_dict(),
                     "device": str(policy.device),
+                    "num_ranks": ranks.world_size,
+                    "zero_stage": zero_stage,
                 }
             )
         return _loop(
@@ -497,6 +615,7 @@ def _train(
             param_names,
             step,
             tokens_seen,
+            ranks,
         )
     finally:
         with contextlib.suppress(Exception):  # leave no optimizer step running at exit
@@ -518,8 +637,11 @@ def _loop(
     param_names,
     step,
     tokens_seen,
+    ranks,
 ) -> TrainResult:
     policy, corpus = setup.policy, setup.corpus
+    # every rank's tokens: see [Note: several ranks from the CLI] in ranks.py
+    tokens_per_step = config.tokens_per_step * ranks.world_size
     params = [p for g in opt.param_groups for p in g["params"]]
     say = report.message
     cuda = policy.device.type == "cuda"
@@ -549,6 +671,7 @@ def _loop(
             tokenizer=setup.tokenizer,
             keep=config.keep_checkpoints,
             adapters_only=config.lora_rank is not None,
+            ranks=ranks,
             state={
                 "data_position": batches.position,
                 "tokens_seen": tokens_seen,
@@ -587,6 +710,7 @@ def _loop(
             batch_size=batches.batch_size,
             seq_len=config.seq_len,
             max_batches=-(-config.eval_batches * config.batch_size // batches.batch_size),
+            ranks=ranks,
         )
         report.eval(step_now, loss)
         say(f"step {step_now}: validation loss {loss:.4f}")
@@ -595,9 +719,12 @@ def _loop(
     if step == 0 and config.eval_every:
         val_loss = run_eval(0)
     while step < config.steps:
-        if stop.is_set():
+        # a signal may reach some ranks only: all stop after the same step
+        if ranks.any(stop.is_set()):
+            stop.set()
             interrupted = True
             break
+        fault_point("step")  # test-only: see [Note: test faults] in checkpoint.py
         t0 = time.perf_counter()
         loss_sum = accumulate_step(config, report, model, opt, scaler, batches, policy, step)
         grad_accum = config.global_batch // batches.batch_size
@@ -615,9 +742,10 @@ def _loop(
         if not skipped:
             sched.step()
         opt.zero_grad(set_to_none=True)
-        step_loss = (loss_sum / grad_accum).item()
+        # the mean over the ranks: the loss of one process on the global batch
+        step_loss = ranks.sum([(loss_sum / grad_accum).item()])[0] / ranks.world_size
         step += 1
-        tokens_seen += config.tokens_per_step
+        tokens_seen += tokens_per_step
         dt = time.perf_counter() - t0
         train_time += dt
         if not math.isfinite(step_loss) and not policy.use_grad_scaler:
@@ -634,7 +762,8 @@ def _loop(
             "micro_batch": batches.batch_size,
             "tokens": tokens_seen,
             "step_s": dt,
-            "tokens_per_s": config.tokens_per_step / dt,
+            "tokens_per_s": tokens_per_step / dt,
+            # each GPU's share of the tokens over its own peak: the MFU of all of them
             "mfu": model_flops_utilisation(
                 num_parameters=num_trained, tokens_per_s=config.tokens_per_step / dt, peak=peak
             ),
@@ -650,18 +779,18 @@ def _loop(
             config.save_every
             and step % config.save_every == 0
             and step < config.steps
-            and not stop.is_set()
+            and not ranks.any(stop.is_set())
         ):
             last_ckpt = save(step)
     else:
         val_loss = run_eval(step)
-    if stop.is_set():
+    if ranks.any(stop.is_set()):
         interrupted = True
     if last_ckpt is None or saved_step != step:  # a signal during a save: that one holds
         last_ckpt = save(step)
     elapsed = time.perf_counter() - t_start
     done = step - first_step
-    tps = done * config.tokens_per_step / train_time if train_time > 0 else 0.0
+    tps = done * tokens_per_step / train_time if train_time > 0 else 0.0
     peak_gpu = torch.cuda.max_memory_allocated(policy.device) if cuda else None
     peak_host = _peak_host_bytes()
     report.log(
@@ -671,11 +800,13 @@ def _loop(
             "interrupted": interrupted,
             "elapsed_s": elapsed,
             "tokens_per_s": tps,
-            "mfu": model_flops_utilisation(num_parameters=num_trained, tokens_per_s=tps, peak=peak),
+            "mfu": model_flops_utilisation(
+                num_parameters=num_trained, tokens_per_s=tps / ranks.world_size, peak=peak
+            ),
         }
     )
     plot = report.write_plot(
-        title=f"ramflow train: {config.model_name}, {config.tokens_per_step:,} tokens per step"
+        title=f"ramflow train: {config.model_name}, {tokens_per_step:,} tokens per step"
     )
     all_losses = [r["loss"] for r in report.step_records()]
     first_loss = all_losses[0] if all_losses else math.nan
@@ -688,7 +819,8 @@ def _loop(
         ),
         (
             "device",
-            f"{policy.device}, {policy.precision}, activation checkpointing "
+            (f"{ranks.world_size} ranks (ZeRO), " if ranks.several else "")
+            + f"{policy.device}, {policy.precision}, activation checkpointing "
             f"{'on' if setup.estimate.checkpointing else 'off'}",
         ),
         (
@@ -699,7 +831,9 @@ def _loop(
         ),
         (
             "tokens",
-            f"{tokens_seen:,} ({config.tokens_per_step:,} per step, epoch {batches.epoch:.2f})",
+            f"{tokens_seen:,} ({tokens_per_step:,} per step"
+            + (f" over {ranks.world_size} ranks" if ranks.several else "")
+            + f", epoch {batches.epoch:.2f})",
         ),
         (
             "training loss",
@@ -708,13 +842,16 @@ def _loop(
         ("validation loss", "-" if val_loss is None else f"{val_loss:.4f} (at step {val_step})"),
         ("time", f"{format_duration(elapsed)} ({tps:,.0f} tokens/s while training)"),
     ]
-    mfu = model_flops_utilisation(num_parameters=num_trained, tokens_per_s=tps, peak=peak)
+    mfu = model_flops_utilisation(
+        num_parameters=num_trained, tokens_per_s=tps / ranks.world_size, peak=peak
+    )
     if mfu is not None and peak is not None:
         rows.append(
             (
                 "MFU",
                 f"{mfu:.1%} (6 x {num_trained / 1e6:,.2f} M trained parameters x tokens/s, "
-                f"over the {peak.description})",
+                + (f"over {ranks.world_size} x " if ranks.several else "over the ")
+                + f"{peak.description})",
             )
         )
     rows += [

@@ -1,0 +1,294 @@
+"""The ranks of a data-parallel ``ramflow train``: who this process is among them, and the
+few collectives the training loop needs beside ramflow's own (ZeRO's gradient reduction).
+
+[Note: several ranks from the CLI]
+``torchrun --nproc-per-node N -m ramflow train ...`` (or ``ramflow train --nproc-per-node
+N``, see ``launch.py``) runs N copies of the same loop, one per GPU (``LOCAL_RANK``), over
+NCCL; on the CPU over gloo. The model is offloaded with ``zero_stage`` (see [Note: data
+parallelism on the engine] in ``ramflow._dist``): gradients are averaged over the ranks,
+each unit is stepped by one rank. Everything else is made to agree as follows.
+
+- **Data.** ``--batch-size`` is one rank's micro-batch B. Each micro-batch, every rank
+  draws the same B x N sequences that one process with a micro-batch of B x N would draw
+  (the data position is global) and keeps rows ``rank * B : (rank + 1) * B``. With
+  gradients averaged, N ranks at B compute the steps of one process at B x N (up to the
+  order of the sums); the global batch is B x N x ``--grad-accum``. Validation splits its
+  batches the same way and sums losses and rows over the ranks.
+- **Agreement.** Set-up errors are gathered (``Ranks.together``), so that every rank fails
+  with the same message instead of the others waiting in a collective; a stop request
+  (Ctrl-C, SIGTERM) on any rank stops every rank after the same step (``Ranks.any``).
+- **Reporting.** Rank 0 alone prints, logs, plots and writes ``run.json``; the loss it
+  logs is the mean over the ranks, tokens/s counts every rank's tokens and the MFU is over
+  every GPU's peak.
+- **Checkpoints.** The weights are written once (by rank 0: the ranks share one host
+  copy), each rank writes its own optimizer shard; see [Note: checkpoint layout].
+
+Not with several ranks (refused with what to do): fp16 (the GradScaler's skip decision
+would differ between ranks that hold different gradients), ``--lora``,
+``--device-optimizer``, ``--batch-size auto`` and the back-off after an out-of-memory error
+(each rank would pick its own micro-batch and the collectives would no longer match).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 600.0  # torch's default for NCCL; a save must fit in it (see launch.py)
+
+
+class RankSetupError(ValueError):
+    """Another rank failed to set up (its message is included); this one stops too."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the ranks of a run (one process: the defaults).
+
+    Attributes:
+        rank: global rank, 0 to ``world_size - 1``.
+        world_size: number of ranks.
+        local_rank: rank on this host; its GPU is ``cuda:local_rank``.
+        local_world_size: ranks on this host (they share its cores and host store).
+        peers: every rank's (host name, PID), gathered by ``start``: a failed collective
+            names the ranks of this host that died.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    peers: tuple[tuple[str, int], ...] = field(default=(), compare=False, repr=False)
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] | None = None) -> Ranks:
+        """The ranks torchrun (or ``ramflow train --nproc-per-node``) described in the
+        environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), else
+        an initialized process group's, else one process.
+
+        Raises:
+            ValueError: the variables are not integers, or out of range.
+        """
+        env = os.environ if env is None else env
+        if "WORLD_SIZE" not in env and dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()
+            return cls(dist.get_rank(), world, dist.get_rank(), world)
+        try:
+            world = int(env.get("WORLD_SIZE", "1"))
+            rank = int(env.get("RANK", "0"))
+            local = int(env.get("LOCAL_RANK", str(rank)))
+            local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+        except ValueError as err:
+            raise ValueError(
+                f"the torchrun environment is malformed ({err}); launch with torchrun or "
+                "ramflow train --nproc-per-node N"
+            ) from None
+        if not (0 <= rank < world and 0 <= local < local_world <= world):
+            raise ValueError(
+                f"RANK={rank}, LOCAL_RANK={local} do not fit WORLD_SIZE={world}, "
+                f"LOCAL_WORLD_SIZE={local_world}; launch with torchrun or ramflow train "
+                "--nproc-per-node N"
+            )
+        return cls(rank, world, local, local_world)
+
+    @property
+    def several(self) -> bool:
+        """More than one rank."""
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that reports and writes the shared files."""
+        return self.rank == 0
+
+    def device(self, device: str | None) -> str | None:
+        """This rank's device for the run's ``--device``: ``cuda:LOCAL_RANK`` for ``cuda``
+        (or None on a machine with CUDA), the CPU for ``cpu``.
+
+        Raises:
+            ValueError: ``cuda:N`` with several ranks (each rank takes its own GPU).
+        """
+        if not self.several:
+            return device
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":
+            return f"cuda:{self.local_rank}"
+        if device != "cpu":
+            raise ValueError(
+                f"--device {device} with {self.world_size} ranks: each rank takes the GPU of "
+                "its LOCAL_RANK; give --device cuda (or cpu), and CUDA_VISIBLE_DEVICES to "
+                "choose the GPUs"
+            )
+        return device
+
+    def start(self, *, device: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+        """Join the process group (NCCL for a CUDA ``device``, else gloo) unless one is
+        initialized already, bind this rank to its GPU and give it its share of the host's
+        cores (``cores // local_world_size`` threads). Returns whether it created the group
+        (then ``stop`` ends it). One process: does nothing, returns False.
+
+        Raises:
+            ValueError: ``timeout_s`` not positive; ``device`` refused by ``device()``;
+                fewer visible GPUs than local ranks.
+        """
+        if not self.several:
+            return False
+        if not timeout_s > 0:
+            raise ValueError(
+                f"--dist-timeout must be a positive number of seconds, got {timeout_s}"
+            )
+        device = self.device(device)
+        cuda = device is not None and device.startswith("cuda")
+        if cuda:
+            if torch.cuda.device_count() <= self.local_rank:
+                raise ValueError(
+                    f"rank {self.rank} needs GPU {self.local_rank} but this machine shows "
+                    f"{torch.cuda.device_count()}; start at most that many ranks per host"
+                )
+            torch.cuda.set_device(self.local_rank)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.local_world_size))
+        created = not dist.is_initialized()
+        if created:
+            dist.init_process_group(
+                backend="nccl" if cuda else "gloo",
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        from .._dist import host_name
+
+        # frozen for callers; filled once, here, before any collective of the loop
+        object.__setattr__(self, "peers", tuple(self.all_gather((host_name(), os.getpid()))))
+        return created
+
+    def stop(self) -> None:
+        """Leave the process group ``start`` created."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- collectives on the host (gloo), in the loop's thread
+
+    def _group(self) -> dist.ProcessGroup:
+        from .._dist import cpu_group
+
+        return cpu_group()
+
+    @contextlib.contextmanager
+    def _explained(self, what: str) -> Iterator[None]:
+        """A failed collective raises ramflow's error: which rank of this host died, if
+        one did, and what to do (as the engine's, see [Note: a rank that dies] in
+        ``ramflow._dist``)."""
+        try:
+            yield
+        except Exception as err:
+            from .._dist import _pid_alive, host_name
+
+            me = host_name()
+            dead = [r for r, (h, pid) in enumerate(self.peers) if h == me and not _pid_alive(pid)]
+            who = (
+                ", ".join(f"rank {r} (PID {self.peers[r][1]})" for r in dead) + " on this host died"
+                if dead
+                else "another rank has probably died or stopped"
+            )
+            raise RuntimeError(
+                f"ramflow: {what} failed on rank {self.rank}: {who}. Stop every rank and "
+                f"restart them all from the last checkpoint (--resume). Cause: {err}"
+            ) from err
+
+    def all_gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj`` (picklable), in rank order.
+
+        Raises:
+            RuntimeError: another rank died or failed (the message names it).
+        """
+        if not self.several:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        with self._explained("exchanging the training loop's state"):
+            dist.all_gather_object(out, obj, group=self._group())
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's ``obj`` (the others pass anything, e.g. None).
+
+        Raises:
+            RuntimeError: another rank died or failed (the message names it).
+        """
+        if not self.several:
+            return obj
+        box = [obj]
+        with self._explained("exchanging the training loop's state"):
+            dist.broadcast_object_list(box, src=0, group=self._group())
+        return box[0]
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank."""
+        return any(self.all_gather(bool(flag))) if self.several else bool(flag)
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sums of ``values`` over the ranks (float64 on the host)."""
+        if not self.several:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        with self._explained("summing the loss over the ranks"):
+            dist.all_reduce(t, group=self._group())
+        return t.tolist()
+
+    def barrier(self) -> None:
+        """Wait for every rank (RuntimeError, naming a dead rank, if one is gone)."""
+        if self.several:
+            with self._explained("waiting for the other ranks"):
+                dist.barrier(group=self._group())
+
+    def together(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on every rank; if it raises on any, raise on every rank: its own
+        error where it failed, a ``RankSetupError`` with the first failed rank's message
+        elsewhere (so that no rank waits in a collective for one that gave up)."""
+        try:
+            value, error = fn(), None
+        except Exception as err:  # re-raised below, after the others learn of it
+            value, error = None, err
+        if not self.several:
+            if error is not None:
+                raise error
+            return value  # type: ignore[return-value]
+        failures = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        for rank, failure in enumerate(failures):
+            if failure is not None:
+                raise RankSetupError(f"rank {rank} stopped the run: {failure}")
+        return value  # type: ignore[return-value]
+
+
+def check_several_ranks(
+    *, world_size: int, precision: str, lora: bool, device_optimizer: bool, auto_batch: bool
+) -> None:
+    """Refuse settings a run of several ranks does not support (see [Note: several ranks
+    from the CLI] for why).
+
+    Raises:
+        ValueError: with what to change.
+    """
+    if world_size < 2:
+        return
+    refused = [
+        (precision == "fp16", "--precision fp16 (use bf16, or fp32)"),
+        (lora, "--lora (train LoRA on one rank)"),
+        (device_optimizer, "--device-optimizer (drop it: ZeRO shards the optimizer instead)"),
+        (auto_batch, "--batch-size auto (give a number: each rank's micro-batch)"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"{world_size} ranks do not support {what}")
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "RankSetupError", "Ranks", "check_several_ranks"]
