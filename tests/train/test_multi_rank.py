@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,12 +32,24 @@ from ramflow.train.report import read_log
 from ramflow.train.scale import choose_zero_stage
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-# tiny preset, T=32, 6 steps with a checkpoint after 3: seconds per run on 2 CPU cores
+# tiny preset, T=32, 6 steps with a checkpoint after 3: seconds per run on 2 CPU cores;
+# fp32 on a GPU too, so that one process and two ranks can be compared closely
 RUN = (
     "--preset", "tiny", "--seq-len", "32", "--steps", "6", "--eval-every", "3",
     "--eval-batches", "2", "--warmup-steps", "1", "--save-every", "3",
-    "--keep-checkpoints", "2", "--no-progress",
+    "--keep-checkpoints", "2", "--no-progress", "--precision", "fp32",
 )  # fmt: skip
+# gloo on the CPU (CI); NCCL on two GPUs (the GPU box)
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+        ],
+    ),
+]
 # The validation loss of 2 ranks at B against one process at 2B: the same sequences and
 # steps; only the order of the fp32 gradient sums differs (the ranks' average vs one
 # batch's mean), about 1e-7 relative per step, which AdamW's normalisation may lift to
@@ -43,9 +57,22 @@ RUN = (
 LOSS_RTOL = 1e-4
 
 
+@pytest.fixture(scope="session")
+def shm_root():
+    """A folder in /dev/shm for the runs' shared host stores (a GPU run needs a tmpfs, see
+    ``ramflow._dist.check_shm_directory_pins``), removed at the end."""
+    root = Path(tempfile.mkdtemp(prefix="test-multi-rank-", dir="/dev/shm"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _shm(root: Path) -> Path:
+    """A fresh shared-memory folder under ``root``: ramflow's files of one test only."""
+    return Path(tempfile.mkdtemp(dir=root))
+
+
 def _env(shm: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    shm.mkdir(exist_ok=True)
     return {
         **env,
         "PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]),
@@ -78,18 +105,22 @@ def _shm_files(shm: Path) -> list[str]:
     return sorted(p.name for p in shm.iterdir() if p.name.startswith("ramflow-"))
 
 
-@pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory, corpus_file) -> tuple[Path, Path, subprocess.CompletedProcess]:
-    """6 steps on 2 ranks (torchrun, gloo) at B=2, checkpoints at steps 3 and 6."""
-    root = tmp_path_factory.mktemp("two")
+@pytest.fixture(scope="module", params=DEVICES)
+def two_rank_run(
+    request, tmp_path_factory, corpus_file, shm_root
+) -> tuple[Path, Path, subprocess.CompletedProcess, str]:
+    """6 steps on 2 ranks (torchrun) at B=2, checkpoints at steps 3 and 6: the run folder,
+    the shared-memory folder, the process and the device."""
+    device = request.param
+    root = tmp_path_factory.mktemp(f"two-{device}")
     out = root / "run"
-    env = _env(root / "shm")
+    shm = _shm(shm_root)
     done = _ramflow(
-        "train", *RUN, "--batch-size", "2", "--data", corpus_file, "--device", "cpu",
-        "--out", out, env=env, torchrun=2,
+        "train", *RUN, "--batch-size", "2", "--data", corpus_file, "--device", device,
+        "--out", out, env=_env(shm), torchrun=2,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return out, root / "shm", done
+    return out, shm, done, device
 
 
 # ---------------------------------------------------------------- sharding and reporting
@@ -129,14 +160,16 @@ def test_validation_batches_are_split_over_the_ranks():
 
 
 @pytest.mark.slow
-def test_two_ranks_compute_one_process_at_twice_the_batch(two_rank_run, corpus_file, tmp_path):
+def test_two_ranks_compute_one_process_at_twice_the_batch(
+    two_rank_run, corpus_file, tmp_path, shm_root
+):
     """2 ranks at --batch-size 2 (torchrun) give the validation and training losses of one
     process at --batch-size 4 on the same seed and data; rank 0 alone reports."""
-    out, shm, done = two_rank_run
+    out, shm, done, device = two_rank_run
     one = tmp_path / "one"
     single = _ramflow(
-        "train", *RUN, "--batch-size", "4", "--data", corpus_file, "--device", "cpu",
-        "--out", one, env=_env(tmp_path / "shm"),
+        "train", *RUN, "--batch-size", "4", "--data", corpus_file, "--device", device,
+        "--out", one, env=_env(_shm(shm_root)),
     )  # fmt: skip
     assert single.returncode == 0, single.stderr[-3000:]
     val, val_one = _losses(out, "eval"), _losses(one, "eval")
@@ -155,14 +188,15 @@ def test_two_ranks_compute_one_process_at_twice_the_batch(two_rank_run, corpus_f
     start = next(r for r in records if r["event"] == "start")
     assert (start["num_ranks"], start["zero_stage"]) == (2, 2)
     assert done.stdout.count("validation loss") == 4  # 3 evaluations + the summary row
-    assert "2 ranks (2 on this host), ZeRO-2 over gloo" in done.stdout
+    backend = "NCCL" if device == "cuda" else "gloo"
+    assert f"2 ranks (2 on this host), ZeRO-2 over {backend}" in done.stdout
     assert json.loads((out / "run.json").read_text())["num_ranks"] == 2
     assert _shm_files(shm) == []
 
 
 @pytest.mark.slow
 def test_checkpoint_holds_weights_once_and_each_ranks_optimizer_shard(two_rank_run):
-    out, _, _ = two_rank_run
+    out, _, _, _ = two_rank_run
     ckpt = open_checkpoint(out)
     names = {p.name for p in ckpt.path.iterdir()}
     assert "model.safetensors" in names and "optimizer.safetensors" not in names
@@ -184,7 +218,7 @@ def test_checkpoint_holds_weights_once_and_each_ranks_optimizer_shard(two_rank_r
 def test_resume_on_two_ranks_is_exact(two_rank_run, tmp_path):
     """Resuming the step-3 checkpoint on 2 ranks (ramflow's own launcher) computes steps
     4-6 bit for bit as the uninterrupted run."""
-    out, shm, _ = two_rank_run
+    out, shm, _, _ = two_rank_run
     full, val_full = _losses(out), _losses(out, "eval")
     ckpt3 = out / "checkpoints" / "step-00000003"
     resumed = tmp_path / "resumed"
@@ -202,7 +236,7 @@ def test_resume_on_two_ranks_is_exact(two_rank_run, tmp_path):
 
 @pytest.mark.slow
 def test_resume_with_another_number_of_ranks_is_refused(two_rank_run, tmp_path):
-    out, shm, _ = two_rank_run
+    out, shm, _, _ = two_rank_run
     done = _ramflow("train", "--resume", out, "--out", tmp_path / "x", env=_env(shm))
     assert done.returncode == 2
     assert "was written by 2 ranks, this run has 1: resume it with 2 ranks" in done.stderr
@@ -222,15 +256,17 @@ def test_check_num_ranks_names_how_to_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_stops_the_others_and_the_run_resumes(two_rank_run, corpus_file, tmp_path):
+def test_a_killed_rank_stops_the_others_and_the_run_resumes(
+    two_rank_run, corpus_file, tmp_path, shm_root
+):
     """Rank 1 killed (SIGKILL) at the start of step 5: rank 0 fails with ramflow's message
     naming it, the launcher exits with the killed rank's status, no store file stays, and
     the run resumes from the step-3 checkpoint bit for bit."""
-    out, _, _ = two_rank_run
-    shm = tmp_path / "shm"
+    out, _, _, device = two_rank_run
+    shm = _shm(shm_root)
     run = tmp_path / "run"
     args = (
-        "train", *RUN, "--batch-size", "2", "--data", corpus_file, "--device", "cpu",
+        "train", *RUN, "--batch-size", "2", "--data", corpus_file, "--device", device,
         "--out", run, "--nproc-per-node", "2", "--dist-timeout", "60",
     )  # fmt: skip
     done = _ramflow(*args, env=_env(shm, RAMFLOW_TEST_FAULT="kill:step:5:1"))
@@ -247,13 +283,16 @@ def test_a_killed_rank_stops_the_others_and_the_run_resumes(two_rank_run, corpus
 
 
 @pytest.mark.slow
-def test_kill_of_every_rank_during_a_save_keeps_the_previous_checkpoint(corpus_file, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_kill_of_every_rank_during_a_save_keeps_the_previous_checkpoint(
+    corpus_file, tmp_path, device, shm_root
+):
     """SIGKILL of both ranks while they write their optimizer shards of the step-6 save:
     the step-3 checkpoint stays loadable and ``latest``; the next run clears the debris."""
     run = tmp_path / "run"
-    shm = tmp_path / "shm"
+    shm = _shm(shm_root)
     args = (
-        "train", *RUN, "--batch-size", "2", "--data", corpus_file, "--device", "cpu",
+        "train", *RUN, "--batch-size", "2", "--data", corpus_file, "--device", device,
         "--out", run, "--nproc-per-node", "2",
     )  # fmt: skip
     done = _ramflow(*args, env=_env(shm, RAMFLOW_TEST_FAULT="kill:optimizer:2"))
