@@ -279,7 +279,7 @@ def plan_ranks(
     """
     zero = choose_zero_stage(num_ranks, zero_stage)
     e = estimate
-    ring = HostPrecision.parse(e.host_precision).gradients == "ring"
+    ring = HostPrecision.parse(e.host_precision).gradient_format.ring
     copies = 1 if zero.stage == 2 and not ring else num_ranks
     gradient_bytes = (e.host_gradient_pinned_bytes + e.host_gradient_pageable_bytes) * copies
     device_side = e.device_total_bytes if e.device_type == "cpu" else 0
