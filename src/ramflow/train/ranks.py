@@ -61,6 +61,8 @@ class Ranks:
         local_world_size: ranks on this host (they share its cores and host store).
         peers: every rank's (host name, PID), gathered by ``start``: a failed collective
             names the ranks of this host that died.
+        group: the gloo group of the loop's own collectives, made by ``start`` with the
+            run's timeout (a gloo group made without one waits 30 minutes).
     """
 
     rank: int = 0
@@ -68,6 +70,7 @@ class Ranks:
     local_rank: int = 0
     local_world_size: int = 1
     peers: tuple[tuple[str, int], ...] = field(default=(), compare=False, repr=False)
+    group: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> Ranks:
@@ -158,14 +161,13 @@ class Ranks:
             torch.cuda.set_device(self.local_rank)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.local_world_size))
         created = not dist.is_initialized()
+        timeout = datetime.timedelta(seconds=timeout_s)
         if created:
-            dist.init_process_group(
-                backend="nccl" if cuda else "gloo",
-                timeout=datetime.timedelta(seconds=timeout_s),
-            )
+            dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timeout)
         from .._dist import host_name
 
         # frozen for callers; filled once, here, before any collective of the loop
+        object.__setattr__(self, "group", dist.new_group(backend="gloo", timeout=timeout))
         object.__setattr__(self, "peers", tuple(self.all_gather((host_name(), os.getpid()))))
         return created
 
@@ -177,9 +179,9 @@ class Ranks:
     # ---- collectives on the host (gloo), in the loop's thread
 
     def _group(self) -> dist.ProcessGroup:
-        from .._dist import cpu_group
-
-        return cpu_group()
+        if self.group is None:
+            raise RuntimeError("Ranks.start() must run before the ranks' collectives")
+        return self.group
 
     @contextlib.contextmanager
     def _explained(self, what: str) -> Iterator[None]:
