@@ -288,7 +288,7 @@ def train(
         log_to: loggers beside ``log.jsonl``: ``"tensorboard"`` (see ``RunReport``).
         zero_stage: with several ranks (``torchrun``'s environment, or a process group
             already initialized): ZeRO stage 1 or 2 (``ramflow.offload``'s); None: the
-            plan's choice, 2 (see ``estimate.choose_zero_stage``). Ignored by one process.
+            plan's choice, 2 (see ``scale.choose_zero_stage``). Ignored by one process.
             See [Note: several ranks from the CLI] in ``ranks.py``.
         dist_timeout_s: the process group's timeout (seconds) when this call creates it:
             how long a rank waits in a collective for the others (a hung rank, or rank 0
