@@ -37,20 +37,17 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "src")]
 
 
 def _host_memory_sampler(stop, peak: list[int]) -> None:
-    """Every 50 ms, the host memory in use by everyone (``used`` + ``shared``: the
-    /dev/shm store counts as shared), kept as the peak in ``peak[0]``."""
-    import psutil
-
+    """Every 50 ms, the host memory in use by everyone, kept as the peak in ``peak[0]``."""
     while not stop.wait(0.05):
-        vm = psutil.virtual_memory()
-        peak[0] = max(peak[0], vm.used + getattr(vm, "shared", 0))
+        peak[0] = max(peak[0], _host_in_use())
 
 
 def _host_in_use() -> int:
+    """The system's memory in use: psutil's ``used``, total minus available, which counts
+    the /dev/shm store (shared memory cannot be reclaimed) but not the page cache."""
     import psutil
 
-    vm = psutil.virtual_memory()
-    return vm.used + getattr(vm, "shared", 0)
+    return psutil.virtual_memory().used
 
 
 def _init_process(args: argparse.Namespace):
@@ -143,14 +140,28 @@ def _run(args: argparse.Namespace) -> None:
         sampler = threading.Thread(target=_host_memory_sampler, args=(stop, host_peak), daemon=True)
         sampler.start()
     t0 = time.perf_counter()
-    model = build_model(
-        "reference",
-        tiny=args.tiny,
-        device="cpu",
-        num_layers=args.layers,
-        checkpoint=args.checkpoint,
-        loss_chunk_tokens=args.loss_chunk,
-    )
+    weights = None
+    if args.meta:  # every rank builds on the meta device; the host store is filled once
+        from host_formats_scale import random_init
+        from reference_model import REFERENCE, TINY, ReferenceModel
+
+        cfg = (TINY if args.tiny else REFERENCE).replace(
+            checkpoint=args.checkpoint, loss_chunk_tokens=args.loss_chunk
+        )
+        if args.layers is not None:
+            cfg = cfg.replace(num_layers=args.layers)
+        with torch.device("meta"):
+            model = ReferenceModel(cfg)
+        weights = random_init
+    else:
+        model = build_model(
+            "reference",
+            tiny=args.tiny,
+            device="cpu",
+            num_layers=args.layers,
+            checkpoint=args.checkpoint,
+            loss_chunk_tokens=args.loss_chunk,
+        )
     zero = args.zero_stage if world > 1 else None
     counter = measure.CopyCounter()
     ramflow.offload(
@@ -159,6 +170,7 @@ def _run(args: argparse.Namespace) -> None:
         gpu_memory=args.gpu_memory,
         zero_stage=zero,
         host_precision=args.host_precision,
+        weights=weights,
     )
     counter.watch(model)
     engine = engine_of_model(model)
@@ -209,6 +221,7 @@ def _run(args: argparse.Namespace) -> None:
             "zero_stage": zero,
             "host_precision": args.host_precision,
             "checkpoint": args.checkpoint,
+            "meta": args.meta,
             "batch_per_gpu": args.batch,
             "seq": args.seq,
             "gpu_memory": args.gpu_memory,
@@ -232,12 +245,22 @@ def _run(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-# Host bytes the CPU optimizer reads and writes per parameter it steps, one pass (see
-# docs/design.md, "The CPU step is one pass" and "Host formats"): fp32 masters read the
-# bf16 gradient, read and write the fp32 master and both fp32 states, and write the bf16
-# wire copy; lean reads the bf16 gradient, reads and writes the bf16 master and two 8-bit
-# states (their block scales are under 2% more).
-_OPTIMIZER_BYTES_PER_PARAM = {"fp32": 30, "lean": 10}
+def _busy(r: dict, link_bytes_per_s: float | None) -> dict[str, float]:
+    """Per resource, the largest share of the step any rank kept it busy: the CPU
+    optimizer (this rank's parameters stepped over its in-step rate) and the H2D link (the
+    rank's H2D bytes over the rate every GPU reached while all copied at once)."""
+    out = {}
+    opt = [
+        x["optimizer_params_per_step"] / x["optimizer_params_per_s"]
+        for x in r["ranks"]
+        if x.get("optimizer_params_per_s")
+    ]
+    if opt:
+        out["CPU optimizer"] = max(opt) / r["step_s"]
+    if link_bytes_per_s:
+        h2d = max(x["h2d_bytes_per_step"] or 0 for x in r["ranks"])
+        out["H2D link"] = h2d / link_bytes_per_s / r["step_s"]
+    return out
 
 
 def _report(paths: list[str]) -> None:
@@ -252,45 +275,43 @@ def _report(paths: list[str]) -> None:
             r["gpu_memory"],
             r.get("host_precision"),
             r.get("checkpoint"),
+            r.get("meta"),
         )
 
     base = {key(r): r["tokens_per_s"] for r in rows if r["gpus"] == 1}
-    print(
-        "| GPUs | host formats | batch per GPU | budget | step | tokens/s | vs one GPU | "
-        "peak GPU | host in use (peak) | H2D per rank | host DRAM floor | binds |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    dram = floors["dram_copy_bytes_per_s"] if floors else None
     link = None
     if floors:
-        link = min(r["together"]["h2d_pieces"] or 0 for r in floors["ranks"]) or None
+        link = min(x["together"]["h2d_pieces"] or 0 for x in floors["ranks"]) or None
+    print(
+        "| GPUs | host formats | tokens per GPU | ramflow budget | step | tokens/s | vs one GPU | "
+        "peak GPU | host memory in use | CPU optimizer busy | H2D link busy |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         one = base.get(key(r))
         ratio = f"{r['tokens_per_s'] / one:.2f}x" if one else "-"
         peaks = [x["peak_bytes"] for x in r["ranks"] if x["peak_bytes"] is not None]
         peak = f"{max(peaks) / 2**30:.1f} GiB" if peaks else "-"
-        h2d = [x["h2d_bytes_per_step"] or 0 for x in r["ranks"]]
-        d2h = [x["d2h_bytes_per_step"] or 0 for x in r["ranks"]]
-        stepped = sum(x["optimizer_params_per_step"] for x in r["ranks"])
-        per_param = _OPTIMIZER_BYTES_PER_PARAM.get(r.get("host_precision") or "fp32")
-        floors_s = {}
-        if dram and per_param:
-            floors_s["host DRAM"] = (sum(h2d) + sum(d2h) + stepped * per_param) / dram
-        if link:
-            floors_s["H2D link"] = max(h2d) / link
-        dram_txt = f"{floors_s['host DRAM'] * 1e3:.0f} ms" if "host DRAM" in floors_s else "-"
-        binds = "-"
-        if floors_s:
-            name, t = max(floors_s.items(), key=lambda kv: kv[1])
-            binds = f"{name} ({t / r['step_s']:.0%} of the step)"
+        busy = _busy(r, link)
+        host = (
+            f"{(r['host_in_use_after_offload'] - r['host_in_use_before']) / 2**30:.1f} GiB "
+            f"(peak {(r['host_in_use_peak'] - r['host_in_use_before']) / 2**30:.1f})"
+        )
         print(
             f"| {r['gpus']} | {r.get('host_precision') or 'fp32'} | "
             f"{r['batch_per_gpu']}x{r['seq']} | {r['gpu_memory'] or 'no cap'} | "
-            f"{r['step_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} | {ratio} | {peak} | "
-            f"{r['host_in_use_peak'] / 2**30:.1f} GiB | {max(h2d) / 1e9:.1f} GB | "
-            f"{dram_txt} | {binds} |"
+            f"{r['step_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} | {ratio} | {peak} | {host} | "
+            + " | ".join(
+                f"{busy[k]:.0%}" if k in busy else "-" for k in ("CPU optimizer", "H2D link")
+            )
+            + " |"
         )
-    print(f"\n{rows[0]['date']}, {rows[0]['device']}; step = median of the slowest rank.")
+    print(
+        f"\n{rows[0]['date']}, {rows[0]['device']}; step = median of the slowest rank. Host "
+        "memory in use: the system's (used + shared), above what it was before the model was "
+        "built, after offload (peak while training). Busy: the largest share of the step "
+        "that any rank kept the resource working."
+    )
     if floors:
         alone = floors["alone"] or {}
         together = [x["together"] for x in floors["ranks"]]
@@ -299,7 +320,8 @@ def _report(paths: list[str]) -> None:
             f"({floors['cores']} cores, {floors['numa_nodes']} NUMA node(s)); pinned H2D "
             f"{(alone.get('h2d_pieces') or 0) / 1e9:.1f} GB/s one GPU alone, "
             f"{sum(t['h2d_pieces'] or 0 for t in together) / 1e9:.1f} GB/s summed over "
-            f"{len(together)} GPUs at once (D2H {sum(t['d2h_pieces'] or 0 for t in together) / 1e9:.1f}); "
+            f"{len(together)} GPUs at once "
+            f"(D2H {sum(t['d2h_pieces'] or 0 for t in together) / 1e9:.1f}); "
             f"bf16 matmul {min(x['matmul_flops'] or 0 for x in floors['ranks']) / 1e12:.0f} "
             "TFLOP/s on the slowest GPU."
         )
@@ -325,6 +347,12 @@ def main() -> None:
         "--loss-chunk", type=int, default=0, help="head and loss in chunks of this many tokens"
     )
     parser.add_argument("--floors", action="store_true", help="measure the shared floors only")
+    parser.add_argument(
+        "--meta",
+        action="store_true",
+        help="build on the meta device and fill the host store through weights= (no rank "
+        "holds a full model: the host memory in use is the store's)",
+    )
     parser.add_argument("--cpu", action="store_true", help="gloo on the CPU (smoke test)")
     parser.add_argument("--out", default="multi_gpu.jsonl")
     parser.add_argument("--report", nargs="+", metavar="JSONL", help="print the table and exit")

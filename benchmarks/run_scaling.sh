@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One host, 1, 2 and 4 GPUs: tokens/s of the reference model at 4x2048 and 16x2048 tokens per
 # GPU, under 24 GiB per GPU (the model's own checkpointing, the head and loss in chunks), for
-# each host format named, ZeRO-2. With FLOORS=1 it first measures what the ranks share
+# each host format named, ZeRO-2. META=1 builds on the meta device (weights=). With FLOORS=1 it first measures what the ranks share
 # (`multi_gpu.py --floors`). Appends to $1/scaling.jsonl, a log per run beside it.
 # Usage: FLOORS=1 bash benchmarks/run_scaling.sh "$OUT" fp32 lean
 set -u
@@ -13,8 +13,8 @@ gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 run() {  # gpus, extra args
   local n=$1; shift
   local log="$out/run-$n-$(echo "$*" | tr -d '-' | tr ' ' '_').log"
-  timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/multi_gpu.py \
-    --out "$out/scaling.jsonl" "$@" > "$log" 2>&1 || echo "run $n $* failed: $? (see $log)"
+  timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/multi_gpu.py ${META:+--meta} \
+    --warmup 3 --steps 7 --out "$out/scaling.jsonl" "$@" > "$log" 2>&1 || echo "run $n $* failed: $? (see $log)"
 }
 if [ "${FLOORS:-0}" = 1 ]; then
   run "$gpus" --floors
