@@ -308,7 +308,7 @@ def _report(paths: list[str]) -> None:
         )
     print(
         f"\n{rows[0]['date']}, {rows[0]['device']}; step = median of the slowest rank. Host "
-        "memory in use: the system's (used + shared), above what it was before the model was "
+        "memory in use: the system's (total - available), above what it was before the model was "
         "built, after offload (peak while training). Busy: the largest share of the step "
         "that any rank kept the resource working."
     )
