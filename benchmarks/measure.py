@@ -294,3 +294,25 @@ class CopyCounter:
         """(H2D, D2H, H2D refresh of resident units) bytes counted so far."""
         with self._lock:
             return self.h2d_bytes, self.d2h_bytes, self.h2d_refresh_bytes
+
+
+def matmul_rate(device: torch.device, *, seconds: float = 1.0, n: int = 8192) -> float | None:
+    """bf16 ``n x n x n`` matmul rate of ``device`` in FLOP/s, timed over about ``seconds``;
+    None on the CPU (no GPU rate to compare with)."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.matmul(a, b)
+    torch.cuda.synchronize(device)
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            torch.matmul(a, b)
+        torch.cuda.synchronize(device)
+        reps += 10
+    rate = 2 * n**3 * reps / (time.perf_counter() - t0)
+    del a, b
+    torch.cuda.empty_cache()
+    return rate

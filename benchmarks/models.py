@@ -221,3 +221,40 @@ def logits_of(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     if isinstance(model, ReferenceModel):
         return model(input_ids)
     return model(input_ids=input_ids, use_cache=False).logits
+
+
+class ChunkedLossHead(nn.Module):
+    """The LM head with the loss: mean cross-entropy of ``hidden_BTD`` against ``labels_BT``
+    computed over chunks of ``chunk`` tokens, each chunk checkpointed (its logits, fp32
+    ``chunk x V``, exist only while it is computed, in forward and again in backward).
+    Replaces the model's ``lm_head`` so that ramflow streams it as one unit.
+
+    Without labels (neither given nor in ``labels_BT``) it is the plain head: the logits.
+    ``labels_BT``, set by the caller, makes the model's own forward return the loss in
+    place of its logits (a 0-dim fp32 tensor), so the call goes through the model's root."""
+
+    def __init__(self, head: nn.Linear, chunk: int) -> None:
+        super().__init__()
+        self.head = head
+        self.chunk = chunk
+        self.labels_BT: torch.Tensor | None = None
+
+    def _chunk_loss(self, h_ND: torch.Tensor, y_N: torch.Tensor) -> torch.Tensor:
+        logits_NV = self.head(h_ND).float()
+        return nn.functional.cross_entropy(logits_NV, y_N, reduction="sum")
+
+    def forward(
+        self, hidden_BTD: torch.Tensor, labels_BT: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        labels_BT = self.labels_BT if labels_BT is None else labels_BT
+        if labels_BT is None:
+            return self.head(hidden_BTD)
+        h_ND = hidden_BTD[:, :-1].reshape(-1, hidden_BTD.shape[-1])
+        y_N = labels_BT[:, 1:].reshape(-1)
+        total = hidden_BTD.new_zeros((), dtype=torch.float32)
+        for lo in range(0, y_N.numel(), self.chunk):
+            sl = slice(lo, lo + self.chunk)
+            total = total + checkpoint(self._chunk_loss, h_ND[sl], y_N[sl], use_reentrant=False)
+        return total / y_N.numel()

@@ -1,4 +1,4 @@
-"""``benchmarks/memory_toolkit.py --smoke`` runs every technique end to end on the CPU and
+"""``benchmarks/memory_toolkit/memory_toolkit.py --smoke`` runs every technique end to end on the CPU and
 writes its JSON and table (figures are not checked: timing lives in benchmarks)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_smoke_run_writes_every_technique(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "memory_toolkit.py"), "--smoke",
+        [sys.executable, str(REPO / "benchmarks" / "memory_toolkit" / "memory_toolkit.py"), "--smoke",
          "--device", "cpu", "--out-dir", str(tmp_path)],
         check=True, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

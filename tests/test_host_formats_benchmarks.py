@@ -10,6 +10,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# each script's study folder under benchmarks/
+STUDY = {
+    "host_formats_accuracy.py": "host_formats",
+    "host_formats_scale.py": "host_formats",
+    "lora_70b.py": "lora_70b",
+    "lora_step_profile.py": "lora_70b",
+    "frozen_quality.py": "frozen_quality",
+}
 
 
 def _run(script: str, *args: str) -> None:
@@ -18,7 +26,7 @@ def _run(script: str, *args: str) -> None:
         PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
     )
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
+        [sys.executable, str(ROOT / "benchmarks" / STUDY[script] / script), "--smoke", *args],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -56,7 +64,7 @@ def test_accuracy_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "s" / "seeds.png").stat().st_size > 0
     # one format twice for one seed is refused
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "host_formats_accuracy.py"), "--seeds",
+        [sys.executable, str(ROOT / "benchmarks" / "host_formats" / "host_formats_accuracy.py"), "--seeds",
          f"{out},{out}", "--out-dir", str(tmp_path / "dup")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-3 offload on a big shape of ``host_formats_scale.py`` (issue 14, point 7a).
+"""DeepSpeed ZeRO-3 offload on a big shape of ``host_formats/host_formats_scale.py`` (issue 14, point 7a).
 
 The same model, tokens and loss as ``host_formats_scale.py`` (the shape's ``transformers``
 config, the chunked-loss head, bf16 autocast, random tokens), trained the way DeepSpeed's
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "host_formats")]
 
 import _common  # noqa: E402
 import psutil  # noqa: E402

@@ -147,7 +147,7 @@ def test_bad_lora_input_is_refused_before_the_run(
 
 def test_frozen_format_flag(ramflow_cli, fast, capsys) -> None:
     """An unknown format is refused by the parser (a known one: tests/test_frozen_formats.py
-    and ``ramflow train --lora --frozen-format``'s run in benchmarks/frozen_quality.py)."""
+    and ``ramflow train --lora --frozen-format``'s run in benchmarks/frozen_quality/frozen_quality.py)."""
     with pytest.raises(SystemExit) as exc:
         ramflow_cli("train", "--frozen-format", "int4", *fast)
     assert exc.value.code == 2

@@ -18,11 +18,11 @@ themselves (with checkpoints, about 15 GiB for fp32 at 1.24 B parameters) go und
 GPU (H100, 16 cores): two formats per call (four at once share the host's DRAM for the
 deferred steps' gradients and run slower than two), then a call that resumes all four:
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/host_formats_accuracy.py --formats fp32,lean \\
+    PYTHONUNBUFFERED=1 python3 benchmarks/host_formats/host_formats_accuracy.py --formats fp32,lean \\
         --budget-s 470 --device-optimizer --gpu-memory 30GiB --run-root /tmp/acc-runs \\
         --out-dir $OUT/acc
     ... --formats bf16,kahan ... (the same)
-    PYTHONUNBUFFERED=1 python3 benchmarks/host_formats_accuracy.py --resume --budget-s 420 \\
+    PYTHONUNBUFFERED=1 python3 benchmarks/host_formats/host_formats_accuracy.py --resume --budget-s 420 \\
         --device-optimizer --gpu-memory 30GiB --run-root /tmp/acc-runs --out-dir $OUT/accf
 
 With ``--device-optimizer`` the units step on the GPU with each format's own arithmetic
@@ -40,7 +40,7 @@ Defaults: ``--preset llama-1b --steps 500 --batch-size 4 --seq-len 512 --eval-ev
 --gpu-memory 16GiB`` (per run), clipping at 1.0 and the seed 0, the standard library corpus.
 CPU smoke test (the tiny preset, a few steps, a small corpus; about a minute on 2 cores):
 
-    python benchmarks/host_formats_accuracy.py --smoke --out-dir /tmp/acc-smoke
+    python benchmarks/host_formats/host_formats_accuracy.py --smoke --out-dir /tmp/acc-smoke
 """
 
 from __future__ import annotations
@@ -57,8 +57,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 FORMATS = ("fp32", "bf16", "lean", "kahan")
 TARGET_RELATIVE = 0.01  # issue 14: final validation loss within 1% of fp32's on the GPU
 

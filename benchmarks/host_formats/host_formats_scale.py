@@ -24,15 +24,15 @@ so a timeout still leaves the numbers so far.
 
 GPU (H100 80 GB, 128 GiB RAM, 16 cores):
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/host_formats_scale.py --shape llama-3.1-8b \\
+    PYTHONUNBUFFERED=1 python3 benchmarks/host_formats/host_formats_scale.py --shape llama-3.1-8b \\
         --batch 4 --seq 2048 --gpu-memory 24GiB --out-dir $OUT/host-formats-scale
-    PYTHONUNBUFFERED=1 python3 benchmarks/host_formats_scale.py --shape qwen2.5-14b \\
+    PYTHONUNBUFFERED=1 python3 benchmarks/host_formats/host_formats_scale.py --shape qwen2.5-14b \\
         --batch 8 --seq 4096 --gpu-memory 24GiB --out-dir $OUT/host-formats-scale
 
 (``--host-precision lean`` is the default; ``--steps 4 --warmup 2``.) CPU smoke test (a
 tiny Llama shape, 2 steps, bf16 wire; seconds):
 
-    python benchmarks/host_formats_scale.py --smoke --out-dir /tmp/scale-smoke
+    python benchmarks/host_formats/host_formats_scale.py --smoke --out-dir /tmp/scale-smoke
 """
 
 from __future__ import annotations
@@ -48,11 +48,13 @@ import time
 from datetime import date
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "src")]
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the harness's modules
+sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
+
+from measure import matmul_rate  # noqa: E402
+from models import ChunkedLossHead  # noqa: E402
 
 SHAPES = ("llama-3.1-8b", "llama-8b", "qwen2.5-14b", "tiny")
 GIB = 2**30
@@ -99,43 +101,6 @@ def model_config(shape: str):
     return cfg
 
 
-class ChunkedLossHead(nn.Module):
-    """The LM head with the loss: mean cross-entropy of ``hidden_BTD`` against ``labels_BT``
-    computed over chunks of ``chunk`` tokens, each chunk checkpointed (its logits, fp32
-    ``chunk x V``, exist only while it is computed, in forward and again in backward).
-    Replaces the model's ``lm_head`` so that ramflow streams it as one unit.
-
-    Without labels (neither given nor in ``labels_BT``) it is the plain head: the logits.
-    ``labels_BT``, set by the caller, makes the model's own forward return the loss in
-    place of its logits (a 0-dim fp32 tensor), so the call goes through the model's root."""
-
-    def __init__(self, head: nn.Linear, chunk: int) -> None:
-        super().__init__()
-        self.head = head
-        self.chunk = chunk
-        self.labels_BT: torch.Tensor | None = None
-
-    def _chunk_loss(self, h_ND: torch.Tensor, y_N: torch.Tensor) -> torch.Tensor:
-        logits_NV = self.head(h_ND).float()
-        return nn.functional.cross_entropy(logits_NV, y_N, reduction="sum")
-
-    def forward(
-        self, hidden_BTD: torch.Tensor, labels_BT: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
-        labels_BT = self.labels_BT if labels_BT is None else labels_BT
-        if labels_BT is None:
-            return self.head(hidden_BTD)
-        h_ND = hidden_BTD[:, :-1].reshape(-1, hidden_BTD.shape[-1])
-        y_N = labels_BT[:, 1:].reshape(-1)
-        total = hidden_BTD.new_zeros((), dtype=torch.float32)
-        for lo in range(0, y_N.numel(), self.chunk):
-            sl = slice(lo, lo + self.chunk)
-            total = total + checkpoint(self._chunk_loss, h_ND[sl], y_N[sl], use_reentrant=False)
-        return total / y_N.numel()
-
-
 def random_init(name: str, out: torch.Tensor) -> None:
     """``weights`` for ``ramflow.offload``: norms 1, biases 0, the rest uniform with standard
     deviation 0.02 (uniform is several times faster than normal on the CPU; for a speed
@@ -169,28 +134,6 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def matmul_rate(device: torch.device, *, seconds: float = 1.0, n: int = 8192) -> float | None:
-    """bf16 ``n x n x n`` matmul rate of ``device`` in FLOP/s, timed over about ``seconds``;
-    None on the CPU (no GPU rate to compare with)."""
-    if device.type != "cuda":
-        return None
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        torch.matmul(a, b)
-    torch.cuda.synchronize(device)
-    reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(10):
-            torch.matmul(a, b)
-        torch.cuda.synchronize(device)
-        reps += 10
-    rate = 2 * n**3 * reps / (time.perf_counter() - t0)
-    del a, b
-    torch.cuda.empty_cache()
-    return rate
-
-
 def measured_rates(device: torch.device, host_precision: str) -> dict:
     """This box's rates for the prediction: pinned H2D/D2H copy rates (1 GiB, best of 3) and
     the CPU AdamW rate of ``host_precision`` (its one-pass kernel over flat buffers, as
@@ -198,7 +141,6 @@ def measured_rates(device: torch.device, host_precision: str) -> dict:
     default). Empty on the CPU."""
     if device.type != "cuda":
         return {}
-    sys.path.insert(0, str(HERE))
     import cpu_optimizer_runner
     import measure
 

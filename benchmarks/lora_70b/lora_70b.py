@@ -25,7 +25,7 @@ needs ``liger-kernel``).
 ``--frozen-format bf16`` keeps frozen weights in the wire dtype. Writes ``lora_70b.json`` and ``lora_70b.md`` under ``--out-dir``;
 ``--smoke`` runs a tiny shape on the CPU (tested in CI).
 
-    python benchmarks/lora_70b.py --shape llama-3.1-70b --frozen-format int8 --out-dir DIR
+    python benchmarks/lora_70b/lora_70b.py --shape llama-3.1-70b --frozen-format int8 --out-dir DIR
 """
 
 from __future__ import annotations
@@ -40,11 +40,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the harness's modules
+sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 
-import measure
-import ramflow
-from host_formats_scale import ChunkedLossHead, matmul_rate
+import torch  # noqa: E402
+
+import measure  # noqa: E402
+import ramflow  # noqa: E402
+from measure import matmul_rate  # noqa: E402
+from models import ChunkedLossHead  # noqa: E402
 
 SHAPES = {
     # name: (hidden, intermediate, layers, heads, kv heads, vocab)

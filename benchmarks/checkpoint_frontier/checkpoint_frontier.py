@@ -12,7 +12,7 @@ Per variant: the median step of ``--steps`` timed steps, the peak allocated byte
 them, and the activations at their peak (that peak minus what is allocated between steps:
 weights, their gradients' buffers, optimizer states).
 
-    python benchmarks/checkpoint_frontier.py --out results.json
+    python benchmarks/checkpoint_frontier/checkpoint_frontier.py --out results.json
 """
 
 from __future__ import annotations
@@ -20,18 +20,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import torch
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the harness's modules
+sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 
-from ramflow.memory import (
+import torch  # noqa: E402
+
+from ramflow.memory import (  # noqa: E402
     CheckpointAll,
     CheckpointPlan,
     SelectiveCheckpoint,
     apply_checkpointing,
 )
-from reference_model import REFERENCE, TINY, build_reference
+from reference_model import REFERENCE, TINY, build_reference  # noqa: E402
 
 SDPA_OPS = (
     "_scaled_dot_product_flash_attention",

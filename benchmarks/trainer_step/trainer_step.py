@@ -21,11 +21,11 @@ leaves ``p.grad`` None). The budget the bare run finds is given to the others.
 
 GPU box, from the repository root::
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/trainer_step.py --out-dir $OUT
+    PYTHONUNBUFFERED=1 python3 benchmarks/trainer_step/trainer_step.py --out-dir $OUT
 
 CPU smoke test (a 4-layer, 256-wide model, sequences of 128; about a minute)::
 
-    python benchmarks/trainer_step.py --smoke --out-dir /tmp/trainer-step
+    python benchmarks/trainer_step/trainer_step.py --smoke --out-dir /tmp/trainer-step
 
 Writes ``<out-dir>/<date>-<device>-trainer-step/trainer_step.{json,md}``.
 """
@@ -41,13 +41,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the harness's modules
+sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 
-import cases
-import harness
-import measure
-import runners
-from models import loss_of, make_batch, model_shape
+import torch  # noqa: E402
+
+import cases  # noqa: E402
+import harness  # noqa: E402
+import measure  # noqa: E402
+import runners  # noqa: E402
+from models import loss_of, make_batch, model_shape  # noqa: E402
 
 VARIANTS = ("bare", "trainer", "trainer-clip", "bare-compiled")
 MAX_GRAD_NORM = {"trainer": 0.0, "trainer-clip": 1.0}
@@ -181,7 +184,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/trainer_step.py", description=__doc__)
+    p = argparse.ArgumentParser(prog="benchmarks/trainer_step/trainer_step.py", description=__doc__)
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     p.add_argument("--timeout-s", type=float, default=180.0, help="per variant")

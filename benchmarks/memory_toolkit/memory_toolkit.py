@@ -26,7 +26,7 @@ The model is the benchmarks' reference model (``reference_model.py``: Llama-shap
 QKV, SwiGLU, SDPA), cut to 8 blocks of width 2048 (536 M parameters) so the run takes about
 three minutes on an H100; its blocks sit in an ``nn.Sequential`` so that segments apply.
 
-Run (GPU box): ``python benchmarks/memory_toolkit.py --out-dir $OUT``; writes
+Run (GPU box): ``python benchmarks/memory_toolkit/memory_toolkit.py --out-dir $OUT``; writes
 ``memory_toolkit.json`` and ``memory_toolkit.md`` there. ``--smoke``: tiny sizes on any
 device (the CPU test runs it).
 """
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BENCH = Path(__file__).resolve().parent
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the harness's modules
 sys.path.insert(0, str(BENCH.parent / "src"))
 sys.path.insert(0, str(BENCH))
 

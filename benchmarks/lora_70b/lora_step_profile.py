@@ -13,7 +13,7 @@ before it):
 * ``liger``: Liger Kernel's RMSNorm, SwiGLU and RoPE (``apply_liger_kernel_to_llama``),
   with ``lora``.
 
-    python benchmarks/lora_step_profile.py --layers 8 --batch 4 --out-dir DIR
+    python benchmarks/lora_70b/lora_step_profile.py --layers 8 --batch 4 --out-dir DIR
 
 ``--smoke`` runs the tiny shape on the CPU without the profiler (tested in CI).
 """
@@ -27,12 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the harness's modules
+sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 
-import ramflow
-from host_formats_scale import matmul_rate
-from lora_70b import SHAPES, apply_variant, build, make_lora_step, sync
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import ramflow  # noqa: E402
+from lora_70b import SHAPES, apply_variant, build, make_lora_step, sync  # noqa: E402
+from measure import matmul_rate  # noqa: E402
 
 KINDS = [
     ("dequantize", ("dequantize",)),

@@ -11,7 +11,7 @@ A format that cannot run here (NF4 without torchao) is skipped, and the report s
 why. Writes ``frozen_quality.json`` and ``frozen_quality.md``
 under ``--out-dir``. ``--smoke`` runs it all on the CPU in about a minute (tested in CI).
 
-    python benchmarks/frozen_quality.py --out-dir benchmarks/results/<date>-frozen-quality
+    python benchmarks/frozen_quality/frozen_quality.py --out-dir benchmarks/results/<date>-frozen-quality
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ramflow
-from ramflow.train.data import build_corpus, find_documents
-from ramflow.train.generation import load_for_generation
-from ramflow.train.report import read_log
-from ramflow.train.trainer import evaluate
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the harness's modules
+sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
+
+import ramflow  # noqa: E402
+from ramflow.train.data import build_corpus, find_documents  # noqa: E402
+from ramflow.train.generation import load_for_generation  # noqa: E402
+from ramflow.train.report import read_log  # noqa: E402
+from ramflow.train.trainer import evaluate  # noqa: E402
 
 TARGETS = {"int8": 0.01, "nf4": 0.05}  # relative perplexity over bf16's
 LORA_TARGET = 0.01  # LoRA on an int8 base: relative validation loss over a bf16 base's

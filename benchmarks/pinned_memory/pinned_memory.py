@@ -18,7 +18,7 @@ Each kind copies a ``--gib`` buffer to the GPU and back, as one copy and as piec
 (``--piece-mib``, the way a streaming engine copies units), ``--rounds`` times after a
 second of warm-up; the rate is bytes over the time between two synchronizations.
 
-    python benchmarks/pinned_memory.py --out-dir DIR
+    python benchmarks/pinned_memory/pinned_memory.py --out-dir DIR
 """
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the harness's modules
+sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 
-import harness
-from ramflow import _streams
+import torch  # noqa: E402
+
+import harness  # noqa: E402
+from ramflow import _streams  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"# Pinned host memory kinds, {result['device_name']}",
         "",
-        f"- command: `python benchmarks/pinned_memory.py {' '.join(argv or sys.argv[1:])}`",
+        f"- command: `python benchmarks/pinned_memory/pinned_memory.py {' '.join(argv or sys.argv[1:])}`",
         f"- commit {result['commit']}; torch {result['torch_version']}; "
         f"{nbytes / GiB:.2f} GiB per kind, pieces of {args.piece_mib} MiB, {args.rounds} rounds",
         f"- transparent huge pages: {result['transparent_hugepage']}; AnonHugePages (KiB): "
