@@ -265,10 +265,12 @@ def pin_in_place(t: torch.Tensor, *, what: str) -> None:
     so that copies from it are asynchronous DMA (``cudaHostRegister``). Undo with ``unpin``.
 
     Raises MemoryError when the driver refuses (the locked-memory limit, ``ulimit -l``)."""
-    if t.is_pinned():
+    nbytes = t.untyped_storage().nbytes()
+    # an empty store (the unit of a head tied to the embedding owns nothing) has nothing
+    # to lock, and cudaHostRegister refuses zero bytes
+    if nbytes == 0 or t.is_pinned():
         return
     ptr = t.untyped_storage().data_ptr()
-    nbytes = t.untyped_storage().nbytes()
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
         raise MemoryError(
@@ -282,6 +284,8 @@ def pin_in_place(t: torch.Tensor, *, what: str) -> None:
 
 def unpin(t: torch.Tensor) -> None:
     """Undo ``pin_in_place`` (or ``alloc_pinned``)."""
+    if t.untyped_storage().nbytes() == 0:
+        return  # never locked: see pin_in_place
     ptr = t.untyped_storage().data_ptr()
     torch.cuda.cudart().cudaHostUnregister(ptr)
     with _registered_lock:
