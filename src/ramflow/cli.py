@@ -50,6 +50,12 @@ _TRAIN_OPTIONS = (
     "fuse_lora",
 )
 
+_EXIT_STATUS = (
+    "exit status: 0 done; 1 `ramflow plan`: the run does not fit this machine; 2 a usage or "
+    "input error (one line on stderr says what to change; nothing is written); 130 / 143 "
+    "stopped by Ctrl-C / SIGTERM, after saving a checkpoint"
+)
+
 _FROZEN_FORMATS = ("int8", "nf4")  # ramflow.train.lora.FROZEN_FORMATS, without importing torch
 
 
@@ -154,7 +160,9 @@ def _shape_options(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ramflow", description="Train and run models whose weights live in CPU RAM."
+        prog="ramflow",
+        description="Train and run models whose weights live in CPU RAM.",
+        epilog=_EXIT_STATUS,
     )
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="{train,generate,plan,profile}"
@@ -164,7 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train a causal language model (default: tiny preset on the stdlib sources)",
         description="Train a causal language model with ramflow. With no options: the tiny "
-        "preset on the Python standard library's sources, on the CPU when there is no GPU.",
+        "preset on the Python standard library's sources, on the CPU when there is no GPU. "
+        "It starts with whether the run fits and why, the budget and the plan.",
+        epilog="exit status: 0 done; 2 a usage or input error, or a run that does not fit this "
+        "machine (one line on stderr says what to change; nothing is written); 130 / 143 "
+        "stopped by Ctrl-C / SIGTERM, after saving a checkpoint",
     )
     _model_options(t)
     _shape_options(t)
@@ -379,7 +391,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the memory plan and predicted step time of a training run, allocating nothing",
         description="Print GPU, CPU RAM (pinned and pageable) and disk needs of a training run, "
         "from the model's shapes on the meta device, and whether it fits this machine; for a "
-        "GPU run also the predicted step time and the fastest plan for the budget.",
+        "GPU run also the predicted step time and the fastest plan for the budget. The first "
+        "line says whether the run fits and why; then the budget, the plan, and the details.",
+        epilog="exit status: 0 the run fits this machine, 1 it does not (its RAM or disk; "
+        "the first line says which), 2 a usage or input error, a --gpu-memory too small for "
+        "the run included (the message gives the smallest that works)",
     )
     _model_options(pl)
     _shape_options(pl)
@@ -586,23 +602,24 @@ def _plan(args: argparse.Namespace) -> int:
         timing_rates=rates,
         matmul_flops_per_s=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
     )
-    print(estimate.describe())
-    if args.nproc_per_node is None or args.nproc_per_node == 1:
-        return 0 if estimate.fits_ram and estimate.fits_disk else 1
-    from .train.scale import DEFAULT_HOST_DRAM_BYTES_PER_S, plan_ranks
+    ranks = None
+    if args.nproc_per_node is not None and args.nproc_per_node > 1:
+        from .train.scale import DEFAULT_HOST_DRAM_BYTES_PER_S, plan_ranks
 
-    if args.host_dram_gbps is not None and args.host_dram_gbps <= 0:
-        raise ValueError(f"--host-dram-gbps must be positive, got {args.host_dram_gbps}")
-    ranks = plan_ranks(
-        estimate,
-        num_ranks=args.nproc_per_node,
-        zero_stage=args.zero_stage,
-        host_dram_bytes_per_s=(
-            args.host_dram_gbps * 1e9 if args.host_dram_gbps else DEFAULT_HOST_DRAM_BYTES_PER_S
-        ),
-    )
-    print(ranks.describe())
-    return 0 if ranks.fits_ram and estimate.fits_disk else 1
+        if args.host_dram_gbps is not None and args.host_dram_gbps <= 0:
+            raise ValueError(f"--host-dram-gbps must be positive, got {args.host_dram_gbps}")
+        ranks = plan_ranks(
+            estimate,
+            num_ranks=args.nproc_per_node,
+            zero_stage=args.zero_stage,
+            host_dram_bytes_per_s=(
+                args.host_dram_gbps * 1e9 if args.host_dram_gbps else DEFAULT_HOST_DRAM_BYTES_PER_S
+            ),
+        )
+    from .train.plan_report import describe_plan, fits
+
+    print(describe_plan(estimate, ranks))
+    return 0 if fits(estimate, ranks) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -83,7 +83,7 @@ def test_progress_into_a_pipe_is_whole_lines(tmp_path: Path, corpus_file: Path) 
         "step 6/6",
         "step 6",
     ]
-    assert lines[0].startswith("model tiny")
+    assert lines[0].startswith("tiny: fits this machine: ")
 
 
 # What a line about something other than the user's run looks like: a Python warning

@@ -30,8 +30,9 @@ def _no_raw_byte_counts(out: str) -> None:
 def test_a_gpu_budget_plans_a_gpu_run(ramflow_cli, capsys) -> None:
     """Without --device, --gpu-memory means a GPU run, also where this machine has none."""
     out = _plan_output(ramflow_cli, capsys, "--gpu-memory", "2GiB")
-    assert out.splitlines()[1].startswith("device cuda, precision bf16")
-    assert "budget 2.00 GiB" in out
+    assert out.splitlines()[0].startswith("tiny: fits this machine: GPU ")
+    assert out.splitlines()[1] == "budget: 2.00 GiB of GPU memory"
+    assert "on cuda in bf16" in out.splitlines()[3]
     assert "step time (predicted" in out and "assumed: pinned PCIe" in out  # the rates assumed
     offload = next(line for line in out.splitlines() if "ramflow.offload(model" in line)
     assert re.search(r"gpu_memory='\d+\.\d\d(GiB|MiB)'", offload), offload
@@ -41,15 +42,21 @@ def test_a_gpu_budget_plans_a_gpu_run(ramflow_cli, capsys) -> None:
 @NO_CUDA
 def test_without_cuda_the_plan_says_which_device_it_assumed(ramflow_cli, capsys) -> None:
     out = _plan_output(ramflow_cli, capsys, "--gpu-memory", "2GiB")
-    assert "(this machine has no CUDA device: planned a run on a CUDA GPU" in out
+    assert out.splitlines()[2].startswith(
+        "  (this machine has no CUDA device: planned a run on a CUDA GPU"
+    )
     out = _plan_output(ramflow_cli, capsys)
-    assert out.splitlines()[1].startswith("device cpu, precision fp32")
-    assert "(this machine has no CUDA device: planned a CPU run; --device cuda" in out
+    assert out.splitlines()[1] == "budget: no cap (a CPU run: the device side is RAM)"
+    assert out.splitlines()[2].startswith(
+        "  (this machine has no CUDA device: planned a CPU run; --device cuda"
+    )
+    assert "on cpu in fp32" in out.splitlines()[3]
 
 
 def test_device_cpu_keeps_a_cpu_plan(ramflow_cli, capsys) -> None:
     out = _plan_output(ramflow_cli, capsys, "--device", "cpu", "--gpu-memory", "2GiB")
-    assert out.splitlines()[1].startswith("device cpu, precision fp32")
+    assert out.splitlines()[1] == "budget: 2.00 GiB of CPU memory"
+    assert "on cpu in fp32" in out.splitlines()[2]
     assert "no CUDA device" not in out  # the user named the device
     _no_raw_byte_counts(out)
 
@@ -61,3 +68,46 @@ def test_device_cpu_keeps_a_cpu_plan(ramflow_cli, capsys) -> None:
 def test_size_string_rounds_down_in_units_offload_reads(num_bytes: int, text: str) -> None:
     assert size_string(num_bytes) == text
     assert parse_bytes(text) <= num_bytes
+
+
+class _Memory:
+    def __init__(self, available: int) -> None:
+        self.available = available
+        self.total = available
+
+
+def _little_ram(monkeypatch, num_bytes: int) -> None:
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: _Memory(num_bytes))
+
+
+def test_the_first_line_is_the_verdict_and_exit_1_when_it_does_not_fit(
+    ramflow_cli, capsys, monkeypatch
+) -> None:
+    out = _plan_output(ramflow_cli, capsys, "--device", "cpu")
+    assert out.splitlines()[0].startswith("tiny: fits this machine: CPU ")
+    _little_ram(monkeypatch, 512 << 20)
+    rc = ramflow_cli("plan", "--preset", "tiny", "--batch-size", "2", "--seq-len", "64")
+    out = capsys.readouterr().out
+    assert rc == 1
+    first = out.splitlines()[0]
+    assert first.startswith("tiny: DOES NOT FIT this machine: it needs about ")
+    assert first.endswith("of RAM and 512.00 MiB is available")
+    assert sum(line.startswith("budget") for line in out.splitlines()) == 1  # one budget
+
+
+def test_auto_host_formats_that_do_not_fit_show_the_lean_plan(
+    ramflow_cli, capsys, monkeypatch
+) -> None:
+    """``--host-precision auto`` where not even lean fits: the lean plan with its verdict
+    (not an error), and the RAM it needs is the lean plan's figure."""
+    argv = ("plan", "--preset", "tiny", "--device", "cuda", "--gpu-memory", "1GiB")
+    _little_ram(monkeypatch, 16 << 20)
+    assert ramflow_cli(*argv, "--host-precision", "lean") == 1
+    lean = capsys.readouterr().out
+    assert ramflow_cli(*argv, "--host-precision", "auto") == 1
+    auto = capsys.readouterr().out
+    assert "host formats lean" in auto and "(auto: neither fp32 nor lean fits" in auto
+    assert auto.splitlines()[0] == lean.splitlines()[0]  # the same bytes, the same verdict
+    assert "DOES NOT FIT" in auto.splitlines()[0]

@@ -32,9 +32,9 @@ def test_plan_cli_prints_the_prediction_and_its_assumptions(ramflow_cli, capsys)
         "pinned PCIe 10.0 GB/s",
         "100 TFLOP/s",
         "1.00 G params/s",
-        "fastest plan for this budget",
+        "fastest plan for the same budget",
         "resident units:",
-        "prefetch depth:",
+        "prefetch depth",
         "checkpointed units:",
         "ramflow.offload(model, gpu_memory=",
     ):

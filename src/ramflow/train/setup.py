@@ -100,22 +100,45 @@ def _estimate(
     if ctx is not None and config.seq_len > ctx:
         raise ValueError(f"--seq-len {config.seq_len} exceeds the model's context of {ctx} tokens")
 
-    def at(batch_size: int, checkpointing: str, **extra: Any) -> MemoryEstimate:
+    def at(
+        batch_size: int,
+        checkpointing: str,
+        host_precision: str = config.host_precision,
+        **extra: Any,
+    ) -> MemoryEstimate:
         return estimate_memory(
             mconfig,
             model_name=config.model_name,
             device_type=device_type,
             precision=precision,
             compute_dtype=compute_dtype,
-            wire_dtype=wire_dtype,
+            wire_dtype=HostPrecision.parse(host_precision).wire_for(None, default=wire_dtype)
+            if host_precision == "lean" and config.host_precision == "auto"
+            else wire_dtype,
             batch_size=batch_size,
             seq_len=config.seq_len,
             gpu_memory_bytes=budget,
             checkpointing=checkpointing,
             out_dir=out_dir if out_dir is not None else Path("runs"),
-            host_precision=config.host_precision,
+            host_precision=host_precision,
             **extra,
         )
+
+    if config.host_precision == "auto":
+        # when nothing fits, the plan of the leanest formats says by how much (``train``
+        # then refuses it with the same figures); auto's own error gives no plan
+        plain = at
+
+        def at(batch_size: int, checkpointing: str, **extra: Any) -> MemoryEstimate:
+            try:
+                return plain(batch_size, checkpointing, **extra)
+            except MemoryError:
+                est = plain(batch_size, checkpointing, host_precision="lean", **extra)
+                return dataclasses.replace(
+                    est,
+                    host_precision_reason="neither fp32 nor lean fits this machine's RAM; "
+                    "planned with lean, the leanest",
+                )
 
     if not config.auto_batch_size:
         return at(config.batch_size, config.checkpointing, **predict), None

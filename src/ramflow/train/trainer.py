@@ -70,6 +70,7 @@ from .modeling import (
     load_model,
     load_offloaded,
 )
+from .plan_report import preamble_lines
 from .precision import ComputePolicy
 from .ranks import DEFAULT_TIMEOUT_S, Ranks, check_several_ranks
 from .report import (
@@ -454,6 +455,10 @@ def _train(
     if ranks.is_main:
         _write_run_json(run_dir, config, setup, ranks, zero_stage)
     say = report.message
+    lora = config.lora_rank is not None
+    trained = f"LoRA rank {config.lora_rank} adapters trained, the base frozen" if lora else None
+    for line in preamble_lines(est, trained=trained):
+        say(line)
     if ranks.several:
         say(
             f"{ranks.world_size} ranks ({ranks.local_world_size} on this host), ZeRO-"
@@ -462,20 +467,11 @@ def _train(
             f"{config.global_batch * ranks.world_size} per step"
         )
     say(
-        f"model {config.model_name}: {est.num_parameters / 1e6:,.2f} M parameters | device {policy.device}, "
-        f"{policy.precision}, activation checkpointing {'on' if est.checkpointing else 'off'}"
-    )
-    say(
         f"data {corpus.source}: documents {corpus.num_documents:,}, {corpus.train_tokens.numel():,} training "
         f"and {corpus.val_tokens.numel():,} validation tokens ({setup.tokenizer.name} tokenizer)"
     )
-    say(
-        f"memory: device {format_bytes(est.device_total_bytes)} planned, host "
-        f"{format_bytes(est.host_pinned_bytes + est.host_pageable_bytes)} "
-        f"({format_bytes(est.host_pinned_bytes)} pinned, host formats {est.host_precision}"
-        + (f": {est.host_precision_reason}" if est.host_precision_reason else "")
-        + f") | run folder {run_dir}"
-    )
+    steps = f"{config.steps} step" + ("s" if config.steps != 1 else "")
+    say(f"run folder {run_dir}: {steps} of {config.tokens_per_step:,} tokens")
 
     # ---- model, offload, optimizer, schedule
     offload_options = dict(
@@ -487,7 +483,6 @@ def _train(
         device_optimizer=config.device_optimizer,
         zero_stage=zero_stage,
     )
-    lora = config.lora_rank is not None
     offload_options.update(frozen_format_options(config.frozen_format))
     weights_dir = base_weights(config, ckpt)
     if weights_dir is not None and zero_stage is not None:

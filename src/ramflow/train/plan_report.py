@@ -1,0 +1,242 @@
+"""What ``ramflow plan`` prints, verdict first, and the lines ``ramflow train`` starts with.
+
+[Note: a plan read in five seconds]
+A reader asks, in this order: does the run fit, under what budget, with what plan. So the
+first line is the verdict and its reason (what does not fit, with both figures, or what it
+takes of what there is); the next the one budget, the device memory the user gave (or the
+default); then the plan ramflow will use; and only then the details: the memory table, the
+activations, RAM and disk, the predicted step time and the fastest plan for the same budget.
+ramflow's own share of the budget (what the activations leave, the ``gpu_memory`` that
+``ramflow.offload`` gets) is a detail named as such, never a second "budget". ``train``
+prints the same first lines before it starts (a run that does not fit is refused before).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .._plan import OffloadPlan, _names, format_bytes
+from .._predict import TRAIN_MATMUL_EFFICIENCY
+from ..memory.estimate import RUNTIME_OVERHEAD_BYTES, MemoryEstimate, size_string
+
+
+def _device(est: MemoryEstimate) -> str:
+    return "GPU" if est.device_type == "cuda" else "CPU"
+
+
+class HostRanks(Protocol):
+    """Several ranks on this host (``ramflow plan --nproc-per-node N``): their RAM, which
+    replaces one rank's in the verdict, and their lines for the details."""
+
+    num_ranks: int
+    ram_available_bytes: int
+
+    @property
+    def ram_needed_bytes(self) -> int: ...
+
+    @property
+    def fits_ram(self) -> bool: ...
+
+    def describe(self) -> str: ...
+
+
+def fits(est: MemoryEstimate, ranks: HostRanks | None = None) -> bool:
+    """Whether this machine's RAM (for ``ranks`` ranks, when given) and disk hold the run
+    (the device budget was checked when the estimate was made: a budget too small raises
+    there)."""
+    return (est.fits_ram if ranks is None else ranks.fits_ram) and est.fits_disk
+
+
+def verdict(est: MemoryEstimate, ranks: HostRanks | None = None) -> str:
+    """The first line: whether the run fits this machine, and why."""
+    need = est.ram_needed_bytes if ranks is None else ranks.ram_needed_bytes
+    avail = est.ram_available_bytes if ranks is None else ranks.ram_available_bytes
+    fits_ram = est.fits_ram if ranks is None else ranks.fits_ram
+    who = "" if ranks is None else f" ({ranks.num_ranks} ranks)"
+    problems = []
+    if not fits_ram:
+        problems.append(
+            f"it needs about {format_bytes(need)} of RAM{who} and {format_bytes(avail)} is "
+            "available"
+        )
+    if not est.fits_disk:
+        problems.append(
+            f"a checkpoint takes {format_bytes(est.checkpoint_bytes)} and "
+            f"{format_bytes(est.disk_free_bytes or 0)} is free where the run folder goes"
+        )
+    if problems:
+        return f"{est.model_name}: DOES NOT FIT this machine: " + "; ".join(problems)
+    per_gpu = "" if ranks is None else " per GPU"
+    if est.gpu_memory_bytes is None:
+        device = f"{_device(est)} {format_bytes(est.device_total_bytes)}{per_gpu}, no cap"
+    else:
+        device = (
+            f"{_device(est)} {format_bytes(est.device_total_bytes)} of the "
+            f"{format_bytes(est.gpu_memory_bytes)} budget{per_gpu}"
+        )
+    ram = f"RAM {format_bytes(need)}{who} of {format_bytes(avail)} available"
+    return f"{est.model_name}: fits this machine: {device}; {ram}"
+
+
+def budget_lines(est: MemoryEstimate) -> list[str]:
+    """The one budget: the device memory the run may use, and which device was assumed
+    when the user named none."""
+    if est.gpu_memory_bytes is not None:
+        line = f"budget: {format_bytes(est.gpu_memory_bytes)} of {_device(est)} memory"
+    elif est.device_type == "cpu":
+        line = "budget: no cap (a CPU run: the device side is RAM)"
+    else:
+        line = "budget: no cap (no --gpu-memory)"
+    return [line] + ([f"  ({est.device_note})"] if est.device_note else [])
+
+
+def plan_lines(est: MemoryEstimate, *, trained: str | None = None) -> list[str]:
+    """The chosen plan: model, device and precision, micro-batch, what stays on the
+    device, host formats. ``trained`` says what is trained where the estimate cannot know
+    (a LoRA run's adapters); default: from the estimate."""
+    plan = est.plan
+    auto = f" (auto: {est.host_precision_reason})" if est.host_precision_reason else ""
+    per_param = (
+        f", {est.host_bytes_per_parameter:.2f} bytes per trained parameter"
+        if est.host_bytes_per_parameter is not None
+        else ""
+    )
+    if trained is None:
+        trained = (
+            "all trained"
+            if est.num_trainable == est.num_parameters
+            else f"{est.num_trainable / 1e6:,.2f} M trained"
+        )
+    return [
+        f"plan: {est.model_name}, {est.num_parameters / 1e6:,.2f} M parameters ({trained}), "
+        f"{len(est.activations.layer_bytes)} layers, on {est.device_type} in {est.precision} "
+        f"(weights on the device in {est.wire_dtype})",
+        f"  micro-batch {est.batch_size} x {est.seq_len} tokens, activation checkpointing "
+        f"{'on' if est.checkpointing else 'off'}",
+        f"  {_residency(plan)}",
+        f"  host formats {est.host_precision}{per_param}{auto}",
+    ]
+
+
+def _residency(plan: OffloadPlan) -> str:
+    n, k = len(plan.unit_names), len(plan.resident)
+    if k == n:
+        return f"all {n} units stay on the device"
+    return (
+        f"{k} of {n} units stay on the device, the rest stream through it "
+        f"({format_bytes(plan.streamed_bytes_per_pass)} per forward, prefetch depth "
+        f"{plan.prefetch_depth})"
+    )
+
+
+def _share_line(est: MemoryEstimate) -> str:
+    plan = est.plan
+    parts = (
+        f"window {format_bytes(plan.window_bytes)} + gradients {format_bytes(plan.grad_bytes)} "
+        f"+ fixed {format_bytes(plan.fixed_bytes)} + resident {format_bytes(plan.resident_bytes)}"
+    )
+    if plan.device_stepped:
+        parts += f" + optimizer on the device {format_bytes(plan.device_step_bytes)}"
+    share = est.ramflow_budget_bytes
+    of = (
+        ""
+        if share is None
+        else f" of its {format_bytes(share)} share (the budget less the activations)"
+    )
+    return (
+        f"ramflow on the device: {parts} = {format_bytes(plan.planned_bytes)}{of}; the "
+        f"smallest that works, streaming every unit: {format_bytes(plan.min_gpu_memory_bytes)}"
+    )
+
+
+def _speed_lines(est: MemoryEstimate) -> list[str]:
+    if est.prediction is None or est.timing_rates is None:
+        return []
+    r = est.timing_rates
+    both = f", both ways {r.both_bytes_per_s / 1e9:.1f} GB/s" if r.both_bytes_per_s else ""
+    lines = [
+        "",
+        f"step time (predicted): {est.prediction.describe()}",
+        f"  assumed: pinned PCIe {r.h2d_bytes_per_s / 1e9:.1f} GB/s H2D, "
+        f"{r.d2h_bytes_per_s / 1e9:.1f} GB/s D2H{both}; GPU bf16 matmul "
+        f"{(est.matmul_flops_per_s or 0) / 1e12:.0f} TFLOP/s ({TRAIN_MATMUL_EFFICIENCY:.0%} of "
+        f"it in a training forward); CPU AdamW {r.cpu_optimizer_params_per_s / 1e9:.2f} G params/s",
+        "  (defaults: the H200 box's measurements; override with --pcie-gbps, --gpu-tflops, "
+        "--cpu-adamw-gparams; benchmarks/bench.py --floors measures them)",
+    ]
+    best = est.timed_plan
+    if best is not None and best.prediction is not None:
+        kwargs = best.offload_kwargs()
+        ckpt_arg = kwargs["activation_checkpointing"]
+        ckpt = ckpt_arg or []
+        share = kwargs["gpu_memory"]
+        lines += [
+            f"fastest plan for the same budget: {best.prediction.step_s * 1e3:.0f} ms per step "
+            f"(bound by {best.prediction.bound}): {_residency(best)}; "
+            f"{len(ckpt)} of {len(best.unit_names)} units checkpointed"
+            + (
+                f", activations at their peak {format_bytes(best.activation_bytes)}"
+                if best.activation_bytes is not None
+                else ""
+            ),
+            f"  resident units: {_names(best.resident)}; checkpointed units: {_names(ckpt)}",
+            "  in Python (gpu_memory is ramflow's share, the activations not included): "
+            "ramflow.offload(model, gpu_memory="
+            + ("None" if share is None else repr(size_string(share)))
+            + f", prefetch_depth={kwargs['prefetch_depth']}, activation_checkpointing="
+            + (repr(ckpt_arg) if len(ckpt) <= 4 else f"[{len(ckpt)} unit names]")
+            + ")",
+        ]
+    return lines
+
+
+def preamble_lines(
+    est: MemoryEstimate, *, trained: str | None = None, ranks: HostRanks | None = None
+) -> list[str]:
+    """The lines ``ramflow train`` starts with: verdict, budget, plan (see ``plan_lines``
+    for ``trained``). See [Note: a plan read in five seconds]."""
+    return [verdict(est, ranks), *budget_lines(est), *plan_lines(est, trained=trained)]
+
+
+def describe_plan(est: MemoryEstimate, ranks: HostRanks | None = None) -> str:
+    """What ``ramflow plan`` prints (with ``ranks``: for several ranks on this host). See
+    [Note: a plan read in five seconds]."""
+    act = est.activations
+    saved = act.saved_bytes(checkpointing=est.checkpointing)
+    working = act.peak_bytes(checkpointing=est.checkpointing) - saved
+    lines = [*preamble_lines(est, ranks=ranks), "", "details:"]
+    if not act.measured:
+        lines.append("  activations from a formula: unknown model structure")
+    lines += [
+        est.table(),
+        "",
+        f"{_device(est)} memory: activations {format_bytes(est.device_activation_bytes)} "
+        f"({format_bytes(saved)} saved for backward + {format_bytes(working)} backward working "
+        "memory)",
+        _share_line(est),
+        f"RAM: about {format_bytes(est.ram_needed_bytes)} (including "
+        f"{format_bytes(RUNTIME_OVERHEAD_BYTES)} for the runtime), "
+        f"{format_bytes(est.ram_available_bytes)} available",
+    ]
+    if est.disk_free_bytes is not None:
+        two = 2 * est.checkpoint_bytes <= est.disk_free_bytes
+        lines.append(
+            f"disk: a checkpoint takes {format_bytes(est.checkpoint_bytes)}, two at a time while "
+            f"saving; {format_bytes(est.disk_free_bytes)} free"
+            + ("" if two or not est.fits_disk else ": save only at the end (--save-every 0)")
+        )
+    lines += _speed_lines(est)
+    if ranks is not None:
+        lines += ["", ranks.describe()]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "HostRanks",
+    "budget_lines",
+    "describe_plan",
+    "fits",
+    "plan_lines",
+    "preamble_lines",
+    "verdict",
+]
