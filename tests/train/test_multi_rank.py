@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -300,6 +302,45 @@ def test_kill_of_every_rank_during_a_save_keeps_the_previous_checkpoint(
     ckpt = open_checkpoint(run)  # verifies every file of every rank
     assert ckpt.step == 3 and ckpt.path.name == "step-00000003"
     assert any(p.name.startswith(".step-00000006.tmp-") for p in (run / "checkpoints").iterdir())
+    assert _shm_files(shm) == []
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_every_rank_after_a_step_with_a_checkpoint(
+    corpus_file, tmp_path, shm_root
+):
+    """A scheduler's SIGTERM to ``ramflow train --nproc-per-node 2`` reaches each rank
+    once: they finish the same step, save it, and the launcher exits 143 (torchrun's agent
+    would send a second signal, which aborts the save: see [Note: the launcher])."""
+    run = tmp_path / "run"
+    shm = _shm(shm_root)
+    steps = ("--steps", "400", "--save-every", "0", "--eval-every", "0")
+    argv = (
+        "train", *RUN, *steps, "--batch-size", "2", "--data", corpus_file, "--device", "cpu",
+        "--out", run, "--nproc-per-node", "2",
+    )  # fmt: skip
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "ramflow", *map(str, argv)],
+        env=_env(shm),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not _losses(run) and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.2)
+        assert _losses(run), "no step was logged"
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "interrupted (SIGTERM)" in out
+    ckpt = open_checkpoint(run)
+    done = max(_losses(run))
+    assert 1 <= ckpt.step == done < 400
     assert _shm_files(shm) == []
 
 
