@@ -26,6 +26,7 @@ from ramflow.train.checkpoint import (
     check_num_ranks,
     open_checkpoint,
     rank_file,
+    remove_stale_temporaries,
 )
 from ramflow.train.data import BatchStream, validation_batches
 from ramflow.train.launch import rank_environment
@@ -303,6 +304,10 @@ def test_kill_of_every_rank_during_a_save_keeps_the_previous_checkpoint(
     assert ckpt.step == 3 and ckpt.path.name == "step-00000003"
     assert any(p.name.startswith(".step-00000006.tmp-") for p in (run / "checkpoints").iterdir())
     assert _shm_files(shm) == []
+    # what the next run in the folder does first
+    assert [r.startswith("removed .step-00000006.tmp-") for r in remove_stale_temporaries(
+        run / "checkpoints")] == [True]  # fmt: skip
+    assert open_checkpoint(run).step == 3
 
 
 @pytest.mark.slow

@@ -99,7 +99,8 @@ class TrainResult:
             of its last ten steps.
         val_loss: the last validation loss (None if none ran).
         elapsed_s: wall time of this process's loop (seconds).
-        tokens_per_s: training tokens per second of this process.
+        tokens_per_s: training tokens per second of this process (of all ranks, in a run
+            of several: see [Note: several ranks from the CLI] in ``ranks.py``).
         peak_gpu_bytes: ``torch.cuda.max_memory_allocated`` (None on the CPU).
         peak_host_bytes: peak resident memory of this process.
         summary: the summary table as printed.
