@@ -210,4 +210,5 @@ def test_lora_run_counts_only_the_adapters_as_trained(
     assert summary.endswith(
         f"({(num_base + adapters) / 1e6:,.2f} M parameters), {adapters / 1e6:,.2f} M trained"
     )
-    assert f"LoRA rank 4: {adapters / 1e6:,.2f} M parameters trained in the adapters" in text
+    plan = next(line for line in text.splitlines() if line.startswith("plan: "))
+    assert f"({adapters / 1e6:,.2f} M trained: LoRA rank 4, the base frozen)" in plan

@@ -56,6 +56,18 @@ def check_lora_targets(model: nn.Module, targets: Sequence[str]) -> None:
         )
 
 
+def count_lora_parameters(model: nn.Module, *, rank: int, targets: Sequence[str] | None) -> int:
+    """Parameters of the rank-``rank`` adapters that ``apply_lora`` would add to ``model``
+    (a meta-device model is enough): A (rank x in) and B (out x rank) for each linear module
+    whose last name is a target."""
+    names = set(targets or DEFAULT_TARGETS)
+    return sum(
+        rank * (m.in_features + m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in names
+    )
+
+
 def check_frozen_format(frozen_format: str | None) -> None:
     """Raise ValueError for a format ``ramflow.offload(frozen_format=...)`` does not know."""
     if frozen_format is None:
@@ -167,6 +179,7 @@ __all__ = [
     "attach_adapters",
     "check_frozen_format",
     "check_lora_targets",
+    "count_lora_parameters",
     "frozen_format_options",
     "is_adapter_checkpoint",
     "load_adapters",

@@ -63,12 +63,19 @@ from .checkpoint import (
 from .config import TrainConfig, resume_config
 from .data import BatchStream, validation_batches
 from .flops import model_flops_utilisation, peak_flops
-from .lora import apply_lora, frozen_format_options, load_adapters, parse_targets
+from .lora import (
+    apply_lora,
+    count_lora_parameters,
+    frozen_format_options,
+    load_adapters,
+    parse_targets,
+)
 from .modeling import (
     build_model,
     count_parameters,
     load_model,
     load_offloaded,
+    meta_model,
 )
 from .plan_report import preamble_lines
 from .precision import ComputePolicy
@@ -457,7 +464,14 @@ def _train(
         _write_run_json(run_dir, config, setup, ranks, zero_stage)
     say = report.message
     lora = config.lora_rank is not None
-    trained = f"LoRA rank {config.lora_rank} adapters trained, the base frozen" if lora else None
+    trained = None
+    if lora:
+        num = count_lora_parameters(
+            meta_model(setup.model_config),
+            rank=config.lora_rank,
+            targets=parse_targets(config.lora_targets),
+        )
+        trained = f"{num / 1e6:,.2f} M trained: LoRA rank {config.lora_rank}, the base frozen"
     for line in preamble_lines(est, trained=trained):
         say(line)
     if ranks.several:
@@ -523,11 +537,6 @@ def _train(
                 ramflow.helpers.fuse_lora(model)
             if ckpt is not None:
                 load_adapters(model, ckpt.path)
-            trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            say(
-                f"LoRA rank {config.lora_rank}: {trained / 1e6:,.2f} M parameters trained in the "
-                f"adapters, the base's {est.num_parameters / 1e6:,.2f} M frozen"
-            )
         elif plan.resident != est.plan.resident or plan.window_bytes != est.plan.window_bytes:
             warnings.warn(
                 "ramflow chose another plan than the estimate; `ramflow plan` may be off",
