@@ -306,8 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="with several ranks: how long a rank waits for the others in a collective "
-        "before failing (default 600); must exceed the time rank 0 takes to write a "
-        "checkpoint's weights",
+        "before failing (default 600; while rank 0 writes a checkpoint's weights, the "
+        "others wait up to 2 hours unless it dies)",
     )
     t.add_argument(
         "--out", metavar="DIR", default=None, help="run folder (default: runs/<timestamp>)"

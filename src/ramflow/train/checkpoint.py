@@ -456,7 +456,8 @@ def save_checkpoint(
             os.rename(tmp, final)
             _fsync(root)
 
-        ranks.together(finish if ranks.is_main else lambda: None)
+        # the others wait while rank 0 writes the weights: see ranks.SAVE_TIMEOUT_S
+        ranks.together(finish if ranks.is_main else lambda: None, slow=True)
     except BaseException:
         if ranks.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -465,7 +466,7 @@ def save_checkpoint(
         fault_point("renamed")
         _publish(root, final, step, keep)
     # no rank goes on (and may save again) before the checkpoint is in place
-    ranks.barrier()
+    ranks.barrier(slow=True)
     return final
 
 

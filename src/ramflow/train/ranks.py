@@ -43,7 +43,12 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 
-DEFAULT_TIMEOUT_S = 600.0  # torch's default for NCCL; a save must fit in it (see launch.py)
+DEFAULT_TIMEOUT_S = 600.0  # torch's default for NCCL
+SAVE_TIMEOUT_S = 7200.0
+"""How long the other ranks wait for rank 0 to write a checkpoint's weights (and delete
+older checkpoints) when that is longer than the run's timeout: 280 GB of a 70B model's fp32
+weights take 4 minutes at 1.2 GB/s and much longer on a slow disk. A rank 0 that dies
+fails the wait at once (gloo's sockets close); only a hung one is waited for this long."""
 
 
 class RankSetupError(ValueError):
@@ -63,6 +68,8 @@ class Ranks:
             names the ranks of this host that died.
         group: the gloo group of the loop's own collectives, made by ``start`` with the
             run's timeout (a gloo group made without one waits 30 minutes).
+        save_group: a gloo group for waiting on rank 0's part of a save, with
+            ``SAVE_TIMEOUT_S`` if that is longer.
     """
 
     rank: int = 0
@@ -71,6 +78,7 @@ class Ranks:
     local_world_size: int = 1
     peers: tuple[tuple[str, int], ...] = field(default=(), compare=False, repr=False)
     group: Any = field(default=None, compare=False, repr=False)
+    save_group: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> Ranks:
@@ -168,6 +176,8 @@ class Ranks:
 
         # frozen for callers; filled once, here, before any collective of the loop
         object.__setattr__(self, "group", dist.new_group(backend="gloo", timeout=timeout))
+        saves = datetime.timedelta(seconds=max(timeout_s, SAVE_TIMEOUT_S))
+        object.__setattr__(self, "save_group", dist.new_group(backend="gloo", timeout=saves))
         object.__setattr__(self, "peers", tuple(self.all_gather((host_name(), os.getpid()))))
         return created
 
@@ -178,10 +188,11 @@ class Ranks:
 
     # ---- collectives on the host (gloo), in the loop's thread
 
-    def _group(self) -> dist.ProcessGroup:
-        if self.group is None:
+    def _group(self, slow: bool = False) -> dist.ProcessGroup:
+        group = self.save_group if slow else self.group
+        if group is None:
             raise RuntimeError("Ranks.start() must run before the ranks' collectives")
-        return self.group
+        return group
 
     @contextlib.contextmanager
     def _explained(self, what: str) -> Iterator[None]:
@@ -205,8 +216,9 @@ class Ranks:
                 f"restart them all from the last checkpoint (--resume). Cause: {err}"
             ) from err
 
-    def all_gather(self, obj: T) -> list[T]:
-        """Every rank's ``obj`` (picklable), in rank order.
+    def all_gather(self, obj: T, *, slow: bool = False) -> list[T]:
+        """Every rank's ``obj`` (picklable), in rank order; ``slow``: some rank may take
+        up to ``SAVE_TIMEOUT_S`` to get here (it writes a checkpoint).
 
         Raises:
             RuntimeError: another rank died or failed (the message names it).
@@ -215,7 +227,7 @@ class Ranks:
             return [obj]
         out: list[Any] = [None] * self.world_size
         with self._explained("exchanging the training loop's state"):
-            dist.all_gather_object(out, obj, group=self._group())
+            dist.all_gather_object(out, obj, group=self._group(slow))
         return out
 
     def broadcast(self, obj: T) -> T:
@@ -244,16 +256,18 @@ class Ranks:
             dist.all_reduce(t, group=self._group())
         return t.tolist()
 
-    def barrier(self) -> None:
-        """Wait for every rank (RuntimeError, naming a dead rank, if one is gone)."""
+    def barrier(self, *, slow: bool = False) -> None:
+        """Wait for every rank (RuntimeError, naming a dead rank, if one is gone);
+        ``slow`` as in ``all_gather``."""
         if self.several:
             with self._explained("waiting for the other ranks"):
-                dist.barrier(group=self._group())
+                dist.barrier(group=self._group(slow))
 
-    def together(self, fn: Callable[[], T]) -> T:
+    def together(self, fn: Callable[[], T], *, slow: bool = False) -> T:
         """Run ``fn`` on every rank; if it raises on any, raise on every rank: its own
         error where it failed, a ``RankSetupError`` with the first failed rank's message
-        elsewhere (so that no rank waits in a collective for one that gave up)."""
+        elsewhere (so that no rank waits in a collective for one that gave up). ``slow``
+        as in ``all_gather``."""
         try:
             value, error = fn(), None
         except Exception as err:  # re-raised below, after the others learn of it
@@ -262,7 +276,9 @@ class Ranks:
             if error is not None:
                 raise error
             return value  # type: ignore[return-value]
-        failures = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
+        failures = self.all_gather(
+            None if error is None else f"{type(error).__name__}: {error}", slow=slow
+        )
         if error is not None:
             raise error
         for rank, failure in enumerate(failures):
@@ -293,4 +309,10 @@ def check_several_ranks(
             raise ValueError(f"{world_size} ranks do not support {what}")
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RankSetupError", "Ranks", "check_several_ranks"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "SAVE_TIMEOUT_S",
+    "RankSetupError",
+    "Ranks",
+    "check_several_ranks",
+]

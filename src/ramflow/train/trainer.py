@@ -300,8 +300,8 @@ def train(
             plan's choice, 2 (see ``scale.choose_zero_stage``). Ignored by one process.
             See [Note: several ranks from the CLI] in ``ranks.py``.
         dist_timeout_s: the process group's timeout (seconds) when this call creates it:
-            how long a rank waits in a collective for the others (a hung rank, or rank 0
-            writing a checkpoint's weights) before it fails.
+            how long a rank waits in a collective for a hung rank before it fails (for
+            rank 0 writing a checkpoint, ``ranks.SAVE_TIMEOUT_S`` if longer).
 
     Returns:
         A ``TrainResult`` (every rank's own; rank 0's summary is the run's).
