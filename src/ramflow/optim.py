@@ -19,20 +19,17 @@ import torch
 from torch.optim import adam as _adam
 from torch.optim import sgd as _sgd
 
-from . import _lean_triton
-from ._cpu_kernels import _check_threads, cut_at_tails, fused_adamw_step_, odd_tails
+from ._cpu_kernels import _check_threads, odd_tails
 from ._engine import Engine
+from ._format_steps import LEAN, AdamWSettings, adamw_for
 from ._host_formats import (
     FP32,
-    STEP_ALIGN,
     HostPrecision,
     check_optimizer_formats,
     moments_into,
     moments_to_plain,
 )
-from ._lean_kernels import lean_adamw_step_
 from ._linear import attach_pending
-from ._plan import LEAN_DEVICE_STEP_PIECE
 from ._registry import engine_of_param
 from ._units import _Unit
 
@@ -448,47 +445,24 @@ class AdamW(HostOptimizer):
     ) -> None:
         index = self.flat_group(unit)
         assert index is not None
-        group = hyper[index]
         params = unit.owned[: unit.num_trainable]
-        flats = self._unit_states(unit)
-        step = int(self.state[params[0]]["step"]) + 1
-        beta1, beta2 = group["betas"]
-        m, v = flats["exp_avg"], flats["exp_avg_sq"]
-
-        def cut(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
-            return None if t is None else t[lo:hi]
-
-        if not _exact(unit):
-            # the kernel reads one gradient: the accumulated one. Through ``.data``, as the
-            # native fp32 kernel writes them, so the gradients' version counters (the loop
-            # pattern check) see no change by the user.
-            if accumulate is not None:
-                accumulate.data.add_(grad)
-                grad = accumulate
-            elif grad_out is not None:
-                grad_out.data.copy_(grad)
-            for lo, hi in pieces or [(0, unit.trainable_numel)]:
-                self._lean_step(
-                    unit, flats, lo, hi, grad[lo:hi], group, step, cut(wire_out, lo, hi)
-                )
-                if after_piece is not None:
-                    after_piece(lo, hi)
-            for p in params:
-                self.state[p]["step"].add_(1)
-            return
-        params_t = unit.owned[: unit.num_trainable]
-        tails = odd_tails(unit.offsets, [p.numel() for p in params_t])
-        for lo, hi in pieces or [(0, unit.trainable_numel)]:
-            for a, b in cut_at_tails(lo, hi, tails):
-                fused_adamw_step_(
-                    unit.master[a:b], grad[a:b], m[a:b], v[a:b],
-                    step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                    accumulate=cut(accumulate, a, b), grad_out=cut(grad_out, a, b),
-                    wire_out=cut(wire_out, a, b), num_threads=self.threads,
-                )  # fmt: skip
-            if after_piece is not None:
-                after_piece(lo, hi)
+        fmt = _format(unit)
+        adamw_for(fmt).host_step(
+            fmt,
+            unit.master,
+            grad,
+            self._unit_states(unit),
+            pieces=pieces or [(0, unit.trainable_numel)],
+            settings=AdamWSettings.of(hyper[index]),
+            step=int(self.state[params[0]]["step"]) + 1,
+            accumulate=accumulate,
+            grad_out=grad_out,
+            wire_out=wire_out,
+            tails=odd_tails(unit.offsets, [p.numel() for p in params]),
+            seed=unit.rounding_seed,
+            threads=self.threads,
+            after_piece=after_piece,
+        )
         for p in params:
             self.state[p]["step"].add_(1)
 
@@ -523,37 +497,6 @@ class AdamW(HostOptimizer):
         """New flat states of ``unit`` in its host format (``HostPrecision.new_state``)."""
         fmt = _format(unit)
         return {name: fmt.new_state(name, unit.trainable_numel) for name in names}
-
-    def _lean_step(
-        self,
-        unit: _Unit,
-        flats: dict[str, torch.Tensor],
-        lo: int,
-        hi: int,
-        grad: torch.Tensor,
-        group: dict[str, Any],
-        step: int,
-        wire_out: torch.Tensor | None,
-        master: torch.Tensor | None = None,
-    ) -> None:
-        """One AdamW step of elements ``lo:hi`` of ``unit``'s trainable prefix in its host
-        format (``_lean_kernels.lean_adamw_step_``); ``lo`` is a multiple of ``STEP_ALIGN``,
-        so the rounding and the 8-bit blocks are those of the whole unit. ``master``: the
-        unit's trainable master weights if not the host's (a device step's), ``flats``
-        then the device's states."""
-        master = unit.master if master is None else master
-        beta1, beta2 = group["betas"]
-        fmt = _format(unit)
-        # this piece of each state (the state tensors' names are the kernel's arguments)
-        st = {name: fmt.state_view(name, flats[name], lo, hi) for name in fmt.state_names}
-        lean_adamw_step_(
-            master[lo:hi], grad, st.pop("exp_avg"), st.pop("exp_avg_sq"),
-            step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-            eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-            compensation=st.pop(fmt.master_format.COMPENSATION, None), **st,
-            wire_out=wire_out, seed=unit.rounding_seed, counter_offset=lo,
-            num_threads=self.threads,
-        )  # fmt: skip
 
     def device_state(self, unit: _Unit, device: torch.device) -> dict[str, torch.Tensor]:
         """Device copies of ``unit``'s master weights and AdamW states (the unit's trainable
@@ -597,39 +540,19 @@ class AdamW(HostOptimizer):
         runs = self.flat_runs(unit)
         assert runs is not None
         params = unit.owned[: unit.num_trainable]
-        step_count = int(self.state[params[0]]["step"]) + 1
-        if not _exact(unit):
-            if not _lean_triton.available(weights_out.device):
-                # the PyTorch-ops step: its temporaries are what the plan's scratch holds
-                piece = min(piece, LEAN_DEVICE_STEP_PIECE)
-            piece = max(STEP_ALIGN, piece // STEP_ALIGN * STEP_ALIGN)
-            # a bf16 master is the device copy; an fp32 one writes it as the wire
-            fp32 = "master" in state
-            for index, begin, end in runs:
-                for lo in range(begin, end, piece):  # begin: a parameter's, a whole block
-                    hi = min(end, lo + piece)
-                    g = grad[lo:hi].to(weights_out.device, non_blocking=True)
-                    self._lean_step(
-                        unit, state, lo, hi, g, hyper[index], step_count,
-                        weights_out[lo:hi] if fp32 else None,
-                        master=state["master"] if fp32 else weights_out,
-                    )  # fmt: skip
-        else:
-            master, m, v = state["master"], state["exp_avg"], state["exp_avg_sq"]
-            step = torch.full((), float(step_count), device=master.device)
-            for index, begin, end in runs:
-                group = hyper[index]
-                beta1, beta2 = group["betas"]
-                for lo in range(begin, end, piece):
-                    hi = min(end, lo + piece)
-                    g = grad[lo:hi].to(master.device, torch.float32)
-                    torch._fused_adamw_(
-                        [master[lo:hi]], [g], [m[lo:hi]], [v[lo:hi]], [], [step],
-                        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                        weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
-                        amsgrad=False, maximize=False,
-                    )  # fmt: skip
-                    weights_out[lo:hi].copy_(master[lo:hi])
+        fmt = _format(unit)
+        adamw_for(fmt).device_step(
+            fmt,
+            state,
+            runs=runs,
+            settings=[AdamWSettings.of(group) for group in hyper],
+            grad=grad,
+            weights_out=weights_out,
+            piece=piece,
+            step=int(self.state[params[0]]["step"]) + 1,
+            seed=unit.rounding_seed,
+            threads=self.threads,
+        )
         for p in params:
             self.state[p]["step"].add_(1)
 
@@ -689,9 +612,11 @@ class AdamW(HostOptimizer):
         g = grad.detach().reshape(-1)
         if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             g = g.float()
-        self._lean_step(
-            unit, flats, lo, lo + p.numel(), g.contiguous(), group, int(st["step"]) + 1, None
-        )
+        LEAN.piece(
+            _format(unit), unit.master, g.contiguous(), flats, lo, lo + p.numel(),
+            settings=AdamWSettings.of(group), step=int(st["step"]) + 1, wire_out=None,
+            seed=unit.rounding_seed, threads=self.threads,
+        )  # fmt: skip
         st["step"].add_(1)
 
 
