@@ -253,3 +253,116 @@ def offload_mismatched(rank: int, world_size: int, options: dict) -> dict:
     stage = 2 if options["what"] == "zero_stage" and rank == 1 else 1
     ramflow.offload(model, device=torch.device("cpu"), zero_stage=stage)
     return {}
+
+
+def _private_bytes() -> int:
+    """This process's anonymous resident memory (``RssAnon``: not its file or shared
+    mappings, so not the shared host store it maps)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+class PeakSampler:
+    """The peak of ``_private_bytes`` while it runs, sampled every millisecond by a thread."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak = _private_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _private_bytes())
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _private_bytes())
+
+
+def meta_model(options: dict) -> torch.nn.Module:
+    """The model of ``load_meta`` on the meta device: an MLPStack (``options["dim"]``,
+    ``["depth"]``), or the ``transformers`` model of ``options["folder"]``'s config."""
+    if "folder" in options:
+        from ramflow.train.modeling import meta_model as hf_meta_model
+        from ramflow.train.modeling import read_config
+
+        return hf_meta_model(read_config(options["folder"]))
+    with torch.device("meta"):
+        return MLPStack(dim=options.get("dim", 32), depth=options.get("depth", 4), out=8)
+
+
+def load_meta(rank: int, world_size: int, options: dict) -> dict:
+    """Every rank builds its model on the meta device and offloads it with ``weights=``
+    and ``zero_stage=2``: the folder ``options["folder"]``, or ``SeededInit(seed=0)``
+    wrapped to record the names this rank draws. ``fail_on``: that rank's weights
+    function raises at its first parameter; ``missing_on``: that rank is given a folder
+    that does not exist. Returns the weights (rank 0's, or every rank's with
+    ``all_states``), the names drawn, whether the model is back on meta after an error,
+    and the peak of this rank's private memory over its baseline while loading."""
+    from ramflow.train.initialization import SeededInit
+
+    model = meta_model(options)
+    drawn: list[str] = []
+    if "folder" in options:
+        weights = options["folder"]
+        if options.get("missing_on") == rank:
+            weights = os.path.join(options["folder"], "not-there")
+    else:
+        init = SeededInit(model, seed=0, num_threads=1)
+
+        def weights(name: str, out: torch.Tensor) -> None:
+            if options.get("fail_on") == rank:
+                raise OSError(f"cannot draw {name} (injected by the test)")
+            drawn.append(name)
+            init(name, out)
+
+    baseline = _private_bytes()
+    try:
+        with PeakSampler() as sampler:
+            ramflow.offload(
+                model,
+                device=_device(rank, options),
+                zero_stage=2,
+                wire_dtype=options.get("wire_dtype", torch.float32),
+                host_precision=options.get("host_precision"),
+                weights=weights,
+            )
+    except Exception as err:  # noqa: BLE001 - reported with what became of the model
+        return {
+            "error": f"{type(err).__name__}: {err}",
+            "on_meta": all(p.is_meta for p in model.parameters()),
+        }
+    units = model._ramflow_engine.units
+    for u in units:  # every rank reads every page, then the pages are all shared
+        u.master.sum()
+    dist.barrier()
+    memory = _store_bytes()
+    memory["private_peak"] = sampler.peak - baseline
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    x = batches()[0][0]
+    out = model(x).detach().cpu() if "folder" not in options else None
+    return {
+        "state": state if rank == 0 or options.get("all_states") else None,
+        "drawn": drawn,
+        "owned": [p for u in units if u.owner == rank for p in _names_of(model, u)],
+        "memory": memory,
+        "out": out,
+    }
+
+
+def _names_of(model: torch.nn.Module, unit) -> list[str]:
+    """The first names of a unit's parameters."""
+    names = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    return [names[id(p)] for p in unit.owned]

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ._host_formats import HostPrecision
+from ._host_store import FillMaster
 from ._plan import format_bytes
 from ._units import UnitSpec, _Unit
 from ._worker import STEP
@@ -527,6 +528,27 @@ class _CreatedFiles:
         self.paths.clear()
 
 
+def raise_if_any_failed(what: str, error: BaseException | None) -> None:
+    """Every rank calls this after a part of set-up that may fail on some ranks only (a
+    file one host cannot read, a host short of shared memory, a weights function that
+    raises on one rank's units), with the exception it caught or None. If any rank failed,
+    every rank raises here, so that none waits in a later collective for ranks that have
+    left (a hang until the process group's timeout): the failing rank raises its own
+    error, the others a RuntimeError that names the first failing rank and its message."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    statuses: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(statuses, mine, group=cpu_group())
+    failed = [(rank, message) for rank, message in enumerate(statuses) if message is not None]
+    if error is not None:
+        raise error
+    if failed:
+        rank, message = failed[0]
+        raise RuntimeError(
+            f"ramflow: {what} failed on rank {rank} ({message}); every rank stops. Fix the "
+            f"cause that rank {rank}'s log names, then start all ranks again."
+        )
+
+
 def shared_host_store(
     specs: list[UnitSpec],
     *,
@@ -535,6 +557,7 @@ def shared_host_store(
     offsets: list[list[int]],
     master_dtype: torch.dtype = torch.float32,
     zero_stage: int | None = None,
+    fill: FillMaster | None = None,
 ) -> tuple[list[int], list[int]]:
     """Put the units' masters and wire copies in shared memory, one copy per host.
 
@@ -543,17 +566,24 @@ def shared_host_store(
     are the wire copy (a bf16 wire; no second file). Only the masters are shared: optimizer
     states live on each unit's owner, gradient staging (per unit or the ring) on each rank.
 
-    The first rank of each host writes its model's weights (after rank 0's have been
-    broadcast to the first ranks of the other hosts); the other ranks map the same pages
-    and point their parameters at them, dropping their own copies. Files live in
-    ``$RAMFLOW_SHM_DIR`` (default /dev/shm) only until every rank of the host has mapped
-    them; see [Note: host store files] for their names, and for the stale files of dead
-    leaders that this call removes first. Returns each unit's owner (a global rank on this
-    host) and this host's ranks.
+    Without ``fill``, the first rank of each host writes its model's weights (after rank
+    0's have been broadcast to the first ranks of the other hosts); the other ranks map the
+    same pages and point their parameters at them, dropping their own copies. With
+    ``fill`` (a model built on the meta device, ``ramflow.offload(..., weights=...)``: its
+    parameters are CPU stand-ins, ``MetaLoader.materialize``), the leader creates the files
+    empty, every rank maps them, and each rank writes the units it owns, through
+    ``fill(params, views)`` (``MetaLoader.fill``), and their wire copies: see [Note:
+    loading once per host]. Files live in ``$RAMFLOW_SHM_DIR`` (default /dev/shm) only
+    until every rank of the host has mapped them; see [Note: host store files] for their
+    names, and for the stale files of dead leaders that this call removes first. Returns
+    each unit's owner (a global rank on this host) and this host's ranks.
 
-    Raises ValueError when the ranks' models differ (unit sizes, parameter shapes) or
-    their ``zero_stage`` does (their collectives would not match: a hang), MemoryError
-    when the shared-memory directory lacks room.
+    Raises ValueError when the ranks' models differ (unit sizes, parameter shapes, one
+    loading weights and another not) or their ``zero_stage`` does (their collectives would
+    not match: a hang), MemoryError when the shared-memory directory lacks room; with
+    ``fill``, what it raises on any rank (the other ranks raise a RuntimeError naming that
+    rank, ``raise_if_any_failed``). On any error the files are removed and no parameter
+    points into them.
     """
     group = cpu_group()
     world = dist.get_world_size()
@@ -562,8 +592,10 @@ def shared_host_store(
     leader = local[0]
     # unit sizes (every rank's must match) and PIDs (the leaders' name their files)
     shapes = [[tuple(p.shape) for p in spec.owned] for spec in specs]
+    loading = fill is not None
     gathered: list[tuple | None] = [None] * world
-    dist.all_gather_object(gathered, (numels, os.getpid(), shapes, zero_stage), group=group)
+    mine = (numels, os.getpid(), shapes, zero_stage, loading)
+    dist.all_gather_object(gathered, mine, group=group)
     if any(g[0] != numels or g[2] != shapes for g in gathered):
         raise ValueError(
             "the ranks' models differ (unit sizes or parameter shapes do not match); build "
@@ -575,6 +607,12 @@ def shared_host_store(
             f"the ranks were given different zero_stage values ({', '.join(map(str, stages))}); "
             "pass the same zero_stage on every rank"
         )
+    if len({g[4] for g in gathered}) > 1:
+        raise ValueError(
+            "some ranks offload a meta-device model with weights= and others a model that "
+            "holds its weights; do the same on every rank"
+        )
+    owners = assign_owners(numels, local)
     token = [uuid.uuid4().hex if me == 0 else None]
     dist.broadcast_object_list(token, src=0, group=group)
     directory = shm_directory()
@@ -583,55 +621,178 @@ def shared_host_store(
     separate_wire = master_dtype == torch.float32 and wire_dtype != torch.float32
     per_element = master_dtype.itemsize + (wire_dtype.itemsize if separate_wire else 0)
     need = sum(n * per_element for n in numels)
+    masters: list[torch.Tensor] = []
+    wires: list[torch.Tensor] = []
     with _CreatedFiles() as created:
+        error: BaseException | None = None
         if me == leader:
-            remove_stale_store_files(directory)
-            free = os.statvfs(directory)
-            if free.f_bavail * free.f_frsize < need:
-                raise MemoryError(
-                    f"ramflow needs {format_bytes(need)} of shared memory in {directory} for "
-                    f"one host copy of the weights, but only "
-                    f"{format_bytes(free.f_bavail * free.f_frsize)} is free. Enlarge it "
-                    "(docker run --shm-size=...) or set RAMFLOW_SHM_DIR to a tmpfs with room."
-                )
-        masters, wires = [], []
-        for i, n in enumerate(numels):
-            if me == leader:
-                master = created.create(f"{base}-{i}.master", n, master_dtype)
-                with torch.no_grad():
-                    for off, p in zip(offsets[i], specs[i].owned):
-                        master[off : off + p.numel()].view(p.shape).copy_(p.detach())
-                masters.append(master)
-        # the first ranks of the other hosts take rank 0's weights (every rank makes the group)
-        leaders = sorted(set(_gather_leaders(group, leader)))
-        if len(leaders) > 1:
-            leader_group = dist.new_group(ranks=leaders, backend="gloo")
-            if me == leader:
-                for master in masters:
-                    dist.broadcast(master, src=0, group=leader_group)
-        if me == leader and separate_wire:
-            for i, n in enumerate(numels):
-                wire = created.create(f"{base}-{i}.wire", n, wire_dtype)
-                wire.copy_(masters[i])
-                wires.append(wire)
-        dist.barrier(group=group)
-        if me != leader:
-            for i, n in enumerate(numels):
-                masters.append(
-                    torch.from_file(f"{base}-{i}.master", shared=True, size=n, dtype=master_dtype)
-                )
-                if separate_wire:
-                    wires.append(
-                        torch.from_file(f"{base}-{i}.wire", shared=True, size=n, dtype=wire_dtype)
-                    )
-        dist.barrier(group=group)
+            try:
+                remove_stale_store_files(directory)
+                _check_room(directory, need)
+            except Exception as err:  # noqa: BLE001 - agreed on below, then raised
+                error = err
+        raise_if_any_failed("preparing the shared host store", error)
+        if loading:
+            masters, wires = _fill_shared(
+                specs, fill, created, base=base, numels=numels, offsets=offsets,
+                owners=owners, leader=leader, master_dtype=master_dtype,
+                wire_dtype=wire_dtype if separate_wire else None,
+            )  # fmt: skip
+        else:
+            _copy_shared(
+                specs, created, masters, wires, group=group, base=base, numels=numels,
+                offsets=offsets, leader=leader, master_dtype=master_dtype,
+                wire_dtype=wire_dtype if separate_wire else None,
+            )  # fmt: skip
+        dist.barrier(group=group)  # every rank has mapped the files: the leader unlinks them
     for i, spec in enumerate(specs):
         spec.master = masters[i]
         spec.wire = wires[i] if wires else None
         with torch.no_grad():
             for off, p in zip(offsets[i], spec.owned):
                 p.data = masters[i][off : off + p.numel()].view(p.shape)
-    return assign_owners(numels, local), local
+    return owners, local
+
+
+def _check_room(directory: str, need: int) -> None:
+    """Raise MemoryError when ``directory`` has less than ``need`` bytes free."""
+    free = os.statvfs(directory)
+    if free.f_bavail * free.f_frsize < need:
+        raise MemoryError(
+            f"ramflow needs {format_bytes(need)} of shared memory in {directory} for one host "
+            f"copy of the weights, but only {format_bytes(free.f_bavail * free.f_frsize)} is "
+            "free. Enlarge it (docker run --shm-size=...) or set RAMFLOW_SHM_DIR to a tmpfs "
+            "with room."
+        )
+
+
+def _map_store_files(
+    base: str, numels: list[int], master_dtype: torch.dtype, wire_dtype: torch.dtype | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Map a host's store files (made by its leader): the masters, and the wire copies
+    when ``wire_dtype`` is given."""
+    masters = [
+        torch.from_file(f"{base}-{i}.master", shared=True, size=n, dtype=master_dtype)
+        for i, n in enumerate(numels)
+    ]
+    wires = []
+    if wire_dtype is not None:
+        wires = [
+            torch.from_file(f"{base}-{i}.wire", shared=True, size=n, dtype=wire_dtype)
+            for i, n in enumerate(numels)
+        ]
+    return masters, wires
+
+
+def _copy_shared(
+    specs: list[UnitSpec],
+    created: _CreatedFiles,
+    masters: list[torch.Tensor],
+    wires: list[torch.Tensor],
+    *,
+    group: dist.ProcessGroup,
+    base: str,
+    numels: list[int],
+    offsets: list[list[int]],
+    leader: int,
+    master_dtype: torch.dtype,
+    wire_dtype: torch.dtype | None,
+) -> None:
+    """``shared_host_store`` of a model that holds its weights: the leader writes its own
+    (rank 0's, on every host), the others map them. Fills ``masters`` and ``wires``."""
+    me = dist.get_rank()
+    if me == leader:
+        for i, n in enumerate(numels):
+            master = created.create(f"{base}-{i}.master", n, master_dtype)
+            with torch.no_grad():
+                for off, p in zip(offsets[i], specs[i].owned):
+                    master[off : off + p.numel()].view(p.shape).copy_(p.detach())
+            masters.append(master)
+    # the first ranks of the other hosts take rank 0's weights (every rank makes the group)
+    leaders = sorted(set(_gather_leaders(group, leader)))
+    if len(leaders) > 1:
+        leader_group = dist.new_group(ranks=leaders, backend="gloo")
+        if me == leader:
+            for master in masters:
+                dist.broadcast(master, src=0, group=leader_group)
+    if me == leader and wire_dtype is not None:
+        for i, n in enumerate(numels):
+            wire = created.create(f"{base}-{i}.wire", n, wire_dtype)
+            wire.copy_(masters[i])
+            wires.append(wire)
+    dist.barrier(group=group)
+    if me != leader:
+        mapped_masters, mapped_wires = _map_store_files(base, numels, master_dtype, wire_dtype)
+        masters.extend(mapped_masters)
+        wires.extend(mapped_wires)
+
+
+# [Note: loading once per host]
+# A model built on the meta device on every rank (``ramflow.offload(model, zero_stage=...,
+# weights=...)``) is loaded into its host's shared store by all the host's ranks at once:
+# the leader creates the files empty (``ftruncate``: zero pages, no memory yet), every rank
+# maps all of them, and each rank reads or draws the units it owns (``assign_owners``:
+# balanced by size, the units it will step) straight into their shared masters through
+# ``MetaLoader.fill``, one tensor at a time, then writes their wire copies. So the read
+# (or a seeded init's draw) runs on every rank in parallel, which a 70B model needs to load
+# in minutes, and the host holds the store plus, per rank, what one tensor's read takes;
+# no rank ever builds a full model. The alternative, one rank reading everything while the
+# others wait to map, keeps one process busy for the whole model. With several hosts each
+# host's ranks fill their own copy from the same files (or the same seeded function):
+# nothing crosses hosts. A failure on any rank (an unreadable file, a weights function that
+# raises) is agreed on before anyone moves on (``raise_if_any_failed``): every rank raises,
+# the leader removes the files, and ``offload`` gives the model back on the meta device.
+
+
+def _fill_shared(
+    specs: list[UnitSpec],
+    fill: FillMaster,
+    created: _CreatedFiles,
+    *,
+    base: str,
+    numels: list[int],
+    offsets: list[list[int]],
+    owners: list[int],
+    leader: int,
+    master_dtype: torch.dtype,
+    wire_dtype: torch.dtype | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``shared_host_store`` of a meta-device model: see [Note: loading once per host].
+    Returns this rank's mappings of the masters and wire copies."""
+    me = dist.get_rank()
+    error: BaseException | None = None
+    masters: list[torch.Tensor] = []
+    wires: list[torch.Tensor] = []
+    try:
+        if me == leader:
+            masters = [
+                created.create(f"{base}-{i}.master", n, master_dtype) for i, n in enumerate(numels)
+            ]
+            if wire_dtype is not None:
+                wires = [
+                    created.create(f"{base}-{i}.wire", n, wire_dtype) for i, n in enumerate(numels)
+                ]
+    except Exception as err:  # noqa: BLE001 - agreed on below, then raised
+        error = err
+    raise_if_any_failed("creating the shared host store's files", error)
+    try:
+        if me != leader:
+            masters, wires = _map_store_files(base, numels, master_dtype, wire_dtype)
+        with torch.no_grad():
+            for i, spec in enumerate(specs):
+                if owners[i] != me:
+                    continue
+                views = [
+                    masters[i][off : off + p.numel()].view(p.shape)
+                    for off, p in zip(offsets[i], spec.owned)
+                ]
+                fill(spec.owned, views)
+                if wires:
+                    wires[i].copy_(masters[i])
+    except Exception as err:  # noqa: BLE001 - agreed on below, then raised
+        error = err
+    raise_if_any_failed("loading the weights into the shared host store", error)
+    return masters, wires
 
 
 def _gather_leaders(group: dist.ProcessGroup, leader: int) -> list[int]:

@@ -14,6 +14,7 @@ from ._dist import (
     DistributedState,
     agree_on_precision,
     check_shm_directory_pins,
+    raise_if_any_failed,
     remove_stale_store_files,
     require_initialized,
     shared_host_store,
@@ -133,6 +134,14 @@ def offload(
             ``from_pretrained`` does, and its non-persistent buffers (rotary ``inv_freq``)
             are recomputed by its ``_init_weights``. Files are checked from their headers
             before anything is allocated; on any error the model stays on the meta device.
+            With ``zero_stage``, every rank builds the model on the meta device and the
+            host's shared copy is filled once: each rank reads (or, with a function, draws)
+            the units it owns straight into the shared masters, in parallel, so no rank
+            holds a full model and the host peaks at the store plus one tensor's read per
+            rank; every host reads the files itself. A failure on any rank raises on every
+            rank (see [Note: loading once per host] in ``ramflow._dist``). A function must
+            then give the same values whichever rank calls it (a seeded init keyed by the
+            name, as ``ramflow.train.initialization.SeededInit``).
         frozen_format: keep frozen matrices (``requires_grad=False``, two or more
             dimensions, not embeddings: a LoRA base) compressed in host RAM and over PCIe,
             dequantized on the device into the wire dtype: ``"int8"`` (block-wise absmax,
@@ -164,12 +173,13 @@ def offload(
             ``activation_checkpointing`` is none of the above.
         ValueError: no parameters; parameters on the meta device without ``weights``, or
             ``weights`` for parameters that hold data already; tensors missing from
-            ``weights`` or of another shape (the first few are named); ``weights`` with
-            ``zero_stage``; already offloaded; ``gpu_memory`` too small (the message gives
+            ``weights`` or of another shape (the first few are named); already offloaded; ``gpu_memory`` too small (the message gives
             the smallest budget that works).
         FileNotFoundError: ``weights`` names no safetensors weights.
         MemoryError: the host lacks the RAM or pinned memory for the host store.
-        RuntimeError: ``zero_stage`` without an initialized process group.
+        RuntimeError: ``zero_stage`` without an initialized process group; with
+            ``zero_stage``, set-up or loading failed on another rank (the message names it
+            and its error; that rank raises its own).
         ValueError: ``device_optimizer`` with ``zero_stage``; ``host_precision`` not a
             preset or a HostPrecision, or lean masters with a wire dtype other than bf16
             (the message names what works); ``zero_stage`` on a GPU with
@@ -209,11 +219,6 @@ def offload(
                 else f"only {num_meta} of its {len(params)} parameters are on the meta device: "
                 "build the whole model there (with torch.device('meta'): ...)"
             )
-        )
-    if weights is not None and zero_stage is not None:
-        raise ValueError(
-            "weights= with zero_stage is not supported: load the model on every rank first "
-            "(model.to_empty(device='cpu'), model.load_state_dict(...)), then offload it"
         )
     wide = sorted({str(p.dtype) for p in params if p.dtype in (torch.float64, torch.complex128)})
     if wide:
@@ -277,39 +282,62 @@ def offload(
         require_initialized("ramflow.offload(..., zero_stage=...)")
         if device.type == "cuda":
             check_shm_directory_pins(shm_directory())
-        precision, precision_reason = agree_on_precision(
-            precision, precision_reason, auto=precision_reason is not None
-        )
-        layout = [_Unit(i, spec) for i, spec in enumerate(specs)]
-        owners, local = shared_host_store(
-            specs,
-            wire_dtype=wire_dtype,
-            numels=[u.numel for u in layout],
-            offsets=[u.offsets for u in layout],
-            master_dtype=precision.master_dtype,
-            zero_stage=zero_stage,
-        )
-    loader = None if weights is None else MetaLoader(model, weights)  # checks, allocates nothing
+    loader = None
+    engine = None
     try:
-        if loader is not None:
-            loader.materialize()
-            _fill_on_device(loader, on_device)
-        engine = Engine(
-            model,
-            specs,
-            device=device,
-            wire_dtype=wire_dtype,
-            gpu_memory_bytes=budget,
-            prefetch_depth=prefetch_depth,
-            activation_checkpointing=activation_checkpointing,
-            device_optimizer=device_optimizer,
-            fill=None if loader is None else loader.fill,
-            host_precision=precision,
-            host_precision_reason=precision_reason,
-            frozen_format=frozen_format,
-            on_device=on_device,
-        )
+        if weights is not None:
+            error = None
+            try:
+                loader = MetaLoader(model, weights)  # checks the headers, allocates nothing
+                loader.materialize()
+            except Exception as err:  # noqa: BLE001 - raised below, after the ranks agree
+                error = err
+            if zero_stage is not None:  # every rank raises, or none: no rank hangs
+                raise_if_any_failed("checking weights=", error)
+            elif error is not None:
+                raise error
+        if zero_stage is not None:
+            precision, precision_reason = agree_on_precision(
+                precision, precision_reason, auto=precision_reason is not None
+            )
+            layout = [_Unit(i, spec) for i, spec in enumerate(specs)]
+            owners, local = shared_host_store(
+                specs,
+                wire_dtype=wire_dtype,
+                numels=[u.numel for u in layout],
+                offsets=[u.offsets for u in layout],
+                master_dtype=precision.master_dtype,
+                zero_stage=zero_stage,
+                fill=None if loader is None else loader.fill,
+            )
+        error = None
+        try:
+            if loader is not None:
+                _fill_on_device(loader, on_device)
+            engine = Engine(
+                model,
+                specs,
+                device=device,
+                wire_dtype=wire_dtype,
+                gpu_memory_bytes=budget,
+                prefetch_depth=prefetch_depth,
+                activation_checkpointing=activation_checkpointing,
+                device_optimizer=device_optimizer,
+                fill=None if loader is None else loader.fill,
+                host_precision=precision,
+                host_precision_reason=precision_reason,
+                frozen_format=frozen_format,
+                on_device=on_device,
+            )
+        except Exception as err:  # noqa: BLE001 - raised below, after the ranks agree
+            error = err
+        if zero_stage is not None:
+            raise_if_any_failed("building the engine", error)
+        elif error is not None:
+            raise error
     except BaseException:
+        if engine is not None:
+            engine.remove()  # another rank failed: this one gives its model back too
         if loader is not None:
             loader.restore()  # back on the meta device, as it came
         raise
