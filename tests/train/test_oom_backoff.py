@@ -36,7 +36,7 @@ class OOMInjector:
         raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
 
     def build(self, original):
-        def build_model(*args: Any, **kwargs: Any) -> torch.nn.Module:
+        def build_offloaded(*args: Any, **kwargs: Any) -> torch.nn.Module:
             model = original(*args, **kwargs)
             layer = model.model.layers[1]
 
@@ -54,11 +54,13 @@ class OOMInjector:
             layer.register_forward_hook(post, with_kwargs=True)
             return model
 
-        return build_model
+        return build_offloaded
 
 
 def _inject(monkeypatch, injector: OOMInjector) -> None:
-    monkeypatch.setattr(trainer_module, "build_model", injector.build(trainer_module.build_model))
+    monkeypatch.setattr(
+        trainer_module, "build_offloaded", injector.build(trainer_module.build_offloaded)
+    )
 
 
 def _steps(run: Path) -> list[dict[str, Any]]:

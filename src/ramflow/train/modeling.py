@@ -271,9 +271,11 @@ def load_offloaded(
 
     The model is built on the meta device and offloaded with ``weights=directory`` (see
     [Note: loading without a full-precision peak] in ``ramflow._loading``): the host never
-    holds a full fp32 model beside the store. A checkpoint that only ``transformers``'
-    weight conversion turns into the model's tensors (stacked experts) is loaded by
-    ``load_model`` first instead.
+    holds a full fp32 model beside the store; with ``zero_stage`` in ``offload_options``
+    every rank reads the units it owns into its host's shared copy (see [Note: loading once
+    per host] in ``ramflow._dist``). A checkpoint that only ``transformers``' weight
+    conversion turns into the model's tensors (stacked experts) is loaded by ``load_model``
+    first instead (on every rank, under ``zero_stage``).
 
     Args:
         directory: a folder with ``config.json`` and safetensors weights.

@@ -71,9 +71,8 @@ from .lora import (
     parse_targets,
 )
 from .modeling import (
-    build_model,
+    build_offloaded,
     count_parameters,
-    load_model,
     load_offloaded,
     meta_model,
 )
@@ -500,20 +499,17 @@ def _train(
     )
     offload_options.update(frozen_format_options(config.frozen_format))
     weights_dir = base_weights(config, ckpt)
-    if weights_dir is not None and zero_stage is not None:
-        # until offload(weights=...) takes zero_stage, every rank reads the whole model
-        model = load_model(weights_dir, config=setup.model_config).requires_grad_(not lora)
-        ramflow.offload(model, **offload_options)
-    elif weights_dir is not None:
-        # meta build, read unit by unit into the host store: no full fp32 model first
+    # meta build, filled unit by unit into the host store (read from the folder, or the
+    # preset's seeded init): no full fp32 model first; with zero_stage each rank fills the
+    # units it owns into its host's shared copy (see [Note: loading once per host])
+    if weights_dir is not None:
         model = load_offloaded(
             weights_dir, config=setup.model_config, requires_grad=not lora, **offload_options
         )
     else:
-        model = build_model(setup.model_config, seed=config.seed)
-        model.train()
-        model.requires_grad_(not lora)
-        ramflow.offload(model, **offload_options)
+        model = build_offloaded(
+            setup.model_config, seed=config.seed, requires_grad=not lora, **offload_options
+        )
     try:
         plan = ramflow.get_plan(model)
         if config.device_optimizer:
