@@ -63,11 +63,15 @@ def test_rules_are_transformers_rules():
             assert abs(t.mean().item()) < 0.005, name
 
 
-def test_offloaded_and_resident_builds_start_from_the_same_weights():
+@pytest.mark.parametrize("rope", ["default", "llama3"])
+def test_offloaded_and_resident_builds_start_from_the_same_weights(rope):
     """``build_offloaded`` (meta build, drawn into the host store unit by unit) and
     ``build_model`` (resident) hold the same weights, bit for bit, and the same rotary
-    frequencies as ``transformers``' own build; another seed gives other weights."""
+    frequencies as ``transformers``' own build (the Llama 3 presets' scaled rope too);
+    another seed gives other weights."""
     config = _config()
+    if rope == "llama3":
+        config.rope_parameters = dict(get_preset("llama-8b").rope_parameters)
     resident = build_model(config, seed=7)
     offloaded = build_offloaded(config, seed=7, device="cpu")
     ref = resident.state_dict()
@@ -77,6 +81,7 @@ def test_offloaded_and_resident_builds_start_from_the_same_weights():
         assert torch.equal(got[k], v), k
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert resident.model.rotary_emb.rope_type == rope
     assert torch.equal(resident.model.rotary_emb.inv_freq, hf.model.rotary_emb.inv_freq)
     assert torch.equal(offloaded.model.rotary_emb.inv_freq.cpu(), hf.model.rotary_emb.inv_freq)
     ids = torch.randint(0, 259, (2, 9), generator=torch.Generator().manual_seed(1))
