@@ -196,11 +196,11 @@ def test_rank_killed_mid_step_fails_the_others_with_ramflow_error(
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2])
-def test_a_slow_owner_is_waited_for_unit_by_unit(tmp_path, zero_stage):
-    """Rank 1's host steps start 0.2 s late. The other ranks wait for each unit it owns
-    until its step counter says it was written ([Note: step counters instead of a
-    barrier]), so the run is still the single process's: a rank that refreshed a unit
-    before its owner wrote it would step from stale weights and drift from the reference."""
+def test_a_slow_owner_is_waited_for(tmp_path, zero_stage):
+    """Rank 1's host steps start 0.2 s late. The other ranks wait for the units it owns
+    (behind the barrier after the step) before they use them again, so the run is still the
+    single process's: a rank that refreshed a unit before its owner wrote it would step
+    from stale weights and drift from the reference."""
     results = W.run(
         W.train_offload,
         4,

@@ -23,7 +23,6 @@ import atexit
 import contextlib
 import functools
 import os
-import platform
 import re
 import socket
 import time
@@ -110,36 +109,6 @@ class DistributedState:
         peers: list[tuple[str, int] | None] = [None] * self.world_size
         dist.all_gather_object(peers, (host_name(), os.getpid()), group=self.cpu_group)
         self.peers: list[tuple[str, int]] = peers  # type: ignore[assignment]
-        # see [Note: step counters instead of a barrier]
-        self.steps_taken = 0
-        self.step_counters: torch.Tensor | None = None
-        self._unit_steps: dict[int, int] = {}
-
-    def share_step_counters(self, num_units: int) -> None:
-        """Replace the barrier after each step by per-unit step counters in shared memory,
-        one file per host (see [Note: step counters instead of a barrier]). Every rank
-        calls this once at set-up, after the units' masters are shared; on hosts whose
-        memory model does not order plain stores (other than x86-64) it keeps the barrier."""
-        if platform.machine().lower() not in ("x86_64", "amd64"):
-            return
-        group = self.cpu_group
-        local = host_ranks(group)
-        me, leader = self.rank, local[0]
-        token = [uuid.uuid4().hex if me == 0 else None]
-        dist.broadcast_object_list(token, src=0, group=group)
-        pids: list[int | None] = [None] * self.world_size
-        dist.all_gather_object(pids, os.getpid(), group=group)
-        path = os.path.join(
-            shm_directory(), f"ramflow-{pids[leader]}-{token[0]}-{host_name()}-0.steps"
-        )
-        with _CreatedFiles() as created:
-            if me == leader:
-                counters = created.create(path, num_units, torch.int64)
-            dist.barrier(group=group)
-            if me != leader:
-                counters = torch.from_file(path, shared=True, size=num_units, dtype=torch.int64)
-            dist.barrier(group=group)  # every rank has mapped it: the leader unlinks it
-        self.step_counters = counters
 
     def alive(self) -> bool:
         """False once the process group this state was made for has been destroyed."""
@@ -171,62 +140,11 @@ class DistributedState:
         rank's own steps on the worker, the barrier with the other ranks and the refresh
         of those units. ``opt.step()`` returns at once: the next forward overlaps the tail
         of the steps, as on one GPU, and waits only at a unit that is not current yet."""
-        self.steps_taken += 1
         others = [u for u in engine.units if not self.owns(u) and u.num_trainable]
         engine.mark_stale(others)
-        sync = self._sync if self.step_counters is None else self._follow_counters
-        engine.worker.submit(
-            STEP, _AFTER_ALL_STEPS, functools.partial(sync, engine, others, self.steps_taken)
-        )
+        engine.worker.submit(STEP, _AFTER_ALL_STEPS, functools.partial(self._sync, engine, others))
 
-    def stepped(self, u: _Unit) -> None:
-        """Worker, after this rank's host step of ``u`` has written its shared master and
-        wire copy: tell the other ranks of this host at once (see [Note: step counters
-        instead of a barrier])."""
-        if self.step_counters is None or not self.owns(u):
-            return
-        n = self._unit_steps.get(u.index, 0) + 1
-        self._unit_steps[u.index] = n
-        if n > int(self.step_counters[u.index]):
-            self.step_counters[u.index] = n
-
-    def _follow_counters(self, engine: Engine, others: list[_Unit], step: int) -> None:
-        """Worker, behind this rank's own steps of ``step``: publish this rank's units as
-        stepped (also those it had nothing to step for), then refresh each of the others'
-        units as soon as its owner has published it, in whatever order they come."""
-        counters = self.step_counters
-        assert counters is not None
-        for u in engine.units:
-            if self.owns(u) and u.owner is not None and int(counters[u.index]) < step:
-                self._unit_steps[u.index] = step
-                counters[u.index] = step
-        pending = list(others)
-        start = checked = time.monotonic()
-        while pending:
-            waiting = []
-            for u in pending:
-                if int(counters[u.index]) >= step:
-                    engine.refresh_wire(u, written=u.wire is u.master or u.given_wire is not None)
-                else:
-                    waiting.append(u)
-            pending = waiting
-            if not pending:
-                break
-            now = time.monotonic()
-            if now - checked >= _LIVENESS_PERIOD_S:
-                checked = now
-                what = "waiting for the other ranks' optimizer steps"
-                if self.dead_ranks():
-                    raise self.failure(what, "its process is gone")
-                if now - start > _step_timeout_s():
-                    raise self.failure(
-                        what,
-                        f"unit {pending[0].name!r} was not stepped by rank {pending[0].owner} "
-                        f"within {_step_timeout_s():.0f} s",
-                    )
-            time.sleep(_POLL_S)
-
-    def _sync(self, engine: Engine, others: list[_Unit], step: int) -> None:
+    def _sync(self, engine: Engine, others: list[_Unit]) -> None:
         """Worker: wait for the other ranks' steps, take the stepped masters from their
         owners where they are not shared, and bring the wire copies up to date (a wire
         copy that is the master, or is shared with the owner, already is)."""
@@ -308,35 +226,6 @@ _DYING_S = 2.0
 _POLL_S = 1e-4  # a backward that waits here stalls by at most this (plus the sleep's slack)
 
 
-def _step_timeout_s() -> float:
-    """How long a rank waits for another's optimizer step: the default process group's
-    timeout (what a collective would have waited), 30 minutes where it cannot be read."""
-    try:
-        return float(dist.distributed_c10d._get_default_timeout(dist.get_backend()).total_seconds())
-    except Exception:
-        return 1800.0
-
-
-# [Note: step counters instead of a barrier]
-# After ``opt.step()`` a rank must not read a unit that another rank of its host steps until
-# that owner has written it. A barrier after all steps (the first design) made every rank
-# wait for the slowest rank's last step before refreshing any unit, so the next forward,
-# which needs the first unit at once, started only after the whole host's CPU work. When
-# the masters are shared (``ramflow.offload``: one copy per host), each host instead maps
-# one array of int64 step counters, one per unit. The owner stores a unit's step count right
-# after its host step has written the shared master and wire copy (``stepped``), and once
-# more for all its units after its last step of ``opt.step()`` (a unit it had nothing to
-# step for); every other rank's worker refreshes each stale unit as soon as its counter
-# reaches this step, in whatever order they come, and checks the host's ranks for deaths
-# meanwhile. Why no write can race a read: an owner writes a unit only after the reduction
-# of its gradients, which every rank joins only after its backward of that unit, the last
-# read of it in the step; and a rank reads a unit of the next step only after the counter
-# says it was written. The counter is a plain store after the step's stores (threads
-# joined first); x86-64 keeps stores in order and loads in order, so a rank that sees the
-# counter sees the data. Other machines keep the barrier. Several hosts: each host's
-# owners publish to its own array; no host waits for another outside the collectives.
-
-
 class _Work:
     """A collective's work handle whose ``wait`` explains a failure (see
     ``DistributedState.failure``)."""
@@ -395,7 +284,6 @@ def assign_owners(numels: list[int], ranks: list[int]) -> list[int]:
 # [Note: host store files]
 # The leader of a host creates one file per unit and kind in $RAMFLOW_SHM_DIR (default
 # /dev/shm), named ``ramflow-<pid>-<token>-<host>-<unit>.<master|wire>``: the leader's PID,
-# (and one ``-0.steps`` file of step counters, see [Note: step counters instead of a barrier])
 # a token drawn by rank 0 for this set-up, and the host name. It creates each with
 # O_CREAT | O_EXCL (never opening a file someone else made), and unlinks every file it made
 # on every exit path it runs code on: once all ranks of the host have mapped them, or in a
@@ -408,7 +296,7 @@ def assign_owners(numels: list[int], ranks: list[int]) -> list[int]:
 # touched.
 STORE_FILE = re.compile(
     r"ramflow-(?P<pid>[0-9]+)-(?P<token>[0-9a-f]{32})-(?P<host>.+)-(?P<unit>[0-9]+)"
-    r"\.(?P<kind>master|wire|steps)"
+    r"\.(?P<kind>master|wire)"
 )
 
 

@@ -374,7 +374,6 @@ class Stepper:
                     item.optimizer._step_params(item.params, item.grads, item.hyper)
         self._count_host_step(sum(p.numel() for item in items for p in item.params), start)
         self._host.refresh_wire(u, written=wire_written, sent=wire_written and bool(pieces))
-        self._published(u)
         self._check_grads_unwritten(u, items)
 
     @staticmethod
@@ -427,14 +426,6 @@ class Stepper:
             self._host.release_staging(u)
         self._count_host_step(u.trainable_numel, start)
         self._host.refresh_wire(u, written=True, sent=bool(pieces))
-        self._published(u)
-
-    def _published(self, u: _Unit) -> None:
-        """Worker, after a host step of ``u``: tell the other ranks that share its master
-        (``ramflow._dist``'s [Note: step counters instead of a barrier])."""
-        dist = self.live_dist()
-        if dist is not None:
-            dist.stepped(u)
 
     def _refresh_pieces(self, u: _Unit) -> list[tuple[int, int]] | None:
         """Worker, before a flat step of ``u``: the element ranges to step and send one by

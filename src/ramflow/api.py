@@ -352,7 +352,6 @@ def offload(
             zero_stage=zero_stage, average=True, reduce_to_owner=single_host
         )
         engine.dist.copies = dist.get_world_size() // len(local)  # hosts (equal ranks each)
-        engine.dist.share_step_counters(len(engine.units))
     return model
 
 
