@@ -103,13 +103,18 @@ def run_cpu_optimizer(case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# one pass over DRAM per format: bytes read plus written per parameter (the gradient is the
-# bf16 staging buffer; 8-bit states add one fp32 absmax per 256 elements each way)
-HOST_FORMAT_BYTES = {
-    "bf16": 2 + 2 * 2 + 2 * 4,  # gradient, bf16 master (it is the wire), bf16 m and v
-    "lean": 2 + 2 * 2 + 2 * 2 + 4 * 4 / 256,  # ... 8-bit m and v, their absmax
-    "kahan": 2 + 2 * 4 + 2 * 2 + 4 * 4 / 256,  # ... bf16 master and compensation
-}
+def _dram_bytes_per_param(preset: str) -> float:
+    """One pass over DRAM of a host format's step: bytes read plus written per parameter
+    (the gradient is the bf16 staging buffer, read once; the master and the states,
+    with a Kahan compensation and 8-bit absmax, are read and written), from the format's
+    own byte model."""
+    from ramflow import HostPrecision
+
+    pr = HostPrecision.parse(preset)
+    return 2 + 2 * (pr.master_dtype.itemsize + pr.optimizer_state_bytes_per_parameter)
+
+
+HOST_FORMAT_BYTES = {name: _dram_bytes_per_param(name) for name in ("bf16", "lean", "kahan")}
 
 
 def _host_format_rates(n: int, case: dict[str, Any], dram: float) -> dict[str, Any]:

@@ -10,6 +10,7 @@ tests.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -258,3 +259,16 @@ class ChunkedLossHead(nn.Module):
             sl = slice(lo, lo + self.chunk)
             total = total + checkpoint(self._chunk_loss, h_ND[sl], y_N[sl], use_reentrant=False)
         return total / y_N.numel()
+
+
+def random_init(name: str, out: torch.Tensor) -> None:
+    """``weights`` for ``ramflow.offload``: norms 1, biases 0, the rest uniform with standard
+    deviation 0.02 (uniform is several times faster than normal on the CPU; for a speed
+    benchmark only the values' scale matters)."""
+    if "norm" in name:
+        out.fill_(1.0)
+    elif name.endswith("bias"):
+        out.zero_()
+    else:
+        a = 0.02 * math.sqrt(3.0)
+        out.uniform_(-a, a)

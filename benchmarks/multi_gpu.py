@@ -142,7 +142,7 @@ def _run(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     weights = None
     if args.meta:  # every rank builds on the meta device; the host store is filled once
-        from host_formats_scale import random_init
+        from models import random_init
         from reference_model import REFERENCE, TINY, ReferenceModel
 
         cfg = (TINY if args.tiny else REFERENCE).replace(

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import platform
 import statistics
 import sys
@@ -54,7 +53,7 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 import torch  # noqa: E402
 
 from measure import matmul_rate  # noqa: E402
-from models import ChunkedLossHead  # noqa: E402
+from models import ChunkedLossHead, random_init  # noqa: E402
 
 SHAPES = ("llama-3.1-8b", "llama-8b", "qwen2.5-14b", "tiny")
 GIB = 2**30
@@ -99,19 +98,6 @@ def model_config(shape: str):
     cfg.use_cache = False
     cfg._attn_implementation = "sdpa"
     return cfg
-
-
-def random_init(name: str, out: torch.Tensor) -> None:
-    """``weights`` for ``ramflow.offload``: norms 1, biases 0, the rest uniform with standard
-    deviation 0.02 (uniform is several times faster than normal on the CPU; for a speed
-    benchmark only the values' scale matters)."""
-    if "norm" in name:
-        out.fill_(1.0)
-    elif name.endswith("bias"):
-        out.zero_()
-    else:
-        a = 0.02 * math.sqrt(3.0)
-        out.uniform_(-a, a)
 
 
 def _vm(key: str) -> int | None:
