@@ -70,7 +70,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._host_formats import saved_state_shape
 from .modeling import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, file_in
 from .ranks import Ranks
 from .tokenizer import Tokenizer
@@ -84,7 +83,7 @@ RNG_FILE = "rng.safetensors"
 LATEST_FILE = "latest"
 _STEP_PREFIX = "step-"
 _SECOND_SLOT = ".1"
-_KEY_SEP = "::"
+STATE_KEY_SEP = "::"
 # the moments of a save a test may stop at: see [Note: test faults]
 SAVE_PHASES = (
     "begin", "weights", "optimizer", "files", "state", "renamed", "latest", "deleting", "done",
@@ -215,9 +214,9 @@ def _optimizer_payload(
         name = param_names[index]
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{name}{_KEY_SEP}{key}"] = value.detach().contiguous()
+                tensors[f"{name}{STATE_KEY_SEP}{key}"] = value.detach().contiguous()
             else:
-                scalars[f"{name}{_KEY_SEP}{key}"] = value
+                scalars[f"{name}{STATE_KEY_SEP}{key}"] = value
     groups = [
         {k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
         for g in sd["param_groups"]
@@ -713,91 +712,6 @@ def open_checkpoint(
     return Checkpoint(d, int(state["step"]), state)
 
 
-def _read_tensors(d: Path, filename: str, index_name: str) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    index = d / index_name
-    if index_name and index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            paths = [file_in(d, name, listed_in=index) for name in names]
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as err:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {err}") from err
-    else:
-        paths = [d / filename]
-    out: dict[str, torch.Tensor] = {}
-    for name in paths:
-        try:
-            out.update(load_file(str(name)))
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"{name} is unreadable: {err}") from err
-    return out
-
-
-def load_optimizer_state(
-    ckpt: Checkpoint,
-    optimizer: torch.optim.Optimizer,
-    param_names: Sequence[str],
-    *,
-    rank: int = 0,
-) -> None:
-    """Restore ``optimizer``'s state from ``ckpt`` (rank ``rank``'s shard of a checkpoint of
-    several ranks); parameters are matched by name.
-
-    Raises:
-        CheckpointError: the checkpoint's parameters differ from ``param_names`` (another
-            model), or a state tensor has another shape than its parameter.
-    """
-    several = num_ranks(ckpt) > 1
-    meta = ckpt.state["optimizer_ranks"][rank] if several else ckpt.state["optimizer"]
-    if list(meta["param_names"]) != list(param_names):
-        raise CheckpointError(
-            f"the optimizer state in {ckpt.path} belongs to another model: its parameters differ "
-            f"({len(meta['param_names'])} saved, {len(param_names)} in this model)"
-        )
-    tensors = _read_tensors(
-        ckpt.path,
-        rank_file(OPTIMIZER_FILE, rank) if several else OPTIMIZER_FILE,
-        rank_file(OPTIMIZER_INDEX_FILE, rank) if several else OPTIMIZER_INDEX_FILE,
-    )
-    index_of = {n: i for i, n in enumerate(param_names)}
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in [*tensors.items(), *meta["scalars"].items()]:
-        name, _, field = key.rpartition(_KEY_SEP)
-        if name not in index_of:
-            raise CheckpointError(
-                f"optimizer state {key} in {ckpt.path} belongs to no parameter of this model"
-            )
-        i = index_of[name]
-        expected = saved_state_shape(field, params[i].shape)  # per element, or per block
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != expected:
-            raise CheckpointError(
-                f"optimizer state {key} in {ckpt.path} has shape {tuple(value.shape)}, but the "
-                f"parameter has {tuple(params[i].shape)}: the checkpoint is of another model shape"
-            )
-        state.setdefault(i, {})[field] = value
-    groups = [
-        {k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]
-    ]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-def restore_rng_state(ckpt: Checkpoint, *, rank: int = 0) -> None:
-    """Restore the torch CPU/CUDA and Python ``random`` generator states saved in ``ckpt``
-    (by rank ``rank`` in a checkpoint of several ranks)."""
-    several = num_ranks(ckpt) > 1
-    tensors = _read_tensors(ckpt.path, rank_file(RNG_FILE, rank) if several else RNG_FILE, "")
-    torch.set_rng_state(tensors["torch_cpu"])
-    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
-    saved = ckpt.state["optimizer_ranks"][rank] if several else ckpt.state
-    version, internal, gauss = saved["python_random"]
-    random.setstate((version, tuple(internal), gauss))
-
-
 __all__ = [
     "SAVE_PHASES",
     "Checkpoint",
@@ -806,12 +720,10 @@ __all__ = [
     "fault_point",
     "find_checkpoint",
     "list_checkpoints",
-    "load_optimizer_state",
     "num_ranks",
     "open_checkpoint",
     "rank_file",
     "remove_stale_temporaries",
-    "restore_rng_state",
     "save_checkpoint",
     "step_dir_name",
 ]

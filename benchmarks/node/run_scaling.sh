@@ -3,7 +3,7 @@
 # GPU, under 24 GiB per GPU (the model's own checkpointing, the head and loss in chunks), for
 # each host format named, ZeRO-2. META=1 builds on the meta device (weights=). With FLOORS=1 it first measures what the ranks share
 # (`multi_gpu.py --floors`). Appends to $1/scaling.jsonl, a log per run beside it.
-# Usage: FLOORS=1 bash benchmarks/run_scaling.sh "$OUT" fp32 lean
+# Usage: FLOORS=1 bash benchmarks/node/run_scaling.sh "$OUT" fp32 lean
 set -u
 out=${1:?usage: run_scaling.sh OUT FORMAT...}
 shift
@@ -13,7 +13,7 @@ gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 run() {  # gpus, extra args
   local n=$1; shift
   local log="$out/run-$n-$(echo "$*" | tr -d '-' | tr ' ' '_').log"
-  timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/multi_gpu.py ${META:+--meta} \
+  timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/node/multi_gpu.py ${META:+--meta} \
     --warmup 3 --steps 7 --out "$out/scaling.jsonl" "$@" > "$log" 2>&1 || echo "run $n $* failed: $? (see $log)"
 }
 if [ "${FLOORS:-0}" = 1 ]; then
@@ -28,4 +28,4 @@ for fmt in "$@"; do
     run "$n" --host-precision "$fmt" --batch 16 --gpu-memory 12GiB --checkpoint --loss-chunk 4096
   done
 done
-python3 benchmarks/multi_gpu.py --report "$out/scaling.jsonl" | tee "$out/scaling.md"
+python3 benchmarks/node/multi_gpu.py --report "$out/scaling.jsonl" | tee "$out/scaling.md"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 5 on a two-GPU box: the GPU tests (NCCL), then one GPU against two on the reference
 # model at the same per-GPU batch. Writes everything under $1 (default ./multi-gpu-out).
-# Usage: bash benchmarks/run_multi_gpu.sh "$OUT"
+# Usage: bash benchmarks/node/run_multi_gpu.sh "$OUT"
 set -u
 out=${1:-multi-gpu-out}
 mkdir -p "$out"
@@ -17,7 +17,7 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 grep -E "passed|failed" "$out/gpu-tests.txt" | tail -3
 run() {  # gpus, extra args
   local n=$1; shift
-  timeout 170 torchrun --nproc-per-node "$n" benchmarks/multi_gpu.py --out "$out/multi_gpu.jsonl" "$@" \
+  timeout 170 torchrun --nproc-per-node "$n" benchmarks/node/multi_gpu.py --out "$out/multi_gpu.jsonl" "$@" \
     > "$out/multi_gpu-$n-$(echo "$*" | tr ' ' '_').log" 2>&1 || echo "run $n $* failed: $?"
 }
 run 1 --batch 4
@@ -25,4 +25,4 @@ run 2 --batch 4 --zero-stage 2
 run 2 --batch 4 --zero-stage 1
 run 1 --batch 16
 run 2 --batch 16 --zero-stage 2
-python3 benchmarks/multi_gpu.py --report "$out/multi_gpu.jsonl" | tee "$out/multi_gpu.md"
+python3 benchmarks/node/multi_gpu.py --report "$out/multi_gpu.jsonl" | tee "$out/multi_gpu.md"

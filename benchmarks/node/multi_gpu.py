@@ -7,10 +7,10 @@ host copy of the weights and splitting the CPU optimizer's work. Rank 0 writes o
 line (median step time, tokens/s, peak GPU memory of each rank, the bytes each rank copied
 per step, the CPU optimizer's rate and the host memory in use) to ``--out``.
 
-    torchrun --nproc-per-node 1 benchmarks/multi_gpu.py --out r.jsonl
-    torchrun --nproc-per-node 4 benchmarks/multi_gpu.py --zero-stage 2 --out r.jsonl
-    torchrun --nproc-per-node 4 benchmarks/multi_gpu.py --floors --out floors.jsonl
-    python benchmarks/multi_gpu.py --report r.jsonl --floors-from floors.jsonl
+    torchrun --nproc-per-node 1 benchmarks/node/multi_gpu.py --out r.jsonl
+    torchrun --nproc-per-node 4 benchmarks/node/multi_gpu.py --zero-stage 2 --out r.jsonl
+    torchrun --nproc-per-node 4 benchmarks/node/multi_gpu.py --floors --out floors.jsonl
+    python benchmarks/node/multi_gpu.py --report r.jsonl --floors-from floors.jsonl
 
 ``--floors`` measures what the ranks share instead of training: pinned H2D and D2H of every
 GPU at once (their sum is what the host's DRAM serves to PCIe), one GPU alone, the host's
@@ -33,7 +33,8 @@ from datetime import date
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "src")]
+BENCH = HERE.parent
+sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 
 
 def _host_memory_sampler(stop, peak: list[int]) -> None:

@@ -1,0 +1,324 @@
+"""A full fine-tune of a Llama-3.1-70B shape on one host's GPUs: ``ramflow train --preset
+llama-70b --nproc-per-node N``, measured against its plan and the host's floors.
+
+In one run, on the GPU box (a 4-GPU kind):
+
+1. the floors every rank shares (``multi_gpu.py --floors`` under torchrun): each GPU's bf16
+   matmul rate at 8192x4096x11008, pinned copy rates;
+2. the host format's CPU AdamW rate with all of the host's cores (the plan's input);
+3. ``ramflow plan`` of the same run with those rates: the host bytes and the predicted
+   step;
+4. ``ramflow train`` itself (the stdlib corpus, random init from the seed through the
+   presets' ``SeededInit``, lean host formats), while a thread samples the host's memory in
+   use (psutil's ``used``: total minus available, so the /dev/shm store counts) every
+   0.2 s.
+
+Reports (``node_70b.json`` and ``node_70b.md`` in ``--out-dir``): the load time (from the
+command's start to the first step, as the trainer logs it), the peak host memory in use
+above the baseline against the plan's host bytes, peak GPU memory, the median step time of
+the steps after the first two, tokens/s, model TFLOPS per GPU (6 x parameters x tokens per
+GPU per step / step time; attention and recomputation not counted) against the slowest
+GPU's matmul rate, and measured over predicted step.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/node/node_70b.py --out-dir $OUT/node-70b
+
+CPU smoke test (the tiny preset on two gloo ranks; a minute)::
+
+    python benchmarks/node/node_70b.py --smoke --out-dir /tmp/node-smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import date
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path[:0] = [str(HERE.parent), str(ROOT / "src")]
+
+GIB = 2**30
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "src")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _run(cmd: list[str], log: Path, *, timeout: float) -> tuple[int, float]:
+    """Run ``cmd``, its output to ``log``; returns (exit code, seconds)."""
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return rc, time.perf_counter() - t0
+
+
+def _floors(out: Path, gpus: int, smoke: bool) -> dict | None:
+    jsonl = out / "floors.jsonl"
+    jsonl.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={gpus}",
+        str(HERE / "multi_gpu.py"),
+        "--floors",
+        "--out",
+        str(jsonl),
+    ] + (["--cpu"] if smoke else [])
+    _run(cmd, out / "floors.log", timeout=300)
+    rows = [json.loads(x) for x in jsonl.read_text().splitlines()] if jsonl.exists() else []
+    return rows[0] if rows else None
+
+
+def _cpu_optimizer_rate(host_precision: str) -> float | None:
+    """The host format's one-pass CPU AdamW rate with all of this host's cores, parameters
+    per second (``bench.py --cpu-optimizer``'s measurement)."""
+    import measure
+    import runners
+
+    try:
+        dram = measure.dram_copy_bandwidth()
+        rates = runners._host_format_rates(1 << 27, {"steps": 3}, dram)
+        return rates[host_precision]["params_per_s"]
+    except Exception as e:  # noqa: BLE001 (the report says why there is none)
+        print(f"CPU optimizer rate not measured: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
+def _parse_plan(text: str) -> dict:
+    """The figures ``ramflow plan --nproc-per-node N`` prints that this report compares."""
+    out: dict = {}
+    m = re.search(r"host RAM for \d+ ranks: ([0-9.,]+) GiB", text)
+    if m:
+        out["host_bytes"] = float(m.group(1).replace(",", "")) * GIB
+    m = re.search(r"predicted: \d+ GPUs: ([0-9,]+) ms per step", text)
+    if m:
+        out["step_s"] = float(m.group(1).replace(",", "")) / 1e3
+    m = re.search(r"bound by ([^;]+);", text[text.find("predicted:") :]) if m else None
+    if m:
+        out["bound"] = m.group(1)
+    return out
+
+
+class _HostMemory:
+    """Samples psutil's ``used`` (total minus available) every ``period`` seconds."""
+
+    def __init__(self, period: float = 0.2) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self.baseline = psutil.virtual_memory().used
+        self.peak = self.baseline
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(period,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, period: float) -> None:
+        while not self._stop.wait(period):
+            self.peak = max(self.peak, self._psutil.virtual_memory().used)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak - self.baseline
+
+
+def _read_log(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--preset", default="llama-70b")
+    p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=6, help="steps; the first two are not timed")
+    p.add_argument("--host-precision", default="lean")
+    p.add_argument("--gpu-memory", default=None, help="ramflow train --gpu-memory")
+    p.add_argument("--smoke", action="store_true", help="tiny preset, 2 gloo ranks on the CPU")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.preset, args.gpus, args.batch_size, args.seq_len, args.steps = "tiny", 2, 2, 64, 4
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"date": date.today().isoformat(), "args": vars(args)}
+
+    def write() -> None:
+        (out / "node_70b.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        (out / "node_70b.md").write_text(_markdown(result))
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    result["commit"] = commit or None
+    floors = _floors(out, args.gpus, args.smoke)
+    result["floors"] = floors
+    matmul = None
+    h2d = None
+    if floors and floors["ranks"][0]["matmul_flops"]:
+        matmul = min(r["matmul_flops"] for r in floors["ranks"])
+        h2d = min(r["together"]["h2d_pieces"] for r in floors["ranks"])
+        result["device"] = floors["device"]
+    result["matmul_flops"] = matmul
+    cpu_rate = None if args.smoke else _cpu_optimizer_rate(args.host_precision)
+    result["cpu_optimizer_params_per_s"] = cpu_rate
+    write()
+
+    common = [
+        "--preset",
+        args.preset,
+        "--host-precision",
+        args.host_precision,
+        "--batch-size",
+        str(args.batch_size),
+        "--seq-len",
+        str(args.seq_len),
+        "--checkpointing",
+        "on",
+        "--nproc-per-node",
+        str(args.gpus),
+    ]
+    if args.smoke:
+        common += ["--device", "cpu"]
+    if args.gpu_memory:
+        common += ["--gpu-memory", args.gpu_memory]
+    rates = []
+    if matmul:
+        rates += ["--gpu-tflops", f"{matmul / 1e12:.0f}"]
+    if h2d:
+        rates += ["--pcie-gbps", f"{h2d / 1e9:.1f}"]
+    if cpu_rate:
+        rates += ["--cpu-adamw-gparams", f"{cpu_rate / 1e9:.2f}"]
+    plan_cmd = [sys.executable, "-m", "ramflow", "plan", *common, *rates]
+    _run(plan_cmd, out / "plan.txt", timeout=300)
+    plan_text = (out / "plan.txt").read_text()
+    result["plan_command"] = " ".join(plan_cmd[1:])
+    result["plan"] = _parse_plan(plan_text)
+    write()
+
+    run_dir = out / "run"
+    train_cmd = [
+        sys.executable,
+        "-m",
+        "ramflow",
+        "train",
+        *common,
+        "--steps",
+        str(args.steps),
+        "--eval-every",
+        "0",
+        "--no-save",
+        "--no-progress",
+        "--out",
+        str(run_dir),
+    ]
+    memory = _HostMemory()
+    rc, wall = _run(train_cmd, out / "train.log", timeout=1800)
+    host_peak = memory.stop()
+    result["train_command"] = " ".join(train_cmd[1:])
+    result["train_exit_code"] = rc
+    result["train_wall_s"] = wall
+    result["host_peak_in_use_bytes"] = host_peak
+    log = _read_log(run_dir / "log.jsonl")
+    steps = [r for r in log if "step_s" in r and "loss" in r]
+    start = next((r for r in log if r.get("event") == "start"), {})
+    result["load_s"] = start.get("load_s")
+    result["steps"] = steps
+    timed = [r["step_s"] for r in steps[2:]] or [r["step_s"] for r in steps]
+    if timed:
+        step_s = statistics.median(timed)
+        tokens_per_gpu = args.batch_size * args.seq_len
+        num_params = start.get("num_parameters") or _num_parameters(args.preset)
+        model_flops = 6.0 * num_params * tokens_per_gpu / step_s
+        result.update(
+            step_s=step_s,
+            tokens_per_s=args.gpus * tokens_per_gpu / step_s,
+            num_parameters=num_params,
+            model_flops_per_gpu=model_flops,
+            of_matmul=model_flops / matmul if matmul else None,
+            peak_gpu_bytes=max((r.get("peak_gpu_bytes") or 0) for r in steps) or None,
+            peak_gpu_bytes_per_rank=start.get("peak_gpu_bytes_per_rank")
+            or next(
+                (r.get("peak_gpu_bytes_per_rank") for r in log if r.get("event") == "end"),
+                None,
+            ),
+        )
+        if result["plan"].get("step_s"):
+            result["measured_over_predicted"] = step_s / result["plan"]["step_s"]
+        if result["plan"].get("host_bytes"):
+            result["host_peak_over_plan"] = host_peak / result["plan"]["host_bytes"]
+    write()
+    print(_markdown(result), flush=True)
+    return 0 if rc == 0 else 1
+
+
+def _num_parameters(preset: str) -> int:
+    from ramflow.train.presets import PRESETS
+
+    return PRESETS[preset].num_parameters()
+
+
+def _f(x, scale: float = 1.0, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x / scale, spec)
+
+
+def _markdown(r: dict) -> str:
+    a = r["args"]
+    plan = r.get("plan") or {}
+    lines = [
+        f"# {a['preset']}, full fine-tune, {a['gpus']} GPUs, {a['host_precision']} host formats",
+        "",
+        f"{r['date']}, {r.get('device', '-')}, commit {r.get('commit')}; "
+        f"{a['batch_size']}x{a['seq_len']} tokens per GPU per step, activation checkpointing.",
+        "",
+        "| figure | measured | target |",
+        "| --- | --- | --- |",
+        f"| load (command start to first step) | {_f(r.get('load_s'), 1, '.0f')} s | "
+        "at most 300 s |",
+        f"| peak host memory in use (all ranks, above the baseline) | "
+        f"{_f(r.get('host_peak_in_use_bytes'), GIB, '.1f')} GiB; plan "
+        f"{_f(plan.get('host_bytes'), GIB, '.1f')} GiB ({_f(r.get('host_peak_over_plan'))}x) | "
+        "at most 1.2x the plan |",
+        f"| peak GPU memory (rank 0; per rank: {r.get('peak_gpu_bytes_per_rank') or '-'}) | "
+        f"{_f(r.get('peak_gpu_bytes'), GIB, '.1f')} GiB | - |",
+        f"| step (median after two) | {_f(r.get('step_s'), 1, '.2f')} s | - |",
+        f"| tokens/s, all GPUs | {_f(r.get('tokens_per_s'), 1, ',.0f')} | - |",
+        f"| model TFLOPS per GPU (6 x N x tokens) | {_f(r.get('model_flops_per_gpu'), 1e12, '.0f')}"
+        f" = {_f(r.get('of_matmul'))} of the matmul rate "
+        f"({_f(r.get('matmul_flops'), 1e12, '.0f')} TFLOP/s) | at least 0.40 |",
+        f"| plan's predicted step | {_f(plan.get('step_s'), 1, '.2f')} s, bound by "
+        f"{plan.get('bound', '-')}; measured / predicted {_f(r.get('measured_over_predicted'))} | "
+        "within 15% |",
+        "",
+        f"Commands: `{r.get('plan_command', '-')}`; `{r.get('train_command', '-')}` "
+        f"(exit {r.get('train_exit_code', '-')}, {_f(r.get('train_wall_s'), 1, '.0f')} s).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

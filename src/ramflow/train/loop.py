@@ -1,0 +1,372 @@
+"""The loop of ``ramflow train`` once everything is set up: steps, validation, checkpoints,
+the log and the summary (``trainer.py`` checks, builds and calls it).
+
+Legend: B = sequences per micro-batch, T = tokens per sequence.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+import ramflow
+
+from .._plan import format_bytes
+from .backoff import accumulate_step
+from .checkpoint import fault_point, save_checkpoint
+from .data import validation_batches
+from .flops import model_flops_utilisation, peak_flops
+from .modeling import count_parameters
+from .precision import ComputePolicy
+from .ranks import Ranks
+from .report import format_duration, mean_tail, summary_table
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a run did.
+
+    Attributes:
+        run_dir: the run folder.
+        checkpoint: the last checkpoint written (None if none).
+        steps_done: optimizer steps done in total (the resumed ones included).
+        interrupted: stopped early by Ctrl-C, SIGTERM or ``stop``.
+        first_loss / last_loss: training loss of the first step of this run and the mean
+            of its last ten steps.
+        val_loss: the last validation loss (None if none ran).
+        elapsed_s: wall time of this process's loop (seconds).
+        tokens_per_s: training tokens per second of this process (of all ranks, in a run
+            of several: see [Note: several ranks from the CLI] in ``ranks.py``).
+        peak_gpu_bytes: ``torch.cuda.max_memory_allocated`` (None on the CPU).
+        peak_host_bytes: peak resident memory of this process.
+        summary: the summary table as printed.
+        stop_signal: the signal that stopped the run early (``signal.SIGINT`` or
+            ``signal.SIGTERM``), None when it finished or ``stop`` was set.
+    """
+
+    run_dir: Path
+    checkpoint: Path | None
+    steps_done: int
+    interrupted: bool
+    first_loss: float
+    last_loss: float
+    val_loss: float | None
+    elapsed_s: float
+    tokens_per_s: float
+    peak_gpu_bytes: int | None
+    peak_host_bytes: int
+    summary: str
+    stop_signal: int | None = None
+
+
+def _peak_host_bytes() -> int:
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    except (ImportError, OSError):
+        return psutil.Process().memory_info().rss
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    *,
+    policy: ComputePolicy,
+    batch_size: int,
+    seq_len: int,
+    max_batches: int,
+    ranks: Ranks | None = None,
+) -> float:
+    """Mean cross-entropy (nats per token) of ``model`` on held-out (N,) ``tokens``, over
+    at most ``max_batches`` (B, T) batches; with ``ranks``, each rank computes its rows of
+    every batch of B x ranks (see [Note: several ranks from the CLI] in ``ranks.py``) and
+    every rank returns the mean over all of them."""
+    ranks = ranks if ranks is not None else Ranks()
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for batch in validation_batches(
+            tokens,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            max_batches=max_batches,
+            rank=ranks.rank,
+            num_ranks=ranks.world_size,
+        ):
+            batch = batch.to(policy.device)
+            with policy.autocast():
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+            total += loss.float().item() * batch.shape[0]
+            count += batch.shape[0]
+    finally:
+        model.train(was_training)
+    total, count = ranks.sum([total, count])
+    return total / max(count, 1)
+
+
+def run_loop(
+    config,
+    setup,
+    run_dir,
+    report,
+    stop,
+    on_step,
+    model,
+    opt,
+    sched,
+    scaler,
+    batches,
+    param_names,
+    step,
+    tokens_seen,
+    ranks,
+) -> TrainResult:
+    policy, corpus = setup.policy, setup.corpus
+    # every rank's tokens: see [Note: several ranks from the CLI] in ranks.py
+    tokens_per_step = config.tokens_per_step * ranks.world_size
+    params = [p for g in opt.param_groups for p in g["params"]]
+    say = report.message
+    cuda = policy.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(policy.device)
+    process = psutil.Process()
+    first_step = step
+    train_time = 0.0
+    last_ckpt: Path | None = None
+    val_loss: float | None = None
+    interrupted = False
+    num_trained = sum(p.numel() for p in params)
+    peak = peak_flops(policy.device, policy.compute_dtype)
+    t_start = time.perf_counter()
+
+    saved_step = -1
+
+    def save(step_now: int) -> Path:
+        nonlocal saved_step
+        t0 = time.perf_counter()
+        path = save_checkpoint(
+            run_dir / "checkpoints",
+            step=step_now,
+            model=model,
+            optimizer=opt,
+            param_names=param_names,
+            tokenizer=setup.tokenizer,
+            keep=config.keep_checkpoints,
+            adapters_only=config.lora_rank is not None,
+            ranks=ranks,
+            state={
+                "data_position": batches.position,
+                "tokens_seen": tokens_seen,
+                "scheduler": sched.state_dict(),
+                "grad_scaler": scaler.state_dict(),
+                "train_config": config.to_dict(),
+                "corpus": {
+                    "fingerprint": corpus.fingerprint,
+                    "num_tokens": corpus.num_tokens,
+                    "num_documents": corpus.num_documents,
+                    "source": corpus.source,
+                },
+            },
+        )
+        report.log(
+            {
+                "event": "checkpoint",
+                "step": step_now,
+                "path": str(path),
+                "save_s": time.perf_counter() - t0,
+            }
+        )
+        saved_step = step_now
+        return path
+
+    val_step = 0
+
+    def run_eval(step_now: int) -> float:
+        nonlocal val_step
+        val_step = step_now
+        loss = evaluate(
+            model,
+            corpus.val_tokens,
+            policy=policy,
+            # the same sequences whatever the micro-batch has backed off to
+            batch_size=batches.batch_size,
+            seq_len=config.seq_len,
+            max_batches=-(-config.eval_batches * config.batch_size // batches.batch_size),
+            ranks=ranks,
+        )
+        report.eval(step_now, loss)
+        say(f"step {step_now}: validation loss {loss:.4f}")
+        return loss
+
+    if step == 0 and config.eval_every:
+        val_loss = run_eval(0)
+    while step < config.steps:
+        # a signal may reach some ranks only: all stop after the same step
+        if ranks.any(stop.is_set()):
+            stop.set()
+            interrupted = True
+            break
+        fault_point("step")  # test-only: see [Note: test faults] in checkpoint.py
+        t0 = time.perf_counter()
+        loss_sum = accumulate_step(config, report, model, opt, scaler, batches, policy, step)
+        grad_accum = config.global_batch // batches.batch_size
+        scaler.unscale_(opt)
+        grad_norm = (
+            ramflow.clip_grad_norm_(params, config.clip_grad).item() if config.clip_grad else None
+        )
+        lr = opt.param_groups[0]["lr"]
+        scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+        scaler.step(opt)
+        scaler.update()
+        # fp16: the scaler skips the step when gradients overflowed (it lowers the scale);
+        # the schedule follows the steps actually taken
+        skipped = scaler.is_enabled() and scaler.get_scale() < scale
+        if not skipped:
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+        # the mean over the ranks: the loss of one process on the global batch
+        step_loss = ranks.sum([(loss_sum / grad_accum).item()])[0] / ranks.world_size
+        step += 1
+        tokens_seen += tokens_per_step
+        dt = time.perf_counter() - t0
+        train_time += dt
+        if not math.isfinite(step_loss) and not policy.use_grad_scaler:
+            raise FloatingPointError(
+                f"the training loss became {step_loss} at step {step}; lower --lr or use --precision fp32 "
+                f"(the last checkpoint is kept in {run_dir / 'checkpoints'})"
+            )
+        record = {
+            "step": step,
+            "loss": step_loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "skipped": skipped,
+            "micro_batch": batches.batch_size,
+            "tokens": tokens_seen,
+            "step_s": dt,
+            "tokens_per_s": tokens_per_step / dt,
+            # each GPU's share of the tokens over its own peak: the MFU of all of them
+            "mfu": model_flops_utilisation(
+                num_parameters=num_trained, tokens_per_s=config.tokens_per_step / dt, peak=peak
+            ),
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated(policy.device) if cuda else None,
+            "host_rss_bytes": process.memory_info().rss,
+        }
+        report.step(record)
+        if on_step is not None:
+            on_step(record)
+        if config.eval_every and step % config.eval_every == 0 and step < config.steps:
+            val_loss = run_eval(step)
+        if (
+            config.save_every
+            and step % config.save_every == 0
+            and step < config.steps
+            and not ranks.any(stop.is_set())
+        ):
+            last_ckpt = save(step)
+    else:
+        val_loss = run_eval(step)
+    if ranks.any(stop.is_set()):
+        interrupted = True
+    if last_ckpt is None or saved_step != step:  # a signal during a save: that one holds
+        last_ckpt = save(step)
+    elapsed = time.perf_counter() - t_start
+    done = step - first_step
+    tps = done * tokens_per_step / train_time if train_time > 0 else 0.0
+    peak_gpu = torch.cuda.max_memory_allocated(policy.device) if cuda else None
+    peak_host = _peak_host_bytes()
+    report.log(
+        {
+            "event": "end",
+            "step": step,
+            "interrupted": interrupted,
+            "elapsed_s": elapsed,
+            "tokens_per_s": tps,
+            "mfu": model_flops_utilisation(
+                num_parameters=num_trained, tokens_per_s=tps / ranks.world_size, peak=peak
+            ),
+        }
+    )
+    plot = report.write_plot(
+        title=f"ramflow train: {config.model_name}, {tokens_per_step:,} tokens per step"
+    )
+    all_losses = [r["loss"] for r in report.step_records()]
+    first_loss = all_losses[0] if all_losses else math.nan
+    last_loss = mean_tail(all_losses, 10)
+    rows = [
+        (
+            "model",
+            f"{config.model_name} ({count_parameters(model) / 1e6:,.2f} M parameters), "
+            f"{num_trained / 1e6:,.2f} M trained",
+        ),
+        (
+            "device",
+            (f"{ranks.world_size} ranks (ZeRO), " if ranks.several else "")
+            + f"{policy.device}, {policy.precision}, activation checkpointing "
+            f"{'on' if setup.estimate.checkpointing else 'off'}",
+        ),
+        (
+            "steps",
+            f"{step} of {config.steps}"
+            + (" (interrupted)" if interrupted else "")
+            + (f", {done} in this process" if first_step else ""),
+        ),
+        (
+            "tokens",
+            f"{tokens_seen:,} ({tokens_per_step:,} per step"
+            + (f" over {ranks.world_size} ranks" if ranks.several else "")
+            + f", epoch {batches.epoch:.2f})",
+        ),
+        (
+            "training loss",
+            f"{first_loss:.4f} at step 1 -> {last_loss:.4f} (mean of the last 10 steps)",
+        ),
+        ("validation loss", "-" if val_loss is None else f"{val_loss:.4f} (at step {val_step})"),
+        ("time", f"{format_duration(elapsed)} ({tps:,.0f} tokens/s while training)"),
+    ]
+    mfu = model_flops_utilisation(
+        num_parameters=num_trained, tokens_per_s=tps / ranks.world_size, peak=peak
+    )
+    if mfu is not None and peak is not None:
+        rows.append(
+            (
+                "MFU",
+                f"{mfu:.1%} (6 x {num_trained / 1e6:,.2f} M trained parameters x tokens/s, "
+                + (f"over {ranks.world_size} x " if ranks.several else "over the ")
+                + f"{peak.description})",
+            )
+        )
+    rows += [
+        ("peak GPU memory", "- (CPU run)" if peak_gpu is None else format_bytes(peak_gpu)),
+        ("peak host memory", format_bytes(peak_host)),
+        ("run folder", str(run_dir)),
+        ("checkpoint", str(last_ckpt)),
+        ("log / plot", f"{report.log_path} / {plot}"),
+    ]
+    summary = summary_table(rows)
+    say(summary)
+    return TrainResult(
+        run_dir=run_dir,
+        checkpoint=last_ckpt,
+        steps_done=step,
+        interrupted=interrupted,
+        first_loss=first_loss,
+        last_loss=last_loss,
+        val_loss=val_loss,
+        elapsed_s=elapsed,
+        tokens_per_s=tps,
+        peak_gpu_bytes=peak_gpu,
+        peak_host_bytes=peak_host,
+        summary=summary,
+    )
+
+
+__all__ = ["TrainResult", "evaluate", "run_loop"]
