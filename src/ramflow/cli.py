@@ -237,7 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint every N steps, 0: only at the end (default 500)",
     )
     t.add_argument(
-        "--keep-checkpoints", type=int, default=None, help="checkpoints kept on disk (default 1)"
+        "--keep-checkpoints",
+        type=int,
+        default=None,
+        help="checkpoints kept on disk (default 1); 0 writes none (a benchmark or smoke run: "
+        "Ctrl-C then loses the run)",
     )
     t.add_argument(
         "--eval-every", type=int, default=None, help="validation every N steps (default: steps/5)"

@@ -312,3 +312,27 @@ def test_device_optimizer_refuses_lora(
     err = capsys.readouterr().err
     assert "drop --device-optimizer" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_keep_checkpoints_zero_writes_none_and_needs_no_disk(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, fast, monkeypatch, capsys
+) -> None:
+    """``--keep-checkpoints 0`` (a benchmark on a disk too small for one checkpoint, as a
+    70B model's on the GPU box): the run trains and writes no checkpoint, and the disk
+    check that would refuse it does not run; a negative count is refused before anything
+    is written."""
+    from ramflow.memory import estimate as memory_estimate
+
+    # a disk with no room: a run that saves is refused, one that does not goes ahead
+    monkeypatch.setattr(memory_estimate.MemoryEstimate, "fits_disk", property(lambda self: False))
+    refused = tmp_path / "refused"
+    assert ramflow_cli("train", "--steps", "2", "--data", corpus_file, "--out", refused, *fast)
+    assert "--keep-checkpoints 0 to write none" in capsys.readouterr().err
+    assert not refused.exists()
+    run = tmp_path / "run"
+    args = ("train", "--steps", "3", "--eval-every", "0", "--data", corpus_file, *fast)
+    assert ramflow_cli(*args, "--keep-checkpoints", "0", "--out", run) == 0
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+    assert [s for s, _ in _losses(run)] == [1, 2, 3]
+    with pytest.raises(ValueError, match="--keep-checkpoints must be 0"):
+        TrainConfig.from_options(keep_checkpoints=-1)

@@ -89,7 +89,8 @@ class TrainConfig:
         gpu_memory: the device budget for the whole run (weights, gradients, activations),
             e.g. ``"12GiB"``; None: 90% of the free memory of a CUDA device, no cap on the CPU.
         save_every: write a checkpoint every this many steps (0: only at the end and on Ctrl-C).
-        keep_checkpoints: finished checkpoints kept on disk.
+        keep_checkpoints: finished checkpoints kept on disk; 0: none is written (a benchmark
+            or a smoke run on a disk too small for one: Ctrl-C and SIGTERM then lose the run).
         eval_every: validation every this many steps (0: only at the end).
         eval_batches: micro-batches of held-out text per validation.
         val_fraction: share of the corpus held out for validation, between 0 and 1.
@@ -150,13 +151,16 @@ class TrainConfig:
             "seq_len",
             "grad_accum",
             "eval_batches",
-            "keep_checkpoints",
         )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}"
                 )
+        if self.keep_checkpoints < 0:
+            raise ValueError(
+                f"--keep-checkpoints must be 0 (write none) or more, got {self.keep_checkpoints}"
+            )
         for name in ("warmup_steps", "save_every", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(

@@ -149,8 +149,11 @@ def run_loop(
 
     saved_step = -1
 
-    def save(step_now: int) -> Path:
+    def save(step_now: int) -> Path | None:
         nonlocal saved_step
+        if config.keep_checkpoints == 0:  # the run writes none
+            saved_step = step_now
+            return None
         t0 = time.perf_counter()
         path = save_checkpoint(
             run_dir / "checkpoints",
@@ -283,9 +286,12 @@ def run_loop(
     tps = done * tokens_per_step / train_time if train_time > 0 else 0.0
     peak_gpu = torch.cuda.max_memory_allocated(policy.device) if cuda else None
     peak_host = _peak_host_bytes()
+    peak_gpu_per_rank = ranks.all_gather(peak_gpu)
     report.log(
         {
             "event": "end",
+            "peak_gpu_bytes_per_rank": peak_gpu_per_rank,
+            "peak_host_bytes_per_rank": ranks.all_gather(peak_host),
             "step": step,
             "interrupted": interrupted,
             "elapsed_s": elapsed,
@@ -345,10 +351,16 @@ def run_loop(
             )
         )
     rows += [
-        ("peak GPU memory", "- (CPU run)" if peak_gpu is None else format_bytes(peak_gpu)),
+        (
+            "peak GPU memory",
+            "- (CPU run)"
+            if peak_gpu is None
+            else format_bytes(max(peak_gpu_per_rank))
+            + (f" (the largest of {ranks.world_size} ranks)" if ranks.several else ""),
+        ),
         ("peak host memory", format_bytes(peak_host)),
         ("run folder", str(run_dir)),
-        ("checkpoint", str(last_ckpt)),
+        ("checkpoint", str(last_ckpt) if last_ckpt else "none written (--keep-checkpoints 0)"),
         ("log / plot", f"{report.log_path} / {plot}"),
     ]
     summary = summary_table(rows)

@@ -248,8 +248,9 @@ def plan_run(
     return dataclasses.replace(estimate, device_note=note)
 
 
-def _check_machine(estimate: MemoryEstimate, *, corpus_bytes: int) -> None:
-    """Refuse a run this machine's RAM or disk cannot hold (MemoryError / OSError)."""
+def _check_machine(estimate: MemoryEstimate, *, corpus_bytes: int, saves: bool = True) -> None:
+    """Refuse a run this machine's RAM or disk cannot hold (MemoryError / OSError);
+    ``saves``: the run writes checkpoints (the disk must hold one)."""
     need = estimate.ram_needed_bytes + corpus_bytes
     if need > estimate.ram_available_bytes:
         raise MemoryError(
@@ -265,11 +266,11 @@ def _check_machine(estimate: MemoryEstimate, *, corpus_bytes: int) -> None:
             "Use a smaller model, batch or sequence, or free memory; `ramflow plan` shows where "
             "the bytes go."
         )
-    if not estimate.fits_disk:
+    if saves and not estimate.fits_disk:
         raise OSError(
             f"a checkpoint of this model takes {format_bytes(estimate.checkpoint_bytes)}, but only "
             f"{format_bytes(estimate.disk_free_bytes or 0)} is free where the run folder goes; "
-            "give --out on a larger disk"
+            "give --out on a larger disk, or --keep-checkpoints 0 to write none"
         )
 
 
@@ -322,7 +323,8 @@ def prepare_run(
         budget=budget,
         out_dir=out_dir,
     )
-    _check_machine(estimate, corpus_bytes=0)  # before reading the data: fail fast
+    saves = config.keep_checkpoints > 0
+    _check_machine(estimate, corpus_bytes=0, saves=saves)  # before reading the data: fail fast
     documents = find_documents(config.data)
     source = (
         f"Python {platform.python_version()} standard library ({stdlib_root()})"
@@ -336,7 +338,7 @@ def prepare_run(
         val_fraction=config.val_fraction,
         source=source,
     )
-    _check_machine(estimate, corpus_bytes=corpus.num_tokens * 4)
+    _check_machine(estimate, corpus_bytes=corpus.num_tokens * 4, saves=saves)
     return PreparedRun(
         policy, tokenizer, mconfig, corpus, estimate, estimate.ramflow_budget_bytes, checkpoint, fit
     )

@@ -32,12 +32,14 @@ import os
 import platform
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 import ramflow
@@ -400,6 +402,7 @@ def _train(
         zero_stage=zero_stage,
     )
     offload_options.update(frozen_format_options(config.frozen_format))
+    load_start = time.perf_counter()  # the model's build, load and offload: load_s
     weights_dir = base_weights(config, ckpt)
     # meta build, filled unit by unit into the host store (read from the folder, or the
     # preset's seeded init): no full fp32 model first; with zero_stage each rank fills the
@@ -501,6 +504,10 @@ def _train(
                     "device": str(policy.device),
                     "num_ranks": ranks.world_size,
                     "zero_stage": zero_stage,
+                    # build, load and offload of the model, and the optimizer (seconds)
+                    "load_s": time.perf_counter() - load_start,
+                    # this rank's process start to its first step (seconds)
+                    "since_start_s": time.time() - psutil.Process().create_time(),
                 }
             )
         return run_loop(
