@@ -451,6 +451,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --nproc-per-node: host DRAM traffic, bytes read plus written per second "
         "(default 192, twice an H200 box's 96 GB/s memory copy rate)",
     )
+    pl.add_argument(
+        "--host-cores",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --nproc-per-node: the host's CPU cores, for a plan of another machine "
+        "(default: this machine's)",
+    )
     pr = sub.add_parser(
         "profile",
         help="run a few training steps and write where their memory went",
@@ -612,6 +620,8 @@ def _plan(args: argparse.Namespace) -> int:
 
         if args.host_dram_gbps is not None and args.host_dram_gbps <= 0:
             raise ValueError(f"--host-dram-gbps must be positive, got {args.host_dram_gbps}")
+        if args.host_cores is not None and args.host_cores < 1:
+            raise ValueError(f"--host-cores must be at least 1, got {args.host_cores}")
         ranks = plan_ranks(
             estimate,
             num_ranks=args.nproc_per_node,
@@ -619,6 +629,7 @@ def _plan(args: argparse.Namespace) -> int:
             host_dram_bytes_per_s=(
                 args.host_dram_gbps * 1e9 if args.host_dram_gbps else DEFAULT_HOST_DRAM_BYTES_PER_S
             ),
+            cores=args.host_cores,
         )
     from .train.plan_report import describe_plan, fits
 

@@ -121,3 +121,15 @@ def test_plan_cli_for_eight_gpus(ramflow_cli, capsys):
     assert "predicted: 8 GPUs:" in out and "tokens/s" in out and "bound by" in out
     assert ramflow_cli("plan", "--preset", "tiny", "--nproc-per-node", "2",
                        "--host-dram-gbps", "0") == 2  # fmt: skip
+
+
+def test_plan_cli_for_another_machines_cores(ramflow_cli, capsys):
+    """``--host-cores`` plans the host named, not this one: 8 ranks on this 2-core machine
+    would queue (the note says so), on a 128-core host they do not."""
+    args = ("plan", "--preset", "tiny", "--device", "cuda", "--gpu-memory", "1GiB",
+            "--nproc-per-node", "8")  # fmt: skip
+    assert ramflow_cli(*args, "--host-cores", "2") == 0
+    assert "this host's 2 cores give each of 8 ranks" in capsys.readouterr().out
+    assert ramflow_cli(*args, "--host-cores", "128") == 0
+    assert "cores give each of" not in capsys.readouterr().out
+    assert ramflow_cli(*args, "--host-cores", "0") == 2
