@@ -147,6 +147,12 @@ def test_slow_tokenizing_says_so_on_stderr(capsys, monkeypatch, interactive: boo
     if not interactive:
         assert err.splitlines()[0] == "tokenizing 2 documents ..."
         assert err.splitlines()[1].startswith("tokenizing 2 documents: done in ")
+    # ranks other than 0 tokenize the same corpus silently: one notice per run
+    monkeypatch.setenv("RANK", "1")
+    with SlowProgress(100, desc="tokenizing 2 documents", delay_s=0, interactive=interactive) as p:
+        p.update(100)
+    assert capsys.readouterr() == ("", "")
+    monkeypatch.delenv("RANK")
 
     class Words:  # a tokenizer that is not the byte tokenizer: encoded in chunks
         name = "words"

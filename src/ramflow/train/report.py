@@ -69,6 +69,8 @@ class SlowProgress:
     Nothing is shown while the work takes less than ``delay_s``. Past it, on a terminal a
     tqdm bar appears on stderr; in a file or a pipe (see [Note: progress on a terminal and
     in a file]) one line on stderr says what is running, and another how long it took.
+    Of several ranks (``$RANK``, set by torchrun and ``--nproc-per-node``), only rank 0 shows
+    anything: every rank does the same work.
 
     Args:
         total: the work's size in ``unit`` (e.g. characters of text).
@@ -90,8 +92,11 @@ class SlowProgress:
         self.desc = desc
         self.delay_s = delay_s
         self._start = time.perf_counter()
-        self._said = False
         self._bar = None
+        # another rank: nothing to show (as if already said, and no bar)
+        self._said = os.environ.get("RANK", "0") != "0"
+        if self._said:
+            return
         if interactive if interactive is not None else sys.stderr.isatty():
             from tqdm.auto import tqdm
 
@@ -116,7 +121,7 @@ class SlowProgress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        elif self._said:
+        elif self._said and os.environ.get("RANK", "0") == "0":
             elapsed = format_duration(time.perf_counter() - self._start)
             print(f"{self.desc}: done in {elapsed}", file=sys.stderr, flush=True)
 
