@@ -397,9 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
         "from the model's shapes on the meta device, and whether it fits this machine; for a "
         "GPU run also the predicted step time and the fastest plan for the budget. The first "
         "line says whether the run fits and why; then the budget, the plan, and the details.",
-        epilog="exit status: 0 the run fits this machine, 1 it does not (its RAM or disk; "
-        "the first line says which), 2 a usage or input error, a --gpu-memory too small for "
-        "the run included (the message gives the smallest that works)",
+        epilog="exit status: 0 the run fits this machine, 1 it does not (its RAM, its disk, "
+        "or a --gpu-memory too small for the run: the first line says which, and the "
+        "smallest budget that works), 2 a usage or input error",
     )
     _model_options(pl)
     _shape_options(pl)
@@ -574,6 +574,11 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_label(args: argparse.Namespace) -> str:
+    """What the plan's first line names: the model folder or the preset."""
+    return str(args.model) if args.model else (args.preset or "tiny")
+
+
 def _plan(args: argparse.Namespace) -> int:
     from .train import TrainConfig, plan_run
 
@@ -608,12 +613,18 @@ def _plan(args: argparse.Namespace) -> int:
         if args.pcie_gbps
         else Rates(cpu_optimizer_params_per_s=cpu)
     )
-    estimate = plan_run(
-        TrainConfig.from_options(**options),
-        out_dir=args.out,
-        timing_rates=rates,
-        matmul_flops_per_s=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
-    )
+    from .memory.estimate import BudgetTooSmall
+
+    try:
+        estimate = plan_run(
+            TrainConfig.from_options(**options),
+            out_dir=args.out,
+            timing_rates=rates,
+            matmul_flops_per_s=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
+        )
+    except BudgetTooSmall as err:  # a verdict, not a usage error: see the exit status
+        print(f"{_model_label(args)}: DOES NOT FIT this budget: {err}")
+        return 1
     ranks = None
     if args.nproc_per_node is not None and args.nproc_per_node > 1:
         from .train.scale import DEFAULT_HOST_DRAM_BYTES_PER_S, plan_ranks

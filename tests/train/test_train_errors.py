@@ -105,9 +105,11 @@ def test_budget_too_small(tmp_path: Path, corpus_file: Path, ramflow_cli, capsys
     )
     assert "--gpu-memory" in err  # says what to give instead
     assert not out.exists()
-    _fails(
-        ramflow_cli, capsys, "plan", "--preset", "tiny", "--gpu-memory", "1MiB", expect="too small"
-    )
+    # plan answers with its verdict: the first line says it does not fit and what does
+    assert ramflow_cli("plan", "--preset", "tiny", "--gpu-memory", "1MiB") == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("tiny: DOES NOT FIT this budget: --gpu-memory 1.00 MiB is too small")
+    assert "Give --gpu-memory" in first
 
 
 def test_ram_too_small_is_refused_before_anything_is_built(

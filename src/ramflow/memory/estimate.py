@@ -44,6 +44,12 @@ RUNTIME_OVERHEAD_BYTES = 1 << 30  # Python, torch and transformers themselves, m
 CHECKPOINTING_MODES = ("auto", "on", "off")
 
 
+class BudgetTooSmall(ValueError):
+    """The device budget cannot hold the smallest plan and the activations together; the
+    message gives the smallest budget that works. A ``ValueError``, so callers that treat
+    it as bad input keep doing so; ``ramflow plan`` answers it as "does not fit"."""
+
+
 @dataclass(frozen=True)
 class ActivationProfile:
     """Bytes autograd saves for backward in one training forward of a micro-batch.
@@ -494,7 +500,7 @@ def estimate_memory(
         if ramflow_budget < smallest:
             need = smallest + act_bytes
             hint = "" if ckpt else ", or --checkpointing on"
-            raise ValueError(
+            raise BudgetTooSmall(
                 f"--gpu-memory {format_bytes(gpu_memory_bytes)} is too small for this run: activations "
                 f"of a {batch_size} x {seq_len} micro-batch need about {format_bytes(act_bytes)} and "
                 f"ramflow's smallest plan (streaming every unit) {format_bytes(smallest)}, together "
