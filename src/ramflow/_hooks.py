@@ -66,19 +66,29 @@ def checkpointed_unit_forward(
     forward: Any,
     call_swapped: Any,
     context_fn: Callable[[], Any] | None,
+    offloader: Any,
     *args: Any,
     **kwargs: Any,
 ) -> Any:
     """A unit's forward under ``torch.utils.checkpoint`` (non-reentrant, with a policy's
     ``context_fn`` for selective checkpointing); the recomputation runs with the unit's
-    parameters swapped in (see ``Schedule._call_swapped``)."""
+    parameters swapped in (see ``Schedule._call_swapped``). With ``offloader`` (a
+    ``ramflow.memory.boundary_offload.BoundaryOffloader``) the unit's input goes to pinned
+    host memory: see [Note: offloaded checkpoint boundaries] there."""
     module = module_ref()
     if not torch.is_grad_enabled():
         return forward(module, *args, **kwargs)
     extra = {} if context_fn is None else {"context_fn": context_fn}
-    return torch.utils.checkpoint.checkpoint(
-        call_swapped, forward, module, *args, use_reentrant=False, **extra, **kwargs
-    )
+    if offloader is None:
+        return torch.utils.checkpoint.checkpoint(
+            call_swapped, forward, module, *args, use_reentrant=False, **extra, **kwargs
+        )
+    # call_swapped, forward and module are not tensors: only the unit's tensor inputs
+    # are saved through the offloader's hooks
+    with offloader.saving():
+        return torch.utils.checkpoint.checkpoint(
+            call_swapped, forward, module, *args, use_reentrant=False, **extra, **kwargs
+        )
 
 
 def segmented_unit_forward(

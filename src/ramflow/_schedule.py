@@ -83,6 +83,7 @@ from ._stepper import Stepper
 from ._units import _Unit, check_host_parameters, slot_callers
 from ._window import DeviceWindow
 from ._worker import HostWorker
+from .memory.boundary_offload import BoundaryOffloader
 from .memory.checkpointing import (
     CheckpointPlan,
     CheckpointPolicyLike,
@@ -266,7 +267,9 @@ class Schedule:
         Hugging Face layer) get a wrapper inside the unit's forward, so the unit's hooks
         still run once per call and the recomputation finds the unit pinned and its device
         parameters in place. Segments wrap their ``nn.Sequential`` instead: see
-        [Note: checkpointed segments of units].
+        [Note: checkpointed segments of units]. ``CheckpointOffload`` always takes the
+        wrapper (Hugging Face models included; train them with ``use_cache=False``): the
+        offload hooks must surround the checkpoint call.
 
         Raises:
             ValueError: ``which`` names a unit the model does not have, or the policy
@@ -274,6 +277,7 @@ class Schedule:
         """
         names: set[str] | None = None
         context_fn = None
+        offloader = None
         if is_checkpoint_policy(which):
             candidates = [
                 (u.name, u.modules[0])
@@ -287,6 +291,10 @@ class Schedule:
             if not plan.blocks:
                 return  # the policy chose nothing (e.g. already within its budget)
             names, context_fn = set(plan.blocks), plan.context_fn
+            if plan.offload_prefetch:
+                # our wrapper, not Hugging Face's switch: the offload hooks go around
+                # the checkpoint call. See [Note: offloaded checkpoint boundaries]
+                offloader = BoundaryOffloader(prefetch=plan.offload_prefetch)
         elif which is not True:
             names = {which} if isinstance(which, str) else set(which)  # type: ignore[arg-type]
             known = [u.name for u in self.units if not u.rest]
@@ -296,7 +304,7 @@ class Schedule:
                     f"activation_checkpointing names units this model does not have: {unknown}. "
                     f"Its units: {known}"
                 )
-        if getattr(model, "supports_gradient_checkpointing", False):
+        if offloader is None and getattr(model, "supports_gradient_checkpointing", False):
             kwargs: dict[str, Any] = {"use_reentrant": False}
             if context_fn is not None:
                 kwargs["context_fn"] = context_fn
@@ -335,6 +343,7 @@ class Schedule:
                 type(module).forward,
                 UnitHook(self._call_swapped, u.index),
                 context_fn,
+                offloader,
             )
             module.forward = forward
             self._checkpointed.append(module)

@@ -8,7 +8,8 @@
 - ``estimate_memory`` / ``MemoryEstimate``: parameters, gradients, optimizer states and
   activations per device and host, before anything is allocated (``ramflow plan``).
 - ``fit_batch``: the largest micro-batch and lightest checkpointing that fit a budget.
-- Checkpointing policies and ``apply_checkpointing``: which blocks recompute their forward.
+- Checkpointing policies and ``apply_checkpointing``: which blocks recompute their forward
+  (``CheckpointOffload``: and keep their inputs in pinned host memory).
 - ``chunked_attention``, ``sdpa_backends_report``, ``use_sdpa``: attention's memory.
 
 This package sits below ``ramflow.train`` and never imports it.
@@ -21,6 +22,7 @@ from .checkpointing import (
     CheckpointAll,
     CheckpointEveryKth,
     CheckpointHandle,
+    CheckpointOffload,
     CheckpointPlan,
     CheckpointPolicyLike,
     CheckpointSegments,
@@ -43,6 +45,7 @@ __all__ = [
     "CheckpointAll",
     "CheckpointEveryKth",
     "CheckpointHandle",
+    "CheckpointOffload",
     "CheckpointPlan",
     "CheckpointPolicyLike",
     "CheckpointSegments",

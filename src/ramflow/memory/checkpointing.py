@@ -44,11 +44,13 @@ from torch.utils.checkpoint import (
 from .._plan import format_bytes, parse_bytes
 from .._units import _repeated_blocks
 from .activations import ActivationReport
+from .boundary_offload import BoundaryOffloader
 
 __all__ = [
     "CheckpointAll",
     "CheckpointEveryKth",
     "CheckpointHandle",
+    "CheckpointOffload",
     "CheckpointPlan",
     "CheckpointPolicyLike",
     "CheckpointSegments",
@@ -85,11 +87,15 @@ class CheckpointPlan:
             checkpointed segment (``blocks`` is their union); empty otherwise.
         context_fn: the ``context_fn`` passed to ``torch.utils.checkpoint.checkpoint`` (the
             selective policy's), or None for full recomputation.
+        offload_prefetch: 0 (default): the blocks' inputs stay on the device; n >= 1
+            (``CheckpointOffload``): they go to pinned host memory in forward and come back
+            in backward, n blocks ahead of their recomputation.
     """
 
     blocks: tuple[str, ...]
     segments: tuple[tuple[str, ...], ...] = ()
     context_fn: Callable[[], Any] | None = field(default=None, compare=False)
+    offload_prefetch: int = 0
 
 
 class CheckpointPolicyLike(Protocol):
@@ -271,6 +277,58 @@ class SelectiveCheckpoint:
         return CheckpointPlan(blocks=plan.blocks, context_fn=context_fn)
 
 
+@dataclass(frozen=True)
+class CheckpointOffload:
+    """Activation offload: checkpoint the blocks that ``within`` chooses, and keep their
+    inputs (the one tensor per block that checkpointing still holds on the device) in pinned
+    host memory instead; backward copies each back one block ahead of its recomputation
+    (ZeRO-Infinity's activation checkpoint offload, Rajbhandari et al. 2021). Device
+    memory falls by the checkpointed blocks' inputs for one D2H and one H2D of each per
+    step, on side streams. See [Note: offloaded checkpoint boundaries] in
+    ``ramflow.memory.boundary_offload``.
+
+    It wraps another policy (as ``SelectiveCheckpoint`` does) rather than being a flag on
+    each one: what to recompute and where the inputs live are separate choices, and one
+    wrapper composes with every block-choosing policy, custom ones included.
+
+    Attributes:
+        within: the policy choosing the blocks (default ``CheckpointAll()``); it must
+            choose single blocks (``CheckpointSegments`` is refused: its last segment runs
+            plainly, and its saved tensors would be offloaded too). A selective policy's
+            ``context_fn`` is kept.
+        prefetch: boundaries copied back ahead of the block being recomputed (default 1).
+
+    Raises (from ``resolve``):
+        ValueError: ``within`` chose segments, or ``prefetch`` is not an int >= 1.
+    """
+
+    within: CheckpointPolicyLike = field(default_factory=CheckpointAll)
+    prefetch: int = 1
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.prefetch, int)
+            or isinstance(self.prefetch, bool)
+            or self.prefetch < 1
+        ):
+            raise ValueError(
+                f"CheckpointOffload: prefetch must be an int >= 1, got {self.prefetch!r}"
+            )
+
+    def resolve(self, model: nn.Module, blocks: Blocks) -> CheckpointPlan:
+        plan = self.within.resolve(model, blocks)
+        if not isinstance(plan, CheckpointPlan):
+            return plan  # _checked_plan names the policy that returned it
+        if plan.segments:
+            raise ValueError(
+                "CheckpointOffload: 'within' must choose single blocks, not segments; use "
+                "CheckpointAll, CheckpointEveryKth, CheckpointToBudget or SelectiveCheckpoint"
+            )
+        return CheckpointPlan(
+            blocks=plan.blocks, context_fn=plan.context_fn, offload_prefetch=self.prefetch
+        )
+
+
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's repeated blocks, named: the children of the ``nn.ModuleList`` or
     ``nn.Sequential`` whose repeated same-class children hold the most parameters (Hugging
@@ -341,13 +399,18 @@ def sequential_parent(model: nn.Module, blocks: Blocks) -> nn.Sequential:
     return parent
 
 
-def _checkpointed_forward(original: Callable, context_fn: Callable | None) -> Callable:
+def _checkpointed_forward(
+    original: Callable, context_fn: Callable | None, offloader: BoundaryOffloader | None
+) -> Callable:
     extra = {} if context_fn is None else {"context_fn": context_fn}
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)  # nothing is saved, nothing to recompute
-        return checkpoint(original, *args, use_reentrant=False, **extra, **kwargs)
+        if offloader is None:
+            return checkpoint(original, *args, use_reentrant=False, **extra, **kwargs)
+        with offloader.saving():  # See [Note: offloaded checkpoint boundaries]
+            return checkpoint(original, *args, use_reentrant=False, **extra, **kwargs)
 
     return forward
 
@@ -366,10 +429,18 @@ class CheckpointHandle:
 
     Attributes:
         plan: the resolved ``CheckpointPlan``.
+        offloader: the ``BoundaryOffloader`` of a ``CheckpointOffload`` policy (its
+            ``stats`` count the copies), or None.
     """
 
-    def __init__(self, plan: CheckpointPlan, wrapped: list[nn.Module]) -> None:
+    def __init__(
+        self,
+        plan: CheckpointPlan,
+        wrapped: list[nn.Module],
+        offloader: BoundaryOffloader | None = None,
+    ) -> None:
         self.plan = plan
+        self.offloader = offloader
         self._wrapped = wrapped
 
     @property
@@ -403,8 +474,9 @@ def apply_checkpointing(
     Args:
         model: any ``nn.Module``, on any device.
         policy: ``CheckpointAll()``, ``CheckpointEveryKth(k)``, ``CheckpointToBudget(...)``,
-            ``CheckpointSegments(n)``, ``SelectiveCheckpoint(...)`` or an object with the
-            same ``resolve(model, blocks) -> CheckpointPlan`` method.
+            ``CheckpointSegments(n)``, ``SelectiveCheckpoint(...)``, ``CheckpointOffload(...)``
+            (the chosen blocks' inputs in pinned host memory) or an object with the same
+            ``resolve(model, blocks) -> CheckpointPlan`` method.
         blocks: the blocks to choose from, as modules or dotted names, in execution order.
             Default: ``find_blocks(model)``.
 
@@ -430,12 +502,21 @@ def apply_checkpointing(
         where="blocks",
     )
     by_name = dict(found)
+    offloader = BoundaryOffloader(prefetch=plan.offload_prefetch) if plan.offload_prefetch else None
     if plan.segments:
+        if offloader is not None:
+            raise ValueError(
+                f"apply_checkpointing: {policy!r} asks to offload the inputs of segments; "
+                "offload single blocks (CheckpointOffload refuses segments)"
+            )
         parent = sequential_parent(model, found)
         targets = [(parent, _segmented_forward(parent.forward, parent, len(plan.segments) + 1))]
     else:
         targets = [
-            (by_name[name], _checkpointed_forward(by_name[name].forward, plan.context_fn))
+            (
+                by_name[name],
+                _checkpointed_forward(by_name[name].forward, plan.context_fn, offloader),
+            )
             for name in plan.blocks
         ]
     for module, _ in targets:
@@ -446,7 +527,7 @@ def apply_checkpointing(
             )
     for module, forward in targets:
         module.forward = forward
-    return CheckpointHandle(plan, [module for module, _ in targets])
+    return CheckpointHandle(plan, [module for module, _ in targets], offloader)
 
 
 def _checked_plan(
@@ -554,5 +635,6 @@ def checkpointing_choice(value: Any) -> bool | tuple[str, ...] | CheckpointPolic
     raise TypeError(
         "activation_checkpointing takes True/False, unit names (e.g. ['model.layers.3']) or a "
         "policy of ramflow.memory (CheckpointAll(), CheckpointEveryKth(k), CheckpointToBudget"
-        f"(...), CheckpointSegments(n), SelectiveCheckpoint(...)); got {value!r}"
+        "(...), CheckpointSegments(n), SelectiveCheckpoint(...), CheckpointOffload(...)); "
+        f"got {value!r}"
     )

@@ -1,0 +1,212 @@
+"""``CheckpointOffload``: checkpointed blocks' inputs go to host memory and come back one
+block ahead, and nothing else changes.
+
+On the CPU the copies are synchronous and the recomputation repeats the same kernels on
+bit-identical inputs (a host copy of a tensor is the same bits), so losses and gradients
+are compared bit for bit against checkpointing alone. The GPU tests check the same
+parity with asynchronous copies, with blocks small enough that the copies dominate (which
+exposes a missing wait), and that the boundaries leave the device.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import ramflow
+from models import MLPStack, tiny_llama
+from ramflow.memory import (
+    CheckpointAll,
+    CheckpointEveryKth,
+    CheckpointOffload,
+    CheckpointSegments,
+    SelectiveCheckpoint,
+    apply_checkpointing,
+)
+from ramflow.memory.boundary_offload import BoundaryOffloader
+
+
+def grads_after_step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def assert_bitwise(a: tuple, b: tuple) -> None:
+    assert torch.equal(a[0], b[0])
+    assert len(a[1]) == len(b[1])
+    for ga, gb in zip(a[1], b[1], strict=True):
+        assert torch.equal(ga, gb)
+
+
+@pytest.mark.parametrize(
+    "within", [CheckpointAll(), CheckpointEveryKth(2), SelectiveCheckpoint()], ids=repr
+)
+def test_offload_matches_checkpointing_bit_for_bit_on_a_plain_model(within):
+    torch.manual_seed(0)
+    model = MLPStack(dim=32, depth=4)
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    plain = apply_checkpointing(model, within)
+    handle = apply_checkpointing(twin, CheckpointOffload(within))
+    assert handle.plan.blocks == plain.plan.blocks
+    assert_bitwise(grads_after_step(model, x), grads_after_step(twin, x))
+    stats = handle.offloader.stats
+    num_blocks = len(handle.plan.blocks)
+    assert stats.num_packed == num_blocks
+    assert stats.packed_bytes == num_blocks * 8 * 32 * 4  # (8, 32) fp32 per block
+
+
+def test_backward_prefetches_the_next_boundary():
+    """Every boundary but the first that backward needs (the last block's) was requested
+    while the block after it recomputed; with prefetch=2 as well."""
+    for prefetch in (1, 2):
+        model = MLPStack(dim=16, depth=5)
+        handle = apply_checkpointing(model, CheckpointOffload(prefetch=prefetch))
+        grads_after_step(model, torch.randn(4, 16))
+        stats = handle.offloader.stats
+        assert (stats.num_packed, stats.num_prefetched, stats.num_fetched_late) == (5, 4, 1)
+
+
+def test_undo_and_no_grad_leave_nothing_offloaded():
+    model = MLPStack(dim=16, depth=3)
+    handle = apply_checkpointing(model, CheckpointOffload())
+    with torch.no_grad():
+        model(torch.randn(2, 16))
+    assert handle.offloader.stats.num_packed == 0
+    handle.undo()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_retained_graph_backward_twice():
+    """A second backward through a retained graph copies each boundary back again."""
+    torch.manual_seed(0)
+    model = MLPStack(dim=16, depth=3)
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    apply_checkpointing(model, CheckpointAll())
+    apply_checkpointing(twin, CheckpointOffload())
+    for m in (model, twin):
+        loss = m(x).square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_errors_are_clear():
+    with pytest.raises(ValueError, match="prefetch must be an int >= 1"):
+        CheckpointOffload(prefetch=0)
+    with pytest.raises(ValueError, match="prefetch must be an int >= 1"):
+        BoundaryOffloader(prefetch=True)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    with pytest.raises(ValueError, match="not segments"):
+        apply_checkpointing(model, CheckpointOffload(CheckpointSegments(2)))
+
+
+def count_packs(monkeypatch) -> list[int]:
+    """Counts ``BoundaryOffloader``'s packs (the engine's offloader is private)."""
+    packs = [0]
+    pack = BoundaryOffloader._pack
+
+    def counting(self, tensor):
+        packs[0] += 1
+        return pack(self, tensor)
+
+    monkeypatch.setattr(BoundaryOffloader, "_pack", counting)
+    return packs
+
+
+def test_offloaded_model_with_offload_policy_matches_checkpointing(monkeypatch):
+    """``ramflow.offload(activation_checkpointing=CheckpointOffload(...))``: the same loss and
+    gradients as the same offload with plain checkpointing."""
+    packs = count_packs(monkeypatch)
+    torch.manual_seed(0)
+    base = MLPStack(dim=32, depth=4)
+    x = torch.randn(8, 16)
+    results = []
+    for policy in (CheckpointEveryKth(2), CheckpointOffload(CheckpointEveryKth(2))):
+        model = copy.deepcopy(base)
+        ramflow.offload(model, device="cpu", activation_checkpointing=policy)
+        results.append(grads_after_step(model, x))
+        ramflow.undo(model)
+    assert_bitwise(*results)
+    assert packs[0] == 2  # blocks 0 and 2
+
+
+def test_hugging_face_model_offloaded_with_boundary_offload(monkeypatch):
+    """A Hugging Face model takes our wrapper (not its own switch) under CheckpointOffload;
+    the loss and gradients equal Hugging Face checkpointing's; only the hidden states are
+    offloaded (the rotary tables and mask are keyword arguments)."""
+    packs = count_packs(monkeypatch)
+    torch.manual_seed(0)
+    base = tiny_llama(tie=False, layers=2).train()
+    ids = torch.randint(0, 128, (2, 16))
+    results = []
+    for policy in (CheckpointAll(), CheckpointOffload()):
+        model = copy.deepcopy(base)
+        ramflow.offload(model, device="cpu", activation_checkpointing=policy)
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        ramflow.undo(model)
+    assert_bitwise(*results)
+    assert packs[0] == 2  # one hidden state per layer
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def _wide_stack() -> nn.Module:
+    # narrow blocks over a long batch: the boundaries' copies dominate the blocks' compute
+    return MLPStack(dim=64, depth=6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_offload_matches_checkpointing_and_frees_the_boundaries():
+    torch.manual_seed(0)
+    model = _wide_stack().cuda()
+    twin = copy.deepcopy(model)
+    x = torch.randn(1 << 16, 16, device="cuda")
+    apply_checkpointing(model, CheckpointAll())
+    handle = apply_checkpointing(twin, CheckpointOffload())
+    expected = grads_after_step(model, x)
+    for p in model.parameters():
+        p.grad = None
+    torch.cuda.synchronize()
+    peaks = []
+    for m in (model, twin):
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        out = m(x)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.memory_allocated() - start)
+        del out
+    boundary_bytes = (1 << 16) * 64 * 4  # a block's (N, 64) fp32 input
+    # the offloaded forward keeps none of the 6 blocks' inputs on the device; the caching
+    # allocator may count a record_stream-ed source until its copy's event is seen
+    assert peaks[0] - peaks[1] >= 4 * boundary_bytes
+    got = grads_after_step(twin, x)
+    torch.cuda.synchronize()
+    assert_bitwise(expected, got)
+    assert handle.offloader.stats.num_prefetched == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_offloaded_engine_with_boundary_offload_matches():
+    torch.manual_seed(0)
+    base = _wide_stack()
+    x = torch.randn(1 << 15, 16)
+    results = []
+    for policy in (CheckpointAll(), CheckpointOffload()):
+        model = copy.deepcopy(base)
+        ramflow.offload(model, activation_checkpointing=policy, wire_dtype=torch.float32)
+        loss, grads = grads_after_step(model, x)
+        results.append((loss.cpu(), grads))
+        ramflow.undo(model)
+    assert_bitwise(*results)
