@@ -142,9 +142,11 @@ def _shape_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--checkpointing",
-        choices=["auto", "on", "off"],
+        choices=["auto", "on", "off", "offload"],
         default=None,
-        help="activation checkpointing (default auto: on when activations would not fit the budget)",
+        help="activation checkpointing; offload: on, with the layers' inputs in pinned host "
+        "memory (default auto: on when activations would not fit the budget, offload when "
+        "even that does not)",
     )
     p.add_argument(
         "--host-precision",

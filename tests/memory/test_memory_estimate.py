@@ -156,3 +156,68 @@ def test_a_numeric_budget_is_checked_as_a_size_string_is() -> None:
         estimate_memory(Net(), gpu_memory=True, **common)
     est = estimate_memory(Net(), gpu_memory=float(1 << 30), **common)
     assert est.gpu_memory_bytes == 1 << 30 and isinstance(est.gpu_memory_bytes, int)
+
+
+# activation offload (CheckpointOffload, --checkpointing offload): planned figures, one
+# layer's input 1 MiB, 8 layers of 16 MiB each
+
+
+def _long_context_profile() -> ActivationProfile:
+    mib = 1 << 20
+    return ActivationProfile(
+        layer_bytes=(16 * mib,) * 8,
+        layer_input_bytes=mib,
+        other_bytes=2 * mib,
+        logits_workspace_bytes=0,
+        measured=True,
+    )
+
+
+def _estimate(checkpointing: str, gpu_memory=None):
+    with torch.device("meta"):
+        model = Net()
+    return estimate_memory(
+        model,
+        activations=_long_context_profile(),
+        batch_size=1,
+        seq_len=4096,
+        device_type="cuda",
+        gpu_memory=gpu_memory,
+        checkpointing=checkpointing,
+    )
+
+
+def test_offload_moves_the_layer_inputs_to_pinned_host_memory() -> None:
+    mib = 1 << 20
+    on, offload = _estimate("on"), _estimate("offload")
+    assert on.checkpointing and offload.checkpointing and offload.activation_offload
+    # on the device: 8 inputs, then 2 (the one recomputing and the one prefetched)
+    assert on.device_activation_bytes - offload.device_activation_bytes == 6 * mib
+    assert offload.host_activation_pinned_bytes == 8 * mib
+    assert offload.host_pinned_bytes - on.host_pinned_bytes == 8 * mib
+    assert "activation checkpointing offload" in offload.describe()
+    assert "8.00 MiB of layer inputs in pinned host memory" in offload.describe()
+
+
+def test_auto_chooses_offload_only_where_checkpointing_every_layer_does_not_fit() -> None:
+    smallest = _estimate("off").plan.min_gpu_memory_bytes
+    acts = _long_context_profile()
+    on_peak = acts.peak_bytes(checkpointing=True)
+    offload_peak = acts.peak_bytes(checkpointing=True, offload=True)
+    plain_peak = acts.peak_bytes(checkpointing=False)
+    assert offload_peak < on_peak < plain_peak
+    for room, mode in [
+        (plain_peak, "off"),
+        (on_peak, "on"),
+        (on_peak - 1, "offload"),
+        (offload_peak, "offload"),
+    ]:
+        est = _estimate("auto", gpu_memory=smallest + room)
+        assert est.checkpointing_mode == mode, (room, mode)
+        assert (est.checkpointing_reason is not None) == (mode == "offload")
+    est = _estimate("auto", gpu_memory=smallest + offload_peak)
+    assert "auto: offload: checkpointing every layer leaves" in est.describe()
+    with pytest.raises(ValueError, match="too small for this run"):
+        _estimate("auto", gpu_memory=smallest + offload_peak - 1)
+    with pytest.raises(ValueError, match="or --checkpointing offload"):
+        _estimate("on", gpu_memory=smallest + on_peak - 1)

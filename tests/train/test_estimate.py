@@ -142,3 +142,31 @@ def test_activations_of_a_model_without_intermediate_size(family) -> None:
     profile = measure_activations(config, batch_size=2, seq_len=8, dtype=torch.float32)
     mlp = 4 * 32 if family == "gpt2" else 48
     assert profile.layer_bytes == (2 * 8 * (12 * 32 + 3 * mlp) * 4,) * 2
+
+
+def test_plan_cli_with_offloaded_layer_inputs(ramflow_cli, capsys) -> None:
+    """``ramflow plan --checkpointing offload``: fewer activation bytes on the device than
+    checkpointing alone, the layers' inputs in pinned host memory, and the plan says so."""
+    on, offload = (
+        plan_run(
+            TrainConfig.from_options(preset="tiny", device="cpu", checkpointing=c, seq_len=128)
+        )
+        for c in ("on", "offload")
+    )
+    assert offload.activation_offload and offload.checkpointing
+    assert offload.device_activation_bytes < on.device_activation_bytes
+    assert offload.host_activation_pinned_bytes == offload.activations.offloaded_bytes() > 0
+    rc = ramflow_cli(
+        "plan",
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--seq-len",
+        "64",
+        "--checkpointing",
+        "offload",
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "activation checkpointing offload" in out

@@ -156,13 +156,19 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path: Path, corpus_file: Pa
 
 
 @pytest.mark.parametrize(
-    "variant", [("--grad-accum", "2", "--batch-size", "1"), ("--checkpointing", "on")]
+    "variant",
+    [
+        ("--grad-accum", "2", "--batch-size", "1"),
+        ("--checkpointing", "on"),
+        ("--checkpointing", "offload"),
+    ],
 )
 def test_same_steps_under_accumulation_and_checkpointing(
     tmp_path: Path, corpus_file: Path, ramflow_cli, fast, variant: tuple[str, ...]
 ) -> None:
     """Two micro-batches of 1 read the same sequences as one of 2, so the steps agree up
-    to float rounding; activation checkpointing recomputes the same values exactly."""
+    to float rounding; activation checkpointing recomputes the same values exactly, and
+    with the layers' inputs offloaded to host memory too (host copies are the same bits)."""
     common = ("--data", corpus_file, "--steps", "3", "--eval-every", "0", *fast)
     assert ramflow_cli("train", *common, "--out", tmp_path / "base") == 0
     assert ramflow_cli("train", *common, *variant, "--out", tmp_path / "variant") == 0

@@ -41,7 +41,11 @@ __all__ = [
 ]
 
 RUNTIME_OVERHEAD_BYTES = 1 << 30  # Python, torch and transformers themselves, measured ~0.7 GiB
-CHECKPOINTING_MODES = ("auto", "on", "off")
+CHECKPOINTING_MODES = ("auto", "on", "off", "offload")
+
+# under activation offload, the boundaries on the device during backward: the one being
+# recomputed and the one prefetched (CheckpointOffload's default prefetch of 1)
+OFFLOAD_BOUNDARIES_ON_DEVICE = 2
 
 
 class BudgetTooSmall(ValueError):
@@ -107,16 +111,26 @@ class ActivationProfile:
             measured=True,
         )
 
-    def saved_bytes(self, *, checkpointing: bool) -> int:
-        """Bytes held between forward and backward."""
+    def saved_bytes(self, *, checkpointing: bool, offload: bool = False) -> int:
+        """Bytes held on the device between forward and backward. With ``offload``
+        (``CheckpointOffload``, checkpointing on) the layers' inputs are in host memory
+        but for the ones backward has brought back (``OFFLOAD_BOUNDARIES_ON_DEVICE``)."""
+        if checkpointing and offload:
+            kept = min(OFFLOAD_BOUNDARIES_ON_DEVICE, len(self.layer_bytes))
+            return self.other_bytes + self.layer_input_bytes * kept
         if checkpointing:
             return self.other_bytes + self.layer_input_bytes * len(self.layer_bytes)
         return self.other_bytes + sum(self.layer_bytes)
 
-    def peak_bytes(self, *, checkpointing: bool) -> int:
+    def offloaded_bytes(self) -> int:
+        """Pinned host bytes of the layers' inputs under activation offload."""
+        return self.layer_input_bytes * len(self.layer_bytes)
+
+    def peak_bytes(self, *, checkpointing: bool, offload: bool = False) -> int:
         """Saved bytes plus backward working memory: the activations' share of the peak."""
         largest = max(self.layer_bytes, default=0)
-        return self.saved_bytes(checkpointing=checkpointing) + largest + self.logits_workspace_bytes
+        saved = self.saved_bytes(checkpointing=checkpointing, offload=offload)
+        return saved + largest + self.logits_workspace_bytes
 
 
 @dataclass(frozen=True)
@@ -158,6 +172,11 @@ class MemoryEstimate:
         host_precision_reason: why ``"auto"`` chose them (None when not asked for).
         host_bytes_per_parameter: host bytes per trained parameter under them (AdamW's
             states included).
+        activation_offload: the checkpointed layers' inputs live in pinned host memory
+            (``--checkpointing offload``, ``ramflow.memory.CheckpointOffload``).
+        host_activation_pinned_bytes: those inputs' pinned host bytes (0 without offload).
+        checkpointing_reason: why ``"auto"`` chose the checkpointing it did (None when not
+            asked for auto).
     """
 
     model_name: str
@@ -191,12 +210,22 @@ class MemoryEstimate:
     host_precision: str = "fp32"
     host_precision_reason: str | None = None
     host_bytes_per_parameter: float | None = None
+    activation_offload: bool = False
+    host_activation_pinned_bytes: int = 0
+    checkpointing_reason: str | None = None
 
     @property
     def device_total_bytes(self) -> int:
         return (
             self.device_parameter_bytes + self.device_gradient_bytes + self.device_activation_bytes
         )
+
+    @property
+    def checkpointing_mode(self) -> str:
+        """``"off"``, ``"on"`` or ``"offload"`` (on, with the inputs in host memory)."""
+        if self.activation_offload:
+            return "offload"
+        return "on" if self.checkpointing else "off"
 
     @property
     def ramflow_budget_bytes(self) -> int | None:
@@ -208,7 +237,11 @@ class MemoryEstimate:
 
     @property
     def host_pinned_bytes(self) -> int:
-        return self.host_parameter_pinned_bytes + self.host_gradient_pinned_bytes
+        return (
+            self.host_parameter_pinned_bytes
+            + self.host_gradient_pinned_bytes
+            + self.host_activation_pinned_bytes
+        )
 
     @property
     def host_pageable_bytes(self) -> int:
@@ -254,7 +287,13 @@ class MemoryEstimate:
                 None,
             ),
             ("optimizer states", 0, 0, self.host_optimizer_bytes, None),
-            ("activations", self.device_activation_bytes, 0, 0, None),
+            (
+                "activations",
+                self.device_activation_bytes,
+                self.host_activation_pinned_bytes,
+                0,
+                None,
+            ),
             ("checkpoint", None, None, None, self.checkpoint_bytes),
         ]
         total = (
@@ -286,6 +325,7 @@ class MemoryEstimate:
         """Header, table, plan and verdicts: what ``ramflow plan`` prints."""
         budget = "no cap" if self.gpu_memory_bytes is None else format_bytes(self.gpu_memory_bytes)
         act = self.activations
+        ckpt = {"checkpointing": self.checkpointing, "offload": self.activation_offload}
         lines = [
             f"model {self.model_name}: {self.num_parameters / 1e6:,.2f} M parameters, "
             f"{len(act.layer_bytes)} layers",
@@ -293,8 +333,9 @@ class MemoryEstimate:
             f"{self.wire_dtype}), budget {budget}",
             *([f"  ({self.device_note})"] if self.device_note else []),
             f"micro-batch {self.batch_size} x {self.seq_len} tokens, activation checkpointing "
-            f"{'on' if self.checkpointing else 'off'}"
+            f"{self.checkpointing_mode}"
             + ("" if act.measured else " (activations from a formula: unknown model structure)"),
+            *([f"  (auto: {self.checkpointing_reason})"] if self.checkpointing_reason else []),
             "",
             self.table(),
             "",
@@ -307,9 +348,15 @@ class MemoryEstimate:
             )
             + (f" (auto: {self.host_precision_reason})" if self.host_precision_reason else ""),
             "",
-            f"activations: {format_bytes(act.saved_bytes(checkpointing=self.checkpointing))} saved for "
-            f"backward + {format_bytes(act.peak_bytes(checkpointing=self.checkpointing) - act.saved_bytes(checkpointing=self.checkpointing))} "
-            "backward working memory",
+            f"activations: {format_bytes(act.saved_bytes(**ckpt))} saved on the device for "
+            f"backward + {format_bytes(act.peak_bytes(**ckpt) - act.saved_bytes(**ckpt))} "
+            "backward working memory"
+            + (
+                f"; {format_bytes(self.host_activation_pinned_bytes)} of layer inputs in "
+                "pinned host memory"
+                if self.activation_offload
+                else ""
+            ),
             f"RAM: needs about {format_bytes(self.ram_needed_bytes)} (including "
             f"{format_bytes(RUNTIME_OVERHEAD_BYTES)} for the runtime), "
             f"{format_bytes(self.ram_available_bytes)} available: "
@@ -435,9 +482,10 @@ def estimate_memory(
         wire_dtype: dtype of the device copies of the weights.
         gpu_memory: the whole device budget, bytes or a size string (``"12GiB"``); None:
             no cap.
-        checkpointing: ``"on"``/True, ``"off"``/False, or ``"auto"``: off when the
-            activations fit in the budget beside ramflow's smallest plan, on otherwise
-            (off without a budget).
+        checkpointing: ``"on"``/True, ``"off"``/False, ``"offload"`` (on, with the layers'
+            inputs in pinned host memory: ``CheckpointOffload``), or ``"auto"``: off when
+            the activations fit in the budget beside ramflow's smallest plan, else on when
+            that fits, else offload (see ``choose_checkpointing``; off without a budget).
         prefetch_depth: as for ``ramflow.offload``.
         optimizer_states: fp32 state tensors per trainable parameter (2 for AdamW, 1 for
             SGD with momentum, 0 for none).
@@ -486,20 +534,23 @@ def estimate_memory(
         gpu_memory_bytes=None,
         prefetch_depth=prefetch_depth,
     ).min_gpu_memory_bytes
+    ckpt_reason = None
     if checkpointing == "auto":
-        ckpt = (
-            gpu_memory_bytes is not None
-            and smallest + acts.peak_bytes(checkpointing=False) > gpu_memory_bytes
-        )
-    else:
-        ckpt = checkpointing == "on"
-    act_bytes = acts.peak_bytes(checkpointing=ckpt)
+        checkpointing, ckpt_reason = choose_checkpointing(acts, smallest, gpu_memory_bytes)
+    ckpt, offload = checkpointing in ("on", "offload"), checkpointing == "offload"
+    act_bytes = acts.peak_bytes(checkpointing=ckpt, offload=offload)
     ramflow_budget = None
     if gpu_memory_bytes is not None:
         ramflow_budget = gpu_memory_bytes - act_bytes
         if ramflow_budget < smallest:
             need = smallest + act_bytes
-            hint = "" if ckpt else ", or --checkpointing on"
+            hint = (
+                ""
+                if offload
+                else ", or --checkpointing offload"
+                if ckpt
+                else ", or --checkpointing on"
+            )
             raise BudgetTooSmall(
                 f"--gpu-memory {format_bytes(gpu_memory_bytes)} is too small for this run: activations "
                 f"of a {batch_size} x {seq_len} micro-batch need about {format_bytes(act_bytes)} and "
@@ -567,4 +618,44 @@ def estimate_memory(
         host_bytes_per_parameter=None
         if host.is_exact and optimizer_states != 2
         else host.bytes_per_parameter(trainable=True, wire_dtype=wire_dtype),
+        activation_offload=offload,
+        host_activation_pinned_bytes=acts.offloaded_bytes() if offload else 0,
+        checkpointing_reason=ckpt_reason,
+    )
+
+
+def choose_checkpointing(
+    acts: ActivationProfile, smallest_plan_bytes: int, gpu_memory_bytes: int | None
+) -> tuple[str, str | None]:
+    """What ``--checkpointing auto`` runs, and why (one line for the plan, or None).
+
+    Each step down costs step time, so the lightest that fits beside ramflow's smallest
+    plan wins: off (no recomputation); on (every layer recomputes, its input kept on the
+    device); offload (the same recomputation, and the inputs in pinned host memory for one
+    D2H and one H2D of each per step, which overlap compute where the link has room).
+    Offload is chosen only where checkpointing every layer does not fit: then it is what
+    lets this sequence length or micro-batch run at all, where the alternative is a smaller
+    micro-batch (more steps per token) and there is nothing left to recompute.
+
+    Args:
+        acts: the micro-batch's activations.
+        smallest_plan_bytes: ramflow's smallest plan on the device (every unit streamed).
+        gpu_memory_bytes: the whole device budget (None: no cap, checkpointing off).
+
+    Returns:
+        ``("off" | "on" | "offload", reason)``; with none fitting, ``"offload"`` (the
+        caller's error then gives the figures).
+    """
+    if gpu_memory_bytes is None:
+        return "off", None
+    room = gpu_memory_bytes - smallest_plan_bytes
+    if acts.peak_bytes(checkpointing=False) <= room:
+        return "off", None
+    if acts.peak_bytes(checkpointing=True) <= room:
+        return "on", None
+    kept = acts.peak_bytes(checkpointing=True) - acts.peak_bytes(checkpointing=True, offload=True)
+    return "offload", (
+        f"offload: checkpointing every layer leaves {format_bytes(acts.peak_bytes(checkpointing=True))} "
+        f"of activations on the device, over the {format_bytes(max(room, 0))} the budget leaves; "
+        f"the layers' inputs ({format_bytes(kept)}) go to pinned host memory"
     )

@@ -317,7 +317,7 @@ def run_loop(
             "device",
             (f"{ranks.world_size} ranks (ZeRO), " if ranks.several else "")
             + f"{policy.device}, {policy.precision}, activation checkpointing "
-            f"{'on' if setup.estimate.checkpointing else 'off'}",
+            f"{setup.estimate.checkpointing_mode}",
         ),
         (
             "steps",

@@ -112,7 +112,8 @@ def plan_lines(est: MemoryEstimate, *, trained: str | None = None) -> list[str]:
         f"{len(est.activations.layer_bytes)} layers, on {est.device_type} in {est.precision} "
         f"(weights on the device in {est.wire_dtype})",
         f"  micro-batch {est.batch_size} x {est.seq_len} tokens, activation checkpointing "
-        f"{'on' if est.checkpointing else 'off'}",
+        f"{est.checkpointing_mode}"
+        + (f" (auto: {est.checkpointing_reason})" if est.checkpointing_reason else ""),
         f"  {_residency(plan)}",
         f"  host formats {est.host_precision}{per_param}{auto}",
     ]
@@ -202,8 +203,9 @@ def describe_plan(est: MemoryEstimate, ranks: HostRanks | None = None) -> str:
     """What ``ramflow plan`` prints (with ``ranks``: for several ranks on this host). See
     [Note: a plan read in five seconds]."""
     act = est.activations
-    saved = act.saved_bytes(checkpointing=est.checkpointing)
-    working = act.peak_bytes(checkpointing=est.checkpointing) - saved
+    ckpt = {"checkpointing": est.checkpointing, "offload": est.activation_offload}
+    saved = act.saved_bytes(**ckpt)
+    working = act.peak_bytes(**ckpt) - saved
     lines = [*preamble_lines(est, ranks=ranks), "", "details:"]
     if not act.measured:
         lines.append("  activations from a formula: unknown model structure")

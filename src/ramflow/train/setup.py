@@ -142,14 +142,16 @@ def _estimate(
 
     if not config.auto_batch_size:
         return at(config.batch_size, config.checkpointing, **predict), None
-    levels = {"auto": (False, True), "off": (False,), "on": (True,)}[config.checkpointing]
+    levels = {"auto": (False, True), "off": (False,), "on": (True,), "offload": (True,)}
+    # checkpointing on means offload where asked for it
+    on = "offload" if config.checkpointing == "offload" else "on"
     fit = fit_batch(
         global_batch=config.global_batch,
         budget_bytes=budget,
-        estimate=lambda b, ckpt: at(b, "on" if ckpt else "off").device_total_bytes,
-        checkpointing=levels,
+        estimate=lambda b, ckpt: at(b, on if ckpt else "off").device_total_bytes,
+        checkpointing=levels[config.checkpointing],
     )
-    return at(fit.micro_batch, "on" if fit.checkpointing else "off", **predict), fit
+    return at(fit.micro_batch, on if fit.checkpointing else "off", **predict), fit
 
 
 def host_wire(config: TrainConfig, device_type: str, wire: torch.dtype) -> torch.dtype:

@@ -44,6 +44,7 @@ import torch
 
 import ramflow
 
+from ..memory import CheckpointOffload
 from .backoff import fit_micro_batch
 from .checkpoint import (
     Checkpoint,
@@ -396,7 +397,9 @@ def _train(
         gpu_memory=setup.ramflow_budget,
         device=policy.device,
         wire_dtype=policy.wire_dtype,
-        activation_checkpointing=est.checkpointing,
+        activation_checkpointing=CheckpointOffload()
+        if est.activation_offload
+        else est.checkpointing,
         host_precision=est.host_precision,  # "auto" was decided by the estimate
         device_optimizer=config.device_optimizer,
         zero_stage=zero_stage,
