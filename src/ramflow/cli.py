@@ -27,6 +27,7 @@ _TRAIN_OPTIONS = (
     "grad_accum",
     "global_batch",
     "lr",
+    "optimizer",
     "min_lr_ratio",
     "warmup_steps",
     "decay_steps",
@@ -199,7 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--grad-accum", type=int, default=None, help="micro-batches per optimizer step (default 1)"
     )
     t.add_argument(
-        "--lr", type=float, default=None, help="peak learning rate (default: the preset's)"
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate (default: the preset's AdamW LR, x1/3 for Lion, x5 for "
+        "Adafactor, x10 for SGD)",
     )
     t.add_argument(
         "--warmup-steps",
@@ -221,7 +226,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="cosine decay floor as a share of --lr (default 0.1)",
     )
     t.add_argument(
-        "--weight-decay", type=float, default=None, help="AdamW weight decay (default 0.1)"
+        "--optimizer",
+        default=None,
+        help="adamw (default), lion, adafactor or sgd (momentum 0.9); all but adamw need "
+        "--host-precision fp32; --lr and --weight-decay default per optimizer",
+    )
+    t.add_argument(
+        "--weight-decay",
+        type=float,
+        default=None,
+        help="weight decay of matrices (default: AdamW 0.1, Lion 0.3, Adafactor and SGD 0)",
     )
     t.add_argument(
         "--clip-grad",

@@ -14,6 +14,7 @@ from .estimate import CHECKPOINTING_MODES
 from .generation import resolve_model_dir
 from .lora import check_frozen_format, parse_targets
 from .modeling import read_config
+from .optimizers import OPTIMIZER_DEFAULTS, OPTIMIZERS
 from .precision import PRECISIONS
 from .presets import get_preset
 
@@ -65,9 +66,13 @@ class TrainConfig:
         decay_steps: the cosine decay reaches ``lr * min_lr_ratio`` at this step and stays
             there; None: ``steps``. ``from_options`` sets it to ``steps``, so a resumed run
             with another ``steps`` keeps the first run's schedule unless it is given anew.
-        weight_decay: AdamW decoupled weight decay of matrices (norm weights get none);
-            finite, >= 0.
+        weight_decay: the optimizer's weight decay of matrices (norm weights get none);
+            finite, >= 0. ``from_options`` defaults it per optimizer (AdamW 0.1).
         beta1, beta2, eps: AdamW's.
+        optimizer: ``adamw`` (default), ``lion``, ``adafactor`` or ``sgd`` (momentum 0.9):
+            ``ramflow.optim``'s, see ``ramflow.train.optimizers``. ``from_options`` scales
+            the default ``lr`` per optimizer (``OPTIMIZER_DEFAULTS``). Only AdamW steps host
+            formats other than fp32 or on the device. A resumed run keeps it.
         clip_grad: global gradient-norm limit, finite; 0 turns clipping off.
         precision: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``bf16``, ``fp16`` (with a
             GradScaler) or ``fp32``.
@@ -122,6 +127,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    optimizer: str = "adamw"
     clip_grad: float = 1.0
     precision: str = "auto"
     checkpointing: str = "auto"
@@ -203,6 +209,16 @@ class TrainConfig:
                 f"--host-precision {self.host_precision!r}: choose one of "
                 f"{', '.join(HOST_PRECISIONS)}"
             )
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}"
+            )
+        if self.optimizer != "adamw" and (self.host_precision != "fp32" or self.device_optimizer):
+            raise ValueError(
+                f"--optimizer {self.optimizer} steps fp32 master weights and states on the "
+                "CPU only: use --host-precision fp32 without --device-optimizer, or "
+                "--optimizer adamw, which steps every host format, on the CPU or the device"
+            )
         if self.checkpointing not in CHECKPOINTING_MODES:
             raise ValueError(
                 f"--checkpointing {self.checkpointing!r}: choose one of {', '.join(CHECKPOINTING_MODES)}"
@@ -247,6 +263,7 @@ class TrainConfig:
         Defaults that depend on the model: ``batch_size``, ``seq_len``, ``lr`` and
         ``steps`` come from the preset (``tiny`` when neither preset nor model is given);
         a ``model`` folder gets B=4, T=min(2048, its context), lr=2e-5 and 100 steps.
+        ``lr`` is scaled and ``weight_decay`` set per ``optimizer`` (``OPTIMIZER_DEFAULTS``).
         ``decay_steps`` defaults to ``steps``, ``warmup_steps`` to a fifth of the steps (at most 200), ``eval_every`` to
         a fifth.
 
@@ -286,6 +303,10 @@ class TrainConfig:
             }
         if global_batch is not None:
             _set_global_batch(given, global_batch)
+        defaults = OPTIMIZER_DEFAULTS.get(given.get("optimizer", "adamw"))
+        if defaults is not None:  # else refused by __post_init__
+            base["lr"] *= defaults.lr_scale
+            base["weight_decay"] = defaults.weight_decay
         for k, v in base.items():
             given.setdefault(k, v)
         if given.get("auto_batch_size") and "grad_accum" in given:

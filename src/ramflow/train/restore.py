@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .._host_formats import saved_state_shape
+from ..optim import HostOptimizer
 from .checkpoint import (
     OPTIMIZER_FILE,
     OPTIMIZER_INDEX_FILE,
@@ -85,7 +86,11 @@ def load_optimizer_state(
                 f"optimizer state {key} in {ckpt.path} belongs to no parameter of this model"
             )
         i = index_of[name]
-        expected = saved_state_shape(field, params[i].shape)  # per element, or per block
+        # per element, per block, or the optimizer's own (Adafactor's factored statistics)
+        shape_of = (
+            optimizer.state_shape if isinstance(optimizer, HostOptimizer) else saved_state_shape
+        )
+        expected = shape_of(field, params[i].shape)
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != expected:
             raise CheckpointError(
                 f"optimizer state {key} in {ckpt.path} has shape {tuple(value.shape)}, but the "

@@ -6,7 +6,7 @@ Everything that can be refused is checked before anything is written or allocate
 settings, the checkpoint to resume (its manifest), the data, the tokenizer, and the memory
 plan (device budget, RAM, disk). Only then is the run folder created and the model built.
 The loop itself is what DESIGN.md promises a user can write: ``ramflow.offload``,
-``ramflow.optim.AdamW``, a ``LambdaLR`` schedule, ``torch.autocast``, a ``GradScaler``
+``ramflow.optim.AdamW`` (or ``--optimizer``'s), a ``LambdaLR`` schedule, ``torch.autocast``, a ``GradScaler``
 for fp16, ``opt.no_step()`` for the non-final micro-batches of gradient accumulation,
 ``ramflow.clip_grad_norm_`` and the model's own activation checkpointing.
 
@@ -69,6 +69,7 @@ from .modeling import (
     load_offloaded,
     meta_model,
 )
+from .optimizers import make_optimizer
 from .plan_report import preamble_lines
 from .ranks import DEFAULT_TIMEOUT_S, Ranks, check_several_ranks
 from .report import (
@@ -448,7 +449,8 @@ def _train(
             )
         groups, param_names = _param_groups(model, config.weight_decay)
         # see [Note: backing off after an out-of-memory error] in backoff.py
-        opt = ramflow.optim.AdamW(
+        opt = make_optimizer(
+            config.optimizer,
             groups,
             lr=config.lr,
             betas=(config.beta1, config.beta2),

@@ -1,0 +1,228 @@
+"""Lion, Adafactor and SGD: an offloaded model trained with ramflow's optimizer against a
+``copy.deepcopy`` trained resident with the reference, through the loop that ramflow
+learns to step during backward (backward, step, zero_grad: the first step deferred, then
+each unit stepped as its gradients land), with param groups and a state round trip.
+
+On the CPU every step is the reference's arithmetic op for op, so the weights are equal
+bit for bit. On CUDA the resident reference computes the forward and backward on the GPU
+as ramflow does, but its step runs there too, in other kernels (a fused SGD, CUDA's
+sign and norm reductions): a few ulps of fp32 per step, which the weights carry forward.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ramflow
+from models import MLPStack
+
+STEPS = 6
+
+
+class ReferenceLion(torch.optim.Optimizer):
+    """lucidrains/lion-pytorch's ``Lion`` (``update_fn``, the non-Triton path), op for
+    op: the reference ramflow's Lion must equal bit for bit."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in filter(lambda p: p.grad is not None, group["params"]):
+                grad, lr, wd = p.grad, group["lr"], group["weight_decay"]
+                beta1, beta2 = group["betas"]
+                state = self.state[p]
+                if len(state) == 0:
+                    state["exp_avg"] = torch.zeros_like(p)
+                exp_avg = state["exp_avg"]
+                p.data.mul_(1.0 - lr * wd)
+                update = exp_avg.clone().mul_(beta1).add(grad, alpha=1.0 - beta1).sign_()
+                p.add_(update, alpha=-lr)
+                exp_avg.mul_(beta2).add_(grad, alpha=1.0 - beta2)
+
+
+def groups(model: torch.nn.Module, **decay) -> list[dict]:
+    """Matrices with the given settings, vectors (norms, biases) without weight decay."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.dim() >= 2], **decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def batches(n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(4, 16, generator=g).to(device), torch.randn(4, 8, generator=g).to(device))
+        for _ in range(n)
+    ]
+
+
+def loss_of(model: torch.nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def assert_same_weights(model, ref, device: torch.device, *, rtol: float) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if device.type == "cpu":
+            assert torch.equal(p.detach(), q.detach().cpu()), name
+        else:
+            torch.testing.assert_close(p.detach(), q.detach().cpu(), rtol=rtol, atol=rtol)
+
+
+# (ramflow's, the reference, settings, CUDA tolerance). The CUDA tolerances: Lion's update
+# is +-lr per element, so a sign flipped by one ulp of c moves a weight by 2 lr (lr 1e-3
+# here); Adafactor's and SGD's differ by fp32 rounding of reductions and fused kernels.
+CASES = {
+    "lion": (
+        ramflow.optim.Lion,
+        ReferenceLion,
+        dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.5),
+        5e-3,
+    ),
+    "adafactor": (
+        ramflow.optim.Adafactor,
+        torch.optim.Adafactor,
+        dict(lr=1e-2, weight_decay=0.1),
+        1e-4,
+    ),
+    "sgd": (
+        ramflow.optim.SGD,
+        torch.optim.SGD,
+        dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-2),
+        1e-4,
+    ),
+    "sgd-nesterov": (
+        ramflow.optim.SGD,
+        torch.optim.SGD,
+        dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+        1e-4,
+    ),
+}
+
+
+def reference(kind, params, settings, device):
+    """The resident reference optimizer; SGD's fused CPU kernel where ramflow uses it."""
+    if kind is torch.optim.SGD and device.type == "cpu":
+        return kind(params, fused=True, **settings)
+    return kind(params, **settings)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_trains_as_the_reference_with_eager_steps_and_a_state_round_trip(device, case):
+    ours_cls, ref_cls, settings, tol = CASES[case]
+    torch.manual_seed(0)
+    model = MLPStack()
+    ref = copy.deepcopy(model).to(device)
+    ramflow.offload(model, device=device, wire_dtype=torch.float32)
+    opt = ours_cls(groups(model, **settings), **settings)
+    ref_opt = reference(ref_cls, groups(ref, **settings), settings, device)
+    probe = model.blocks[0].up.weight
+    stepped_in_backward = []
+    for i, batch in enumerate(batches(STEPS, device)):
+        if i == 3:  # a fresh optimizer continues from the saved state
+            saved = opt.state_dict()
+            opt = ours_cls(groups(model, **settings), **settings)
+            opt.load_state_dict(saved)
+        before = probe.detach().clone()
+        loss_of(model, batch).backward()
+        ramflow.synchronize(model)
+        stepped_in_backward.append(not torch.equal(probe.detach(), before))
+        opt.step()
+        opt.zero_grad()
+        loss_of(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ramflow.synchronize(model)
+    # the first step of each optimizer is deferred to step(), later ones run in backward
+    assert stepped_in_backward == [False, True, True, False, True, True]
+    assert_same_weights(model, ref, device, rtol=tol)
+    # the states the round trip carried are the reference's
+    ours_sd, ref_sd = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert ours_sd.keys() == ref_sd.keys()
+    if device.type == "cpu":
+        for k in ref_sd:
+            for name, value in ref_sd[k].items():
+                assert torch.equal(ours_sd[k][name], value), (k, name)
+
+
+def test_adafactor_keeps_factored_statistics_of_matrices():
+    torch.manual_seed(0)
+    model = MLPStack()
+    ramflow.offload(model, device="cpu", wire_dtype=torch.float32)
+    opt = ramflow.optim.Adafactor(model.parameters())
+    loss_of(model, batches(1, torch.device("cpu"))[0]).backward()
+    opt.step()
+    ramflow.synchronize(model)
+    up = model.blocks[0].up.weight  # (128, 32)
+    st = opt.state[up]
+    assert st["row_var"].shape == (128, 1) and st["col_var"].shape == (1, 32)
+    assert "variance" not in st and "exp_avg_sq" not in st
+    assert opt.state[model.blocks[0].up.bias]["variance"].shape == (128,)
+    assert opt.state_shape("row_var", up.shape) == (128, 1)
+    assert opt.state_shape("col_var", up.shape) == (1, 32)
+
+
+def test_lion_momentum_lives_in_the_units_flat_buffers():
+    """As AdamW's moments: one contiguous host buffer per unit, so a unit's states are
+    one range of memory like its master weights."""
+    torch.manual_seed(0)
+    model = MLPStack()
+    ramflow.offload(model, device="cpu", wire_dtype=torch.float32)
+    opt = ramflow.optim.Lion(model.parameters(), lr=1e-3)
+    loss_of(model, batches(1, torch.device("cpu"))[0]).backward()
+    opt.step()
+    ramflow.synchronize(model)
+    block = model.blocks[1]
+    up, down = opt.state[block.up.weight]["exp_avg"], opt.state[block.down.weight]["exp_avg"]
+    assert up.untyped_storage().data_ptr() == down.untyped_storage().data_ptr()
+    assert bool(up.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("name", ["Lion", "Adafactor", "SGD"])
+def test_lean_host_formats_are_refused_at_construction(name):
+    model = MLPStack()
+    ramflow.offload(model, device="cpu", wire_dtype=torch.bfloat16, host_precision="lean")
+    with pytest.raises(ValueError, match=rf"{name} has no CPU step for.*ramflow.optim.AdamW"):
+        getattr(ramflow.optim, name)(model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("cls", "bad", "match"),
+    [
+        (ramflow.optim.Lion, dict(lr=-1.0), "learning rate"),
+        (ramflow.optim.Lion, dict(betas=(0.9, 1.0)), "betas"),
+        (ramflow.optim.Lion, dict(weight_decay=-0.1), "weight_decay"),
+        (ramflow.optim.Adafactor, dict(beta2_decay=0.5), "beta2_decay"),
+        (ramflow.optim.Adafactor, dict(d=0.5), "clipping threshold"),
+        (ramflow.optim.Adafactor, dict(eps=(-1.0, 1e-3)), "eps1"),
+    ],
+)
+def test_out_of_range_settings_are_refused(cls, bad, match):
+    with pytest.raises(ValueError, match=match):
+        cls(MLPStack().parameters(), **bad)
+
+
+def test_states_follow_a_parameter_back_after_undo():
+    """After ``ramflow.undo`` the states become plain tensors of the parameter's own, and
+    training goes on as the reference's."""
+    torch.manual_seed(0)
+    model = MLPStack()
+    ref = copy.deepcopy(model)
+    handle = ramflow.offload(model, device="cpu", wire_dtype=torch.float32)
+    opt = ramflow.optim.Lion(model.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_opt = ReferenceLion(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    for i, batch in enumerate(batches(4, torch.device("cpu"))):
+        if i == 2:
+            ramflow.synchronize(model)
+            ramflow.undo(handle)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss_of(m, batch).backward()
+            o.step()
+            o.zero_grad()
+    assert_same_weights(model, ref, torch.device("cpu"), rtol=0.0)
