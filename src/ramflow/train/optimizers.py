@@ -22,25 +22,30 @@ class OptimizerDefaults(NamedTuple):
         lr_scale: the default peak LR is AdamW's (the preset's) times this.
         weight_decay: the default weight decay of matrices (norm weights and biases get
             none).
+        num_states: fp32 state tensors per trained parameter, for the memory estimate
+            (``estimate_memory``'s ``optimizer_states``). Adafactor counts 0: its factored
+            statistics are ``rows + cols`` numbers per matrix, and only vectors (norms,
+            biases: well under 1% of a language model) keep a full one.
     """
 
     lr_scale: float
     weight_decay: float
+    num_states: int
 
 
 OPTIMIZER_DEFAULTS = {
-    "adamw": OptimizerDefaults(lr_scale=1.0, weight_decay=0.1),
+    "adamw": OptimizerDefaults(lr_scale=1.0, weight_decay=0.1, num_states=2),
     # Chen et al. 2023, section 5 (and lucidrains/lion-pytorch's README): an LR 3-10x
     # smaller than AdamW's and a weight decay 3-10x larger, so that lr * wd, the strength
     # of the decay, stays; the low end of the range suits short runs.
-    "lion": OptimizerDefaults(lr_scale=1 / 3, weight_decay=0.3),
+    "lion": OptimizerDefaults(lr_scale=1 / 3, weight_decay=0.3, num_states=1),
     # torch.optim.Adafactor's LR caps a step relative to the weights' RMS; 5x the tiny
     # preset's 2e-3 is its default (and the paper's constant), 1e-2. Its weight decay is
     # scaled by that LR, so torch's default, none.
-    "adafactor": OptimizerDefaults(lr_scale=5.0, weight_decay=0.0),
+    "adafactor": OptimizerDefaults(lr_scale=5.0, weight_decay=0.0, num_states=0),
     # Plain SGD steps by the gradient itself, not a normalised one: 10x AdamW's LR with
     # momentum 0.9 (torch.optim.SGD's L2 weight decay is coupled: none by default).
-    "sgd": OptimizerDefaults(lr_scale=10.0, weight_decay=0.0),
+    "sgd": OptimizerDefaults(lr_scale=10.0, weight_decay=0.0, num_states=1),
 }
 OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 

@@ -27,6 +27,7 @@ from .data import Corpus, build_corpus, find_documents, stdlib_root
 from .estimate import MemoryEstimate, default_gpu_budget, estimate_memory
 from .lora import DEFAULT_TARGETS, check_lora_targets, parse_targets
 from .modeling import check_weights, meta_model, model_config, read_config
+from .optimizers import OPTIMIZER_DEFAULTS
 from .precision import ComputePolicy, planned_compute, resolve_compute
 from .tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 
@@ -121,6 +122,7 @@ def _estimate(
             checkpointing=checkpointing,
             out_dir=out_dir if out_dir is not None else Path("runs"),
             host_precision=host_precision,
+            optimizer_states=OPTIMIZER_DEFAULTS[config.optimizer].num_states,
             **extra,
         )
 

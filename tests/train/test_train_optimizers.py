@@ -1,0 +1,109 @@
+"""``ramflow train --optimizer``: each optimizer trains, checkpoints and resumes bit for bit;
+the per-optimizer defaults; the combinations refused."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ramflow import optim
+from ramflow.train import TrainConfig, open_checkpoint, train
+from ramflow.train.optimizers import OPTIMIZER_DEFAULTS, make_optimizer
+from ramflow.train.presets import get_preset
+from ramflow.train.report import read_log
+
+
+def _losses(run: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_log(run / "log.jsonl") if r["event"] == "step"]
+
+
+def _final(run: Path, name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(open_checkpoint(run).path / name))
+
+
+@pytest.mark.parametrize("name", ["lion", "adafactor", "sgd"])
+def test_resume_equals_uninterrupted(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, fast, name: str
+) -> None:
+    """The checkpoint carries each optimizer's states (Lion's momentum, Adafactor's
+    factored row and column statistics and step, SGD's momentum buffer): a run stopped
+    after step 3 and resumed by the CLI ends as the uninterrupted one, bit for bit."""
+    settings = dict(steps=6, eval_every=3, save_every=2, optimizer=name)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert ramflow_cli("train", "--data", corpus_file, *flags, *fast, "--out", whole) == 0
+
+    config = TrainConfig.from_options(
+        data=str(corpus_file), seq_len=32, batch_size=2, eval_batches=1, device="cpu", **settings
+    )
+    stop = threading.Event()
+    result = train(
+        config,
+        out=split,
+        progress=False,
+        stop=stop,
+        on_step=lambda r: stop.set() if r["step"] == 3 else None,
+    )
+    assert result.steps_done == 3
+    assert ramflow_cli("train", "--resume", split, "--no-progress", "--device", "cpu") == 0
+
+    losses = _losses(whole)
+    assert _losses(split) == losses
+    assert losses[-1][1] < losses[0][1]  # it trains
+    states = _final(whole, "optimizer.safetensors")
+    assert states.keys() == _final(split, "optimizer.safetensors").keys()
+    resumed = _final(split, "optimizer.safetensors")
+    assert all(torch.equal(states[k], resumed[k]) for k in states)
+    fields = {k.rsplit(".", 1)[-1] if "." in k else k for k in states}
+    expected = {"lion": "exp_avg", "adafactor": "row_var", "sgd": "momentum_buffer"}[name]
+    assert any(expected in f for f in fields), sorted(fields)[:5]
+
+
+def test_defaults_follow_adamws_per_optimizer() -> None:
+    adamw_lr = get_preset("tiny").lr
+    for name, defaults in OPTIMIZER_DEFAULTS.items():
+        config = TrainConfig.from_options(optimizer=name, device="cpu")
+        assert config.lr == pytest.approx(adamw_lr * defaults.lr_scale)
+        assert config.weight_decay == defaults.weight_decay
+    lion = TrainConfig.from_options(optimizer="lion", lr=1e-4, weight_decay=0.05, device="cpu")
+    assert (lion.lr, lion.weight_decay) == (1e-4, 0.05)  # given values win
+    assert TrainConfig.from_options(device="cpu").optimizer == "adamw"
+
+
+def test_make_optimizer_builds_ramflows_optimizers() -> None:
+    params = [torch.nn.Parameter(torch.zeros(4, 4))]
+    kinds = {"adamw": optim.AdamW, "lion": optim.Lion, "adafactor": optim.Adafactor}
+    kinds["sgd"] = optim.SGD
+    for name, cls in kinds.items():
+        opt = make_optimizer(
+            name, [{"params": params}], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, overlap=True
+        )
+        assert type(opt) is cls
+    sgd = make_optimizer(
+        "sgd", [{"params": params}], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, overlap=True
+    )
+    assert sgd.param_groups[0]["momentum"] == 0.9
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (dict(optimizer="adam"), "choose one of adamw, lion, adafactor, sgd"),
+        (dict(optimizer="lion", host_precision="lean"), "--host-precision fp32"),
+        (dict(optimizer="adafactor", host_precision="auto"), "--host-precision fp32"),
+        (dict(optimizer="sgd", device_optimizer=True), "without --device-optimizer"),
+    ],
+)
+def test_combinations_refused(options: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TrainConfig.from_options(device="cpu", **options)
+
+
+def test_resume_keeps_the_optimizer(trained_run: Path, ramflow_cli, capsys) -> None:
+    rc = ramflow_cli("train", "--resume", trained_run, "--optimizer", "lion", "--no-progress")
+    assert rc != 0
+    assert "--optimizer lion differs from the checkpoint's 'adamw'" in capsys.readouterr().err
