@@ -226,3 +226,24 @@ def test_states_follow_a_parameter_back_after_undo():
             o.step()
             o.zero_grad()
     assert_same_weights(model, ref, torch.device("cpu"), rtol=0.0)
+
+
+def test_units_planned_for_the_device_step_on_the_host_with_a_warning(device):
+    """Only AdamW has a device step: with ``device_optimizer`` the units planned for it are
+    stepped on the CPU instead (once their gradients are there), as the reference."""
+    from test_device_optimizer import offload_two_on_device
+
+    torch.manual_seed(0)
+    model = MLPStack()
+    ref = copy.deepcopy(model).to(device)
+    assert offload_two_on_device(model, device)
+    with pytest.warns(UserWarning, match="Lion has no device step: the 2 units"):
+        opt = ramflow.optim.Lion(model.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_opt = ReferenceLion(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    for batch in batches(4, device):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss_of(m, batch).backward()
+            o.step()
+            o.zero_grad()
+    ramflow.synchronize(model)
+    assert_same_weights(model, ref, device, rtol=CASES["lion"][3])

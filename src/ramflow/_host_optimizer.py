@@ -7,6 +7,7 @@ state round trip. ``ramflow.optim.AdamW``, ``SGD``, ``Lion`` and ``Adafactor`` s
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -109,7 +110,26 @@ class HostOptimizer(torch.optim.Optimizer):
             elif moved:
                 self._states_to_unit(p, engine)
         for engine, _ in new.values():
+            self._warn_no_device_step(engine)
             engine.attach(self)
+
+    def _warn_no_device_step(self, engine: Engine) -> None:
+        """Warn when ``engine`` planned units to be stepped on the device
+        (``device_optimizer``) and this optimizer has no device step (only AdamW has one):
+        those units are stepped on the CPU instead, once their gradients are on the host,
+        and the device memory planned for their states goes unused."""
+        if hasattr(self, "device_flat_step"):  # as the stepper asks (``device_steppable``)
+            return
+        planned = sum(u.device_stepped for u in engine.units)
+        if planned:
+            warnings.warn(
+                f"{type(self).__name__} has no device step: the {planned} units that "
+                "ramflow.offload planned to step on the device (device_optimizer) are stepped "
+                "on the CPU, and the device memory planned for their states goes unused. "
+                "Offload with device_optimizer=False, or use ramflow.optim.AdamW, which steps "
+                "them on the device",
+                stacklevel=4,
+            )
 
     def _states_to_unit(self, p: torch.Tensor, engine: Engine) -> None:
         """``p`` joined ``engine``: its states (kept as plain tensors) move into its
