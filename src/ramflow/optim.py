@@ -318,15 +318,20 @@ def _state_names(unit: _Unit) -> tuple[str, ...]:
 
 
 class SGD(HostOptimizer):
-    """SGD with optional momentum and Nesterov, over host fp32 master weights.
+    """SGD with optional momentum, dampening and Nesterov momentum (Sutskever et al., 2013),
+    over host fp32 master weights, overlapped with backward; PyTorch's fused CPU kernel
+    (``torch.optim.SGD(fused=True)``), so its steps are that optimizer's bit for bit.
 
     Args:
         params: parameters or param groups, as for ``torch.optim.SGD``.
-        lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``.
+        lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD`` (the weight
+            decay is coupled, L2 added to the gradient).
         overlap: as for ``AdamW``.
 
-    State per parameter: ``momentum_buffer`` (fp32, host) when ``momentum > 0``.
-    Raises ``ValueError`` for out-of-range settings.
+    State per parameter: ``momentum_buffer`` (fp32, host) when ``momentum > 0``. Only the
+    exact host formats (``host_precision='fp32'``) are stepped; others are refused with a
+    ValueError when the optimizer meets the model's parameters. Raises ``ValueError`` for
+    out-of-range settings.
     """
 
     def __init__(
