@@ -186,6 +186,7 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
         "state": state if rank == 0 else None,
         "memory": memory,
         "host_precision": (plan.host_precision, plan.host_precision_reason),
+        "device_optimizer": (plan.device_stepped, plan.device_optimizer_reason),
         # the optimizer states this rank holds: (parameters with states, their dtypes)
         "states": (
             sum(bool(st) for st in opt.state.values()),

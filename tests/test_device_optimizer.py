@@ -23,7 +23,9 @@ def offload_two_on_device(model, device, **kwargs) -> list[str]:
     """Offload ``model`` (all units resident) with a budget that leaves room for the device
     state of its first two units only; returns the names of the units stepped there."""
     probe = copy.deepcopy(model)
-    ramflow.offload(probe, device=device, wire_dtype=torch.float32, gpu_memory=10**9)
+    ramflow.offload(
+        probe, device=device, wire_dtype=torch.float32, gpu_memory=10**9, device_optimizer=False
+    )
     engine = ramflow.api._engine(probe)
     planned = engine.plan.planned_bytes
     assert len(engine.plan.resident) == len(engine.units)
@@ -272,3 +274,52 @@ def test_units_in_two_param_groups_step_on_the_device(device):
     assert all(u.device_state is not None for u in engine.units if u.name in stepped)
     host_units = [u for u in engine.units if u.name not in stepped]
     assert engine.host_step_totals()[0] <= 6 * sum(u.trainable_numel for u in host_units)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "lean"])
+def test_the_default_steps_nothing_on_the_cpu_and_changes_no_bit(precision):
+    """``device_optimizer=None`` (the default) is the planner's choice: on the CPU there is
+    no device step, so a run with the default is bit for bit one with ``False``."""
+    torch.manual_seed(0)
+    models = [MLPStack(depth=4) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    kwargs = dict(device="cpu", gpu_memory=10**9, host_precision=precision)
+    ramflow.offload(models[0], **kwargs)
+    ramflow.offload(models[1], device_optimizer=False, **kwargs)
+    plan = ramflow.get_plan(models[0])
+    assert plan.device_stepped == ()
+    assert plan.device_optimizer_reason == "none: the device is the CPU"
+    assert ramflow.get_plan(models[1]).device_optimizer_reason == "device_optimizer=False"
+    opts = [ramflow.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    losses = [[], []]
+    for batch in mlp_batches(4, torch.device("cpu")):
+        for m, o, out in zip(models, opts, losses):
+            loss = mse(m, batch)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+    assert losses[0] == losses[1]
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+
+
+def test_device_optimizer_must_be_none_or_a_bool():
+    with pytest.raises(TypeError, match="device_optimizer"):
+        ramflow.offload(MLPStack(), device="cpu", device_optimizer="auto")
+
+
+@pytest.mark.gpu
+def test_the_default_steps_lean_units_on_the_device_where_it_pays():
+    """On CUDA with a lean format and room in the budget the planner steps units on the
+    device; fp32 masters and LoRA-style adapters on the device keep every step on the host."""
+    device = torch.device("cuda")
+    lean = MLPStack(depth=4)
+    ramflow.offload(lean, device=device, gpu_memory=10**9, host_precision="lean")
+    plan = ramflow.get_plan(lean)
+    assert plan.device_stepped, plan.device_optimizer_reason
+    assert "step on the device: predicted" in plan.device_optimizer_reason
+    fp32 = MLPStack(depth=4)
+    ramflow.offload(fp32, device=device, gpu_memory=10**9)
+    assert ramflow.get_plan(fp32).device_stepped == ()
+    assert "fp32 masters" in ramflow.get_plan(fp32).device_optimizer_reason

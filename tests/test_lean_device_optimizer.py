@@ -28,7 +28,7 @@ def offload_first_two_on_device(model, device, precision: str) -> list[str]:
     device states of its first two units only; returns the units stepped there."""
     kwargs = dict(device=device, wire_dtype=torch.bfloat16, host_precision=precision)
     probe = copy.deepcopy(model)
-    ramflow.offload(probe, gpu_memory=10**9, **kwargs)
+    ramflow.offload(probe, gpu_memory=10**9, device_optimizer=False, **kwargs)
     engine = ramflow.api._engine(probe)
     planned = engine.plan.planned_bytes
     assert len(engine.plan.resident) == len(engine.units)

@@ -3,9 +3,11 @@ with them it picks residents, prefetch depth and checkpointing for the least pre
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from ramflow._plan import PlanTiming, make_plan, parse_bytes
+from ramflow._plan import PlanTiming, auto_device_optimizer, make_plan, parse_bytes
 from ramflow._predict import Rates
 
 MB = 1_000_000
@@ -134,3 +136,49 @@ def test_parse_bytes_reads_signed_and_spaced_sizes():
     assert parse_bytes("+1.5 GiB") == 3 * 2**29
     assert parse_bytes(" 512MiB ") == 512 * 2**20
     assert parse_bytes(12.0) == 12
+
+
+LEAN_STATES = 2.03  # device bytes per parameter of a lean unit's states
+
+
+def _auto(budget: int | None, **kw):
+    fields = dict(
+        bytes_per_param=LEAN_STATES,
+        scratch_bytes=64 * MB,
+        rates=Rates.from_pcie(25e9, cpu_optimizer_params_per_s=1e9),
+    )
+    fields.update(kw)
+    return auto_device_optimizer(_plan(budget), PARAMS, **fields)
+
+
+def test_auto_device_optimizer_steps_the_first_resident_units_that_fit() -> None:
+    everything = sum(BYTES) + 6 * 400 * MB  # all resident, window and gradients
+    room = sum(int(p * LEAN_STATES) for p in PARAMS[:3]) + 64 * MB
+    plan = _auto(_plan(everything).planned_bytes + room)
+    assert len(plan.resident) == len(NAMES)
+    # the embedding (first) and the first two blocks fill the room exactly
+    assert plan.device_stepped == ("embed", "layers.0", "layers.1")
+    assert plan.planned_bytes <= plan.gpu_memory_bytes
+    assert "3 of 14 resident units" in plan.device_optimizer_reason
+    assert "GPU compute not known" in plan.device_optimizer_reason
+    assert "stepped on the device: embed, layers.0-1" in plan.describe()
+
+
+def test_auto_device_optimizer_needs_room_and_a_budget() -> None:
+    tight = _auto(_plan(sum(BYTES) + 6 * 400 * MB).planned_bytes)
+    assert tight.device_stepped == ()
+    assert tight.device_optimizer_reason.startswith("none: the budget leaves")
+    assert _auto(None).device_stepped == ()
+    assert _auto(None).device_optimizer_reason == "none: no gpu_memory budget"
+
+
+def test_auto_device_optimizer_keeps_a_gpu_bound_step_on_the_host() -> None:
+    big = _plan(10**12).planned_bytes * 2
+    # a fast CPU and slow device steps with a long forward: the CPU work is hidden
+    fast_cpu = Rates.from_pcie(1e15, cpu_optimizer_params_per_s=1e15)
+    fast_cpu = dataclasses.replace(fast_cpu, device_optimizer_params_per_s=1e9)
+    plan = _auto(big, rates=fast_cpu, forward_s=[0.05] * len(NAMES))
+    assert plan.device_stepped == ()
+    assert "does not shorten the predicted step" in plan.device_optimizer_reason
+    # the same budget with the default CPU rate: stepping there pays
+    assert _auto(big, forward_s=[0.05] * len(NAMES)).device_stepped

@@ -377,3 +377,37 @@ def test_the_h200_suite_step_times_within_15_percent() -> None:
     assert len(ratios) == 20  # 9 main, 3 scaling, 8 k of n
     misses = {k: round(v, 3) for k, v in ratios.items() if abs(v - 1) > 0.15}
     assert not misses
+
+
+def _device_stepped(units: list[UnitCost], k: int) -> list[UnitCost]:
+    """``units`` with the first ``k`` resident and stepped on the device."""
+    return [
+        replace(u, resident=True, device_stepped=True) if i < k else u for i, u in enumerate(units)
+    ]
+
+
+def test_device_steps_take_their_units_off_the_cpu_and_the_links() -> None:
+    slow = replace(RATES, cpu_optimizer_params_per_s=0.5e9)
+    host = predict_step(_units(resident_last=12), rates=slow)
+    device = predict_step(_device_stepped(_units(resident_last=12), 4), rates=slow)
+    per_unit = 200_000_000
+    assert device.step_s < host.step_s  # a CPU-bound step gets shorter
+    assert device.d2h_bytes == host.d2h_bytes - 4 * per_unit * 2  # no gradient copy
+    assert device.h2d_refresh_bytes == host.h2d_refresh_bytes - 4 * 400_000_000  # no refresh
+    gpu = device.busy_s["GPU compute"] - host.busy_s["GPU compute"]
+    assert gpu == pytest.approx(4 * per_unit / slow.device_optimizer_params_per_s)
+    assert device.busy_s["CPU optimizer"] < host.busy_s["CPU optimizer"]
+
+
+def test_device_steps_lengthen_a_gpu_bound_step_by_their_own_time() -> None:
+    fast = Rates(1e15, 1e15, 2e15, cpu_optimizer_params_per_s=1e15)
+    device = predict_step(_device_stepped(_units(resident_last=12), 4), rates=fast)
+    own = 4 * 200_000_000 / fast.device_optimizer_params_per_s
+    assert device.bound == "GPU compute"
+    assert device.step_s == pytest.approx(12 * 0.006 * 3 + own, rel=1e-3)  # forward, 2x back
+
+
+def test_a_streamed_unit_cannot_be_stepped_on_the_device() -> None:
+    units = [replace(u, device_stepped=i == 0) for i, u in enumerate(_units())]
+    with pytest.raises(ValueError, match="must be resident"):
+        predict_step(units, rates=RATES)

@@ -31,11 +31,12 @@ from ._clip import install_clip_route
 from ._frozen_formats import raise_if_trained
 from ._gradients import GradientPath
 from ._hooks import ModuleCall
-from ._host_formats import HostPrecision
+from ._host_formats import HostPrecision, rates_for
 from ._host_store import FillMaster, HostStore, optimizer_state_bytes
 from ._interfaces import DataParallel, StepOptimizer
 from ._plain_optim import install_optimizer_hooks
-from ._plan import OffloadPlan, make_plan, with_device_optimizer
+from ._plan import OffloadPlan, auto_device_optimizer, make_plan, with_device_optimizer
+from ._predict import Rates
 from ._registry import (
     live_engines,
     set_engine_of_model,
@@ -90,7 +91,8 @@ class Engine:
         activation_checkpointing: bool = False,
         worker: HostWorker | None = None,
         streams: CopyStreams | None = None,
-        device_optimizer: bool = False,
+        device_optimizer: bool | None = False,
+        device_optimizer_reason: str | None = None,
         host_precision: HostPrecision | None = None,
         host_precision_reason: str | None = None,
         fill: FillMaster | None = None,
@@ -105,7 +107,9 @@ class Engine:
         self.device = device
         self.wire_dtype = wire_dtype
         self.prefetch_depth = prefetch_depth
+        # None: the planner chooses (see [Note: the device optimizer's default] in _plan)
         self.device_optimizer = device_optimizer
+        self._device_optimizer_reason = device_optimizer_reason
         self.streams = streams if streams is not None else CopyStreams(device)
         self.worker = worker if worker is not None else HostWorker(device)
         self._owns_worker = worker is None
@@ -282,13 +286,6 @@ class Engine:
         """Complete ``plan`` with the device optimizer and the host formats, and keep it."""
         all_units = self.units + new
         precision = self.host.precision
-        if self.device_optimizer:
-            plan = with_device_optimizer(
-                plan,
-                [u.trainable_numel for u in all_units],
-                bytes_per_param=precision.device_step_bytes_per_parameter,
-                scratch_bytes=precision.device_step_scratch_bytes,
-            )
         plan = dataclasses.replace(
             plan,
             host_precision=precision.name,
@@ -301,7 +298,51 @@ class Engine:
             frozen_format=self.frozen_format,
             unit_h2d_bytes=tuple(u.h2d_bytes(self.wire_dtype) for u in all_units),
         )
-        self.plan: OffloadPlan = plan
+        self.plan: OffloadPlan = self._with_device_optimizer(plan, all_units)
+
+    def _with_device_optimizer(self, plan: OffloadPlan, all_units: list[_Unit]) -> OffloadPlan:
+        """``plan`` with the units stepped on the device: all that fit when forced (True),
+        none when refused (False), the planner's choice when None; with the reason."""
+        precision = self.host.precision
+        sizes = dict(
+            bytes_per_param=precision.device_step_bytes_per_parameter,
+            scratch_bytes=precision.device_step_scratch_bytes,
+        )
+        numels = [u.trainable_numel for u in all_units]
+        if self.device_optimizer is True:
+            plan = with_device_optimizer(plan, numels, **sizes)
+            fits = "" if plan.device_stepped else ", but no unit's states fit the budget"
+            return dataclasses.replace(plan, device_optimizer_reason=f"device_optimizer=True{fits}")
+        if self.device_optimizer is False:
+            why = self._device_optimizer_reason or "device_optimizer=False"
+            return dataclasses.replace(plan, device_optimizer_reason=why)
+        # see [Note: the device optimizer's default] in ramflow._plan
+        refusal = self._device_optimizer_refusal()
+        if refusal is not None:
+            return dataclasses.replace(plan, device_optimizer_reason=f"none: {refusal}")
+        return auto_device_optimizer(
+            plan,
+            numels,
+            **sizes,
+            rates=rates_for(Rates(), precision.name),
+            grad_bytes_per_param=torch.empty((), dtype=self.wire_dtype).element_size(),
+        )
+
+    def _device_optimizer_refusal(self) -> str | None:
+        """Why ``device_optimizer=None`` steps no unit on the device before any prediction
+        (None: the planner predicts)."""
+        if self.device.type != "cuda":
+            return "the device is the CPU"
+        if self._gpu_memory_bytes is None:
+            return "no gpu_memory budget"
+        if any(p.requires_grad for p in self.adapters.params):
+            return "trainable parameters are kept on the device (LoRA adapters step there)"
+        if self.host.precision.is_exact:
+            return (
+                "fp32 masters: their device step does not give the CPU step's bits, so the "
+                "run would depend on the plan (device_optimizer=True forces it)"
+            )
+        return None
 
     def _install_state_dict_hooks(self, module: nn.Module, *, before_load: bool) -> None:
         sync = weak_method(self._synchronize_hook)

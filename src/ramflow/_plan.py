@@ -98,6 +98,9 @@ class OffloadPlan:
             on the device and are stepped there (``ramflow.offload(device_optimizer=True)``;
             see ``with_device_optimizer``).
         device_step_bytes: device bytes of their masters and states plus the step's scratch.
+        device_optimizer_reason: why these units (or none) are stepped on the device: the
+            choice of ``device_optimizer=None`` (the planner's, see ``auto_device_optimizer``)
+            or the option given; None for plans made without the engine.
         host_precision: the host formats' name (``ramflow.HostPrecision.name``).
         host_bytes_per_parameter: host bytes per trained parameter under them, AdamW's
             states included (the gradient ring's fixed buffers not).
@@ -131,6 +134,7 @@ class OffloadPlan:
     device_step_bytes: int = 0
     # the host side: not compared (an engine's plan and ``ramflow plan``'s agree on the
     # device and differ in what they know of the host)
+    device_optimizer_reason: str | None = field(default=None, compare=False)
     host_precision: str = field(default="fp32", compare=False)
     host_bytes_per_parameter: float | None = field(default=None, compare=False)
     host_bytes: int | None = field(default=None, compare=False)
@@ -204,6 +208,8 @@ class OffloadPlan:
                 " = ", f" + optimizer on the device {format_bytes(self.device_step_bytes)} = "
             )
             lines.append(f"stepped on the device: {_names(self.device_stepped)}")
+        if self.device_optimizer_reason:
+            lines.append(f"optimizer on the device: {self.device_optimizer_reason}")
         if self.prediction is not None:
             lines.append(f"resident units: {_names(self.resident)}")
             lines.append(f"checkpointed units: {_names(self.checkpointed)}")
@@ -249,6 +255,114 @@ def with_device_optimizer(
         plan,
         device_stepped=tuple(chosen),
         device_step_bytes=used + scratch_bytes,
+    )
+
+
+# [Note: the device optimizer's default]
+# ``ramflow.offload(device_optimizer=None)`` (the default) lets the planner choose the units
+# stepped on the device. It refuses first where a device step cannot apply or would change the
+# run (each a reason in the plan): no budget, the CPU as the device, ZeRO (the states are
+# sharded over the ranks), trainable parameters kept on the device (LoRA: the adapters step
+# there already), and fp32 masters, whose device step is PyTorch's fused CUDA AdamW and not
+# the CPU kernel's bits (a run would depend on which units fit; ``True`` still forces it).
+# For the lean formats the device step gives the host step's bits, so it changes the speed
+# only. Then the candidates are ``with_device_optimizer``'s units (those whose states fit in
+# what the budget leaves after the plan, first units first), and the planner keeps the
+# number of them (a prefix, in forward order) with the least predicted step
+# (``_predict.predict_step``, device steps as GPU tasks at a floor rate; ties: fewer). At
+# ``offload`` the forward's GPU time is not known (the micro-batch is not), so the prediction
+# leaves compute out: the step as bound by the copies and the CPU optimizer, which is where an
+# offloaded training step is. A step bound by the GPU loses at most the device steps' own
+# time, ``device_optimizer_params_per_s`` (50 G parameters/s) of parameters stepped there.
+
+
+def auto_device_optimizer(
+    plan: OffloadPlan,
+    trainable_numel: Sequence[int],
+    *,
+    bytes_per_param: float,
+    scratch_bytes: int,
+    rates: Rates,
+    forward_s: Sequence[float] | None = None,
+    grad_bytes_per_param: int = 2,
+) -> OffloadPlan:
+    """``plan`` with the units whose device step pays: see [Note: the device optimizer's
+    default]. ``plan.device_optimizer_reason`` says which and why.
+
+    Args:
+        plan: the engine's plan, without device steps.
+        trainable_numel: per unit (the plan's order), its trainable elements.
+        bytes_per_param, scratch_bytes: as ``with_device_optimizer``.
+        rates: the machine's rates (``_host_formats.rates_for`` of the host formats).
+        forward_s: per unit, its forward's GPU time in seconds; None: not known (left out).
+        grad_bytes_per_param: gradient bytes per parameter on the wire.
+    """
+    if plan.gpu_memory_bytes is None:
+        return replace(plan, device_optimizer_reason="none: no gpu_memory budget")
+    fitting = with_device_optimizer(
+        plan, trainable_numel, bytes_per_param=bytes_per_param, scratch_bytes=scratch_bytes
+    ).device_stepped
+    if not fitting:
+        left = plan.gpu_memory_bytes - plan.planned_bytes - scratch_bytes
+        trained = [
+            int(numel * bytes_per_param)
+            for name, numel in zip(plan.unit_names, trainable_numel)
+            if name in set(plan.resident) and numel > 0
+        ]
+        why = (
+            "no resident unit has trainable parameters"
+            if not trained
+            else f"the budget leaves {format_bytes(max(left, 0))} after the plan, less than "
+            f"the smallest resident unit's states on the device ({format_bytes(min(trained))})"
+        )
+        return replace(plan, device_optimizer_reason=f"none: {why}")
+    times = list(forward_s) if forward_s is not None else [0.0] * len(plan.unit_names)
+    unit_h2d = plan.unit_h2d_bytes or plan.unit_bytes
+    resident, ckpt = set(plan.resident), set(plan.checkpointed)
+
+    def predicted(on_device: set[str]) -> float:
+        costs = [
+            UnitCost(
+                name=name,
+                wire_bytes=unit_h2d[i],
+                trainable_params=trainable_numel[i],
+                forward_s=times[i],
+                resident=name in resident,
+                checkpointed=name in ckpt,
+                device_stepped=name in on_device,
+            )
+            for i, name in enumerate(plan.unit_names)
+        ]
+        return predict_step(
+            costs,
+            rates=rates,
+            prefetch_depth=plan.prefetch_depth,
+            grad_bytes_per_param=grad_bytes_per_param,
+        ).step_s
+
+    numel = dict(zip(plan.unit_names, trainable_numel))
+    best_k, best_s = 0, predicted(set())
+    host_s = best_s
+    for k in range(1, len(fitting) + 1):
+        step_s = predicted(set(fitting[:k]))
+        if step_s < best_s * 0.995:  # faster by more than the model's noise
+            best_k, best_s = k, step_s
+    compute = "" if forward_s is not None else " (GPU compute not known at offload: left out)"
+    if best_k == 0:
+        return replace(
+            plan,
+            device_optimizer_reason=f"none: stepping any of the {len(fitting)} units whose "
+            f"states fit on the device does not shorten the predicted step{compute}",
+        )
+    chosen = fitting[:best_k]
+    params = sum(numel[n] for n in chosen)
+    return replace(
+        plan,
+        device_stepped=tuple(chosen),
+        device_step_bytes=sum(int(numel[n] * bytes_per_param) for n in chosen) + scratch_bytes,
+        device_optimizer_reason=f"{best_k} of {len(plan.resident)} resident units "
+        f"({params / 1e9:.2f} G parameters) step on the device: predicted "
+        f"{best_s * 1e3:.0f} ms per step instead of {host_s * 1e3:.0f} ms{compute}",
     )
 
 

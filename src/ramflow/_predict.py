@@ -21,7 +21,8 @@ order i = 0..n-1 and backward order n-1..0:
 - D2H link: each trainable unit's gradients in the wire dtype, after its backward.
 - CPU: the optimizer steps each unit as soon as its gradients have landed (eager steps, the
   steady state of ``ramflow.optim``), one unit at a time, the earliest unit in forward order
-  first among those ready; the next forward of that unit waits for its step. The step is
+  first among those ready; the next forward of that unit waits for its step. A unit stepped
+  on the device (resident) has no copy, CPU step or refresh: a GPU task after its backward. The step is
   bound by host memory bandwidth, which it shares with the PCIe copies: their DMA reads the
   wire copies from, and writes the gradients into, the same DRAM. Each step's copy bytes are
   charged to the optimizer at its own DRAM rate (``Rates.cpu_optimizer_dram_bytes_per_param``),
@@ -103,13 +104,15 @@ DEFAULT_D2H_BYTES_PER_S = 55.3e9
 DEFAULT_BOTH_BYTES_PER_S = 101.2e9
 DEFAULT_MATMUL_FLOPS_PER_S = 790e12
 DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S = 3.72e9
+DEFAULT_DEVICE_OPTIMIZER_PARAMS_PER_S = 50e9
 """Rates measured on the H200 box of 2026-11-22 (PCIe 5.0 x16, 16 CPU threads), the defaults
 of ``ramflow plan``; give your machine's own (``--pcie-gbps``, ``--gpu-tflops``,
-``--cpu-adamw-gparams``)."""
+``--cpu-adamw-gparams``). The device optimizer's rate is a floor, not measured: 30 bytes per
+parameter (fp32; lean moves about 10) at 1.5 TB/s, under half of an H100's memory bandwidth."""
 
 STEPS_SIMULATED = 3
-"""Training steps simulated before the last one is read (the first starts with every wire copy
-ready; by the third the pipeline has settled)."""
+"""Training steps simulated before the last one is read (the first starts with every wire
+copy ready; by the third the pipeline has settled)."""
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -182,6 +185,8 @@ class UnitCost:
         checkpointed: activation-checkpointed (its backward recomputes its forward).
         deps: indices of other units whose device copies its forward reads (tied
             parameters: a head that shares the embedding's weight).
+        device_stepped: resident and stepped on the device: no gradient copy, CPU step or
+            refresh; a GPU task of ``trainable_params / Rates.device_optimizer_params_per_s``.
     """
 
     name: str
@@ -191,6 +196,11 @@ class UnitCost:
     resident: bool = False
     checkpointed: bool = False
     deps: tuple[int, ...] = ()
+    device_stepped: bool = False
+
+    @property
+    def host_stepped_params(self) -> int:
+        return 0 if self.device_stepped else self.trainable_params
 
 
 @dataclass(frozen=True)
@@ -209,6 +219,8 @@ class Rates:
             optimizer time at that rate. None: the copies do not slow the optimizer.
         host_precision: the host formats (a ``ramflow.HostPrecision`` preset's name) the
             optimizer's rate and bytes are of; ``_host_formats.rates_for`` converts them.
+        device_optimizer_params_per_s: the optimizer's rate on the device, for units
+            stepped there (``DEFAULT_DEVICE_OPTIMIZER_PARAMS_PER_S``, a floor).
     """
 
     h2d_bytes_per_s: float = DEFAULT_H2D_BYTES_PER_S
@@ -217,6 +229,7 @@ class Rates:
     cpu_optimizer_params_per_s: float = DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S
     cpu_optimizer_dram_bytes_per_param: float | None = RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM
     host_precision: str = "fp32"
+    device_optimizer_params_per_s: float = DEFAULT_DEVICE_OPTIMIZER_PARAMS_PER_S
 
     def copies_on_host_dram_s(self, nbytes: float) -> float:
         """Optimizer time lost to ``nbytes`` of PCIe copies through host DRAM."""
@@ -471,11 +484,18 @@ def window_bytes_of(units: Sequence[UnitCost], prefetch_depth: int) -> int:
 
 def _optimizer_s(u: UnitCost, rates: Rates, copies_per_param_s: float = 0.0) -> float:
     """Host worker time of one unit's step: landing, then the optimizer over its parameters,
-    plus its share (``copies_per_param_s`` per parameter) of the copies' DRAM traffic."""
-    if u.trainable_params <= 0:
+    plus its share (``copies_per_param_s`` per parameter) of the copies' DRAM traffic; 0 for
+    a unit stepped on the device."""
+    if u.host_stepped_params <= 0:
         return 0.0
     per_param = 1.0 / rates.cpu_optimizer_params_per_s + copies_per_param_s
-    return HOST_SECONDS_PER_UNIT + u.trainable_params * per_param
+    return HOST_SECONDS_PER_UNIT + u.host_stepped_params * per_param
+
+
+def _device_step_s(u: UnitCost, rates: Rates) -> float:
+    """GPU time of a device-stepped unit's optimizer step (0 for the others)."""
+    on_device = u.trainable_params if u.device_stepped else 0
+    return on_device / rates.device_optimizer_params_per_s
 
 
 def _inference_loads(units: Sequence[UnitCost], window_bytes: int) -> list[int]:
@@ -529,8 +549,11 @@ def predict_step(
         steps: training steps simulated; the last one is returned.
 
     Raises:
-        ValueError: an unknown mode, a depth below 1, or no units.
+        ValueError: an unknown mode, a depth below 1, no units, a streamed device step.
     """
+    streamed_stepped = [u.name for u in units if u.device_stepped and not u.resident]
+    if streamed_stepped:
+        raise ValueError(f"units stepped on the device must be resident: {streamed_stepped}")
     if mode not in ("train", "infer"):
         raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
     if prefetch_depth < 1:
@@ -593,9 +616,9 @@ def predict_step(
 
     steps = max(2, steps)
     h2d_stream = sum(loads) + sum(loads[j] for j in streamed if j not in cached)
-    refresh = sum(u.wire_bytes for u in units if u.resident and u.trainable_params > 0)
-    d2h_bytes = sum(u.trainable_params for u in units) * grad_bytes_per_param
-    trainable = sum(u.trainable_params for u in units)
+    refresh = sum(u.wire_bytes for u in units if u.resident and u.host_stepped_params > 0)
+    d2h_bytes = sum(u.host_stepped_params for u in units) * grad_bytes_per_param
+    trainable = sum(u.host_stepped_params for u in units)
     copies_on_cpu = rates.copies_on_host_dram_s(h2d_stream + refresh + d2h_bytes)
     copies_per_param = copies_on_cpu / trainable if trainable else 0.0
     prev_opt: list[_Task | None] | None = None
@@ -633,7 +656,12 @@ def predict_step(
             factor = BACKWARD_PER_FORWARD + (RECOMPUTE_PER_FORWARD if u.checkpointed else 0.0)
             bwd[j] = g.add("GPU compute", factor * u.forward_s, deps, tag=f"s{s} backward {u.name}")
             prev = bwd[j]
-            if u.trainable_params > 0:
+            if u.device_stepped and u.trainable_params > 0:
+                opt[j] = g.add(
+                    "GPU compute", _device_step_s(u, rates), [bwd[j]], tag=f"s{s} step {u.name}"
+                )
+                prev = opt[j]  # the GPU's stream runs it before the next backward
+            elif u.trainable_params > 0:
                 d2h[j] = g.add(
                     "PCIe D2H",
                     u.trainable_params * grad_bytes_per_param / d2h_bwd,
@@ -663,7 +691,7 @@ def predict_step(
     )
     stream_fwd = sum(loads)
     busy = {
-        "GPU compute": fwd_s + bwd_s,
+        "GPU compute": fwd_s + bwd_s + sum(_device_step_s(u, rates) for u in units),
         "PCIe H2D": stream_fwd / h2d_fwd + (h2d_stream - stream_fwd + refresh) / h2d_bwd,
         "PCIe D2H": d2h_bytes / d2h_bwd,
         "CPU optimizer": sum(_optimizer_s(u, rates, copies_per_param) for u in units),
@@ -739,7 +767,9 @@ def _forward(
             deps.append(load_tasks[i])
         if prev_opt is not None:
             for d in (i, *u.deps):
-                if units[d].resident and prev_opt[d] is not None:
+                if units[d].device_stepped and prev_opt[d] is not None:
+                    deps.append(prev_opt[d])  # stepped in place on the device: no refresh
+                elif units[d].resident and prev_opt[d] is not None:
                     if d not in refreshes:
                         refreshes[d] = g.add(
                             "PCIe H2D",

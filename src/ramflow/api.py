@@ -41,7 +41,7 @@ def offload(
     prefetch_depth: int = 2,
     activation_checkpointing: bool | Iterable[str] | CheckpointPolicyLike = False,
     zero_stage: int | None = None,
-    device_optimizer: bool = False,
+    device_optimizer: bool | None = None,
     host_precision: HostPrecision | str | None = None,
     weights: Weights | None = None,
     frozen_format: str | None = None,
@@ -97,15 +97,21 @@ def offload(
             the master weights and AdamW states of resident units, first units first; those
             are stepped on the GPU (no gradient copy, no CPU step for them), which shortens
             a step bound by the CPU optimizer (partial optimizer offload, as DeepSpeed's
-            ZeRO-Offload++). fp32 host formats: an fp32 master and states, 12 bytes per
+            ZeRO-Offload++). None (the default): the planner chooses the units whose device
+            step shortens the predicted step, and none on the CPU, without ``gpu_memory``,
+            with ``zero_stage``, with trainable parameters on the device (LoRA) or with fp32
+            masters (whose device step is not the CPU step's bits);
+            ``get_plan(model).device_optimizer_reason`` says why (see [Note: the device
+            optimizer's default] in ``ramflow._plan``). True: every resident unit whose
+            states fit. False: none. fp32 host formats: an fp32 master and states, 12 bytes per
             parameter, stepped by PyTorch's fused AdamW. Lean host formats: the unit's
             device copy is its bf16 master, so only its states in their format (about 2
             bytes per parameter with 8-bit states) are added, stepped with the host
             kernel's arithmetic (the same bits). Needs a ``ramflow.optim.AdamW``; other
             steps of those units run on the host. The host copies are current after
             ``ramflow.synchronize`` and in every ``state_dict``.
-            ``ramflow.get_plan(model).device_stepped`` names the units. Not with
-            ``zero_stage``.
+            ``ramflow.get_plan(model).device_stepped`` names the units. True is refused
+            with ``zero_stage``.
         host_precision: how master weights, AdamW states and host gradients are kept in
             host RAM (``ramflow.HostPrecision``, or a preset's name): ``"fp32"`` (the
             default, None: fp32 masters, exact, about 20 bytes per trained parameter with a
@@ -180,7 +186,7 @@ def offload(
         RuntimeError: ``zero_stage`` without an initialized process group; with
             ``zero_stage``, set-up or loading failed on another rank (the message names it
             and its error; that rank raises its own).
-        ValueError: ``device_optimizer`` with ``zero_stage``; ``host_precision`` not a
+        ValueError: ``device_optimizer=True`` with ``zero_stage``; ``host_precision`` not a
             preset or a HostPrecision, or lean masters with a wire dtype other than bf16
             (the message names what works); ``zero_stage`` on a GPU with
             ``$RAMFLOW_SHM_DIR`` on a filesystem that is not memory-backed (tmpfs).
@@ -270,6 +276,12 @@ def offload(
     )
     remove_stale_store_files(shm_directory())  # of ranks that died: see [Note: host store files]
     owners = None
+    device_optimizer_reason = None
+    if device_optimizer not in (None, True, False):
+        raise TypeError(f"device_optimizer must be None, True or False, got {device_optimizer!r}")
+    if device_optimizer is None and zero_stage is not None:
+        device_optimizer = False
+        device_optimizer_reason = "none: zero_stage shards the optimizer states over the ranks"
     if device_optimizer and zero_stage is not None:
         raise ValueError(
             "device_optimizer=True steps units on one GPU and cannot be combined with "
@@ -323,6 +335,7 @@ def offload(
                 prefetch_depth=prefetch_depth,
                 activation_checkpointing=activation_checkpointing,
                 device_optimizer=device_optimizer,
+                device_optimizer_reason=device_optimizer_reason,
                 fill=None if loader is None else loader.fill,
                 host_precision=precision,
                 host_precision_reason=precision_reason,
@@ -451,7 +464,8 @@ def accept_partial_step(model: nn.Module) -> None:
 
 
 def get_plan(model: nn.Module) -> OffloadPlan:
-    """The plan ramflow chose for an offloaded model (resident units, window, budget)."""
+    """The plan ramflow chose for an offloaded model (resident units, window, budget, the
+    units stepped on the device and ``device_optimizer_reason``, why)."""
     return _engine(model).plan
 
 

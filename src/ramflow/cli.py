@@ -57,6 +57,8 @@ _EXIT_STATUS = (
     "stopped by Ctrl-C / SIGTERM, after saving a checkpoint"
 )
 
+_DEVICE_OPTIMIZER = {"auto": None, "on": True, "off": False}  # --device-optimizer
+
 _FROZEN_FORMATS = ("int8", "nf4")  # ramflow.train.lora.FROZEN_FORMATS, without importing torch
 
 
@@ -273,11 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--device-optimizer",
-        action="store_true",
+        nargs="?",
+        const="on",
+        choices=tuple(_DEVICE_OPTIMIZER),
         default=None,
-        help="step the optimizer of resident units on the device where ramflow's budget "
-        "leaves room for their states (same arithmetic as the CPU step; fp32 masters cost "
-        "12 bytes per parameter there, bf16 masters their states only); the rest on the CPU",
+        help="auto (default): the planner steps the optimizer of the resident units whose "
+        "device step shortens the predicted step (lean host formats; never on the CPU, with "
+        "--lora or several ranks); on (or the bare flag): every resident unit whose states "
+        "fit ramflow's budget (fp32 masters cost 12 bytes per parameter there, bf16 masters "
+        "their states only); off: all on the CPU. Same arithmetic as the CPU step",
     )
     t.add_argument(
         "--lora",
@@ -540,6 +546,7 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             f"{os.environ.get('LOCAL_WORLD_SIZE')} ranks per host: leave it out under torchrun"
         )
     options: dict[str, Any] = {k: getattr(args, k) for k in _TRAIN_OPTIONS}
+    options["device_optimizer"] = _DEVICE_OPTIMIZER.get(args.device_optimizer)
     run_options: dict[str, Any] = {
         "out": args.out,
         "progress": not args.no_progress,

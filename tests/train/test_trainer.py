@@ -287,7 +287,8 @@ def test_device_optimizer_steps_as_the_host_does_and_resumes_exactly(
         "--host-precision", host_precision, "--gpu-memory", "1GiB", *fast,
     )  # fmt: skip
     assert ramflow_cli("train", *common, "--out", tmp_path / "host") == 0
-    capsys.readouterr()
+    # the default, --device-optimizer auto: no device step on the CPU, and the line says why
+    assert "device for 0 of" in capsys.readouterr().out.split("the device is the CPU")[0]
     assert ramflow_cli("train", *common, "--device-optimizer", "--out", tmp_path / "device") == 0
     stepped = re.search(
         r"optimizer on the device for (\d+) of (\d+) units", capsys.readouterr().out

@@ -84,11 +84,14 @@ class TrainConfig:
             A resumed run keeps its format.
         device_optimizer: step the optimizer of resident units on the device where
             ramflow's budget leaves room for their states (``ramflow.offload(...,
-            device_optimizer=True)``): the same arithmetic as the host formats' CPU step,
+            device_optimizer=...)``): the same arithmetic as the host formats' CPU step,
             without the gradients' copy and the CPU's pass for those units. It costs
             device memory within the budget (fp32: 12 bytes per parameter stepped there;
-            bf16 masters: their states only). Not with ``lora_rank`` (adapters are on the
-            device already).
+            bf16 masters: their states only). None (default, ``--device-optimizer auto``):
+            the planner chooses the units whose device step shortens the predicted step
+            (none with fp32 masters, ``lora_rank``, on the CPU or several ranks); True:
+            every unit that fits (not with ``lora_rank``: adapters are on the device
+            already); False: none.
         seed: seeds the model's initialisation and the data order.
         device: ``cuda``, ``cuda:N`` or ``cpu``; None: CUDA when available.
         gpu_memory: the device budget for the whole run (weights, gradients, activations),
@@ -132,7 +135,7 @@ class TrainConfig:
     precision: str = "auto"
     checkpointing: str = "auto"
     host_precision: str = "fp32"
-    device_optimizer: bool = False
+    device_optimizer: bool | None = None
     seed: int = 0
     device: str | None = None
     gpu_memory: str | None = None
@@ -236,7 +239,12 @@ class TrainConfig:
             raise ValueError(
                 "--fuse-lora fuses the LoRA layers of a LoRA run: give --lora RANK too"
             )
-        if self.device_optimizer and self.lora_rank is not None:
+        if self.device_optimizer not in (None, True, False):
+            raise ValueError(
+                f"device_optimizer must be None (auto), True or False, got "
+                f"{self.device_optimizer!r}"
+            )
+        if self.device_optimizer is True and self.lora_rank is not None:
             raise ValueError(
                 "--device-optimizer steps a full fine-tune's units on the device; with --lora "
                 "the adapters are stepped there already: drop --device-optimizer"

@@ -277,7 +277,7 @@ def _train_ranks(
             world_size=ranks.world_size,
             precision=setup.policy.precision,
             lora=config.lora_rank is not None,
-            device_optimizer=config.device_optimizer,
+            device_optimizer=config.device_optimizer is True,
             auto_batch=config.auto_batch_size,
         )
         return ckpt, run_dir, setup
@@ -421,15 +421,10 @@ def _train(
         )
     try:
         plan = ramflow.get_plan(model)
-        if config.device_optimizer:
+        if config.device_optimizer is not False and not lora:
             say(
                 f"optimizer on the device for {len(plan.device_stepped)} of "
-                f"{len(plan.unit_names)} units"
-                + (
-                    ": the budget leaves no room for their states"
-                    if not plan.device_stepped
-                    else ""
-                )
+                f"{len(plan.unit_names)} units: {plan.device_optimizer_reason}"
             )
         if lora:  # see ramflow.train.lora
             model = apply_lora(
