@@ -49,7 +49,7 @@ STEP_ALIGN = QBLOCK
 # AdamW's moments, in every state format
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # Optimizers with a CPU kernel for each format; the fp32 formats go with every optimizer.
-_LEAN_OPTIMIZERS = ("adamw",)
+_LEAN_OPTIMIZERS = ("adamw", "lion")
 
 
 def _choices(values: Iterable[str]) -> str:
@@ -616,7 +616,7 @@ def check_optimizer_formats(precision: HostPrecision, optimizer: Any) -> None:
 
     Raises:
         ValueError: lean masters or states (anything but fp32) with an optimizer other than
-            AdamW; the message names the combinations that work.
+            AdamW or Lion; the message names the combinations that work.
     """
     if isinstance(optimizer, str):
         name = optimizer
@@ -630,7 +630,7 @@ def check_optimizer_formats(precision: HostPrecision, optimizer: Any) -> None:
         f"{name} has no CPU step for {precision.spelled} (master={precision.master!r}, "
         f"optimizer_states={precision.optimizer_states!r}). Combinations that work: any "
         "optimizer with host_precision='fp32' (HostPrecision.fp32()); ramflow.optim.AdamW "
-        "with any host_precision (e.g. host_precision='lean')"
+        "or ramflow.optim.Lion with any host_precision (e.g. host_precision='lean')"
     )
 
 

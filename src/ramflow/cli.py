@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--optimizer",
         default=None,
-        help="adamw (default), lion, adafactor or sgd (momentum 0.9); all but adamw need "
+        help="adamw (default), lion, adafactor or sgd (momentum 0.9); adafactor and sgd need "
         "--host-precision fp32; --lr and --weight-decay default per optimizer",
     )
     t.add_argument(

@@ -7,8 +7,8 @@ unit, overlapped with the GPU (see [Note: when the step runs] in ``_stepper.py``
 parameters are stepped in ``step()`` like a plain optimizer would. The arithmetic is
 PyTorch's own: its fused CPU kernels (``torch.optim.adam.adam(..., fused=True)``), with a
 fallback to the single-tensor path where fused is not available. ``Lion`` (``_lion``) and
-``Adafactor`` (``_adafactor``) are PyTorch ops per parameter; only AdamW steps the lean host
-formats (``check_optimizer_formats``).
+``Adafactor`` (``_adafactor``) are PyTorch ops per parameter; AdamW and Lion step the lean
+host formats, the others refuse them (``check_optimizer_formats``).
 """
 
 from __future__ import annotations

@@ -71,8 +71,9 @@ class TrainConfig:
         beta1, beta2, eps: AdamW's.
         optimizer: ``adamw`` (default), ``lion``, ``adafactor`` or ``sgd`` (momentum 0.9):
             ``ramflow.optim``'s, see ``ramflow.train.optimizers``. ``from_options`` scales
-            the default ``lr`` per optimizer (``OPTIMIZER_DEFAULTS``). Only AdamW steps host
-            formats other than fp32 or on the device. A resumed run keeps it.
+            the default ``lr`` per optimizer (``OPTIMIZER_DEFAULTS``). Adafactor and SGD
+            step fp32 host formats only; only AdamW steps on the device. A resumed run
+            keeps it.
         clip_grad: global gradient-norm limit, finite; 0 turns clipping off.
         precision: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``bf16``, ``fp16`` (with a
             GradScaler) or ``fp32``.
@@ -216,11 +217,16 @@ class TrainConfig:
             raise ValueError(
                 f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}"
             )
-        if self.optimizer != "adamw" and (self.host_precision != "fp32" or self.device_optimizer):
+        if self.optimizer != "adamw" and self.device_optimizer:
             raise ValueError(
-                f"--optimizer {self.optimizer} steps fp32 master weights and states on the "
-                "CPU only: use --host-precision fp32 without --device-optimizer, or "
-                "--optimizer adamw, which steps every host format, on the CPU or the device"
+                f"--optimizer {self.optimizer} steps on the CPU only: drop --device-optimizer, "
+                "or use --optimizer adamw, which steps on the device too"
+            )
+        if self.optimizer in ("adafactor", "sgd") and self.host_precision != "fp32":
+            raise ValueError(
+                f"--optimizer {self.optimizer} steps fp32 master weights and states only: use "
+                "--host-precision fp32, or --optimizer adamw or lion, which step every host "
+                "format"
             )
         if self.checkpointing not in CHECKPOINTING_MODES:
             raise ValueError(
