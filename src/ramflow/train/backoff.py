@@ -32,6 +32,7 @@ from ..memory.fit import fit_batch, smaller_micro_batch
 from ..optim import HostOptimizer
 from .config import TrainConfig
 from .data import BatchStream
+from .loss import lm_loss
 from .precision import ComputePolicy
 from .report import RunReport
 from .setup import PreparedRun
@@ -67,7 +68,7 @@ def accumulate_step(
                 accumulate = opt.no_step() if micro < grad_accum - 1 else contextlib.nullcontext()
                 with accumulate:
                     with policy.autocast():
-                        loss = model(input_ids=x, labels=x, use_cache=False).loss
+                        loss = lm_loss(model, x)
                     scaler.scale(loss / grad_accum).backward()
                 loss_sum += loss.detach().float()
             return loss_sum
@@ -129,7 +130,7 @@ def fit_micro_batch(
         try:
             with opt.no_step():
                 with policy.autocast():
-                    loss = model(input_ids=x, labels=x, use_cache=False).loss
+                    loss = lm_loss(model, x)
                 scaler.scale(loss).backward()
         finally:
             batches.position = start

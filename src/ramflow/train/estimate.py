@@ -14,10 +14,11 @@ excluded). Meta tensors have no fused attention kernel, so a ``TorchFunctionMode
 in for ``scaled_dot_product_attention`` with a function that saves what a fused (flash)
 kernel saves: q, k, v, the output and the fp32 log-sum-exp, never the (T, T) attention
 matrix. With activation checkpointing, each layer keeps only its input, and one layer's
-activations are rebuilt at a time in backward. Backward also needs working memory that
-is never saved: the gradient of the fp32 logits and of one layer's activations; the
-estimate adds ``N * V * (4 + 4)`` bytes for the first and one layer's saved bytes for the
-second.
+activations are rebuilt at a time in backward. The loss is ``ramflow train``'s, in chunks
+of C tokens (see [Note: the loss in chunks] in ``loss.py``): it keeps the final norm's
+output, and one chunk's logits (in the compute dtype and in fp32) and their fp32
+gradient exist at a time; the estimate adds those ``C * V * (size + 4 + 4)`` bytes and one
+layer's saved bytes (the working memory of a layer's backward) to the peak.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..memory.estimate import (
     size_string,
 )
 from ..memory.estimate import estimate_memory as estimate_model_memory
+from .loss import chunk_tokens_for
 from .modeling import meta_model
 
 
@@ -104,7 +106,9 @@ def measure_activations(
     n = batch_size * seq_len
     size = torch.empty((), dtype=dtype).element_size()
     hidden = config.hidden_size
-    workspace = n * config.vocab_size * 8
+    # one chunk of the loss: logits in the compute dtype and in fp32, and their fp32 grad
+    chunk = min(n, chunk_tokens_for(config.vocab_size))
+    workspace = chunk * config.vocab_size * (size + 4 + 4)
     model = meta_model(config).to(dtype)
     parts = _decoder_parts(model)
     if parts is None:
@@ -116,11 +120,11 @@ def measure_activations(
         return ActivationProfile(
             (per_layer,) * config.num_hidden_layers,
             n * hidden * size,
-            n * (hidden * (size + 4) + config.vocab_size * (size + 4)),
+            n * hidden * (2 * size + 4),
             workspace,
             False,
         )
-    embed, layers, rotary, norm, head = parts
+    embed, layers, rotary, norm, _head = parts
     params = {id(p) for p in model.parameters()}
     seen: set[int] = set()
     keep: list[torch.Tensor] = []
@@ -160,9 +164,8 @@ def measure_activations(
             h = out[0] if isinstance(out, tuple) else out
             layer_bytes.append(bucket[0])
         bucket[0] = other
-        logits = head(norm(h))  # (B, T, V)
-        model.loss_function(logits=logits, labels=ids, vocab_size=config.vocab_size)
-        other = bucket[0]
+        normed = norm(h)  # (B, T, H): the chunked loss keeps it, and no logits
+        other = bucket[0] + normed.untyped_storage().nbytes()
     return ActivationProfile(tuple(layer_bytes), n * hidden * size, other, workspace, True)
 
 

@@ -21,6 +21,7 @@ from .backoff import accumulate_step
 from .checkpoint import fault_point, save_checkpoint
 from .data import validation_batches
 from .flops import model_flops_utilisation, peak_flops
+from .loss import lm_loss
 from .modeling import count_parameters
 from .precision import ComputePolicy
 from .ranks import Ranks
@@ -103,7 +104,7 @@ def evaluate(
         ):
             batch = batch.to(policy.device)
             with policy.autocast():
-                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+                loss = lm_loss(model, batch)
             total += loss.float().item() * batch.shape[0]
             count += batch.shape[0]
     finally:

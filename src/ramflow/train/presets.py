@@ -122,6 +122,9 @@ class ModelPreset:
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
+            # fused attention with is_causal: no (T, T) mask or scores (packed sequences
+            # have no padding), which long sequences need
+            attn_implementation="sdpa",
         )
 
 

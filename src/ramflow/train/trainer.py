@@ -64,6 +64,7 @@ from .lora import (
     load_adapters,
     parse_targets,
 )
+from .loss import chunk_lm_head
 from .modeling import (
     build_offloaded,
     load_offloaded,
@@ -442,6 +443,10 @@ def _train(
                 "ramflow chose another plan than the estimate; `ramflow plan` may be off",
                 stacklevel=2,
             )
+        try:  # the loss without full logits: see [Note: the loss in chunks] in loss.py
+            chunk_lm_head(model)
+        except ValueError as err:
+            say(f"the loss is computed over the full logits: {err}")
         groups, param_names = _param_groups(model, config.weight_decay)
         # see [Note: backing off after an out-of-memory error] in backoff.py
         opt = make_optimizer(
