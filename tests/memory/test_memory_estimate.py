@@ -216,7 +216,7 @@ def test_auto_chooses_offload_only_where_checkpointing_every_layer_does_not_fit(
         assert est.checkpointing_mode == mode, (room, mode)
         assert (est.checkpointing_reason is not None) == (mode == "offload")
     est = _estimate("auto", gpu_memory=smallest + offload_peak)
-    assert "auto: offload: checkpointing every layer leaves" in est.describe()
+    assert "offload\n  (auto: checkpointing every layer leaves" in est.describe()
     with pytest.raises(ValueError, match="too small for this run"):
         _estimate("auto", gpu_memory=smallest + offload_peak - 1)
     with pytest.raises(ValueError, match="or --checkpointing offload"):

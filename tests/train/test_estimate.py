@@ -170,3 +170,24 @@ def test_plan_cli_with_offloaded_layer_inputs(ramflow_cli, capsys) -> None:
     out = capsys.readouterr().out
     assert rc == 0
     assert "activation checkpointing offload" in out
+
+
+def test_plan_of_llama_8b_at_131072_tokens_offloads_the_layer_inputs() -> None:
+    """Llama 3.1 8B at 131072 tokens in 48 GiB: checkpointing every layer leaves 61 GiB of
+    activations, so auto offloads the 32 layers' 1 GiB inputs and says why; the chunked
+    loss keeps the logits' share small (a chunk, not 131072 x 128256 fp32 = 63 GiB)."""
+    est = plan_run(
+        TrainConfig.from_options(
+            preset="llama-8b", device="cuda", gpu_memory="48GiB", batch_size=1, seq_len=131072
+        )
+    )
+    assert est.checkpointing_mode == "offload"
+    assert est.checkpointing_reason.startswith("checkpointing every layer leaves")
+    assert est.host_activation_pinned_bytes == 32 * 131072 * 4096 * 2  # bf16 layer inputs
+    assert est.activations.logits_workspace_bytes < 1 << 30
+    assert est.device_total_bytes <= 48 << 30
+
+
+def test_seq_len_over_the_context_says_what_to_do() -> None:
+    with pytest.raises(ValueError, match="give --seq-len 2048 or less.*llama-8b"):
+        plan_run(TrainConfig.from_options(preset="tiny", device="cpu", seq_len=4096))

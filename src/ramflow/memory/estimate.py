@@ -655,7 +655,7 @@ def choose_checkpointing(
         return "on", None
     kept = acts.peak_bytes(checkpointing=True) - acts.peak_bytes(checkpointing=True, offload=True)
     return "offload", (
-        f"offload: checkpointing every layer leaves {format_bytes(acts.peak_bytes(checkpointing=True))} "
+        f"checkpointing every layer leaves {format_bytes(acts.peak_bytes(checkpointing=True))} "
         f"of activations on the device, over the {format_bytes(max(room, 0))} the budget leaves; "
-        f"the layers' inputs ({format_bytes(kept)}) go to pinned host memory"
+        f"so the layers' inputs ({format_bytes(kept)}) go to pinned host memory"
     )

@@ -99,11 +99,15 @@ def _estimate(
     lightest checkpointing) whose estimate fits the budget, and that fit."""
     ctx = getattr(mconfig, "max_position_embeddings", None)
     if ctx is not None and config.seq_len > ctx:
+        longer = (
+            " (the llama-8b and llama-70b presets: 131072 tokens, with Llama 3.1's rope scaling)"
+            if ctx < 131072
+            else ""
+        )
         raise ValueError(
             f"--seq-len {config.seq_len} exceeds the model's context of {ctx} tokens "
             "(max_position_embeddings, which its rotary embedding is set up for); give "
-            f"--seq-len {ctx} or less, or a model whose config allows longer sequences "
-            "(the llama-8b and llama-70b presets: 131072 tokens, Llama 3.1's rope scaling)"
+            f"--seq-len {ctx} or less, or a model whose config allows longer sequences{longer}"
         )
 
     def at(
