@@ -113,3 +113,27 @@ def test_resume_keeps_the_optimizer(trained_run: Path, ramflow_cli, capsys) -> N
     rc = ramflow_cli("train", "--resume", trained_run, "--optimizer", "lion", "--no-progress")
     assert rc != 0
     assert "--optimizer lion differs from the checkpoint's 'adamw'" in capsys.readouterr().err
+
+
+def test_only_adamw_lets_the_planner_choose_device_steps(
+    tmp_path: Path, corpus_file: Path, monkeypatch
+) -> None:
+    """``--device-optimizer auto`` (the default) plans device steps for AdamW only: the
+    others have none, so the trainer offloads them with ``device_optimizer=False``."""
+    from ramflow.train import trainer
+
+    seen = []
+    real = trainer.build_offloaded
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["device_optimizer"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "build_offloaded", spy)
+    for name in ("adamw", "lion"):
+        config = TrainConfig.from_options(
+            data=str(corpus_file), seq_len=32, batch_size=2, eval_batches=1, device="cpu",
+            steps=1, keep_checkpoints=0, optimizer=name,
+        )  # fmt: skip
+        train(config, out=tmp_path / name, progress=False)
+    assert seen == [None, False]

@@ -403,7 +403,8 @@ def _train(
         if est.activation_offload
         else est.checkpointing,
         host_precision=est.host_precision,  # "auto" was decided by the estimate
-        device_optimizer=config.device_optimizer,
+        # only AdamW has a device step: auto must not plan one for the others
+        device_optimizer=config.device_optimizer if config.optimizer == "adamw" else False,
         zero_stage=zero_stage,
     )
     offload_options.update(frozen_format_options(config.frozen_format))
