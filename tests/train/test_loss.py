@@ -115,3 +115,40 @@ def test_errors() -> None:
     with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
         chunk_lm_head(long_llama(), chunk_tokens=0)
     assert chunk_tokens_for(128256) == 523  # 256 MiB of fp32 logits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_chunked_loss_in_bf16_stays_under_the_logits() -> None:
+    """Under bf16 autocast at 16384 tokens of a 32768-token vocabulary the full fp32 logits
+    are 2 GiB; the chunked loss's peak above the model's own memory stays under a quarter
+    of that, and it agrees with the model's own loss to bf16 logits' rounding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    vocab, tokens = 32768, 16384
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=tokens,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(cfg).cuda().train()
+    ids = torch.randint(0, vocab, (1, tokens), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = lm_loss(model, ids).detach()
+    chunk_lm_head(model)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = lm_loss(model, ids)
+    loss.backward()
+    torch.cuda.synchronize()
+    logits_fp32 = tokens * vocab * 4
+    assert torch.cuda.max_memory_allocated() - base < logits_fp32 // 4
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-3, atol=0)
