@@ -191,3 +191,15 @@ def test_plan_of_llama_8b_at_131072_tokens_offloads_the_layer_inputs() -> None:
 def test_seq_len_over_the_context_says_what_to_do() -> None:
     with pytest.raises(ValueError, match="give --seq-len 2048 or less.*llama-8b"):
         plan_run(TrainConfig.from_options(preset="tiny", device="cpu", seq_len=4096))
+
+
+def test_batch_size_auto_offloads_where_no_checkpointed_micro_batch_fits() -> None:
+    """--batch-size auto with --checkpointing auto: at 131072 tokens in 48 GiB no
+    micro-batch fits with the layers' inputs on the device, so the fit offloads them and
+    the plan says why; in 80 GiB checkpointing alone fits and nothing is offloaded."""
+    common = dict(preset="llama-8b", device="cuda", seq_len=131072)
+    tight = plan_run(TrainConfig.from_options(gpu_memory="48GiB", batch_size="auto", **common))
+    assert (tight.batch_size, tight.checkpointing_mode) == (1, "offload")
+    assert tight.checkpointing_reason.startswith("no micro-batch fits")
+    roomy = plan_run(TrainConfig.from_options(gpu_memory="80GiB", batch_size="auto", **common))
+    assert (roomy.batch_size, roomy.checkpointing_mode) == (1, "on")

@@ -156,13 +156,33 @@ def _estimate(
     levels = {"auto": (False, True), "off": (False,), "on": (True,), "offload": (True,)}
     # checkpointing on means offload where asked for it
     on = "offload" if config.checkpointing == "offload" else "on"
-    fit = fit_batch(
-        global_batch=config.global_batch,
-        budget_bytes=budget,
-        estimate=lambda b, ckpt: at(b, on if ckpt else "off").device_total_bytes,
-        checkpointing=levels[config.checkpointing],
-    )
-    return at(fit.micro_batch, on if fit.checkpointing else "off", **predict), fit
+
+    def fit_with(on: str, levels: tuple[bool, ...]) -> BatchFit:
+        return fit_batch(
+            global_batch=config.global_batch,
+            budget_bytes=budget,
+            estimate=lambda b, ckpt: at(b, on if ckpt else "off").device_total_bytes,
+            checkpointing=levels,
+        )
+
+    reason = None
+    try:
+        fit = fit_with(on, levels[config.checkpointing])
+    except ValueError:
+        if config.checkpointing != "auto":
+            raise
+        # auto's last resort, as for a fixed micro-batch (``choose_checkpointing``): no
+        # micro-batch fits with every layer's input on the device, so offload them
+        on = "offload"
+        fit = fit_with(on, (True,))
+        reason = (
+            "no micro-batch fits with checkpointing every layer, so the layers' inputs go "
+            "to pinned host memory"
+        )
+    est = at(fit.micro_batch, on if fit.checkpointing else "off", **predict)
+    if reason is not None:
+        est = dataclasses.replace(est, checkpointing_reason=reason)
+    return est, fit
 
 
 def host_wire(config: TrainConfig, device_type: str, wire: torch.dtype) -> torch.dtype:
