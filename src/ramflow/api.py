@@ -79,8 +79,9 @@ def offload(
             ``OffloadPlan.checkpointed`` from ``ramflow plan``): only those units. A name
             the model does not have raises ValueError. A policy of ``ramflow.memory``
             (``CheckpointAll()``, ``CheckpointEveryKth(k)``, ``CheckpointToBudget(budget,
-            report=...)``, ``CheckpointSegments(n)``, ``SelectiveCheckpoint(...)``): the
-            units it chooses among the units that are the model's repeated blocks (all
+            report=...)``, ``CheckpointSegments(n)``, ``SelectiveCheckpoint(...)``,
+            ``CheckpointOffload(...)``, which also keeps the chosen units' inputs in pinned
+            host memory, prefetched back in backward): the units it chooses among the units that are the model's repeated blocks (all
             units where none is), as ``ramflow.memory.apply_checkpointing`` chooses on the
             plain model, with its options; a policy that cannot apply to this model (no
             unit to choose from, a report without its units, segments outside one
