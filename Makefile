@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[hf,tensorboard]"
+	# the native CPU kernels, once per machine, so that no step waits for their build
+	$(BIN)/python -m ramflow.build_kernels
 	touch $@
 
 # what the tests add: the dev extra (pytest, ruff, accelerate, TRL, PEFT, torchao, Triton) and the

@@ -140,3 +140,30 @@ def test_units_in_two_param_groups_step_on_the_device(device, precision):
     # the host stepped only the other units, each step
     host_units = [u for u in engine.units if u.name not in stepped]
     assert engine.host_step_totals()[0] <= 6 * sum(u.trainable_numel for u in host_units)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", FORMATS)
+def test_offload_compiles_the_device_step_so_steps_compile_nothing(precision):
+    """With units planned on the device, ``offload`` compiles the Triton kernel for every
+    variant a step launches (see [Note: building before the first step]): training with
+    clipping and two param groups (decay on and off) compiles no kernel."""
+    from ramflow._lean_triton import _kernel
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = MLPStack(depth=4)
+    offload_first_two_on_device(model, device, precision)
+    kernels = _kernel().device_caches[device.index][0]  # Triton 3's per-device kernel cache
+    compiled = len(kernels)
+    assert compiled >= 4
+    opt = ramflow.optim.AdamW(decay_groups(model, 1e-2), lr=1e-2)
+    for batch in mlp_batches(3, device):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = mse(model, batch)
+        loss.backward()
+        ramflow.clip_grad_norm_(model.parameters(), 1e-3)  # a gradient scale below 1
+        opt.step()
+        opt.zero_grad()
+    ramflow.synchronize(model)
+    assert len(kernels) == compiled

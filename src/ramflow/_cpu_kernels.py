@@ -11,7 +11,8 @@ wire copy), and its results are bit-identical to PyTorch's.
 See [Note: matching PyTorch's fused AdamW bit for bit] for how.
 
 The C++ source, ``_cpu_kernels.cpp`` (package data beside this module, read with
-``importlib.resources``), is compiled on first use with torch's
+``importlib.resources``), is compiled before the first step (``make setup``, else in the
+background from ``ramflow.offload``: [Note: building before the first step]) with torch's
 ``torch.utils.cpp_extension.load_inline`` (about 6 s on a 2-core machine, 2 s on a 16-core
 one; a PyTorch without ``load_inline``'s ``no_implicit_headers`` adds torch/extension.h and
 takes a minute). It is built without ``-march=native``, so a cached build is portable
@@ -291,14 +292,93 @@ def cache_dir() -> str:
     )
 
 
-def _build() -> str:
-    """Find the kernel of this environment in the cache, or build it there; return its path.
+# [Note: building before the first step]
+# A first build takes seconds to a minute, and inside a step it made a 12B model's second
+# step take 114 s. So the library is built ahead: by ``make setup``
+# (``python -m ramflow.build_kernels``), and otherwise by ``ramflow.offload``, which starts
+# ``start_background_build`` when this environment's library is not in the cache yet: one
+# line on stderr, the build in a daemon thread while the model loads. ``_build`` (the
+# loaders' first use, in the first step) joins that thread if it still runs and raises its
+# error if it failed, so a build is attempted once per process. Never at import: importing
+# ramflow stays cheap and starts nothing.
 
-    See [Note: the kernel's build cache]. Raises whatever the build raises (the caller
-    falls back to PyTorch).
-    """
-    import fcntl  # POSIX only; elsewhere the ImportError means: no native kernel
 
+class _BackgroundBuild:
+    """The build started by ``start_background_build`` (one per process)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> bool:
+        """Start the build unless it ran already, the library is cached or native code
+        is off here; return whether it started."""
+        with self._lock:
+            if self._thread is not None or _NATIVE._loaded or not _native_wanted():
+                return False
+            if os.path.exists(_library()[0]):
+                return False
+            self._thread = threading.Thread(
+                target=self._run, name="ramflow-build-kernels", daemon=True
+            )
+            self._thread.start()
+        print(
+            "ramflow: building ramflow's CPU kernels in the background (once per machine, "
+            f"about {_build_estimate_s()} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
+
+    def _run(self) -> None:
+        try:
+            _build()
+        except BaseException as err:  # noqa: BLE001 - the loaders raise it and fall back
+            self._error = err
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def join(self) -> None:
+        """Wait for the build if another thread runs it; raise its error if it failed."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+_BACKGROUND = _BackgroundBuild()
+
+
+def start_background_build() -> bool:
+    """Build the native kernels in a background thread if this environment's library is not
+    in the cache (see [Note: building before the first step]); print one line to stderr
+    when it starts. Returns whether a build started (False: cached, loaded, started before,
+    or native code is off here: ``RAMFLOW_DISABLE_CPU_KERNELS``, not x86-64)."""
+    return _BACKGROUND.start()
+
+
+def _native_wanted() -> bool:
+    return os.environ.get(_ENV_DISABLE, "") in ("", "0") and platform.machine().lower() in (
+        "x86_64",
+        "amd64",
+    )
+
+
+def _build_estimate_s() -> int:
+    """About how long a first build takes: seconds with ``no_implicit_headers`` (one .cpp,
+    about 7 s on 2 cores), a minute without it (torch/extension.h and pybind11)."""
+    from torch.utils.cpp_extension import load_inline
+
+    return 10 if "no_implicit_headers" in inspect.signature(load_inline).parameters else 60
+
+
+def _library() -> tuple[str, str, str, str]:
+    """This environment's library: (path, name, source, cache folder)."""
     source = _read_source()
     key = build_key(
         source=source,
@@ -312,7 +392,19 @@ def _build() -> str:
     )
     directory = cache_dir()
     name = f"ramflow_cpu_kernels_{key}"
-    path = os.path.join(directory, f"{name}.so")
+    return os.path.join(directory, f"{name}.so"), name, source, directory
+
+
+def _build() -> str:
+    """Find the kernel of this environment in the cache, or build it there; return its path.
+
+    See [Note: the kernel's build cache] and [Note: building before the first step].
+    Raises whatever the build raises (the caller falls back to PyTorch).
+    """
+    import fcntl  # POSIX only; elsewhere the ImportError means: no native kernel
+
+    _BACKGROUND.join()
+    path, name, source, directory = _library()
     if os.path.exists(path):
         return path
     os.makedirs(directory, exist_ok=True)

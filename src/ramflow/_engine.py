@@ -34,6 +34,7 @@ from ._hooks import ModuleCall
 from ._host_formats import HostPrecision, rates_for
 from ._host_store import FillMaster, HostStore, optimizer_state_bytes
 from ._interfaces import DataParallel, StepOptimizer
+from ._lean_kernels import warm_up_device_step
 from ._plain_optim import install_optimizer_hooks
 from ._plan import OffloadPlan, auto_device_optimizer, make_plan, with_device_optimizer
 from ._predict import Rates
@@ -171,6 +172,7 @@ class Engine:
         except BaseException:
             self.adapters.give_back()
             raise
+        self._warm_up_device_step()
         if model is not None:
             for module in model.modules():
                 for name, buf in module._buffers.items():
@@ -326,6 +328,20 @@ class Engine:
             **sizes,
             rates=rates_for(Rates(), precision.name),
             grad_bytes_per_param=torch.empty((), dtype=self.wire_dtype).element_size(),
+        )
+
+    def _warm_up_device_step(self) -> None:
+        """Compile the lean device step's Triton kernel now when the plan steps units on
+        the device, not inside the first step (see [Note: building before the first
+        step] in ``ramflow._cpu_kernels``)."""
+        precision = self.host.precision
+        if not self.plan.device_stepped or precision.is_exact:
+            return
+        warm_up_device_step(
+            self.device,
+            master_dtype=precision.master_format.dtype,
+            state_dtype=precision.state_format.dtype,
+            compensated=precision.master_format.compensated,
         )
 
     def _device_optimizer_refusal(self) -> str | None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import math
 import os
 import platform
@@ -693,3 +694,39 @@ def lean_adamw_step_(
     )
     rc = lib.ramflow_lean_adamw_step(ctypes.byref(args))
     assert rc == 0, rc
+
+
+def warm_up_device_step(
+    device: torch.device, *, master_dtype: torch.dtype, state_dtype: torch.dtype, compensated: bool
+) -> bool:
+    """Compile the device step's Triton kernel (``_lean_triton``) for one host format on
+    ``device`` before the first step: a step of one block of zeros for each variant a step
+    can launch, on the current stream. Triton compiles one per weight decay on and off, a
+    gradient scale of 1 and another (clipping), a rounding key that fits int32 and one that
+    does not (Triton types an int argument by its value), and, with 8-bit states, absmax
+    buffers on and off a 16-byte boundary (a param group's run starts at any block). Triton
+    keeps the binaries in its per-machine cache, so a later process loads them. Returns
+    whether it ran (False where the kernel is not used, see ``_lean_triton.available``).
+    See [Note: building before the first step] in ``ramflow._cpu_kernels``."""
+    if not _lean_triton.available(device):
+        return False
+
+    def zeros(dtype: torch.dtype, n: int = QBLOCK) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, device=device)
+
+    seeds: dict[bool, int] = {}  # key >= 2**31 -> a seed whose step-1 key is so
+    for seed in range(64):
+        seeds.setdefault(rounding_key(seed, 1) >= 2**31, seed)
+    quantized = state_dtype == torch.uint8
+    for weight_decay, grad_scale, seed, shift in itertools.product(
+        (0.0, 0.1), (1.0, 0.5), seeds.values(), (0, 1) if quantized else (0,)
+    ):
+        absmax = [zeros(torch.float32, 2)[shift : shift + 1] for _ in range(2)]
+        lean_adamw_step_(
+            zeros(master_dtype), zeros(torch.bfloat16), zeros(state_dtype), zeros(state_dtype),
+            step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay,
+            grad_scale=grad_scale, compensation=zeros(torch.bfloat16) if compensated else None,
+            exp_avg_absmax=absmax[0] if quantized else None,
+            exp_avg_sq_absmax=absmax[1] if quantized else None, seed=seed,
+        )  # fmt: skip
+    return True

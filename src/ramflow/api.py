@@ -10,6 +10,7 @@ from torch import nn
 
 from ._adapters import choose_on_device
 from ._clip import clip_grad_norm_ as clip_grad_norm_  # public here
+from ._cpu_kernels import start_background_build
 from ._dist import (
     DistributedState,
     agree_on_precision,
@@ -276,6 +277,7 @@ def offload(
         default_wire=default_wire,
     )
     remove_stale_store_files(shm_directory())  # of ranks that died: see [Note: host store files]
+    start_background_build()  # see [Note: building before the first step]
     owners = None
     device_optimizer_reason = None
     if device_optimizer not in (None, True, False):
