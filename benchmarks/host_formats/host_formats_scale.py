@@ -285,9 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="AdamW threads (default: torch's)")
     p.add_argument(
         "--device-optimizer",
-        action="store_true",
-        help="device_optimizer=True: the resident units the budget leaves room for are "
-        "stepped on the GPU (the predicted step does not model it; off by default)",
+        nargs="?",
+        const="on",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="ramflow.offload's device_optimizer: auto (default, None: the planner's "
+        "choice), on (or the bare flag: True, every resident unit that fits), off (False)",
     )
     p.add_argument("--out-dir", required=True)
     p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU, 2 steps")
@@ -349,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         host_precision=args.host_precision,
         activation_checkpointing=True,
         weights=random_init,
-        device_optimizer=args.device_optimizer,
+        device_optimizer={"auto": None, "on": True, "off": False}[args.device_optimizer],
     )
     result["load_s"] = time.perf_counter() - t0
     result["load_peak_rss_bytes"] = _vm("VmHWM")
