@@ -114,11 +114,15 @@ class HostOptimizer(torch.optim.Optimizer):
             engine.attach(self)
 
     def _warn_no_device_step(self, engine: Engine) -> None:
-        """Warn when ``engine`` planned units to be stepped on the device
-        (``device_optimizer``) and this optimizer has no device step (only AdamW has one):
-        those units are stepped on the CPU instead, once their gradients are on the host,
-        and the device memory planned for their states goes unused."""
+        """Warn when the user asked ``engine`` to step units on the device
+        (``device_optimizer=True``) and this optimizer has no device step (only AdamW has
+        one): those units are stepped on the CPU instead, once their gradients are on the
+        host, and the device memory planned for their states goes unused. Under the
+        planner's choice (``device_optimizer=None``, the default) the same happens without
+        a word: nothing the user asked for is ignored."""
         if hasattr(self, "device_flat_step"):  # as the stepper asks (``device_steppable``)
+            return
+        if engine.device_optimizer is not True:
             return
         planned = sum(u.device_stepped for u in engine.units)
         if planned:
