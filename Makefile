@@ -42,7 +42,7 @@ train: $(STAMP)
 
 # one line per test file (not -q's bare dots), so a 15-minute run shows where it is
 test: $(TEST_STAMP)
-	@echo "make test: the whole suite takes about 15 minutes on 2 CPU cores; one line per test file"
+	@echo "make test: the whole suite takes about 12 minutes on 2 CPU cores; one line per test file"
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(TEST_STAMP)
