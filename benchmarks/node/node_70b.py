@@ -13,8 +13,9 @@ In one run, on the GPU box (a 4-GPU kind):
    use (psutil's ``used``: total minus available, so the /dev/shm store counts) every
    0.2 s.
 
-Reports (``node_70b.json`` and ``node_70b.md`` in ``--out-dir``): the load time (from the
-command's start to the first step, as the trainer logs it), the peak host memory in use
+Reports (``node_70b.json`` and ``node_70b.md`` in ``--out-dir``): the load time as the
+trainer logs it (``load_s``: build, fill and offload; ``since_start_s``: rank 0's process
+start to its first step), the peak host memory in use
 above the baseline against the plan's host bytes, peak GPU memory, the median step time of
 the steps after the first two, tokens/s, model TFLOPS per GPU (6 x parameters x tokens per
 GPU per step / step time; attention and recomputation not counted) against the slowest

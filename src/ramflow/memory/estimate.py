@@ -377,21 +377,30 @@ class MemoryEstimate:
         lines += self.speed_lines()
         return "\n".join(lines)
 
-    def speed_lines(self) -> list[str]:
-        """The predicted step time and the fastest plan, with the rates assumed."""
-        if self.prediction is None or self.timing_rates is None:
-            return []
+    def rates_lines(self) -> list[str]:
+        """The rates the step prediction assumed, and how to give others (two lines);
+        empty without timing rates."""
         r = self.timing_rates
+        if r is None:
+            return []
         both = f", both ways {r.both_bytes_per_s / 1e9:.1f} GB/s" if r.both_bytes_per_s else ""
-        lines = [
-            "",
-            f"step time (predicted, estimated inputs): {self.prediction.describe()}",
+        return [
             f"  assumed: pinned PCIe {r.h2d_bytes_per_s / 1e9:.1f} GB/s H2D, "
             f"{r.d2h_bytes_per_s / 1e9:.1f} GB/s D2H{both}; GPU bf16 matmul "
             f"{(self.matmul_flops_per_s or 0) / 1e12:.0f} TFLOP/s ({TRAIN_MATMUL_EFFICIENCY:.0%} of "
             f"it in a training forward); CPU AdamW {r.cpu_optimizer_params_per_s / 1e9:.2f} G params/s",
             "  (defaults: the H200 box's measurements; override with --pcie-gbps, --gpu-tflops, "
             "--cpu-adamw-gparams; benchmarks/bench.py --floors measures them)",
+        ]
+
+    def speed_lines(self) -> list[str]:
+        """The predicted step time and the fastest plan, with the rates assumed."""
+        if self.prediction is None or self.timing_rates is None:
+            return []
+        lines = [
+            "",
+            f"step time (predicted, estimated inputs): {self.prediction.describe()}",
+            *self.rates_lines(),
         ]
         best = self.timed_plan
         if best is not None and best.prediction is not None:

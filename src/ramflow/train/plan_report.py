@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Protocol
 
 from .._plan import OffloadPlan, _names, format_bytes
-from .._predict import TRAIN_MATMUL_EFFICIENCY
 from ..memory.estimate import RUNTIME_OVERHEAD_BYTES, MemoryEstimate, size_string
 
 
@@ -153,17 +152,10 @@ def _share_line(est: MemoryEstimate) -> str:
 def _speed_lines(est: MemoryEstimate) -> list[str]:
     if est.prediction is None or est.timing_rates is None:
         return []
-    r = est.timing_rates
-    both = f", both ways {r.both_bytes_per_s / 1e9:.1f} GB/s" if r.both_bytes_per_s else ""
     lines = [
         "",
         f"step time (predicted): {est.prediction.describe()}",
-        f"  assumed: pinned PCIe {r.h2d_bytes_per_s / 1e9:.1f} GB/s H2D, "
-        f"{r.d2h_bytes_per_s / 1e9:.1f} GB/s D2H{both}; GPU bf16 matmul "
-        f"{(est.matmul_flops_per_s or 0) / 1e12:.0f} TFLOP/s ({TRAIN_MATMUL_EFFICIENCY:.0%} of "
-        f"it in a training forward); CPU AdamW {r.cpu_optimizer_params_per_s / 1e9:.2f} G params/s",
-        "  (defaults: the H200 box's measurements; override with --pcie-gbps, --gpu-tflops, "
-        "--cpu-adamw-gparams; benchmarks/bench.py --floors measures them)",
+        *est.rates_lines(),
     ]
     best = est.timed_plan
     if best is not None and best.prediction is not None:
