@@ -93,12 +93,14 @@ def _floors(out: Path, gpus: int, smoke: bool) -> dict | None:
 def _cpu_optimizer_rate(host_precision: str) -> float | None:
     """The host format's one-pass CPU AdamW rate with all of this host's cores, parameters
     per second (``bench.py --cpu-optimizer``'s measurement)."""
+    import cpu_optimizer_runner
     import measure
-    import runners
 
     try:
         dram = measure.dram_copy_bandwidth()
-        rates = runners._host_format_rates(1 << 27, {"steps": 3}, dram)
+        rates = cpu_optimizer_runner._host_format_rates(
+            1 << 27, {"steps": 3, "tiny": False}, dram
+        )
         return rates[host_precision]["params_per_s"]
     except Exception as e:  # noqa: BLE001 (the report says why there is none)
         print(f"CPU optimizer rate not measured: {type(e).__name__}: {e}", flush=True)
@@ -120,8 +122,24 @@ def _parse_plan(text: str) -> dict:
     return out
 
 
+def _rss_parts(pid: int) -> dict[str, int]:
+    """``RssAnon``, ``RssFile`` and ``RssShmem`` of one process, bytes (``/proc/PID/status``)."""
+    parts: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "RssFile", "RssShmem"):
+                    parts[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return parts
+
+
 class _HostMemory:
-    """Samples psutil's ``used`` (total minus available) every ``period`` seconds."""
+    """Samples psutil's ``used`` (total minus available) every ``period`` seconds, and at
+    the peak, each descendant process's resident memory by kind (``_rss_parts``): private
+    (anonymous) memory per rank against the shared store (shmem)."""
 
     def __init__(self, period: float = 0.2) -> None:
         import psutil
@@ -129,13 +147,25 @@ class _HostMemory:
         self._psutil = psutil
         self.baseline = psutil.virtual_memory().used
         self.peak = self.baseline
+        self.at_peak: list[dict] = []
+        self.shmem = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, args=(period,), daemon=True)
         self._thread.start()
 
     def _sample(self, period: float) -> None:
+        me = self._psutil.Process()
         while not self._stop.wait(period):
-            self.peak = max(self.peak, self._psutil.virtual_memory().used)
+            vm = self._psutil.virtual_memory()
+            if vm.used > self.peak:
+                self.peak = vm.used
+                self.shmem = vm.shared
+                procs = []
+                for child in me.children(recursive=True):
+                    parts = _rss_parts(child.pid)
+                    if parts.get("RssAnon", 0) > 1 << 30:  # the ranks, not the launcher
+                        procs.append({"pid": child.pid, **parts})
+                self.at_peak = procs
 
     def stop(self) -> int:
         self._stop.set()
@@ -158,11 +188,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--steps", type=int, default=6, help="steps; the first two are not timed")
     p.add_argument("--host-precision", default="lean")
+    p.add_argument(
+        "--clip-grad",
+        default=None,
+        help="ramflow train --clip-grad (default: the trainer's, 1.0; 0 turns clipping off, "
+        "so units step during backward and no full host gradient buffer is made)",
+    )
     p.add_argument("--gpu-memory", default=None, help="ramflow train --gpu-memory")
     p.add_argument("--smoke", action="store_true", help="tiny preset, 2 gloo ranks on the CPU")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=1800.0,
+        help="seconds for the whole run: training is stopped (exit 124) when they are spent",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.preset, args.gpus, args.batch_size, args.seq_len, args.steps = "tiny", 2, 2, 64, 4
+    deadline = time.monotonic() + args.budget_s
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"date": date.today().isoformat(), "args": vars(args)}
@@ -206,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         common += ["--device", "cpu"]
     if args.gpu_memory:
         common += ["--gpu-memory", args.gpu_memory]
+    if args.clip_grad is not None:
+        common += ["--clip-grad", args.clip_grad]
     rates = []
     if matmul:
         rates += ["--gpu-tflops", f"{matmul / 1e12:.0f}"]
@@ -238,12 +283,14 @@ def main(argv: list[str] | None = None) -> int:
         str(run_dir),
     ]
     memory = _HostMemory()
-    rc, wall = _run(train_cmd, out / "train.log", timeout=1800)
+    rc, wall = _run(train_cmd, out / "train.log", timeout=max(60.0, deadline - time.monotonic()))
     host_peak = memory.stop()
     result["train_command"] = " ".join(train_cmd[1:])
     result["train_exit_code"] = rc
     result["train_wall_s"] = wall
     result["host_peak_in_use_bytes"] = host_peak
+    result["host_shmem_at_peak_bytes"] = memory.shmem
+    result["ranks_rss_at_peak"] = memory.at_peak
     log = _read_log(run_dir / "log.jsonl")
     steps = [r for r in log if "step_s" in r and "loss" in r]
     start = next((r for r in log if r.get("event") == "start"), {})

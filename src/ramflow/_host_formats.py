@@ -473,12 +473,16 @@ class HostPrecision:
         wire_dtype: torch.dtype,
         *,
         num_states: int = len(MOMENTS),
+        full_gradients: bool = False,
     ) -> HostBytes:
         """Host bytes of ``units`` under this policy with a wire of ``wire_dtype``, by part:
         the one byte model (the store's check, ``auto``, the plan, ``memory.estimate`` and
         the checkpoint's size read it). ``num_states``: fp32 state tensors per trained
         parameter in the exact formats (2 for AdamW, 1 for SGD with momentum); the lean
-        formats' states are AdamW's."""
+        formats' states are AdamW's. ``full_gradients``: the loop makes the full gradient
+        buffer that a ring makes only for the steps that need one (clipping, accumulation,
+        steps kept out of backward; see ``gradients``): counted in the master's dtype
+        beside the ring's staging."""
         units = list(units)
         master = self.master_format
         wire_size = _size(wire_dtype)
@@ -494,7 +498,7 @@ class HostPrecision:
                 for u in units
                 for n in u.compressed_numels()
             ),
-            gradients=0 if ring else trainable * master_size,
+            gradients=0 if ring and not full_gradients else trainable * master_size,
             staging=RING_BUFFERS * largest * wire_size if ring else trainable * wire_size,
             states=self.state_bytes(trainable, num_states=num_states),
         )

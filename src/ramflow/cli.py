@@ -429,6 +429,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", metavar="DIR", default=None, help="where checkpoints would go, for the disk check"
     )
     pl.add_argument(
+        "--clip-grad",
+        type=float,
+        default=None,
+        help="as train's (default 1.0): a loop that clips, accumulates (--grad-accum) or runs "
+        "one process keeps a full host gradient buffer, which the plan counts",
+    )
+    pl.add_argument(
+        "--grad-accum", type=int, default=None, help="as train's: micro-batches per step"
+    )
+    pl.add_argument(
         "--pcie-gbps",
         type=float,
         default=None,
@@ -619,6 +629,8 @@ def _plan(args: argparse.Namespace) -> int:
             "seq_len",
             "checkpointing",
             "host_precision",
+            "clip_grad",
+            "grad_accum",
         )
     }
     from ._predict import DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S, Rates
@@ -644,6 +656,7 @@ def _plan(args: argparse.Namespace) -> int:
             out_dir=args.out,
             timing_rates=rates,
             matmul_flops_per_s=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
+            num_ranks=args.nproc_per_node or 1,
         )
     except BudgetTooSmall as err:  # a verdict, not a usage error: see the exit status
         print(f"{_model_label(args)}: DOES NOT FIT this budget: {err}")

@@ -470,6 +470,7 @@ def estimate_memory(
     model_name: str | None = None,
     out_dir: str | os.PathLike | None = None,
     host_precision: HostPrecision | str | None = None,
+    full_gradients: bool = False,
 ) -> MemoryEstimate:
     """Estimate a training run's memory, per device and host, without running it.
 
@@ -504,6 +505,9 @@ def estimate_memory(
         host_precision: the host formats (as ``ramflow.offload``'s ``host_precision``,
             ``"auto"`` included: decided on this machine's available RAM); None: fp32. With
             formats other than fp32 the optimizer is taken to be AdamW.
+        full_gradients: the loop keeps a full host gradient buffer even under a gradient
+            ring (it clips, accumulates, or steps only in ``opt.step()``): counted in the
+            master's dtype (see ``HostPrecision.host_bytes``).
 
     Returns:
         A ``MemoryEstimate``; ``describe()`` prints it.
@@ -580,7 +584,9 @@ def estimate_memory(
     host, wire_dtype, reason = resolve_precision(
         host_precision, lambda: units, wire_dtype=wire_dtype, default_wire=wire_dtype
     )
-    parts = host.host_bytes(units, wire_dtype, num_states=optimizer_states)
+    parts = host.host_bytes(
+        units, wire_dtype, num_states=optimizer_states, full_gradients=full_gradients
+    )
     # a master that is the wire copy (or fp32 with an fp32 wire) is pinned, as a wire is
     master_pinned = cuda and host.master_format.wire_copy_bytes(wire_dtype) == 0
     distinct = {id(p): p for p in model.parameters()}.values()

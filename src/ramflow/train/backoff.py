@@ -13,8 +13,9 @@ again: the global batch, the data order and the schedule are unchanged, so the l
 that follow are those of a run that started at the smaller micro-batch (up to the order in
 which accumulation sums). A failed backward cannot be undone where ramflow had already
 stepped units during it (the eager overlap); eager steps never run when the gradients are
-clipped (the default), and without clipping the loop builds the optimizer with
-``overlap=False``, so every back-off is exact. A micro-batch of 1 that runs out of memory
+clipped (the default), and without clipping one process builds the optimizer with
+``overlap=False``, so every back-off is exact (several ranks step during backward: see
+``TrainConfig.steps_during_backward``). A micro-batch of 1 that runs out of memory
 ends the run with the error (nothing smaller is left), and so does any micro-batch of a run
 of several ranks (see [Note: several ranks from the CLI] in ``ranks.py``). With ``--batch-size auto`` the
 micro-batch the estimate chose is first tried on the data of the first step (forward and

@@ -261,6 +261,20 @@ class TrainConfig:
         """The step at which the cosine decay ends (``decay_steps``, else ``steps``)."""
         return self.decay_steps if self.decay_steps is not None else self.steps
 
+    def steps_during_backward(self, *, several_ranks: bool) -> bool:
+        """Whether the loop lets ramflow step units during backward (the eager overlap), so
+        that no full host gradient buffer is made: only without clipping, accumulation or
+        fp16's loss scaling (each needs every gradient before a step), and only on several
+        ranks, where an out-of-memory error ends the run; one process keeps steps out of
+        backward so that its back-off stays exact (see [Note: backing off after an
+        out-of-memory error] in ``backoff.py``)."""
+        return (
+            several_ranks
+            and self.clip_grad == 0
+            and self.grad_accum == 1
+            and self.precision != "fp16"
+        )
+
     @property
     def global_batch(self) -> int:
         """Sequences per optimizer step (``grad_accum * batch_size``)."""

@@ -188,6 +188,7 @@ def estimate_memory(
     timing_rates: Rates | None = None,
     matmul_flops_per_s: float | None = None,
     host_precision: str = "fp32",
+    full_gradients: bool = False,
 ) -> MemoryEstimate:
     """Estimate a language model's training memory without allocating the model.
 
@@ -214,6 +215,8 @@ def estimate_memory(
             box's, ``ramflow._predict``).
         matmul_flops_per_s: the GPU's bf16 matmul rate, FLOP/s (default: the H200's).
         host_precision: the host formats (``ramflow.offload``'s ``host_precision``).
+        full_gradients: the loop keeps a full host gradient buffer (see
+            ``ramflow.memory.estimate_memory``).
 
     Raises:
         ValueError: ``checkpointing`` unknown; non-positive sizes; the budget is too small
@@ -244,6 +247,7 @@ def estimate_memory(
         model_name=model_name,
         out_dir=out_dir,
         host_precision=host_precision,
+        full_gradients=full_gradients,
     )
     if not (predict and device_type == "cuda"):
         return estimate

@@ -61,16 +61,19 @@ def make_optimizer(
     betas: tuple[float, float],
     eps: float,
     overlap: bool,
+    keep_grads: bool = True,
 ) -> torch.optim.Optimizer:
     """The ``ramflow.optim`` optimizer ``name`` over param ``groups`` (each with its
     ``weight_decay``) at peak ``lr``. ``betas`` and ``eps`` are AdamW's (``--beta1``,
     ``--beta2``, ``--eps``); Lion takes the paper's betas, Adafactor and SGD have none.
+    ``overlap`` is the optimizers'; ``keep_grads`` AdamW's (``keep_grads=False``: the loop
+    never reads ``p.grad``, so steps during backward write no full gradient buffer).
 
     Raises:
         ValueError: ``name`` is not one of ``OPTIMIZERS``.
     """
     if name == "adamw":
-        return optim.AdamW(groups, lr=lr, betas=betas, eps=eps, overlap=overlap)
+        return optim.AdamW(groups, lr=lr, betas=betas, eps=eps, overlap=overlap, keep_grads=keep_grads)
     if name == "lion":
         return optim.Lion(groups, lr=lr, betas=LION_BETAS, overlap=overlap)
     if name == "adafactor":

@@ -280,8 +280,14 @@ def plan_ranks(
     zero = choose_zero_stage(num_ranks, zero_stage)
     e = estimate
     ring = HostPrecision.parse(e.host_precision).gradient_format.ring
-    copies = 1 if zero.stage == 2 and not ring else num_ranks
-    gradient_bytes = (e.host_gradient_pinned_bytes + e.host_gradient_pageable_bytes) * copies
+    # the staging (a ring's, every rank's; ZeRO-2 without a ring: the owner's) and the full
+    # gradient buffer a loop that clips or accumulates keeps (ZeRO-2: the owner's, once)
+    staging_copies = num_ranks if ring or zero.stage == 1 else 1
+    full_copies = 1 if zero.stage == 2 else num_ranks
+    gradient_bytes = (
+        e.host_gradient_pinned_bytes * staging_copies
+        + e.host_gradient_pageable_bytes * full_copies
+    )
     device_side = e.device_total_bytes if e.device_type == "cpu" else 0
     per_rank = RUNTIME_OVERHEAD_BYTES + device_side
     prediction = None

@@ -93,6 +93,7 @@ def _estimate(
     wire_dtype: torch.dtype,
     budget: int | None,
     out_dir: Path | None,
+    several_ranks: bool = False,
     **predict: Any,
 ) -> tuple[MemoryEstimate, BatchFit | None]:
     """The run's estimate; with ``--batch-size auto``, at the largest micro-batch (and the
@@ -132,6 +133,7 @@ def _estimate(
             out_dir=out_dir if out_dir is not None else Path("runs"),
             host_precision=host_precision,
             optimizer_states=OPTIMIZER_DEFAULTS[config.optimizer].num_states,
+            full_gradients=not config.steps_during_backward(several_ranks=several_ranks),
             **extra,
         )
 
@@ -200,6 +202,7 @@ def plan_run(
     out_dir: str | os.PathLike | None = None,
     timing_rates: Rates | None = None,
     matmul_flops_per_s: float | None = None,
+    num_ranks: int = 1,
 ) -> MemoryEstimate:
     """The memory plan of a training run, without allocating the model (``ramflow plan``),
     with its predicted step time on a GPU (``MemoryEstimate.prediction`` and ``timed_plan``).
@@ -215,6 +218,9 @@ def plan_run(
         timing_rates: copy and CPU optimizer rates for the prediction (default: the H200
             box's, see ``ramflow._predict``).
         matmul_flops_per_s: the GPU's bf16 matmul rate, FLOP/s (default: the H200's).
+        num_ranks: ranks of the run (``--nproc-per-node``): with several, a run without
+            clipping or accumulation steps during backward and keeps no full host gradient
+            buffer (``TrainConfig.steps_during_backward``).
 
     Raises:
         ValueError, FileNotFoundError: as ``train``'s checks (settings, model, tokenizer,
@@ -268,6 +274,7 @@ def plan_run(
         wire_dtype=wire,
         budget=budget,
         out_dir=Path(out_dir) if out_dir is not None else None,
+        several_ranks=num_ranks > 1,
         predict=True,
         timing_rates=timing_rates,
         matmul_flops_per_s=matmul_flops_per_s,
@@ -313,6 +320,7 @@ def prepare_run(
     out_dir: Path | None,
     *,
     device: str | None = None,
+    several_ranks: bool = False,
 ) -> PreparedRun:
     """Check everything that can be refused, in order of cost, before anything is written:
     device and precision, tokenizer and model config, the weights' shapes (file headers
@@ -322,6 +330,7 @@ def prepare_run(
     Args:
         device: the device this process computes on, when it is not ``config.device``
             (one rank's GPU, ``Ranks.device``); None: ``config.device``.
+        several_ranks: the run has several ranks (see ``plan_run``'s ``num_ranks``).
 
     Raises:
         ValueError, FileNotFoundError, CheckpointError, MemoryError, OSError: see ``train``.
@@ -355,6 +364,7 @@ def prepare_run(
         wire_dtype=policy.wire_dtype,
         budget=budget,
         out_dir=out_dir,
+        several_ranks=several_ranks,
     )
     saves = config.keep_checkpoints > 0
     _check_machine(estimate, corpus_bytes=0, saves=saves)  # before reading the data: fail fast

@@ -273,7 +273,9 @@ def _train_ranks(
         run_dir = Path(out) if out is not None else (ckpt.run_dir if ckpt is not None else None)
         if ranks.is_main:
             _refuse_other_run(run_dir, ckpt)
-        setup = prepare_run(config, ckpt, run_dir, device=ranks.device(config.device))
+        setup = prepare_run(
+            config, ckpt, run_dir, device=ranks.device(config.device), several_ranks=ranks.several
+        )
         check_several_ranks(
             world_size=ranks.world_size,
             precision=setup.policy.precision,
@@ -449,6 +451,7 @@ def _train(
         except ValueError as err:
             say(f"the loss is computed over the full logits: {err}")
         groups, param_names = _param_groups(model, config.weight_decay)
+        eager = config.steps_during_backward(several_ranks=ranks.several)
         # see [Note: backing off after an out-of-memory error] in backoff.py
         opt = make_optimizer(
             config.optimizer,
@@ -456,7 +459,8 @@ def _train(
             lr=config.lr,
             betas=(config.beta1, config.beta2),
             eps=config.eps,
-            overlap=config.clip_grad > 0,
+            overlap=config.clip_grad > 0 or eager,
+            keep_grads=not eager,
         )
         sched = make_scheduler(
             opt,
