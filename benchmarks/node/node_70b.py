@@ -98,9 +98,7 @@ def _cpu_optimizer_rate(host_precision: str) -> float | None:
 
     try:
         dram = measure.dram_copy_bandwidth()
-        rates = cpu_optimizer_runner._host_format_rates(
-            1 << 27, {"steps": 3, "tiny": False}, dram
-        )
+        rates = cpu_optimizer_runner._host_format_rates(1 << 27, {"steps": 3, "tiny": False}, dram)
         return rates[host_precision]["params_per_s"]
     except Exception as e:  # noqa: BLE001 (the report says why there is none)
         print(f"CPU optimizer rate not measured: {type(e).__name__}: {e}", flush=True)

@@ -73,7 +73,9 @@ def make_optimizer(
         ValueError: ``name`` is not one of ``OPTIMIZERS``.
     """
     if name == "adamw":
-        return optim.AdamW(groups, lr=lr, betas=betas, eps=eps, overlap=overlap, keep_grads=keep_grads)
+        return optim.AdamW(
+            groups, lr=lr, betas=betas, eps=eps, overlap=overlap, keep_grads=keep_grads
+        )
     if name == "lion":
         return optim.Lion(groups, lr=lr, betas=LION_BETAS, overlap=overlap)
     if name == "adafactor":

@@ -285,8 +285,7 @@ def plan_ranks(
     staging_copies = num_ranks if ring or zero.stage == 1 else 1
     full_copies = 1 if zero.stage == 2 else num_ranks
     gradient_bytes = (
-        e.host_gradient_pinned_bytes * staging_copies
-        + e.host_gradient_pageable_bytes * full_copies
+        e.host_gradient_pinned_bytes * staging_copies + e.host_gradient_pageable_bytes * full_copies
     )
     device_side = e.device_total_bytes if e.device_type == "cpu" else 0
     per_rank = RUNTIME_OVERHEAD_BYTES + device_side
