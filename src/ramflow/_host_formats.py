@@ -175,8 +175,12 @@ class StateFormat:
         if self.block and name.endswith(self.ABSMAX):
             return torch.zeros(self.numel(name, n), dtype=torch.float32)
         if self.block:
-            codes, _ = quantize_blockwise(torch.zeros(n), signed=name == "exp_avg")
-            return codes
+            # every element of an all-zero block has the same code: quantize one block and
+            # fill. Quantizing n zeros made about 18 transient bytes per element (the fp32
+            # zeros, their padded and scaled copies, int64 bucket indices): 14 GB for the
+            # 778M-element embedding of a 14B model, on top of the store, at the first step
+            zero, _ = quantize_blockwise(torch.zeros(self.block), signed=name == "exp_avg")
+            return torch.full((n,), int(zero[0]), dtype=zero.dtype)
         return torch.zeros(n, dtype=self.dtype)
 
 
@@ -245,6 +249,11 @@ class HostBytes(NamedTuple):
         gradients: full host gradients, in the master's dtype.
         staging: D2H staging in the wire dtype (per unit, or the ring's buffers).
         states: AdamW's states and a Kahan compensation (the optimizer's).
+        deferred_gradients: under the gradient ring, the full host gradients (master
+            dtype) that a step not applied during backward makes, held until its units
+            step during backward again: the first step of an optimizer that keeps ``p.grad``, every step of a
+            loop that clips, gradient accumulation. Not in ``store`` or ``total``, which
+            are a ring's steady state; 0 without the ring (``gradients`` holds them).
     """
 
     master: int
@@ -253,6 +262,7 @@ class HostBytes(NamedTuple):
     gradients: int
     staging: int
     states: int
+    deferred_gradients: int = 0
 
     @property
     def store(self) -> int:
@@ -501,6 +511,7 @@ class HostPrecision:
             gradients=0 if ring and not full_gradients else trainable * master_size,
             staging=RING_BUFFERS * largest * wire_size if ring else trainable * wire_size,
             states=self.state_bytes(trainable, num_states=num_states),
+            deferred_gradients=trainable * master_size if ring else 0,
         )
 
     def state_bytes(self, numel: int, *, num_states: int = len(MOMENTS)) -> int:
