@@ -258,6 +258,27 @@ def test_host_bytes_of_the_lean_formats(device):
     assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg_sq"].dtype == torch.uint8
 
 
+
+def test_the_plan_counts_what_a_deferred_step_holds(device):
+    """Under the ring a step not applied during backward (here the first, as the optimizer
+    keeps p.grad) makes full host gradients: the plan names their bytes, exactly what the
+    units hold; fp32's store counts its gradients already."""
+    torch.manual_seed(0)
+    model = MLPStack()
+    opt = offloaded(model, device, "lean")
+    x, y = batches(1, device)[0]
+    loss_of(model, x, y).backward()
+    engine = engine_of_model(model)
+    held = sum(u.host_grad.nbytes for u in engine.units if u.host_grad is not None)
+    plan = ramflow.get_plan(model)
+    assert held > 0 and plan.host_deferred_bytes == held
+    assert "of host gradients, held until units step during backward again" in plan.describe()
+    opt.step()
+    ramflow.synchronize(model)
+    exact = MLPStack()
+    ramflow.offload(exact, device=device, wire_dtype=torch.bfloat16, host_precision="fp32")
+    assert ramflow.get_plan(exact).host_deferred_bytes == 0
+
 def test_no_full_gradient_ever_with_the_ring_and_keep_grads_false(device):
     """keep_grads=False promises the loop never reads gradients: under the ring, the first
     backward steps during backward too, so no full host gradient buffer is ever made (it

@@ -296,6 +296,7 @@ class Engine:
             ),
             host_bytes=self.host.store_bytes(all_units)
             + optimizer_state_bytes(all_units, precision),
+            host_deferred_bytes=precision.host_bytes(all_units, self.wire_dtype).deferred_gradients,
             host_precision_reason=self._host_precision_reason,
             frozen_format=self.frozen_format,
             unit_h2d_bytes=tuple(u.h2d_bytes(self.wire_dtype) for u in all_units),

@@ -107,6 +107,10 @@ class OffloadPlan:
         host_bytes: host bytes of the store (masters, wire copies, gradients) plus AdamW's
             states, for the whole model (engine plans only; None for ``ramflow plan``'s
             timed plans, which give their own host estimate).
+        host_deferred_bytes: host bytes a step not applied during backward adds under
+            the gradient ring, held until units step during backward again (``HostBytes.deferred_gradients``:
+            the first step of an optimizer that keeps ``p.grad``, a loop that clips,
+            gradient accumulation); 0 without the ring, None where ``host_bytes`` is.
         host_precision_reason: why ``host_precision="auto"`` chose it (None otherwise).
         frozen_format: how frozen matrices are kept (``"int8"``, ``"nf4"``; None: in the
             wire dtype).
@@ -138,6 +142,7 @@ class OffloadPlan:
     host_precision: str = field(default="fp32", compare=False)
     host_bytes_per_parameter: float | None = field(default=None, compare=False)
     host_bytes: int | None = field(default=None, compare=False)
+    host_deferred_bytes: int | None = field(default=None, compare=False)
     host_precision_reason: str | None = field(default=None, compare=False)
     frozen_format: str | None = field(default=None, compare=False)
     unit_h2d_bytes: tuple[int, ...] | None = field(default=None, compare=False)
@@ -198,6 +203,12 @@ class OffloadPlan:
             )
             if self.host_bytes is not None:
                 host += f", {format_bytes(self.host_bytes)} with AdamW's states"
+            if self.host_deferred_bytes:
+                host += (
+                    f"; a step not applied during backward (the first while p.grad is kept, "
+                    f"clipping, accumulation) adds {format_bytes(self.host_deferred_bytes)} "
+                    "of host gradients, held until units step during backward again"
+                )
             if self.host_precision_reason:
                 host += f" (auto: {self.host_precision_reason})"
             if self.frozen_format is not None:
