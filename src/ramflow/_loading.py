@@ -3,10 +3,10 @@
 [Note: loading without a full-precision peak]
 ``ramflow.offload(model, weights=...)`` takes a model whose parameters are on the meta
 device (shapes only) and reads each unit's values while the host store builds that unit's
-master (``HostStore.build``'s fill hook): a tensor is read from its safetensors file
-(``safe_open``, one tensor at a time, one file open and mapped at a time), cast into its
-view of the new master, and dropped. So the host holds the store plus one unit's source
-tensors plus the pages of one mapped file, never a whole model in another precision first.
+master (``HostStore.build``'s fill hook): each tensor is read from its safetensors file
+straight into its view of the new master (see [Note: reading safetensors at the
+machine's speed]), or written there by the weights function. So the host holds the store
+plus at most a few MiB per reading thread, never a whole model in another precision first.
 Everything that can fail from the files' headers alone (a missing tensor, another shape)
 is checked before anything is allocated, and the model is given back as it came (on the
 meta device). Buffers are small and are made before the store: persistent ones are read
@@ -14,16 +14,32 @@ from the checkpoint; non-persistent ones (a rotary embedding's ``inv_freq``) are
 in ``__init__``, so on the meta device they hold nothing: a ``transformers`` model
 recomputes them with its own ``_init_weights`` (as its ``from_pretrained`` does after a
 meta-device build); another model must bring them on a real device.
+
+[Note: reading safetensors at the machine's speed]
+A safetensors file is a JSON header of each tensor's dtype, shape and byte range, then the
+bytes (https://github.com/huggingface/safetensors, "Format"). ``SafetensorsReader`` reads
+those ranges with ``os.preadv`` in ``default_num_threads()`` threads, in pieces of
+``READ_PIECE_BYTES``: where the file's dtype is the master's (a bf16 checkpoint into bf16
+masters) straight into the master's pages, which the reading threads fault in as they
+write them (see [Note: filling the host store] in ``ramflow._host_store``); else each
+thread reads a piece into a scratch buffer of its own and the calling thread casts a wave
+of pieces with one ``copy_`` (PyTorch's intra-op threads: a torch op on each reading
+thread would start an OpenMP team per thread, threads times too many). Nothing is mapped,
+so no page of a file counts in the process's RSS, and the page cache (or /dev/shm) feeds
+the threads at memory speed. ``safe_open`` still checks every file first, and reads the
+tensors of a dtype torch cannot hold in a buffer (none today) one at a time.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
 import json
 import os
+import struct
 import sys
 import warnings
 from collections.abc import Callable
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +54,29 @@ WeightsFunction = Callable[[str, torch.Tensor], None]
 Weights = str | os.PathLike | WeightsFunction
 
 _SHOWN = 5  # problems named in an error message
+
+# bytes one reading thread reads at a time (and, for a cast, its scratch buffer's size):
+# large enough that a system call costs nothing beside the copy, small enough that 16
+# threads' scratch stays a quarter of a GiB
+READ_PIECE_BYTES = 16 << 20
+
+# safetensors' dtype names ("Format" in its README) as torch dtypes
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+def default_num_threads() -> int:
+    """Threads one process fills host memory with (reading files, drawing a seeded init):
+    its CPUs shared among the ranks of its host (``$LOCAL_WORLD_SIZE``, which torchrun
+    sets; torchrun also sets ``OMP_NUM_THREADS=1``, so PyTorch's own thread count says
+    nothing here)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, (cpus or 1) // max(1, local_ranks))
 
 
 def file_in(directory: Path, name: Any, *, listed_in: Path) -> Path:
@@ -127,6 +166,137 @@ def open_safetensors(path: Path) -> Any:
         ) from err
 
 
+def safetensors_ranges(path: Path) -> dict[str, tuple[torch.dtype | None, int, int]]:
+    """Each tensor of a safetensors file (checked by ``open_safetensors`` first) as (its
+    torch dtype, None where torch has none; its first byte and the byte after its last, in
+    the file)."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    begin = 8 + size
+    return {
+        key: (SAFETENSORS_DTYPES.get(entry["dtype"]), begin + entry["data_offsets"][0],
+              begin + entry["data_offsets"][1])
+        for key, entry in header.items()
+        if key != "__metadata__"
+    }  # fmt: skip
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable view of the bytes of ``t`` (contiguous, CPU), for ``os.preadv``."""
+    nbytes = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+class SafetensorsReader:
+    """Reads tensors of safetensors files into CPU tensors in parallel threads. See [Note:
+    reading safetensors at the machine's speed].
+
+    Args:
+        num_threads: reading threads (>= 1); ``default_num_threads()`` when None.
+    """
+
+    def __init__(self, num_threads: int | None = None) -> None:
+        self.num_threads = default_num_threads() if num_threads is None else num_threads
+        self._files: dict[Path, tuple[int, dict[str, tuple[torch.dtype | None, int, int]]]] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._scratch: torch.Tensor | None = None  # (num_threads, READ_PIECE_BYTES) uint8
+
+    def read(self, jobs: list[tuple[Path, str, torch.Tensor]]) -> None:
+        """Write tensor ``key`` of file ``path`` into ``out`` (its shape, contiguous, CPU),
+        cast to ``out``'s dtype, for each ``(path, key, out)`` of ``jobs``.
+
+        Raises:
+            ValueError: a file ends before one of its tensors.
+            OSError: a read fails.
+        """
+        pieces: list[tuple[int, int, memoryview, Path]] = []  # (fd, offset, into, path)
+        casts: list[tuple[int, int, int, torch.dtype, torch.Tensor, Path]] = []
+        for path, key, out in jobs:
+            fd, ranges = self._file(path)
+            dtype, lo, hi = ranges[key]
+            if out.numel() == 0:
+                continue
+            if (
+                dtype is None
+                or not out.is_contiguous()
+                or hi - lo != out.numel() * dtype.itemsize
+                or not hasattr(os, "preadv")  # not on every platform Python runs on
+            ):
+                self._read_whole(path, key, out)
+            elif dtype == out.dtype:
+                into = _bytes_of(out)
+                for a in range(0, hi - lo, READ_PIECE_BYTES):
+                    pieces.append((fd, lo + a, into[a : a + READ_PIECE_BYTES], path))
+            else:
+                flat = out.view(-1)
+                per = READ_PIECE_BYTES // dtype.itemsize
+                for a in range(0, flat.numel(), per):
+                    part = flat[a : a + per]
+                    casts.append((fd, lo + a * dtype.itemsize, part.numel(), dtype, part, path))
+        if pieces:
+            self._map(lambda piece: _pread_into(*piece), pieces)
+        for w in range(0, len(casts), self.num_threads):
+            self._cast_wave(casts[w : w + self.num_threads])
+
+    def _cast_wave(self, wave: list[tuple[int, int, int, torch.dtype, torch.Tensor, Path]]) -> None:
+        """Read up to ``num_threads`` pieces into the scratch rows in parallel, then cast
+        each into its destination on this thread."""
+        if self._scratch is None:
+            self._scratch = torch.empty(self.num_threads, READ_PIECE_BYTES, dtype=torch.uint8)
+        rows = self._scratch
+
+        def read(i: int) -> None:
+            fd, offset, n, dtype, _, path = wave[i]
+            _pread_into(fd, offset, _bytes_of(rows[i])[: n * dtype.itemsize], path)
+
+        self._map(read, range(len(wave)))
+        for i, (_, _, n, dtype, part, _) in enumerate(wave):
+            part.copy_(rows[i][: n * dtype.itemsize].view(dtype))
+
+    def _map(self, fn: Callable[[Any], None], items: Any) -> None:
+        if self.num_threads == 1:
+            for item in items:
+                fn(item)
+            return
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self.num_threads, thread_name_prefix="ramflow-read"
+            )
+        list(self._pool.map(fn, items))  # raises the first error
+
+    def _file(self, path: Path) -> tuple[int, dict[str, tuple[torch.dtype | None, int, int]]]:
+        if path not in self._files:
+            ranges = safetensors_ranges(path)
+            self._files[path] = (os.open(path, os.O_RDONLY), ranges)
+        return self._files[path]
+
+    @staticmethod
+    def _read_whole(path: Path, key: str, out: torch.Tensor) -> None:
+        """One tensor through ``safe_open`` (a dtype without a torch buffer view)."""
+        with open_safetensors(path) as f:
+            out.copy_(f.get_tensor(key))
+
+    def close(self) -> None:
+        """Close the files, stop the threads, free the scratch buffer."""
+        for fd, _ in self._files.values():
+            os.close(fd)
+        self._files.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._scratch = None
+
+
+def _pread_into(fd: int, offset: int, into: memoryview, path: Path) -> None:
+    """Fill ``into`` from byte ``offset`` of the open file ``fd`` (``path``)."""
+    while into:
+        n = os.preadv(fd, [into], offset)
+        if n == 0:
+            raise ValueError(f"{path} ends before its header says (truncated?)")
+        into, offset = into[n:], offset + n
+
+
 def _transformers_model(model: nn.Module) -> bool:
     """Whether ``model`` is a ``transformers`` ``PreTrainedModel`` (without importing it)."""
     transformers = sys.modules.get("transformers")
@@ -166,8 +336,9 @@ class MetaLoader:
     built. See [Note: loading without a full-precision peak].
 
     Construction checks everything (headers only, nothing allocated); ``materialize``
-    gives the parameters CPU stand-ins and the buffers their values; ``fill`` is ``HostStore.build``'s hook; ``close`` releases
-    the open file; ``restore`` puts the model back on the meta device after a failure.
+    gives the parameters CPU stand-ins and the buffers their values; ``fill`` is
+    ``HostStore.build``'s hook; ``close`` closes the files and stops the reading threads;
+    ``restore`` puts the model back on the meta device after a failure.
 
     Args:
         model: every parameter on the meta device.
@@ -200,7 +371,7 @@ class MetaLoader:
         ]
         self._persistent = self._persistent_meta_buffers()  # first name -> meta buffer
         self._swapped: list[tuple[nn.Parameter, nn.Parameter]] = []
-        self._open: tuple[Path, Any, ExitStack] | None = None
+        self._reader = SafetensorsReader()
         if callable(weights):
             self._function = weights
             self._source = getattr(weights, "__name__", "the weights function")
@@ -336,16 +507,14 @@ class MetaLoader:
             self._swapped.append((p, holder))  # holder now holds the meta tensor
 
     def fill(self, params: list[nn.Parameter], views: list[torch.Tensor]) -> None:
-        """``HostStore.build``'s hook: write ``params``' values into ``views`` (fp32 CPU
-        views of one unit's new master), reading the file open now first, one tensor at
-        a time."""
-        todo = list(zip(params, views))
-        if self._function is None:
-            current = None if self._open is None else self._open[0]
-            # the open file's tensors first, then file by file: one file mapped at a time
-            todo.sort(key=lambda pv: (self._source_of(pv[0])[0] != current, self._source_of(pv[0])))
-        for p, view in todo:
-            self._write(self._names[id(p)][0], view, p)
+        """``HostStore.build``'s hook: write ``params``' values into ``views`` (contiguous
+        CPU views of one unit's new master, in its dtype): read from the files in parallel
+        (``SafetensorsReader``), or by the weights function, one tensor after another."""
+        if self._function is not None:
+            for p, view in zip(params, views):
+                self._function(self._names[id(p)][0], view)
+            return
+        self._reader.read([(*self._source_of(p), view) for p, view in zip(params, views)])
 
     def _source_of(self, p: torch.Tensor) -> tuple[Path, str]:
         for name in self._names[id(p)]:
@@ -353,28 +522,16 @@ class MetaLoader:
                 return self._where[name]
         raise AssertionError("checked at construction")
 
-    def _write(self, name: str, out: torch.Tensor, p: torch.Tensor | None = None) -> None:
+    def _write(self, name: str, out: torch.Tensor) -> None:
+        """A persistent buffer's value (``materialize``)."""
         if self._function is not None:
             self._function(name, out)
-            return
-        path, key = self._source_of(p) if p is not None else self._where[name]
-        out.copy_(self._file(path).get_tensor(key))
-
-    def _file(self, path: Path) -> Any:
-        """The open handle of ``path``, closing the one open before (one file mapped)."""
-        if self._open is not None and self._open[0] == path:
-            return self._open[1]
-        self.close()
-        stack = ExitStack()
-        handle = stack.enter_context(open_safetensors(path))
-        self._open = (path, handle, stack)
-        return handle
+        else:
+            self._reader.read([(*self._where[name], out)])
 
     def close(self) -> None:
-        """Close the open file, if any."""
-        if self._open is not None:
-            self._open[2].close()
-            self._open = None
+        """Close the files and stop the reading threads."""
+        self._reader.close()
 
     def restore(self) -> None:
         """Give the model back as it came: its parameters and buffers on the meta device."""

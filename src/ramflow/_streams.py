@@ -226,13 +226,16 @@ def alloc_host(numel: int, dtype: torch.dtype, *, pin: bool, what: str) -> torch
         ) from err
 
 
-def alloc_pinned(numel: int, dtype: torch.dtype, *, what: str) -> torch.Tensor:
-    """A flat host tensor of ``numel`` elements of ``dtype``, zeros, page-locked over exactly
-    its own pages; ``unpin`` it before the last reference goes. See [Note: pinned memory
-    of its own size].
+def map_host(numel: int, dtype: torch.dtype, *, what: str) -> torch.Tensor:
+    """A flat host tensor of ``numel`` elements of ``dtype`` over an anonymous mapping of
+    its own whole pages: zeros that take no memory until first written (the kernel gives
+    zero pages on first touch), so whoever writes it first pays for its pages, in as many
+    threads as write (see [Note: filling the host store] in ``ramflow._host_store``); not
+    inherited by a fork, as ``cudaHostAlloc``'s memory is not. Lock it with
+    ``pin_in_place`` once written (see [Note: pinned memory of its own size]).
 
     Raises:
-        MemoryError: the host cannot map the pages or the driver refuses to lock them."""
+        MemoryError: the host cannot map the pages."""
     nbytes = numel * dtype.itemsize
     span = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
     try:
@@ -245,8 +248,19 @@ def alloc_pinned(numel: int, dtype: torch.dtype, *, what: str) -> torch.Tensor:
     if hasattr(mmap, "MADV_DONTFORK"):
         pages.madvise(mmap.MADV_DONTFORK)  # as cudaHostAlloc's memory: no copy-on-write
     t = torch.frombuffer(pages, dtype=torch.uint8)  # holds a reference to ``pages``
-    pin_in_place(t, what=what)
     return t[:nbytes].view(dtype)
+
+
+def alloc_pinned(numel: int, dtype: torch.dtype, *, what: str) -> torch.Tensor:
+    """A flat host tensor of ``numel`` elements of ``dtype``, zeros, page-locked over exactly
+    its own pages (``map_host``, then ``pin_in_place``); ``unpin`` it before the last
+    reference goes. See [Note: pinned memory of its own size].
+
+    Raises:
+        MemoryError: the host cannot map the pages or the driver refuses to lock them."""
+    t = map_host(numel, dtype, what=what)
+    pin_in_place(t, what=what)
+    return t
 
 
 _registered: dict[int, int] = {}  # data pointer -> bytes page-locked by ramflow in place

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import os
 
 import torch
 from torch import nn
+
+from .._loading import default_num_threads
 
 # elements per generator. This is part of the values: changing it changes every preset's
 # initial weights (a run resumed from a seed, a LoRA base rebuilt from its seed)
@@ -41,15 +42,6 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, _NORM_CLASSES) or "LayerNorm" in name or "RMSNorm" in name
 
 
-def default_num_threads() -> int:
-    """Threads one process draws with: its CPUs shared among the ranks of its host
-    (``$LOCAL_WORLD_SIZE``, which torchrun sets; torchrun also sets ``OMP_NUM_THREADS=1``,
-    so PyTorch's own thread count says nothing here)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, (cpus or 1) // max(1, local_ranks))
-
-
 class SeededInit:
     """``weights(name, out)`` for ``ramflow.offload`` (and ``_loading.load_resident``):
     writes the seeded random initial value of parameter ``name`` into ``out``. See [Note:
@@ -62,7 +54,9 @@ class SeededInit:
         std: standard deviation of the normal weights; None takes the model's
             ``config.initializer_range`` (0.02 without one), as ``transformers`` does.
         num_threads: threads that draw the chunks of one parameter (values do not depend
-            on it); None: ``default_num_threads()``.
+            on it); None: ``default_num_threads()``. Outputs that are not fp32 (a bf16
+            master) are drawn into an fp32 scratch of ``num_threads`` chunks (16 MiB each),
+            kept while this object lives, and rounded to nearest from it.
 
     Raises:
         ValueError: a parameter belongs to a module that is none of linear, embedding or
@@ -87,6 +81,7 @@ class SeededInit:
         self.seed = int(seed)
         self.std = float(std)
         self.num_threads = num_threads
+        self._scratch: torch.Tensor | None = None  # see _scratch_for
         # parameter name -> (rule, padding row or None)
         self._rules: dict[str, tuple[str, int | None]] = {}
         unknown: list[str] = []
@@ -148,25 +143,53 @@ class SeededInit:
         assert out.is_contiguous(), "ramflow fills contiguous views of its masters"
         flat = out.view(-1)
         starts = range(0, flat.numel(), CHUNK_ELEMENTS)
-
-        def draw(index: int) -> None:
-            piece = flat[starts[index] : starts[index] + CHUNK_ELEMENTS]
-            g = torch.Generator().manual_seed(self.chunk_seed(name, index))
-            if piece.dtype == torch.float32:
-                piece.normal_(0.0, self.std, generator=g)
-            else:  # drawn in fp32 as for an fp32 master, then rounded
-                piece.copy_(torch.empty(piece.shape).normal_(0.0, self.std, generator=g))
-
         threads = min(self.num_threads, len(starts))
-        if threads <= 1:
-            for i in range(len(starts)):
-                draw(i)
-        else:
-            # torch's kernels release the GIL: the chunks are drawn in parallel
-            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-                list(pool.map(draw, range(len(starts))))
+        pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
+
+        def run(fn, items) -> None:
+            if pool is None:
+                for item in items:
+                    fn(item)
+            else:
+                list(pool.map(fn, items))  # torch's kernels release the GIL: in parallel
+
+        def draw(index: int, into: torch.Tensor) -> None:
+            g = torch.Generator().manual_seed(self.chunk_seed(name, index))
+            into.normal_(0.0, self.std, generator=g)  # one thread: a generator is serial
+
+        try:
+            if flat.dtype == torch.float32:
+                run(
+                    lambda i: draw(i, flat[starts[i] : starts[i] + CHUNK_ELEMENTS]),
+                    range(len(starts)),
+                )
+            else:
+                # drawn in fp32 as for an fp32 master, a wave of chunks at a time, then
+                # rounded by one copy on this thread with PyTorch's intra-op threads (a copy
+                # on each drawing thread would start an OpenMP team per thread)
+                scratch = self._scratch_for(threads)
+                for w in range(0, len(starts), threads):
+                    wave = starts[w : w + threads]
+                    lo, hi = wave[0], min(wave[-1] + CHUNK_ELEMENTS, flat.numel())
+
+                    def draw_into_scratch(i: int, lo: int = lo, hi: int = hi) -> None:
+                        a = starts[i] - lo
+                        draw(i, scratch[a : min(a + CHUNK_ELEMENTS, hi - lo)])
+
+                    run(draw_into_scratch, range(w, w + len(wave)))
+                    flat[lo:hi].copy_(scratch[: hi - lo])
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
         if padding_idx is not None:
             out[padding_idx].zero_()
+
+    def _scratch_for(self, threads: int) -> torch.Tensor:
+        """fp32 scratch of ``threads`` chunks, kept while this init lives (made anew for
+        every tensor, its pages would be faulted in again each time)."""
+        if self._scratch is None or self._scratch.numel() < threads * CHUNK_ELEMENTS:
+            self._scratch = torch.empty(threads * CHUNK_ELEMENTS)
+        return self._scratch
 
 
 __all__ = ["CHUNK_ELEMENTS", "SeededInit", "default_num_threads"]
