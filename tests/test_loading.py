@@ -429,3 +429,30 @@ def test_lean_loading_peaks_at_the_store_plus_the_readers_scratch(big_folder, mo
     r = _in_a_fresh_process(monkeypatch, folder, None, "lean")
     assert r["load_bytes"] > 95 << 20
     assert r["loaded"] - r["base"] <= r["load_bytes"] + r["scratch"] + MARGIN_BYTES, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["lean", "fp32"])
+def test_masters_are_locked_after_the_fill_with_the_files_values(tmp_path, precision):
+    """On CUDA the buffers the DMA reads (lean's bf16 masters, fp32's bf16 wire copies)
+    are page-locked after the fill (see [Note: filling the host store]) and hold the
+    files' values; logits equal those of the model loaded on the CPU."""
+    from ramflow import _streams
+
+    ref = _reference("llama")
+    ref.save_pretrained(tmp_path, max_shard_size="40KB")
+    before = _streams.registered_bytes()
+    model = _meta("llama")
+    ramflow.offload(model, device="cuda", weights=tmp_path, host_precision=precision)
+    engine = ramflow.api._engine(model)
+    for u in engine.units:
+        if u.wire.numel():
+            assert u.wire.is_pinned(), u.name
+    locked = sum(u.wire.untyped_storage().nbytes() for u in engine.units if u.wire.numel())
+    assert _streams.registered_bytes() - before >= locked
+    expected = {n: p.detach() for n, p in ref.named_parameters()}
+    master_dtype = ramflow.HostPrecision.parse(precision).master_dtype
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach().cpu(), expected[name].to(master_dtype)), name
+    ramflow.undo(model)
+    assert _streams.registered_bytes() == before
