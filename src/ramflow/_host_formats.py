@@ -253,7 +253,8 @@ class HostBytes(NamedTuple):
             dtype) that a step not applied during backward makes, held until its units
             step during backward again: the first step of an optimizer that keeps ``p.grad``, every step of a
             loop that clips, gradient accumulation. Not in ``store`` or ``total``, which
-            are a ring's steady state; 0 without the ring (``gradients`` holds them).
+            are a ring's steady state; 0 without the ring or with ``host_bytes(full_gradients=True)``
+            (``gradients`` holds them).
     """
 
     master: int
@@ -511,7 +512,7 @@ class HostPrecision:
             gradients=0 if ring and not full_gradients else trainable * master_size,
             staging=RING_BUFFERS * largest * wire_size if ring else trainable * wire_size,
             states=self.state_bytes(trainable, num_states=num_states),
-            deferred_gradients=trainable * master_size if ring else 0,
+            deferred_gradients=trainable * master_size if ring and not full_gradients else 0,
         )
 
     def state_bytes(self, numel: int, *, num_states: int = len(MOMENTS)) -> int:
