@@ -19,8 +19,9 @@ no torch here) from the units the case recorded and the rates this run measured
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +32,16 @@ PREDICT_TOLERANCE = 0.15  # point 4: predicted step time within 15% of the measu
 
 
 def load_predict():
-    """``ramflow._predict`` loaded from its file (it needs only the standard library)."""
+    """``ramflow._predict`` loaded from its file (it and ``_predict_graph.py``, which it
+    imports, need only the standard library): as a module of a stand-in package whose path
+    is ``src/ramflow``, so its relative import finds the sibling without running
+    ``ramflow/__init__.py`` (which imports torch)."""
     name = "ramflow_predict_standalone"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, PREDICT_PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+        package = types.ModuleType(name)
+        package.__path__ = [str(PREDICT_PATH.parent)]
+        sys.modules[name] = package
+    return importlib.import_module(f"{name}._predict")
 
 
 def _shape(result: dict[str, Any]) -> dict[str, Any] | None:

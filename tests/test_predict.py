@@ -411,3 +411,48 @@ def test_a_streamed_unit_cannot_be_stepped_on_the_device() -> None:
     units = [replace(u, device_stepped=i == 0) for i, u in enumerate(_units())]
     with pytest.raises(ValueError, match="must be resident"):
         predict_step(units, rates=RATES)
+
+
+# --------------------------------------------------------------------------- activation offload
+
+
+def _offloaded(units: list[UnitCost], nbytes: int) -> list[UnitCost]:
+    return [replace(u, checkpointed=True, offload_bytes=nbytes) for u in units]
+
+
+def test_activation_offload_hides_under_compute_when_the_links_have_room() -> None:
+    """Everything resident, long compute: the inputs' copies (0.02 s each way per unit)
+    overlap the 1 s forwards; the step grows by at most the first input's late fetch and
+    the copies' host DRAM time (the optimizer's, which the next forward waits for), and the
+    copies show as busy link time."""
+    units = _units(8, forward_s=1.0, resident_last=8, checkpointed=True)
+    base = predict_step(units, rates=RATES)
+    off = predict_step(_offloaded(units, 1 << 30), rates=RATES)
+    assert off.offload_bytes == 8 << 30
+    assert base.offload_bytes == 0 and base.h2d_bytes == off.h2d_bytes
+    late_fetch = (1 << 30) / RATES.duplex()[0]
+    dram = off.copies_on_cpu_s - base.copies_on_cpu_s
+    assert base.step_s < off.step_s <= base.step_s + late_fetch + dram + 1e-9
+    assert off.busy_s["PCIe D2H"] == pytest.approx(
+        base.busy_s["PCIe D2H"] + 8 * (1 << 30) / (50 * GB)
+    )
+    assert off.copies_on_cpu_s == pytest.approx(
+        base.copies_on_cpu_s + RATES.copies_on_host_dram_s(2 * 8 * (1 << 30))
+    )
+    assert "activation offload 8.59 GB each way" in off.describe()
+
+
+def test_activation_offload_shares_the_link_with_the_weights() -> None:
+    """Streamed units on a slow link: the inputs' H2D queue with the weights' reloads, so a
+    step bound by PCIe grows by about their bytes over the backward's H2D rate; the more
+    bytes offloaded, the longer the step."""
+    slow = Rates(h2d_bytes_per_s=10 * GB, d2h_bytes_per_s=10 * GB, both_bytes_per_s=18 * GB)
+    units = _units(12, nbytes=400_000_000, forward_s=0.001, checkpointed=True)
+    base = predict_step(units, rates=slow)
+    assert base.bound.startswith("PCIe")
+    times = [predict_step(_offloaded(units, b), rates=slow).step_s for b in (0, 1 << 27, 1 << 29)]
+    assert times[0] == pytest.approx(base.step_s)
+    assert times == sorted(times) and times[2] > times[1] > times[0]
+    # 12 inputs of 512 MiB each way: at least their H2D at the backward's 9 GB/s is added
+    # (no overlap with the reloads, which already fill the link)
+    assert times[2] - times[0] >= 0.9 * 12 * (1 << 29) / slow.duplex()[0]

@@ -1,7 +1,8 @@
 """The step-time model: how long one training (or inference) step of an offloaded model takes.
 
 Pure functions of plain numbers, standard library only, so that the benchmark's report (which
-never imports torch) can load this file by path. Units: seconds (``*_s``), bytes
+never imports torch) can load this file and ``_predict_graph.py`` (the list scheduler) by
+path. Units: seconds (``*_s``), bytes
 (``*_bytes``), bytes per second (``*_bytes_per_s``), parameters per second
 (``*_params_per_s``), FLOPs and FLOP/s.
 
@@ -19,6 +20,15 @@ order i = 0..n-1 and backward order n-1..0:
   activation-checkpointed). A unit's backward waits for the gradient copy of the unit two
   before it (ramflow keeps two gradient buffers in flight).
 - D2H link: each trainable unit's gradients in the wire dtype, after its backward.
+- Activation offload (``ramflow.memory.CheckpointOffload``): a checkpointed unit with
+  ``offload_bytes`` sends its input to pinned host memory when its forward starts (a D2H
+  after the previous unit's forward; the forward does not wait for it) and gets it back in
+  backward (an H2D issued when the unit after it in forward starts its backward, one unit
+  ahead as ``BoundaryOffloader``'s prefetch of 1; the last unit's own at its backward),
+  which its backward waits for. They are tasks on the same links as the weights' loads and
+  the gradients, so they share PCIe with the weight streaming (in order of readiness), at
+  the both-ways rates where weights stream too; their bytes cost host DRAM time as every
+  copy's do.
 - CPU: the optimizer steps each unit as soon as its gradients have landed (eager steps, the
   steady state of ``ramflow.optim``), one unit at a time, the earliest unit in forward order
   first among those ready; the next forward of that unit waits for its step. A unit stepped
@@ -48,10 +58,10 @@ the next forward's first unit, so it crosses once per forward, not twice).
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from ._predict_graph import RESOURCES, _critical, _Graph, _Task  # noqa: F401 (RESOURCES: re-exported)
 
 # ----------------------------------------------------------------------------- constants
 # Calibrated against the H200 run of 2026-11-22 (benchmarks/results/2026-11-22-nvidia-h200-*):
@@ -187,6 +197,9 @@ class UnitCost:
             parameters: a head that shares the embedding's weight).
         device_stepped: resident and stepped on the device: no gradient copy, CPU step or
             refresh; a GPU task of ``trainable_params / Rates.device_optimizer_params_per_s``.
+        offload_bytes: bytes of its input kept in pinned host memory between forward and
+            backward (activation offload of a checkpointed unit; 0: none): one D2H and one
+            H2D per training step. See [Note: the step as a pipeline].
     """
 
     name: str
@@ -197,6 +210,7 @@ class UnitCost:
     checkpointed: bool = False
     deps: tuple[int, ...] = ()
     device_stepped: bool = False
+    offload_bytes: int = 0
 
     @property
     def host_stepped_params(self) -> int:
@@ -261,9 +275,6 @@ class Rates:
         return min(self.h2d_bytes_per_s, half), min(self.d2h_bytes_per_s, half)
 
 
-RESOURCES = ("GPU compute", "PCIe H2D", "PCIe D2H", "CPU optimizer")
-
-
 @dataclass(frozen=True)
 class StepPrediction:
     """The predicted step and its parts.
@@ -285,6 +296,8 @@ class StepPrediction:
         h2d_forward_bytes: the forward's share of those (each streamed unit once).
         h2d_refresh_bytes: refreshes of resident units after their CPU steps.
         d2h_bytes: gradient bytes device-to-host per step.
+        offload_bytes: activation offload's bytes each way per step (the checkpointed
+            units' inputs), not in ``h2d_bytes`` or ``d2h_bytes``.
         copies_on_cpu_s: the part of the CPU optimizer's busy time that is the copies' host
             memory traffic (``Rates.copies_on_host_dram_s`` of all bytes each way).
         first_step_s: the first simulated step, which starts with every step done (no
@@ -307,6 +320,7 @@ class StepPrediction:
     h2d_forward_bytes: int = 0
     h2d_refresh_bytes: int = 0
     d2h_bytes: int = 0
+    offload_bytes: int = 0
     copies_on_cpu_s: float = 0.0
     first_step_s: float = 0.0
     first_drained_s: float = 0.0
@@ -325,9 +339,14 @@ class StepPrediction:
                 f"; optimizer tail {self.optimizer_tail_s * ms:.0f} ms (overlaps the next forward)"
             )
         busy = ", ".join(f"{k} {v * ms:.0f}" for k, v in self.busy_s.items())
+        offload = (
+            f"; activation offload {self.offload_bytes / 1e9:.2f} GB each way"
+            if self.offload_bytes
+            else ""
+        )
         return (
             f"{self.step_s * ms:.0f} ms per step ({parts}); bound by {self.bound}; "
-            f"busy per step (ms): {busy}"
+            f"busy per step (ms): {busy}{offload}"
         )
 
     def as_dict(self) -> dict:
@@ -347,6 +366,7 @@ class StepPrediction:
             "h2d_forward_bytes": self.h2d_forward_bytes,
             "h2d_refresh_bytes": self.h2d_refresh_bytes,
             "d2h_bytes": self.d2h_bytes,
+            "offload_bytes": self.offload_bytes,
             "copies_on_cpu_s": self.copies_on_cpu_s,
             "first_step_s": self.first_step_s,
             "first_drained_s": self.first_drained_s,
@@ -354,110 +374,6 @@ class StepPrediction:
 
 
 # ----------------------------------------------------------------------------- simulation
-
-
-class _Task:
-    __slots__ = (
-        "resource",
-        "duration",
-        "deps",
-        "succ",
-        "key",
-        "pending",
-        "ready",
-        "start",
-        "end",
-        "cause",
-        "tag",
-    )
-
-    def __init__(self, resource: str | None, duration: float, key: float, tag: str) -> None:
-        self.resource = resource  # None: a marker that takes no time on any resource
-        self.duration = duration
-        self.deps: list[_Task] = []
-        self.succ: list[_Task] = []
-        self.key = key
-        self.pending = 0
-        self.ready = 0.0
-        self.start = 0.0
-        self.end = 0.0
-        self.cause: _Task | None = None
-        self.tag = tag
-
-
-class _Graph:
-    def __init__(self) -> None:
-        self.tasks: list[_Task] = []
-
-    def add(
-        self, resource: str | None, duration: float, deps=(), *, key: float = 0.0, tag: str = ""
-    ) -> _Task:
-        t = _Task(resource, max(0.0, duration), key, tag)
-        for d in deps:
-            if d is not None and d not in t.deps:
-                t.deps.append(d)
-                d.succ.append(t)
-        t.pending = len(t.deps)
-        self.tasks.append(t)
-        return t
-
-    def run(self) -> None:
-        """List scheduling: each resource runs one task at a time; among the tasks ready when
-        it is free, the GPU takes them in creation order (its stream is in order), the links in
-        the order they became ready (their streams are in issue order), the CPU by ``key``."""
-        order = {t: i for i, t in enumerate(self.tasks)}
-        seq = itertools.count()
-        queues: dict[str, list] = {}
-        busy: dict[str, _Task | None] = {}
-        last: dict[str, _Task | None] = {}
-        events: list = []
-        now = 0.0
-
-        def make_ready(t: _Task, at: float) -> None:
-            t.ready = at
-            if t.deps:
-                t.cause = max(t.deps, key=lambda d: d.end)
-            if t.resource is None:
-                t.start = t.end = at
-                heapq.heappush(events, (at, next(seq), t))
-                return
-            if t.resource == "GPU compute":
-                prio = (order[t],)
-            elif t.resource == "CPU optimizer":
-                prio = (t.key, at, order[t])
-            else:
-                prio = (at, order[t])
-            heapq.heappush(queues.setdefault(t.resource, []), (prio, next(seq), t))
-
-        for t in self.tasks:
-            if t.pending == 0:
-                make_ready(t, 0.0)
-        while True:
-            for res, q in queues.items():
-                if q and busy.get(res) is None:
-                    _, _, t = heapq.heappop(q)
-                    t.start = now
-                    t.end = now + t.duration
-                    prev = last.get(res)
-                    if prev is not None and prev.end > t.ready:
-                        t.cause = prev  # waited for the resource, not for its inputs
-                    busy[res] = t
-                    last[res] = t
-                    heapq.heappush(events, (t.end, next(seq), t))
-            if not events:
-                break
-            now = events[0][0]
-            while events and events[0][0] <= now:
-                _, _, t = heapq.heappop(events)
-                if t.resource is not None:
-                    busy[t.resource] = None
-                for s in t.succ:
-                    s.pending -= 1
-                    if s.pending == 0:
-                        make_ready(s, now)
-        stuck = [t.tag for t in self.tasks if t.pending]
-        if stuck:
-            raise RuntimeError(f"step-time model: tasks never became ready: {stuck[:5]}")
 
 
 def _turnaround_cached(units: Sequence[UnitCost], window_bytes: int) -> set[int]:
@@ -619,7 +535,11 @@ def predict_step(
     refresh = sum(u.wire_bytes for u in units if u.resident and u.host_stepped_params > 0)
     d2h_bytes = sum(u.host_stepped_params for u in units) * grad_bytes_per_param
     trainable = sum(u.host_stepped_params for u in units)
-    copies_on_cpu = rates.copies_on_host_dram_s(h2d_stream + refresh + d2h_bytes)
+    offload = sum(u.offload_bytes for u in units)
+    # the boundaries' copies share the links with the weights: See [Note: the step as a
+    # pipeline]; in forward the D2H runs beside the loads where weights stream
+    d2h_fwd = d2h_bwd if streamed else rates.d2h_bytes_per_s
+    copies_on_cpu = rates.copies_on_host_dram_s(h2d_stream + refresh + d2h_bytes + 2 * offload)
     copies_per_param = copies_on_cpu / trainable if trainable else 0.0
     prev_opt: list[_Task | None] | None = None
     barrier: _Task | None = None
@@ -631,6 +551,18 @@ def predict_step(
             g, units, loads, slots, (h2d_fwd, h2d_bwd), prev_opt=prev_opt, start=barrier, s=s
         )
         fwd_ends.append(fwd[-1])
+        packed = {
+            i: g.add(
+                "PCIe D2H",
+                u.offload_bytes / d2h_fwd,
+                [fwd[i - 1] if i else barrier],
+                tag=f"s{s} offload {u.name}",
+            )
+            for i, u in enumerate(units)
+            if u.offload_bytes
+        }
+        fetched: dict[int, _Task] = {}
+        offloaded_order = [i for i in reversed(range(n)) if i in packed]
         bwd: list[_Task | None] = [None] * n
         d2h: list[_Task | None] = [None] * n
         opt: list[_Task | None] = [None] * n
@@ -653,6 +585,19 @@ def predict_step(
                 deps.append(load)
             if len(trainable_done) >= 2:
                 deps.append(trainable_done[-2])
+            if j in packed:
+                # this unit's unpack requests its own input (late only for the first) and
+                # the next one's (BoundaryOffloader's prefetch of 1)
+                k = offloaded_order.index(j)
+                for m in offloaded_order[k : k + 2]:
+                    if m not in fetched:
+                        fetched[m] = g.add(
+                            "PCIe H2D",
+                            units[m].offload_bytes / h2d_bwd,
+                            [prev, packed[m]],
+                            tag=f"s{s} fetch input {units[m].name}",
+                        )
+                deps.append(fetched[j])
             factor = BACKWARD_PER_FORWARD + (RECOMPUTE_PER_FORWARD if u.checkpointed else 0.0)
             bwd[j] = g.add("GPU compute", factor * u.forward_s, deps, tag=f"s{s} backward {u.name}")
             prev = bwd[j]
@@ -692,8 +637,8 @@ def predict_step(
     stream_fwd = sum(loads)
     busy = {
         "GPU compute": fwd_s + bwd_s + sum(_device_step_s(u, rates) for u in units),
-        "PCIe H2D": stream_fwd / h2d_fwd + (h2d_stream - stream_fwd + refresh) / h2d_bwd,
-        "PCIe D2H": d2h_bytes / d2h_bwd,
+        "PCIe H2D": stream_fwd / h2d_fwd + (h2d_stream - stream_fwd + refresh + offload) / h2d_bwd,
+        "PCIe D2H": d2h_bytes / d2h_bwd + offload / d2h_fwd,
         "CPU optimizer": sum(_optimizer_s(u, rates, copies_per_param) for u in units),
     }
     critical = _critical(ends[-1], t0)
@@ -711,6 +656,7 @@ def predict_step(
         h2d_forward_bytes=stream_fwd,
         h2d_refresh_bytes=refresh,
         d2h_bytes=d2h_bytes,
+        offload_bytes=offload,
         copies_on_cpu_s=copies_on_cpu,
         first_step_s=ends[0].end,
         first_drained_s=max((t.end for t in opts[0] if t is not None), default=ends[0].end),
@@ -781,20 +727,3 @@ def _forward(
         fwd.append(g.add("GPU compute", u.forward_s, deps, tag=f"s{s} forward {u.name}"))
         prev = fwd[-1]
     return fwd
-
-
-def _critical(end: _Task, since: float) -> dict[str, float]:
-    """Walk the chain of causes back from ``end`` to time ``since``; the time each resource
-    spent on it (a wait with no task behind it counts as the resource that was waited for)."""
-    out = dict.fromkeys(RESOURCES, 0.0)
-    t: _Task | None = end
-    while t is not None and t.end > since:
-        if t.resource is not None:
-            out[t.resource] += t.end - max(t.start, since)
-        t = t.cause
-    total = sum(out.values())
-    span = end.end - since
-    if total < span and total > 0:  # idle gaps (none in a well-formed graph): spread evenly
-        for k in out:
-            out[k] *= span / total
-    return out
