@@ -182,3 +182,23 @@ def test_auto_device_optimizer_keeps_a_gpu_bound_step_on_the_host() -> None:
     assert "does not shorten the predicted step" in plan.device_optimizer_reason
     # the same budget with the default CPU rate: stepping there pays
     assert _auto(big, forward_s=[0.05] * len(NAMES)).device_stepped
+
+
+def test_offloaded_inputs_leave_two_on_the_device_and_cross_pcie_in_the_prediction() -> None:
+    """PlanTiming(offload=True): every layer checkpointed, at most two inputs of 300 MB on
+    the device at once (not N), and each crosses PCIe once each way in the predicted step."""
+    acts = dict(
+        activation_bytes=[0] + [1000 * MB] * N + [0],
+        checkpoint_bytes=[0] + [300 * MB] * N + [0],
+        checkpointed=NAMES[1:-1],
+    )
+    on = _timing(**acts)
+    off = _timing(offload=True, **acts)
+    every = set(range(1, N + 1))
+    assert on.activation_peak_bytes(every) - off.activation_peak_bytes(every) == (N - 2) * 300 * MB
+    assert off.offload_bytes(1, every) == 300 * MB and on.offload_bytes(1, every) == 0
+    assert off.offload_bytes(0, every) == 0
+    plan_on, plan_off = _plan(None, on), _plan(None, off)
+    assert plan_off.prediction.offload_bytes == N * 300 * MB
+    assert plan_on.prediction.offload_bytes == 0
+    assert plan_off.prediction.step_s > plan_on.prediction.step_s

@@ -107,6 +107,7 @@ def unit_costs(
     mode: str = "train",
     resident: Collection[str] = (),
     checkpointed: Collection[str] = (),
+    offload_bytes: int = 0,
 ) -> list[UnitCost]:
     """``UnitCost`` of each unit for a ``batch`` x ``seq`` micro-batch.
 
@@ -119,6 +120,8 @@ def unit_costs(
         matmul_flops_per_s: the GPU's measured (or assumed) bf16 matmul rate, FLOP/s.
         mode: ``"train"`` or ``"infer"`` (the calibrated efficiency differs).
         resident, checkpointed: unit names.
+        offload_bytes: under activation offload, the bytes of each checkpointed block's
+            input that go to host memory and back every step (0: no offload).
     """
     out = []
     for s in shapes:
@@ -138,6 +141,7 @@ def unit_costs(
                 resident=s.rest or s.name in resident,
                 checkpointed=s.name in checkpointed,
                 deps=s.deps,
+                offload_bytes=offload_bytes if s.block and s.name in checkpointed else 0,
             )
         )
     return out

@@ -24,6 +24,11 @@ from ._host_formats import (  # noqa: F401 (the device step's sizes, used here a
 )
 from ._predict import Rates, StepPrediction, UnitCost, predict_step
 
+OFFLOAD_BOUNDARIES_ON_DEVICE = 2
+"""Under activation offload, the checkpointed units' inputs on the device at once during
+backward: the one recomputing and the one prefetched (``CheckpointOffload``'s default
+prefetch of 1)."""
+
 _UNITS = {
     "": 1, "b": 1,
     "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
@@ -443,6 +448,10 @@ class PlanTiming:
         checkpointed: a fixed policy (unit names) instead of the planner's choice.
         prefetch_depths: the depths to try.
         grad_bytes_per_param: gradient bytes per parameter on the wire (2: bf16).
+        offload: the checkpointed units' inputs go to pinned host memory
+            (``ramflow.memory.CheckpointOffload``): at most ``OFFLOAD_BOUNDARIES_ON_DEVICE``
+            of them are on the device at once, and each (``checkpoint_bytes``) crosses PCIe
+            once each way per step (``UnitCost.offload_bytes``). Default False.
     """
 
     forward_s: Sequence[float]
@@ -457,15 +466,27 @@ class PlanTiming:
     checkpointed: Sequence[str] | None = None
     prefetch_depths: Sequence[int] = (1, 2, 3, 4)
     grad_bytes_per_param: int = 2
+    offload: bool = False
 
     def activation_peak_bytes(self, checkpointed: set[int]) -> int:
         """Activations at their peak when the units ``checkpointed`` (indices) recompute:
-        what the others save, the inputs the checkpointed ones keep, the largest unit's
-        activations once more (rebuilt or being differentiated in backward), and the rest."""
+        what the others save, the inputs the checkpointed ones keep (with ``offload``: the
+        largest ``OFFLOAD_BOUNDARIES_ON_DEVICE`` of them), the largest unit's activations
+        once more (rebuilt or being differentiated in backward), and the rest."""
         act = self.activation_bytes or []
         kept = self.checkpoint_bytes or [0] * len(act)
-        saved = sum(kept[i] if i in checkpointed else a for i, a in enumerate(act))
-        return self.other_activation_bytes + saved + max(act, default=0)
+        saved = sum(a for i, a in enumerate(act) if i not in checkpointed)
+        inputs = sorted((kept[i] for i in checkpointed if i < len(act)), reverse=True)
+        if self.offload:
+            inputs = inputs[:OFFLOAD_BOUNDARIES_ON_DEVICE]
+        return self.other_activation_bytes + saved + sum(inputs) + max(act, default=0)
+
+    def offload_bytes(self, i: int, checkpointed: set[int]) -> int:
+        """Bytes unit ``i`` offloads per step each way (0 unless ``offload`` and it is
+        checkpointed)."""
+        if not self.offload or i not in checkpointed or self.checkpoint_bytes is None:
+            return 0
+        return self.checkpoint_bytes[i]
 
 
 def _greedy_resident(
@@ -732,6 +753,7 @@ def _timed_plan(
                     resident=unit_names[i] in resident,
                     checkpointed=i in ckpt,
                     deps=tuple(deps[i]),
+                    offload_bytes=timing.offload_bytes(i, ckpt),
                 )
                 for i in range(n)
             ]

@@ -212,6 +212,14 @@ class StagingBuffers:
         self._read = [None] * self.COUNT
 
 
+def caching_host_block_bytes(nbytes: int) -> int:
+    """Host bytes that PyTorch's caching host allocator takes for a pinned allocation of
+    ``nbytes`` (``torch.empty(..., pin_memory=True)``): the next power of two (its
+    ``CachingHostAllocator`` rounds every block so, to reuse freed blocks; 0 for 0). See
+    [Note: pinned memory of its own size] for the buffers ramflow sizes itself."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
 def alloc_host(numel: int, dtype: torch.dtype, *, pin: bool, what: str) -> torch.Tensor:
     """A flat host tensor, pinned when ``pin``; a clear MemoryError when the host cannot give it."""
     try:

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import ramflow
+from ramflow._streams import caching_host_block_bytes
 from ramflow.memory import ActivationProfile, activation_report, estimate_memory, find_blocks
 
 B, D, NUM_BLOCKS = 4, 32, 3
@@ -221,3 +224,27 @@ def test_auto_chooses_offload_only_where_checkpointing_every_layer_does_not_fit(
         _estimate("auto", gpu_memory=smallest + offload_peak - 1)
     with pytest.raises(ValueError, match="or --checkpointing offload"):
         _estimate("on", gpu_memory=smallest + on_peak - 1)
+
+
+def test_offloaded_inputs_take_pinned_blocks_of_a_power_of_two() -> None:
+    """BoundaryOffloader's pinned buffers come from PyTorch's caching host allocator, which
+    rounds each block up to a power of two: 8 inputs of 1.5 MiB take 8 x 2 MiB pinned on
+    CUDA; a CPU run pins nothing and counts them as they are."""
+    mib = 1 << 20
+    acts = dataclasses.replace(_long_context_profile(), layer_input_bytes=3 * mib // 2)
+    assert acts.offloaded_bytes() == 12 * mib
+    assert acts.offloaded_bytes(pinned=True) == 16 * mib
+    assert [caching_host_block_bytes(n) for n in (0, 1, 4096, 4097, 3 << 29)] == [
+        0,
+        1,
+        4096,
+        8192,
+        2 << 30,
+    ]
+    with torch.device("meta"):
+        model = Net()
+    common = dict(activations=acts, batch_size=1, seq_len=4096, checkpointing="offload")
+    cuda = estimate_memory(model, device_type="cuda", **common)
+    cpu = estimate_memory(model, device_type="cpu", **common)
+    assert cuda.host_activation_pinned_bytes == 16 * mib
+    assert cpu.host_activation_pinned_bytes == 12 * mib

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import psutil
 import pytest
 import torch
@@ -203,3 +205,63 @@ def test_batch_size_auto_offloads_where_no_checkpointed_micro_batch_fits() -> No
     assert tight.checkpointing_reason.startswith("no micro-batch fits")
     roomy = plan_run(TrainConfig.from_options(gpu_memory="80GiB", batch_size="auto", **common))
     assert (roomy.batch_size, roomy.checkpointing_mode) == (1, "on")
+
+
+def test_the_predicted_step_counts_activation_offload() -> None:
+    """--checkpointing offload: the plan's predicted step moves every layer's input once
+    each way (32 x 1 GiB at 131072 tokens) and the plan's line says so."""
+    est = plan_run(
+        TrainConfig.from_options(
+            preset="llama-8b",
+            device="cuda",
+            gpu_memory="48GiB",
+            batch_size=1,
+            seq_len=131072,
+            checkpointing="offload",
+        )
+    )
+    assert est.prediction.offload_bytes == 32 << 30
+    assert "activation offload 34.36 GB each way" in est.prediction.describe()
+    assert est.timed_plan is not None and est.timed_plan.prediction.offload_bytes == 32 << 30
+
+
+def test_auto_keeps_the_inputs_on_the_device_where_offload_is_not_faster() -> None:
+    """At 131072 tokens in 80 GiB checkpointing every layer fits; offload would keep the
+    same units resident (all of them) and only add copies, so auto does not take it."""
+    from ramflow.train.estimate import predict_plan_step
+    from ramflow.train.modeling import model_config as config_of
+
+    common = dict(
+        preset="llama-8b", device="cuda", gpu_memory="80GiB", batch_size=1, seq_len=131072
+    )
+    auto = plan_run(TrainConfig.from_options(**common))
+    offload = plan_run(TrainConfig.from_options(checkpointing="offload", **common))
+    assert (auto.checkpointing_mode, auto.checkpointing_reason) == ("on", None)
+    mconfig = config_of(preset="llama-8b", model_dir=None, tokenizer=ByteTokenizer())
+    on_s = predict_plan_step(mconfig, auto).step_s
+    assert predict_plan_step(mconfig, offload).step_s >= on_s
+
+
+def test_batch_size_auto_offloads_where_a_larger_micro_batch_is_faster() -> None:
+    """llama-8b at 8192 tokens in 20 GiB, global batch 4: with the inputs on the device a
+    micro-batch of 2 fits (2 accumulated), offloaded one of 4, whose global batch the model
+    predicts faster (one pass of the streamed weights instead of two); auto takes it and
+    says so in one line."""
+    est = plan_run(
+        TrainConfig.from_options(
+            preset="llama-8b",
+            device="cuda",
+            gpu_memory="20GiB",
+            batch_size="auto",
+            seq_len=8192,
+            host_precision="lean",
+        )
+    )
+    assert (est.batch_size, est.checkpointing_mode) == (4, "offload")
+    reason = est.checkpointing_reason
+    assert reason.startswith(
+        "with the layers' inputs offloaded a micro-batch of 4 fits instead of 2"
+    )
+    assert "\n" not in reason
+    on_s, off_s = (float(x) for x in re.findall(r"([0-9.]+) s", reason)[::-1])
+    assert off_s < on_s

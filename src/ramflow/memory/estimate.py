@@ -26,8 +26,15 @@ from torch import nn
 
 from .._host_formats import HostPrecision
 from .._host_store import resolve_precision
-from .._plan import OffloadPlan, format_bytes, make_plan, parse_bytes
+from .._plan import (
+    OFFLOAD_BOUNDARIES_ON_DEVICE,
+    OffloadPlan,
+    format_bytes,
+    make_plan,
+    parse_bytes,
+)
 from .._predict import TRAIN_MATMUL_EFFICIENCY, Rates, StepPrediction
+from .._streams import caching_host_block_bytes
 from .._units import _Unit, find_units, plan_inputs
 from .activations import ActivationReport
 
@@ -42,10 +49,6 @@ __all__ = [
 
 RUNTIME_OVERHEAD_BYTES = 1 << 30  # Python, torch and transformers themselves, measured ~0.7 GiB
 CHECKPOINTING_MODES = ("auto", "on", "off", "offload")
-
-# under activation offload, the boundaries on the device during backward: the one being
-# recomputed and the one prefetched (CheckpointOffload's default prefetch of 1)
-OFFLOAD_BOUNDARIES_ON_DEVICE = 2
 
 
 class BudgetTooSmall(ValueError):
@@ -122,9 +125,15 @@ class ActivationProfile:
             return self.other_bytes + self.layer_input_bytes * len(self.layer_bytes)
         return self.other_bytes + sum(self.layer_bytes)
 
-    def offloaded_bytes(self) -> int:
-        """Pinned host bytes of the layers' inputs under activation offload."""
-        return self.layer_input_bytes * len(self.layer_bytes)
+    def offloaded_bytes(self, *, pinned: bool = False) -> int:
+        """Host bytes of the layers' inputs under activation offload; ``pinned``: as the
+        pinned memory that holds them takes them (``BoundaryOffloader`` allocates each from
+        PyTorch's caching host allocator, which rounds a block up to a power of two:
+        ``_streams.caching_host_block_bytes``)."""
+        each = (
+            caching_host_block_bytes(self.layer_input_bytes) if pinned else self.layer_input_bytes
+        )
+        return each * len(self.layer_bytes)
 
     def peak_bytes(self, *, checkpointing: bool, offload: bool = False) -> int:
         """Saved bytes plus backward working memory: the activations' share of the peak."""
@@ -174,7 +183,9 @@ class MemoryEstimate:
             states included).
         activation_offload: the checkpointed layers' inputs live in pinned host memory
             (``--checkpointing offload``, ``ramflow.memory.CheckpointOffload``).
-        host_activation_pinned_bytes: those inputs' pinned host bytes (0 without offload).
+        host_activation_pinned_bytes: those inputs' host bytes (0 without offload): on
+            CUDA pinned, each input rounded up to a power of two as PyTorch's caching
+            host allocator takes it (``ActivationProfile.offloaded_bytes``).
         checkpointing_reason: why ``"auto"`` chose the checkpointing it did (None when not
             asked for auto).
     """
@@ -414,7 +425,13 @@ class MemoryEstimate:
                 "  ramflow.offload(model, gpu_memory="
                 + ("None" if budget is None else repr(size_string(budget)))
                 + f", prefetch_depth={kwargs['prefetch_depth']}, activation_checkpointing="
-                + (repr(ckpt) if len(ckpt or []) <= 4 else f"[{len(ckpt)} units above]")
+                + (
+                    "ramflow.memory.CheckpointOffload()"
+                    if self.activation_offload
+                    else repr(ckpt)
+                    if len(ckpt or []) <= 4
+                    else f"[{len(ckpt)} units above]"
+                )
                 + ")",
             ]
         return lines
@@ -634,7 +651,7 @@ def estimate_memory(
         if host.is_exact and optimizer_states != 2
         else host.bytes_per_parameter(trainable=True, wire_dtype=wire_dtype),
         activation_offload=offload,
-        host_activation_pinned_bytes=acts.offloaded_bytes() if offload else 0,
+        host_activation_pinned_bytes=acts.offloaded_bytes(pinned=cuda) if offload else 0,
         checkpointing_reason=ckpt_reason,
     )
 

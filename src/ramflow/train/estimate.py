@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 
 import torch
@@ -35,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from .._costs import unit_costs, unit_shapes
 from .._host_formats import rates_for
 from .._plan import OffloadPlan, PlanTiming, make_plan
-from .._predict import DEFAULT_MATMUL_FLOPS_PER_S, Rates, predict_step
+from .._predict import DEFAULT_MATMUL_FLOPS_PER_S, Rates, StepPrediction, predict_step
 from .._units import _Unit, plan_inputs
 from ..memory.estimate import (
     CHECKPOINTING_MODES,
@@ -232,23 +233,42 @@ def estimate_memory(
         )
     model = meta_model(config)
     acts = measure_activations(config, batch_size=batch_size, seq_len=seq_len, dtype=compute_dtype)
-    estimate = estimate_model_memory(
-        model,
-        activations=acts,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        device_type=device_type,
-        wire_dtype=wire_dtype,
-        gpu_memory=gpu_memory_bytes,
-        checkpointing=checkpointing,
-        prefetch_depth=prefetch_depth,
-        optimizer_states=optimizer_states,
-        precision=precision,
-        model_name=model_name,
-        out_dir=out_dir,
-        host_precision=host_precision,
-        full_gradients=full_gradients,
-    )
+
+    def memory(checkpointing: str) -> MemoryEstimate:
+        return estimate_model_memory(
+            model,
+            activations=acts,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            device_type=device_type,
+            wire_dtype=wire_dtype,
+            gpu_memory=gpu_memory_bytes,
+            checkpointing=checkpointing,
+            prefetch_depth=prefetch_depth,
+            optimizer_states=optimizer_states,
+            precision=precision,
+            model_name=model_name,
+            out_dir=out_dir,
+            host_precision=host_precision,
+            full_gradients=full_gradients,
+        )
+
+    estimate = memory(checkpointing)
+    speed = {"timing_rates": timing_rates, "matmul_flops_per_s": matmul_flops_per_s}
+    if checkpointing == "auto" and device_type == "cuda" and estimate.checkpointing_mode == "on":
+        # See [Note: when auto offloads the layers' inputs]
+        offloaded = memory("offload")
+        on_s, off_s = (predict_plan_step(config, e, **speed).step_s for e in (estimate, offloaded))
+        if off_s < on_s * (1 - OFFLOAD_WINS_BY):
+            estimate = dataclasses.replace(
+                offloaded,
+                checkpointing_reason=(
+                    f"offloading the layers' inputs leaves room for {len(offloaded.plan.resident)} "
+                    f"units on the device instead of {len(estimate.plan.resident)}: predicted "
+                    f"{off_s * 1e3:.0f} ms per step against {on_s * 1e3:.0f} ms with the "
+                    "inputs on the device"
+                ),
+            )
     if not (predict and device_type == "cuda"):
         return estimate
     units, buffer_bytes = offload_units(model)
@@ -262,6 +282,7 @@ def estimate_memory(
         wire_size=torch.empty((), dtype=wire_dtype).element_size(),
         checkpointing=checkpointing,
         ckpt=estimate.checkpointing,
+        offload=estimate.activation_offload,
         gpu_memory_bytes=gpu_memory_bytes,
         ramflow_budget=estimate.ramflow_budget_bytes,
         units=units,
@@ -272,6 +293,70 @@ def estimate_memory(
         matmul_flops_per_s=matmul_flops_per_s or DEFAULT_MATMUL_FLOPS_PER_S,
     )
     return dataclasses.replace(estimate, **timing)
+
+
+# [Note: when auto offloads the layers' inputs]
+# ``--checkpointing auto`` takes the lightest checkpointing that fits (off, then every layer),
+# and activation offload where checkpointing every layer does not fit: then it is what lets
+# the sequence run at all (``ramflow.memory.estimate.choose_checkpointing``). Where
+# checkpointing alone fits, offload has the same recomputation, costs one D2H and one H2D of
+# each layer's input per step on the links that stream the weights, and frees those inputs'
+# device memory for ramflow's share; auto offloads only where the step-time model
+# (``_predict``, which counts those copies) predicts the plan with more units resident
+# faster by more than ``OFFLOAD_WINS_BY``, and says so in one line. With ``--batch-size
+# auto`` the same holds per global batch: offload is taken where it fits a larger
+# micro-batch whose global batch is predicted faster (``setup._estimate``): a global batch
+# of ``k`` micro-batches is counted as ``k - 1`` micro-steps without the optimizer's work
+# and one with it (the optimizer steps once per global batch).
+
+OFFLOAD_WINS_BY = 0.02
+"""The share of predicted step time by which offload must beat checkpointing alone for
+``--checkpointing auto`` to take it (the model's error is larger than a hair's breadth;
+ties keep the inputs on the device, which costs no PCIe)."""
+
+
+def predict_plan_step(
+    config,
+    estimate: MemoryEstimate,
+    *,
+    timing_rates: Rates | None = None,
+    matmul_flops_per_s: float | None = None,
+    with_optimizer: bool = True,
+) -> StepPrediction:
+    """The predicted training step of ``estimate``'s plan on a CUDA GPU, as ``train`` runs
+    it (the run's checkpointing and activation offload), seconds in ``step_s``.
+
+    Args:
+        config: the model's ``transformers`` config.
+        estimate: from ``estimate_memory``.
+        timing_rates, matmul_flops_per_s: as for ``estimate_memory`` (defaults: the H200
+            box's).
+        with_optimizer: False: a micro-step of gradient accumulation, whose gradients land
+            but whose units are not stepped (the optimizer's rate taken as unbounded).
+    """
+    model = meta_model(config)
+    rates = rates_for(timing_rates or Rates(), estimate.host_precision)
+    if not with_optimizer:
+        rates = dataclasses.replace(rates, cpu_optimizer_params_per_s=math.inf)
+    wire_size = getattr(torch, estimate.wire_dtype).itemsize
+    shapes = unit_shapes(model)
+    costs = unit_costs(
+        shapes,
+        batch=estimate.batch_size,
+        seq=estimate.seq_len,
+        hidden=config.hidden_size,
+        wire_itemsize=wire_size,
+        matmul_flops_per_s=matmul_flops_per_s or DEFAULT_MATMUL_FLOPS_PER_S,
+        resident=estimate.plan.resident,
+        checkpointed=[s.name for s in shapes if s.block] if estimate.checkpointing else (),
+        offload_bytes=estimate.activations.layer_input_bytes if estimate.activation_offload else 0,
+    )
+    return predict_step(
+        costs,
+        rates=rates,
+        prefetch_depth=estimate.plan.prefetch_depth,
+        grad_bytes_per_param=wire_size,
+    )
 
 
 def _predict_speed(
@@ -285,6 +370,7 @@ def _predict_speed(
     wire_size: int,
     checkpointing: str,
     ckpt: bool,
+    offload: bool,
     gpu_memory_bytes: int | None,
     ramflow_budget: int | None,
     units: list[_Unit],
@@ -312,13 +398,16 @@ def _predict_speed(
         matmul_flops_per_s=matmul_flops_per_s,
         resident=plan.resident,
         checkpointed=blocks if ckpt else (),
+        offload_bytes=acts.layer_input_bytes if offload else 0,
     )
     prediction = predict_step(
         costs, rates=rates, prefetch_depth=plan.prefetch_depth, grad_bytes_per_param=wire_size
     )
     layer = iter(acts.layer_bytes)
     act_bytes = [next(layer, 0) if s.block else 0 for s in shapes]
-    auto = checkpointing == "auto"
+    # under offload the run checkpoints every layer (CheckpointOffload(CheckpointAll())): the
+    # fastest plan keeps that policy and chooses residents and depth
+    auto = checkpointing == "auto" and not offload
     timing = PlanTiming(
         forward_s=[c.forward_s for c in costs],
         trainable_params=[c.trainable_params for c in costs],
@@ -330,14 +419,17 @@ def _predict_speed(
         other_activation_bytes=acts.other_bytes + acts.logits_workspace_bytes,
         checkpointed=None if auto else (blocks if ckpt else []),
         grad_bytes_per_param=wire_size,
+        offload=offload,
     )
     try:
         timed = make_plan(
             device=device_type,
             **plan_inputs(units, wire_dtype),
             fixed_bytes=buffer_bytes,
-            # auto: the budget covers ramflow and the activations, the planner splits it
-            gpu_memory_bytes=gpu_memory_bytes if auto else ramflow_budget,
+            # auto, and offload (whose activations the timing counts with only two inputs
+            # on the device): the budget covers ramflow and the activations, the planner
+            # splits it
+            gpu_memory_bytes=gpu_memory_bytes if auto or offload else ramflow_budget,
             timing=timing,
         )
     except ValueError:
@@ -366,8 +458,10 @@ __all__ = [
     "RUNTIME_OVERHEAD_BYTES",
     "ActivationProfile",
     "MemoryEstimate",
+    "OFFLOAD_WINS_BY",
     "default_gpu_budget",
     "estimate_memory",
     "size_string",
     "measure_activations",
+    "predict_plan_step",
 ]

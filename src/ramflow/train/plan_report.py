@@ -177,7 +177,13 @@ def _speed_lines(est: MemoryEstimate) -> list[str]:
             "ramflow.offload(model, gpu_memory="
             + ("None" if share is None else repr(size_string(share)))
             + f", prefetch_depth={kwargs['prefetch_depth']}, activation_checkpointing="
-            + (repr(ckpt_arg) if len(ckpt) <= 4 else f"[{len(ckpt)} unit names]")
+            + (
+                "ramflow.memory.CheckpointOffload()"
+                if est.activation_offload
+                else repr(ckpt_arg)
+                if len(ckpt) <= 4
+                else f"[{len(ckpt)} unit names]"
+            )
             + ")",
         ]
     return lines

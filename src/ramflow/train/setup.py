@@ -24,7 +24,13 @@ from ..memory.fit import BatchFit, fit_batch
 from .checkpoint import Checkpoint
 from .config import TrainConfig
 from .data import Corpus, build_corpus, find_documents, stdlib_root
-from .estimate import MemoryEstimate, default_gpu_budget, estimate_memory
+from .estimate import (
+    OFFLOAD_WINS_BY,
+    MemoryEstimate,
+    default_gpu_budget,
+    estimate_memory,
+    predict_plan_step,
+)
 from .lora import DEFAULT_TARGETS, check_lora_targets, parse_targets
 from .modeling import check_weights, meta_model, model_config, read_config
 from .optimizers import OPTIMIZER_DEFAULTS
@@ -181,10 +187,52 @@ def _estimate(
             "no micro-batch fits with checkpointing every layer, so the layers' inputs go "
             "to pinned host memory"
         )
+    if (
+        config.checkpointing == "auto"
+        and on == "on"
+        and fit.checkpointing
+        and device_type == "cuda"
+    ):
+        offloaded, why = _offload_fit(config, mconfig, fit, fit_with, at, predict)
+        if offloaded is not None:
+            fit, on, reason = offloaded, "offload", why
     est = at(fit.micro_batch, on if fit.checkpointing else "off", **predict)
     if reason is not None:
         est = dataclasses.replace(est, checkpointing_reason=reason)
     return est, fit
+
+
+def _offload_fit(
+    config: TrainConfig, mconfig: Any, fit: BatchFit, fit_with: Any, at: Any, predict: dict
+) -> tuple[BatchFit | None, str | None]:
+    """``--batch-size auto --checkpointing auto`` where checkpointing every layer fits: the
+    fit with the layers' inputs offloaded, and why, where it takes a larger micro-batch
+    whose global batch is predicted faster; else (None, None). See [Note: when auto
+    offloads the layers' inputs] in ``estimate.py``."""
+    try:
+        offloaded = fit_with("offload", (True,))
+    except ValueError:
+        return None, None
+    if offloaded.micro_batch <= fit.micro_batch:
+        return None, None
+    speed = {k: predict[k] for k in ("timing_rates", "matmul_flops_per_s") if k in predict}
+
+    def global_batch_s(f: BatchFit, checkpointing: str) -> float:
+        est = at(f.micro_batch, checkpointing)
+        last = predict_plan_step(mconfig, est, **speed).step_s
+        if f.grad_accum == 1:
+            return last
+        micro = predict_plan_step(mconfig, est, with_optimizer=False, **speed).step_s
+        return (f.grad_accum - 1) * micro + last
+
+    on_s, off_s = global_batch_s(fit, "on"), global_batch_s(offloaded, "offload")
+    if off_s >= on_s * (1 - OFFLOAD_WINS_BY):
+        return None, None
+    return offloaded, (
+        f"with the layers' inputs offloaded a micro-batch of {offloaded.micro_batch} fits "
+        f"instead of {fit.micro_batch}: predicted {off_s:.2f} s per global batch of "
+        f"{config.global_batch} against {on_s:.2f} s"
+    )
 
 
 def host_wire(config: TrainConfig, device_type: str, wire: torch.dtype) -> torch.dtype:
