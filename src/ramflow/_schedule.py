@@ -192,6 +192,8 @@ class Schedule:
         self._end_backward_queued_for = -1
         self._root_active = 0
         self._checkpointed: list[nn.Module] = []
+        # activation offload's offloader (``CheckpointOffload``), None without one
+        self.boundary_offloader: BoundaryOffloader | None = None
         self._hf_checkpointing = False
 
     @property
@@ -295,6 +297,7 @@ class Schedule:
                 # our wrapper, not Hugging Face's switch: the offload hooks go around
                 # the checkpoint call. See [Note: offloaded checkpoint boundaries]
                 offloader = BoundaryOffloader(prefetch=plan.offload_prefetch)
+                self.boundary_offloader = offloader
         elif which is not True:
             names = {which} if isinstance(which, str) else set(which)  # type: ignore[arg-type]
             known = [u.name for u in self.units if not u.rest]

@@ -157,6 +157,34 @@ def test_hugging_face_model_offloaded_with_boundary_offload(monkeypatch):
     assert packs[0] == 2  # one hidden state per layer
 
 
+def test_disabled_offloader_checkpoints_alone_and_can_be_enabled_again():
+    """``BoundaryOffloader.enabled = False`` (the engine's, ``schedule.boundary_offloader``):
+    nothing is packed and the step is checkpointing's; enabled again, the inputs move."""
+    from ramflow._registry import engine_of_model
+
+    torch.manual_seed(0)
+    base = MLPStack(dim=32, depth=4)
+    x = torch.randn(8, 16)
+    plain = copy.deepcopy(base)
+    ramflow.offload(plain, device="cpu", activation_checkpointing=CheckpointAll())
+    expected = grads_after_step(plain, x)
+    model = copy.deepcopy(base)
+    ramflow.offload(model, device="cpu", activation_checkpointing=CheckpointOffload())
+    offloader = engine_of_model(model).schedule.boundary_offloader
+    assert offloader is not None and offloader.enabled
+    offloader.enabled = False
+    for p in model.parameters():
+        p.grad = None
+    assert_bitwise(expected, grads_after_step(model, x))
+    assert offloader.stats.num_packed == 0
+    offloader.enabled = True
+    for p in model.parameters():
+        p.grad = None
+    assert_bitwise(expected, grads_after_step(model, x))
+    assert offloader.stats.num_packed == 4
+    assert engine_of_model(plain).schedule.boundary_offloader is None
+
+
 # --------------------------------------------------------------------------- GPU
 
 
@@ -210,3 +238,42 @@ def test_gpu_offloaded_engine_with_boundary_offload_matches():
         results.append((loss.cpu(), grads))
         ramflow.undo(model)
     assert_bitwise(*results)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "ramflow.offload"])
+def test_gpu_llama_steps_with_offload_are_bit_identical_to_checkpointing(offloaded: bool):
+    """A Hugging Face Llama under bf16 autocast, 3 optimizer steps on the GPU: the losses
+    and the weights after them are bit-identical with the layers' inputs offloaded and with
+    checkpointing alone, on a resident model (``apply_checkpointing``, torch's AdamW) and on
+    an offloaded one (``ramflow.offload`` and ``ramflow.optim.AdamW``, fp32 wire)."""
+    torch.manual_seed(0)
+    base = tiny_llama(tie=False, layers=4, hidden=256, intermediate=512).train()
+    ids = torch.randint(0, 128, (4, 64), device="cuda")
+    runs = []
+    for policy in (CheckpointAll(), CheckpointOffload()):
+        model = copy.deepcopy(base)
+        if offloaded:
+            ramflow.offload(model, activation_checkpointing=policy, wire_dtype=torch.float32)
+            opt = ramflow.optim.AdamW(model.parameters(), lr=1e-3)
+        else:
+            model.cuda()
+            apply_checkpointing(model, policy)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().cpu())
+        if offloaded:
+            ramflow.synchronize(model)
+            ramflow.undo(model)
+        torch.cuda.synchronize()
+        runs.append((losses, [p.detach().cpu().clone() for p in model.parameters()]))
+    (losses_a, weights_a), (losses_b, weights_b) = runs
+    assert all(torch.equal(a, b) for a, b in zip(losses_a, losses_b, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(weights_a, weights_b, strict=True))

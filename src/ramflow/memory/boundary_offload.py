@@ -40,6 +40,7 @@ the CPU tests exercise the bookkeeping and bit-for-bit parity.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any, NamedTuple
@@ -107,6 +108,13 @@ class BoundaryOffloader:
             back ahead of their recomputation; at least 1. Each costs one boundary of
             device memory during backward.
 
+    Attributes:
+        enabled: while False, ``saving()`` installs no hooks: the blocks are checkpointed
+            as without offload, their inputs kept on the device (for a run that offloads
+            only its long sequences, or a benchmark that compares both in one process).
+            Default True. A graph built while it was True still unpacks through the
+            offloader.
+
     Raises:
         ValueError: ``prefetch`` is not an int >= 1.
     """
@@ -115,6 +123,7 @@ class BoundaryOffloader:
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
             raise ValueError(f"BoundaryOffloader: prefetch must be an int >= 1, got {prefetch!r}")
         self.prefetch = prefetch
+        self.enabled = True
         self._streams: dict[torch.device, CopyStreams] = {}
         # the boundary packed last on each thread: the chain backward walks to prefetch
         self._local = threading.local()
@@ -130,8 +139,11 @@ class BoundaryOffloader:
             self._num_packed, self._packed_bytes, self._num_prefetched, self._num_late
         )
 
-    def saving(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """The context under which a ``checkpoint(...)`` call's inputs are offloaded."""
+    def saving(self) -> contextlib.AbstractContextManager:
+        """The context under which a ``checkpoint(...)`` call's inputs are offloaded (none
+        while ``enabled`` is False)."""
+        if not self.enabled:
+            return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _copy_streams(self, device: torch.device) -> CopyStreams:
