@@ -66,11 +66,30 @@ class UnitSpec:
     wire: torch.Tensor | None = None
 
 
+def _declared_block_classes(model: nn.Module) -> set[str]:
+    """Class names the model declares as its repeated blocks: diffusers' ``_repeated_blocks``
+    (``ModelMixin``, read by its ``compile_repeated_blocks``), e.g. Flux's
+    ``["FluxTransformerBlock", "FluxSingleTransformerBlock"]``. Empty where none is declared."""
+    declared = getattr(type(model), "_repeated_blocks", None)
+    if not isinstance(declared, (list, tuple)):
+        return set()
+    return {name for name in declared if isinstance(name, str)}
+
+
 def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """Children of the ModuleList/Sequential whose repeated same-class children hold the
-    most parameters (e.g. Hugging Face decoder layers). Empty if no container repeats."""
+    most parameters (e.g. Hugging Face decoder layers). Empty if no container repeats.
+
+    A model that declares its block classes (diffusers' ``_repeated_blocks``), the largest
+    stack among them, gets every repeated child of those classes, in module order: a
+    diffusion transformer has two
+    stacks (Flux's double-stream ``transformer_blocks`` and single-stream
+    ``single_transformer_blocks``), and the larger-stack rule would leave the other stack
+    out of checkpointing policies and activation reports."""
     best: list[nn.Module] = []
     best_numel = 0
+    declared = _declared_block_classes(model)
+    stacks: list[nn.Module] = []
     for module in model.modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
@@ -78,12 +97,16 @@ def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
         for child in module.children():
             if any(True for _ in child.parameters()):
                 by_class.setdefault(type(child), []).append(child)
-        for children in by_class.values():
+        for cls, children in by_class.items():
             if len(children) < 2:
                 continue
+            if cls.__name__ in declared:
+                stacks.extend(children)
             numel = sum(p.numel() for c in children for p in c.parameters())
             if numel > best_numel:
                 best, best_numel = children, numel
+    if stacks and any(m is best[0] for m in stacks):
+        return stacks
     return best
 
 
@@ -185,7 +208,9 @@ def find_units(
 
     Rule (when ``units`` is None): the children of the ``nn.ModuleList``/``nn.Sequential``
     whose repeated same-class children hold the most parameters are the blocks (Hugging
-    Face decoder/encoder layers, a stack of MLP blocks). Every other subtree that holds
+    Face decoder/encoder layers, a stack of MLP blocks); a diffusers model that declares
+    its block classes (``_repeated_blocks``: Flux's double- and single-stream blocks) gets
+    the children of all its stacks of them. Every other subtree that holds
     parameters but no block is a unit of its own (embeddings, final norm, head). Parameters
     held directly by a module that also contains blocks go to one "rest" unit. A container
     without a forward of its own (``nn.ModuleDict``, a ``nn.ModuleList`` of different

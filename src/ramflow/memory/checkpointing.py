@@ -332,7 +332,8 @@ class CheckpointOffload:
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's repeated blocks, named: the children of the ``nn.ModuleList`` or
     ``nn.Sequential`` whose repeated same-class children hold the most parameters (Hugging
-    Face decoder layers, a stack of MLP blocks), the rule ``ramflow.offload`` uses for units.
+    Face decoder layers, a stack of MLP blocks), or every stack of the block classes a
+    diffusers model declares (Flux's two), the rule ``ramflow.offload`` uses for units.
 
     Raises:
         ValueError: the model has no repeated blocks; pass ``blocks=`` to
