@@ -234,3 +234,14 @@ def test_memory_toolkit():
     losses = printed_losses(out)
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert "optimizer step" in out  # the tracker's table
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_train_flux_dit(device):
+    """The diffusion transformer example: a tiny Flux trained by rectified flow matching
+    under accelerate, each double- and single-stream block a unit of its own."""
+    args = ["--steps", "3", "--checkpointing"] + (["--cpu"] if device == "cpu" else [])
+    out = run_example("examples/train_flux_dit.py", *args)
+    losses = [float(x) for x in re.findall(r"step \d+: loss (\S+)", out)]
+    assert len(losses) == 3 and all(0 < x < 10 for x in losses), out
+    assert "11 units, 6 of them blocks" in out, out
