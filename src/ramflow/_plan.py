@@ -24,10 +24,9 @@ from ._host_formats import (  # noqa: F401 (the device step's sizes, used here a
 )
 from ._predict import Rates, StepPrediction, UnitCost, predict_step
 
+# under activation offload, the checkpointed units' inputs on the device at once during
+# backward: the one recomputing and the one prefetched (CheckpointOffload's prefetch of 1)
 OFFLOAD_BOUNDARIES_ON_DEVICE = 2
-"""Under activation offload, the checkpointed units' inputs on the device at once during
-backward: the one recomputing and the one prefetched (``CheckpointOffload``'s default
-prefetch of 1)."""
 
 _UNITS = {
     "": 1, "b": 1,
@@ -112,10 +111,8 @@ class OffloadPlan:
         host_bytes: host bytes of the store (masters, wire copies, gradients) plus AdamW's
             states, for the whole model (engine plans only; None for ``ramflow plan``'s
             timed plans, which give their own host estimate).
-        host_deferred_bytes: host bytes a step not applied during backward adds under
-            the gradient ring, held until units step during backward again (``HostBytes.deferred_gradients``:
-            the first step of an optimizer that keeps ``p.grad``, a loop that clips,
-            gradient accumulation); 0 without the ring, None where ``host_bytes`` is.
+        host_deferred_bytes: ``HostBytes.deferred_gradients`` (a step not applied during
+            backward under the gradient ring); 0 without the ring, None as ``host_bytes``.
         host_precision_reason: why ``host_precision="auto"`` chose it (None otherwise).
         frozen_format: how frozen matrices are kept (``"int8"``, ``"nf4"``; None: in the
             wire dtype).
@@ -208,11 +205,10 @@ class OffloadPlan:
             )
             if self.host_bytes is not None:
                 host += f", {format_bytes(self.host_bytes)} with AdamW's states"
-            if self.host_deferred_bytes:
+            if self.host_deferred_bytes:  # the first step while p.grad is kept, clipping...
                 host += (
-                    f"; a step not applied during backward (the first while p.grad is kept, "
-                    f"clipping, accumulation) adds {format_bytes(self.host_deferred_bytes)} "
-                    "of host gradients, held until units step during backward again"
+                    f"; a step not applied during backward adds "
+                    f"{format_bytes(self.host_deferred_bytes)} of host gradients"
                 )
             if self.host_precision_reason:
                 host += f" (auto: {self.host_precision_reason})"
