@@ -1,7 +1,7 @@
 """The machinery every ramflow optimizer shares: param groups over offloaded and plain
 parameters, the engine's hooks (``StepOptimizer``), flat per-unit state buffers and the
-state round trip. ``ramflow.optim.AdamW``, ``SGD``, ``Lion`` and ``Adafactor`` subclass
-``HostOptimizer`` and give it their arithmetic (``_update``, and for AdamW a flat step).
+state round trip. ``ramflow.optim.AdamW``, ``SGD``, ``Lion``, ``Adafactor`` and ``Muon``
+subclass ``HostOptimizer`` and give it their arithmetic (``_update``, and for AdamW a flat step).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from ._units import _Unit
 
 
 class HostOptimizer(torch.optim.Optimizer):
-    """Shared machinery of ramflow's optimizers; use ``AdamW``, ``SGD``, ``Lion`` or ``Adafactor``."""
+    """Shared machinery of ramflow's optimizers; use ``AdamW``, ``SGD``, ``Lion``,
+    ``Adafactor`` or ``Muon``."""
 
     _ramflow_host_optimizer = True  # the engine's plain-optimizer hooks leave it alone
 

@@ -1,13 +1,15 @@
 """CPU optimizers over the fp32 master weights of offloaded models.
 
-``AdamW``, ``SGD``, ``Lion`` and ``Adafactor`` are ``torch.optim.Optimizer`` subclasses: param groups, LR schedulers,
+``AdamW``, ``SGD``, ``Lion``, ``Adafactor`` and ``Muon`` are ``torch.optim.Optimizer`` subclasses: param groups, LR schedulers,
 ``state_dict``/``load_state_dict`` and ``zero_grad`` work as usual. For parameters of a
 model given to ``ramflow.offload`` they step the host masters on a worker thread, unit by
 unit, overlapped with the GPU (see [Note: when the step runs] in ``_stepper.py``); other
 parameters are stepped in ``step()`` like a plain optimizer would. The arithmetic is
 PyTorch's own: its fused CPU kernels (``torch.optim.adam.adam(..., fused=True)``), with a
 fallback to the single-tensor path where fused is not available. ``Lion`` (``_lion``) and
-``Adafactor`` (``_adafactor``) are PyTorch ops per parameter; AdamW and Lion step the lean
+``Adafactor`` (``_adafactor``) are PyTorch ops per parameter; ``Muon`` (``_muon``) steps 2-D
+hidden matrices with their Newton-Schulz iteration on the model's device and the rest with
+AdamW; AdamW and Lion step the lean
 host formats, the others refuse them (``check_optimizer_formats``).
 """
 
@@ -27,6 +29,7 @@ from ._format_steps import LEAN, AdamWSettings, adamw_for
 from ._host_formats import moments_into, moments_to_plain
 from ._host_optimizer import HostOptimizer, _format
 from ._lion import Lion
+from ._muon import Muon, muon_param_groups
 from ._registry import engine_of_param
 from ._units import _Unit
 
@@ -384,4 +387,4 @@ class SGD(HostOptimizer):
                 self.state[p]["momentum_buffer"] = buf
 
 
-__all__ = ["Adafactor", "AdamW", "HostOptimizer", "Lion", "SGD"]
+__all__ = ["Adafactor", "AdamW", "HostOptimizer", "Lion", "Muon", "SGD", "muon_param_groups"]
