@@ -230,14 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--optimizer",
         default=None,
-        help="adamw (default), lion, adafactor or sgd (momentum 0.9); adafactor and sgd need "
-        "--host-precision fp32; --lr and --weight-decay default per optimizer",
+        help="adamw (default), lion, adafactor, sgd (momentum 0.9) or muon (hidden matrices; "
+        "AdamW for the rest); adafactor, sgd and muon need --host-precision fp32; --lr and "
+        "--weight-decay default per optimizer",
     )
     t.add_argument(
         "--weight-decay",
         type=float,
         default=None,
-        help="weight decay of matrices (default: AdamW 0.1, Lion 0.3, Adafactor and SGD 0)",
+        help="weight decay of matrices (default: AdamW and Muon 0.1, Lion 0.3, Adafactor and SGD 0)",
     )
     t.add_argument(
         "--clip-grad",

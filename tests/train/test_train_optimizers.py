@@ -27,14 +27,15 @@ def _final(run: Path, name: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("name", "host_precision"),
-    [("lion", "fp32"), ("lion", "lean"), ("adafactor", "fp32"), ("sgd", "fp32")],
+    [("lion", "fp32"), ("lion", "lean"), ("adafactor", "fp32"), ("sgd", "fp32"), ("muon", "fp32")],
 )
 def test_resume_equals_uninterrupted(
     tmp_path: Path, corpus_file: Path, ramflow_cli, fast, name: str, host_precision: str
 ) -> None:
     """The checkpoint carries each optimizer's states (Lion's momentum, 8-bit with its
     absmax and the rounding's step on the lean formats; Adafactor's factored row and column
-    statistics and step; SGD's momentum buffer): a run stopped after step 3 and resumed by
+    statistics and step; SGD's momentum buffer; Muon's momentum buffers and its AdamW
+    moments): a run stopped after step 3 and resumed by
     the CLI ends as the uninterrupted one, bit for bit."""
     settings = dict(
         steps=6, eval_every=3, save_every=2, optimizer=name, host_precision=host_precision
@@ -65,8 +66,17 @@ def test_resume_equals_uninterrupted(
     resumed = _final(split, "optimizer.safetensors")
     assert all(torch.equal(states[k], resumed[k]) for k in states)
     fields = {k.rsplit(".", 1)[-1] if "." in k else k for k in states}
-    expected = {"lion": "exp_avg", "adafactor": "row_var", "sgd": "momentum_buffer"}[name]
-    assert any(expected in f for f in fields), sorted(fields)[:5]
+    expected = {
+        "lion": ["exp_avg"],
+        "adafactor": ["row_var"],
+        "sgd": ["momentum_buffer"],
+        "muon": ["momentum_buffer", "exp_avg_sq"],  # hidden matrices; embeddings, norms
+    }[name]
+    for field in expected:
+        assert any(field in f for f in fields), sorted(fields)[:5]
+    if name == "muon":  # the embeddings are AdamW's, the hidden matrices Muon's
+        assert not any(k.startswith("model.embed_tokens.") and "momentum" in k for k in states)
+        assert any(k.startswith("model.embed_tokens.") and "exp_avg_sq" in k for k in states)
 
 
 def test_defaults_follow_adamws_per_optimizer() -> None:
@@ -83,7 +93,7 @@ def test_defaults_follow_adamws_per_optimizer() -> None:
 def test_make_optimizer_builds_ramflows_optimizers() -> None:
     params = [torch.nn.Parameter(torch.zeros(4, 4))]
     kinds = {"adamw": optim.AdamW, "lion": optim.Lion, "adafactor": optim.Adafactor}
-    kinds["sgd"] = optim.SGD
+    kinds.update(sgd=optim.SGD, muon=optim.Muon)
     for name, cls in kinds.items():
         opt = make_optimizer(
             name, [{"params": params}], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, overlap=True
@@ -101,6 +111,8 @@ def test_make_optimizer_builds_ramflows_optimizers() -> None:
         (dict(optimizer="adam"), "choose one of adamw, lion, adafactor, sgd"),
         (dict(optimizer="sgd", host_precision="lean"), "--host-precision fp32"),
         (dict(optimizer="adafactor", host_precision="auto"), "--host-precision fp32"),
+        (dict(optimizer="muon", host_precision="lean"), "--host-precision fp32"),
+        (dict(optimizer="muon", device_optimizer=True), "drop --device-optimizer"),
         (dict(optimizer="lion", device_optimizer=True), "drop --device-optimizer"),
     ],
 )

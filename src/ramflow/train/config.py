@@ -69,10 +69,11 @@ class TrainConfig:
         weight_decay: the optimizer's weight decay of matrices (norm weights get none);
             finite, >= 0. ``from_options`` defaults it per optimizer (AdamW 0.1).
         beta1, beta2, eps: AdamW's.
-        optimizer: ``adamw`` (default), ``lion``, ``adafactor`` or ``sgd`` (momentum 0.9):
+        optimizer: ``adamw`` (default), ``lion``, ``adafactor``, ``sgd`` (momentum 0.9) or
+            ``muon`` (Moonlight's: hidden matrices by Muon, the rest by AdamW):
             ``ramflow.optim``'s, see ``ramflow.train.optimizers``. ``from_options`` scales
-            the default ``lr`` per optimizer (``OPTIMIZER_DEFAULTS``). Adafactor and SGD
-            step fp32 host formats only; only AdamW steps on the device. A resumed run
+            the default ``lr`` per optimizer (``OPTIMIZER_DEFAULTS``). Adafactor, SGD and
+            Muon step fp32 host formats only; only AdamW steps on the device. A resumed run
             keeps it.
         clip_grad: global gradient-norm limit, finite; 0 turns clipping off.
         precision: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``bf16``, ``fp16`` (with a
@@ -219,10 +220,10 @@ class TrainConfig:
             )
         if self.optimizer != "adamw" and self.device_optimizer:
             raise ValueError(
-                f"--optimizer {self.optimizer} steps on the CPU only: drop --device-optimizer, "
+                f"--optimizer {self.optimizer} has no device step: drop --device-optimizer, "
                 "or use --optimizer adamw, which steps on the device too"
             )
-        if self.optimizer in ("adafactor", "sgd") and self.host_precision != "fp32":
+        if self.optimizer in ("adafactor", "sgd", "muon") and self.host_precision != "fp32":
             raise ValueError(
                 f"--optimizer {self.optimizer} steps fp32 master weights and states only: use "
                 "--host-precision fp32, or --optimizer adamw or lion, which step every host "

@@ -46,6 +46,11 @@ OPTIMIZER_DEFAULTS = {
     # Plain SGD steps by the gradient itself, not a normalised one: 10x AdamW's LR with
     # momentum 0.9 (torch.optim.SGD's L2 weight decay is coupled: none by default).
     "sgd": OptimizerDefaults(lr_scale=10.0, weight_decay=0.0, num_states=1),
+    # Moonlight's Muon (Liu et al. 2025) scales its update to AdamW's RMS, so AdamW's LR
+    # and weight decay carry over (their recipe); the embeddings, head and vectors are
+    # AdamW's. States: the hidden matrices keep one (the momentum), the rest AdamW's two;
+    # the estimate counts a whole number per parameter, so 2, an upper bound.
+    "muon": OptimizerDefaults(lr_scale=1.0, weight_decay=0.1, num_states=2),
 }
 OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 
@@ -65,7 +70,9 @@ def make_optimizer(
 ) -> torch.optim.Optimizer:
     """The ``ramflow.optim`` optimizer ``name`` over param ``groups`` (each with its
     ``weight_decay``) at peak ``lr``. ``betas`` and ``eps`` are AdamW's (``--beta1``,
-    ``--beta2``, ``--eps``); Lion takes the paper's betas, Adafactor and SGD have none.
+    ``--beta2``, ``--eps``); Lion takes the paper's betas, Adafactor and SGD have none;
+    Muon takes them for its AdamW groups, and its groups must say ``use_muon``
+    (``ramflow.optim.muon_param_groups``: the trainer's ``_param_groups``).
     ``overlap`` is the optimizers'; ``keep_grads`` AdamW's (``keep_grads=False``: the loop
     never reads ``p.grad``, so steps during backward write no full gradient buffer).
 
@@ -82,6 +89,8 @@ def make_optimizer(
         return optim.Adafactor(groups, lr=lr, overlap=overlap)
     if name == "sgd":
         return optim.SGD(groups, lr=lr, momentum=SGD_MOMENTUM, overlap=overlap)
+    if name == "muon":
+        return optim.Muon(groups, lr=lr, adamw_betas=betas, adamw_eps=eps, overlap=overlap)
     raise ValueError(f"--optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
 
 

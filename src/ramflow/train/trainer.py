@@ -45,6 +45,7 @@ import torch
 import ramflow
 
 from ..memory import CheckpointOffload
+from ..optim import muon_param_groups
 from .backoff import fit_micro_batch
 from .checkpoint import (
     Checkpoint,
@@ -151,10 +152,16 @@ def _refuse_other_run(run_dir: Path | None, ckpt: Checkpoint | None) -> None:
 
 
 def _param_groups(
-    model: torch.nn.Module, weight_decay: float
+    model: torch.nn.Module, weight_decay: float, *, optimizer: str = "adamw"
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """Decay matrices, not norm weights or biases (the usual LLM recipe). Returns the
-    groups and the parameter names in the optimizer's order."""
+    """Decay matrices, not norm weights or biases (the usual LLM recipe); for Muon, its
+    hidden matrices, AdamW's embeddings and head, AdamW's vectors
+    (``ramflow.optim.muon_param_groups``). Returns the groups and the parameter names in
+    the optimizer's order."""
+    if optimizer == "muon":
+        groups = muon_param_groups(model, weight_decay=weight_decay)
+        name_of = {id(p): name for name, p in model.named_parameters()}
+        return groups, [name_of[id(p)] for g in groups for p in g["params"]]
     decay, no_decay, decay_names, no_decay_names = [], [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -450,7 +457,7 @@ def _train(
             chunk_lm_head(model)
         except ValueError as err:
             say(f"the loss is computed over the full logits: {err}")
-        groups, param_names = _param_groups(model, config.weight_decay)
+        groups, param_names = _param_groups(model, config.weight_decay, optimizer=config.optimizer)
         eager = config.steps_during_backward(several_ranks=ranks.several)
         # see [Note: backing off after an out-of-memory error] in backoff.py
         opt = make_optimizer(
