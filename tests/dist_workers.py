@@ -130,7 +130,8 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     (private host copies, no gradient reduction; the memory baseline). Options beside:
     ``host_precision`` and ``wire_dtype`` (default fp32) go to ``offload``; ``whole_batch``:
     every rank trains on the whole global batch (its averaged gradients are then one
-    process's, bit for bit, on two ranks)."""
+    process's, bit for bit, on two ranks); ``muon``: ``ramflow.optim.Muon`` (its defaults,
+    lr 1e-2) instead of AdamW."""
     device = _device(rank, options)
     model = reference_model(seed=rank, dim=options.get("dim", 32))
     ramflow.offload(
@@ -140,9 +141,12 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
         wire_dtype=options.get("wire_dtype", torch.float32),
         host_precision=options.get("host_precision"),
     )
-    opt = ramflow.optim.AdamW(
-        model.parameters(), lr=1e-2, keep_grads=options.get("keep_grads", True)
-    )
+    if options.get("muon"):
+        opt = ramflow.optim.Muon(model.parameters(), lr=1e-2)
+    else:
+        opt = ramflow.optim.AdamW(
+            model.parameters(), lr=1e-2, keep_grads=options.get("keep_grads", True)
+        )
     if options.get("slow_owner") is not None and rank == options["slow_owner"]:
         _slow_host_steps(opt, seconds=0.2)
     per_rank = GLOBAL_BATCH // world_size
