@@ -330,7 +330,9 @@ def report(result: dict) -> str:
         lines.append(f"| {name} | {r['step_s']:.3f} | {peak} | {r['losses'][-1]:.4f} |")
     if "muon_loss_max_abs_diff" in tr:
         lines += ["", f"Max |loss difference|, ramflow Muon vs resident torch.optim.Muon, per "
-                  f"step: {tr['muon_loss_max_abs_diff']:.2e}."]  # fmt: skip
+                  f"step: {tr['muon_loss_max_abs_diff']:.2e} (on CUDA: ramflow's bf16 wire "
+                  "against autocast over fp32 weights, and Muon's bf16 iteration magnifying "
+                  "rounding; docs/design.md, Muon; on the CPU: 0)."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
