@@ -73,6 +73,7 @@ class StepPolicy:
         allowed: the last step showed the loop's pattern allows eager passes.
         eager_now: the open pass's decision (None between passes).
         last_eager: the last finished pass stepped during backward.
+        step_was_eager: the last ``opt.step()`` found its units stepped during backward.
         final_backwards: backward passes (outside ``no_step``) since the last step.
         clip_used: the loop clips (a real clip defers every step).
         settings_at_backward: the optimizer's settings when the last pass ended.
@@ -93,6 +94,7 @@ class StepPolicy:
         self.settings_at_backward: list[dict] | None = None
         self.settings_late = False
         self.eager_settings: list[dict] | None = None
+        self.step_was_eager = False
         self.seen_step = False
         self.partial_step: list[str] = []
         self.partial_grads = False
@@ -251,6 +253,7 @@ class StepPolicy:
     def after_step(self, opt: StepOptimizer, *, modified: bool) -> None:
         """``opt.step()`` done: learn whether the next passes may step during backward."""
         self.seen_step = True
+        self.step_was_eager = self.last_eager
         self.allowed = (
             opt.overlap
             and self.final_backwards == 1

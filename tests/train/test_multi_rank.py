@@ -198,6 +198,32 @@ def test_two_ranks_compute_one_process_at_twice_the_batch(
 
 
 @pytest.mark.slow
+def test_two_ranks_without_clipping_step_during_backward_as_they_would_after_it(
+    corpus_file, tmp_path, shm_root
+):
+    """Without clipping, ranks step each unit during backward with only lean's gradient
+    ring (``TrainConfig.steps_during_backward``); a clipping limit no gradient reaches keeps
+    every step after backward with a full gradient buffer. Both apply the same updates to
+    the same gradients, so the losses are the same bits."""
+    run = (*RUN[:-2], "--precision", "fp32", "--host-precision", "lean")
+    losses = {}
+    for clip in ("0", "1e9"):
+        out = tmp_path / f"clip-{clip}"
+        done = _ramflow(
+            "train", *run, "--clip-grad", clip, "--batch-size", "2", "--data", corpus_file,
+            "--device", "cpu", "--nproc-per-node", "2", "--out", out, env=_env(_shm(shm_root)),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses[clip] = (_losses(out), _losses(out, "eval"))
+        steps = [r for r in read_log(out / "log.jsonl") if r.get("event") == "step"]
+        # after the first (whose loop pattern ramflow learns), every step ran in backward
+        eager = [r["steps_in_backward"] for r in steps[1:]]
+        assert eager == [clip == "0"] * len(eager), (clip, eager)
+    assert losses["0"] == losses["1e9"]
+    assert sorted(losses["0"][0]) == list(range(1, 7))
+
+
+@pytest.mark.slow
 def test_checkpoint_holds_weights_once_and_each_ranks_optimizer_shard(two_rank_run):
     out, _, _, _ = two_rank_run
     ckpt = open_checkpoint(out)

@@ -90,14 +90,17 @@ def test_host_ram_counts_the_store_once_and_each_ranks_own_n_times(zero_stage, h
     e = plan_run(config)
     e = dataclasses.replace(e, ram_available_bytes=1000 * GIB)
     plan = plan_ranks(e, num_ranks=4, zero_stage=zero_stage)
-    gradients = e.host_gradient_pinned_bytes + e.host_gradient_pageable_bytes
-    # per-unit gradient buffers exist on the unit's owner only under ZeRO-2; a ring is every rank's
-    copies = 1 if zero_stage == 2 and host_precision == "fp32" else 4
+    # the staging: per unit on its owner only under ZeRO-2, a ring on every rank; the full
+    # gradient buffer (fp32's, or the one a clipping loop keeps beside a ring): the owner's
+    staging = 1 if zero_stage == 2 and host_precision == "fp32" else 4
+    full = 1 if zero_stage == 2 else 4
+    assert e.host_gradient_pageable_bytes > 0  # the trainer clips by default
     assert plan.ram_needed_bytes == (
         e.host_parameter_pinned_bytes
         + e.host_parameter_pageable_bytes
         + e.host_optimizer_bytes
-        + copies * gradients
+        + staging * e.host_gradient_pinned_bytes
+        + full * e.host_gradient_pageable_bytes
         + 4 * RUNTIME_OVERHEAD_BYTES
     )
     assert plan.fits_ram and plan.zero.stage == zero_stage
@@ -107,6 +110,29 @@ def test_host_ram_counts_the_store_once_and_each_ranks_own_n_times(zero_stage, h
         zero_stage=zero_stage,
     )
     assert not tight.fits_ram
+
+
+def test_a_full_gradient_buffer_is_counted_where_the_loop_keeps_one():
+    """Lean's gradient ring makes no full host gradient buffer only where units step during
+    backward: several ranks without clipping or accumulation. Clipping, accumulation and
+    one process (whose out-of-memory back-off keeps steps out of backward) keep one, 2
+    bytes (bf16) per trained parameter."""
+    options = dict(preset="tiny", device="cuda", gpu_memory="1GiB", host_precision="lean")
+    plans = {
+        (clip, accum, ranks): plan_run(
+            TrainConfig.from_options(**options, clip_grad=clip, grad_accum=accum),
+            num_ranks=ranks,
+        )
+        for clip, accum, ranks in [(0.0, 1, 4), (1.0, 1, 4), (0.0, 2, 4), (0.0, 1, 1)]
+    }
+    eager = plans[(0.0, 1, 4)]
+    assert eager.host_gradient_pageable_bytes == 0
+    for key, e in plans.items():
+        if e is not eager:
+            assert e.host_gradient_pageable_bytes == 2 * e.num_trainable, key
+            assert e.host_gradient_pinned_bytes == eager.host_gradient_pinned_bytes, key
+    assert TrainConfig.from_options(clip_grad=0.0).steps_during_backward(several_ranks=True)
+    assert not TrainConfig.from_options(clip_grad=0.0).steps_during_backward(several_ranks=False)
 
 
 def test_plan_cli_for_eight_gpus(ramflow_cli, capsys):

@@ -65,6 +65,18 @@ class TrainResult:
     stop_signal: int | None = None
 
 
+def steps_in_backward(model: torch.nn.Module) -> bool | None:
+    """Whether the last ``opt.step()`` of ``model``'s optimizer found its units stepped during
+    backward (see [Note: when the step runs] in ``ramflow._stepper``); None for a model
+    ramflow does not offload."""
+    from .._registry import engine_of_model
+
+    engines = {id(e): e for e in map(engine_of_model, model.modules()) if e is not None}
+    if not engines:
+        return None
+    return all(e.stepper.policy.step_was_eager for e in engines.values())
+
+
 def _peak_host_bytes() -> int:
     try:
         import resource
@@ -263,6 +275,8 @@ def run_loop(
             ),
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(policy.device) if cuda else None,
             "host_rss_bytes": process.memory_info().rss,
+            # the optimizer overlapped the backward (steps during it), or ran after it
+            "steps_in_backward": steps_in_backward(model),
         }
         report.step(record)
         if on_step is not None:
