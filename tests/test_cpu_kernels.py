@@ -9,7 +9,6 @@ pure-PyTorch path used without a compiler (``impl="torch"``).
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import platform
 import shutil
@@ -569,62 +568,6 @@ def test_a_build_killed_half_way_does_not_block_the_next_process(tmp_path):
 # ---- the lean kernels' 8-bit codes (_lean_kernels, [Note: 8-bit codes in one lookup]) -----
 
 
-def _old_table_method(mid: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The quantizer before the one-lookup table: a byte per bucket (the midpoints below the
-    bucket's smallest float), then one compare with the next midpoint (one was always enough
-    for these codes), as quantize_code's loop did."""
-    upper = torch.arange(1 << 16, dtype=torch.int64) << 16
-    negative = upper >= 1 << 31
-    smallest = _lean_kernels._as_float32(torch.where(negative, upper | 0xFFFF, upper))
-    start = torch.where(torch.isnan(smallest), 0, torch.bucketize(smallest, mid))
-    bits_y = y.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    k = start[bits_y >> 16]
-    return k + ((k < 255) & (mid[k.clamp(max=254)] < y)).to(torch.int64)
-
-
-@pytest.mark.parametrize("signed", [True, False])
-def test_one_lookup_table_gives_the_nearest_code_for_every_float(signed):
-    codes = _lean_kernels._code()
-    mid = codes.signed_mid if signed else codes.unsigned_mid
-    table = codes.signed_table if signed else codes.unsigned_table
-    # Within a bucket (one upper half) the table method is start + (key > threshold): one
-    # step, at the threshold. Its lowest and highest floats and both sides of the step
-    # therefore decide it for all 2**16 floats of the bucket; every bucket is checked.
-    upper = torch.arange(1 << 16, dtype=torch.int64) << 16
-    threshold = (table.to(torch.int64) & 0xFFFFFFFF) >> 16
-    lows = [torch.full_like(upper, c) for c in (0, 1, 0xFFFE, 0xFFFF)]
-    for d in (-1, 0, 1):  # both sides of the step, as order keys, back to lower bits
-        key = (threshold + d).clamp(0, 0xFFFF)
-        lows.append(key ^ torch.where(upper >= 1 << 31, 0xFFFF, 0))
-    y = _lean_kernels._as_float32(torch.cat([upper | low for low in lows]))
-    got = _lean_kernels._quantize_with_table(table, y)
-    assert torch.equal(got, _old_table_method(mid, y)), "differs from the old table method"
-    finite = ~torch.isnan(y)  # bucketize puts NaN last; both table methods put it first
-    assert torch.equal(got[finite], torch.bucketize(y[finite], mid))
-    # And random floats of every magnitude.
-    gen = torch.Generator().manual_seed(0)
-    r = torch.randint(-(1 << 31), 1 << 31, (1 << 20,), generator=gen, dtype=torch.int64)
-    y = r.to(torch.int32).view(torch.float32)
-    assert torch.equal(_lean_kernels._quantize_with_table(table, y), _old_table_method(mid, y))
-
-
-def _values_next_to_every_midpoint(mid: torch.Tensor, scale: float) -> torch.Tensor:
-    """Blocks of 256 whose absmax is ``scale``: the midpoints times ``scale``, each moved by
-    -6 .. +6 fp32 steps, where y0 = x * (1 / absmax) and x / absmax may disagree."""
-    x = (mid.double() * scale).float()
-    steps = []
-    for k in range(-6, 7):
-        moved = x.clone()
-        toward = torch.full_like(x, math.inf if k > 0 else -math.inf)
-        for _ in range(abs(k)):
-            moved = torch.nextafter(moved, toward)
-        steps.append(moved)
-    x = torch.cat(steps).clamp(-scale, scale)
-    blocks = torch.nn.functional.pad(x, (0, -x.numel() % 255)).view(-1, 255)
-    blocks = torch.cat([blocks, torch.full((blocks.shape[0], 1), scale)], dim=1)
-    return blocks.flatten()
-
-
 def _use_lean_isa(isa: str, monkeypatch) -> None:
     """Caps the native lean step at ``isa``; skips where this CPU or build cannot run it."""
     if not _lean_kernels.lean_kernel_available():
@@ -637,27 +580,81 @@ def _use_lean_isa(isa: str, monkeypatch) -> None:
 _LEAN_ISAS = ["avx512", "avx2", "scalar"]
 
 
+def _fp8_test_values() -> torch.Tensor:
+    """fp32 values in [-448, 448] that decide E4M3 rounding: every pattern of the upper 12
+    bits (sign, exponent, the 3 kept mantissa bits) with the lower 20 bits just below, at
+    and just above the halfway point and at both ends; every multiple of 2**-11 below 2**-6
+    (the subnormal codes and their halfway points) and its neighbours; random floats."""
+    upper = torch.arange(1 << 12, dtype=torch.int64) << 20
+    lows = [0, 1, 0x7FFFF, 0x80000, 0x80001, 0xFFFFF]
+    bits = torch.cat([upper | low for low in lows])
+    x = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+    sub = torch.arange(-32, 33, dtype=torch.float32) * 2.0**-11
+    sub = torch.cat([sub, torch.nextafter(sub, sub + 1), torch.nextafter(sub, sub - 1)])
+    gen = torch.Generator().manual_seed(0)
+    rand = torch.randn(1 << 16, generator=gen) * torch.exp(torch.randn(1 << 16, generator=gen) * 6)
+    x = torch.cat([x, sub, rand, torch.tensor([0.0, -0.0, 448.0, -448.0, 2.0**-126, 1e-45])])
+    return x[x.abs() <= 448]
+
+
+@pytest.mark.parametrize("isa", _LEAN_ISAS)
+def test_native_fp8_encoder_is_torchs_float8_e4m3fn_for_every_rounding_case(isa, monkeypatch):
+    """The native E4M3 encoder (of the step's loop for ``isa``) gives the bits of torch's own
+    conversion, ``.to(torch.float8_e4m3fn)`` (round to nearest even), on values that
+    exercise every rounding case. Each block holds 448, so its scale is 2**0 and the codes
+    are those of the values themselves."""
+    _use_lean_isa(isa, monkeypatch)
+    x = _fp8_test_values()
+    blocks = torch.nn.functional.pad(x, (0, -x.numel() % 255)).view(-1, 255)
+    x = torch.cat([blocks, torch.full((blocks.shape[0], 1), 448.0)], dim=1).flatten()
+    q, scale = _lean_kernels._quantize_blockwise_native(x, signed=True)
+    assert torch.all(scale == 1.0)
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(q, want), f"{int((q != want).sum())} codes differ"
+
+
+@pytest.mark.parametrize("isa", _LEAN_ISAS)
+def test_native_fp8_decoder_is_torchs_for_every_code(isa, monkeypatch):
+    """Every one of the 256 codes (NaN included) decodes as torch's float8_e4m3fn to fp32
+    does, times the block's scale; the second moment's are squared."""
+    _use_lean_isa(isa, monkeypatch)
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(3)
+    q = torch.cat([q, q[:77]])  # a partial block: the scalar decoder
+    scale = torch.tensor([1.0, 2.0**-20, 2.0**30, 0.5])
+    for signed in (True, False):
+        got = _lean_kernels._dequantize_blockwise_native(q, scale, signed=signed)
+        want = _lean_kernels.dequantize_blockwise(q, scale, signed=signed)
+        assert_bits_equal(got, want, f"signed={signed}")
+    assert torch.isnan(want[0x7F]) and want[0x7E] == 448.0**2
+
+
 @pytest.mark.parametrize("isa", _LEAN_ISAS)
 @pytest.mark.parametrize("signed", [True, False])
-def test_native_quantizer_equals_quantize_blockwise_next_to_every_midpoint(
-    signed, isa, monkeypatch
-):
+def test_native_quantizer_equals_quantize_blockwise(signed, isa, monkeypatch):
+    """The native quantizer (scale from the block's absmax, then the codes) gives the PyTorch
+    path's bits for blocks of every magnitude: absmax at and next to the scale's steps
+    (1.75 * 2**k), subnormal, huge, zero, and with elements too small for a code."""
     _use_lean_isa(isa, monkeypatch)
-    codes = _lean_kernels._code()
-    mid = codes.signed_mid if signed else codes.unsigned_mid
     gen = torch.Generator().manual_seed(1)
-    # absmax of every kind: powers of 2 (exact reciprocals), random ones, subnormal ones
-    # and ones whose reciprocal is subnormal (both divided), and 1 (all-zero blocks).
-    scales = [1.0, 0.5, 3e-39, 1e-45, 3e38, 1e-20, 7e10]
-    scales += (torch.rand(12, generator=gen, dtype=torch.float64) * 40 - 20).exp().tolist()
-    x = torch.cat([_values_next_to_every_midpoint(mid, s) for s in scales])
-    x = torch.cat([x, torch.zeros(256), torch.randn(1000, generator=gen)])  # and a partial block
+    amaxes = [1.0, 1.75, 448.0, 3e-39, 1e-45, 3e38, 1e-20, 7e10, 0.0]
+    amaxes += [float(torch.nextafter(torch.tensor(a), torch.tensor(a * 2))) for a in (1.75, 448.0)]
+    amaxes += (torch.rand(12, generator=gen, dtype=torch.float64) * 40 - 20).exp().tolist()
+    x = _fp8_test_values()[: 255 * 40].view(40, 255) / 448.0
+    blocks = []
+    for i, a in enumerate(amaxes):
+        row = x[i % 40] * a
+        if i % 3 == 0:
+            row = row * torch.exp(torch.randn(255, generator=gen) * 10)  # codes of 0 too
+        blocks.append(torch.cat([row.clamp(-a, a), torch.tensor([a])]))
+    x = torch.cat(blocks + [torch.randn(1000, generator=gen)])  # and a partial block
     if not signed:
-        x = x.abs()
-    got_q, got_absmax = _lean_kernels._quantize_blockwise_native(x, signed=signed)
-    want_q, want_absmax = _lean_kernels.quantize_blockwise(x, signed=signed)
-    assert_bits_equal(got_absmax, want_absmax, "absmax")
+        x = x.square()
+    got_q, got_scale = _lean_kernels._quantize_blockwise_native(x, signed=signed)
+    want_q, want_scale = _lean_kernels.quantize_blockwise(x, signed=signed)
+    assert_bits_equal(got_scale, want_scale, "scales")
     assert torch.equal(got_q, want_q), f"{int((got_q != want_q).sum())} codes differ"
+    if not signed:  # a positive second moment never gets code 0
+        assert not torch.any((got_q == 0) & (x > 0))
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
@@ -675,15 +672,15 @@ def test_lean_step_simd_equals_the_scalar_block(master, isa, monkeypatch):
         s["compensation"] = torch.zeros(n, dtype=torch.bfloat16) if master == "bf16-kahan" else None
         s["wire_out"] = torch.empty(n, dtype=torch.bfloat16) if master == "fp32" else None
         for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-            s[name], s[f"{name}_absmax"] = _lean_kernels.quantize_blockwise(
+            s[name], s[f"{name}_scale"] = _lean_kernels.quantize_blockwise(
                 torch.zeros(n), signed=signed
             )
         for step, g in enumerate(grads, start=1):
             _lean_kernels.lean_adamw_step_(
                 s["master"], g, s["exp_avg"], s["exp_avg_sq"], step=step, lr=1e-2, beta1=0.9,
                 beta2=0.999, eps=1e-8, weight_decay=0.1, grad_scale=0.5 if step == 2 else 1.0,
-                compensation=s["compensation"], exp_avg_absmax=s["exp_avg_absmax"],
-                exp_avg_sq_absmax=s["exp_avg_sq_absmax"], wire_out=s["wire_out"], seed=5,
+                compensation=s["compensation"], exp_avg_scale=s["exp_avg_scale"],
+                exp_avg_sq_scale=s["exp_avg_sq_scale"], wire_out=s["wire_out"], seed=5,
             )  # fmt: skip
         results.append(s)
     for key, value in results[0].items():

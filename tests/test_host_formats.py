@@ -18,7 +18,6 @@ from ramflow._host_formats import check_optimizer_formats
 from ramflow._lean_kernels import (
     QBLOCK,
     dequantize_blockwise,
-    dynamic_code,
     lean_adamw_step_,
     quantize_blockwise,
     stochastic_round_bf16,
@@ -111,39 +110,47 @@ def test_stochastic_rounding_same_at_any_thread_count_and_reproducible(impl):
 # ---- 8-bit block-wise states -----------------------------------------------------------
 
 
-def max_code_error(code: torch.Tensor, *, signed: bool) -> float:
-    """The largest distance from a point of [-1, 1] (signed) or [0, 1] to its nearest code."""
-    half_gaps = ((code[1:] - code[:-1]) / 2).max().item()
-    below = (code[0] + 1).item() if signed else code[0].item()  # -1 up to the lowest code
-    return max(half_gaps, below)
-
-
 @pytest.mark.parametrize("signed", [True, False])
 def test_8bit_state_error_is_bounded(signed):
-    code = dynamic_code(signed=signed)
-    assert code.numel() == 256 and torch.all(code[1:] > code[:-1])
-    bound = max_code_error(code, signed=signed)
-    # Every element is stored as the code nearest to x / absmax, so its error is at most
-    # half the widest gap between neighbouring codes times its block's absmax: the gaps
-    # of the top decade, 0.9 / 64 (signed) and 0.9 / 128 (unsigned).
-    assert bound <= (0.9 / 64 / 2 if signed else 0.9 / 128 / 2) + 1e-7
+    """E4M3 keeps 4 significant bits: rounding to nearest moves a value in its normal range
+    (at least 2**-6 times its block's scale) by at most half a spacing, 2**-4 of it, and a
+    smaller one by at most half the smallest subnormal, 2**-10 times the scale. The second
+    moment is coded as its square root, so the bounds hold for sqrt(v)."""
     gen = torch.Generator().manual_seed(0)
     n = 40 * QBLOCK + 100
     scale = torch.exp(torch.randn(n // QBLOCK + 1, generator=gen) * 4).repeat_interleave(QBLOCK)
-    x = torch.randn(n, generator=gen) * scale[:n]
+    x = torch.randn(n, generator=gen) * scale[:n] * torch.exp(torch.randn(n, generator=gen) * 3)
     x = x if signed else x.abs() ** 2
-    q, absmax = quantize_blockwise(x, signed=signed)
-    assert q.dtype == torch.uint8 and absmax.shape == (-(-n // QBLOCK),)
-    y = dequantize_blockwise(q, absmax, signed=signed)
-    block_absmax = absmax.repeat_interleave(QBLOCK)[:n]
-    # + 1e-6: the fp32 roundings of x / absmax and code * absmax (2**-24 each, relative).
-    assert torch.all((y - x).abs() <= (bound + 1e-6) * block_absmax)
-    if not signed:  # the absmax itself is exact (the code holds 1.0; the signed one no -1)
-        full = n // QBLOCK * QBLOCK
-        assert torch.equal(y[:full].view(-1, QBLOCK).amax(1), absmax[: n // QBLOCK])
+    q, block_scale = quantize_blockwise(x, signed=signed)
+    assert q.dtype == torch.uint8 and block_scale.shape == (-(-n // QBLOCK),)
+    # the scales are powers of two, and the block's absmax lands in (224, 448]
+    assert torch.all(torch.frexp(block_scale).mantissa == 0.5)
+    y = dequantize_blockwise(q, block_scale, signed=signed)
+    s = block_scale.repeat_interleave(QBLOCK)[:n].double()
+    a, b = (x.double(), y.double()) if signed else (x.double().sqrt(), y.double().sqrt())
+    amax = torch.nn.functional.pad(a.abs(), (0, -n % QBLOCK)).view(-1, QBLOCK).amax(1)
+    assert torch.all((amax / block_scale.double() > 224) & (amax / block_scale.double() <= 448))
+    # below the smallest subnormal's half, a positive sqrt(v) reads back as that subnormal
+    # (never 0): up to 2**-9 times the scale away. 2**-30: the fp32 rounding of the
+    # dequantized square (sqrt of it), far below the rest
+    floor = s * (2.0**-10 if signed else 2.0**-9)
+    bound = torch.maximum(a.abs() * 2.0**-4, floor) * (1 + 2.0**-30)
+    assert torch.all((b - a).abs() <= bound)
     # Zeros stay zeros.
-    z, zmax = quantize_blockwise(torch.zeros(300), signed=signed)
-    assert torch.equal(dequantize_blockwise(z, zmax, signed=signed), torch.zeros(300))
+    z, zscale = quantize_blockwise(torch.zeros(300), signed=signed)
+    assert torch.equal(dequantize_blockwise(z, zscale, signed=signed), torch.zeros(300))
+
+
+def test_native_8bit_step_equals_the_pytorch_fp8_cast():
+    """The PyTorch path codes a moment with torch's own ``.to(torch.float8_e4m3fn)``; the
+    tests of ``test_cpu_kernels`` hold the native encoder and decoder to it bit for bit.
+    Here: one code per E4M3 value reads back as that value (times the block's scale)."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    got = dequantize_blockwise(q, torch.tensor([2.0**-3]), signed=True)
+    want = values.to(torch.float32) * 2.0**-3
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()], want[~want.isnan()])
 
 
 # ---- the lean AdamW step -----------------------------------------------------------------
@@ -161,7 +168,7 @@ def make_state(master_format: str, state_dtype: torch.dtype, p32: torch.Tensor) 
         s["wire_out"] = torch.empty(n, dtype=torch.bfloat16)
     if state_dtype == torch.uint8:
         for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-            s[name], s[f"{name}_absmax"] = quantize_blockwise(torch.zeros(n), signed=signed)
+            s[name], s[f"{name}_scale"] = quantize_blockwise(torch.zeros(n), signed=signed)
     else:
         s["exp_avg"] = torch.zeros(n, dtype=state_dtype)
         s["exp_avg_sq"] = torch.zeros(n, dtype=state_dtype)
@@ -177,8 +184,8 @@ def run_steps(s: dict, grads, *, num_threads=None, **hyper) -> None:
             s["exp_avg_sq"],
             step=step,
             compensation=s.get("compensation"),
-            exp_avg_absmax=s.get("exp_avg_absmax"),
-            exp_avg_sq_absmax=s.get("exp_avg_sq_absmax"),
+            exp_avg_scale=s.get("exp_avg_scale"),
+            exp_avg_sq_scale=s.get("exp_avg_sq_scale"),
             wire_out=s.get("wire_out"),
             seed=11,
             num_threads=num_threads,
@@ -267,8 +274,8 @@ def test_8bit_second_moment_never_reads_back_as_zero(impl):
     for step, grad in enumerate([g, g, quiet, quiet], start=1):
         before = s["master"].float()
         lean_adamw_step_(s["master"], grad, s["exp_avg"], s["exp_avg_sq"], step=step,
-                         exp_avg_absmax=s["exp_avg_absmax"],
-                         exp_avg_sq_absmax=s["exp_avg_sq_absmax"], seed=1, weight_decay=0.0,
+                         exp_avg_scale=s["exp_avg_scale"],
+                         exp_avg_sq_scale=s["exp_avg_sq_scale"], seed=1, weight_decay=0.0,
                          **HYPER)  # fmt: skip
         # Adam's step is at most lr * (1 - beta1) / sqrt(1 - beta2), about 3.2 lr (Kingma &
         # Ba 2015, section 2.1); a second moment read back a little high only shortens it
@@ -292,7 +299,7 @@ def train_regression(precision: HostPrecision | None, *, steps: int = 200) -> fl
             opt.step()
         return torch.nn.functional.mse_loss(x @ w, y).item()
     master_dtype = torch.float32 if precision.master == "fp32" else torch.bfloat16
-    states = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+    states = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8}
     s = make_state(precision.master, states[precision.optimizer_states], w0.view(-1))
     s.pop("wire_out", None)
     for step in range(1, steps + 1):
@@ -301,7 +308,7 @@ def train_regression(precision: HostPrecision | None, *, steps: int = 200) -> fl
         lean_adamw_step_(
             s["master"], w.grad.view(-1).to(torch.bfloat16), s["exp_avg"], s["exp_avg_sq"],
             step=step, compensation=s.get("compensation"),
-            exp_avg_absmax=s.get("exp_avg_absmax"), exp_avg_sq_absmax=s.get("exp_avg_sq_absmax"),
+            exp_avg_scale=s.get("exp_avg_scale"), exp_avg_sq_scale=s.get("exp_avg_sq_scale"),
             seed=1, beta1=0.9, beta2=0.999, eps=1e-8, **hyper,
         )  # fmt: skip
     assert s["master"].dtype == master_dtype
@@ -314,8 +321,8 @@ def train_regression(precision: HostPrecision | None, *, steps: int = 200) -> fl
     [
         HostPrecision.lean(),
         HostPrecision.bf16(),
-        HostPrecision(master="bf16-kahan", optimizer_states="int8", gradients="ring"),
-        HostPrecision(master="fp32", optimizer_states="int8"),
+        HostPrecision(master="bf16-kahan", optimizer_states="fp8", gradients="ring"),
+        HostPrecision(master="fp32", optimizer_states="fp8"),
     ],
     ids=str,
 )
@@ -337,7 +344,7 @@ def test_lean_step_checks_its_arguments():
     master = torch.zeros(n, dtype=torch.bfloat16)
     g = torch.zeros(n)
     q = torch.zeros(n, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="absmax"):
+    with pytest.raises(ValueError, match="exp_avg_scale"):
         lean_adamw_step_(master, g, q, q.clone(), step=1, weight_decay=0.0, **HYPER)
     with pytest.raises(ValueError, match="one format"):
         lean_adamw_step_(master, g, torch.zeros(n), q, step=1, weight_decay=0.0, **HYPER)
@@ -346,11 +353,11 @@ def test_lean_step_checks_its_arguments():
             master, g, torch.zeros(n), torch.zeros(n), step=1, weight_decay=0.0,
             wire_out=torch.zeros(n, dtype=torch.bfloat16), **HYPER,
         )  # fmt: skip
-    absmax = torch.zeros(2)
+    scale = torch.zeros(2)
     with pytest.raises(ValueError, match="multiple of 256"):
         lean_adamw_step_(
-            master, g, q, q.clone(), step=1, weight_decay=0.0, exp_avg_absmax=absmax,
-            exp_avg_sq_absmax=absmax.clone(), counter_offset=100, **HYPER,
+            master, g, q, q.clone(), step=1, weight_decay=0.0, exp_avg_scale=scale,
+            exp_avg_sq_scale=scale.clone(), counter_offset=100, **HYPER,
         )  # fmt: skip
     with pytest.raises(TypeError, match="master must be float32 or bfloat16"):
         lean_adamw_step_(g.half(), g, g.clone(), g.clone(), step=1, weight_decay=0.0, **HYPER)
@@ -367,7 +374,7 @@ def test_bytes_per_parameter():
     # Lean: the bf16 master is the wire copy (2), 8-bit states 2 + 2 x 4 / 256, ring 0.
     lean = HostPrecision.lean().bytes_per_parameter(trainable=True, wire_dtype=bf16)
     assert lean == 2 + 2 + 8 / 256 and lean <= 4.5
-    kahan = HostPrecision(master="bf16-kahan", optimizer_states="int8", gradients="ring")
+    kahan = HostPrecision(master="bf16-kahan", optimizer_states="fp8", gradients="ring")
     assert kahan.bytes_per_parameter(trainable=True, wire_dtype=bf16) <= 6.5
     assert HostPrecision.bf16().bytes_per_parameter(trainable=True, wire_dtype=bf16) == 6
     assert HostPrecision.lean().bytes_per_parameter(trainable=False, wire_dtype=bf16) <= 2
@@ -377,7 +384,7 @@ def test_bytes_per_parameter():
 def test_policy_rejects_what_cannot_work():
     with pytest.raises(ValueError, match="'fp32', 'bf16-sr', 'bf16-kahan'"):
         HostPrecision(master="fp16")
-    with pytest.raises(ValueError, match="'fp32', 'bf16', 'int8'"):
+    with pytest.raises(ValueError, match="'fp32', 'bf16', 'fp8'"):
         HostPrecision(optimizer_states="int4")
     with pytest.raises(ValueError, match="'full', 'ring'"):
         HostPrecision(gradients="none")
@@ -422,18 +429,16 @@ def test_format_objects_own_their_state_tensors():
     from ramflow._host_formats import saved_state_shape
 
     lean, kahan = HostPrecision.lean(), HostPrecision.kahan()
-    assert lean.state_names == ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
+    assert lean.state_names == ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
     assert kahan.state_names[-1] == "master_compensation"
     assert HostPrecision.bf16().state_names == ("exp_avg", "exp_avg_sq")
     n = 3 * QBLOCK + 5
     assert kahan.new_state("master_compensation", n).dtype == torch.bfloat16
-    assert lean.new_state("exp_avg_absmax", n).shape == (4,)
+    assert lean.new_state("exp_avg_scale", n).shape == (4,)
     assert lean.new_state("exp_avg", n).dtype == torch.uint8
     flat = torch.arange(10.0)
-    assert torch.equal(
-        lean.state_view("exp_avg_sq_absmax", flat, QBLOCK, 2 * QBLOCK + 1), flat[1:3]
-    )
-    assert saved_state_shape("exp_avg_absmax", torch.Size([n])) == (4,)
+    assert torch.equal(lean.state_view("exp_avg_sq_scale", flat, QBLOCK, 2 * QBLOCK + 1), flat[1:3])
+    assert saved_state_shape("exp_avg_scale", torch.Size([n])) == (4,)
     assert saved_state_shape("exp_avg", torch.Size([3, 7])) == (3, 7)
     assert HostPrecision.lean().wire_for(None, default=torch.float32) == torch.bfloat16
     assert HostPrecision.fp32().wire_for(None, default=torch.float32) == torch.float32

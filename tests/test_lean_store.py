@@ -54,7 +54,7 @@ class KernelReference:
         for u in engine.units:
             for k, p in enumerate(u.owned[: u.num_trainable]):
                 n = p.numel()
-                int8 = self.precision.optimizer_states == "int8"
+                int8 = self.precision.optimizer_states == "fp8"
                 dtype = torch.bfloat16 if self.precision.optimizer_states == "bf16" else None
                 m = quantize_blockwise(torch.zeros(n), signed=True)[0] if int8 else None
                 v = quantize_blockwise(torch.zeros(n), signed=False)[0] if int8 else None
@@ -79,7 +79,7 @@ class KernelReference:
             lean_adamw_step_(
                 st["w"], g.reshape(-1).cpu(), st["m"], st["v"], step=step, lr=LR, beta1=0.9,
                 beta2=0.999, eps=1e-8, weight_decay=weight_decay, compensation=st["comp"],
-                exp_avg_absmax=st["am"], exp_avg_sq_absmax=st["av"], seed=st["seed"],
+                exp_avg_scale=st["am"], exp_avg_sq_scale=st["av"], seed=st["seed"],
                 counter_offset=st["offset"],
             )  # fmt: skip
 
@@ -190,7 +190,7 @@ def test_resume_from_state_dicts_is_exact(device, preset):
     ropt.load_state_dict(saved_opt)
     names = set(ropt.state[next(resumed.parameters())])
     if preset != "bf16":
-        assert {"exp_avg_absmax", "exp_avg_sq_absmax"} <= names
+        assert {"exp_avg_scale", "exp_avg_sq_scale"} <= names
     train(resumed, ropt, data[4:])
     ramflow.synchronize(model)
     ramflow.synchronize(resumed)

@@ -1,7 +1,7 @@
 """The fused Triton lean AdamW step (``_lean_triton``) against the PyTorch-ops step.
 
 Both implement [Note: lean formats, one pass] and must give the same bits (see [Note: the
-same bits on the GPU]): every master, compensation, state, absmax and wire copy, over
+same bits on the GPU]): every master, compensation, state, block scale and wire copy, over
 several steps, for every master and state format, gradient dtype, size (blocks cut at the
 end), counter offset (past 2**32: the hash's high word) and with a gradient scale and
 weight decay. On the CPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``,
@@ -44,17 +44,17 @@ def _tensors(n, master, states, grad_dtype, wire, gen):
     comp = randn(1e-3).to(torch.bfloat16) if master == "kahan" else None
     m, v = randn(1e-3), randn(1e-3).square()
     if n > 300:
-        m[256:512] = 0.0  # a block whose absmax is zero
+        m[256:512] = 0.0  # a block of zeros (the smallest scale)
         v[256:512] = 0.0
     if states == torch.uint8:
-        (m, m_amax), (v, v_amax) = (
+        (m, m_scale), (v, v_scale) = (
             lk.quantize_blockwise(m, signed=True),
             lk.quantize_blockwise(v, signed=False),
         )
     else:
-        m, v, m_amax, v_amax = m.to(states), v.to(states), None, None
+        m, v, m_scale, v_scale = m.to(states), v.to(states), None, None
     wire_out = torch.empty(n, dtype=wire) if wire is not None else None
-    return [w, comp, m, v, m_amax, v_amax, wire_out]
+    return [w, comp, m, v, m_scale, v_scale, wire_out]
 
 
 def mismatches(device: str) -> list[str]:
@@ -77,12 +77,12 @@ def mismatches(device: str) -> list[str]:
             )
             key = lk.rounding_key(12345678901, step)
             for impl, t in ((lk._step_torch, ref), (lk._step_triton, new)):
-                w, comp, m, v, m_amax, v_amax, wire_out = t
+                w, comp, m, v, m_scale, v_scale, wire_out = t
                 impl(
-                    w, g, m, v, comp, m_amax, v_amax, wire_out, key=key, counter_offset=offset,
+                    w, g, m, v, comp, m_scale, v_scale, wire_out, key=key, counter_offset=offset,
                     grad_scale=scale, apply_decay=wd != 0, c=c,
                 )  # fmt: skip
-            names = ["master", "compensation", "exp_avg", "exp_avg_sq", "m_absmax", "v_absmax"]
+            names = ["master", "compensation", "exp_avg", "exp_avg_sq", "m_scale", "v_scale"]
             for name, a, b in zip(names + ["wire"], ref, new):
                 if a is not None and not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
                     out.append(f"{case[:4]} step {step}: {name} differs")
@@ -117,6 +117,36 @@ def test_compiled_kernel_gives_the_pytorch_steps_bits():
 
 
 @pytest.mark.gpu
+def test_compiled_kernel_gives_the_native_cpu_steps_bits():
+    """The device step (Triton, compiled) and the host step (the native CPU kernel, or its
+    PyTorch path where it cannot be built) give the same bits, every tensor, three steps:
+    a unit's states may move between the two at any step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gen = torch.Generator().manual_seed(1)
+    for case in CASES:
+        n, master, states, grad_dtype, wire, scale, wd, offset = case
+        host = _tensors(*case[:5], gen)
+        dev = [t.cuda() if t is not None else None for t in host]
+        for step in (1, 2, 7):
+            g = (torch.randn(n, generator=gen) * 1e-2).to(grad_dtype)
+            for t, grad in ((host, g), (dev, g.cuda())):
+                w, comp, m, v, m_scale, v_scale, wire_out = t
+                lk.lean_adamw_step_(
+                    w, grad, m, v, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                    weight_decay=wd, grad_scale=scale, compensation=comp,
+                    exp_avg_scale=m_scale, exp_avg_sq_scale=v_scale, wire_out=wire_out,
+                    seed=12345678901, counter_offset=offset,
+                )  # fmt: skip
+            torch.cuda.synchronize()
+            for i, (a, b) in enumerate(zip(host, dev)):
+                if a is not None:
+                    assert torch.equal(a.view(torch.uint8), b.cpu().view(torch.uint8)), (
+                        f"{case[:4]} step {step}: tensor {i} differs"
+                    )
+
+
+@pytest.mark.gpu
 def test_device_lean_step_runs_the_triton_kernel():
     """``lean_adamw_step_`` on CUDA tensors goes to the kernel (not the PyTorch ops): the
     profiler sees one kernel launch for one call."""
@@ -125,10 +155,10 @@ def test_device_lean_step_runs_the_triton_kernel():
     n = 1 << 20
     w = torch.randn(n, device="cuda").to(torch.bfloat16)
     g = torch.randn(n, device="cuda").to(torch.bfloat16)
-    m, m_amax = lk.quantize_blockwise(torch.zeros(n, device="cuda"), signed=True)
-    v, v_amax = lk.quantize_blockwise(torch.zeros(n, device="cuda"), signed=False)
+    m, m_scale = lk.quantize_blockwise(torch.zeros(n, device="cuda"), signed=True)
+    v, v_scale = lk.quantize_blockwise(torch.zeros(n, device="cuda"), signed=False)
     kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, seed=1)
-    kw.update(exp_avg_absmax=m_amax, exp_avg_sq_absmax=v_amax)
+    kw.update(exp_avg_scale=m_scale, exp_avg_sq_scale=v_scale)
     lk.lean_adamw_step_(w, g, m, v, **kw)  # compiles
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -303,8 +303,8 @@ def test_lion_on_lean_formats_rounds_as_the_lean_step(host_precision):
             rest = (w - high.float()).to(torch.bfloat16)
             assert torch.equal(st["master_compensation"].reshape(-1), rest)
         views = {"exp_avg": torch.empty_like(st["exp_avg"].reshape(-1))}
-        if "exp_avg_absmax" in st:
-            views["exp_avg_absmax"] = torch.empty_like(st["exp_avg_absmax"])
+        if "exp_avg_scale" in st:
+            views["exp_avg_scale"] = torch.empty_like(st["exp_avg_scale"])
         fmt.state_format.encode("exp_avg", m, views)
         for name, value in views.items():
             assert torch.equal(st[name].reshape(-1), value), name
@@ -354,7 +354,7 @@ def test_lion_momentum_follows_a_parameter_into_a_lean_unit_and_back():
     ramflow.offload(model, device="cpu", wire_dtype=torch.bfloat16, host_precision="lean")
     opt.state_dict()  # sorts the parameters again: the momentum moves into 8-bit codes
     st = opt.state[model.blocks[0].up.weight]
-    assert st["exp_avg"].dtype == torch.uint8 and "exp_avg_absmax" in st
+    assert st["exp_avg"].dtype == torch.uint8 and "exp_avg_scale" in st
     ramflow.undo(model)
     opt.state_dict()
     back = opt.state[model.blocks[0].up.weight]

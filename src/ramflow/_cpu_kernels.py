@@ -10,11 +10,11 @@ wire copy), and its results are bit-identical to PyTorch's.
 
 See [Note: matching PyTorch's fused AdamW bit for bit] for how.
 
-The C++ source, ``_cpu_kernels.cpp`` (package data beside this module, read with
-``importlib.resources``), is compiled before the first step (``make setup``, else in the
-background from ``ramflow.offload``: [Note: building before the first step]) with torch's
-``torch.utils.cpp_extension.load_inline`` (about 6 s on a 2-core machine, 2 s on a 16-core
-one; a PyTorch without ``load_inline``'s ``no_implicit_headers`` adds torch/extension.h and
+The C++ source, ``_cpu_kernels.cpp`` and the lean steps' ``_lean_kernels.cpp`` (package
+data beside this module, read with ``importlib.resources``, compiled as one file), is
+compiled before the first step (``make setup``, else in the background from
+``ramflow.offload``: [Note: building before the first step]) with torch's
+``torch.utils.cpp_extension.load_inline`` (about 6 s on a 2-core machine, 2 s on a 16-core one; a PyTorch without ``load_inline``'s ``no_implicit_headers`` adds torch/extension.h and
 takes a minute). It is built without ``-march=native``, so a cached build is portable
 between machines sharing a home directory: its AVX2/FMA/F16C loop is compiled with a
 per-function target and chosen at run time from CPUID (the lean steps of ``_lean_kernels``
@@ -239,7 +239,9 @@ class _NativeKernel:
 _NATIVE = _NativeKernel()
 
 
-_SOURCE = "_cpu_kernels.cpp"  # package data beside this module
+# package data beside this module, compiled as one translation unit in this order (the lean
+# step uses the fp32 kernel's helpers)
+_SOURCES = ("_cpu_kernels.cpp", "_lean_kernels.cpp", "_lean_kernels_avx512.cpp")
 _CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 
@@ -279,7 +281,8 @@ def build_key(
 
 
 def _read_source() -> str:
-    return importlib.resources.files(__package__).joinpath(_SOURCE).read_text(encoding="ascii")
+    files = importlib.resources.files(__package__)
+    return "\n".join(files.joinpath(name).read_text(encoding="ascii") for name in _SOURCES)
 
 
 def cache_dir() -> str:

@@ -25,6 +25,7 @@ import torch
 
 from ._frozen_formats import compressed_nbytes
 from ._lean_kernels import QBLOCK, dequantize_blockwise, quantize_blockwise
+from ._legacy_states import LEGACY_BLOCK, has_legacy_moments, is_legacy_name, pop_legacy_moments
 
 __all__ = ["HostPrecision", "check_optimizer_formats"]
 
@@ -112,8 +113,9 @@ class StateFormat:
     Attributes:
         name: ``HostPrecision.optimizer_states``' value.
         dtype: the stored elements' dtype (``torch.uint8`` for 8-bit codes).
-        block: elements per block with one fp32 absmax (8-bit codes; Dettmers et al.
-            2022), None for a plain dtype. The kernels take it from here
+        block: elements per block with one fp32 power-of-two scale (8-bit FP8 E4M3 codes,
+            see [Note: 8-bit states in FP8 with power-of-two block scales] in
+            ``_lean_kernels``), None for a plain dtype. The kernels take it from here
             (``_lean_kernels.QBLOCK`` is the one they are built for).
     """
 
@@ -126,53 +128,54 @@ class StateFormat:
         """fp32 states: PyTorch's own AdamW steps them."""
         return self.dtype == torch.float32
 
-    ABSMAX = "_absmax"  # suffix of a moment's per-block absmax
+    SCALE = "_scale"  # suffix of a moment's per-block scale
 
     @property
     def state_names(self) -> tuple[str, ...]:
-        """The moments and, for block-wise codes, their absmax."""
-        absmax = tuple(m + self.ABSMAX for m in MOMENTS) if self.block else ()
-        return MOMENTS + absmax
+        """The moments and, for block-wise codes, their scales."""
+        scales = tuple(m + self.SCALE for m in MOMENTS) if self.block else ()
+        return MOMENTS + scales
 
     def bytes_per_parameter(self, num_states: int = len(MOMENTS)) -> float:
         """Bytes per trained parameter of ``num_states`` states (AdamW's two), with the
-        absmax of block-wise codes (4 bytes per block)."""
+        scale of block-wise codes (4 bytes per block)."""
         per = _size(self.dtype) + (4 / self.block if self.block else 0)
         return num_states * per
 
     def numel(self, name: str, n: int) -> int:
         """Elements of state ``name`` for ``n`` parameter elements."""
-        return -(-n // self.block) if self.block and name.endswith(self.ABSMAX) else n
+        return -(-n // self.block) if self.block and name.endswith(self.SCALE) else n
 
     def view(self, name: str, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """State ``name``'s part for elements ``lo:hi`` of its flat buffer ``flat``; ``lo``
         starts a block (``STEP_ALIGN``)."""
-        if self.block and name.endswith(self.ABSMAX):
+        if self.block and name.endswith(self.SCALE):
             return flat[lo // self.block : -(-hi // self.block)]
         return flat[lo:hi]
 
     def encode(self, name: str, value: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
         """Write moment ``name``'s fp32 ``value`` (n,) into its host ``views`` in this format:
-        block-wise codes with their absmax, or the dtype's rounding."""
+        block-wise codes with their scales, or the dtype's rounding."""
         if self.block:
-            codes, absmax = quantize_blockwise(value, signed=name == "exp_avg")
+            codes, scale = quantize_blockwise(value, signed=name == "exp_avg")
             views[name].copy_(codes.view_as(views[name]))
-            views[name + self.ABSMAX].copy_(absmax)
+            views[name + self.SCALE].copy_(scale)
         else:
             views[name].copy_(value.view_as(views[name]))
 
     def decode(self, name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Moment ``name`` of one parameter's ``state`` in this format as values (its absmax
+        """Moment ``name`` of one parameter's ``state`` in this format as values (its scale
         taken out of ``state``)."""
         value = state[name]
         if self.block:
-            absmax = state.pop(name + self.ABSMAX)
-            return dequantize_blockwise(value.reshape(-1), absmax, signed=name == "exp_avg")
+            scale = state.pop(name + self.SCALE)
+            return dequantize_blockwise(value.reshape(-1), scale, signed=name == "exp_avg")
         return value
 
     def new(self, name: str, n: int) -> torch.Tensor:
-        """State ``name`` for ``n`` elements, at zero: codes of zero with a zero absmax."""
-        if self.block and name.endswith(self.ABSMAX):
+        """State ``name`` for ``n`` elements, at zero: codes of zero (any scale reads them
+        as zero; a step writes its own)."""
+        if self.block and name.endswith(self.SCALE):
             return torch.zeros(self.numel(name, n), dtype=torch.float32)
         if self.block:
             # every element of an all-zero block has the same code: quantize one block and
@@ -218,12 +221,14 @@ OPTIMIZER_STATES = {
     for f in (
         StateFormat("fp32", torch.float32),
         StateFormat("bf16", torch.bfloat16),
-        StateFormat("int8", torch.uint8, block=QBLOCK),
+        StateFormat("fp8", torch.uint8, block=QBLOCK),
     )
 }
 GRADIENTS = {
     f.name: f for f in (GradientFormat("full", ring=False), GradientFormat("ring", ring=True))
 }
+# the 8-bit states' name before the FP8 code; HostPrecision takes it as "fp8"
+_LEGACY_8BIT_NAME = "int8"
 # the named policies (``HostPrecision.parse``; the classmethods of the same names)
 PRESETS = ("fp32", "bf16", "lean", "kahan")
 
@@ -287,8 +292,10 @@ class HostPrecision:
             ``"bf16-kahan"``: bf16 plus a bf16 compensation buffer holding what rounding
             dropped (compensated summation, as optimi and Collage do).
         optimizer_states: the AdamW states ``exp_avg``/``exp_avg_sq``. ``"fp32"`` (default),
-            ``"bf16"`` (rounded to nearest even), or ``"int8"``: 8-bit block-wise codes
-            with one fp32 absmax per block of 256 elements (Dettmers et al. 2022).
+            ``"bf16"`` (rounded to nearest even), or ``"fp8"``: 8-bit FP8 E4M3 codes (of
+            ``exp_avg`` and of ``sqrt(exp_avg_sq)``) with one fp32 power-of-two scale per
+            block of 256 elements (Fishman et al. 2025; COAT, Xi et al. 2025). ``"int8"``,
+            the name of the 8-bit states before the FP8 code, is taken as ``"fp8"``.
         gradients: host gradients. ``"full"`` (default): a gradient buffer for the whole
             model in the master's dtype plus a staging buffer in the wire dtype; needed for
             gradient accumulation, clipping and ``keep_grads``. ``"ring"``: units are
@@ -320,6 +327,8 @@ class HostPrecision:
             raise TypeError(f"HostPrecision(seed=...) must be an int, got {self.seed!r}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"HostPrecision(seed={self.seed}) must be in [0, 2**63)")
+        if self.optimizer_states == _LEGACY_8BIT_NAME:  # the same slot under its old name
+            object.__setattr__(self, "optimizer_states", "fp8")
         for name, value, allowed in (
             ("master", self.master, MASTERS),
             ("optimizer_states", self.optimizer_states, OPTIMIZER_STATES),
@@ -344,12 +353,12 @@ class HostPrecision:
     @classmethod
     def lean(cls) -> HostPrecision:
         """bf16 masters with stochastic rounding, 8-bit states, a gradient ring."""
-        return cls(master="bf16-sr", optimizer_states="int8", gradients="ring")
+        return cls(master="bf16-sr", optimizer_states="fp8", gradients="ring")
 
     @classmethod
     def kahan(cls) -> HostPrecision:
         """bf16 masters with a bf16 compensation (Kahan), 8-bit states, a gradient ring."""
-        return cls(master="bf16-kahan", optimizer_states="int8", gradients="ring")
+        return cls(master="bf16-kahan", optimizer_states="fp8", gradients="ring")
 
     @classmethod
     def parse(cls, value: HostPrecision | str | None) -> HostPrecision:
@@ -462,7 +471,7 @@ class HostPrecision:
     @property
     def state_names(self) -> tuple[str, ...]:
         """Names of AdamW's per-parameter state tensors in this format: the moments, their
-        absmax when block-wise, a Kahan compensation."""
+        scales when block-wise, a Kahan compensation."""
         return self.state_format.state_names + self.master_format.state_names
 
     def new_state(self, name: str, n: int) -> torch.Tensor:
@@ -527,7 +536,7 @@ class HostPrecision:
         """Host RAM per parameter, in bytes, under this policy with a wire of ``wire_dtype``.
 
         Trained: master (fp32 4 plus the wire copy; bf16-sr 2, it is the wire copy;
-        bf16-kahan 2) + states (fp32 8; bf16 4; int8 2 + 2 x 4 / 256 for the absmax; a Kahan
+        bf16-kahan 2) + states (fp32 8; bf16 4; fp8 2 + 2 x 4 / 256 for the scales; a Kahan
         master's compensation, 2, is counted here as the optimizer keeps it) + gradients
         (full: the master's dtype plus staging in the wire dtype; ring: 0). Frozen
         (``trainable=False``): stored once in the wire dtype, except with fp32 masters,
@@ -546,8 +555,8 @@ class HostPrecision:
 
     @property
     def optimizer_state_bytes_per_parameter(self) -> float:
-        """AdamW's states per trained parameter, in bytes (fp32 8; bf16 4; int8 2 plus two
-        fp32 absmax per block), plus a Kahan master's bf16 compensation (2), which the
+        """AdamW's states per trained parameter, in bytes (fp32 8; bf16 4; fp8 2 plus two
+        fp32 scales per block), plus a Kahan master's bf16 compensation (2), which the
         optimizer keeps with its states."""
         return (
             self.state_format.bytes_per_parameter() + self.master_format.state_bytes_per_parameter
@@ -558,7 +567,7 @@ class HostPrecision:
         """Device bytes per trainable parameter of a unit stepped on the device
         (``ramflow.offload(device_optimizer=True)``): fp32 masters keep an fp32 master and
         fp32 states there (12); a bf16 master is the unit's device copy, so only the states
-        (8-bit: 2 plus the absmax; bf16: 4) and a Kahan compensation (2) are added; an fp32
+        (8-bit: 2 plus the scales; bf16: 4) and a Kahan compensation (2) are added; an fp32
         master with lean states adds its fp32 copy (4)."""
         if self.is_exact:
             return float(DEVICE_STEP_BYTES_PER_PARAM)
@@ -594,17 +603,46 @@ def moments_to_plain(state: dict, p: torch.Tensor, *, plain: bool) -> None:
     """``state``'s moments, as a unit's host format keeps them (whichever format holds
     exactly these state tensors), made plain tensors in place: block-wise ones decoded, a
     compensation dropped; in ``p``'s dtype and device when ``plain`` (a plain optimizer's),
-    else fp32 on the host (for another unit)."""
+    else fp32 on the host (for another unit). Moments in the 8-bit format before the FP8
+    code (``_legacy_states``) are decoded too."""
+    legacy = pop_legacy_moments(state)
     fmt = next(
         (f for f in OPTIMIZER_STATES.values() if f.block and set(f.state_names) <= state.keys()),
         OPTIMIZER_STATES["fp32"],
     )
     for name in MOMENTS:
-        value = fmt.decode(name, state).detach().to(torch.float32).view(p.shape)
+        if name not in state:
+            continue
+        value = legacy[name] if name in legacy else fmt.decode(name, state)
+        value = value.detach().to(torch.float32).view(p.shape)
         state[name] = value.to(p.device, p.dtype, copy=True) if plain else value.clone()
     for master in MASTERS.values():
         for name in master.state_names:
             state.pop(name, None)
+
+
+def upgrade_legacy_state(precision: HostPrecision, state: dict) -> dict:
+    """One parameter's saved optimizer ``state`` with moments in the 8-bit format before the
+    FP8 code (``exp_avg_absmax``... , see ``_legacy_states``) converted to ``precision``'s
+    format: decoded to fp32 and stored as ``moments_into`` stores moments. Other entries
+    (the step, a Kahan compensation) are kept. Returns ``state`` itself when it holds no
+    old-format moments, else a new dict (``state`` is not changed).
+
+    Raises:
+        ValueError: an old absmax without its uint8 codes.
+    """
+    if not has_legacy_moments(state):
+        return state
+    out = dict(state)
+    decoded = pop_legacy_moments(out)
+    fmt = precision.state_format
+    for name, value in decoded.items():
+        views = {k: fmt.new(k, value.numel()) for k in (name, name + fmt.SCALE)
+                 if k in fmt.state_names}  # fmt: skip
+        fmt.encode(name, value, views)
+        views[name] = views[name].view(out[name].shape)
+        out.update(views)
+    return out
 
 
 FP32 = HostPrecision.fp32()
@@ -614,8 +652,10 @@ FP32 = HostPrecision.fp32()
 def saved_state_shape(name: str, param_shape: torch.Size) -> tuple[int, ...]:
     """The shape a checkpoint holds for optimizer state ``name`` of a parameter of
     ``param_shape``, in whichever format owns that state: the parameter's, or its blocks'
-    (1-D) for a block-wise absmax."""
+    (1-D) for a block-wise scale, or an absmax of the 8-bit format before the FP8 code."""
     n = math.prod(param_shape)
+    if is_legacy_name(name):
+        return (-(-n // LEGACY_BLOCK),)
     for f in OPTIMIZER_STATES.values():
         if name in f.state_names and f.numel(name, n) != n:
             return (f.numel(name, n),)
@@ -665,7 +705,7 @@ the 8-bit ones are bound by their lookups and arithmetic, not by DRAM."""
 def _cpu_lean_isa() -> str:
     """The instruction set the lean step will run here, read from /proc/cpuinfo's flags
     (without building the native code, which a plan does not need): "avx512" where the
-    CPU has AVX-512 F, BW, DQ, VL and VBMI, else "avx2"; ``RAMFLOW_LEAN_ISA=avx2`` caps it
+    CPU has AVX-512 F, BW, DQ and VL, else "avx2"; ``RAMFLOW_LEAN_ISA=avx2`` caps it
     as it caps the step."""
     if os.environ.get("RAMFLOW_LEAN_ISA", "") in ("avx2", "scalar"):
         return "avx2"
@@ -676,7 +716,7 @@ def _cpu_lean_isa() -> str:
             )
     except OSError:
         return "avx2"
-    need = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vbmi"}
+    need = {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
     return "avx512" if need <= set(flags) else "avx2"
 
 
@@ -690,7 +730,7 @@ def rated_as(name: str) -> str:
     if name in OPTIMIZER_SPEED:
         return name
     master, states = ([*name.split("/"), "", ""])[:2]
-    if states == "int8":
+    if states in ("fp8", _LEGACY_8BIT_NAME):
         return "kahan" if master == "bf16-kahan" else "lean"
     return "bf16" if states == "bf16" else "fp32"
 

@@ -14,7 +14,13 @@ from typing import Any
 import torch
 
 from ._engine import Engine
-from ._host_formats import FP32, HostPrecision, check_optimizer_formats, saved_state_shape
+from ._host_formats import (
+    FP32,
+    HostPrecision,
+    check_optimizer_formats,
+    saved_state_shape,
+    upgrade_legacy_state,
+)
 from ._linear import attach_pending
 from ._registry import engine_of_param
 from ._units import _Unit
@@ -159,7 +165,7 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def state_shape(self, name: str, param_shape: torch.Size) -> tuple[int, ...]:
         """The shape of state ``name`` of a parameter of ``param_shape`` in a saved state
-        (a checkpoint's check): the parameter's, or its blocks' for an 8-bit absmax."""
+        (a checkpoint's check): the parameter's, or its blocks' for an 8-bit scale."""
         return saved_state_shape(name, param_shape)
 
     # ------------------------------------------------------------------ used by the engine
@@ -239,7 +245,7 @@ class HostOptimizer(torch.optim.Optimizer):
         """State tensors of a managed parameter: views into one flat buffer per unit and
         name, so that a unit's optimizer states are contiguous like its masters. A buffer
         of ``unit.trainable_numel`` elements gives the parameter's shape; a per-block one
-        (the absmax of 8-bit states) gives the parameter's blocks, 1-D (parameters start on
+        (the scales of 8-bit states) gives the parameter's blocks, 1-D (parameters start on
         whole blocks, ``_units._ALIGN``): ``HostPrecision.state_view``."""
         engine = engine_of_param(p)
         unit = engine.unit_of(p)
@@ -340,7 +346,9 @@ class HostOptimizer(torch.optim.Optimizer):
         flat per-unit buffers so they stay contiguous, from the tensors given (PyTorch's
         load casts floating-point states to their parameter's dtype, which would round
         fp32 states of bf16 master weights). As in PyTorch, a parameter without state in
-        ``state_dict`` starts afresh at its next step (zero moments, step 0).
+        ``state_dict`` starts afresh at its next step (zero moments, step 0). 8-bit
+        moments saved before the FP8 code (``exp_avg_absmax``...) are converted to the
+        unit's format (``upgrade_legacy_state``).
 
         Raises:
             ValueError: as ``torch.optim.Optimizer.load_state_dict`` (other param groups),
@@ -365,6 +373,11 @@ class HostOptimizer(torch.optim.Optimizer):
             if engine_of_param(p) is None:
                 continue
             raw = given.get(p, st)
+            upgraded = upgrade_legacy_state(_format(engine_of_param(p).unit_of(p)), raw)
+            if upgraded is not raw:  # 8-bit moments saved before the FP8 code: converted
+                st.clear()
+                st.update(upgraded)
+                raw = upgraded
             names = self._flat_names(p, st)
             views = self._flat_state(p, names)
             for n, view in views.items():

@@ -31,18 +31,17 @@ bias corrections in double, each cast once). This is not bit-identical to
 ``torch.optim.AdamW`` (its lerp and fused multiply-adds differ in the last bit); the fp32
 format that must be stays on ``_cpu_kernels.fused_adamw_step_``.
 
-8-bit states (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"): each
-block of 256 elements keeps one fp32 absmax and 256 one-byte indices into a 256-entry code
-of the "dynamic" (dynamic exponent) type, signed for ``exp_avg``, unsigned for
-``exp_avg_sq``. A step dequantizes a block (``code[q] * absmax``), updates it, takes the new
-absmax, and stores each element as the code nearest to ``x / absmax``. Blocks start at
-multiples of 256 of the buffer given, and the threads take whole blocks.
+8-bit states: each block of 256 elements keeps one fp32 scale, a power of two, and 256
+one-byte FP8 E4M3 codes: of ``exp_avg / scale`` for the first moment, of ``sqrt(exp_avg_sq)
+/ scale`` for the second. A step decodes a block, updates it, takes the new block's scale
+and encodes each element by rounding to nearest even, in integer bit operations (no table,
+no search). Blocks start at multiples of 256 of the buffer given, and the threads take
+whole blocks. See [Note: 8-bit states in FP8 with power-of-two block scales].
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import itertools
 import math
 import os
@@ -58,7 +57,6 @@ from ._cpu_kernels import _check_no_overlap, _check_tensor, _check_threads
 __all__ = [
     "QBLOCK",
     "dequantize_blockwise",
-    "dynamic_code",
     "lean_adamw_step_",
     "lean_kernel_available",
     "quantize_blockwise",
@@ -66,7 +64,7 @@ __all__ = [
     "stochastic_round_bf16",
 ]
 
-QBLOCK = 256  # elements per 8-bit block, one fp32 absmax each
+QBLOCK = 256  # elements per 8-bit block, one fp32 scale each
 
 _MASTER_F32, _MASTER_SR, _MASTER_KAHAN = 0, 1, 2
 _STATE_F32, _STATE_BF16, _STATE_Q8 = 0, 1, 2
@@ -172,100 +170,44 @@ def stochastic_round_bf16(
     return out
 
 
-def dynamic_code(*, signed: bool) -> torch.Tensor:
-    """The 256 values (ascending, fp32) of the 8-bit "dynamic" type of Dettmers et al. 2022.
-
-    Seven decades 10**-6 .. 10**0 below 1: decade d (0 for the smallest) holds 2**d values
-    (signed: and their negatives) or 2**(d + 1) values (unsigned), the midpoints of a
-    linear grid from 0.1 to 1 times the decade's scale; plus 1, and 0 (signed) or half the
-    smallest value (unsigned). Dense near zero, so the small states of a block whose absmax
-    is large keep their magnitude.
-
-    The unsigned code, the second moment's, has no zero (the "zero-point problem" of Li et
-    al. 2023, "Memory Efficient Optimizers with 4-bit States"): an element whose second
-    moment is below 1.2e-7 of its block's absmax would read back as 0 while its first
-    moment, on its own code, does not, and AdamW's update m / (sqrt(v) + eps) would become
-    m / eps, steps of thousands. Its lowest value, 1.625e-7, bounds the update instead. An
-    all-zero block still reads back as zeros (its absmax is 0).
-    """
-    smallest = 10.0**-6 * (0.1 + 0.9 / 4)  # the lowest mean: (0.1 + (0.1 + 0.9 / 2)) / 2
-    values = [0.0 if signed else smallest / 2, 1.0]
-    for d in range(7):
-        count = 2**d if signed else 2 ** (d + 1)
-        scale = 10.0 ** (d - 6)
-        edges = [0.1 + 0.9 * k / count for k in range(count + 1)]
-        means = [scale * (lo + hi) / 2 for lo, hi in zip(edges, edges[1:])]
-        values += means + ([-v for v in means] if signed else [])
-    assert len(values) == 256
-    return torch.tensor(sorted(values), dtype=torch.float32)
-
-
-class _Code:
-    """The codes, their 255 fp32 midpoints and the native quantizer's tables, made once."""
-
-    def __init__(self) -> None:
-        self.signed = dynamic_code(signed=True)
-        self.unsigned = dynamic_code(signed=False)
-        self.signed_mid = (self.signed[:-1] + self.signed[1:]) / 2
-        self.unsigned_mid = (self.unsigned[:-1] + self.unsigned[1:]) / 2
-        self.signed_table = _code_table(self.signed_mid)
-        self.unsigned_table = _code_table(self.unsigned_mid)
-        self._on: dict[object, tuple[torch.Tensor, ...]] = {}  # by device (, what)
-
-    def tables_on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(signed, unsigned, signed_table, unsigned_table) on ``device`` (copied once),
-        for the Triton step."""
-        if ("tables", device) not in self._on:
-            self._on[("tables", device)] = tuple(
-                t.to(device)
-                for t in (self.signed, self.unsigned, self.signed_table, self.unsigned_table)
-            )
-        return self._on[("tables", device)]
-
-    def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(signed, unsigned, signed_mid, unsigned_mid) on ``device`` (copied once)."""
-        if device.type == "cpu":
-            return self.signed, self.unsigned, self.signed_mid, self.unsigned_mid
-        if device not in self._on:
-            self._on[device] = tuple(
-                t.to(device)
-                for t in (self.signed, self.unsigned, self.signed_mid, self.unsigned_mid)
-            )
-        return self._on[device]
+# [Note: 8-bit states in FP8 with power-of-two block scales]
+# AdamW's moments are kept in 8 bits as OCP FP8 E4M3 ("e4m3fn": 4 exponent bits, 3 mantissa
+# bits, largest 448, subnormals down to 2**-9) with one fp32 scale per block of 256, as FP8
+# training keeps them (Fishman et al., ICLR 2025, "Scaling FP8 training to trillion-token
+# LLMs": E4M3 first moment; COAT, Xi et al., ICLR 2025, per-group scaled E4M3 states).
+# * The first moment m is coded as m / scale, signed.
+# * The second moment v is coded as sqrt(v) / scale. The square root is what the step needs
+#   for its denominator anyway (so it costs nothing), it halves v's dynamic range, and the
+#   E4M3 of sqrt(v) has the relative precision in sqrt(v) of an E5M2 v (Fishman et al.'s
+#   second moment) with a wider range (2**18 in sqrt(v) within a block). Its sign bit is
+#   unused. A code of 0 for a positive sqrt(v) is stored as 1, the smallest subnormal: with
+#   a zero an element whose v fell below 2**-36 of its block's largest would read back v = 0
+#   while m kept a code, and AdamW would step it by m / eps (the "zero-point problem" of Li
+#   et al. 2023); the smallest code bounds that step instead.
+# * The scale is a power of two, 2**e with e the least integer such that the block's absmax
+#   / 2**e <= 448 (computed from the absmax's bits; at least 2**-126). Scaling by a power of
+#   two is exact, so coding is one multiply and one rounding, and reading is one multiply.
+#   The OCP microscaling formats (MX, 2023) share power-of-two scales the same way.
+# * Both conversions are integer bit operations that round to nearest even exactly as
+#   c10::Float8_e4m3fn does (see [Note: FP8 conversions in bits] in _lean_kernels.cpp), so
+#   the PyTorch path is ``(x * 2**-e).clamp(-448, 448).to(torch.float8_e4m3fn)`` and gives
+#   the native bits.
+# The table-defined "dynamic" code of Dettmers et al. 2022 this replaces needed a lookup
+# per element to quantize and ran the CPU step at about 0.5 of the host copy rate; old
+# checkpoints are converted when loaded (``_legacy_states``).
 
 
-def _as_float32(bits: torch.Tensor) -> torch.Tensor:
-    """The fp32 values of 32-bit patterns given as int64 in [0, 2**32)."""
-    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+def _scale_exponents(absmax: torch.Tensor) -> torch.Tensor:
+    """The block scales' exponents e (int64) of fp32 ``absmax`` (>= 0): the least e with
+    absmax / 2**e <= 448 (448 = 1.75 * 2**8: exponent(absmax) - 8, plus 1 where the
+    mantissa passes 1.75, which adding 0x1FFFFF carries into the exponent), at least -126."""
+    bits = absmax.contiguous().view(torch.int32).to(torch.int64) & _MASK32
+    return (((bits + 0x1FFFFF) >> 23) - 135).clamp(min=-126)
 
 
-def _order_key(bits: torch.Tensor) -> torch.Tensor:
-    """The lower 16 bits of fp32 patterns (int64 in [0, 2**32)), inverted for negative
-    floats: among the floats of one upper half, larger keys are larger floats."""
-    return (bits ^ torch.where(bits >= 1 << 31, 0xFFFF, 0)) & 0xFFFF
-
-
-def _code_table(mid: torch.Tensor) -> torch.Tensor:
-    """(65536,) int32, the native quantizer's table (see [Note: 8-bit codes in one lookup]
-    in ``_cpu_kernels.cpp``): for each upper half of an fp32 bit pattern (a bucket), bits
-    0-7 hold the number of midpoints below the bucket's smallest float, bits 16-31 the
-    order key (``_order_key``) of the one midpoint inside the bucket, or 0xFFFF where there
-    is none. The quantizer gives ``start + (key(x) > that key)``, which is
-    ``torch.bucketize(x, mid)`` for every fp32 x (``_quantize_with_table`` models it)."""
-    upper = torch.arange(1 << 16, dtype=torch.int64) << 16
-    negative = upper >= 1 << 31
-    smallest = _as_float32(torch.where(negative, upper | 0xFFFF, upper))  # of each bucket
-    largest = _as_float32(torch.where(negative, upper, upper | 0xFFFF))
-    start = torch.where(torch.isnan(smallest), 0, torch.bucketize(smallest, mid, right=False))
-    end = torch.where(torch.isnan(largest), start, torch.bucketize(largest, mid, right=False))
-    # Two midpoints in one bucket would need a second compare; the dynamic codes' nearest
-    # midpoints differ by far more than a bucket's width (2**-7 relative).
-    assert int((end - start).max()) <= 1, "two midpoints share an upper half"
-    mid_bits = mid.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    inside = _order_key(mid_bits)[start.clamp(max=mid.numel() - 1)]
-    threshold = torch.where(end > start, inside, 0xFFFF)
-    entry = start | (threshold << 16)
-    return torch.where(entry >= 1 << 31, entry - (1 << 32), entry).to(torch.int32).contiguous()
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2.0**e as fp32 for int64 e in [-126, 127], from its bits."""
+    return ((e + 127) << 23).to(torch.int32).view(torch.float32)
 
 
 def lean_isa() -> str | None:
@@ -277,65 +219,78 @@ def lean_isa() -> str | None:
     return {3: "avx512", 2: "avx2"}.get(lib.ramflow_lean_isa(), "scalar")
 
 
-def _quantize_with_table(table: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The native quantizer's codes (int64) of fp32 ``y``, computed as it does: a model for
-    the tests, which compare it with ``torch.bucketize`` on every bucket."""
-    bits = y.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    entry = table.to(torch.int64)[bits >> 16] & 0xFFFFFFFF
-    return (entry & 0xFF) + (_order_key(bits) > (entry >> 16)).to(torch.int64)
-
-
-@functools.cache
-def _code() -> _Code:
-    """The codes and tables, made at first use: never at import, where torch's parallel ops
-    would start the OpenMP thread pool in a process that may then fork (a forkserver
-    preloading ramflow), and the forked children would hang at their first parallel op."""
-    return _Code()
-
-
 def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (n,) fp32 as 8-bit codes (n,) uint8 and one fp32 absmax per block of 256
-    (ceil(n / 256),): each element is the code nearest to ``x / absmax`` of its block.
-    ``signed``: the signed code (for ``exp_avg``) or the unsigned one (``exp_avg_sq``,
-    never negative)."""
+    """An AdamW moment ``x`` (n,) fp32, any device, as the lean format's 8-bit codes: (n,)
+    uint8 E4M3 codes and one fp32 power-of-two scale per block of 256 (ceil(n / 256),).
+    See [Note: 8-bit states in FP8 with power-of-two block scales].
+
+    Args:
+        x: the moment's values, fp32.
+        signed: True for the first moment (``exp_avg``, coded as x / scale); False for the
+            second (``exp_avg_sq``, never negative, coded as sqrt(x) / scale, and a positive
+            value never as code 0).
+
+    Returns: (codes, scales) on ``x``'s device; codes round to nearest even.
+    """
     n = x.numel()
-    mid = _code().on(x.device)[2 if signed else 3]
-    pad = -n % QBLOCK
-    blocks = torch.nn.functional.pad(x.reshape(-1), (0, pad)).view(-1, QBLOCK)
-    absmax = blocks.abs().amax(dim=1)
-    scale = torch.where(absmax > 0, absmax, 1.0)
-    q = torch.bucketize(blocks / scale[:, None], mid, right=False)
-    return q.view(-1)[:n].to(torch.uint8), absmax
+    y = x.reshape(-1).to(torch.float32)
+    if not signed:  # the fp64 root rounded to fp32 is correctly rounded, as C++'s sqrt
+        y = y.double().sqrt().float()
+    blocks = torch.nn.functional.pad(y, (0, -n % QBLOCK)).view(-1, QBLOCK)
+    e = _scale_exponents(blocks.abs().amax(dim=1))
+    # clamped: torch 2.13's conversion saturates what rounds above 448, older ones made it
+    # NaN; the native code saturates (only infinities and overflow get there)
+    y = (blocks * _pow2(-e)[:, None]).clamp(-448.0, 448.0)
+    q = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    if not signed:
+        q = torch.where((q == 0) & (blocks > 0), 1, q).to(torch.uint8)
+    return q.view(-1)[:n], _pow2(e)
 
 
 def _quantize_blockwise_native(
     x: torch.Tensor, *, signed: bool
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``quantize_blockwise`` by the native code a lean step stores its 8-bit states with
-    (that of ``lean_isa()``), or None where it is not available. For the
-    tests, which compare the two bit for bit."""
+    (that of ``lean_isa()``), or None where it is not available. For the tests, which
+    compare the two bit for bit."""
     lib = _LEAN.get()
     if lib is None:
         return None
-    x = x.reshape(-1).contiguous()
+    x = x.reshape(-1).to(torch.float32).contiguous()
     n = x.numel()
     q = torch.empty(n, dtype=torch.uint8)
-    absmax = torch.empty(-(-n // QBLOCK), dtype=torch.float32)
-    codes = _code()
-    table = codes.signed_table if signed else codes.unsigned_table
-    rc = lib.ramflow_quantize_blocks(
-        x.data_ptr(), n, table.data_ptr(), q.data_ptr(), absmax.data_ptr()
-    )
+    scale = torch.empty(-(-n // QBLOCK), dtype=torch.float32)
+    rc = lib.ramflow_fp8_quantize_blocks(x.data_ptr(), n, int(not signed), q.data_ptr(),
+                                         scale.data_ptr())  # fmt: skip
     assert rc == 0, rc
-    return q, absmax
+    return q, scale
 
 
-def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, *, signed: bool) -> torch.Tensor:
-    """The fp32 values (n,) of codes ``q`` (n,) uint8 with per-block ``absmax``."""
-    code = _code().on(q.device)[0 if signed else 1]
+def _dequantize_blockwise_native(
+    q: torch.Tensor, scale: torch.Tensor, *, signed: bool
+) -> torch.Tensor | None:
+    """``dequantize_blockwise`` by the native code a lean step reads its 8-bit states with
+    (that of ``lean_isa()``), or None where it is not available. For the tests."""
+    lib = _LEAN.get()
+    if lib is None:
+        return None
+    q = q.reshape(-1).contiguous()
+    scale = scale.reshape(-1).to(torch.float32).contiguous()
+    out = torch.empty(q.numel(), dtype=torch.float32)
+    rc = lib.ramflow_fp8_dequantize_blocks(q.data_ptr(), q.numel(), int(not signed),
+                                           scale.data_ptr(), out.data_ptr())  # fmt: skip
+    assert rc == 0, rc
+    return out
+
+
+def dequantize_blockwise(q: torch.Tensor, scale: torch.Tensor, *, signed: bool) -> torch.Tensor:
+    """The fp32 values (n,) of codes ``q`` (n,) uint8 with per-block ``scale``
+    (``quantize_blockwise``'s): the first moment's (``signed``), or the second's (the
+    decoded square root, squared)."""
     n = q.numel()
-    scale = absmax.repeat_interleave(QBLOCK)[:n]
-    return code[q.long()] * scale
+    u = q.reshape(-1).view(torch.float8_e4m3fn).to(torch.float32)
+    u = u * scale.repeat_interleave(QBLOCK)[:n]
+    return u if signed else u * u
 
 
 class _LeanArgs(ctypes.Structure):
@@ -347,12 +302,8 @@ class _LeanArgs(ctypes.Structure):
         ("grad", ctypes.c_void_p),
         ("exp_avg", ctypes.c_void_p),
         ("exp_avg_sq", ctypes.c_void_p),
-        ("exp_avg_absmax", ctypes.c_void_p),
-        ("exp_avg_sq_absmax", ctypes.c_void_p),
-        ("signed_code", ctypes.c_void_p),
-        ("unsigned_code", ctypes.c_void_p),
-        ("signed_table", ctypes.c_void_p),
-        ("unsigned_table", ctypes.c_void_p),
+        ("exp_avg_scale", ctypes.c_void_p),
+        ("exp_avg_sq_scale", ctypes.c_void_p),
         ("wire_out", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("counter_offset", ctypes.c_int64),
@@ -419,10 +370,14 @@ class _LeanLibrary:
             ctypes.c_int32,
         ]
         lib.ramflow_bf16_stochastic_round.restype = ctypes.c_int
-        lib.ramflow_quantize_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [
-            ctypes.c_void_p
-        ] * 3
-        lib.ramflow_quantize_blocks.restype = ctypes.c_int
+        lib.ramflow_fp8_quantize_blocks.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
+        ]  # fmt: skip
+        lib.ramflow_fp8_quantize_blocks.restype = ctypes.c_int
+        lib.ramflow_fp8_dequantize_blocks.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
+        ]  # fmt: skip
+        lib.ramflow_fp8_dequantize_blocks.restype = ctypes.c_int
         lib.ramflow_lean_isa.argtypes = []
         lib.ramflow_lean_isa.restype = ctypes.c_int
         return lib
@@ -460,24 +415,24 @@ def _coefficients(
     )
 
 
-def _load_state(s: torch.Tensor, absmax: torch.Tensor | None, *, signed: bool) -> torch.Tensor:
+def _load_state(s: torch.Tensor, scale: torch.Tensor | None, *, signed: bool) -> torch.Tensor:
     if s.dtype == torch.uint8:
-        return dequantize_blockwise(s, absmax, signed=signed)
+        return dequantize_blockwise(s, scale, signed=signed)
     return s.to(torch.float32)
 
 
-def _store_state(s: torch.Tensor, absmax: torch.Tensor | None, x: torch.Tensor, *, signed: bool):
+def _store_state(s: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor, *, signed: bool):
     if s.dtype == torch.uint8:
-        q, amax = quantize_blockwise(x, signed=signed)
+        q, sc = quantize_blockwise(x, signed=signed)
         s.copy_(q)
-        absmax.copy_(amax)
+        scale.copy_(sc)
     else:
         s.copy_(x)
 
 
 @torch.no_grad()
 def _step_torch(
-    master, grad, exp_avg, exp_avg_sq, compensation, m_absmax, v_absmax, wire_out,
+    master, grad, exp_avg, exp_avg_sq, compensation, m_scale, v_scale, wire_out,
     *, key, counter_offset, grad_scale, apply_decay, c,
 ) -> None:  # fmt: skip
     g = grad.view(-1).to(torch.float32)
@@ -488,8 +443,8 @@ def _step_torch(
         p = p + compensation.view(-1).to(torch.float32)
     if apply_decay:
         p = p * c["decay"]
-    m = _load_state(exp_avg.view(-1), m_absmax, signed=True)
-    v = _load_state(exp_avg_sq.view(-1), v_absmax, signed=False)
+    m = _load_state(exp_avg.view(-1), m_scale, signed=True)
+    v = _load_state(exp_avg_sq.view(-1), v_scale, signed=False)
     m = m * c["beta1"] + g * c["one_minus_beta1"]
     v = v * c["beta2"] + (g * c["one_minus_beta2"]) * g
     # torch's fp32 sqrt is not correctly rounded on every CPU (AVX2 builds differ from
@@ -499,8 +454,8 @@ def _step_torch(
     bc2_sqrt = c["bc2_sqrt"] if v.device.type == "cpu" else v.new_tensor(c["bc2_sqrt"])
     denom = v.double().sqrt().float() / bc2_sqrt + c["eps"]
     p = p + (m * c["neg_step_size"]) / denom
-    _store_state(exp_avg.view(-1), m_absmax, m, signed=True)
-    _store_state(exp_avg_sq.view(-1), v_absmax, v, signed=False)
+    _store_state(exp_avg.view(-1), m_scale, m, signed=True)
+    _store_state(exp_avg_sq.view(-1), v_scale, v, signed=False)
     if master.dtype == torch.float32:
         master.view(-1).copy_(p)
         if wire_out is not None:
@@ -520,13 +475,13 @@ def _master_format(master: torch.Tensor, compensation: torch.Tensor | None) -> i
 
 
 def _step_triton(
-    master, grad, exp_avg, exp_avg_sq, compensation, m_absmax, v_absmax, wire_out,
+    master, grad, exp_avg, exp_avg_sq, compensation, m_scale, v_scale, wire_out,
     *, key, counter_offset, grad_scale, apply_decay, c,
 ) -> None:  # fmt: skip
     """``_step_torch``'s step as one Triton kernel (CUDA tensors; the same bits)."""
     _lean_triton.lean_adamw_step(
-        master, grad, exp_avg, exp_avg_sq, compensation, m_absmax, v_absmax, wire_out,
-        _code().tables_on(master.device), master_format=_master_format(master, compensation),
+        master, grad, exp_avg, exp_avg_sq, compensation, m_scale, v_scale, wire_out,
+        master_format=_master_format(master, compensation),
         state_format=_STATE_FORMAT[exp_avg.dtype], key=key, counter_offset=counter_offset,
         grad_scale=_f32(grad_scale), apply_decay=apply_decay, c=c, block=QBLOCK,
     )  # fmt: skip
@@ -546,8 +501,8 @@ def lean_adamw_step_(
     weight_decay: float,
     grad_scale: float = 1.0,
     compensation: torch.Tensor | None = None,
-    exp_avg_absmax: torch.Tensor | None = None,
-    exp_avg_sq_absmax: torch.Tensor | None = None,
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
     wire_out: torch.Tensor | None = None,
     seed: int = 0,
     counter_offset: int = 0,
@@ -563,8 +518,9 @@ def lean_adamw_step_(
       ``counter_offset + i`` (see [Note: counter-based stochastic rounding]). bf16 with
       ``compensation`` (bf16): Kahan-compensated, no randomness.
     * ``exp_avg``/``exp_avg_sq`` fp32 or bf16 (stored rounded to nearest even), or uint8
-      codes of 8-bit block-wise states with ``exp_avg_absmax``/``exp_avg_sq_absmax`` fp32
-      (ceil(n / 256),), one per block of 256 elements (see ``quantize_blockwise``). Both
+      E4M3 codes of 8-bit block-wise states with ``exp_avg_scale``/``exp_avg_sq_scale`` fp32
+      (ceil(n / 256),), one power of two per block of 256 elements (see
+      ``quantize_blockwise``). Both
       states have one format.
 
     Args:
@@ -574,7 +530,7 @@ def lean_adamw_step_(
         step: the step number, already incremented (1 on the first step), an int >= 1.
         lr, beta1, beta2, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled decay).
         grad_scale: multiplies the gradient first (e.g. a clipping coefficient); 1.0: none.
-        compensation, exp_avg_absmax, exp_avg_sq_absmax, wire_out: as above.
+        compensation, exp_avg_scale, exp_avg_sq_scale, wire_out: as above.
         seed: the stochastic rounding's seed, an int in [0, 2**64); one per unit.
         counter_offset: the index of ``master[0]`` in its unit (a piece of a unit rounds as
             the whole unit would); with 8-bit states a multiple of 256.
@@ -590,7 +546,7 @@ def lean_adamw_step_(
     Raises:
         TypeError: a tensor has a dtype not listed above.
         ValueError: sizes differ; the states' formats differ; 8-bit states without their
-            absmax buffers (or with wrong sizes); ``compensation`` or ``wire_out`` with a
+            scale buffers (or with wrong sizes); ``compensation`` or ``wire_out`` with a
             master they do not go with; ``step`` < 1; ``counter_offset`` < 0 or, with 8-bit
             states, not a multiple of 256.
     """
@@ -613,21 +569,21 @@ def lean_adamw_step_(
     quantized = exp_avg.dtype == torch.uint8
     num_blocks = -(-n // QBLOCK)
     if quantized:
-        if exp_avg_absmax is None or exp_avg_sq_absmax is None:
+        if exp_avg_scale is None or exp_avg_sq_scale is None:
             raise ValueError(
-                "8-bit states need exp_avg_absmax and exp_avg_sq_absmax, fp32 "
+                "8-bit states need exp_avg_scale and exp_avg_sq_scale, fp32 "
                 f"({num_blocks},): one per block of {QBLOCK}"
             )
-        _check_tensor("exp_avg_absmax", exp_avg_absmax, (torch.float32,), num_blocks, dev)
-        _check_tensor("exp_avg_sq_absmax", exp_avg_sq_absmax, (torch.float32,), num_blocks, dev)
-        written += [("exp_avg_absmax", exp_avg_absmax), ("exp_avg_sq_absmax", exp_avg_sq_absmax)]
+        _check_tensor("exp_avg_scale", exp_avg_scale, (torch.float32,), num_blocks, dev)
+        _check_tensor("exp_avg_sq_scale", exp_avg_sq_scale, (torch.float32,), num_blocks, dev)
+        written += [("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)]
         if counter_offset % QBLOCK:
             raise ValueError(
                 f"with 8-bit states a piece must start on a block: counter_offset must be a "
                 f"multiple of {QBLOCK}, got {counter_offset}"
             )
-    elif exp_avg_absmax is not None or exp_avg_sq_absmax is not None:
-        raise ValueError("absmax buffers go with 8-bit (uint8) states only")
+    elif exp_avg_scale is not None or exp_avg_sq_scale is not None:
+        raise ValueError("scale buffers go with 8-bit (uint8) states only")
     if compensation is not None:
         if master.dtype != torch.bfloat16:
             raise ValueError("compensation goes with a bf16 master; an fp32 master needs none")
@@ -658,26 +614,21 @@ def lean_adamw_step_(
     if lib is None:
         step = _step_triton if _lean_triton.available(master.device) else _step_torch
         step(
-            master, grad, exp_avg, exp_avg_sq, compensation, exp_avg_absmax,
-            exp_avg_sq_absmax, wire_out, key=key, counter_offset=counter_offset,
+            master, grad, exp_avg, exp_avg_sq, compensation, exp_avg_scale,
+            exp_avg_sq_scale, wire_out, key=key, counter_offset=counter_offset,
             grad_scale=grad_scale, apply_decay=apply_decay, c=c,
         )  # fmt: skip
         return
     ptr = _cpu_kernels._ptr
     master_format = _master_format(master, compensation)
-    codes = _code()
     args = _LeanArgs(
         master=master.data_ptr(),
         compensation=ptr(compensation),
         grad=grad.data_ptr(),
         exp_avg=exp_avg.data_ptr(),
         exp_avg_sq=exp_avg_sq.data_ptr(),
-        exp_avg_absmax=ptr(exp_avg_absmax),
-        exp_avg_sq_absmax=ptr(exp_avg_sq_absmax),
-        signed_code=codes.signed.data_ptr(),
-        unsigned_code=codes.unsigned.data_ptr(),
-        signed_table=codes.signed_table.data_ptr(),
-        unsigned_table=codes.unsigned_table.data_ptr(),
+        exp_avg_scale=ptr(exp_avg_scale),
+        exp_avg_sq_scale=ptr(exp_avg_sq_scale),
         wire_out=ptr(wire_out),
         n=n,
         counter_offset=counter_offset,
@@ -703,7 +654,7 @@ def warm_up_device_step(
     ``device`` before the first step: a step of one block of zeros for each variant a step
     can launch, on the current stream. Triton compiles one per weight decay on and off, a
     gradient scale of 1 and another (clipping), a rounding key that fits int32 and one that
-    does not (Triton types an int argument by its value), and, with 8-bit states, absmax
+    does not (Triton types an int argument by its value), and, with 8-bit states, scale
     buffers on and off a 16-byte boundary (a param group's run starts at any block). Triton
     keeps the binaries in its per-machine cache, so a later process loads them. Returns
     whether it ran (False where the kernel is not used, see ``_lean_triton.available``).
@@ -721,12 +672,12 @@ def warm_up_device_step(
     for weight_decay, grad_scale, seed, shift in itertools.product(
         (0.0, 0.1), (1.0, 0.5), seeds.values(), (0, 1) if quantized else (0,)
     ):
-        absmax = [zeros(torch.float32, 2)[shift : shift + 1] for _ in range(2)]
+        scales = [zeros(torch.float32, 2)[shift : shift + 1] for _ in range(2)]
         lean_adamw_step_(
             zeros(master_dtype), zeros(torch.bfloat16), zeros(state_dtype), zeros(state_dtype),
             step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay,
             grad_scale=grad_scale, compensation=zeros(torch.bfloat16) if compensated else None,
-            exp_avg_absmax=absmax[0] if quantized else None,
-            exp_avg_sq_absmax=absmax[1] if quantized else None, seed=seed,
+            exp_avg_scale=scales[0] if quantized else None,
+            exp_avg_sq_scale=scales[1] if quantized else None, seed=seed,
         )  # fmt: skip
     return True

@@ -17,11 +17,13 @@ with the same roundings, so a device step gives the host step's bits:
   Triton's ``/`` on fp32 is the approximate ``div.full``);
 * the stochastic rounding's random bits from the same counter-based hash of (key, element
   index), in uint32 arithmetic;
-* 8-bit codes by the native quantizer's one-lookup table (``_lean_kernels._code_table``),
-  which gives ``torch.bucketize`` over the code's midpoints for every fp32 value.
+* 8-bit codes converted to and from FP8 E4M3 by the native code's integer operations
+  (``[Note: FP8 conversions in bits]`` in ``_lean_kernels.cpp``), not Triton's fp8 casts,
+  so the interpreter (CPU tests) and every GPU give c10's bits; the block scales'
+  exponents from the bits of the blocks' absmax.
 
-One program takes ``_ROWS`` blocks of 256 elements (an 8-bit block's absmax is a row's
-max). Triton is imported on first use; where it is missing (CPU-only PyTorch) or the
+One program takes ``_ROWS`` blocks of 256 elements (an 8-bit block's scale comes from a
+row's max). Triton is imported on first use; where it is missing (CPU-only PyTorch) or the
 tensors are not on a CUDA device, ``lean_adamw_step_`` keeps the PyTorch path.
 ``RAMFLOW_DISABLE_TRITON=1`` keeps it too (for comparisons).
 """
@@ -56,12 +58,11 @@ def available(device: torch.device) -> bool:
 
 
 def lean_adamw_step(
-    master, grad, exp_avg, exp_avg_sq, compensation, m_absmax, v_absmax, wire_out, tables,
+    master, grad, exp_avg, exp_avg_sq, compensation, m_scale, v_scale, wire_out,
     *, master_format, state_format, key, counter_offset, grad_scale, apply_decay, c, block,
 ) -> None:  # fmt: skip
     """One lean step on CUDA tensors, checked by ``_lean_kernels.lean_adamw_step_`` (the
-    tensors and scalars of its ``_step_torch``; ``tables``: the codes and quantizer tables
-    on the device, ``_Code.tables_on``; the formats: its ``_MASTER_*`` and
+    tensors and scalars of its ``_step_torch``; the formats: its ``_MASTER_*`` and
     ``_STATE_FORMAT`` codes; ``block``: the 8-bit block, ``QBLOCK``)."""
     dev = master.device
     dummy = master  # for the pointers a format does not read
@@ -69,9 +70,8 @@ def lean_adamw_step(
         _kernel()[(-(-master.numel() // (_ROWS * block)),)](
             master, compensation if compensation is not None else dummy, grad,
             exp_avg, exp_avg_sq,
-            m_absmax if m_absmax is not None else dummy,
-            v_absmax if v_absmax is not None else dummy,
-            *tables,
+            m_scale if m_scale is not None else dummy,
+            v_scale if v_scale is not None else dummy,
             wire_out if wire_out is not None else dummy,
             master.numel(), counter_offset, key,
             c["decay"], c["beta1"], c["one_minus_beta1"], c["beta2"], c["one_minus_beta2"],

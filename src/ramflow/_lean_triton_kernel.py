@@ -27,19 +27,49 @@ def _bf16_nearest(x):
 
 
 @triton.jit
-def _quantize(x, table_ptr):
-    # the native quantizer: see [Note: 8-bit codes in one lookup] in _cpu_kernels.cpp
-    u = x.to(tl.uint32, bitcast=True)
-    entry = tl.load(table_ptr + (u >> 16)).to(tl.uint32, bitcast=True)
-    neg = tl.where((u >> 31) != 0, tl.full(u.shape, 0xFFFF, tl.uint32), 0)
-    order = (u ^ neg) & 0xFFFF
-    return ((entry & 0xFF) + tl.where(order > (entry >> 16), 1, 0).to(tl.uint32)).to(tl.uint8)
+def _fp8_decode(c):
+    # E4M3 code (uint8) -> fp32, exact: see [Note: FP8 conversions in bits] in
+    # _lean_kernels.cpp (a subnormal code is rebased by 121 and 2**-6 taken off; 0x7F NaN)
+    c = c.to(tl.uint32)
+    mag = c & 0x7F
+    sub = mag < 8
+    bits = (mag << 20) + tl.where(sub, 121 << 23, 120 << 23).to(tl.uint32)
+    x = bits.to(tl.float32, bitcast=True)
+    x = tl.where(sub, x - 0.015625, x)
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = tl.where(mag == 0x7F, bits | 0x7F800000, bits)
+    return (bits | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_encode(y, x, SECOND: tl.constexpr):
+    # fp32 y -> E4M3 code (uint8), nearest even, saturating at 448, NaN 0x7F; with SECOND a code
+    # of 0 for a positive x (sqrt(v)) becomes 1. See [Note: FP8 conversions in bits].
+    u = y.to(tl.uint32, bitcast=True)
+    a = u & 0x7FFFFFFF
+    denorm = tl.full(a.shape, 141 << 23, tl.uint32)
+    sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True) - denorm
+    nrm = tl.minimum((a - (120 << 23) + 0x7FFFF + ((a >> 20) & 1)) >> 20, 0x7E)
+    r = tl.where(a < (121 << 23), sub, nrm)
+    r = tl.where(a > 0x7F800000, tl.full(r.shape, 0x7F, tl.uint32), r)
+    r = r | ((u >> 24) & 0x80)
+    if SECOND:
+        r = tl.where((r == 0) & (x > 0.0), tl.full(r.shape, 1, tl.uint32), r)
+    return r.to(tl.uint8)
+
+
+@triton.jit
+def _fp8_scale_exponent(amax):
+    # the block scale's exponent: see [Note: 8-bit states in FP8 with power-of-two block
+    # scales] in _lean_kernels.py
+    e = ((amax.to(tl.uint32, bitcast=True) + 0x1FFFFF) >> 23).to(tl.int32) - 135
+    return tl.maximum(e, -126)
 
 
 @triton.jit(do_not_specialize=["n", "counter_offset", "key"])
 def lean_adamw_kernel(
-    master_ptr, comp_ptr, grad_ptr, m_ptr, v_ptr, m_absmax_ptr, v_absmax_ptr,
-    signed_code_ptr, unsigned_code_ptr, signed_table_ptr, unsigned_table_ptr, wire_ptr,
+    master_ptr, comp_ptr, grad_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr,
+    wire_ptr,
     n, counter_offset, key,
     decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps,
     neg_step_size, grad_scale,
@@ -66,31 +96,34 @@ def lean_adamw_kernel(
     if APPLY_DECAY:
         p = p * decay
     if STATE == 2:
-        mq = tl.load(m_ptr + idx, mask=mask, other=0).to(tl.int32)
-        vq = tl.load(v_ptr + idx, mask=mask, other=0).to(tl.int32)
-        ma = tl.load(m_absmax_ptr + rows, mask=row_mask, other=0.0)
-        va = tl.load(v_absmax_ptr + rows, mask=row_mask, other=0.0)
-        m = tl.load(signed_code_ptr + mq) * ma[:, None]
-        v = tl.load(unsigned_code_ptr + vq) * va[:, None]
+        mq = tl.load(m_ptr + idx, mask=mask, other=0)
+        vq = tl.load(v_ptr + idx, mask=mask, other=0)
+        ms = tl.load(m_scale_ptr + rows, mask=row_mask, other=0.0)
+        vs = tl.load(v_scale_ptr + rows, mask=row_mask, other=0.0)
+        m = _fp8_decode(mq) * ms[:, None]
+        u = _fp8_decode(vq) * vs[:, None]
+        v = u * u
     else:
         m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     m = m * beta1 + g * one_minus_beta1
     v = v * beta2 + (g * one_minus_beta2) * g
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    sq = tl.sqrt_rn(v)
+    denom = tl.div_rn(sq, bc2_sqrt) + eps
     p = p + tl.div_rn(m * neg_step_size, denom)
 
     if STATE == 2:
         m = tl.where(mask, m, 0.0)
-        v = tl.where(mask, v, 0.0)
-        m_amax = tl.max(tl.abs(m), axis=1)
-        v_amax = tl.max(tl.abs(v), axis=1)
-        tl.store(m_absmax_ptr + rows, m_amax, mask=row_mask)
-        tl.store(v_absmax_ptr + rows, v_amax, mask=row_mask)
-        m_scale = tl.where(m_amax > 0.0, m_amax, 1.0)
-        v_scale = tl.where(v_amax > 0.0, v_amax, 1.0)
-        mq = _quantize(tl.div_rn(m, m_scale[:, None]), signed_table_ptr)
-        vq = _quantize(tl.div_rn(v, v_scale[:, None]), unsigned_table_ptr)
+        sq = tl.where(mask, sq, 0.0)
+        me = _fp8_scale_exponent(tl.max(tl.abs(m), axis=1))
+        ve = _fp8_scale_exponent(tl.max(sq, axis=1))
+        # 2**e and 2**-e from their bits (exact): see the note
+        tl.store(m_scale_ptr + rows, ((me + 127) << 23).to(tl.float32, bitcast=True), mask=row_mask)
+        tl.store(v_scale_ptr + rows, ((ve + 127) << 23).to(tl.float32, bitcast=True), mask=row_mask)
+        m_rcp = ((127 - me) << 23).to(tl.float32, bitcast=True)
+        v_rcp = ((127 - ve) << 23).to(tl.float32, bitcast=True)
+        mq = _fp8_encode(m * m_rcp[:, None], m, False)
+        vq = _fp8_encode(sq * v_rcp[:, None], sq, True)
         tl.store(m_ptr + idx, mq, mask=mask)
         tl.store(v_ptr + idx, vq, mask=mask)
     elif STATE == 1:

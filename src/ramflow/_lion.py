@@ -17,7 +17,7 @@ with the decay read from the weights before the sign step (one rounding apart).
 [Note: Lion on the lean host formats]
 Lion's one state is AdamW's first moment, so it is kept as the unit's host format keeps
 that moment (fp32, bf16 rounded to nearest, or 8-bit signed block-wise codes with their
-absmax: ``StateFormat.encode``/``decode``), and the master is written back as AdamW's lean
+scales: ``StateFormat.encode``/``decode``), and the master is written back as AdamW's lean
 step writes it: a bf16-sr master with ``stochastic_round_bf16``, the lean kernel's
 counter-based rounding keyed by the unit's seed, the parameter's step count and each
 element's index in its unit; a bf16-kahan master with its bf16 compensation. The update
@@ -57,7 +57,7 @@ class Lion(HostOptimizer):
 
     State per parameter: ``exp_avg`` (the parameter's shape; for offloaded parameters a
     view of one flat host buffer per unit, fp32, or in a lean host format as that format
-    keeps AdamW's first moment: bf16, or 8-bit codes with ``exp_avg_absmax``); on lean
+    keeps AdamW's first moment: bf16, or 8-bit codes with ``exp_avg_scale``); on lean
     formats also ``step`` (float32 scalar, the stochastic rounding's key) and a Kahan
     master's ``master_compensation``. Every host format is stepped (see [Note: Lion on the
     lean host formats]); on fp32 the steps are the reference's bit for bit.
@@ -177,7 +177,7 @@ class Lion(HostOptimizer):
         if not st or MOMENTUM not in st:
             return
         fmt = next(
-            (f for f in OPTIMIZER_STATES.values() if f.block and MOMENTUM + f.ABSMAX in st),
+            (f for f in OPTIMIZER_STATES.values() if f.block and MOMENTUM + f.SCALE in st),
             OPTIMIZER_STATES["fp32"],
         )
         value = fmt.decode(MOMENTUM, st)
@@ -194,9 +194,9 @@ def _lean_unit(p: torch.Tensor) -> _Unit | None:
 
 
 def _state_names(fmt: HostPrecision) -> tuple[str, ...]:
-    """Lion's state tensors in host formats ``fmt``: the momentum (with its absmax when
+    """Lion's state tensors in host formats ``fmt``: the momentum (with its scales when
     block-wise) and the master's own (a Kahan compensation)."""
-    mine = (MOMENTUM, MOMENTUM + StateFormat.ABSMAX)
+    mine = (MOMENTUM, MOMENTUM + StateFormat.SCALE)
     moment = tuple(n for n in fmt.state_format.state_names if n in mine)
     return moment + fmt.master_format.state_names
 

@@ -49,7 +49,7 @@ different step counts, ZeRO) pulls the state back, steps on the host and uploads
 again at the next device step. The device step's rounding is CUDA's fused AdamW, within
 float rounding of the host kernel (bit-identical on the CPU device). Lean host formats: a
 bf16 master is the wire copy, hence the unit's device copy, so the device holds only the
-unit's states in their format (8-bit codes and absmax, bf16, a Kahan compensation: about 2
+unit's states in their format (8-bit codes and scales, bf16, a Kahan compensation: about 2
 bytes per parameter instead of 12) and steps the device copy in place with the host
 kernel's arithmetic (``lean_adamw_step_`` on CUDA tensors: one Triton kernel, see
 ``_lean_triton``, or PyTorch ops without Triton): the same bits as a host step, the same

@@ -187,7 +187,7 @@ class AdamW(HostOptimizer):
         back into, as ``"host_" + name``.
 
         fp32 masters: ``"master"`` (fp32) and the states in the unit's format. bf16 masters:
-        the states (8-bit codes with their absmax, bf16, a Kahan compensation) and no
+        the states (8-bit codes with their scales, bf16, a Kahan compensation) and no
         ``"master"``: the bf16 master is the wire copy, so the unit's device copy is the
         master and is stepped in place. Lean formats step with the host kernel's arithmetic
         in PyTorch ops (the same bits; ``lean_adamw_step_``)."""

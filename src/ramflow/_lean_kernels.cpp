@@ -1,0 +1,441 @@
+// ramflow: the lean host formats' one-pass AdamW step. Compiled as one translation unit with
+// _cpu_kernels.cpp (appended to it, see _cpu_kernels._read_source), whose helpers it uses
+// (grad_at, load_grad8, to_bf16_8, RAMFLOW_AVX2). AdamW over a bf16 master (stochastic
+// rounding or a bf16 Kahan compensation) or an fp32 one, and fp32, bf16 or 8-bit block-wise
+// states. See _lean_kernels.py, [Note: lean formats, one pass], [Note: counter-based
+// stochastic rounding] and [Note: 8-bit states in FP8 with power-of-two block scales]. Every
+// loop does the operations of the PyTorch path there in the same order, so all give the same
+// bits (-ffp-contract=off keeps the compiler from fusing any of it).
+namespace {
+
+enum MasterFormat : int32_t { kMasterF32 = 0, kMasterSR = 1, kMasterKahan = 2 };
+enum StateFormat : int32_t { kStateF32 = 0, kStateBF16 = 1, kStateQ8 = 2 };
+constexpr int64_t kQBlock = 256;           // elements per 8-bit block (one scale each)
+constexpr int64_t kLeanGrainQBlocks = 64;  // 16384 elements per work item
+
+// Mirrored by _LeanArgs (ctypes) in _lean_kernels.py; keep both in the same order.
+struct LeanArgs {
+  void* master;                 // fp32 or bf16, updated in place
+  c10::BFloat16* compensation;  // kMasterKahan only
+  const void* grad;
+  void* exp_avg;                // fp32, bf16 or uint8 E4M3 codes
+  void* exp_avg_sq;
+  float* exp_avg_scale;         // kStateQ8: one power of two per block of kQBlock
+  float* exp_avg_sq_scale;
+  void* wire_out;               // kMasterF32 only, may be null: bf16/fp16 copy, nearest even
+  int64_t n;
+  int64_t counter_offset;       // element index of master[0] in the rounding counter
+  uint32_t key;                 // the rounding key of (seed, step), from Python
+  float decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
+  float grad_scale;
+  int32_t apply_decay, apply_scale;
+  int32_t master_format, state_format;
+  int32_t grad_dtype, wire_dtype;
+  int32_t num_threads;
+};
+
+// A 32-bit integer hash, a bijection ("lowbias32", C. Wellons, 2018).
+inline uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+// 32 random bits for element `index` of a rounding with `key`: depends on nothing else.
+inline uint32_t sr_bits(uint32_t key, int64_t index) {
+  const uint64_t i = static_cast<uint64_t>(index);
+  return hash32(hash32(static_cast<uint32_t>(i) ^ key) + static_cast<uint32_t>(i >> 32));
+}
+
+// float -> bf16 bits, stochastically: round up with probability (dropped bits) / 2^16.
+inline uint16_t bf16_stochastic(float x, uint32_t bits) {
+  if (std::isnan(x)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return static_cast<uint16_t>((u + (bits >> 16)) >> 16);
+}
+
+inline float bf16_to_float(c10::BFloat16 b) { return static_cast<float>(b); }
+
+inline uint32_t f2u(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+inline float u2f(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+// [Note: FP8 conversions in bits]
+// E4M3 (OCP "e4m3fn": bias 7, no infinities, S.1111.111 is NaN, largest 448) both ways in
+// integer operations, as c10::Float8_e4m3fn does them, so the PyTorch path's
+// .to(torch.float8_e4m3fn) gives the same bits (tests cover every rounding case):
+// * encode: below 2^-6, adding 2^14 rounds |y| to a multiple of 2^-9 (the smallest
+//   subnormal: 2^14's ulp) in the FPU's nearest-even mode, and the sum's low bits are the
+//   code; otherwise the exponent is rebased (-120 << 23) and the 20 dropped mantissa bits
+//   rounded to nearest even by adding 0x7FFFF plus the kept lsb. It saturates: what rounds
+//   above 448 (only infinity and overflow: the block scale keeps |y| <= 448) is 448, as
+//   torch 2.13's conversion does (older c10 made it NaN; the PyTorch path clamps to 448
+//   first, so every version agrees); NaN is 0x7F.
+// * decode: the 7 magnitude bits shifted into the fp32 exponent and mantissa, exponent
+//   rebased (+120); a subnormal code (below 8) is rebased by 121 and 2^-6 subtracted, which
+//   leaves code * 2^-9 exactly; 0x7F gets the exponent all ones (c10's NaN, 0x7FF00000).
+constexpr uint32_t kFp8Inf = 0x7F800000u;
+constexpr uint32_t kFp8MinNormal = 121u << 23;  // 2^-6
+constexpr uint32_t kFp8Denorm = 141u << 23;     // 2^14
+constexpr uint32_t kFp8Rebase = 120u << 23;
+
+inline uint8_t fp8_encode(float y) {
+  const uint32_t u = f2u(y);
+  const uint32_t sign = u & 0x80000000u;
+  const uint32_t a = u ^ sign;
+  uint32_t r;
+  if (a > kFp8Inf) {
+    r = 0x7F;
+  } else if (a < kFp8MinNormal) {
+    r = f2u(u2f(a) + u2f(kFp8Denorm)) - kFp8Denorm;
+  } else {
+    r = std::min((a - kFp8Rebase + 0x7FFFFu + ((a >> 20) & 1u)) >> 20, 0x7Eu);
+  }
+  return static_cast<uint8_t>(r | (sign >> 24));
+}
+
+inline float fp8_decode(uint8_t c) {
+  const uint32_t mag = c & 0x7Fu;
+  float x;
+  if (mag < 8) {
+    x = u2f((mag << 20) + kFp8Rebase + (1u << 23)) - 0.015625f;
+  } else {
+    x = u2f((mag << 20) + kFp8Rebase);
+  }
+  uint32_t b = f2u(x);
+  if (mag == 0x7F) b |= 0x7F800000u;
+  return u2f(b | (static_cast<uint32_t>(c & 0x80u) << 24));
+}
+
+// [Note: 8-bit states in FP8 with power-of-two block scales] (the Python note has the why)
+// A block's scale is 2^e with e the least integer such that amax / 2^e <= 448: from the
+// bits of amax, e = exponent(amax) - 8, plus 1 where amax's mantissa passes 1.75 (adding
+// 0x1FFFFF carries into the exponent exactly then), at least -126 so that 2^e and 2^-e are
+// normal floats. Multiplying by 2^-e and 2^e is exact (short of underflow), so the scale
+// costs no rounding and needs no division.
+struct Fp8Scale {
+  float scale, rcp;
+};
+
+inline Fp8Scale fp8_scale(float amax) {
+  int32_t e = static_cast<int32_t>((f2u(amax) + 0x1FFFFFu) >> 23) - 135;
+  e = e < -126 ? -126 : e;
+  return {u2f(static_cast<uint32_t>(e + 127) << 23), u2f(static_cast<uint32_t>(127 - e) << 23)};
+}
+
+// The second moment is kept as sqrt(v); a code of 0 for a positive sqrt(v) becomes 1 (the
+// smallest subnormal), so that v never reads back as 0 while m keeps a code. See the note.
+inline uint8_t fp8_encode_state(float y, float x, bool second) {
+  const uint8_t c = fp8_encode(y);
+  return second && c == 0 && x > 0.0f ? 1 : c;
+}
+
+inline float load_state(const LeanArgs& a, const void* s, const float* scale, int64_t i, bool second) {
+  switch (a.state_format) {
+    case kStateBF16: return bf16_to_float(static_cast<const c10::BFloat16*>(s)[i]);
+    case kStateQ8: {
+      const float u = fp8_decode(static_cast<const uint8_t*>(s)[i]) * scale[i / kQBlock];
+      return second ? u * u : u;
+    }
+    default: return static_cast<const float*>(s)[i];
+  }
+}
+
+// Writes x[0, len) as block `block` of the state s: bf16 (nearest even), fp32, or E4M3 codes
+// and the block's scale (x is sqrt(v) for the second moment's codes).
+inline void store_state(const LeanArgs& a, void* s, float* scale, int64_t begin, int64_t len,
+                        const float* x, bool second) {
+  if (a.state_format == kStateF32) {
+    std::memcpy(static_cast<float*>(s) + begin, x, len * sizeof(float));
+  } else if (a.state_format == kStateBF16) {
+    auto* out = static_cast<c10::BFloat16*>(s) + begin;
+    for (int64_t j = 0; j < len; ++j) out[j] = c10::BFloat16(x[j]);
+  } else {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < len; ++j) amax = std::max(amax, std::abs(x[j]));
+    const Fp8Scale sc = fp8_scale(amax);
+    scale[begin / kQBlock] = sc.scale;
+    auto* out = static_cast<uint8_t*>(s) + begin;
+    for (int64_t j = 0; j < len; ++j) out[j] = fp8_encode_state(x[j] * sc.rcp, x[j], second);
+  }
+}
+
+// One block of at most kQBlock elements starting at `begin` (a multiple of kQBlock).
+void lean_block(const LeanArgs& a, int64_t begin, int64_t len) {
+  const bool q8 = a.state_format == kStateQ8;
+  float m_new[kQBlock];
+  float v_new[kQBlock];  // sqrt(v) for 8-bit states
+  for (int64_t j = 0; j < len; ++j) {
+    const int64_t i = begin + j;
+    Args ga{};
+    ga.grad = a.grad;
+    ga.grad_dtype = a.grad_dtype;
+    float g = grad_at(ga, i);
+    if (a.apply_scale) g = g * a.grad_scale;
+    float p;
+    if (a.master_format == kMasterF32) {
+      p = static_cast<float*>(a.master)[i];
+    } else {
+      p = bf16_to_float(static_cast<c10::BFloat16*>(a.master)[i]);
+      if (a.master_format == kMasterKahan) p = p + bf16_to_float(a.compensation[i]);
+    }
+    if (a.apply_decay) p = p * a.decay;
+    float m = load_state(a, a.exp_avg, a.exp_avg_scale, i, false);
+    float v = load_state(a, a.exp_avg_sq, a.exp_avg_sq_scale, i, true);
+    m = m * a.beta1 + g * a.one_minus_beta1;
+    v = v * a.beta2 + (g * a.one_minus_beta2) * g;
+    const float sq = std::sqrt(v);
+    const float denom = sq / a.bc2_sqrt + a.eps;
+    p = p + (m * a.neg_step_size) / denom;
+    m_new[j] = m;
+    v_new[j] = q8 ? sq : v;
+    if (a.master_format == kMasterF32) {
+      static_cast<float*>(a.master)[i] = p;
+      if (a.wire_dtype == kBF16) {
+        static_cast<c10::BFloat16*>(a.wire_out)[i] = c10::BFloat16(p);
+      } else if (a.wire_dtype == kF16) {
+        static_cast<c10::Half*>(a.wire_out)[i] = c10::Half(p);
+      }
+    } else if (a.master_format == kMasterSR) {
+      const uint16_t b = bf16_stochastic(p, sr_bits(a.key, a.counter_offset + i));
+      std::memcpy(static_cast<c10::BFloat16*>(a.master) + i, &b, 2);
+    } else {
+      const c10::BFloat16 hi(p);
+      static_cast<c10::BFloat16*>(a.master)[i] = hi;
+      a.compensation[i] = c10::BFloat16(p - bf16_to_float(hi));
+    }
+  }
+  store_state(a, a.exp_avg, a.exp_avg_scale, begin, len, m_new, false);
+  store_state(a, a.exp_avg_sq, a.exp_avg_sq_scale, begin, len, v_new, true);
+}
+
+#if RAMFLOW_X86
+// [Note: the lean step in SIMD]
+// lean_block's arithmetic 8 (AVX2) or 16 (AVX-512) lanes at a time, in the same order and
+// without fused multiply-adds (division and square root are correctly rounded in all), so
+// the bits are the scalar block's; tests compare the three (RAMFLOW_LEAN_ISA caps the
+// choice). One pass over the block's memory: fp32 and bf16 states are stored as they are
+// computed; 8-bit ones go to two 1 KiB arrays (in L1) while the block's absmax is taken in
+// registers, and are encoded from there once the block's scale is known. The FP8
+// conversions are the integer operations of [Note: FP8 conversions in bits], with blends
+// for the subnormal and NaN cases: no table, no gather, no division. The constants and
+// pointers are read into locals once per work item (the intrinsics' unaligned stores may
+// alias anything, so the compiler would read fields of the arguments again after each).
+// Whole blocks of kQBlock only; a last partial block takes the scalar path.
+RAMFLOW_AVX2 inline __m256 bf16x8_to_f32(const void* base, int64_t i) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+RAMFLOW_AVX2 inline __m256i hash32_8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bU)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+#define I8(x) _mm256_set1_epi32(static_cast<int>(x))
+
+// fp8_decode of the 8 codes at q.
+RAMFLOW_AVX2 inline __m256 fp8x8_to_f32(const uint8_t* q) {
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  const __m256i mag = _mm256_and_si256(c, I8(0x7F));
+  const __m256i sub = _mm256_cmpgt_epi32(I8(8), mag);
+  const __m256i bias = _mm256_add_epi32(I8(kFp8Rebase), _mm256_and_si256(sub, I8(1u << 23)));
+  __m256 x = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), bias));
+  x = _mm256_sub_ps(x, _mm256_and_ps(_mm256_castsi256_ps(sub), _mm256_set1_ps(0.015625f)));
+  __m256i b = _mm256_castps_si256(x);
+  b = _mm256_or_si256(b, _mm256_and_si256(_mm256_cmpeq_epi32(mag, I8(0x7F)), I8(0x7F800000)));
+  b = _mm256_or_si256(b, _mm256_and_si256(_mm256_slli_epi32(c, 24), I8(0x80000000u)));
+  return _mm256_castsi256_ps(b);
+}
+
+// fp8_encode_state of 8 lanes: y = x * rcp; the codes, one per int32 lane.
+RAMFLOW_AVX2 inline __m256i f32x8_to_fp8(__m256 x, __m256 rcp, bool second) {
+  const __m256i u = _mm256_castps_si256(_mm256_mul_ps(x, rcp));
+  const __m256i a = _mm256_and_si256(u, I8(0x7FFFFFFF));
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(I8(kFp8Denorm)))), I8(kFp8Denorm));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), I8(1));
+  __m256i nrm = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, I8(0x7FFFFu - kFp8Rebase)), odd), 20);
+  nrm = _mm256_min_epi32(nrm, I8(0x7E));
+  __m256i r = _mm256_blendv_epi8(nrm, sub, _mm256_cmpgt_epi32(I8(kFp8MinNormal), a));
+  r = _mm256_blendv_epi8(r, I8(0x7F), _mm256_cmpgt_epi32(a, I8(kFp8Inf)));
+  r = _mm256_or_si256(r, _mm256_srli_epi32(_mm256_andnot_si256(I8(0x7FFFFFFF), u), 24));
+  if (second) {
+    const __m256i zero = _mm256_and_si256(_mm256_cmpeq_epi32(r, _mm256_setzero_si256()),
+                                          _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ)));
+    r = _mm256_or_si256(r, _mm256_and_si256(zero, I8(1)));
+  }
+  return r;
+}
+
+// x[0, kQBlock) as codes at out[0, kQBlock) with the scale of `amax`; returns the scale.
+RAMFLOW_AVX2 inline float encode_block8(const float* x, float amax, bool second, uint8_t* out) {
+  const Fp8Scale sc = fp8_scale(amax);
+  const __m256 rcp = _mm256_set1_ps(sc.rcp);
+  // the packs interleave the 128-bit lanes: 4-byte groups k0lo k1lo k2lo k3lo k0hi k1hi ...
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t j = 0; j < kQBlock; j += 32) {
+    __m256i k[4];
+    for (int r = 0; r < 4; ++r) k[r] = f32x8_to_fp8(_mm256_load_ps(x + j + 8 * r), rcp, second);
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(k[0], k[1]), _mm256_packus_epi32(k[2], k[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_permutevar8x32_epi32(b, order));
+  }
+  return sc.scale;
+}
+
+// The largest lane; a NaN lane is left out (as std::max(running, NaN) does).
+RAMFLOW_AVX2 inline float max_lane(__m256 x) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, x);
+  float amax = 0.0f;
+  for (float l : lanes) amax = std::max(amax, l);
+  return amax;
+}
+
+// |x| and running max: a NaN |x| leaves the running max as it is, as std::max does.
+RAMFLOW_AVX2 inline __m256 abs_max8(__m256 x, __m256 running) {
+  return _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), running);
+}
+
+template <int kGrad, int kMaster, int kState>
+RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64_t block_end) {
+  const void* const grad = a.grad;
+  void* const master = a.master;
+  uint16_t* const compensation = reinterpret_cast<uint16_t*>(a.compensation);
+  void* const exp_avg = a.exp_avg;
+  void* const exp_avg_sq = a.exp_avg_sq;
+  float* const exp_avg_scale = a.exp_avg_scale;
+  float* const exp_avg_sq_scale = a.exp_avg_sq_scale;
+  uint16_t* const wire_out = static_cast<uint16_t*>(a.wire_out);
+  const int32_t wire_dtype = a.wire_dtype;
+  const int64_t counter_offset = a.counter_offset;
+  const uint32_t key = a.key;
+  const bool apply_scale = a.apply_scale != 0;
+  const bool apply_decay = a.apply_decay != 0;
+  const __m256 grad_scale = _mm256_set1_ps(a.grad_scale);
+  const __m256 decay = _mm256_set1_ps(a.decay);
+  const __m256 beta1 = _mm256_set1_ps(a.beta1);
+  const __m256 one_minus_beta1 = _mm256_set1_ps(a.one_minus_beta1);
+  const __m256 beta2 = _mm256_set1_ps(a.beta2);
+  const __m256 one_minus_beta2 = _mm256_set1_ps(a.one_minus_beta2);
+  const __m256 bc2_sqrt = _mm256_set1_ps(a.bc2_sqrt);
+  const __m256 eps = _mm256_set1_ps(a.eps);
+  const __m256 neg_step_size = _mm256_set1_ps(a.neg_step_size);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  alignas(32) float m_new[kQBlock];
+  alignas(32) float s_new[kQBlock];  // sqrt(v)
+  for (int64_t block = block_begin; block < block_end; ++block) {
+    const int64_t begin = block * kQBlock;
+    __m256 m_scale = _mm256_setzero_ps();
+    __m256 v_scale = _mm256_setzero_ps();
+    if constexpr (kState == kStateQ8) {
+      m_scale = _mm256_set1_ps(exp_avg_scale[block]);
+      v_scale = _mm256_set1_ps(exp_avg_sq_scale[block]);
+    }
+    __m256 m_max = _mm256_setzero_ps();
+    __m256 s_max = _mm256_setzero_ps();
+    for (int64_t j = 0; j < kQBlock; j += 8) {
+      const int64_t i = begin + j;
+      __m256 g = load_grad8<kGrad>(grad, i);
+      if (apply_scale) g = _mm256_mul_ps(g, grad_scale);
+      __m256 p;
+      if constexpr (kMaster == kMasterF32) {
+        p = _mm256_loadu_ps(static_cast<const float*>(master) + i);
+      } else {
+        p = bf16x8_to_f32(master, i);
+        if constexpr (kMaster == kMasterKahan) p = _mm256_add_ps(p, bf16x8_to_f32(compensation, i));
+      }
+      if (apply_decay) p = _mm256_mul_ps(p, decay);
+      __m256 m;
+      __m256 v;
+      if constexpr (kState == kStateF32) {
+        m = _mm256_loadu_ps(static_cast<const float*>(exp_avg) + i);
+        v = _mm256_loadu_ps(static_cast<const float*>(exp_avg_sq) + i);
+      } else if constexpr (kState == kStateBF16) {
+        m = bf16x8_to_f32(exp_avg, i);
+        v = bf16x8_to_f32(exp_avg_sq, i);
+      } else {
+        m = _mm256_mul_ps(fp8x8_to_f32(static_cast<const uint8_t*>(exp_avg) + i), m_scale);
+        const __m256 u = _mm256_mul_ps(fp8x8_to_f32(static_cast<const uint8_t*>(exp_avg_sq) + i), v_scale);
+        v = _mm256_mul_ps(u, u);
+      }
+      m = _mm256_add_ps(_mm256_mul_ps(m, beta1), _mm256_mul_ps(g, one_minus_beta1));
+      v = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(g, one_minus_beta2), g));
+      const __m256 sq = _mm256_sqrt_ps(v);
+      const __m256 denom = _mm256_add_ps(_mm256_div_ps(sq, bc2_sqrt), eps);
+      p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(m, neg_step_size), denom));
+      if constexpr (kState == kStateF32) {
+        _mm256_storeu_ps(static_cast<float*>(exp_avg) + i, m);
+        _mm256_storeu_ps(static_cast<float*>(exp_avg_sq) + i, v);
+      } else if constexpr (kState == kStateBF16) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(exp_avg) + i), to_bf16_8(m));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(exp_avg_sq) + i), to_bf16_8(v));
+      } else {
+        _mm256_store_ps(m_new + j, m);
+        _mm256_store_ps(s_new + j, sq);
+        m_max = abs_max8(m, m_max);
+        s_max = abs_max8(sq, s_max);
+      }
+      if constexpr (kMaster == kMasterF32) {
+        _mm256_storeu_ps(static_cast<float*>(master) + i, p);
+        if (wire_dtype == kBF16) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(wire_out + i), to_bf16_8(p));
+        } else if (wire_dtype == kF16) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(wire_out + i),
+                           _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+      } else if constexpr (kMaster == kMasterSR) {
+        const int64_t index = counter_offset + i;
+        const uint32_t lo = static_cast<uint32_t>(index);
+        __m128i b16;
+        if (lo > 0xFFFFFFFFu - 7u) {  // the lanes cross a multiple of 2^32: as the scalar does
+          alignas(32) float ps[8];
+          alignas(16) uint16_t bs[8];
+          _mm256_store_ps(ps, p);
+          for (int l = 0; l < 8; ++l) bs[l] = bf16_stochastic(ps[l], sr_bits(key, index + l));
+          b16 = _mm_load_si128(reinterpret_cast<const __m128i*>(bs));
+        } else {
+          const __m256i idx = _mm256_add_epi32(I8(lo), lane);
+          const __m256i h = hash32_8(_mm256_xor_si256(idx, I8(key)));
+          const __m256i hi = I8(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32));
+          const __m256i bits = hash32_8(_mm256_add_epi32(h, hi));
+          const __m256i u = _mm256_castps_si256(p);
+          __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(bits, 16)), 16);
+          const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+          r = _mm256_blendv_epi8(r, I8(0x7FC0), nan);
+          b16 = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        }
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(master) + i), b16);
+      } else {
+        const __m128i hi16 = to_bf16_8(p);
+        const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi16), 16));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(master) + i), hi16);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(compensation + i), to_bf16_8(_mm256_sub_ps(p, hi)));
+      }
+    }
+    if constexpr (kState == kStateQ8) {
+      exp_avg_scale[block] = encode_block8(m_new, max_lane(m_max), false, static_cast<uint8_t*>(exp_avg) + begin);
+      exp_avg_sq_scale[block] = encode_block8(s_new, max_lane(s_max), true, static_cast<uint8_t*>(exp_avg_sq) + begin);
+    }
+  }
+}
+#endif  // RAMFLOW_X86
+
+}  // namespace
+
+// The AVX-512 loop, the dispatch and the entry points follow in _lean_kernels_avx512.cpp.

@@ -1,0 +1,405 @@
+// ramflow: the lean step's AVX-512 loop, the choice of loop and the entry points. Compiled
+// as one translation unit after _cpu_kernels.cpp and _lean_kernels.cpp (see
+// _cpu_kernels._read_source), whose helpers it uses. See [Note: the lean step in SIMD].
+namespace {
+
+#if RAMFLOW_X86
+#define RAMFLOW_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+#define I16(x) _mm512_set1_epi32(static_cast<int>(x))
+
+template <int kGrad>
+RAMFLOW_AVX512 inline __m512 load_grad16(const void* grad, int64_t i) {
+  if constexpr (kGrad == kF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(grad) + i);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i));
+    if constexpr (kGrad == kF16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+RAMFLOW_AVX512 inline __m512 bf16x16_to_f32(const void* base, int64_t i) {
+  return load_grad16<kBF16>(base, i);
+}
+
+// float -> bfloat16 bits, nearest even; NaN -> 0x7FC0 (as to_bf16_8).
+RAMFLOW_AVX512 inline __m256i to_bf16_16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), I16(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, I16(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), I16(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+RAMFLOW_AVX512 inline __m512i hash32_16(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, I16(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, I16(0x846ca68bU));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+// fp8_decode of the 16 codes at q.
+RAMFLOW_AVX512 inline __m512 fp8x16_to_f32(const uint8_t* q) {
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m512i mag = _mm512_and_si512(c, I16(0x7F));
+  const __mmask16 sub = _mm512_cmplt_epi32_mask(mag, I16(8));
+  __m512i b = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), I16(kFp8Rebase));
+  b = _mm512_mask_add_epi32(b, sub, b, I16(1u << 23));
+  __m512 x = _mm512_castsi512_ps(b);
+  x = _mm512_mask_sub_ps(x, sub, x, _mm512_set1_ps(0.015625f));
+  b = _mm512_mask_or_epi32(_mm512_castps_si512(x), _mm512_cmpeq_epi32_mask(mag, I16(0x7F)),
+                           _mm512_castps_si512(x), I16(0x7F800000));
+  b = _mm512_or_si512(b, _mm512_and_si512(_mm512_slli_epi32(c, 24), I16(0x80000000u)));
+  return _mm512_castsi512_ps(b);
+}
+
+// fp8_encode_state of 16 lanes: y = x * rcp; the codes, one per int32 lane.
+RAMFLOW_AVX512 inline __m512i f32x16_to_fp8(__m512 x, __m512 rcp, bool second) {
+  const __m512i u = _mm512_castps_si512(_mm512_mul_ps(x, rcp));
+  const __m512i a = _mm512_and_si512(u, I16(0x7FFFFFFF));
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(I16(kFp8Denorm)))), I16(kFp8Denorm));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), I16(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, I16(0x7FFFFu - kFp8Rebase)), odd), 20);
+  r = _mm512_min_epi32(r, I16(0x7E));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epi32_mask(a, I16(kFp8MinNormal)), sub);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epi32_mask(a, I16(kFp8Inf)), I16(0x7F));
+  r = _mm512_or_si512(r, _mm512_srli_epi32(_mm512_andnot_si512(I16(0x7FFFFFFF), u), 24));
+  if (second) {
+    const __mmask16 zero = _mm512_cmpeq_epi32_mask(r, _mm512_setzero_si512()) &
+                           _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+    r = _mm512_mask_mov_epi32(r, zero, I16(1));
+  }
+  return r;
+}
+
+// x[0, kQBlock) as codes at out[0, kQBlock) with the scale of `amax`; returns the scale.
+RAMFLOW_AVX512 inline float encode_block16(const float* x, float amax, bool second, uint8_t* out) {
+  const Fp8Scale sc = fp8_scale(amax);
+  const __m512 rcp = _mm512_set1_ps(sc.rcp);
+  for (int64_t j = 0; j < kQBlock; j += 16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j),
+                     _mm512_cvtepi32_epi8(f32x16_to_fp8(_mm512_load_ps(x + j), rcp, second)));
+  }
+  return sc.scale;
+}
+
+RAMFLOW_AVX512 inline __m512 abs_max16(__m512 x, __m512 running) {
+  return _mm512_max_ps(_mm512_andnot_ps(_mm512_set1_ps(-0.0f), x), running);  // as abs_max8
+}
+
+template <int kGrad, int kMaster, int kState>
+RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, int64_t block_end) {
+  const void* const grad = a.grad;
+  void* const master = a.master;
+  uint16_t* const compensation = reinterpret_cast<uint16_t*>(a.compensation);
+  void* const exp_avg = a.exp_avg;
+  void* const exp_avg_sq = a.exp_avg_sq;
+  float* const exp_avg_scale = a.exp_avg_scale;
+  float* const exp_avg_sq_scale = a.exp_avg_sq_scale;
+  uint16_t* const wire_out = static_cast<uint16_t*>(a.wire_out);
+  const int32_t wire_dtype = a.wire_dtype;
+  const int64_t counter_offset = a.counter_offset;
+  const uint32_t key = a.key;
+  const bool apply_scale = a.apply_scale != 0;
+  const bool apply_decay = a.apply_decay != 0;
+  const __m512 grad_scale = _mm512_set1_ps(a.grad_scale);
+  const __m512 decay = _mm512_set1_ps(a.decay);
+  const __m512 beta1 = _mm512_set1_ps(a.beta1);
+  const __m512 one_minus_beta1 = _mm512_set1_ps(a.one_minus_beta1);
+  const __m512 beta2 = _mm512_set1_ps(a.beta2);
+  const __m512 one_minus_beta2 = _mm512_set1_ps(a.one_minus_beta2);
+  const __m512 bc2_sqrt = _mm512_set1_ps(a.bc2_sqrt);
+  const __m512 eps = _mm512_set1_ps(a.eps);
+  const __m512 neg_step_size = _mm512_set1_ps(a.neg_step_size);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i key16 = I16(key);
+  alignas(64) float m_new[kQBlock];
+  alignas(64) float s_new[kQBlock];  // sqrt(v)
+  for (int64_t block = block_begin; block < block_end; ++block) {
+    const int64_t begin = block * kQBlock;
+    __m512 m_scale = _mm512_setzero_ps();
+    __m512 v_scale = _mm512_setzero_ps();
+    if constexpr (kState == kStateQ8) {
+      m_scale = _mm512_set1_ps(exp_avg_scale[block]);
+      v_scale = _mm512_set1_ps(exp_avg_sq_scale[block]);
+    }
+    __m512 m_max = _mm512_setzero_ps();
+    __m512 s_max = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kQBlock; j += 16) {
+      const int64_t i = begin + j;
+      __m512 g = load_grad16<kGrad>(grad, i);
+      if (apply_scale) g = _mm512_mul_ps(g, grad_scale);
+      __m512 p;
+      if constexpr (kMaster == kMasterF32) {
+        p = _mm512_loadu_ps(static_cast<const float*>(master) + i);
+      } else {
+        p = bf16x16_to_f32(master, i);
+        if constexpr (kMaster == kMasterKahan) p = _mm512_add_ps(p, bf16x16_to_f32(compensation, i));
+      }
+      if (apply_decay) p = _mm512_mul_ps(p, decay);
+      __m512 m;
+      __m512 v;
+      if constexpr (kState == kStateF32) {
+        m = _mm512_loadu_ps(static_cast<const float*>(exp_avg) + i);
+        v = _mm512_loadu_ps(static_cast<const float*>(exp_avg_sq) + i);
+      } else if constexpr (kState == kStateBF16) {
+        m = bf16x16_to_f32(exp_avg, i);
+        v = bf16x16_to_f32(exp_avg_sq, i);
+      } else {
+        m = _mm512_mul_ps(fp8x16_to_f32(static_cast<const uint8_t*>(exp_avg) + i), m_scale);
+        const __m512 u = _mm512_mul_ps(fp8x16_to_f32(static_cast<const uint8_t*>(exp_avg_sq) + i), v_scale);
+        v = _mm512_mul_ps(u, u);
+      }
+      m = _mm512_add_ps(_mm512_mul_ps(m, beta1), _mm512_mul_ps(g, one_minus_beta1));
+      v = _mm512_add_ps(_mm512_mul_ps(v, beta2), _mm512_mul_ps(_mm512_mul_ps(g, one_minus_beta2), g));
+      const __m512 sq = _mm512_sqrt_ps(v);
+      const __m512 denom = _mm512_add_ps(_mm512_div_ps(sq, bc2_sqrt), eps);
+      p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(m, neg_step_size), denom));
+      if constexpr (kState == kStateF32) {
+        _mm512_storeu_ps(static_cast<float*>(exp_avg) + i, m);
+        _mm512_storeu_ps(static_cast<float*>(exp_avg_sq) + i, v);
+      } else if constexpr (kState == kStateBF16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(exp_avg) + i), to_bf16_16(m));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(exp_avg_sq) + i), to_bf16_16(v));
+      } else {
+        _mm512_store_ps(m_new + j, m);
+        _mm512_store_ps(s_new + j, sq);
+        m_max = abs_max16(m, m_max);
+        s_max = abs_max16(sq, s_max);
+      }
+      if constexpr (kMaster == kMasterF32) {
+        _mm512_storeu_ps(static_cast<float*>(master) + i, p);
+        if (wire_dtype == kBF16) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(wire_out + i), to_bf16_16(p));
+        } else if (wire_dtype == kF16) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(wire_out + i),
+                              _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+      } else if constexpr (kMaster == kMasterSR) {
+        const int64_t index = counter_offset + i;
+        const uint32_t lo = static_cast<uint32_t>(index);
+        __m256i b16;
+        if (lo > 0xFFFFFFFFu - 15u) {  // the lanes cross a multiple of 2^32: as the scalar does
+          alignas(64) float ps[16];
+          alignas(32) uint16_t bs[16];
+          _mm512_store_ps(ps, p);
+          for (int l = 0; l < 16; ++l) bs[l] = bf16_stochastic(ps[l], sr_bits(key, index + l));
+          b16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(bs));
+        } else {
+          const __m512i idx = _mm512_add_epi32(I16(lo), lane);
+          const __m512i h = hash32_16(_mm512_xor_si512(idx, key16));
+          const __m512i hi = I16(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32));
+          const __m512i bits = hash32_16(_mm512_add_epi32(h, hi));
+          const __m512i u = _mm512_castps_si512(p);
+          __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_srli_epi32(bits, 16)), 16);
+          r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), I16(0x7FC0));
+          b16 = _mm512_cvtepi32_epi16(r);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(master) + i), b16);
+      } else {
+        const __m256i hi16 = to_bf16_16(p);
+        const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi16), 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(master) + i), hi16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(compensation + i), to_bf16_16(_mm512_sub_ps(p, hi)));
+      }
+    }
+    if constexpr (kState == kStateQ8) {
+      exp_avg_scale[block] = encode_block16(m_new, _mm512_reduce_max_ps(m_max), false, static_cast<uint8_t*>(exp_avg) + begin);
+      exp_avg_sq_scale[block] = encode_block16(s_new, _mm512_reduce_max_ps(s_max), true, static_cast<uint8_t*>(exp_avg_sq) + begin);
+    }
+  }
+}
+
+// out[i] = decoded q[i] times its block's scale (squared for `second`), i in [0, n / 16 * 16).
+RAMFLOW_AVX512 int64_t decode_run16(const uint8_t* q, int64_t n, bool second, const float* scale, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 u = _mm512_mul_ps(fp8x16_to_f32(q + i), _mm512_set1_ps(scale[i / kQBlock]));
+    _mm512_storeu_ps(out + i, second ? _mm512_mul_ps(u, u) : u);
+  }
+  return i;
+}
+
+RAMFLOW_AVX2 int64_t decode_run8(const uint8_t* q, int64_t n, bool second, const float* scale, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 u = _mm256_mul_ps(fp8x8_to_f32(q + i), _mm256_set1_ps(scale[i / kQBlock]));
+    _mm256_storeu_ps(out + i, second ? _mm256_mul_ps(u, u) : u);
+  }
+  return i;
+}
+
+// Steps the whole blocks [block_begin, block_end).
+using LeanBlocksFn = void (*)(const LeanArgs&, int64_t, int64_t);
+
+enum Isa : int { kIsaScalar = 0, kIsaAvx2 = 2, kIsaAvx512 = 3 };
+
+template <int kIsa, int kGrad, int kMaster>
+LeanBlocksFn pick_state(int32_t state) {
+  if constexpr (kIsa == kIsaAvx512) {
+    switch (state) {
+      case kStateBF16: return &lean_blocks_avx512<kGrad, kMaster, kStateBF16>;
+      case kStateQ8: return &lean_blocks_avx512<kGrad, kMaster, kStateQ8>;
+      default: return &lean_blocks_avx512<kGrad, kMaster, kStateF32>;
+    }
+  } else {
+    switch (state) {
+      case kStateBF16: return &lean_blocks_avx2<kGrad, kMaster, kStateBF16>;
+      case kStateQ8: return &lean_blocks_avx2<kGrad, kMaster, kStateQ8>;
+      default: return &lean_blocks_avx2<kGrad, kMaster, kStateF32>;
+    }
+  }
+}
+
+template <int kIsa, int kGrad>
+LeanBlocksFn pick_master(int32_t master, int32_t state) {
+  switch (master) {
+    case kMasterSR: return pick_state<kIsa, kGrad, kMasterSR>(state);
+    case kMasterKahan: return pick_state<kIsa, kGrad, kMasterKahan>(state);
+    default: return pick_state<kIsa, kGrad, kMasterF32>(state);
+  }
+}
+
+template <int kIsa>
+LeanBlocksFn pick_grad(const LeanArgs& a) {
+  switch (a.grad_dtype) {
+    case kBF16: return pick_master<kIsa, kBF16>(a.master_format, a.state_format);
+    case kF16: return pick_master<kIsa, kF16>(a.master_format, a.state_format);
+    default: return pick_master<kIsa, kF32>(a.master_format, a.state_format);
+  }
+}
+
+// The instruction set the lean step runs: the best this CPU has (AVX-512 F/BW/DQ/VL, else
+// AVX2/FMA/F16C, else scalar code), capped by RAMFLOW_LEAN_ISA=scalar|avx2|avx512 (tests
+// compare the three).
+int lean_isa() {
+  static const int best = (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+                              ? kIsaAvx512
+                          : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                             __builtin_cpu_supports("f16c"))
+                              ? kIsaAvx2
+                              : kIsaScalar;
+  const char* cap = std::getenv("RAMFLOW_LEAN_ISA");
+  if (cap == nullptr || cap[0] == '\0') return best;
+  if (std::strcmp(cap, "scalar") == 0) return kIsaScalar;
+  if (std::strcmp(cap, "avx2") == 0) return std::min(best, static_cast<int>(kIsaAvx2));
+  return best;
+}
+
+// The SIMD blocks for these formats, or null (scalar code).
+LeanBlocksFn lean_blocks_simd(const LeanArgs& a) {
+  switch (lean_isa()) {
+    case kIsaAvx512: return pick_grad<kIsaAvx512>(a);
+    case kIsaAvx2: return pick_grad<kIsaAvx2>(a);
+    default: return nullptr;
+  }
+}
+#else
+using LeanBlocksFn = void (*)(const LeanArgs&, int64_t, int64_t);
+int lean_isa() { return 0; }
+LeanBlocksFn lean_blocks_simd(const LeanArgs&) { return nullptr; }
+#endif
+
+// Runs body(first_block, end_block) over [0, num_blocks) on `threads` threads taking
+// `grain` blocks at a time. See [Note: dynamic work sharing].
+template <typename Body>
+void share_blocks(int64_t num_blocks, int64_t grain, int32_t threads_arg, const Body& body) {
+  const int threads = threads_arg > 0 ? threads_arg : at::get_num_threads();
+  const int team = static_cast<int>(std::min<int64_t>(threads, (num_blocks + grain - 1) / grain));
+  if (team <= 1) {
+    body(0, num_blocks);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(team)
+  {
+    for (;;) {
+      const int64_t b = next.fetch_add(grain, std::memory_order_relaxed);
+      if (b >= num_blocks) break;
+      body(b, std::min(b + grain, num_blocks));
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int ramflow_lean_adamw_step(const LeanArgs* args) {
+  const LeanArgs a = *args;
+  if (a.n <= 0) return 0;
+  const int64_t num_blocks = (a.n + kQBlock - 1) / kQBlock;
+  const LeanBlocksFn simd = lean_blocks_simd(a);
+  const int64_t num_whole = a.n / kQBlock;
+  share_blocks(num_blocks, kLeanGrainQBlocks, a.num_threads, [&](int64_t lo, int64_t hi) {
+    int64_t b = lo;
+    if (simd != nullptr && std::min(hi, num_whole) > lo) {
+      b = std::min(hi, num_whole);
+      simd(a, lo, b);
+    }
+    for (; b < hi; ++b) lean_block(a, b * kQBlock, std::min(kQBlock, a.n - b * kQBlock));
+  });
+  return 0;
+}
+
+// x (n,) as E4M3 codes q and one scale per block of kQBlock, as a lean step stores a state
+// (`second`: the second moment, x = v, coded as sqrt(v)): the SIMD encoder of lean_isa() on
+// whole blocks, the scalar one on a last partial block. For the tests.
+extern "C" int ramflow_fp8_quantize_blocks(const float* x, int64_t n, int32_t second, uint8_t* q,
+                                           float* scale) {
+  LeanArgs a{};
+  a.state_format = kStateQ8;
+  const int isa = lean_isa();
+  alignas(64) float y[kQBlock];
+  for (int64_t begin = 0; begin < n; begin += kQBlock) {
+    const int64_t len = std::min(kQBlock, n - begin);
+    for (int64_t j = 0; j < len; ++j) y[j] = second ? std::sqrt(x[begin + j]) : x[begin + j];
+#if RAMFLOW_X86
+    if (len == kQBlock && isa != kIsaScalar) {
+      float amax = 0.0f;
+      for (int64_t j = 0; j < len; ++j) amax = std::max(amax, std::abs(y[j]));
+      scale[begin / kQBlock] = isa == kIsaAvx512 ? encode_block16(y, amax, second != 0, q + begin)
+                                                 : encode_block8(y, amax, second != 0, q + begin);
+      continue;
+    }
+#endif
+    store_state(a, q, scale, begin, len, y, second != 0);
+  }
+  return 0;
+}
+
+// The values of E4M3 codes q (n,) with one scale per block of kQBlock, as a lean step reads
+// a state (`second`: the second moment, squared), by the decoder of lean_isa(). For the tests.
+extern "C" int ramflow_fp8_dequantize_blocks(const uint8_t* q, int64_t n, int32_t second,
+                                             const float* scale, float* out) {
+  int64_t i = 0;
+#if RAMFLOW_X86
+  const int isa = lean_isa();
+  if (isa == kIsaAvx512) i = decode_run16(q, n, second != 0, scale, out);
+  if (isa == kIsaAvx2) i = decode_run8(q, n, second != 0, scale, out);
+#endif
+  for (; i < n; ++i) {
+    const float u = fp8_decode(q[i]) * scale[i / kQBlock];
+    out[i] = second ? u * u : u;
+  }
+  return 0;
+}
+
+// The instruction set of the lean step: 0 scalar, 2 AVX2, 3 AVX-512 (see lean_isa).
+extern "C" int ramflow_lean_isa() { return lean_isa(); }
+
+extern "C" int ramflow_bf16_stochastic_round(const float* x, uint16_t* out, int64_t n,
+                                             int64_t counter_offset, uint32_t key,
+                                             int32_t num_threads) {
+  if (n <= 0) return 0;
+  const int64_t num_blocks = (n + kQBlock - 1) / kQBlock;
+  share_blocks(num_blocks, kLeanGrainQBlocks, num_threads, [&](int64_t lo, int64_t hi) {
+    const int64_t end = std::min(hi * kQBlock, n);
+    for (int64_t i = lo * kQBlock; i < end; ++i) {
+      out[i] = bf16_stochastic(x[i], sr_bits(key, counter_offset + i));
+    }
+  });
+  return 0;
+}
