@@ -616,16 +616,21 @@ def test_native_fp8_encoder_is_torchs_float8_e4m3fn_for_every_rounding_case(isa,
 @pytest.mark.parametrize("isa", _LEAN_ISAS)
 def test_native_fp8_decoder_is_torchs_for_every_code(isa, monkeypatch):
     """Every one of the 256 codes (NaN included) decodes as torch's float8_e4m3fn to fp32
-    does, times the block's scale; the second moment's are squared."""
+    does, times the block's scale; the second moment's are squared. Blocks with and without
+    special codes (subnormal, zero, NaN), which the step decodes two ways."""
     _use_lean_isa(isa, monkeypatch)
-    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(3)
-    q = torch.cat([q, q[:77]])  # a partial block: the scalar decoder
-    scale = torch.tensor([1.0, 2.0**-20, 2.0**30, 0.5])
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    # blocks with no subnormal, zero or NaN code take the step's shorter decoder
+    normal = every[((every & 0x7F) >= 8) & ((every & 0x7F) != 0x7F)]
+    normal = normal[torch.randint(0, normal.numel(), (512,), generator=torch.Generator())]
+    q = torch.cat([every.repeat(2), normal, every[:77]])  # and a partial block (scalar)
+    scale = torch.tensor([1.0, 2.0**-20, 2.0**30, 0.5, 2.0**-126])
     for signed in (True, False):
         got = _lean_kernels._dequantize_blockwise_native(q, scale, signed=signed)
         want = _lean_kernels.dequantize_blockwise(q, scale, signed=signed)
         assert_bits_equal(got, want, f"signed={signed}")
     assert torch.isnan(want[0x7F]) and want[0x7E] == 448.0**2
+    assert want[512:1024].isfinite().all() and (want[512:1024] != 0).all()
 
 
 @pytest.mark.parametrize("isa", _LEAN_ISAS)

@@ -79,14 +79,19 @@ inline float u2f(uint32_t u) {
 // * encode: below 2^-6, adding 2^14 rounds |y| to a multiple of 2^-9 (the smallest
 //   subnormal: 2^14's ulp) in the FPU's nearest-even mode, and the sum's low bits are the
 //   code; otherwise the exponent is rebased (-120 << 23) and the 20 dropped mantissa bits
-//   rounded to nearest even by adding 0x7FFFF plus the kept lsb. It saturates: what rounds
-//   above 448 (only infinity and overflow: the block scale keeps |y| <= 448) is 448, as
-//   torch 2.13's conversion does (older c10 made it NaN; the PyTorch path clamps to 448
-//   first, so every version agrees); NaN is 0x7F.
+//   rounded to nearest even by adding 0x7FFFF plus the kept lsb. A finite y never rounds
+//   above 448 here (the block scale keeps |y| <= 448); infinity and NaN are coded 0x7F,
+//   NaN (torch saturates infinity to 448 since 2.13 and made it NaN before; the PyTorch
+//   path sets 0x7F for them itself, so every version agrees).
+// * The SIMD loops take the subnormal and non-finite cases only for the 16 (or 8) lanes
+//   that have one, and decode a block with the 4-operation normal decoder unless one of its
+//   codes is subnormal, zero or NaN (block_has_special*): most blocks of AdamW's moments
+//   have none.
 // * decode: the 7 magnitude bits shifted into the fp32 exponent and mantissa, exponent
 //   rebased (+120); a subnormal code (below 8) is rebased by 121 and 2^-6 subtracted, which
 //   leaves code * 2^-9 exactly; 0x7F gets the exponent all ones (c10's NaN, 0x7FF00000).
 constexpr uint32_t kFp8Inf = 0x7F800000u;
+constexpr uint32_t kFp8SignMag = 0x87F00000u;  // sign and magnitude of a code << 20
 constexpr uint32_t kFp8MinNormal = 121u << 23;  // 2^-6
 constexpr uint32_t kFp8Denorm = 141u << 23;     // 2^14
 constexpr uint32_t kFp8Rebase = 120u << 23;
@@ -96,12 +101,12 @@ inline uint8_t fp8_encode(float y) {
   const uint32_t sign = u & 0x80000000u;
   const uint32_t a = u ^ sign;
   uint32_t r;
-  if (a > kFp8Inf) {
+  if (a >= kFp8Inf) {
     r = 0x7F;
   } else if (a < kFp8MinNormal) {
     r = f2u(u2f(a) + u2f(kFp8Denorm)) - kFp8Denorm;
   } else {
-    r = std::min((a - kFp8Rebase + 0x7FFFFu + ((a >> 20) & 1u)) >> 20, 0x7Eu);
+    r = (a - kFp8Rebase + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
   }
   return static_cast<uint8_t>(r | (sign >> 24));
 }
@@ -135,11 +140,13 @@ inline Fp8Scale fp8_scale(float amax) {
   return {u2f(static_cast<uint32_t>(e + 127) << 23), u2f(static_cast<uint32_t>(127 - e) << 23)};
 }
 
-// The second moment is kept as sqrt(v); a code of 0 for a positive sqrt(v) becomes 1 (the
-// smallest subnormal), so that v never reads back as 0 while m keeps a code. See the note.
-inline uint8_t fp8_encode_state(float y, float x, bool second) {
+// The second moment is kept as sqrt(v), without a sign bit; a code of 0 for a positive y
+// becomes 1 (the smallest subnormal), so that v never reads back as 0 while m keeps a code.
+// See the note.
+inline uint8_t fp8_encode_state(float y, bool second) {
   const uint8_t c = fp8_encode(y);
-  return second && c == 0 && x > 0.0f ? 1 : c;
+  if (!second) return c;
+  return (c & 0x7F) == 0 && y > 0.0f ? 1 : c & 0x7F;
 }
 
 inline float load_state(const LeanArgs& a, const void* s, const float* scale, int64_t i, bool second) {
@@ -168,7 +175,7 @@ inline void store_state(const LeanArgs& a, void* s, float* scale, int64_t begin,
     const Fp8Scale sc = fp8_scale(amax);
     scale[begin / kQBlock] = sc.scale;
     auto* out = static_cast<uint8_t*>(s) + begin;
-    for (int64_t j = 0; j < len; ++j) out[j] = fp8_encode_state(x[j] * sc.rcp, x[j], second);
+    for (int64_t j = 0; j < len; ++j) out[j] = fp8_encode_state(x[j] * sc.rcp, second);
   }
 }
 
@@ -258,40 +265,67 @@ RAMFLOW_AVX2 inline __m256 fp8x8_to_f32(const uint8_t* q) {
   __m256 x = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), bias));
   x = _mm256_sub_ps(x, _mm256_and_ps(_mm256_castsi256_ps(sub), _mm256_set1_ps(0.015625f)));
   __m256i b = _mm256_castps_si256(x);
-  b = _mm256_or_si256(b, _mm256_and_si256(_mm256_cmpeq_epi32(mag, I8(0x7F)), I8(0x7F800000)));
+  b = _mm256_or_si256(b, _mm256_and_si256(_mm256_cmpeq_epi32(mag, I8(0x7F)), I8(kFp8Inf)));
   b = _mm256_or_si256(b, _mm256_and_si256(_mm256_slli_epi32(c, 24), I8(0x80000000u)));
   return _mm256_castsi256_ps(b);
 }
 
-// fp8_encode_state of 8 lanes: y = x * rcp; the codes, one per int32 lane.
-RAMFLOW_AVX2 inline __m256i f32x8_to_fp8(__m256 x, __m256 rcp, bool second) {
-  const __m256i u = _mm256_castps_si256(_mm256_mul_ps(x, rcp));
-  const __m256i a = _mm256_and_si256(u, I8(0x7FFFFFFF));
+// fp8x8_to_f32 of codes that are neither subnormal, zero nor NaN: the sign-extended byte
+// shifted so that its sign and magnitude land in place, the exponent rebased.
+RAMFLOW_AVX2 inline __m256 fp8x8_to_f32_normal(const uint8_t* q) {
+  const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  const __m256i b = _mm256_and_si256(_mm256_slli_epi32(c, 20), I8(kFp8SignMag));
+  return _mm256_castsi256_ps(_mm256_add_epi32(b, I8(kFp8Rebase)));
+}
+
+// Whether one of the kQBlock codes at q is subnormal, zero or NaN ((magnitude - 8) mod 128
+// >= 119): its block then takes fp8x8_to_f32.
+RAMFLOW_AVX2 inline bool block_has_special8(const uint8_t* q) {
+  __m256i any = _mm256_setzero_si256();
+  for (int64_t j = 0; j < kQBlock; j += 32) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j));
+    const __m256i t = _mm256_and_si256(_mm256_sub_epi8(b, _mm256_set1_epi8(8)), _mm256_set1_epi8(0x7F));
+    any = _mm256_or_si256(any, _mm256_cmpgt_epi8(t, _mm256_set1_epi8(118)));
+  }
+  return !_mm256_testz_si256(any, any);
+}
+
+// The lanes of f32x8_to_fp8 whose |y| (bits a) is below 2^-6 or not finite, as fp8_encode
+// codes them; r holds the normal lanes' codes. Out of line: rare.
+RAMFLOW_AVX2 __attribute__((noinline)) __m256i fp8x8_special(__m256i a, __m256i r) {
   const __m256i sub = _mm256_sub_epi32(
       _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(I8(kFp8Denorm)))), I8(kFp8Denorm));
+  r = _mm256_blendv_epi8(r, sub, _mm256_cmpgt_epi32(I8(kFp8MinNormal), a));
+  return _mm256_blendv_epi8(r, I8(0x7F), _mm256_cmpgt_epi32(a, I8(kFp8Inf - 1)));
+}
+
+// fp8_encode_state of 8 lanes: y = x * rcp; the codes, one per int32 lane.
+template <bool kSecond>
+RAMFLOW_AVX2 inline __m256i f32x8_to_fp8(__m256 x, __m256 rcp) {
+  const __m256i u = _mm256_castps_si256(_mm256_mul_ps(x, rcp));
+  const __m256i a = _mm256_and_si256(u, I8(0x7FFFFFFF));
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), I8(1));
-  __m256i nrm = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, I8(0x7FFFFu - kFp8Rebase)), odd), 20);
-  nrm = _mm256_min_epi32(nrm, I8(0x7E));
-  __m256i r = _mm256_blendv_epi8(nrm, sub, _mm256_cmpgt_epi32(I8(kFp8MinNormal), a));
-  r = _mm256_blendv_epi8(r, I8(0x7F), _mm256_cmpgt_epi32(a, I8(kFp8Inf)));
-  r = _mm256_or_si256(r, _mm256_srli_epi32(_mm256_andnot_si256(I8(0x7FFFFFFF), u), 24));
-  if (second) {
-    const __m256i zero = _mm256_and_si256(_mm256_cmpeq_epi32(r, _mm256_setzero_si256()),
-                                          _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ)));
-    r = _mm256_or_si256(r, _mm256_and_si256(zero, I8(1)));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, I8(0x7FFFFu - kFp8Rebase)), odd), 20);
+  const __m256i special =
+      _mm256_or_si256(_mm256_cmpgt_epi32(I8(kFp8MinNormal), a), _mm256_cmpgt_epi32(a, I8(kFp8Inf - 1)));
+  if (!_mm256_testz_si256(special, special)) {
+    r = fp8x8_special(a, r);
+    if (kSecond) r = _mm256_max_epi32(r, _mm256_min_epi32(a, I8(1)));  // positive: never code 0
   }
+  if (!kSecond) r = _mm256_or_si256(r, _mm256_and_si256(_mm256_srli_epi32(u, 24), I8(0x80)));
   return r;
 }
 
 // x[0, kQBlock) as codes at out[0, kQBlock) with the scale of `amax`; returns the scale.
-RAMFLOW_AVX2 inline float encode_block8(const float* x, float amax, bool second, uint8_t* out) {
+template <bool kSecond>
+RAMFLOW_AVX2 inline float encode_block8(const float* x, float amax, uint8_t* out) {
   const Fp8Scale sc = fp8_scale(amax);
   const __m256 rcp = _mm256_set1_ps(sc.rcp);
   // the packs interleave the 128-bit lanes: 4-byte groups k0lo k1lo k2lo k3lo k0hi k1hi ...
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t j = 0; j < kQBlock; j += 32) {
     __m256i k[4];
-    for (int r = 0; r < 4; ++r) k[r] = f32x8_to_fp8(_mm256_load_ps(x + j + 8 * r), rcp, second);
+    for (int r = 0; r < 4; ++r) k[r] = f32x8_to_fp8<kSecond>(_mm256_load_ps(x + j + 8 * r), rcp);
     const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(k[0], k[1]), _mm256_packus_epi32(k[2], k[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_permutevar8x32_epi32(b, order));
   }
@@ -343,9 +377,13 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
     const int64_t begin = block * kQBlock;
     __m256 m_scale = _mm256_setzero_ps();
     __m256 v_scale = _mm256_setzero_ps();
+    bool m_special = false;
+    bool v_special = false;
     if constexpr (kState == kStateQ8) {
       m_scale = _mm256_set1_ps(exp_avg_scale[block]);
       v_scale = _mm256_set1_ps(exp_avg_sq_scale[block]);
+      m_special = block_has_special8(static_cast<const uint8_t*>(exp_avg) + begin);
+      v_special = block_has_special8(static_cast<const uint8_t*>(exp_avg_sq) + begin);
     }
     __m256 m_max = _mm256_setzero_ps();
     __m256 s_max = _mm256_setzero_ps();
@@ -370,8 +408,10 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
         m = bf16x8_to_f32(exp_avg, i);
         v = bf16x8_to_f32(exp_avg_sq, i);
       } else {
-        m = _mm256_mul_ps(fp8x8_to_f32(static_cast<const uint8_t*>(exp_avg) + i), m_scale);
-        const __m256 u = _mm256_mul_ps(fp8x8_to_f32(static_cast<const uint8_t*>(exp_avg_sq) + i), v_scale);
+        const uint8_t* const qm = static_cast<const uint8_t*>(exp_avg) + i;
+        const uint8_t* const qv = static_cast<const uint8_t*>(exp_avg_sq) + i;
+        m = _mm256_mul_ps(m_special ? fp8x8_to_f32(qm) : fp8x8_to_f32_normal(qm), m_scale);
+        const __m256 u = _mm256_mul_ps(v_special ? fp8x8_to_f32(qv) : fp8x8_to_f32_normal(qv), v_scale);
         v = _mm256_mul_ps(u, u);
       }
       m = _mm256_add_ps(_mm256_mul_ps(m, beta1), _mm256_mul_ps(g, one_minus_beta1));
@@ -429,8 +469,8 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
       }
     }
     if constexpr (kState == kStateQ8) {
-      exp_avg_scale[block] = encode_block8(m_new, max_lane(m_max), false, static_cast<uint8_t*>(exp_avg) + begin);
-      exp_avg_sq_scale[block] = encode_block8(s_new, max_lane(s_max), true, static_cast<uint8_t*>(exp_avg_sq) + begin);
+      exp_avg_scale[block] = encode_block8<false>(m_new, max_lane(m_max), static_cast<uint8_t*>(exp_avg) + begin);
+      exp_avg_sq_scale[block] = encode_block8<true>(s_new, max_lane(s_max), static_cast<uint8_t*>(exp_avg_sq) + begin);
     }
   }
 }

@@ -180,7 +180,7 @@ def stochastic_round_bf16(
 #   for its denominator anyway (so it costs nothing), it halves v's dynamic range, and the
 #   E4M3 of sqrt(v) has the relative precision in sqrt(v) of an E5M2 v (Fishman et al.'s
 #   second moment) with a wider range (2**18 in sqrt(v) within a block). Its sign bit is
-#   unused. A code of 0 for a positive sqrt(v) is stored as 1, the smallest subnormal: with
+#   unused (0). A code of 0 for a positive sqrt(v) is stored as 1, the smallest subnormal: with
 #   a zero an element whose v fell below 2**-36 of its block's largest would read back v = 0
 #   while m kept a code, and AdamW would step it by m / eps (the "zero-point problem" of Li
 #   et al. 2023); the smallest code bounds that step instead.
@@ -190,8 +190,8 @@ def stochastic_round_bf16(
 #   The OCP microscaling formats (MX, 2023) share power-of-two scales the same way.
 # * Both conversions are integer bit operations that round to nearest even exactly as
 #   c10::Float8_e4m3fn does (see [Note: FP8 conversions in bits] in _lean_kernels.cpp), so
-#   the PyTorch path is ``(x * 2**-e).clamp(-448, 448).to(torch.float8_e4m3fn)`` and gives
-#   the native bits.
+#   the PyTorch path is ``(x * 2**-e).to(torch.float8_e4m3fn)`` and gives the native bits
+#   (infinities and NaN are coded 0x7F, NaN, in both).
 # The table-defined "dynamic" code of Dettmers et al. 2022 this replaces needed a lookup
 # per element to quantize and ran the CPU step at about 0.5 of the host copy rate; old
 # checkpoints are converted when loaded (``_legacy_states``).
@@ -238,12 +238,12 @@ def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, 
         y = y.double().sqrt().float()
     blocks = torch.nn.functional.pad(y, (0, -n % QBLOCK)).view(-1, QBLOCK)
     e = _scale_exponents(blocks.abs().amax(dim=1))
-    # clamped: torch 2.13's conversion saturates what rounds above 448, older ones made it
-    # NaN; the native code saturates (only infinities and overflow get there)
-    y = (blocks * _pow2(-e)[:, None]).clamp(-448.0, 448.0)
+    y = blocks * _pow2(-e)[:, None]  # |y| <= 448 where finite
     q = y.to(torch.float8_e4m3fn).view(torch.uint8)
-    if not signed:
-        q = torch.where((q == 0) & (blocks > 0), 1, q).to(torch.uint8)
+    # infinity and NaN as 0x7F: torch 2.13 saturates infinity to 448, older ones made it NaN
+    q = torch.where(torch.isfinite(y), q, q | 0x7F)
+    if not signed:  # no sign; a positive value never code 0
+        q = torch.where(((q & 0x7F) == 0) & (y > 0), 1, q & 0x7F).to(torch.uint8)
     return q.view(-1)[:n], _pow2(e)
 
 

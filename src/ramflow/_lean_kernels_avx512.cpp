@@ -55,33 +55,59 @@ RAMFLOW_AVX512 inline __m512 fp8x16_to_f32(const uint8_t* q) {
   return _mm512_castsi512_ps(b);
 }
 
-// fp8_encode_state of 16 lanes: y = x * rcp; the codes, one per int32 lane.
-RAMFLOW_AVX512 inline __m512i f32x16_to_fp8(__m512 x, __m512 rcp, bool second) {
-  const __m512i u = _mm512_castps_si512(_mm512_mul_ps(x, rcp));
-  const __m512i a = _mm512_and_si512(u, I16(0x7FFFFFFF));
+// fp8x16_to_f32 of codes that are neither subnormal, zero nor NaN (as fp8x8_to_f32_normal).
+RAMFLOW_AVX512 inline __m512 fp8x16_to_f32_normal(const uint8_t* q) {
+  const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m512i b = _mm512_and_si512(_mm512_slli_epi32(c, 20), I16(kFp8SignMag));
+  return _mm512_castsi512_ps(_mm512_add_epi32(b, I16(kFp8Rebase)));
+}
+
+// As block_has_special8, 64 codes at a time.
+RAMFLOW_AVX512 inline bool block_has_special16(const uint8_t* q) {
+  __mmask64 any = 0;
+  for (int64_t j = 0; j < kQBlock; j += 64) {
+    const __m512i b = _mm512_loadu_si512(q + j);
+    const __m512i t = _mm512_and_si512(_mm512_sub_epi8(b, _mm512_set1_epi8(8)), _mm512_set1_epi8(0x7F));
+    any |= _mm512_cmpgt_epi8_mask(t, _mm512_set1_epi8(118));
+  }
+  return any != 0;
+}
+
+// As fp8x8_special, for the lanes of `special`. Out of line: rare.
+RAMFLOW_AVX512 __attribute__((noinline)) __m512i fp8x16_special(__m512i a, __m512i r) {
   const __m512i sub = _mm512_sub_epi32(
       _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(I16(kFp8Denorm)))), I16(kFp8Denorm));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epi32_mask(a, I16(kFp8MinNormal)), sub);
+  return _mm512_mask_mov_epi32(r, _mm512_cmpge_epi32_mask(a, I16(kFp8Inf)), I16(0x7F));
+}
+
+// fp8_encode_state of 16 lanes: y = x * rcp; the codes, one per int32 lane.
+template <bool kSecond>
+RAMFLOW_AVX512 inline __m512i f32x16_to_fp8(__m512 x, __m512 rcp) {
+  const __m512i u = _mm512_castps_si512(_mm512_mul_ps(x, rcp));
+  const __m512i a = _mm512_and_si512(u, I16(0x7FFFFFFF));
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), I16(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, I16(0x7FFFFu - kFp8Rebase)), odd), 20);
-  r = _mm512_min_epi32(r, I16(0x7E));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epi32_mask(a, I16(kFp8MinNormal)), sub);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epi32_mask(a, I16(kFp8Inf)), I16(0x7F));
-  r = _mm512_or_si512(r, _mm512_srli_epi32(_mm512_andnot_si512(I16(0x7FFFFFFF), u), 24));
-  if (second) {
-    const __mmask16 zero = _mm512_cmpeq_epi32_mask(r, _mm512_setzero_si512()) &
-                           _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
-    r = _mm512_mask_mov_epi32(r, zero, I16(1));
+  // below 2^-6 or not finite: (a - 2^-6's bits) as unsigned at or above (inf - 2^-6)'s
+  const __mmask16 special = _mm512_cmpge_epu32_mask(_mm512_sub_epi32(a, I16(kFp8MinNormal)),
+                                                    I16(kFp8Inf - kFp8MinNormal));
+  if (special != 0) {
+    r = fp8x16_special(a, r);
+    if (kSecond) r = _mm512_max_epi32(r, _mm512_min_epi32(a, I16(1)));  // positive: never code 0
   }
+  // r | (u >> 24 & 0x80): the sign
+  if (!kSecond) r = _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(u, 24), I16(0x80), 0xF8);
   return r;
 }
 
 // x[0, kQBlock) as codes at out[0, kQBlock) with the scale of `amax`; returns the scale.
-RAMFLOW_AVX512 inline float encode_block16(const float* x, float amax, bool second, uint8_t* out) {
+template <bool kSecond>
+RAMFLOW_AVX512 inline float encode_block16(const float* x, float amax, uint8_t* out) {
   const Fp8Scale sc = fp8_scale(amax);
   const __m512 rcp = _mm512_set1_ps(sc.rcp);
   for (int64_t j = 0; j < kQBlock; j += 16) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j),
-                     _mm512_cvtepi32_epi8(f32x16_to_fp8(_mm512_load_ps(x + j), rcp, second)));
+                     _mm512_cvtepi32_epi8(f32x16_to_fp8<kSecond>(_mm512_load_ps(x + j), rcp)));
   }
   return sc.scale;
 }
@@ -122,9 +148,13 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
     const int64_t begin = block * kQBlock;
     __m512 m_scale = _mm512_setzero_ps();
     __m512 v_scale = _mm512_setzero_ps();
+    bool m_special = false;
+    bool v_special = false;
     if constexpr (kState == kStateQ8) {
       m_scale = _mm512_set1_ps(exp_avg_scale[block]);
       v_scale = _mm512_set1_ps(exp_avg_sq_scale[block]);
+      m_special = block_has_special16(static_cast<const uint8_t*>(exp_avg) + begin);
+      v_special = block_has_special16(static_cast<const uint8_t*>(exp_avg_sq) + begin);
     }
     __m512 m_max = _mm512_setzero_ps();
     __m512 s_max = _mm512_setzero_ps();
@@ -149,8 +179,10 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
         m = bf16x16_to_f32(exp_avg, i);
         v = bf16x16_to_f32(exp_avg_sq, i);
       } else {
-        m = _mm512_mul_ps(fp8x16_to_f32(static_cast<const uint8_t*>(exp_avg) + i), m_scale);
-        const __m512 u = _mm512_mul_ps(fp8x16_to_f32(static_cast<const uint8_t*>(exp_avg_sq) + i), v_scale);
+        const uint8_t* const qm = static_cast<const uint8_t*>(exp_avg) + i;
+        const uint8_t* const qv = static_cast<const uint8_t*>(exp_avg_sq) + i;
+        m = _mm512_mul_ps(m_special ? fp8x16_to_f32(qm) : fp8x16_to_f32_normal(qm), m_scale);
+        const __m512 u = _mm512_mul_ps(v_special ? fp8x16_to_f32(qv) : fp8x16_to_f32_normal(qv), v_scale);
         v = _mm512_mul_ps(u, u);
       }
       m = _mm512_add_ps(_mm512_mul_ps(m, beta1), _mm512_mul_ps(g, one_minus_beta1));
@@ -207,27 +239,37 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
       }
     }
     if constexpr (kState == kStateQ8) {
-      exp_avg_scale[block] = encode_block16(m_new, _mm512_reduce_max_ps(m_max), false, static_cast<uint8_t*>(exp_avg) + begin);
-      exp_avg_sq_scale[block] = encode_block16(s_new, _mm512_reduce_max_ps(s_max), true, static_cast<uint8_t*>(exp_avg_sq) + begin);
+      exp_avg_scale[block] = encode_block16<false>(m_new, _mm512_reduce_max_ps(m_max), static_cast<uint8_t*>(exp_avg) + begin);
+      exp_avg_sq_scale[block] = encode_block16<true>(s_new, _mm512_reduce_max_ps(s_max), static_cast<uint8_t*>(exp_avg_sq) + begin);
     }
   }
 }
 
 // out[i] = decoded q[i] times its block's scale (squared for `second`), i in [0, n / 16 * 16).
-RAMFLOW_AVX512 int64_t decode_run16(const uint8_t* q, int64_t n, bool second, const float* scale, float* out) {
+// out[i] = decoded q[i] times its block's scale (squared for `second`) for the whole blocks,
+// each by the decoder the step uses for it; returns where the whole blocks end.
+RAMFLOW_AVX512 int64_t decode_blocks16(const uint8_t* q, int64_t n, bool second, const float* scale, float* out) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 u = _mm512_mul_ps(fp8x16_to_f32(q + i), _mm512_set1_ps(scale[i / kQBlock]));
-    _mm512_storeu_ps(out + i, second ? _mm512_mul_ps(u, u) : u);
+  for (; i + kQBlock <= n; i += kQBlock) {
+    const bool special = block_has_special16(q + i);
+    for (int64_t j = i; j < i + kQBlock; j += 16) {
+      const __m512 u = _mm512_mul_ps(special ? fp8x16_to_f32(q + j) : fp8x16_to_f32_normal(q + j),
+                                     _mm512_set1_ps(scale[i / kQBlock]));
+      _mm512_storeu_ps(out + j, second ? _mm512_mul_ps(u, u) : u);
+    }
   }
   return i;
 }
 
-RAMFLOW_AVX2 int64_t decode_run8(const uint8_t* q, int64_t n, bool second, const float* scale, float* out) {
+RAMFLOW_AVX2 int64_t decode_blocks8(const uint8_t* q, int64_t n, bool second, const float* scale, float* out) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 u = _mm256_mul_ps(fp8x8_to_f32(q + i), _mm256_set1_ps(scale[i / kQBlock]));
-    _mm256_storeu_ps(out + i, second ? _mm256_mul_ps(u, u) : u);
+  for (; i + kQBlock <= n; i += kQBlock) {
+    const bool special = block_has_special8(q + i);
+    for (int64_t j = i; j < i + kQBlock; j += 8) {
+      const __m256 u = _mm256_mul_ps(special ? fp8x8_to_f32(q + j) : fp8x8_to_f32_normal(q + j),
+                                     _mm256_set1_ps(scale[i / kQBlock]));
+      _mm256_storeu_ps(out + j, second ? _mm256_mul_ps(u, u) : u);
+    }
   }
   return i;
 }
@@ -360,8 +402,12 @@ extern "C" int ramflow_fp8_quantize_blocks(const float* x, int64_t n, int32_t se
     if (len == kQBlock && isa != kIsaScalar) {
       float amax = 0.0f;
       for (int64_t j = 0; j < len; ++j) amax = std::max(amax, std::abs(y[j]));
-      scale[begin / kQBlock] = isa == kIsaAvx512 ? encode_block16(y, amax, second != 0, q + begin)
-                                                 : encode_block8(y, amax, second != 0, q + begin);
+      float* const sc = scale + begin / kQBlock;
+      if (isa == kIsaAvx512) {
+        *sc = second ? encode_block16<true>(y, amax, q + begin) : encode_block16<false>(y, amax, q + begin);
+      } else {
+        *sc = second ? encode_block8<true>(y, amax, q + begin) : encode_block8<false>(y, amax, q + begin);
+      }
       continue;
     }
 #endif
@@ -371,14 +417,15 @@ extern "C" int ramflow_fp8_quantize_blocks(const float* x, int64_t n, int32_t se
 }
 
 // The values of E4M3 codes q (n,) with one scale per block of kQBlock, as a lean step reads
-// a state (`second`: the second moment, squared), by the decoder of lean_isa(). For the tests.
+// a state (`second`: the second moment, squared), by the decoder of lean_isa(): the normal
+// decoder for each whole block without special codes. For the tests.
 extern "C" int ramflow_fp8_dequantize_blocks(const uint8_t* q, int64_t n, int32_t second,
                                              const float* scale, float* out) {
   int64_t i = 0;
 #if RAMFLOW_X86
   const int isa = lean_isa();
-  if (isa == kIsaAvx512) i = decode_run16(q, n, second != 0, scale, out);
-  if (isa == kIsaAvx2) i = decode_run8(q, n, second != 0, scale, out);
+  if (isa == kIsaAvx512) i = decode_blocks16(q, n, second != 0, scale, out);
+  if (isa == kIsaAvx2) i = decode_blocks8(q, n, second != 0, scale, out);
 #endif
   for (; i < n; ++i) {
     const float u = fp8_decode(q[i]) * scale[i / kQBlock];

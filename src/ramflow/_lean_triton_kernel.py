@@ -42,19 +42,20 @@ def _fp8_decode(c):
 
 
 @triton.jit
-def _fp8_encode(y, x, SECOND: tl.constexpr):
-    # fp32 y -> E4M3 code (uint8), nearest even, saturating at 448, NaN 0x7F; with SECOND a code
-    # of 0 for a positive x (sqrt(v)) becomes 1. See [Note: FP8 conversions in bits].
+def _fp8_encode(y, SECOND: tl.constexpr):
+    # fp32 y -> E4M3 code (uint8), nearest even, infinity and NaN 0x7F; with SECOND without
+    # the sign and a code of 0 for a positive y made 1. See [Note: FP8 conversions in bits].
     u = y.to(tl.uint32, bitcast=True)
     a = u & 0x7FFFFFFF
     denorm = tl.full(a.shape, 141 << 23, tl.uint32)
     sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True) - denorm
-    nrm = tl.minimum((a - (120 << 23) + 0x7FFFF + ((a >> 20) & 1)) >> 20, 0x7E)
+    nrm = (a - (120 << 23) + 0x7FFFF + ((a >> 20) & 1)) >> 20
     r = tl.where(a < (121 << 23), sub, nrm)
-    r = tl.where(a > 0x7F800000, tl.full(r.shape, 0x7F, tl.uint32), r)
-    r = r | ((u >> 24) & 0x80)
+    r = tl.where(a >= 0x7F800000, tl.full(r.shape, 0x7F, tl.uint32), r)
     if SECOND:
-        r = tl.where((r == 0) & (x > 0.0), tl.full(r.shape, 1, tl.uint32), r)
+        r = tl.where((r == 0) & (a > 0), tl.full(r.shape, 1, tl.uint32), r)
+    else:
+        r = r | ((u >> 24) & 0x80)
     return r.to(tl.uint8)
 
 
@@ -122,8 +123,8 @@ def lean_adamw_kernel(
         tl.store(v_scale_ptr + rows, ((ve + 127) << 23).to(tl.float32, bitcast=True), mask=row_mask)
         m_rcp = ((127 - me) << 23).to(tl.float32, bitcast=True)
         v_rcp = ((127 - ve) << 23).to(tl.float32, bitcast=True)
-        mq = _fp8_encode(m * m_rcp[:, None], m, False)
-        vq = _fp8_encode(sq * v_rcp[:, None], sq, True)
+        mq = _fp8_encode(m * m_rcp[:, None], False)
+        vq = _fp8_encode(sq * v_rcp[:, None], True)
         tl.store(m_ptr + idx, mq, mask=mask)
         tl.store(v_ptr + idx, vq, mask=mask)
     elif STATE == 1:
