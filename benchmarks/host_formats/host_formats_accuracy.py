@@ -308,16 +308,19 @@ def _markdown(result: dict, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summarize_seeds(dirs: list[Path], out_dir: Path) -> dict:
+def summarize_seeds(
+    dirs: list[Path], out_dir: Path, only: dict[Path, set[str]] | None = None
+) -> dict:
     """Several seeds' outputs of this script (each a folder with ``accuracy.json`` and
     ``<format>/log.jsonl``; folders of one seed are merged, so a format run later is set
     against the same seed's fp32 run of another folder) in one report: per seed, each
     format's final validation loss against the same seed's fp32; per format, the mean over
     its seeds against fp32's mean over the same seeds. A seed counts for a format only
     where both runs reached the last step. Raises ValueError for two runs of one format
-    and seed, or folders of one seed with different step counts. Writes ``seeds.json``,
-    ``seeds.md`` and ``seeds.png`` (every run's training and validation curves) into
-    ``out_dir``."""
+    and seed, or folders of one seed with different step counts. ``only`` maps a folder to
+    the formats taken from it (e.g. fp32 runs of an older commit set against new lean
+    runs); the others are left out. Writes ``seeds.json``, ``seeds.md`` and ``seeds.png``
+    (every run's training and validation curves) into ``out_dir``."""
     by_seed: dict[int, dict] = {}
     curves: dict[str, dict] = {}
     for d in dirs:
@@ -333,6 +336,8 @@ def summarize_seeds(dirs: list[Path], out_dir: Path) -> dict:
             )
         entry["folders"].append(str(d))
         for f, row in rows.items():
+            if only and d in only and f not in only[d]:
+                continue
             if f in entry["final_val"]:
                 raise ValueError(f"seed {meta['seed']} has two {f} runs ({d} and another folder)")
             if row["final_val_step"] == meta["steps"] and row["final_val_loss"] is not None:
@@ -416,11 +421,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="DIRS",
         help="comma-separated output folders of runs with other seeds: write their summary "
-        "(seeds.md, seeds.json, seeds.png) into --out-dir and run nothing",
+        "(seeds.md, seeds.json, seeds.png) into --out-dir and run nothing; DIR:fp32+lean takes "
+        "only those formats from DIR",
     )
     args = p.parse_args(argv)
     if args.seeds is not None:
-        summarize_seeds([Path(d) for d in args.seeds.split(",") if d], Path(args.out_dir))
+        dirs, only = [], {}
+        for item in (d for d in args.seeds.split(",") if d):
+            folder, _, formats = item.partition(":")
+            dirs.append(Path(folder))
+            if formats:
+                only[Path(folder)] = set(formats.split("+"))
+        summarize_seeds(dirs, Path(args.out_dir), only)
         print((Path(args.out_dir) / "seeds.md").read_text())
         return 0
     args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]

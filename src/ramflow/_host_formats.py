@@ -699,7 +699,9 @@ step runs (``_lean_kernels.lean_isa``), measured on the H100 box of 2026-11-26 w
 threads in one run (``bench.py --cpu-optimizer``: ramflow's fp32 AdamW 4.89 G params/s; its
 ``host_formats`` rates, AVX-512 bf16 8.04, lean 5.53, kahan 5.16, AVX2 6.47, 3.82, 3.13;
 benchmarks/results/2026-11-26-nvidia-h100-lean-avx512). The bf16 step moves fewer bytes;
-the 8-bit ones are bound by their lookups and arithmetic, not by DRAM."""
+the 8-bit ones were bound by their lookups and arithmetic, not by DRAM. The lean and kahan
+figures are those of the table code before the FP8 one, which is faster (a conservative
+prediction until ``benchmarks/cpu_optimizer_runner.py`` is run on the box again)."""
 
 
 def _cpu_lean_isa() -> str:

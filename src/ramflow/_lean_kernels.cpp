@@ -270,13 +270,19 @@ RAMFLOW_AVX2 inline __m256 fp8x8_to_f32(const uint8_t* q) {
   return _mm256_castsi256_ps(b);
 }
 
-// fp8x8_to_f32 of codes that are neither subnormal, zero nor NaN: the sign-extended byte
-// shifted so that its sign and magnitude land in place, the exponent rebased.
+// fp8x8_to_f32 times 2^-120 of codes that are neither subnormal, zero nor NaN: the
+// sign-extended byte shifted so that its sign and magnitude land in place, and the exponent
+// left unrebased: the caller multiplies by 2^120 times the block's scale, exact where that
+// is a float (fast_scale).
 RAMFLOW_AVX2 inline __m256 fp8x8_to_f32_normal(const uint8_t* q) {
   const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-  const __m256i b = _mm256_and_si256(_mm256_slli_epi32(c, 20), I8(kFp8SignMag));
-  return _mm256_castsi256_ps(_mm256_add_epi32(b, I8(kFp8Rebase)));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(c, 20), I8(kFp8SignMag)));
 }
+
+// The factor of a block's normal decoder, 2^120 times its scale (exact, one rounding in the
+// product as in code * scale), or 0 where the block takes the exact decoder: a scale above
+// 2^7 (the factor would overflow), or 0.
+inline float fast_scale(float scale) { return scale <= 128.0f ? scale * 0x1p120f : 0.0f; }
 
 // Whether one of the kQBlock codes at q is subnormal, zero or NaN ((magnitude - 8) mod 128
 // >= 119): its block then takes fp8x8_to_f32.
@@ -380,10 +386,12 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
     bool m_special = false;
     bool v_special = false;
     if constexpr (kState == kStateQ8) {
-      m_scale = _mm256_set1_ps(exp_avg_scale[block]);
-      v_scale = _mm256_set1_ps(exp_avg_sq_scale[block]);
-      m_special = block_has_special8(static_cast<const uint8_t*>(exp_avg) + begin);
-      v_special = block_has_special8(static_cast<const uint8_t*>(exp_avg_sq) + begin);
+      const float ms = fast_scale(exp_avg_scale[block]);
+      const float vs = fast_scale(exp_avg_sq_scale[block]);
+      m_special = ms == 0.0f || block_has_special8(static_cast<const uint8_t*>(exp_avg) + begin);
+      v_special = vs == 0.0f || block_has_special8(static_cast<const uint8_t*>(exp_avg_sq) + begin);
+      m_scale = _mm256_set1_ps(m_special ? exp_avg_scale[block] : ms);
+      v_scale = _mm256_set1_ps(v_special ? exp_avg_sq_scale[block] : vs);
     }
     __m256 m_max = _mm256_setzero_ps();
     __m256 s_max = _mm256_setzero_ps();

@@ -55,11 +55,11 @@ RAMFLOW_AVX512 inline __m512 fp8x16_to_f32(const uint8_t* q) {
   return _mm512_castsi512_ps(b);
 }
 
-// fp8x16_to_f32 of codes that are neither subnormal, zero nor NaN (as fp8x8_to_f32_normal).
+// fp8x16_to_f32 times 2^-120 of codes that are neither subnormal, zero nor NaN (as
+// fp8x8_to_f32_normal).
 RAMFLOW_AVX512 inline __m512 fp8x16_to_f32_normal(const uint8_t* q) {
   const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  const __m512i b = _mm512_and_si512(_mm512_slli_epi32(c, 20), I16(kFp8SignMag));
-  return _mm512_castsi512_ps(_mm512_add_epi32(b, I16(kFp8Rebase)));
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(c, 20), I16(kFp8SignMag)));
 }
 
 // As block_has_special8, 64 codes at a time.
@@ -151,10 +151,12 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
     bool m_special = false;
     bool v_special = false;
     if constexpr (kState == kStateQ8) {
-      m_scale = _mm512_set1_ps(exp_avg_scale[block]);
-      v_scale = _mm512_set1_ps(exp_avg_sq_scale[block]);
-      m_special = block_has_special16(static_cast<const uint8_t*>(exp_avg) + begin);
-      v_special = block_has_special16(static_cast<const uint8_t*>(exp_avg_sq) + begin);
+      const float ms = fast_scale(exp_avg_scale[block]);
+      const float vs = fast_scale(exp_avg_sq_scale[block]);
+      m_special = ms == 0.0f || block_has_special16(static_cast<const uint8_t*>(exp_avg) + begin);
+      v_special = vs == 0.0f || block_has_special16(static_cast<const uint8_t*>(exp_avg_sq) + begin);
+      m_scale = _mm512_set1_ps(m_special ? exp_avg_scale[block] : ms);
+      v_scale = _mm512_set1_ps(v_special ? exp_avg_sq_scale[block] : vs);
     }
     __m512 m_max = _mm512_setzero_ps();
     __m512 s_max = _mm512_setzero_ps();
@@ -251,10 +253,11 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
 RAMFLOW_AVX512 int64_t decode_blocks16(const uint8_t* q, int64_t n, bool second, const float* scale, float* out) {
   int64_t i = 0;
   for (; i + kQBlock <= n; i += kQBlock) {
-    const bool special = block_has_special16(q + i);
+    const float fast = fast_scale(scale[i / kQBlock]);
+    const bool special = fast == 0.0f || block_has_special16(q + i);
+    const __m512 factor = _mm512_set1_ps(special ? scale[i / kQBlock] : fast);
     for (int64_t j = i; j < i + kQBlock; j += 16) {
-      const __m512 u = _mm512_mul_ps(special ? fp8x16_to_f32(q + j) : fp8x16_to_f32_normal(q + j),
-                                     _mm512_set1_ps(scale[i / kQBlock]));
+      const __m512 u = _mm512_mul_ps(special ? fp8x16_to_f32(q + j) : fp8x16_to_f32_normal(q + j), factor);
       _mm512_storeu_ps(out + j, second ? _mm512_mul_ps(u, u) : u);
     }
   }
@@ -264,10 +267,11 @@ RAMFLOW_AVX512 int64_t decode_blocks16(const uint8_t* q, int64_t n, bool second,
 RAMFLOW_AVX2 int64_t decode_blocks8(const uint8_t* q, int64_t n, bool second, const float* scale, float* out) {
   int64_t i = 0;
   for (; i + kQBlock <= n; i += kQBlock) {
-    const bool special = block_has_special8(q + i);
+    const float fast = fast_scale(scale[i / kQBlock]);
+    const bool special = fast == 0.0f || block_has_special8(q + i);
+    const __m256 factor = _mm256_set1_ps(special ? scale[i / kQBlock] : fast);
     for (int64_t j = i; j < i + kQBlock; j += 8) {
-      const __m256 u = _mm256_mul_ps(special ? fp8x8_to_f32(q + j) : fp8x8_to_f32_normal(q + j),
-                                     _mm256_set1_ps(scale[i / kQBlock]));
+      const __m256 u = _mm256_mul_ps(special ? fp8x8_to_f32(q + j) : fp8x8_to_f32_normal(q + j), factor);
       _mm256_storeu_ps(out + j, second ? _mm256_mul_ps(u, u) : u);
     }
   }
