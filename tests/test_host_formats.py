@@ -381,6 +381,16 @@ def test_bytes_per_parameter():
     assert HostPrecision.fp32().bytes_per_parameter(trainable=False, wire_dtype=bf16) == 6
 
 
+def test_the_8bit_states_old_name_is_the_fp8_format():
+    """``optimizer_states="int8"``, the 8-bit states' name before the FP8 code, gives the
+    FP8 format (the same slot, the same bytes); the presets use it."""
+    old = HostPrecision(master="bf16-sr", optimizer_states="int8", gradients="ring")
+    assert old == HostPrecision.lean() and old.name == "lean"
+    assert HostPrecision.lean().state_format.state_names == (
+        "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale",
+    )  # fmt: skip
+
+
 def test_policy_rejects_what_cannot_work():
     with pytest.raises(ValueError, match="'fp32', 'bf16-sr', 'bf16-kahan'"):
         HostPrecision(master="fp16")
