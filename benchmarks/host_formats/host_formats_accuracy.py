@@ -309,7 +309,7 @@ def _markdown(result: dict, title: str) -> str:
 
 
 def summarize_seeds(
-    dirs: list[Path], out_dir: Path, only: dict[Path, set[str]] | None = None
+    dirs: list[Path], out_dir: Path, only: list[set[str] | None] | None = None
 ) -> dict:
     """Several seeds' outputs of this script (each a folder with ``accuracy.json`` and
     ``<format>/log.jsonl``; folders of one seed are merged, so a format run later is set
@@ -317,13 +317,13 @@ def summarize_seeds(
     format's final validation loss against the same seed's fp32; per format, the mean over
     its seeds against fp32's mean over the same seeds. A seed counts for a format only
     where both runs reached the last step. Raises ValueError for two runs of one format
-    and seed, or folders of one seed with different step counts. ``only`` maps a folder to
-    the formats taken from it (e.g. fp32 runs of an older commit set against new lean
-    runs); the others are left out. Writes ``seeds.json``, ``seeds.md`` and ``seeds.png``
+    and seed, or folders of one seed with different step counts. ``only`` gives, per folder
+    of ``dirs``, the formats taken from it (None: all), e.g. fp32 runs of an older commit
+    set against new lean runs; the others are left out. Writes ``seeds.json``, ``seeds.md`` and ``seeds.png``
     (every run's training and validation curves) into ``out_dir``."""
     by_seed: dict[int, dict] = {}
     curves: dict[str, dict] = {}
-    for d in dirs:
+    for d, keep in zip(dirs, only or [None] * len(dirs)):
         r = json.loads((d / "accuracy.json").read_text())
         meta, rows = r["meta"], r["formats"]
         entry = by_seed.setdefault(
@@ -336,7 +336,7 @@ def summarize_seeds(
             )
         entry["folders"].append(str(d))
         for f, row in rows.items():
-            if only and d in only and f not in only[d]:
+            if keep is not None and f not in keep:
                 continue
             if f in entry["final_val"]:
                 raise ValueError(f"seed {meta['seed']} has two {f} runs ({d} and another folder)")
@@ -426,12 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.seeds is not None:
-        dirs, only = [], {}
+        dirs, only = [], []
         for item in (d for d in args.seeds.split(",") if d):
             folder, _, formats = item.partition(":")
             dirs.append(Path(folder))
-            if formats:
-                only[Path(folder)] = set(formats.split("+"))
+            only.append(set(formats.split("+")) if formats else None)
         summarize_seeds(dirs, Path(args.out_dir), only)
         print((Path(args.out_dir) / "seeds.md").read_text())
         return 0
