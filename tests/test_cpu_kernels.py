@@ -651,6 +651,9 @@ def test_native_quantizer_equals_quantize_blockwise(signed, isa, monkeypatch):
         if i % 3 == 0:
             row = row * torch.exp(torch.randn(255, generator=gen) * 10)  # codes of 0 too
         blocks.append(torch.cat([row.clamp(-a, a), torch.tensor([a])]))
+    odd = torch.randn(256, generator=gen)  # NaN (left out of the absmax) and infinities
+    odd[[3, 100, 200]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    blocks.append(odd)
     x = torch.cat(blocks + [torch.randn(1000, generator=gen)])  # and a partial block
     if not signed:
         x = x.square()
@@ -660,6 +663,7 @@ def test_native_quantizer_equals_quantize_blockwise(signed, isa, monkeypatch):
     assert torch.equal(got_q, want_q), f"{int((got_q != want_q).sum())} codes differ"
     if not signed:  # a positive second moment never gets code 0
         assert not torch.any((got_q == 0) & (x > 0))
+    assert torch.all(got_q[-1256:-1000][[3, 100, 200]] & 0x7F == 0x7F)  # NaN, infinity: NaN
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])

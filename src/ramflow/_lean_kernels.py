@@ -237,7 +237,8 @@ def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, 
     if not signed:  # the fp64 root rounded to fp32 is correctly rounded, as C++'s sqrt
         y = y.double().sqrt().float()
     blocks = torch.nn.functional.pad(y, (0, -n % QBLOCK)).view(-1, QBLOCK)
-    e = _scale_exponents(blocks.abs().amax(dim=1))
+    # NaN left out of the absmax, as the native code's running max and Triton's leave it
+    e = _scale_exponents(torch.where(blocks.isnan(), 0.0, blocks.abs()).amax(dim=1))
     y = blocks * _pow2(-e)[:, None]  # |y| <= 448 where finite
     q = y.to(torch.float8_e4m3fn).view(torch.uint8)
     # infinity and NaN as 0x7F: torch 2.13 saturates infinity to 448, older ones made it NaN
