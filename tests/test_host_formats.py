@@ -465,4 +465,4 @@ def test_new_8bit_state_is_the_code_of_zeros(name, n):
     expected, _ = quantize_blockwise(torch.zeros(n), signed=name == "exp_avg")
     assert codes.dtype == expected.dtype == torch.uint8
     assert torch.equal(codes, expected)
-    assert torch.equal(fmt.new(name + fmt.ABSMAX, n), torch.zeros(-(-n // QBLOCK)))
+    assert torch.equal(fmt.new(name + fmt.SCALE, n), torch.zeros(-(-n // QBLOCK)))
