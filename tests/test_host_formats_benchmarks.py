@@ -65,7 +65,9 @@ def test_accuracy_smoke(tmp_path: Path) -> None:
     # DIR:fp32 takes only fp32 from DIR (its lean run is left out: seed 0 has no lean here)
     _run("host_formats_accuracy.py", "--seeds", f"{out}:fp32,{tmp_path / 'lean-1'},{tmp_path / 'fp32-1'}",
          "--out-dir", str(tmp_path / "s1"))  # fmt: skip
-    assert json.loads((tmp_path / "s1" / "seeds.json").read_text())["formats"]["lean"]["seeds"] == [1]
+    assert json.loads((tmp_path / "s1" / "seeds.json").read_text())["formats"]["lean"]["seeds"] == [
+        1
+    ]
     # one format twice for one seed is refused
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "host_formats" / "host_formats_accuracy.py"), "--seeds",

@@ -258,7 +258,6 @@ def test_host_bytes_of_the_lean_formats(device):
     assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg_sq"].dtype == torch.uint8
 
 
-
 def test_the_plan_counts_what_a_deferred_step_holds(device):
     """Under the ring a step not applied during backward (here the first, as the optimizer
     keeps p.grad) makes full host gradients: the plan names their bytes, exactly what the
@@ -278,6 +277,7 @@ def test_the_plan_counts_what_a_deferred_step_holds(device):
     exact = MLPStack()
     ramflow.offload(exact, device=device, wire_dtype=torch.bfloat16, host_precision="fp32")
     assert ramflow.get_plan(exact).host_deferred_bytes == 0
+
 
 def test_no_full_gradient_ever_with_the_ring_and_keep_grads_false(device):
     """keep_grads=False promises the loop never reads gradients: under the ring, the first
