@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import ramflow
 from models import MLPStack
 from ramflow._dist import STORE_FILE
+from ramflow._registry import engine_of_model
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -131,7 +132,8 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     ``host_precision`` and ``wire_dtype`` (default fp32) go to ``offload``; ``whole_batch``:
     every rank trains on the whole global batch (its averaged gradients are then one
     process's, bit for bit, on two ranks); ``muon``: ``ramflow.optim.Muon`` (its defaults,
-    lr 1e-2) instead of AdamW."""
+    lr 1e-2) instead of AdamW; ``gpu_memory``: ``offload``'s (a budget keeps units
+    resident, on the CPU too)."""
     device = _device(rank, options)
     model = reference_model(seed=rank, dim=options.get("dim", 32))
     ramflow.offload(
@@ -140,6 +142,7 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
         zero_stage=options["zero_stage"],
         wire_dtype=options.get("wire_dtype", torch.float32),
         host_precision=options.get("host_precision"),
+        gpu_memory=options.get("gpu_memory"),
     )
     if options.get("muon"):
         opt = ramflow.optim.Muon(model.parameters(), lr=1e-2)
@@ -183,7 +186,19 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     memory["uss"] = psutil.Process().memory_full_info().uss
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     plan = ramflow.get_plan(model)
+    engine = engine_of_model(model)
+    resident = [u for u in engine.units if u.resident and u.num_trainable]
     return {
+        # every resident unit's device copy holds its wire copy's bytes after the last step
+        # (however it got there: a copy from the host, or the owner's broadcast)
+        "device_current": bool(resident)
+        and all(
+            torch.equal(
+                u.device_alias[: u.trainable_numel].cpu(), u.wire[: u.trainable_numel].cpu()
+            )
+            for u in resident
+        ),
+        "broadcast_units": len(engine.dist.broadcast_units) if engine.dist else 0,
         "losses": losses,
         "norms": norms,
         "grads_left": grads_left,

@@ -73,6 +73,39 @@ def test_zero_offload_equals_single_process(tmp_path, zero_stage, world_size, ba
     _assert_matches_reference(results, backend)
 
 
+@pytest.mark.parametrize("host_precision", [None, "lean"])
+@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("world_size,backend", [(2, "gloo"), _nccl(2)])
+def test_refresh_by_broadcast_gives_the_same_bits(
+    tmp_path, monkeypatch, zero_stage, world_size, backend, host_precision
+):
+    """With RAMFLOW_REFRESH_BY_BROADCAST=1 each resident unit reaches the ranks that do not
+    own it by a broadcast from its owner's device copy (see [Note: refresh by broadcast]):
+    the same losses and weights, bit for bit, as refreshes from the host, and every rank's
+    device copies hold the wire copies' bytes at the end."""
+    options = {
+        "zero_stage": zero_stage,
+        "backend": backend,
+        "host_precision": host_precision,
+        "gpu_memory": "1GiB",  # room to keep every unit resident
+    }
+    if host_precision == "lean":
+        options["wire_dtype"] = torch.bfloat16
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("RAMFLOW_REFRESH_BY_BROADCAST", flag)
+        results = W.run(W.train_offload, world_size, {**options, "out": str(tmp_path / flag)})
+        _check_ok(results)
+        assert all(r["device_current"] for r in results)
+        runs[flag] = results
+    # every unit of the model is resident and trainable: all are broadcast
+    assert [r["broadcast_units"] for r in runs["0"]] == [0] * world_size
+    assert len({r["broadcast_units"] for r in runs["1"]}) == 1 and runs["1"][0]["broadcast_units"]
+    assert runs["1"][0]["losses"] == runs["0"][0]["losses"]
+    for k, v in runs["0"][0]["state"].items():
+        assert torch.equal(runs["1"][0]["state"][k], v), k
+
+
 def _assert_matches_reference(results: list[dict], backend: str = "gloo") -> None:
     """Every rank's loss curve and rank 0's final weights are the single process's."""
     ref_losses, ref_state = reference_run()

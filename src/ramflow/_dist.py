@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ._host_formats import HostPrecision
 from ._host_store import FillMaster
 from ._plan import format_bytes
+from ._streams import record_event
 from ._units import UnitSpec, _Unit
 from ._worker import STEP
 
@@ -109,6 +110,11 @@ class DistributedState:
         peers: list[tuple[str, int] | None] = [None] * self.world_size
         dist.all_gather_object(peers, (host_name(), os.getpid()), group=self.cpu_group)
         self.peers: list[tuple[str, int]] = peers  # type: ignore[assignment]
+        # see [Note: refresh by broadcast]: the units every rank keeps resident, and the
+        # worker's group for their broadcasts (set by ``refresh_by_broadcast``)
+        self.broadcast_units: frozenset[int] = frozenset()
+        self.broadcast_group: dist.ProcessGroup | None = None
+        self._broadcast_stream: torch.cuda.Stream | None = None
 
     def alive(self) -> bool:
         """False once the process group this state was made for has been destroyed."""
@@ -147,7 +153,9 @@ class DistributedState:
     def _sync(self, engine: Engine, others: list[_Unit]) -> None:
         """Worker: wait for the other ranks' steps, take the stepped masters from their
         owners where they are not shared, and bring the wire copies up to date (a wire
-        copy that is the master, or is shared with the owner, already is)."""
+        copy that is the master, or is shared with the owner, already is); the device
+        copies of resident units come from their owners' devices where ``broadcast_units``
+        names them (see [Note: refresh by broadcast])."""
         with self.explained("waiting for the other ranks' optimizer steps"):
             dist.barrier(group=self.step_group)
             for u in engine.units:
@@ -155,8 +163,75 @@ class DistributedState:
                     dist.broadcast(
                         u.master[: u.trainable_numel], src=u.owner, group=self.step_group
                     )
+        received = self._broadcast_resident(engine) if self.broadcast_units else {}
         for u in others:
-            engine.refresh_wire(u, written=u.wire is u.master or u.given_wire is not None)
+            written = u.wire is u.master or u.given_wire is not None
+            if u.index in received:
+                event = received[u.index]
+                if event is not None:
+                    self.wait_event(event, f"receiving unit {u.name!r} from rank {u.owner}")
+                engine.refresh_wire(u, written=written, received=(event,))
+            else:
+                engine.refresh_wire(u, written=written)
+
+    def refresh_by_broadcast(self, engine: Engine) -> None:
+        """Every rank (a collective): from now on, the device copies of the units every
+        rank keeps resident are refreshed from their owner's device by a broadcast instead
+        of a copy from the host (see [Note: refresh by broadcast]). Only where one owner
+        serves every rank (one host); elsewhere nothing changes."""
+        mine = [
+            u.index for u in engine.units if u.resident and u.num_trainable and u.owner is not None
+        ]
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.cpu_group)
+        common = frozenset.intersection(*(frozenset(x) for x in everyone))
+        if self.copies != 1 or not common:
+            return
+        cuda = engine.device.type == "cuda"
+        # the worker thread's own group: NCCL on GPUs; on CPUs its gloo step group
+        self.broadcast_group = dist.new_group(backend="nccl") if cuda else self.step_group
+        if cuda:
+            self._broadcast_stream = torch.cuda.Stream(engine.device)
+        self.broadcast_units = common
+
+    def _broadcast_resident(self, engine: Engine) -> dict[int, torch.cuda.Event | None]:
+        """Worker, after the barrier: broadcast each unit of ``broadcast_units`` from its
+        owner's device copy (stepped and refreshed there during backward) into every other
+        rank's, in unit order on every rank. Returns, for the units this rank received, the
+        event that ends each copy (None on the CPU)."""
+        stream = self._broadcast_stream
+        received: dict[int, torch.cuda.Event | None] = {}
+        sent: list[tuple[_Unit, torch.cuda.Event]] = []
+        for u in engine.units:
+            if u.index not in self.broadcast_units:
+                continue
+            mine = u.owner == self.rank
+            flat = u.device_alias[: u.trainable_numel].view(torch.uint8)
+            what = f"broadcasting unit {u.name!r} from rank {u.owner}"
+            with self.explained(what):
+                if stream is None:
+                    dist.broadcast(flat, src=u.owner, group=self.broadcast_group)
+                    event = None
+                else:
+                    with torch.cuda.stream(stream):
+                        # the owner sends what its refresh wrote; the others overwrite a
+                        # copy only once their backward is done reading it
+                        for e in [u.h2d_event] if mine else u.idle_events:
+                            if e is not None:
+                                stream.wait_event(e)
+                        dist.broadcast(
+                            flat, src=u.owner, group=self.broadcast_group, async_op=True
+                        ).wait()
+                        event = record_event(stream)
+            if not mine:
+                received[u.index] = event
+            elif event is not None:
+                sent.append((u, event))
+        # the owner's next refresh of a unit (its next step) must not overwrite the copy
+        # while it is being sent: the worker goes on only once every send has ended
+        for u, event in sent:
+            self.wait_event(event, f"broadcasting unit {u.name!r} to the other ranks")
+        return received
 
     def dead_ranks(self) -> list[int]:
         """The ranks of this host whose process is gone (a zombie counts as gone)."""
@@ -221,6 +296,23 @@ class DistributedState:
 # the dead ranks of this host (ranks on other hosts are only known as "another rank") and
 # saying what to do. The shared host store's files are unlinked once every rank of a host has mapped
 # them (see [Note: host store files]), so a death after set-up leaves none behind.
+# [Note: refresh by broadcast]
+# A unit every rank keeps resident is stepped by its owner alone, and every rank must then
+# refresh its device copy. From the host that costs each rank the units it does not own
+# (N-1 of N of the resident bytes) over its own PCIe link after the barrier, while the next
+# forward waits: on 4 GPUs with a 2.7 B model resident, 4.0 GB per rank and step, about the
+# 100 ms by which a 4-GPU step exceeded one GPU's (benchmarks/results/
+# 2026-11-27-nvidia-h200-x4-scaling). The owner already refreshed its own copy during
+# backward, right after its step; with ``RAMFLOW_REFRESH_BY_BROADCAST=1`` (read by
+# ``ramflow.offload``) the others take it from there: after the barrier, the worker of
+# every rank broadcasts each such unit, in unit order, from its owner's device (NCCL over
+# NVLink, on a stream and a process group of the worker's own; gloo on CPUs). A receiver's
+# copy waits for its backward's last use of the unit (``idle_events``), its next use waits
+# for the broadcast's event as for a load, and the worker waits (polling liveness, as
+# ``wait_event``) until every send and receive has ended, so an owner's next refresh never
+# overwrites a copy being sent. The bytes are the owner's copy of the same shared wire
+# copy, so results are unchanged (tested on gloo). Off by default until it is measured on
+# GPUs; the ranks must agree on the variable (``refresh_by_broadcast`` is a collective).
 _LIVENESS_PERIOD_S = 0.5
 _DYING_S = 2.0
 _POLL_S = 1e-4  # a backward that waits here stalls by at most this (plus the sleep's slack)

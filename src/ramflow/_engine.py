@@ -560,10 +560,17 @@ class Engine:
         waits until ``refresh_wire`` runs for them (see ``ramflow._dist``)."""
         self.window.begin_host_write(units)
 
-    def refresh_wire(self, u: _Unit, *, written: bool = False) -> None:
+    def refresh_wire(
+        self,
+        u: _Unit,
+        *,
+        written: bool = False,
+        received: tuple[torch.cuda.Event | None] | None = None,
+    ) -> None:
         """Worker: ``u``'s master is current (``written``: so is its wire copy); bring the
-        wire and device copies up to date (see ``HostStore.refresh_wire``)."""
-        self.host.refresh_wire(u, written=written)
+        wire and device copies up to date (see ``HostStore.refresh_wire``; ``received``:
+        the device copy came from the unit's owner)."""
+        self.host.refresh_wire(u, written=written, received=received)
 
     def synchronize(self) -> None:
         """Wait for every pending gradient landing and optimizer step on the host."""

@@ -445,15 +445,26 @@ class HostStore:
         if u.wire_read_event is not None:
             u.wire_read_event.synchronize()
 
-    def refresh_wire(self, u: _Unit, *, written: bool = False, sent: bool = False) -> None:
+    def refresh_wire(
+        self,
+        u: _Unit,
+        *,
+        written: bool = False,
+        sent: bool = False,
+        received: tuple[torch.cuda.Event | None] | None = None,
+    ) -> None:
         """Worker: rewrite the wire copy from the master (unless the step already did) and
         tell the window, which re-issues any waiting load; ``sent``: the step already copied
-        it to the device in pieces (``DeviceWindow.send_piece``)."""
+        it to the device in pieces (``DeviceWindow.send_piece``); ``received``: ``(event,)``
+        when the device copy came from the unit's owner instead (``DeviceWindow.received``)."""
         if u.wire is not u.master:
             if not written:
                 self.before_host_write(u)
                 u.wire.copy_(u.master)
-        self._window.wire_refreshed(u, sent=sent)
+        if received is not None:
+            self._window.received(u, received[0])
+        else:
+            self._window.wire_refreshed(u, sent=sent)
 
     def unpin_all(self) -> None:
         """Unpin the buffers pinned in place (``remove``)."""

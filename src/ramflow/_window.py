@@ -238,6 +238,18 @@ class DeviceWindow:
             elif u.load_requested or (u.resident and u.allocated):
                 self._issue_h2d(u)
 
+    def received(self, u: _Unit, event: torch.cuda.Event | None) -> None:
+        """Worker: resident ``u``'s device copy was just written by another rank (its
+        owner's broadcast, see [Note: refresh by broadcast] in ``ramflow._dist``), and its
+        wire copy is current; ``event`` marks the copy's end on the device (None on the
+        CPU, where it has ended). Its next use waits for ``event`` as for a load."""
+        with self._lock:
+            u.wire_ready.set()
+            u.h2d_event = event
+            u.device_version = u.host_version
+            u.load_requested = False
+            u.h2d_issued.set()
+
     def one_version_behind(self, u: _Unit) -> bool:
         """Whether ``u``'s device copy lacks exactly the step that is running now (so only
         its trainable prefix needs a copy after it)."""

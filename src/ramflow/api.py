@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -368,6 +369,8 @@ def offload(
             zero_stage=zero_stage, average=True, reduce_to_owner=single_host
         )
         engine.dist.copies = dist.get_world_size() // len(local)  # hosts (equal ranks each)
+        if os.environ.get("RAMFLOW_REFRESH_BY_BROADCAST", "0") not in ("", "0"):
+            engine.dist.refresh_by_broadcast(engine)  # see [Note: refresh by broadcast]
     return model
 
 
