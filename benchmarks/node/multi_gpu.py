@@ -221,6 +221,11 @@ def _run(args: argparse.Namespace) -> None:
             "gpus": world,
             "zero_stage": zero,
             "host_precision": args.host_precision,
+            # resident units reach the ranks that do not own them from the owner's device
+            # (see [Note: refresh by broadcast] in ramflow/_dist.py) or from the host
+            "refresh": "broadcast"
+            if os.environ.get("RAMFLOW_REFRESH_BY_BROADCAST", "0") not in ("", "0")
+            else "host",
             "checkpoint": args.checkpoint,
             "meta": args.meta,
             "batch_per_gpu": args.batch,
@@ -279,15 +284,16 @@ def _report(paths: list[str]) -> None:
             r.get("meta"),
         )
 
+    # one GPU has no other rank to refresh: its rows are every refresh's baseline
     base = {key(r): r["tokens_per_s"] for r in rows if r["gpus"] == 1}
     link = None
     if floors:
         link = min(x["together"]["h2d_pieces"] or 0 for x in floors["ranks"]) or None
     print(
-        "| GPUs | host formats | tokens per GPU | ramflow budget | step | tokens/s | vs one GPU | "
-        "peak GPU | host memory in use | CPU optimizer busy | H2D link busy |"
+        "| GPUs | host formats | refresh | tokens per GPU | ramflow budget | step | tokens/s | "
+        "vs one GPU | peak GPU | host memory in use | CPU optimizer busy | H2D link busy |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         one = base.get(key(r))
         ratio = f"{r['tokens_per_s'] / one:.2f}x" if one else "-"
@@ -299,7 +305,7 @@ def _report(paths: list[str]) -> None:
             f"(peak {(r['host_in_use_peak'] - r['host_in_use_before']) / 2**30:.1f})"
         )
         print(
-            f"| {r['gpus']} | {r.get('host_precision') or 'fp32'} | "
+            f"| {r['gpus']} | {r.get('host_precision') or 'fp32'} | {r.get('refresh', 'host')} | "
             f"{r['batch_per_gpu']}x{r['seq']} | {r['gpu_memory'] or 'no cap'} | "
             f"{r['step_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} | {ratio} | {peak} | {host} | "
             + " | ".join(

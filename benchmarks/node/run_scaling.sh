@@ -3,7 +3,7 @@
 # GPU, under 24 GiB per GPU (the model's own checkpointing, the head and loss in chunks), for
 # each host format named, ZeRO-2. META=1 builds on the meta device (weights=). With FLOORS=1 it first measures what the ranks share
 # (`multi_gpu.py --floors`). Appends to $1/scaling.jsonl, a log per run beside it.
-# Usage: FLOORS=1 bash benchmarks/node/run_scaling.sh "$OUT" fp32 lean
+# Usage: FLOORS=1 REFRESH="host broadcast" bash benchmarks/node/run_scaling.sh "$OUT" fp32 lean
 set -u
 out=${1:?usage: run_scaling.sh OUT FORMAT...}
 shift
@@ -12,8 +12,8 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 run() {  # gpus, extra args
   local n=$1; shift
-  local log="$out/run-$n-$(echo "$*" | tr -d '-' | tr ' ' '_').log"
-  timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/node/multi_gpu.py ${META:+--meta} \
+  local log="$out/run-$n-refresh${REFRESH_FLAG:-0}-$(echo "$*" | tr -d '-' | tr ' ' '_').log"
+  RAMFLOW_REFRESH_BY_BROADCAST=${REFRESH_FLAG:-0} timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/node/multi_gpu.py ${META:+--meta} \
     --warmup 3 --steps 7 --out "$out/scaling.jsonl" "$@" > "$log" 2>&1 || echo "run $n $* failed: $? (see $log)"
 }
 if [ "${FLOORS:-0}" = 1 ]; then
@@ -21,11 +21,17 @@ if [ "${FLOORS:-0}" = 1 ]; then
 fi
 # ramflow's own budget; the model's checkpointed activations take the rest of 24 GiB
 # (about 3 GiB at 4x2048, 9 GiB at 16x2048; each row reports the peak it reached)
+# REFRESH="host broadcast" runs the multi-GPU rows both ways (RAMFLOW_REFRESH_BY_BROADCAST,
+# see [Note: refresh by broadcast] in src/ramflow/_dist.py); one GPU has nothing to refresh
 for fmt in "$@"; do
   for n in 1 2 4; do
     [ "$n" -le "$gpus" ] || continue
-    run "$n" --host-precision "$fmt" --batch 4 --gpu-memory 18GiB --checkpoint --loss-chunk 4096
-    run "$n" --host-precision "$fmt" --batch 16 --gpu-memory 12GiB --checkpoint --loss-chunk 4096
+    for refresh in ${REFRESH:-host}; do
+      [ "$n" -gt 1 ] || [ "$refresh" = host ] || continue
+      REFRESH_FLAG=0; [ "$refresh" = broadcast ] && REFRESH_FLAG=1
+      run "$n" --host-precision "$fmt" --batch 4 --gpu-memory 18GiB --checkpoint --loss-chunk 4096
+      run "$n" --host-precision "$fmt" --batch 16 --gpu-memory 12GiB --checkpoint --loss-chunk 4096
+    done
   done
 done
 python3 benchmarks/node/multi_gpu.py --report "$out/scaling.jsonl" | tee "$out/scaling.md"
