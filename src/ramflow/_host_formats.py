@@ -8,7 +8,7 @@ ring). ``HostPrecision`` is the policy that names one of each; it answers every 
 store, the optimizer, the planner, the estimate and the checkpoint ask (``host_bytes`` is the
 one byte model), so nothing outside this module branches on a format's name. To add a format,
 add one object to ``MASTERS``, ``OPTIMIZER_STATES`` or ``GRADIENTS`` (and its kernel to
-``_lean_kernels``). ``_lean_kernels`` steps the formats on the CPU. See docs/design.md, "Host
+``_lean_kernels``). ``_lean_kernels`` steps the formats on the CPU. See docs/design-host.md, "Host
 formats", for what each stores and why stochastic rounding needs a counter-based generator.
 """
 

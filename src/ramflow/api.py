@@ -125,7 +125,7 @@ def offload(
             available RAM, else lean; ``get_plan(model).host_precision_reason`` says why).
             Non-fp32 masters are the wire copy: they need ``wire_dtype=torch.bfloat16``, and
             the host parameters are bf16 views (so are their ``.grad``). Lean masters or
-            states step with ``ramflow.optim.AdamW`` only. See docs/design.md, "Host
+            states step with ``ramflow.optim.AdamW`` only. See docs/design-host.md, "Host
             formats".
         weights: the values of a model built on the meta device (``with
             torch.device("meta"): model = ...``; shapes only, no memory): a ``.safetensors``
