@@ -100,6 +100,24 @@ def test_a_slow_cpu_optimizer_binds_and_sets_the_step() -> None:
     assert pred.optimizer_tail_s > 0
 
 
+def test_steps_after_backward_cost_what_they_do_not_overlap() -> None:
+    """A loop that clips or accumulates steps only after backward (``deferred_steps``): the
+    steps overlap the next forward alone, never the backward, so the step is never shorter
+    than with steps during backward; where the CPU optimizer takes longer than a forward,
+    the difference is about the backward's span. With an unbounded CPU nothing changes."""
+    units = _units(resident_last=12, forward_s=0.02)
+    slow = replace(RATES, cpu_optimizer_params_per_s=2e9)
+    eager = predict_step(units, rates=slow)
+    deferred = predict_step(units, rates=slow, deferred_steps=True)
+    backward_s = 2 * 12 * 0.02  # BACKWARD_PER_FORWARD of each unit's forward
+    assert deferred.step_s > eager.step_s + 0.5 * backward_s
+    assert deferred.step_s <= eager.step_s + 1.5 * backward_s
+    fast = replace(RATES, cpu_optimizer_params_per_s=float("inf"))
+    assert predict_step(units, rates=fast, deferred_steps=True).step_s == pytest.approx(
+        predict_step(units, rates=fast).step_s
+    )
+
+
 def test_inference_without_compute_is_the_pcie_floor() -> None:
     pred = predict_step(_units(forward_s=1e-6), rates=RATES, mode="infer")
     assert pred.bound == "PCIe H2D"

@@ -1,5 +1,4 @@
 """The offload plan: which units stay resident on the GPU and how large the window is.
-
 Byte counts are ``*_bytes`` throughout; they turn into GiB only for display.
 
 Without timing inputs the plan only fits the budget (what the engine does: residents from
@@ -24,9 +23,7 @@ from ._host_formats import (  # noqa: F401 (the device step's sizes, used here a
 )
 from ._predict import Rates, StepPrediction, UnitCost, predict_step
 
-# under activation offload, the checkpointed units' inputs on the device at once during
-# backward: the one recomputing and the one prefetched (CheckpointOffload's prefetch of 1)
-OFFLOAD_BOUNDARIES_ON_DEVICE = 2
+OFFLOAD_BOUNDARIES_ON_DEVICE = 2  # offloaded inputs on the device: recomputing + prefetched
 
 _UNITS = {
     "": 1, "b": 1,
@@ -448,6 +445,7 @@ class PlanTiming:
             (``ramflow.memory.CheckpointOffload``): at most ``OFFLOAD_BOUNDARIES_ON_DEVICE``
             of them are on the device at once, and each (``checkpoint_bytes``) crosses PCIe
             once each way per step (``UnitCost.offload_bytes``). Default False.
+        deferred_steps: host steps wait for the end of backward (see ``predict_step``).
     """
 
     forward_s: Sequence[float]
@@ -463,6 +461,7 @@ class PlanTiming:
     prefetch_depths: Sequence[int] = (1, 2, 3, 4)
     grad_bytes_per_param: int = 2
     offload: bool = False
+    deferred_steps: bool = False
 
     def activation_peak_bytes(self, checkpointed: set[int]) -> int:
         """Activations at their peak when the units ``checkpointed`` (indices) recompute:
@@ -759,6 +758,7 @@ def _timed_plan(
                 prefetch_depth=depth,
                 mode=timing.mode,
                 grad_bytes_per_param=timing.grad_bytes_per_param,
+                deferred_steps=timing.deferred_steps,
             )
             plan = OffloadPlan(
                 device=device,

@@ -453,6 +453,7 @@ def predict_step(
     mode: str = "train",
     grad_bytes_per_param: int = 2,
     steps: int = STEPS_SIMULATED,
+    deferred_steps: bool = False,
 ) -> StepPrediction:
     """Predict one step. See [Note: the step as a pipeline].
 
@@ -463,6 +464,9 @@ def predict_step(
         mode: ``"train"`` (forward, backward, CPU optimizer) or ``"infer"`` (forward only).
         grad_bytes_per_param: bytes per gradient element on the wire (2 for bf16).
         steps: training steps simulated; the last one is returned.
+        deferred_steps: the host steps wait for the end of backward (a loop that clips or
+            accumulates), then run in forward order beside the next forward; default: each
+            unit steps as soon as its gradients land.
 
     Raises:
         ValueError: an unknown mode, a depth below 1, no units, a streamed device step.
@@ -614,14 +618,24 @@ def predict_step(
                     tag=f"s{s} grads {u.name}",
                 )
                 trainable_done.append(d2h[j])
+                if not deferred_steps:
+                    opt[j] = g.add(
+                        "CPU optimizer",
+                        _optimizer_s(u, rates, copies_per_param),
+                        [d2h[j]],
+                        key=j,
+                        tag=f"s{s} step {u.name}",
+                    )
+        barrier = g.add(None, 0.0, [prev, *[t for t in d2h if t is not None]], tag=f"s{s} end")
+        for j in backward_order if deferred_steps else ():
+            if d2h[j] is not None:  # the worker's priority: forward order (key)
                 opt[j] = g.add(
                     "CPU optimizer",
-                    _optimizer_s(u, rates, copies_per_param),
-                    [d2h[j]],
+                    _optimizer_s(units[j], rates, copies_per_param),
+                    [d2h[j], barrier],
                     key=j,
-                    tag=f"s{s} step {u.name}",
+                    tag=f"s{s} step {units[j].name}",
                 )
-        barrier = g.add(None, 0.0, [prev, *[t for t in d2h if t is not None]], tag=f"s{s} end")
         ends.append(barrier)
         opts.append(opt)
         prev_opt = opt

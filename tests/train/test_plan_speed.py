@@ -12,11 +12,12 @@ from ramflow._predict import Rates
 from ramflow.train import TrainConfig, plan_run
 
 
-def _plan(**rates):
+def _plan(*, clip_grad: float | None = None, num_ranks: int = 1, **rates):
     config = TrainConfig.from_options(
-        preset="tiny", device="cuda", gpu_memory="1GiB", batch_size=4, seq_len=256
-    )
-    return plan_run(config, **rates)
+        preset="tiny", device="cuda", gpu_memory="1GiB", batch_size=4, seq_len=256,
+        clip_grad=clip_grad,
+    )  # fmt: skip
+    return plan_run(config, num_ranks=num_ranks, **rates)
 
 
 def test_plan_cli_prints_the_prediction_and_its_assumptions(ramflow_cli, capsys) -> None:
@@ -64,7 +65,9 @@ def test_the_prediction_follows_the_assumed_rates() -> None:
 
 
 def test_the_fastest_plan_fits_and_the_engine_can_follow_it() -> None:
-    est = _plan(timing_rates=Rates.from_pcie(1e8))  # a slow link: residents pay
+    # a slow link: residents pay where units step during backward (several ranks without
+    # clipping); steps after backward put each refresh on the next forward's path
+    est = _plan(clip_grad=0.0, num_ranks=2, timing_rates=Rates.from_pcie(1e8))
     best = est.timed_plan
     assert best is not None and best.prediction is not None
     assert best.planned_bytes + best.activation_bytes <= est.gpu_memory_bytes

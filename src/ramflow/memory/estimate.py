@@ -179,6 +179,8 @@ class MemoryEstimate:
             under the device line), or None.
         host_precision: the host formats' name (``ramflow.HostPrecision``).
         host_precision_reason: why ``"auto"`` chose them (None when not asked for).
+        full_gradients: the loop keeps a full host gradient buffer (counted in the host
+            gradients), so its host steps wait for the end of backward.
         host_bytes_per_parameter: host bytes per trained parameter under them (AdamW's
             states included).
         activation_offload: the checkpointed layers' inputs live in pinned host memory
@@ -220,6 +222,7 @@ class MemoryEstimate:
     device_note: str | None = None
     host_precision: str = "fp32"
     host_precision_reason: str | None = None
+    full_gradients: bool = False
     host_bytes_per_parameter: float | None = None
     activation_offload: bool = False
     host_activation_pinned_bytes: int = 0
@@ -646,6 +649,7 @@ def estimate_memory(
         disk_free_bytes=disk_free,
         host_precision=host.name,
         host_precision_reason=reason,
+        full_gradients=full_gradients,
         # AdamW's (two states): the figure is for it
         host_bytes_per_parameter=None
         if host.is_exact and optimizer_states != 2

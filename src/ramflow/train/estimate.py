@@ -291,6 +291,7 @@ def estimate_memory(
         wire_dtype=wire_dtype,
         rates=rates_for(timing_rates or Rates(), estimate.host_precision),
         matmul_flops_per_s=matmul_flops_per_s or DEFAULT_MATMUL_FLOPS_PER_S,
+        deferred_steps=full_gradients,
     )
     return dataclasses.replace(estimate, **timing)
 
@@ -356,6 +357,7 @@ def predict_plan_step(
         rates=rates,
         prefetch_depth=estimate.plan.prefetch_depth,
         grad_bytes_per_param=wire_size,
+        deferred_steps=estimate.full_gradients,
     )
 
 
@@ -379,6 +381,7 @@ def _predict_speed(
     wire_dtype: torch.dtype,
     rates: Rates,
     matmul_flops_per_s: float,
+    deferred_steps: bool = False,
 ) -> dict:
     """The step-time prediction of ``plan`` as ``train`` runs it, and the timed planner's
     fastest plan for the same budget (``MemoryEstimate`` fields).
@@ -401,7 +404,11 @@ def _predict_speed(
         offload_bytes=acts.layer_input_bytes if offload else 0,
     )
     prediction = predict_step(
-        costs, rates=rates, prefetch_depth=plan.prefetch_depth, grad_bytes_per_param=wire_size
+        costs,
+        rates=rates,
+        prefetch_depth=plan.prefetch_depth,
+        grad_bytes_per_param=wire_size,
+        deferred_steps=deferred_steps,
     )
     layer = iter(acts.layer_bytes)
     act_bytes = [next(layer, 0) if s.block else 0 for s in shapes]
@@ -420,6 +427,7 @@ def _predict_speed(
         checkpointed=None if auto else (blocks if ckpt else []),
         grad_bytes_per_param=wire_size,
         offload=offload,
+        deferred_steps=deferred_steps,
     )
     try:
         timed = make_plan(
