@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._host_formats import PRESETS
+from .train.ranks import NUMA_BINDINGS
 
 _TRAIN_OPTIONS = (
     "preset",
@@ -337,6 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
         "others wait up to 2 hours unless it dies)",
     )
     t.add_argument(
+        "--numa-binding",
+        choices=NUMA_BINDINGS,
+        default=None,
+        help="with several ranks on GPUs: the cores each rank and its threads are bound to, by "
+        "PyTorch's NUMA binding (default exclusive: its own share of the cores of its GPU's "
+        "NUMA node, where its optimizer states and pinned buffers then live; none: unbound)",
+    )
+    t.add_argument(
         "--out", metavar="DIR", default=None, help="run folder (default: runs/<timestamp>)"
     )
     t.add_argument(
@@ -565,6 +574,8 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "zero_stage": args.zero_stage,
         "dist_timeout_s": timeout_s,
     }
+    if args.numa_binding is not None:
+        run_options["numa_binding"] = args.numa_binding
     if args.resume is not None:
         ckpt = open_checkpoint(args.resume)
         config = resume_config(ckpt, **options)

@@ -30,7 +30,7 @@ from ramflow.train.checkpoint import (
 )
 from ramflow.train.data import BatchStream, validation_batches
 from ramflow.train.launch import rank_environment
-from ramflow.train.ranks import Ranks, check_several_ranks
+from ramflow.train.ranks import Ranks, bind_to_gpu_node, check_several_ranks
 from ramflow.train.report import read_log
 from ramflow.train.scale import choose_zero_stage
 
@@ -376,6 +376,37 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_a_step_with_a_checkpoint
 
 
 # ---------------------------------------------------------------- set-up
+
+
+def test_numa_binding_refuses_an_unknown_mode_and_none_binds_nothing():
+    before = os.sched_getaffinity(0)
+    with pytest.raises(ValueError, match="--numa-binding 'nearest': choose one of exclusive"):
+        bind_to_gpu_node(0, "nearest")
+    assert bind_to_gpu_node(0, "none") is None
+    assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_numa_binding_keeps_a_rank_on_cores_of_its_gpus_node():
+    """In a child process (binding is for the whole process): "exclusive" binds to a
+    subset of the CPUs it was allowed (the whole set where the GPU has its node to itself
+    and nothing changes), through PyTorch's own topology reading; a thread the rank starts
+    afterwards (the host worker, OpenMP's) inherits the binding."""
+    code = (
+        "import os, threading; from ramflow.train.ranks import bind_to_gpu_node\n"
+        "allowed = os.sched_getaffinity(0)\n"
+        "ex = bind_to_gpu_node(0, 'exclusive') or frozenset(allowed)\n"
+        "seen = []\n"
+        "t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0))); t.start(); t.join()\n"
+        "assert ex <= allowed and seen[0] == ex, (ex, allowed, seen)\n"
+        "print(len(allowed), len(ex))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=_env(Path(tempfile.gettempdir())),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_ranks_from_environment():

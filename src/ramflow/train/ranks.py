@@ -51,6 +51,45 @@ weights take 4 minutes at 1.2 GB/s and much longer on a slow disk. A rank 0 that
 fails the wait at once (gloo's sockets close); only a hung one is waited for this long."""
 
 
+NUMA_BINDINGS = ("exclusive", "node", "socket", "core-complex", "none")
+DEFAULT_NUMA_BINDING = "exclusive"
+
+
+def bind_to_gpu_node(gpu_index: int, mode: str) -> frozenset[int] | None:
+    """Bind this process's threads (and those it starts later) to the logical CPUs that
+    ``mode`` gives GPU ``gpu_index``, through PyTorch's own NUMA binding (what torchrun's
+    ``--numa-binding`` does): ``"exclusive"``, each GPU of a NUMA node its own share of that
+    node's physical cores; ``"node"``, ``"socket"``, ``"core-complex"`` as
+    ``torch.numa.binding.AffinityMode`` says; ``"none"``, no binding. Memory the rank
+    touches first (its optimizer states, its units of the shared store, pinned buffers)
+    then lands on that node. Returns the CPUs bound to, or None where nothing was bound
+    (``"none"``, a PyTorch without the module, a machine whose topology it cannot read:
+    it logs why and goes on).
+
+    Raises:
+        ValueError: ``mode`` is not one of ``NUMA_BINDINGS``.
+    """
+    if mode not in NUMA_BINDINGS:
+        raise ValueError(f"--numa-binding {mode!r}: choose one of {', '.join(NUMA_BINDINGS)}")
+    if mode == "none" or not hasattr(os, "sched_getaffinity"):
+        return None
+    try:  # a private entry point of a public module: guarded against its changes
+        from torch.numa.binding import (
+            AffinityMode,
+            NumaOptions,
+            _maybe_apply_numa_binding_to_current_process,
+        )
+    except ImportError:
+        return None
+    before = os.sched_getaffinity(0)
+    _maybe_apply_numa_binding_to_current_process(
+        gpu_index=gpu_index,
+        numa_options=NumaOptions(AffinityMode(mode), should_fall_back_if_binding_fails=True),
+    )
+    after = os.sched_getaffinity(0)
+    return frozenset(after) if after and after != before else None
+
+
 class RankSetupError(ValueError):
     """Another rank failed to set up (its message is included); this one stops too."""
 
@@ -70,6 +109,8 @@ class Ranks:
             run's timeout (a gloo group made without one waits 30 minutes).
         save_group: a gloo group for waiting on rank 0's part of a save, with
             ``SAVE_TIMEOUT_S`` if that is longer.
+        cpus: the logical CPUs ``start`` bound this rank to (``bind_to_gpu_node``), None
+            when it did not bind it.
     """
 
     rank: int = 0
@@ -79,6 +120,7 @@ class Ranks:
     peers: tuple[tuple[str, int], ...] = field(default=(), compare=False, repr=False)
     group: Any = field(default=None, compare=False, repr=False)
     save_group: Any = field(default=None, compare=False, repr=False)
+    cpus: frozenset[int] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> Ranks:
@@ -142,10 +184,18 @@ class Ranks:
             )
         return device
 
-    def start(self, *, device: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    def start(
+        self,
+        *,
+        device: str | None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        numa_binding: str = DEFAULT_NUMA_BINDING,
+    ) -> bool:
         """Join the process group (NCCL for a CUDA ``device``, else gloo) unless one is
-        initialized already, bind this rank to its GPU and give it its share of the host's
-        cores (``cores // local_world_size`` threads). Returns whether it created the group
+        initialized already, bind this rank to its GPU, and to the cores near it
+        (``numa_binding``, see ``bind_to_gpu_node``), and give it its share of the host's
+        cores as threads (its bound cores, else ``cores // local_world_size``). Returns
+        whether it created the group
         (then ``stop`` ends it). One process: does nothing, returns False.
 
         Raises:
@@ -167,7 +217,12 @@ class Ranks:
                     f"{torch.cuda.device_count()}; start at most that many ranks per host"
                 )
             torch.cuda.set_device(self.local_rank)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.local_world_size))
+        cpus = bind_to_gpu_node(self.local_rank, numa_binding) if cuda else None
+        object.__setattr__(self, "cpus", cpus)
+        # a bound rank's threads are its cores'; else its share of the host's
+        torch.set_num_threads(
+            len(cpus) if cpus else max(1, (os.cpu_count() or 1) // self.local_world_size)
+        )
         created = not dist.is_initialized()
         timeout = datetime.timedelta(seconds=timeout_s)
         if created:

@@ -73,7 +73,7 @@ from .modeling import (
 )
 from .optimizers import make_optimizer
 from .plan_report import preamble_lines
-from .ranks import DEFAULT_TIMEOUT_S, Ranks, check_several_ranks
+from .ranks import DEFAULT_NUMA_BINDING, DEFAULT_TIMEOUT_S, Ranks, check_several_ranks
 from .report import (
     QuietReport,
     RunReport,
@@ -191,6 +191,7 @@ def train(
     log_to: Sequence[str] = (),
     zero_stage: int | None = None,
     dist_timeout_s: float = DEFAULT_TIMEOUT_S,
+    numa_binding: str = DEFAULT_NUMA_BINDING,
 ) -> TrainResult:
     """Train a causal language model with ramflow and write the run folder.
 
@@ -215,6 +216,9 @@ def train(
         dist_timeout_s: the process group's timeout (seconds) when this call creates it:
             how long a rank waits in a collective for a hung rank before it fails (for
             rank 0 writing a checkpoint, ``ranks.SAVE_TIMEOUT_S`` if longer).
+        numa_binding: with several ranks on GPUs, the cores each rank is bound to
+            (``ranks.bind_to_gpu_node``; default ``"exclusive"``: its own share of the
+            cores of its GPU's NUMA node; ``"none"``: unbound).
 
     Returns:
         A ``TrainResult`` (every rank's own; rank 0's summary is the run's).
@@ -233,7 +237,9 @@ def train(
         Nothing is written before these checks pass.
     """
     ranks = Ranks.from_environment()
-    own_group = ranks.start(device=config.device, timeout_s=dist_timeout_s)
+    own_group = ranks.start(
+        device=config.device, timeout_s=dist_timeout_s, numa_binding=numa_binding
+    )
     try:
         return _train_ranks(
             config,
@@ -395,6 +401,7 @@ def _train(
             f"{zero_stage} over {'NCCL' if policy.device.type == 'cuda' else 'gloo'}: "
             f"{config.batch_size} sequences per rank and micro-batch, "
             f"{config.global_batch * ranks.world_size} per step"
+            + (f"; each rank bound to {len(ranks.cpus)} cores near its GPU" if ranks.cpus else "")
         )
     say(
         f"data {corpus.source}: documents {corpus.num_documents:,}, {corpus.train_tokens.numel():,} training "
@@ -521,6 +528,9 @@ def _train(
                     "device": str(policy.device),
                     "num_ranks": ranks.world_size,
                     "zero_stage": zero_stage,
+                    # the logical CPUs rank 0 is bound to (--numa-binding), None: unbound
+                    "cpus": sorted(ranks.cpus) if ranks.cpus else None,
+                    "threads": torch.get_num_threads(),
                     # build, load and offload of the model, and the optimizer (seconds)
                     "load_s": time.perf_counter() - load_start,
                     # this rank's process start to its first step (seconds)
