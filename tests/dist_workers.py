@@ -132,7 +132,8 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     ``host_precision`` and ``wire_dtype`` (default fp32) go to ``offload``; ``whole_batch``:
     every rank trains on the whole global batch (its averaged gradients are then one
     process's, bit for bit, on two ranks); ``muon``: ``ramflow.optim.Muon`` (its defaults,
-    lr 1e-2) instead of AdamW; ``gpu_memory``: ``offload``'s (a budget keeps units
+    lr 1e-2) instead of AdamW; ``optimizer``: (a ``ramflow.optim`` class name, its settings)
+    instead of AdamW; ``gpu_memory``: ``offload``'s (a budget keeps units
     resident, on the CPU too)."""
     device = _device(rank, options)
     model = reference_model(seed=rank, dim=options.get("dim", 32))
@@ -146,6 +147,9 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     )
     if options.get("muon"):
         opt = ramflow.optim.Muon(model.parameters(), lr=1e-2)
+    elif options.get("optimizer"):  # (a ramflow.optim class name, its settings)
+        name, settings = options["optimizer"]
+        opt = getattr(ramflow.optim, name)(model.parameters(), **settings)
     else:
         opt = ramflow.optim.AdamW(
             model.parameters(), lr=1e-2, keep_grads=options.get("keep_grads", True)

@@ -151,6 +151,51 @@ def test_trains_as_the_reference_with_eager_steps_and_a_state_round_trip(device,
                 assert torch.equal(ours_sd[k][name], value), (k, name)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_zero_ranks_step_the_units_they_own_as_the_reference(tmp_path, case, zero_stage):
+    """Two gloo ranks under ZeRO, each on the whole global batch (their averaged gradients
+    are then one process's, bit for bit): each steps the units it owns, and the run is
+    the resident reference's, bit for bit; each rank holds the states of its own units
+    only."""
+    import dist_workers as W
+
+    ours_cls, ref_cls, settings, _ = CASES[case]
+    results = W.run(
+        W.train_offload,
+        2,
+        {
+            "out": str(tmp_path),
+            "zero_stage": zero_stage,
+            "whole_batch": True,
+            "optimizer": (ours_cls.__name__, settings),
+        },
+    )
+    for rank, r in enumerate(results):
+        assert "error" not in r and "exitcode" not in r and "timeout" not in r, (rank, r)
+    # on one thread, as each rank runs (dist_workers): reductions round by thread count
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = W.reference_model(seed=0)
+        ref = reference(ref_cls, model.parameters(), settings, torch.device("cpu"))
+        losses = []
+        for x, y in W.batches():
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            ref.step()
+            ref.zero_grad()
+            losses.append(loss.item())
+    finally:
+        torch.set_num_threads(threads)
+    for r in results:
+        assert r["losses"] == losses
+    for k, v in model.state_dict().items():
+        assert torch.equal(results[0]["state"][k], v), k
+    held = [r["states"][0] for r in results]
+    assert sum(held) == len(list(model.parameters())) and all(0 < n < sum(held) for n in held)
+
+
 def test_adafactor_keeps_factored_statistics_of_matrices():
     torch.manual_seed(0)
     model = MLPStack()
