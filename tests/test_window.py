@@ -104,3 +104,29 @@ def test_free_all_returns_every_byte():
     assert window.used_bytes == UNIT_BYTES  # resident units are outside the window's budget
     window.free_all(units)
     assert window.used_bytes == 0 and not any(u.allocated for u in units)
+
+
+def test_a_prefetch_waiting_for_a_step_may_be_evicted_and_loads_again():
+    """A unit prefetched while its optimizer step still runs (its wire copy not current)
+    waits for the worker's ``wire_refreshed`` to copy it. If the window evicts it meanwhile
+    (it is not pinned), that copy must not go into the freed storage: CI once saw the
+    worker raise writing into a storage of size 0 (on a GPU it would corrupt memory). The
+    next use loads the new weights."""
+    window, units, layers = make_window(3, capacity_units=2)
+    a, b, c = units
+    window.begin_host_write([a])  # a's step runs on the worker
+    window.prefetch([a])  # allocated; its load waits for the step
+    assert a.allocated and a.load_requested
+    window.acquire([b])
+    window.acquire([c])  # the window is full: a, unpinned, is evicted
+    assert not a.allocated and not a.load_requested
+    with torch.no_grad():
+        layers[0].weight.add_(1.0)  # the step writes the host copy
+    if a.wire is not a.master:
+        a.wire.copy_(a.master)
+    window.wire_refreshed(a, sent=False)  # the worker: no copy into freed storage
+    assert not a.allocated
+    window.release([b, c])
+    window.acquire([a])
+    assert torch.equal(a.device_params[0], layers[0].weight)
+    window.release([a])

@@ -130,6 +130,10 @@ class DeviceWindow:
         u.device_flat.untyped_storage().resize_(0)
         u.allocated = False
         u.device_version = -1
+        # a prefetched unit whose load waited for its optimizer step: the worker's
+        # ``wire_refreshed`` must not copy into the storage just freed (the next request
+        # allocates and loads it again)
+        u.load_requested = False
         self._used -= u.nbytes
         self._lru.pop(u, None)
 
@@ -235,7 +239,7 @@ class DeviceWindow:
                 u.device_version = u.host_version
                 u.load_requested = False
                 u.h2d_issued.set()
-            elif u.load_requested or (u.resident and u.allocated):
+            elif u.allocated and (u.load_requested or u.resident):
                 self._issue_h2d(u)
 
     def received(self, u: _Unit, event: torch.cuda.Event | None) -> None:
