@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from ramflow._predict import Rates, StepPrediction
-from ramflow.memory.estimate import RUNTIME_OVERHEAD_BYTES
+from ramflow.memory.estimate import runtime_overhead_bytes
 from ramflow.train import TrainConfig, plan_run
 from ramflow.train.scale import plan_ranks, predict_ranks
 
@@ -101,7 +101,7 @@ def test_host_ram_counts_the_store_once_and_each_ranks_own_n_times(zero_stage, h
         + e.host_optimizer_bytes
         + staging * e.host_gradient_pinned_bytes
         + full * e.host_gradient_pageable_bytes
-        + 4 * RUNTIME_OVERHEAD_BYTES
+        + 4 * runtime_overhead_bytes("cuda")
     )
     assert plan.fits_ram and plan.zero.stage == zero_stage
     tight = plan_ranks(
@@ -141,7 +141,10 @@ def test_plan_cli_for_eight_gpus(ramflow_cli, capsys):
         "--nproc-per-node", "8", "--host-dram-gbps", "100",
     )  # fmt: skip
     out = capsys.readouterr().out
-    assert rc == 0, out
+    # 8 CUDA processes need 8 runtimes (3.5 GiB each) beside the store: the exit status
+    # says whether this machine's RAM holds them, as the line does
+    ram = next(line for line in out.splitlines() if line.startswith("host RAM for 8 ranks:"))
+    assert rc == (0 if ram.endswith(": fits") else 1), out
     assert "8 ranks on this host, ZeRO-2" in out
     assert "host RAM for 8 ranks:" in out and "once (shared memory)" in out
     assert "predicted: 8 GPUs:" in out and "tokens/s" in out and "bound by" in out
@@ -154,8 +157,9 @@ def test_plan_cli_for_another_machines_cores(ramflow_cli, capsys):
     would queue (the note says so), on a 128-core host they do not."""
     args = ("plan", "--preset", "tiny", "--device", "cuda", "--gpu-memory", "1GiB",
             "--nproc-per-node", "8")  # fmt: skip
-    assert ramflow_cli(*args, "--host-cores", "2") == 0
+    # 0 or 1: whether this machine's RAM holds 8 CUDA runtimes (test_plan_cli_for_eight_gpus)
+    assert ramflow_cli(*args, "--host-cores", "2") in (0, 1)
     assert "this host's 2 cores give each of 8 ranks" in capsys.readouterr().out
-    assert ramflow_cli(*args, "--host-cores", "128") == 0
+    assert ramflow_cli(*args, "--host-cores", "128") in (0, 1)
     assert "cores give each of" not in capsys.readouterr().out
     assert ramflow_cli(*args, "--host-cores", "0") == 2

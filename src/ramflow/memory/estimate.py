@@ -40,7 +40,9 @@ from .activations import ActivationReport
 
 __all__ = [
     "CHECKPOINTING_MODES",
+    "CUDA_RUNTIME_OVERHEAD_BYTES",
     "RUNTIME_OVERHEAD_BYTES",
+    "runtime_overhead_bytes",
     "ActivationProfile",
     "MemoryEstimate",
     "estimate_memory",
@@ -48,6 +50,17 @@ __all__ = [
 ]
 
 RUNTIME_OVERHEAD_BYTES = 1 << 30  # Python, torch and transformers themselves, measured ~0.7 GiB
+# a process with a CUDA context (and, under torch.distributed, NCCL's host buffers): 3.3 GB
+# before loading on the H100 box (docs/memory.md, "Where the extra bytes went")
+CUDA_RUNTIME_OVERHEAD_BYTES = 7 << 29
+
+
+def runtime_overhead_bytes(device_type: str) -> int:
+    """Host RAM one process takes before its model: ``CUDA_RUNTIME_OVERHEAD_BYTES`` (3.5
+    GiB) with a CUDA device, else ``RUNTIME_OVERHEAD_BYTES`` (1 GiB)."""
+    return CUDA_RUNTIME_OVERHEAD_BYTES if device_type == "cuda" else RUNTIME_OVERHEAD_BYTES
+
+
 CHECKPOINTING_MODES = ("auto", "on", "off", "offload")
 
 
@@ -270,7 +283,8 @@ class MemoryEstimate:
         """RAM the run needs: host store, optimizer states, the runtime itself, and on a
         CPU run the "device" side too."""
         device = self.device_total_bytes if self.device_type == "cpu" else 0
-        return self.host_pinned_bytes + self.host_pageable_bytes + device + RUNTIME_OVERHEAD_BYTES
+        runtime = runtime_overhead_bytes(self.device_type)
+        return self.host_pinned_bytes + self.host_pageable_bytes + device + runtime
 
     @property
     def fits_ram(self) -> bool:
@@ -372,7 +386,7 @@ class MemoryEstimate:
                 else ""
             ),
             f"RAM: needs about {format_bytes(self.ram_needed_bytes)} (including "
-            f"{format_bytes(RUNTIME_OVERHEAD_BYTES)} for the runtime), "
+            f"{format_bytes(runtime_overhead_bytes(self.device_type))} for the runtime), "
             f"{format_bytes(self.ram_available_bytes)} available: "
             + ("fits" if self.fits_ram else "DOES NOT FIT"),
         ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from .._plan import OffloadPlan, _names, format_bytes
-from ..memory.estimate import RUNTIME_OVERHEAD_BYTES, MemoryEstimate, size_string
+from ..memory.estimate import MemoryEstimate, runtime_overhead_bytes, size_string
 
 
 def _device(est: MemoryEstimate) -> str:
@@ -215,7 +215,7 @@ def describe_plan(est: MemoryEstimate, ranks: HostRanks | None = None) -> str:
         "memory)",
         _share_line(est),
         f"RAM: about {format_bytes(est.ram_needed_bytes)} (including "
-        f"{format_bytes(RUNTIME_OVERHEAD_BYTES)} for the runtime), "
+        f"{format_bytes(runtime_overhead_bytes(est.device_type))} for the runtime), "
         f"{format_bytes(est.ram_available_bytes)} available",
     ]
     if est.disk_free_bytes is not None:

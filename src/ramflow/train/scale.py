@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from .._host_formats import HostPrecision
 from .._plan import format_bytes
 from .._predict import Rates, StepPrediction
-from ..memory.estimate import RUNTIME_OVERHEAD_BYTES, MemoryEstimate
+from ..memory.estimate import MemoryEstimate, runtime_overhead_bytes
 
 
 @dataclass(frozen=True)
@@ -288,7 +288,7 @@ def plan_ranks(
         e.host_gradient_pinned_bytes * staging_copies + e.host_gradient_pageable_bytes * full_copies
     )
     device_side = e.device_total_bytes if e.device_type == "cpu" else 0
-    per_rank = RUNTIME_OVERHEAD_BYTES + device_side
+    per_rank = runtime_overhead_bytes(e.device_type) + device_side
     prediction = None
     if e.prediction is not None and e.prediction.mode == "train":
         prediction = predict_ranks(
