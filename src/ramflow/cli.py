@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._host_formats import PRESETS
+from .train.lora import FROZEN_FORMATS
 from .train.ranks import NUMA_BINDINGS
 
 _TRAIN_OPTIONS = (
@@ -60,8 +61,6 @@ _EXIT_STATUS = (
 
 _DEVICE_OPTIMIZER = {"auto": None, "on": True, "off": False}  # --device-optimizer
 
-_FROZEN_FORMATS = ("int8", "nf4")  # ramflow.train.lora.FROZEN_FORMATS, without importing torch
-
 
 def _model_options(p: argparse.ArgumentParser) -> None:
     from .train.presets import PRESETS
@@ -106,7 +105,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
 def _frozen_format_option(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--frozen-format",
-        choices=_FROZEN_FORMATS,
+        choices=FROZEN_FORMATS,
         default=None,
         help=f"keep {what} compressed in host RAM (int8: block-wise absmax, nf4: QLoRA's "
         "4-bit) and dequantize them on the device (default: the wire dtype)",
