@@ -21,7 +21,8 @@ the steps after the first two, tokens/s, model TFLOPS per GPU (6 x parameters x 
 GPU per step / step time; attention and recomputation not counted) against the slowest
 GPU's matmul rate, and measured over predicted step.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/node/node_70b.py --out-dir $OUT/node-70b
+    PYTHONUNBUFFERED=1 python3 benchmarks/node/node_70b.py --out-dir /tmp/node-70b \
+        --pack $OUT/node-70b.tgz --clip-grad 0 --budget-s 420
 
 CPU smoke test (the tiny preset on two gloo ranks; a minute)::
 
@@ -34,9 +35,11 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from datetime import date
@@ -59,14 +62,18 @@ def _env() -> dict[str, str]:
 
 
 def _run(cmd: list[str], log: Path, *, timeout: float) -> tuple[int, float]:
-    """Run ``cmd``, its output to ``log``; returns (exit code, seconds)."""
+    """Run ``cmd``, its output to ``log``; returns (exit code, seconds). Past ``timeout``
+    the whole process group goes (the launcher and its ranks), exit code 124."""
     t0 = time.perf_counter()
     with log.open("w") as f:
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, start_new_session=True
+        )
         try:
-            rc = subprocess.run(
-                cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, timeout=timeout
-            ).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = 124
     return rc, time.perf_counter() - t0
 
@@ -195,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory", default=None, help="ramflow train --gpu-memory")
     p.add_argument("--smoke", action="store_true", help="tiny preset, 2 gloo ranks on the CPU")
     p.add_argument(
+        "--pack",
+        default=None,
+        metavar="FILE",
+        help="also write everything in --out-dir into this .tgz (the device tool brings back "
+        "at most 8 files), after each stage, so a run cut short still leaves its logs",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=1800.0,
@@ -211,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     def write() -> None:
         (out / "node_70b.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
         (out / "node_70b.md").write_text(_markdown(result))
+        if args.pack:
+            with tarfile.open(args.pack, "w:gz") as tar:
+                tar.add(out, arcname=out.name)
 
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
