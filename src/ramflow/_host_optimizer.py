@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.optim import adam as _adam
 
 from ._engine import Engine
 from ._host_formats import (
@@ -240,6 +241,44 @@ class HostOptimizer(torch.optim.Optimizer):
                     raise
                 self._fused_ok = False
         fn(fused=False, foreach=False, **kwargs)
+
+    def _adamw(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        group: dict[str, Any],
+        new_moments: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+    ) -> None:
+        """PyTorch's AdamW functional (``_run_kernel``: fused where the build has it) over
+        ``params`` with fp32 states; a parameter without states gets a step counter and
+        ``new_moments(p)`` (its ``exp_avg`` and ``exp_avg_sq``)."""
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in params:
+            st = self.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                st.update(new_moments(p))
+            exp_avgs.append(st["exp_avg"])
+            exp_avg_sqs.append(st["exp_avg_sq"])
+            steps.append(st["step"])
+        beta1, beta2 = group["betas"]
+        self._run_kernel(
+            _adam.adam,
+            params=params,
+            grads=grads,
+            exp_avgs=exp_avgs,
+            exp_avg_sqs=exp_avg_sqs,
+            max_exp_avg_sqs=[],
+            state_steps=steps,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
 
     def _flat_state(self, p: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """State tensors of a managed parameter: views into one flat buffer per unit and

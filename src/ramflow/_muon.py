@@ -53,7 +53,6 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
-from torch.optim import adam as _adam
 
 from ._host_optimizer import HostOptimizer
 from ._registry import engine_of_param
@@ -299,34 +298,12 @@ class Muon(HostOptimizer):
         self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]
     ) -> None:
         """PyTorch's AdamW (fused on the CPU) over the non-Muon parameters."""
-        exp_avgs, exp_avg_sqs, steps = [], [], []
-        for p in params:
-            st = self.state[p]
-            if not st:
-                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                st["exp_avg"] = self._zeros(p)
-                st["exp_avg_sq"] = self._zeros(p)
-            exp_avgs.append(st["exp_avg"])
-            exp_avg_sqs.append(st["exp_avg_sq"])
-            steps.append(st["step"])
         grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
-        beta1, beta2 = group["betas"]
-        self._run_kernel(
-            _adam.adam,
-            params=params,
-            grads=grads,
-            exp_avgs=exp_avgs,
-            exp_avg_sqs=exp_avg_sqs,
-            max_exp_avg_sqs=[],
-            state_steps=steps,
-            decoupled_weight_decay=True,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
+        self._adamw(
+            params,
+            grads,
+            group,
+            lambda p: {"exp_avg": self._zeros(p), "exp_avg_sq": self._zeros(p)},
         )
 
     @staticmethod

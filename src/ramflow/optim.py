@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.optim import adam as _adam
 from torch.optim import sgd as _sgd
 
 from ._adafactor import Adafactor
@@ -249,32 +248,8 @@ class AdamW(HostOptimizer):
             params, grads = [p for p, _ in keep], [g for _, g in keep]
             if not params:
                 return
-        exp_avgs, exp_avg_sqs, steps = [], [], []
-        for p in params:
-            st = self.state[p]
-            if not st:
-                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                st.update(self._state_buffers(p, ("exp_avg", "exp_avg_sq")))
-            exp_avgs.append(st["exp_avg"])
-            exp_avg_sqs.append(st["exp_avg_sq"])
-            steps.append(st["step"])
-        beta1, beta2 = group["betas"]
-        self._run_kernel(
-            _adam.adam,
-            params=params,
-            grads=grads,
-            exp_avgs=exp_avgs,
-            exp_avg_sqs=exp_avg_sqs,
-            max_exp_avg_sqs=[],
-            state_steps=steps,
-            decoupled_weight_decay=True,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
+        self._adamw(
+            params, grads, group, lambda p: self._state_buffers(p, ("exp_avg", "exp_avg_sq"))
         )
 
     def _lean_param_step(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
