@@ -10,12 +10,33 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+
+def proc_status_bytes(key: str) -> int | None:
+    """A ``/proc/self/status`` field in bytes (VmHWM: peak RSS, VmRSS: RSS); None off Linux."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def sync(device: torch.device) -> None:

@@ -52,6 +52,7 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 
 import torch  # noqa: E402
 
+import measure  # noqa: E402
 from measure import matmul_rate  # noqa: E402
 from models import ChunkedLossHead, random_init  # noqa: E402
 
@@ -98,26 +99,6 @@ def model_config(shape: str):
     cfg.use_cache = False
     cfg._attn_implementation = "sdpa"
     return cfg
-
-
-def _vm(key: str) -> int | None:
-    """A ``/proc/self/status`` field in bytes (VmHWM: peak RSS, VmRSS: RSS); None off Linux."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not possible."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def measured_rates(device: torch.device, host_precision: str) -> dict:
@@ -339,10 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg, args, device, result["matmul_flops_per_s"], result["measured_rates"]
     )
     result["stage"] = "loading"
-    result["rss_before_load_bytes"] = _vm("VmRSS")
+    result["rss_before_load_bytes"] = measure.proc_status_bytes("VmRSS")
     _write(out_dir, args.shape, result)
 
-    _reset_peak_rss()
+    measure.reset_peak_rss()
     t0 = time.perf_counter()
     ramflow.offload(
         model,
@@ -355,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         device_optimizer={"auto": None, "on": True, "off": False}[args.device_optimizer],
     )
     result["load_s"] = time.perf_counter() - t0
-    result["load_peak_rss_bytes"] = _vm("VmHWM")
+    result["load_peak_rss_bytes"] = measure.proc_status_bytes("VmHWM")
     plan = ramflow.get_plan(model)
     result["plan"] = plan.describe()
     result["host_bytes"] = getattr(plan, "host_bytes", None)
@@ -369,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     opt = ramflow.optim.AdamW(model.parameters(), lr=1e-5, threads=args.threads, keep_grads=False)
     gen = torch.Generator().manual_seed(0)
     ids_BT = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen).to(device)
-    train_peak_reset = _reset_peak_rss()
+    train_peak_reset = measure.reset_peak_rss()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -403,8 +384,12 @@ def main(argv: list[str] | None = None) -> int:
             if flops and result["matmul_flops_per_s"]
             else None,
             "measured_over_predicted": med / pred if med and pred else None,
-            "train_peak_rss_bytes": _vm("VmHWM") if train_peak_reset else None,
-            "peak_rss_bytes": max(filter(None, [_vm("VmHWM"), result["load_peak_rss_bytes"]])),
+            "train_peak_rss_bytes": measure.proc_status_bytes("VmHWM")
+            if train_peak_reset
+            else None,
+            "peak_rss_bytes": max(
+                filter(None, [measure.proc_status_bytes("VmHWM"), result["load_peak_rss_bytes"]])
+            ),
             "peak_gpu_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
             "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
         }

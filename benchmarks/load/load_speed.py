@@ -59,6 +59,7 @@ BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the harness's module
 sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 
 import harness  # noqa: E402
+import measure  # noqa: E402
 
 GIB = 2**30
 SHARD_BYTES = 4 * GIB  # as Hugging Face's hubs shard: a few GiB per file
@@ -154,13 +155,6 @@ def write_files(shape: str, folder: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- child: load and train
 
 
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def _rollup() -> dict[str, int]:
     out = {}
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
@@ -196,10 +190,6 @@ class RssSampler:
         self._thread.join()
 
 
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux 4.0+)
-
-
 def load_and_train(args: argparse.Namespace, shape: str, source: str, files: str | None) -> dict:
     """One case in this process: offload ``shape`` from ``source``, then train if asked."""
     import torch
@@ -231,8 +221,8 @@ def load_and_train(args: argparse.Namespace, shape: str, source: str, files: str
     model = meta_model(shape)
     n_params = sum(p.numel() for p in model.parameters())
     weights = SeededInit(model, seed=0) if source == "function" else files
-    rss_before = _status("VmRSS")
-    _reset_peak()
+    rss_before = measure.proc_status_bytes("VmRSS")
+    measure.reset_peak_rss()
     t0 = time.perf_counter()
     with RssSampler() as sampler:
         ramflow.offload(
@@ -247,7 +237,7 @@ def load_and_train(args: argparse.Namespace, shape: str, source: str, files: str
         "shape": shape, "source": source, "parameters": n_params,
         "host_precision": plan.host_precision, "load_s": load_s, "build_s": built_s[0],
         "lock_s": locked_s[0], "gb_per_s": 2 * n_params / load_s / 1e9,
-        "rss_before_bytes": rss_before, "load_peak_rss_bytes": _status("VmHWM"),
+        "rss_before_bytes": rss_before, "load_peak_rss_bytes": measure.proc_status_bytes("VmHWM"),
         "load_rollup_at_peak": sampler.largest, "plan_host_bytes": plan.host_bytes,
         "plan_host_deferred_bytes": plan.host_deferred_bytes, "bound_bytes": bound,
         "plan": plan.describe(), "num_threads": os.cpu_count(),
@@ -259,7 +249,7 @@ def load_and_train(args: argparse.Namespace, shape: str, source: str, files: str
     vocab = model.config.vocab_size
     ids_BT = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator())
     ids_BT = ids_BT.to(device)
-    _reset_peak()
+    measure.reset_peak_rss()
     steps = []
     with RssSampler() as sampler:
         for _ in range(args.steps):
@@ -272,7 +262,7 @@ def load_and_train(args: argparse.Namespace, shape: str, source: str, files: str
             ramflow.synchronize(model)
             steps.append(time.perf_counter() - t)
             print(f"step {len(steps)}: {steps[-1]:.2f} s, loss {loss.item():.3f}", flush=True)
-    r.update(step_s=steps, train_peak_rss_bytes=_status("VmHWM"),
+    r.update(step_s=steps, train_peak_rss_bytes=measure.proc_status_bytes("VmHWM"),
              train_rollup_at_peak=sampler.largest, keep_grads=args.keep_grads)  # fmt: skip
     if cuda:
         r["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated(device)

@@ -56,30 +56,13 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 
 import torch  # noqa: E402
 
+import measure  # noqa: E402
 from measure import matmul_rate, pinned_bandwidth  # noqa: E402
 from models import random_init  # noqa: E402
 
 GIB = 2**30
 MODES = ("offload", "on")
 TINY_LADDER = (128, 256, 512, 1024)
-
-
-def _vm(key: str) -> int | None:
-    """A ``/proc/self/status`` field in bytes (VmHWM, VmRSS); None off Linux."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak_rss() -> None:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def model_config(tiny: bool, longest: int):
@@ -333,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        _reset_peak_rss()
+        measure.reset_peak_rss()
         times = []
         try:
             for _ in range(steps):
@@ -351,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad(set_to_none=True)
             ramflow.accept_partial_step(model)
         record["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
-        record["peak_host_bytes"] = _vm("VmHWM")
+        record["peak_host_bytes"] = measure.proc_status_bytes("VmHWM")
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
