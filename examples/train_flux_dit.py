@@ -56,6 +56,12 @@ def main() -> None:
     axes = (args.head_dim - 2 * rope, rope, rope)
 
     cuda = torch.cuda.is_available() and not args.cpu
+    if cuda:
+        # cuDNN's attention backward has returned NaN gradients in bf16 (pytorch/pytorch#196678,
+        # diffusers#9768). On an H100 with torch 2.11 this loop's timestep-embedder gradients
+        # went NaN at the second step with the model resident too; flash and memory-efficient
+        # attention take over without it.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no")
     torch.manual_seed(0)
     model = FluxTransformer2DModel(

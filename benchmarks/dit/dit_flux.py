@@ -141,6 +141,10 @@ def run_case(args: argparse.Namespace) -> dict:
     import measure
 
     device = torch.device(args.device)
+    if device.type == "cuda":
+        # every case alike: cuDNN's bf16 attention backward has returned NaN gradients
+        # (pytorch/pytorch#196678), and examples/train_flux_dit.py went NaN with it on an H100
+        torch.backends.cuda.enable_cudnn_sdp(False)
     small = args.case != "ramflow"
     cfg = flux_config(args, small=small)
     inputs, target = make_batch(cfg, args, device)
