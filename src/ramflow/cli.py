@@ -543,9 +543,36 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+# [Note: expandable segments by default in ramflow train]
+# At long sequences the caching allocator's fixed segments strand memory: an 8B model at
+# 128k tokens with checkpointing alone failed on an H100 asking for 3.5 GiB with 65.4 GiB
+# allocated and 10.7 GiB reserved but unallocated, where the plan said 67.1 GiB
+# (benchmarks/results/2026-11-27-nvidia-h100-long-context/). PyTorch's expandable segments
+# (CUDA virtual memory management) grow one segment instead, which is the remedy its own
+# message names; torchtitan's launcher sets it too. It cannot share memory through CUDA IPC,
+# which ramflow does not use (ranks share the host store, not device memory). So
+# ``ramflow train`` sets it in its process, and the ranks it launches inherit it, unless the
+# user set PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF; the library leaves a user's own
+# process alone.
+ALLOC_CONF_DEFAULT = "expandable_segments:True"
+
+
+def _default_allocator_settings(environ: dict[str, str]) -> str | None:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF`` to ``ALLOC_CONF_DEFAULT`` in ``environ`` unless the user
+    set it or ``PYTORCH_ALLOC_CONF``; returns the setting in force (None: PyTorch's own).
+    See [Note: expandable segments by default in ramflow train]."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if name in environ:
+            return environ[name] or None
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF_DEFAULT
+    return ALLOC_CONF_DEFAULT
+
+
 def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import os
 
+    # before anything initializes CUDA; the ranks a launcher starts inherit it
+    _default_allocator_settings(os.environ)  # type: ignore[arg-type]
     from .train import TrainConfig, open_checkpoint, resume_config, train
     from .train.ranks import DEFAULT_TIMEOUT_S
 

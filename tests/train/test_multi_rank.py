@@ -190,6 +190,9 @@ def test_two_ranks_compute_one_process_at_twice_the_batch(
     assert steps[-1]["tokens"] == 6 * 2 * 2 * 32
     start = next(r for r in records if r["event"] == "start")
     assert (start["num_ranks"], start["zero_stage"]) == (2, 2)
+    # ramflow train's allocator default reaches the ranks, or the user's setting stays
+    user = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF"))
+    assert start["cuda_alloc_conf"] == (user if user is not None else "expandable_segments:True")
     assert done.stdout.count("validation loss") == 4  # 3 evaluations + the summary row
     backend = "NCCL" if device == "cuda" else "gloo"
     assert f"2 ranks (2 on this host), ZeRO-2 over {backend}" in done.stdout

@@ -531,6 +531,11 @@ def _train(
                     # the logical CPUs rank 0 is bound to (--numa-binding), None: unbound
                     "cpus": sorted(ranks.cpus) if ranks.cpus else None,
                     "threads": torch.get_num_threads(),
+                    # the CUDA caching allocator's settings (`ramflow train` sets
+                    # expandable segments unless the user set them)
+                    "cuda_alloc_conf": os.environ.get(
+                        "PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF")
+                    ),
                     # build, load and offload of the model, and the optimizer (seconds)
                     "load_s": time.perf_counter() - load_start,
                     # this rank's process start to its first step (seconds)
