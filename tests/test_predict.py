@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from ramflow._predict import (
+    ATTENTION_BACKWARD_PER_FORWARD,
     RESOURCES,
     Rates,
     UnitCost,
+    attention_flops,
     forward_flops,
     forward_seconds,
     measured_efficiency,
@@ -181,6 +183,33 @@ def test_flops_and_bad_input() -> None:
         predict_step(_units(), rates=RATES, mode="sideways")
     with pytest.raises(ValueError):
         predict_step(_units(), rates=RATES, prefetch_depth=0)
+
+
+def test_causal_attention_counts_half_the_square_and_backs_up_at_flash_rate() -> None:
+    """Attention's products: half the square when causal, and a backward of 2.5 forwards
+    (FlashAttention-2's count) against the matmuls' 2; the recomputation of a checkpointed
+    unit is one forward of both. Before, a long causal sequence was charged the full square
+    at 2 + 1 + 1 forwards: 16 T^2 D per layer where 9 T^2 D are run."""
+    full = attention_flops(batch=2, seq=8, attention_layers=3, hidden=4)
+    assert full == 4 * 3 * 2 * 8 * 8 * 4
+    assert attention_flops(batch=2, seq=8, attention_layers=3, hidden=4, causal=True) == full / 2
+    assert forward_flops(5, batch=2, seq=8, attention_layers=3, hidden=4, causal=True) == (
+        2 * 5 * 16 + full / 2
+    )
+    assert ATTENTION_BACKWARD_PER_FORWARD == 2.5
+    mm, att = 0.004, 0.002  # a unit whose forward is 4 ms of matmuls and 2 ms of attention
+    plain = UnitCost(
+        name="u", wire_bytes=0, trainable_params=0, forward_s=mm + att, attention_s=att
+    )
+    ckpt = replace(plain, checkpointed=True)
+    assert plain.backward_s == pytest.approx(2 * mm + 2.5 * att, rel=1e-12)
+    assert ckpt.backward_s == pytest.approx(2 * mm + 2.5 * att + (mm + att), rel=1e-12)
+    # the GPU-bound step is forward plus that backward, per unit
+    units = [replace(ckpt, name=f"u{i}") for i in range(4)]
+    step = predict_step(units, rates=Rates(cpu_optimizer_params_per_s=float("inf")))
+    assert step.busy_s["GPU compute"] == pytest.approx(4 * (4 * mm + 4.5 * att), rel=1e-9)
+    # no attention share given: all of the forward backs up at the matmuls' rate, as before
+    assert replace(ckpt, attention_s=0.0).backward_s == pytest.approx(3 * (mm + att), rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- last session

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ._predict import UnitCost, forward_flops, forward_seconds
+from ._predict import UnitCost, attention_flops, forward_flops, forward_seconds
 from ._units import _ALIGN, UnitSpec, _repeated_blocks, find_units
 
 
@@ -108,6 +108,7 @@ def unit_costs(
     resident: Collection[str] = (),
     checkpointed: Collection[str] = (),
     offload_bytes: int = 0,
+    causal: bool = False,
 ) -> list[UnitCost]:
     """``UnitCost`` of each unit for a ``batch`` x ``seq`` micro-batch.
 
@@ -122,6 +123,8 @@ def unit_costs(
         resident, checkpointed: unit names.
         offload_bytes: under activation offload, the bytes of each checkpointed block's
             input that go to host memory and back every step (0: no offload).
+        causal: the attention is causal (a decoder LM's): its products count half the
+            square (``_predict.attention_flops``). Default False: the full square.
     """
     out = []
     for s in shapes:
@@ -131,6 +134,10 @@ def unit_costs(
             seq=seq,
             attention_layers=s.attention_layers,
             hidden=hidden,
+            causal=causal,
+        )
+        attention = attention_flops(
+            batch=batch, seq=seq, attention_layers=s.attention_layers, hidden=hidden, causal=causal
         )
         out.append(
             UnitCost(
@@ -142,6 +149,7 @@ def unit_costs(
                 checkpointed=s.name in checkpointed,
                 deps=s.deps,
                 offload_bytes=offload_bytes if s.block and s.name in checkpointed else 0,
+                attention_s=forward_seconds(attention, matmul_flops_per_s, mode=mode),
             )
         )
     return out

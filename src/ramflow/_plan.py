@@ -427,6 +427,8 @@ class PlanTiming:
     Attributes:
         forward_s: GPU time of each unit's forward, seconds (measured, or
             ``_predict.forward_seconds`` of its FLOPs).
+        attention_s: per unit, the part of ``forward_s`` that is attention's products
+            (``_predict.UnitCost.attention_s``); None: not known (0).
         trainable_params: parameters of each unit that the CPU optimizer steps.
         rates: the machine's copy rates and CPU optimizer rate.
         mode: ``"train"`` or ``"infer"`` (forward only: no checkpointing, no optimizer).
@@ -451,6 +453,7 @@ class PlanTiming:
     forward_s: Sequence[float]
     trainable_params: Sequence[int]
     rates: Rates = field(default_factory=Rates)
+    attention_s: Sequence[float] | None = None
     mode: str = "train"
     deps: Sequence[tuple[int, ...]] | None = None
     activation_bytes: Sequence[int] | None = None
@@ -671,6 +674,7 @@ def _timed_plan(
     n = len(unit_names)
     for what, seq in (
         ("forward_s", timing.forward_s),
+        ("attention_s", timing.attention_s if timing.attention_s is not None else [0.0] * n),
         ("trainable_params", timing.trainable_params),
     ):
         if len(seq) != n:
@@ -749,6 +753,7 @@ def _timed_plan(
                     checkpointed=i in ckpt,
                     deps=tuple(deps[i]),
                     offload_bytes=timing.offload_bytes(i, ckpt),
+                    attention_s=timing.attention_s[i] if timing.attention_s is not None else 0.0,
                 )
                 for i in range(n)
             ]

@@ -16,8 +16,9 @@ order i = 0..n-1 and backward order n-1..0:
   the streamed units that are no longer in the window at the turn-around; after each CPU step
   of a resident unit, its refresh. Copies run in the order they become ready.
 - GPU: forward of each unit in order (after its load), then backward in reverse order
-  (``BACKWARD_PER_FORWARD`` x its forward time, plus one more forward when the unit is
-  activation-checkpointed). A unit's backward waits for the gradient copy of the unit two
+  (``BACKWARD_PER_FORWARD`` x its forward time, attention's share at
+  ``ATTENTION_BACKWARD_PER_FORWARD``, plus one more forward when the unit is
+  activation-checkpointed: ``UnitCost.backward_s``). A unit's backward waits for the gradient copy of the unit two
   before it (ramflow keeps two gradient buffers in flight).
 - D2H link: each trainable unit's gradients in the wire dtype, after its backward.
 - Activation offload (``ramflow.memory.CheckpointOffload``): a checkpointed unit with
@@ -72,6 +73,13 @@ BACKWARD_PER_FORWARD = 2.0
 
 RECOMPUTE_PER_FORWARD = 1.0
 """Extra GPU time of an activation-checkpointed unit's backward, in forwards (the recomputation)."""
+
+ATTENTION_BACKWARD_PER_FORWARD = 2.5
+"""GPU time of attention's backward over its forward (the score and value products of a flash
+kernel, ``UnitCost.attention_s``): the backward recomputes the scores from the saved
+log-sum-exp and runs five products against the forward's two (Dao, 2023, "FlashAttention-2",
+section 4, counts the backward as 2.5 forwards). The matmuls' backward stays at
+``BACKWARD_PER_FORWARD``."""
 
 TRAIN_MATMUL_EFFICIENCY = 0.80
 """Share of the measured bf16 matmul rate that a training forward sustains (bf16 weights on
@@ -128,6 +136,17 @@ copy ready; by the third the pipeline has settled)."""
 # ----------------------------------------------------------------------------- FLOPs
 
 
+def attention_flops(
+    *, batch: int, seq: int, attention_layers: int, hidden: int, causal: bool = False
+) -> float:
+    """FLOPs of attention's score and value products (Q K^T and the weighted sum of V) in one
+    forward over ``batch`` sequences of ``seq`` tokens: 4 x seq^2 x hidden per attention layer
+    and sequence for the full square, half of it when ``causal`` (a causal flash kernel skips
+    the blocks above the diagonal: FlashAttention-2, Dao 2023, counts causal FLOPs so)."""
+    square = 4.0 * attention_layers * batch * seq * seq * hidden
+    return square / 2 if causal else square
+
+
 def forward_flops(
     matmul_params: int,
     *,
@@ -135,16 +154,21 @@ def forward_flops(
     seq: int,
     attention_layers: int = 0,
     hidden: int = 0,
+    causal: bool = False,
 ) -> float:
     """FLOPs of one forward of a unit over ``batch`` x ``seq`` tokens.
 
     2 per multiply-add of every weight that multiplies activations (``matmul_params``; not an
-    embedding table, which is a lookup), plus for each attention layer 4 x seq^2 x hidden per
-    sequence (Q K^T and the weighted sum of V, full square; a causal kernel skips about half,
-    which the calibrated efficiency absorbs).
+    embedding table, which is a lookup), plus ``attention_flops`` for its attention layers
+    (the full square, or half of it when ``causal``). The calibrated efficiencies were
+    measured at 2048 tokens, where the full square's extra half is 4% of a width-4096 layer's
+    forward; at 128k tokens it would be 80% of it, so causal models pass ``causal=True``.
     """
     tokens = batch * seq
-    return 2.0 * matmul_params * tokens + 4.0 * attention_layers * batch * seq * seq * hidden
+    attention = attention_flops(
+        batch=batch, seq=seq, attention_layers=attention_layers, hidden=hidden, causal=causal
+    )
+    return 2.0 * matmul_params * tokens + attention
 
 
 def forward_seconds(
@@ -200,6 +224,10 @@ class UnitCost:
         offload_bytes: bytes of its input kept in pinned host memory between forward and
             backward (activation offload of a checkpointed unit; 0: none): one D2H and one
             H2D per training step. See [Note: the step as a pipeline].
+        attention_s: the part of ``forward_s`` that is attention's score and value
+            products (``attention_flops``), whose backward is
+            ``ATTENTION_BACKWARD_PER_FORWARD`` forwards; 0: not known (all of the forward
+            backs up at ``BACKWARD_PER_FORWARD``).
     """
 
     name: str
@@ -211,10 +239,19 @@ class UnitCost:
     deps: tuple[int, ...] = ()
     device_stepped: bool = False
     offload_bytes: int = 0
+    attention_s: float = 0.0
 
     @property
     def host_stepped_params(self) -> int:
         return 0 if self.device_stepped else self.trainable_params
+
+    @property
+    def backward_s(self) -> float:
+        """GPU time of its backward: the matmuls' at ``BACKWARD_PER_FORWARD``, attention's
+        at ``ATTENTION_BACKWARD_PER_FORWARD``, and one more forward when checkpointed."""
+        matmuls = self.forward_s - self.attention_s
+        own = BACKWARD_PER_FORWARD * matmuls + ATTENTION_BACKWARD_PER_FORWARD * self.attention_s
+        return own + (RECOMPUTE_PER_FORWARD * self.forward_s if self.checkpointed else 0.0)
 
 
 @dataclass(frozen=True)
@@ -602,8 +639,7 @@ def predict_step(
                             tag=f"s{s} fetch input {units[m].name}",
                         )
                 deps.append(fetched[j])
-            factor = BACKWARD_PER_FORWARD + (RECOMPUTE_PER_FORWARD if u.checkpointed else 0.0)
-            bwd[j] = g.add("GPU compute", factor * u.forward_s, deps, tag=f"s{s} backward {u.name}")
+            bwd[j] = g.add("GPU compute", u.backward_s, deps, tag=f"s{s} backward {u.name}")
             prev = bwd[j]
             if u.device_stepped and u.trainable_params > 0:
                 opt[j] = g.add(
@@ -644,10 +680,7 @@ def predict_step(
     t0, t1 = ends[-2].end, ends[-1].end
     last_opt = [t for t in opts[-1] if t is not None]
     fwd_s = sum(u.forward_s for u in units)
-    bwd_s = sum(
-        (BACKWARD_PER_FORWARD + (RECOMPUTE_PER_FORWARD if u.checkpointed else 0.0)) * u.forward_s
-        for u in units
-    )
+    bwd_s = sum(u.backward_s for u in units)
     stream_fwd = sum(loads)
     busy = {
         "GPU compute": fwd_s + bwd_s + sum(_device_step_s(u, rates) for u in units),

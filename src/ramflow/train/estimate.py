@@ -351,6 +351,7 @@ def predict_plan_step(
         resident=estimate.plan.resident,
         checkpointed=[s.name for s in shapes if s.block] if estimate.checkpointing else (),
         offload_bytes=estimate.activations.layer_input_bytes if estimate.activation_offload else 0,
+        causal=True,  # the decoder LMs that ``train`` runs
     )
     return predict_step(
         costs,
@@ -402,6 +403,7 @@ def _predict_speed(
         resident=plan.resident,
         checkpointed=blocks if ckpt else (),
         offload_bytes=acts.layer_input_bytes if offload else 0,
+        causal=True,  # the decoder LMs that ``train`` runs
     )
     prediction = predict_step(
         costs,
@@ -417,6 +419,7 @@ def _predict_speed(
     auto = checkpointing == "auto" and not offload
     timing = PlanTiming(
         forward_s=[c.forward_s for c in costs],
+        attention_s=[c.attention_s for c in costs],
         trainable_params=[c.trainable_params for c in costs],
         rates=rates,
         deps=[s.deps for s in shapes],
