@@ -10,7 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "long_context" / "long_context.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+import long_context_report as report  # noqa: E402
+
+GIB = 2**30
 
 
 def test_long_context_smoke_run_writes_its_report(tmp_path: Path) -> None:
@@ -33,5 +40,83 @@ def test_long_context_smoke_run_writes_its_report(tmp_path: Path) -> None:
     assert result["longest"]["offload"]["fits"] == 1024
     assert len(result["toolkit_rows"]) == 2
     md = (tmp_path / "long_context.md").read_text()
-    assert "count attention FLOPs" in md and "| 1024 | offload | yes |" in md
+    assert "count attention FLOPs" in md and "| 1024 | offload | yes | step 2 of 2 |" in md
     assert (tmp_path / "long_context.log").read_text()
+    # every run has the plan's host bytes and the measured peak RSS beside them
+    assert all(r["plan"]["host_bytes"] > 0 and r["peak_host_bytes"] > 0 for r in runs.values())
+    assert all(r["host_available_bytes"] >= r["plan"]["host_bytes"] for r in runs.values())
+    # --merge of the run with itself gives the same runs and one table
+    merged = tmp_path / "merged"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--merge", str(tmp_path / "long_context.json"),
+         str(tmp_path / "long_context.json"), "--out-dir", str(merged)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    again = json.loads((merged / "long_context.json").read_text())
+    assert {(r["mode"], r["seq"]) for r in again["runs"]} == set(runs)
+    assert len(again["runs"]) == len(runs)
+    assert again["longest"] == result["longest"] and again["toolkit_rows"] == result["toolkit_rows"]
+
+
+def _run(mode: str, seq: int, fits, **kw) -> dict:
+    plan = {"device_total_bytes": 40 * GIB, "step_s": 10.0, "host_bytes": 70 * GIB}
+    base = {"mode": mode, "seq": seq, "plan": plan, "fits": fits}
+    if fits:
+        base.update(step_s=kw.pop("step_s", 10.0), peak_gpu_bytes=kw.pop("gpu", 30 * GIB))
+        base.update(steps_run=1, peak_host_bytes=72 * GIB)
+    return {**base, **kw}
+
+
+def test_a_run_over_the_host_ram_counts_as_not_fitting_and_longest_uses_every_run() -> None:
+    runs = [
+        _run("offload", 8192, True),
+        _run("offload", 131072, True),  # a toolkit length, above the ladder's last fit
+        _run("offload", 98304, True),
+        _run("offload", 163840, False, reason="host RAM: plan 140.0 GiB, available 125.0 GiB"),
+        _run("on", 65536, True),
+        _run("on", 131072, False, reason="out of memory", peak_gpu_bytes=65 * GIB),
+        _run("on", 98304, None, skipped="skipped: budget"),
+    ]
+    assert report.longest(runs, "offload", 98304) == {
+        "fits": 131072, "failed": 163840, "predicted": 98304
+    }  # fmt: skip
+    assert report.longest(runs, "on")["fits"] == 65536
+    assert report.longest(runs, "on")["failed"] == 131072
+    assert report.fate(runs[3]) == "no: host RAM: plan 140.0 GiB, available 125.0 GiB"
+
+
+def test_toolkit_rows_say_when_checkpointing_alone_does_not_fit() -> None:
+    runs = [
+        _run("offload", 8192, True, step_s=1.8, gpu=7 * GIB),
+        _run("on", 8192, True, step_s=1.6, gpu=9 * GIB),
+        _run("offload", 131072, True, step_s=52.0, gpu=38 * GIB),
+        _run("on", 131072, False, reason="out of memory", peak_gpu_bytes=65 * GIB),
+        _run("offload", 65536, True),
+        _run("on", 65536, None, skipped="skipped: budget"),
+    ]
+    rows = report.toolkit_rows(runs, [8192, 65536, 131072], "llama-8b", 76 * GIB)
+    assert len(rows) == 3
+    assert "8k tokens" in rows[0] and "| 2.00 GiB | 1800 ms | +12.5% |" in rows[0]
+    assert "checkpointing alone: skipped: budget" in rows[1]
+    assert (
+        "128k tokens (llama-8b, B=1); checkpointing alone: does not fit (out of memory at "
+        in (rows[2])
+    )
+    assert "plan 40.00 GiB of 76.00 GiB free" in rows[2]
+    over = _run("on", 131072, False, reason="out of memory", peak_gpu_bytes=None)
+    assert report.not_fit_reason(over, 30 * GIB) == "plan 40.00 GiB > 30.00 GiB free"
+
+
+def test_merge_keeps_decided_runs_over_skipped_ones_and_refuses_other_models() -> None:
+    meta = {"model": "llama-8b", "host_precision": "lean", "command": "a", "commit": "x"}
+    one = {"meta": meta, "runs": [_run("on", 98304, None, skipped="skipped: budget")],
+           "skipped": ["on at 98304: skipped: budget"]}  # fmt: skip
+    two = {"meta": {**meta, "command": "b", "commit": "y"}, "runs": [_run("on", 98304, True)]}
+    merged = report.merge_results([one, two], [98304])
+    assert [r["fits"] for r in merged["runs"]] == [True]
+    assert merged["skipped"] == [] and merged["meta"]["commands"] == ["a", "b"]
+    assert merged["meta"]["commits"] == ["x", "y"]
+    assert report.merge_results([two, one], [98304])["runs"][0]["fits"] is True
+    with pytest.raises(ValueError, match="different runs"):
+        report.merge_results([one, {**two, "meta": {**meta, "model": "tiny"}}], [98304])

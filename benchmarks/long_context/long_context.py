@@ -14,27 +14,46 @@ the engine's ``BoundaryOffloader.enabled = False``), timed on the host between
 ``torch.cuda.synchronize`` calls.
 
 What runs, in this order, while ``--budget-s`` allows (each run's time is predicted from the
-plan, scaled by what earlier runs measured; a run that would not fit the budget is skipped and
-listed): a warm-up step at a short length; the toolkit lengths (``--toolkit``, default 8k,
-32k and 128k) in both modes; then for each mode, offload first, the ladder (``--ladder``)
-from the plan's predicted longest length upward while it fits, downward from an
-out-of-memory error (lengths already run are not run again). Runs up to 32k time 2 steps (the first one a warm-up),
-longer ones 1 (the first step at a length: its allocations are in it; said in the table).
+plan, scaled by what earlier runs measured, plus the pinned pool's warm-up; a run that would
+not fit the budget is skipped and listed): a warm-up step at a short length; the toolkit
+lengths (``--toolkit``, default 8k, 32k and 128k) in both modes; then for each mode, offload
+first, the ladder (``--ladder``) from the plan's predicted longest length upward while it
+fits, downward from one that does not (lengths already run are not run again).
+
+Before each run the cached pinned blocks are given back (``release_pinned_cache``: another
+length's boundaries, rounded to another power of two, are of no use and would add up), and a
+run whose plan needs more host RAM than is available (``MemoryEstimate.ram_needed_bytes``
+against MemAvailable plus the process's own RSS) is not started: it is recorded as "host RAM:
+plan X GiB, available Y GiB" and counts as not fitting for the ladder. Runs up to 32k time 2
+steps (the second timed), longer ones 1, the first at that length; before an offload run the
+pinned blocks its step will take (the plan's layer inputs, each rounded to a power of two) are
+allocated and freed through PyTorch's caching host allocator (``warm_pinned_pool``), so the
+timed step reuses them as a training run's second step does, instead of paying
+``cudaHostAlloc`` (16 GiB at 64k) inside the timer; the table says which step was timed, and
+the json counts the pinned blocks the timed step still created (``pinned_allocs_in_step``).
 
 Reported per run: step time, tokens/s, model TFLOP/s (6 x matmul parameters x tokens, plus
 attention: 6 x L x D x T per token for causal attention's two products, forward and backward;
 recomputation not counted), peak GPU memory (``max_memory_allocated``) against the plan's
-``device_total_bytes`` for that length and mode, peak host RSS (VmHWM, reset before each
-run), the plan's predicted step (``ramflow.train.estimate.predict_plan_step`` with this run's
-measured matmul and pinned copy rates) and the errors. Then the longest length that fits per
-mode and the memory toolkit's rows (docs/memory.md): what offload saves and costs at each
-toolkit length. Writes ``long_context.json``, ``long_context.md`` and ``long_context.log``
-into ``--out-dir`` after every run.
+``device_total_bytes``, peak host RSS (VmHWM, reset before each run) against the plan's
+``ram_needed_bytes``, the plan's predicted step (``ramflow.train.estimate.predict_plan_step``
+with this run's measured matmul, pinned copy and CPU AdamW rates) and the errors. Then the
+longest length that fits per mode (over every run of it) and the memory toolkit's rows
+(docs/memory.md): what offload saves and costs at each toolkit length, or that checkpointing
+alone does not fit there. Writes ``long_context.json``, ``long_context.md`` and
+``long_context.log`` into ``--out-dir`` after every run (``long_context_report.py`` builds the
+table).
 
 GPU box (H100 80 GB; about 7 minutes, ``--budget-s 420`` by default; the files are rewritten
 after every run, so a time limit still leaves the runs done):
 
     PYTHONUNBUFFERED=1 timeout 475 python3 benchmarks/long_context/long_context.py --out-dir $OUT/long-context
+
+Several runs' results as one report (a (mode, T) in several files: the later one that ran;
+plans recorded before the host figures existed are recomputed):
+
+    python benchmarks/long_context/long_context.py --merge A/long_context.json B/long_context.json \
+        --toolkit 8192,32768,131072 --out-dir DIR
 
 CPU smoke test (seconds): ``python benchmarks/long_context/long_context.py --tiny --out-dir DIR``.
 """
@@ -52,16 +71,16 @@ from datetime import date
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the harness's modules
-sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
+sys.path[:0] = [str(BENCH), str(BENCH / "long_context"), str(BENCH.parent / "src")]
 
+import long_context_report as report  # noqa: E402
 import torch  # noqa: E402
+from long_context_report import GIB, MODES  # noqa: E402
 
 import measure  # noqa: E402
 from measure import matmul_rate, pinned_bandwidth  # noqa: E402
 from models import random_init  # noqa: E402
 
-GIB = 2**30
-MODES = ("offload", "on")
 TINY_LADDER = (128, 256, 512, 1024)
 
 
@@ -95,7 +114,11 @@ def model_flops(cfg, matmul_params: int, tokens: int, seq: int) -> float:
 
 class Plans:
     """The plan's figures for each (mode, T): ``estimate_memory`` with no cap (ramflow's plan
-    streams every unit, as the run's does) and its predicted step at the measured rates."""
+    streams every unit, as the run's does) and its predicted step at the measured rates. The
+    host figure is the whole process's RAM (``MemoryEstimate.ram_needed_bytes``), whose
+    pinned layer inputs ``ActivationProfile.offloaded_bytes(pinned=True)`` rounds up to a
+    power of two each (``_streams.caching_host_block_bytes``) as the caching host allocator
+    takes them; ``pool_block_bytes`` x ``pool_blocks`` is that pool, which the run warms."""
 
     def __init__(self, cfg, rates, matmul: float | None, host_precision: str, device_type: str):
         self.cfg, self.rates, self.matmul = cfg, rates, matmul
@@ -103,6 +126,7 @@ class Plans:
         self._cache: dict[tuple[str, int], dict] = {}
 
     def __call__(self, mode: str, seq: int) -> dict:
+        from ramflow._streams import caching_host_block_bytes
         from ramflow.train.estimate import estimate_memory, predict_plan_step
 
         key = (mode, seq)
@@ -116,10 +140,17 @@ class Plans:
             pred = predict_plan_step(
                 self.cfg, est, timing_rates=self.rates, matmul_flops_per_s=self.matmul
             )
+            offload = est.activation_offload
             self._cache[key] = {
                 "device_total_bytes": est.device_total_bytes,
                 "ramflow_bytes": est.plan.planned_bytes,
+                "host_bytes": est.ram_needed_bytes,
+                "host_pinned_bytes": est.host_pinned_bytes,
                 "host_activation_pinned_bytes": est.host_activation_pinned_bytes,
+                "pool_block_bytes": (
+                    caching_host_block_bytes(est.activations.layer_input_bytes) if offload else 0
+                ),
+                "pool_blocks": len(est.activations.layer_bytes) if offload else 0,
                 "step_s": pred.step_s,
                 "bound": pred.bound,
                 "offload_bytes": pred.offload_bytes,
@@ -129,104 +160,114 @@ class Plans:
 
 def _write(out: Path, result: dict) -> None:
     (out / "long_context.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    (out / "long_context.md").write_text(markdown(result))
+    (out / "long_context.md").write_text(report.markdown(result))
 
 
-def _g(x, scale: float = 1.0, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x / scale, spec)
+def host_ram_available() -> int:
+    """Bytes of RAM this process may hold: what the kernel calls available (MemAvailable,
+    through psutil) plus what the process holds already (VmRSS), since a run's plan counts
+    the whole process (host store, runtime) and not only what it adds."""
+    import psutil
+
+    return psutil.virtual_memory().available + (measure.proc_status_bytes("VmRSS") or 0)
 
 
-def _err(measured, predicted) -> str:
-    return "-" if not measured or not predicted else f"{measured / predicted - 1:+.1%}"
+def release_pinned_cache() -> bool:
+    """Give PyTorch's cached pinned blocks back (``torch.accelerator.empty_host_cache``, or
+    the older ``torch._C._host_emptyCache``): a length's boundaries (rounded to a power of
+    two) are no use to another length, and kept they add up (run 1 of 2026-11-27: 8k, 32k and
+    128k's 42 GiB, and 163840's 64 GiB, over a 125 GiB host). False where neither exists."""
+    gc.collect()
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None
+    )
+    if empty is None:
+        return False
+    empty()
+    return True
 
 
-def markdown(r: dict) -> str:
-    m = r["meta"]
-    lines = [
-        f"# Long context: {m['model']}, full fine-tune, host formats {m['host_precision']}, B=1",
-        "",
-        f"{m['date']}, {m['device']}, torch {m['torch']}, commit {m['commit']}; "
-        f"{m['parameters'] / 1e6:,.1f} M parameters; GPU free at start "
-        f"{_g(m['gpu_free_bytes'], GIB)} GiB; ramflow's share {_g(m['ramflow_share_bytes'], GIB)} "
-        f"GiB (every layer streamed); load {_g(r.get('load_s'), 1, '.1f')} s. Model TFLOP/s "
-        "count attention FLOPs (causal: 6 L D T per token) and no recomputation.",
-        "",
-        "| T | mode | fits | steps run (the last timed) | step s | tokens/s | model TFLOP/s | peak GPU GiB "
-        "(plan, error) | peak host GiB | predicted step s (error) |",
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- |",
-    ]
-    for run in r["runs"]:
-        p = run["plan"]
-        fits = {True: "yes", False: "no: out of memory", None: run.get("skipped", "-")}[run["fits"]]
-        lines.append(
-            f"| {run['seq']} | {run['mode']} | {fits} | {run.get('steps_run', '-')} | "
-            f"{_g(run.get('step_s'), 1, '.2f')} | {_g(run.get('tokens_per_s'), 1, ',.0f')} | "
-            f"{_g(run.get('model_flops_per_s'), 1e12, '.0f')} | "
-            f"{_g(run.get('peak_gpu_bytes'), GIB)} ({_g(p['device_total_bytes'], GIB)}, "
-            f"{_err(run.get('peak_gpu_bytes'), p['device_total_bytes'])}) | "
-            f"{_g(run.get('peak_host_bytes'), GIB, '.1f')} | {_g(p['step_s'], 1, '.2f')} "
-            f"({_err(run.get('step_s'), p['step_s'])}) |"
-        )
-    lines += ["", "Longest sequence that fits:", ""]
-    for mode in MODES:
-        lf = r["longest"].get(mode, {})
-        lines.append(
-            f"- {mode}: {lf.get('fits') or 'none measured'} (predicted {lf.get('predicted')}; "
-            f"first that failed: {lf.get('failed') or 'none tried'})"
-        )
-    lines += ["", "Memory toolkit rows (docs/memory.md):", ""]
-    lines += r.get("toolkit_rows") or ["(none: a length lacks a run in both modes)"]
-    if r.get("skipped"):
-        lines += ["", "Skipped: " + "; ".join(r["skipped"])]
-    lines += ["", f"Command: `{m['command']}`", ""]
-    return "\n".join(lines)
+def pinned_allocs() -> int | None:
+    """Pinned blocks PyTorch's caching host allocator has created so far (``cudaHostAlloc``
+    calls); None without CUDA or without ``torch.cuda.host_memory_stats``."""
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "host_memory_stats"):
+        return None
+    return torch.cuda.host_memory_stats().get("num_host_alloc")
 
 
-def toolkit_rows(runs: list[dict], seqs: list[int], model: str) -> list[str]:
-    """The memory toolkit table's rows: offload against checkpointing alone at each T."""
-    by = {(x["mode"], x["seq"]): x for x in runs if x["fits"] is not None}
-    out = []
-    for seq in seqs:
-        on, off = by.get(("on", seq)), by.get(("offload", seq))
-        if off is None or not off["fits"]:
-            continue
-        length = f"{seq // 1024}k" if seq % 1024 == 0 else str(seq)
-        label = f"activation offload at {length} tokens ({model}, B=1)"
-        if on is None or not on["fits"]:
-            out.append(
-                f"| {label} vs checkpointing alone (out of memory) | "
-                f"{_g(off['peak_gpu_bytes'], GIB)} GiB | - | {off['step_s'] * 1e3:.0f} ms | - |"
-            )
-            continue
-        saved = (
-            on["peak_gpu_bytes"] - off["peak_gpu_bytes"]
-            if on["peak_gpu_bytes"] is not None and off["peak_gpu_bytes"] is not None
-            else None
-        )
-        cost = off["step_s"] / on["step_s"] - 1
-        out.append(
-            f"| {label} vs checkpointing alone ({_g(on['peak_gpu_bytes'], GIB)} GiB, "
-            f"{on['step_s'] * 1e3:.0f} ms) | {_g(off['peak_gpu_bytes'], GIB)} GiB | "
-            f"{_g(saved, GIB)} GiB | {off['step_s'] * 1e3:.0f} ms | {cost:+.1%} |"
-        )
-    return out
+def warm_pinned_pool(block_bytes: int, count: int) -> float:
+    """Allocate ``count`` pinned blocks of ``block_bytes`` at once through PyTorch's caching
+    host allocator (the one ``BoundaryOffloader`` takes its buffers from) and free them: the
+    allocator keeps them, so the step that follows reuses them instead of paying
+    ``cudaHostAlloc`` (0.5 to 1.5 s per GiB on the H100 box) inside the timed step, as a
+    training run's second step does. Seconds taken."""
+    t = time.perf_counter()
+    blocks = [torch.empty(block_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
+    del blocks
+    return time.perf_counter() - t
+
+
+def _rates(pinned: dict, matmul: float | None, cpu_params_per_s: float | None):
+    """``ramflow._predict.Rates`` from the run's measured copy rates and CPU optimizer rate
+    (ramflow's AdamW from torch's fused one, ``rows.measured_rates``' rule); the defaults
+    (the H200 box's) for what was not measured."""
+    from ramflow._predict import Rates
+
+    rates = Rates()
+    if pinned.get("h2d"):
+        rates = dataclasses.replace(
+            rates, h2d_bytes_per_s=pinned["h2d"], d2h_bytes_per_s=pinned["d2h"],
+            both_bytes_per_s=pinned["both"],
+        )  # fmt: skip
+    if cpu_params_per_s:
+        rates = dataclasses.replace(rates, cpu_optimizer_params_per_s=cpu_params_per_s)
+    return rates
+
+
+def merge(paths: list[str], out: Path, toolkit: list[int] | None) -> int:
+    """``--merge``: several runs' ``long_context.json`` as one report in ``out``. Runs
+    recorded before the plan had host figures get their plan recomputed by this code at the
+    run's recorded rates (the meta says so)."""
+    results = [json.loads(Path(x).read_text()) for x in paths]
+    lengths = toolkit or sorted({t for x in results for t in x["meta"].get("toolkit", [])})
+    merged = report.merge_results(results, lengths or [8192, 32768, 131072])
+    meta = merged["meta"]
+    stale = [x for x in merged["runs"] if "host_bytes" not in x["plan"]]
+    if stale:
+        from harness import _commit
+
+        cfg = model_config(meta["model"] == "tiny", max(x["seq"] for x in merged["runs"]))
+        rates = _rates(meta["pinned"], meta["matmul_flops_per_s"], meta.get("cpu_params_per_s"))
+        plans = Plans(cfg, rates, meta["matmul_flops_per_s"], meta["host_precision"], "cuda")
+        for run in stale:
+            run["plan"] = plans(run["mode"], run["seq"])
+        meta["plans_recomputed"] = f"{len(stale)} runs' plans recomputed at commit {_commit()}"
+        meta["commits"].append(f"plans {_commit()}")
+    out.mkdir(parents=True, exist_ok=True)
+    _write(out, merged)
+    print((out / "long_context.md").read_text())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", required=True)
     p.add_argument("--ladder", default="32768,65536,98304,131072,163840")
-    p.add_argument("--toolkit", default="8192,32768,131072", help="lengths of the table rows")
+    p.add_argument("--toolkit", default=None, help="lengths of the table rows (8192,32768,131072)")
     p.add_argument("--host-precision", default="lean")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting runs after this")
     p.add_argument("--tiny", action="store_true", help="a 2-layer Llama on the CPU (smoke test)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge these runs' json, run nothing")
     args = p.parse_args(argv)
+    out = Path(args.out_dir)
+    toolkit_arg = sorted(int(x) for x in args.toolkit.split(",")) if args.toolkit else None
+    if args.merge:
+        return merge(args.merge, out, toolkit_arg)
     t_start = time.perf_counter()
     ladder = sorted(int(x) for x in args.ladder.split(","))
-    toolkit = sorted(int(x) for x in args.toolkit.split(","))
+    toolkit = toolkit_arg or [8192, 32768, 131072]
     if args.tiny:
         ladder, toolkit = list(TINY_LADDER), [128, 512]
-    out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "long_context.log", "a")  # noqa: SIM115 (open for the whole run)
 
@@ -235,9 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         log.write(msg + "\n")
         log.flush()
 
+    import psutil
+
     import ramflow
     from harness import _commit
-    from ramflow._predict import Rates
+    from ramflow._predict import ramflow_adamw_rate
     from ramflow.memory import CheckpointOffload
     from ramflow.train.loss import chunk_lm_head, lm_loss
 
@@ -246,12 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_config(args.tiny, max(ladder + toolkit))
     matmul = matmul_rate(device)
     bw = pinned_bandwidth(device)
-    rates = Rates()
-    if bw["h2d"]:
-        rates = dataclasses.replace(
-            rates, h2d_bytes_per_s=bw["h2d"], d2h_bytes_per_s=bw["d2h"], both_bytes_per_s=bw["both"]
-        )
-    plans = Plans(cfg, rates, matmul, args.host_precision, device.type)
+    cpu_rate = ramflow_adamw_rate(measure.cpu_adamw_rate(1 << 27)) if cuda else None
+    plans = Plans(cfg, _rates(bw, matmul, cpu_rate), matmul, args.host_precision, device.type)
     free = torch.cuda.mem_get_info(device)[0] if cuda else None
     from transformers import AutoModelForCausalLM
 
@@ -270,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "commit": _commit(),
             "model": "tiny" if args.tiny else "llama-8b", "parameters": n_params,
             "host_precision": args.host_precision, "gpu_free_bytes": free,
+            "host_ram_bytes": psutil.virtual_memory().total,
             "ramflow_share_bytes": share, "matmul_flops_per_s": matmul, "pinned": bw,
+            "cpu_params_per_s": cpu_rate, "toolkit": toolkit, "ladder": ladder,
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
         },
         "runs": [], "longest": {}, "skipped": [],
@@ -288,8 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     opt = ramflow.optim.AdamW(model.parameters(), lr=1e-5, keep_grads=False)
     gen = torch.Generator().manual_seed(0)
     # measured over predicted step times so far: the budget scales predictions by the
-    # largest (1.2 before any run has said)
+    # largest (1.2 before any run has said); the pool's warm-up by its measured s/GiB
     ratios: list[float] = []
+    warm_s_per_gib: list[float] = []
 
     def step(seq: int) -> None:
         ids_BT = torch.randint(0, cfg.vocab_size, (1, seq), generator=gen).to(device)
@@ -305,8 +347,10 @@ def main(argv: list[str] | None = None) -> int:
         plan = plans(mode, seq)
         steps = 2 if seq <= 32768 or args.tiny else 1
         record = {"mode": mode, "seq": seq, "plan": plan, "fits": None}
+        pool_bytes = plan["pool_block_bytes"] * plan["pool_blocks"] if cuda else 0
         left = args.budget_s - (time.perf_counter() - t_start)
-        need = steps * plan["step_s"] * max(ratios, default=1.2)
+        warm = pool_bytes / GIB * max(warm_s_per_gib, default=1.0)
+        need = steps * plan["step_s"] * max(ratios, default=1.2) + warm
         if cuda and need > left:
             record["skipped"] = f"skipped: about {need:.0f} s left {left:.0f} s of the budget"
             result["skipped"].append(f"{mode} at {seq}: {record['skipped']}")
@@ -315,16 +359,35 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+            record["pinned_cache_released"] = release_pinned_cache()
+        available = host_ram_available()
+        record["host_available_bytes"] = available
+        if plan["host_bytes"] > available:
+            record.update(
+                fits=False,
+                reason=f"host RAM: plan {plan['host_bytes'] / GIB:.1f} GiB, available "
+                f"{available / GIB:.1f} GiB",
+            )
+            say(f"{mode} at {seq}: not started ({record['reason']})")
+            return record
+        if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         measure.reset_peak_rss()
+        if pool_bytes:  # See warm_pinned_pool: the timed step reuses these blocks
+            record["pool_bytes"] = pool_bytes
+            record["pool_warm_s"] = warm_pinned_pool(plan["pool_block_bytes"], plan["pool_blocks"])
+            warm_s_per_gib.append(record["pool_warm_s"] / (pool_bytes / GIB))
         times = []
         try:
             for _ in range(steps):
+                allocs = pinned_allocs()
                 t = time.perf_counter()
                 step(seq)
                 times.append(time.perf_counter() - t)
+                if allocs is not None:
+                    record["pinned_allocs_in_step"] = pinned_allocs() - allocs
         except torch.OutOfMemoryError as err:
-            record.update(fits=False, error=str(err).splitlines()[0])
+            record.update(fits=False, reason="out of memory", error=str(err).splitlines()[0])
         else:
             record.update(fits=True, step_s=times[-1], steps_run=steps, first_step_s=times[0])
             record["tokens_per_s"] = seq / times[-1]
@@ -342,16 +405,13 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{mode} at {seq}: {fate}")
         return record
 
-    def record(r: dict) -> dict:
-        result["runs"].append(r)
-        _write(out, result)
-        return r
-
     done: dict[tuple[str, int], dict] = {}
 
     def once(mode: str, seq: int) -> dict:
         if (mode, seq) not in done:
-            done[(mode, seq)] = record(run(mode, seq))
+            done[(mode, seq)] = run(mode, seq)
+            result["runs"].append(done[(mode, seq)])
+            _write(out, result)
         return done[(mode, seq)]
 
     step(min(ladder + toolkit) // 4 or 1)  # warm-up: kernels, allocator, the host worker
@@ -364,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         start = predicted[-1] if predicted else ladder[0]
         fits, failed = None, None
         k = ladder.index(start)
-        while 0 <= k < len(ladder):
+        while 0 <= k < len(ladder):  # a run that does not fit, for the GPU or the host RAM
             r = once(mode, ladder[k])
             if r["fits"] is None:
                 break
@@ -378,11 +438,13 @@ def main(argv: list[str] | None = None) -> int:
                 if fits is not None:
                     break
                 k -= 1
-        result["longest"][mode] = {
-            "fits": fits, "failed": failed, "predicted": predicted[-1] if predicted else None
-        }  # fmt: skip
+        result["longest"][mode] = report.longest(
+            result["runs"], mode, predicted[-1] if predicted else None
+        )
         _write(out, result)
-    result["toolkit_rows"] = toolkit_rows(result["runs"], toolkit, result["meta"]["model"])
+    result["toolkit_rows"] = report.toolkit_rows(
+        result["runs"], toolkit, result["meta"]["model"], free
+    )
     result["total_s"] = time.perf_counter() - t_start
     _write(out, result)
     say((out / "long_context.md").read_text())
