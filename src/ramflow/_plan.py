@@ -425,10 +425,8 @@ class PlanTiming:
     Per-unit sequences are in the plan's unit order.
 
     Attributes:
-        forward_s: GPU time of each unit's forward, seconds (measured, or
-            ``_predict.forward_seconds`` of its FLOPs).
-        attention_s: per unit, the part of ``forward_s`` that is attention's products
-            (``_predict.UnitCost.attention_s``); None: not known (0).
+        forward_s, attention_s: GPU time of each unit's forward and attention's part of it
+            (``UnitCost.attention_s``; None: 0), seconds (measured, or ``forward_seconds``).
         trainable_params: parameters of each unit that the CPU optimizer steps.
         rates: the machine's copy rates and CPU optimizer rate.
         mode: ``"train"`` or ``"infer"`` (forward only: no checkpointing, no optimizer).
@@ -672,12 +670,9 @@ def _timed_plan(
 ) -> OffloadPlan:
     """See [Note: the timed planner]."""
     n = len(unit_names)
-    for what, seq in (
-        ("forward_s", timing.forward_s),
-        ("attention_s", timing.attention_s if timing.attention_s is not None else [0.0] * n),
-        ("trainable_params", timing.trainable_params),
-    ):
-        if len(seq) != n:
+    for what in ("forward_s", "attention_s", "trainable_params"):
+        seq = getattr(timing, what)
+        if seq is not None and len(seq) != n:
             raise ValueError(f"timing.{what} has {len(seq)} entries for {n} units")
     index = {name: i for i, name in enumerate(unit_names)}
     fixed_ckpt = None
@@ -753,7 +748,7 @@ def _timed_plan(
                     checkpointed=i in ckpt,
                     deps=tuple(deps[i]),
                     offload_bytes=timing.offload_bytes(i, ckpt),
-                    attention_s=timing.attention_s[i] if timing.attention_s is not None else 0.0,
+                    attention_s=timing.attention_s[i] if timing.attention_s else 0.0,
                 )
                 for i in range(n)
             ]
