@@ -51,6 +51,7 @@ CPU smoke test (tiny Flux, all cases; RamTorch's is skipped where it is not inst
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import platform
@@ -189,6 +190,8 @@ def run_case(args: argparse.Namespace) -> dict:
         forward, opt = _ramtorch(cfg, device)
     rec["num_params"] = sum(p.numel() for p in opt.param_groups[0]["params"])
     rec["setup_s"] = time.perf_counter() - t0
+    print(f"{args.case}: set up in {rec['setup_s']:.1f} s", file=sys.stderr, flush=True)
+    done = [0]
     rec["rss_after_setup_bytes"] = _vm("VmRSS")
 
     def step() -> None:
@@ -205,6 +208,9 @@ def run_case(args: argparse.Namespace) -> dict:
                 F.mse_loss(pred.float(), target.float()).backward()
         opt.step()
         opt.zero_grad()
+        done[0] += 1  # progress on stderr: a case cut by the budget still says how far it got
+        print(f"{args.case}: step {done[0]} queued at {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     rec.update(measure.time_steps(step, device=device, warmup=args.warmup, steps=args.steps,
                                   drain=drain))  # fmt: skip
@@ -328,6 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--cases: unknown {sorted(unknown)}; choose from {CASES}")
     if args.case:
+        # a case that hangs (a lost CUDA context does) prints its Python stacks before the
+        # parent's timeout kills it
+        deadline = float(os.environ.get("DIT_CASE_TIMEOUT_S", "0"))
+        if deadline > 30:
+            faulthandler.dump_traceback_later(deadline - 15, exit=False)
         print("RESULT " + json.dumps(run_case(args), default=str), flush=True)
         return 0
 
@@ -347,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         rec = {"case": case}
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                       "DIT_CASE_TIMEOUT_S": f"{left:.0f}"})  # fmt: skip
             log.write(proc.stdout + proc.stderr)
             found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if found:
@@ -357,7 +369,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
                 rec["error"] = f"exit {proc.returncode}: {' '.join(tail)}"
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as err:
+            for out in (err.stdout, err.stderr):  # what the case printed before the kill
+                if out:
+                    log.write(out.decode(errors="replace") if isinstance(out, bytes) else out)
             rec["error"] = f"timed out after {left:.0f} s (--budget-s)"
         log.flush()
         print(json.dumps({k: rec.get(k) for k in ("case", "step_s", "peak_bytes", "error",
