@@ -144,7 +144,7 @@ def test_trains_as_torch_muon_with_eager_steps_and_a_state_round_trip(device, mu
                 assert (mine[name] - value.cpu()).norm() <= 0.1 * value.norm().cpu(), name
     if device.type == "cuda":  # the iteration ran on the GPU, none on the CPU
         assert [d.type for d in opt._orthogonalizers] == ["cuda"]
-        assert all(o._stream is not None for o in opt._orthogonalizers.values())
+        assert all(o._streams is not None for o in opt._orthogonalizers.values())
 
 
 def test_gradient_accumulation_steps_the_summed_gradients(device):

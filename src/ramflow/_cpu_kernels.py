@@ -241,7 +241,12 @@ _NATIVE = _NativeKernel()
 
 # package data beside this module, compiled as one translation unit in this order (the lean
 # step uses the fp32 kernel's helpers)
-_SOURCES = ("_cpu_kernels.cpp", "_lean_kernels.cpp", "_lean_kernels_avx512.cpp")
+_SOURCES = (
+    "_cpu_kernels.cpp",
+    "_lean_kernels.cpp",
+    "_lean_kernels_avx512.cpp",
+    "_muon_kernels.cpp",
+)
 _CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 

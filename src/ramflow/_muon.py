@@ -54,7 +54,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._cpu_kernels import _check_threads
 from ._host_optimizer import HostOptimizer
+from ._muon_kernels import muon_apply_, muon_blend_
 from ._registry import engine_of_param
 from ._streams import record_event
 
@@ -85,29 +87,45 @@ class _Orthogonalized(NamedTuple):
 
 class _Orthogonalizer:
     """Runs the Newton-Schulz iteration of host matrices on one device. See [Note: Muon's
-    orthogonalization on the device]. On CUDA its copies and kernels run on a stream of
-    its own, created on first use, beside the backward pass on the compute stream."""
+    orthogonalization on the device]. On CUDA the upload, the iteration and the download
+    run on three streams of its own, created on first use, beside the backward pass on
+    the compute stream, so that one matrix's copies overlap another's iteration."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._stream: torch.cuda.Stream | None = None
+        self._streams: tuple[torch.cuda.Stream, ...] | None = None
+
+    def blend_buffer(self, shape: torch.Size) -> torch.Tensor:
+        """A host bf16 buffer of ``shape`` for a blend to orthogonalize: pinned (from
+        PyTorch's caching host allocator) when the iteration runs on CUDA, so the upload
+        is a DMA from where the blend was written."""
+        return torch.empty(shape, dtype=torch.bfloat16, pin_memory=self.device.type == "cuda")
 
     def submit(self, blend: torch.Tensor, *, ns_steps: int) -> _Orthogonalized:
         """Start the orthogonalization of ``blend`` (2-D, bf16, contiguous; on the host, or
         already on this device for a parameter that is not offloaded)."""
         coefficients = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
         if self.device.type != "cuda" or blend.device.type == "cuda":
-            return _Orthogonalized(_newton_schulz(blend, coefficients, ns_steps, EPS), None, ())
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        src = blend.pin_memory()
-        with torch.cuda.stream(self._stream), torch.profiler.record_function("ramflow.muon_ns"):
-            orthogonal = _newton_schulz(
-                src.to(self.device, non_blocking=True), coefficients, ns_steps, EPS
-            )
+            orthogonal = _newton_schulz(blend, coefficients, ns_steps, EPS)
+            if orthogonal.device.type == "cpu":  # a tall matrix's comes back transposed
+                orthogonal = orthogonal.contiguous()  # for the one-pass update
+            return _Orthogonalized(orthogonal, None, ())
+        if self._streams is None:
+            self._streams = tuple(torch.cuda.Stream(self.device) for _ in range(3))
+        h2d, work, d2h = self._streams
+        src = blend.pin_memory()  # itself when pinned (``blend_buffer``)
+        with torch.cuda.stream(h2d):
+            staged = src.to(self.device, non_blocking=True)
+        work.wait_stream(h2d)
+        staged.record_stream(work)
+        with torch.cuda.stream(work), torch.profiler.record_function("ramflow.muon_ns"):
+            orthogonal = _newton_schulz(staged, coefficients, ns_steps, EPS)
+        d2h.wait_stream(work)
+        orthogonal.record_stream(d2h)
+        with torch.cuda.stream(d2h):
             out = torch.empty(orthogonal.shape, dtype=orthogonal.dtype, pin_memory=True)
             out.copy_(orthogonal, non_blocking=True)
-            event = record_event(self._stream)
+            event = record_event(d2h)
         return _Orthogonalized(out, event, (src,))
 
 
@@ -143,6 +161,9 @@ class Muon(HostOptimizer):
         adamw_betas, adamw_eps: AdamW's (their ``betas`` and ``eps`` keys). The defaults
             (0.9, 0.95) and 1e-8 are Moonlight's and the Muon reference's.
         overlap: as for ``ramflow.optim.AdamW``.
+        threads: CPU threads of the host passes over offloaded matrices (the blend and
+            the update, ``_muon_kernels``), an int >= 1; None (the default) is
+            ``torch.get_num_threads()``. The result does not depend on it.
 
     State per parameter, fp32 on the host (plain tensors of the parameter's shape, not
     the units' flat buffers: no flat step reads them): Muon matrices ``momentum_buffer``;
@@ -154,6 +175,7 @@ class Muon(HostOptimizer):
     Raises:
         ValueError: an out-of-range setting, a parameter of a ``use_muon=True`` group that
             is not 2-D, or PyTorch without ``torch.optim.Muon`` (< 2.9).
+        TypeError: ``threads`` is not an int or None.
     """
 
     def __init__(
@@ -170,7 +192,10 @@ class Muon(HostOptimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         overlap: bool = True,
+        threads: int | None = None,
     ) -> None:
+        _check_threads(threads)
+        self.threads = threads
         if _newton_schulz is None:
             raise ValueError(
                 f"ramflow.optim.Muon uses torch.optim.Muon's iteration, which this PyTorch "
@@ -257,33 +282,46 @@ class Muon(HostOptimizer):
         """One Muon step of ``params`` (host masters or plain parameters), pipelined: the
         blend of a matrix and the update of the one before run on the host while the
         device orthogonalizes. See [Note: Muon's orthogonalization on the device]."""
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        mu = group["momentum"]
         in_flight: tuple[torch.Tensor, _Orthogonalized] | None = None
         for p, g in zip(params, grads):
             st = self.state[p]
             if not st:
                 st[MOMENTUM] = self._zeros(p)
             buf = st[MOMENTUM]
-            if g.dtype != buf.dtype:
-                g = g.to(buf.dtype)
-            buf.lerp_(g, 1 - mu)
-            blend = g.lerp(buf, mu) if group["nesterov"] else buf
-            job = self._orthogonalizer(p).submit(
-                blend.bfloat16().contiguous(), ns_steps=group["ns_steps"]
-            )
+            orthogonalizer = self._orthogonalizer(p)
+            if _on_host(buf, torch.float32) and _on_host(g, torch.float32):
+                blend = orthogonalizer.blend_buffer(p.shape)
+                muon_blend_(
+                    buf, g, blend, momentum_coef=mu, nesterov=group["nesterov"],
+                    num_threads=self.threads,
+                )  # fmt: skip
+            else:
+                if g.dtype != buf.dtype:
+                    g = g.to(buf.dtype)
+                buf.lerp_(g, 1 - mu)
+                blend = (g.lerp(buf, mu) if group["nesterov"] else buf).bfloat16().contiguous()
+            job = orthogonalizer.submit(blend, ns_steps=group["ns_steps"])
             if in_flight is not None:
-                self._apply(*in_flight, lr=lr, wd=wd, adjust=group["adjust_lr_fn"])
+                self._apply(*in_flight, group)
             in_flight = (p, job)
         if in_flight is not None:
-            self._apply(*in_flight, lr=lr, wd=wd, adjust=group["adjust_lr_fn"])
+            self._apply(*in_flight, group)
 
-    @staticmethod
-    def _apply(p: torch.Tensor, job: _Orthogonalized, *, lr: float, wd: float, adjust: str) -> None:
+    def _apply(self, p: torch.Tensor, job: _Orthogonalized, group: dict[str, Any]) -> None:
         """``p <- p * (1 - lr * wd) - lr_adj * O``, as ``torch.optim.Muon`` (the bf16
         ``O`` is added in ``p``'s dtype)."""
+        lr, wd = group["lr"], group["weight_decay"]
+        adjusted = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
         orthogonal = job.result()
+        if _on_host(p, torch.float32) and _on_host(orthogonal, torch.bfloat16):
+            muon_apply_(
+                p, orthogonal, lr=lr, weight_decay=wd, adjusted_lr=adjusted,
+                num_threads=self.threads,
+            )  # fmt: skip
+            return
         p.mul_(1 - lr * wd)
-        p.add_(orthogonal.to(p.device), alpha=-_adjust_lr(lr, adjust, p.shape))
+        p.add_(orthogonal.to(p.device), alpha=-adjusted)
 
     def _orthogonalizer(self, p: torch.Tensor) -> _Orthogonalizer:
         """The orthogonalizer of the device ``p`` is computed on: its engine's for an
@@ -325,6 +363,12 @@ class Muon(HostOptimizer):
         for name, value in list((st or {}).items()):
             if name != "step" and isinstance(value, torch.Tensor):
                 st[name] = value.to("cpu", torch.float32, copy=True)
+
+
+def _on_host(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the one-pass host kernels (``_muon_kernels``) take ``t`` as a ``dtype``
+    operand: contiguous, on the CPU; for other tensors PyTorch's ops run."""
+    return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
 
 
 def muon_param_groups(model: torch.nn.Module, *, weight_decay: float = 0.1) -> list[dict[str, Any]]:
