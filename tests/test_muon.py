@@ -314,9 +314,10 @@ def test_zero_ranks_orthogonalize_the_matrices_of_the_units_they_own(tmp_path, z
 
 @pytest.mark.gpu
 def test_the_device_iteration_is_torchs_on_the_device_bit_for_bit():
-    """``_Orthogonalizer`` on CUDA (pinned H2D, the iteration on its stream, D2H, an event
+    """``_Orthogonalizer`` on CUDA (H2D, the iteration and D2H on three streams, an event
     the host waits on) gives ``torch.optim.Muon``'s function on the device, bit for bit,
-    for several matrices in flight, each read as soon as it is submitted or later."""
+    for several matrices in flight (a missing wait between the streams reads a half-copied
+    input or result), each read as soon as it is submitted or later."""
     from ramflow._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _newton_schulz, _Orthogonalizer
 
     device = torch.device("cuda")
@@ -324,7 +325,11 @@ def test_the_device_iteration_is_torchs_on_the_device_bit_for_bit():
     gen = torch.Generator().manual_seed(0)
     shapes = [(2048, 1024), (1024, 2048), (1536, 1536)] * 2
     mats = [torch.randn(r, c, generator=gen).bfloat16() for r, c in shapes]
-    jobs = [orth.submit(x.clone(), ns_steps=5) for x in mats]
+    jobs = []
+    for k, x in enumerate(mats):  # half from pinned blend buffers, as the optimizer's
+        src = orth.blend_buffer(x.shape) if k % 2 else torch.empty_like(x)
+        assert src.is_pinned() == bool(k % 2)
+        jobs.append(orth.submit(src.copy_(x), ns_steps=5))
     jobs.append(orth.submit(mats[0].clone(), ns_steps=5).result())  # read at once
     for x, job in zip([*mats, mats[0]], jobs):
         got = job if isinstance(job, torch.Tensor) else job.result()

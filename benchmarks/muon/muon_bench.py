@@ -11,7 +11,9 @@ Three parts, one process, written to ``--out-dir`` as ``muon.json``, ``muon.md``
    (host fp32 masters and gradients; blend on the host, iteration on the device, apply
    on the host; ``ramflow.optim.Muon``), split into its host and device parts, against
    AdamW over the same tensors (PyTorch's fused CPU AdamW, what ramflow's AdamW runs for
-   plain parameters; its native one-pass kernel for offloaded units is faster).
+   plain parameters; its native one-pass kernel for offloaded units is faster), and the
+   host parts as ``torch.optim.Muon``'s ops compute them. With ``--device cpu`` only the
+   host parts (the ratio to fused AdamW is the figure that carries between machines).
 3. ``train``: a Llama of ``--layers`` layers of the 8B's width offloaded with ramflow
    (bf16 wire, fp32 masters, ``--gpu-memory``), ``--steps`` steps of ``--batch`` x
    ``--seq`` tokens with ``ramflow.optim.Muon`` and with ``ramflow.optim.AdamW``, and the
@@ -23,9 +25,11 @@ GPU box (H100/H200, 16 cores; about 4 minutes):
 
     PYTHONUNBUFFERED=1 python3 benchmarks/muon/muon_bench.py --out-dir $OUT/muon
 
-CPU smoke test (tiny shapes, a few seconds):
+CPU smoke test (tiny shapes, a few seconds), and the host parts of the real layer
+on a development machine (about 6 GB of RAM, a minute on 2 cores):
 
     python benchmarks/muon/muon_bench.py --device cpu --tiny --out-dir /tmp/muon-smoke
+    python benchmarks/muon/muon_bench.py --device cpu --parts layer --out-dir /tmp/muon-host
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ LLAMA_8B_LAYER = [
 ]
 TINY_LAYER = [("q_proj", 64, 64), ("k_proj", 32, 64), ("up_proj", 128, 64), ("down_proj", 64, 128)]
 LOG: list[str] = []
+PARTS = ("ns", "layer", "train")
+# DRAM bytes per element of each host part of ``layer`` (reads + writes)
+BYTES_PER_ELEMENT = dict(blend=14, apply=10, adamw_fused_cpu=28, copy=8)
 
 
 def say(line: str) -> None:
@@ -125,58 +132,94 @@ def part_ns(device: torch.device, shapes, *, repeat: int) -> dict:
 
 
 def part_layer(device: torch.device, shapes, *, repeat: int) -> dict:
-    """One layer's Muon step over host tensors, and its parts, against fused CPU AdamW."""
+    """One layer's Muon step over host tensors, and its parts, against fused CPU AdamW.
+
+    Host parts, each over the layer's matrices: ``blend`` (ramflow's one-pass blend into
+    the buffers the device reads), ``apply`` (its one-pass update), and, for comparison,
+    the same arithmetic as ``torch.optim.Muon``'s ops (``torch_ops_*``: what ramflow ran
+    before). ``device``: every matrix's upload, iteration and download in flight at once,
+    read at the end. The whole step and the device part need CUDA (the iteration of a
+    whole layer on the CPU takes minutes): with ``--device cpu`` only the host parts run.
+    """
+    from ramflow._muon_kernels import muon_apply_, muon_blend_, muon_kernel_available
+
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(r, c, generator=gen) * 0.02) for _, r, c in shapes]
     grads = [torch.randn(p.shape, generator=gen) * 1e-3 for p in params]
     for p, g in zip(params, grads):
         p.grad = g
     numel = sum(p.numel() for p in params)
-    muon = ramflow.optim.Muon([{"params": params, "use_muon": True}], lr=1e-4)
     orth = _Orthogonalizer(device)
-    muon._orthogonalizer = lambda p: orth  # as for an offloaded unit on ``device``
-    whole = timed(muon.step, device, repeat=repeat)
-    bufs = [muon.state[p]["momentum_buffer"] for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    blends = [orth.blend_buffer(p.shape) for p in params]
+    outs = [torch.randn(p.shape).bfloat16() for p in params]
 
     def blend():
+        for g, b, u in zip(grads, bufs, blends):
+            muon_blend_(b, g, u, momentum_coef=0.95, nesterov=True)
+
+    def apply():
+        for p, o in zip(params, outs):
+            muon_apply_(p.data, o, lr=1e-4, weight_decay=0.1, adjusted_lr=1e-4)
+
+    def torch_ops_blend():
         for g, b in zip(grads, bufs):
             b.lerp_(g, 0.05)
             g.lerp(b, 0.95).bfloat16()
 
-    blends = [g.bfloat16() for g in grads]
-
-    def device_part():
-        for x in blends:
-            orth.submit(x.clone(), ns_steps=5).result()
-
-    outs = [torch.randn(p.shape).bfloat16() for p in params]
-
-    def apply():
+    def torch_ops_apply():
         for p, o in zip(params, outs):
             p.data.mul_(1 - 1e-5)
             p.data.add_(o, alpha=-1e-4)
 
-    t_blend = statistics.median(timed(blend, device, repeat=repeat))
-    t_dev = statistics.median(timed(device_part, device, repeat=repeat))
-    t_apply = statistics.median(timed(apply, device, repeat=repeat))
+    copies = [torch.empty_like(g) for g in grads]
+
+    def copy():  # the DRAM yardstick: 8 bytes per element
+        for g, c in zip(grads, copies):
+            c.copy_(g)
+
+    def device_part():
+        jobs = [orth.submit(u, ns_steps=5) for u in blends]
+        for job in jobs:
+            job.result()
+
+    out = dict(params=numel, native=muon_kernel_available(), threads=torch.get_num_threads())
+    # the parts take turns, round by round, so a neighbour's load falls on all alike
+    parts = dict(blend=blend, apply=apply, torch_ops_blend=torch_ops_blend,
+                 torch_ops_apply=torch_ops_apply, copy=copy)  # fmt: skip
     adamw = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    t_adamw = statistics.median(timed(adamw.step, device, repeat=repeat))
-    t = statistics.median(whole)
-    out = dict(
-        params=numel,
-        muon_ms=t * 1e3,
-        muon_gparams_per_s=numel / t / 1e9,
-        blend_ms=t_blend * 1e3,
-        device_roundtrip_ms=t_dev * 1e3,
-        apply_ms=t_apply * 1e3,
-        adamw_fused_cpu_ms=t_adamw * 1e3,
-        threads=torch.get_num_threads(),
-    )
+    parts["adamw_fused_cpu"] = adamw.step
+    if device.type == "cuda":
+        muon = ramflow.optim.Muon([{"params": params, "use_muon": True}], lr=1e-4)
+        muon._orthogonalizer = lambda p: orth  # as for an offloaded unit on ``device``
+        parts["muon"] = muon.step
+        parts["device_roundtrip"] = device_part
+    times: dict[str, list[float]] = {k: [] for k in parts}
+    for fn in parts.values():
+        timed(fn, device, repeat=0)  # warm-up: pages, pinned blocks, the library
+    for _ in range(repeat):
+        for name, fn in parts.items():
+            times[name] += timed(fn, device, repeat=1, warmup=0)
+    for name, ts in times.items():
+        out[f"{name}_ms"] = statistics.median(ts) * 1e3
+    for name, nbytes in BYTES_PER_ELEMENT.items():
+        out[f"{name}_gb_per_s"] = numel * nbytes / out[f"{name}_ms"] * 1e-6
+    out["host_ms"] = out["blend_ms"] + out["apply_ms"]
+    out["torch_ops_host_ms"] = out["torch_ops_blend_ms"] + out["torch_ops_apply_ms"]
     say(
-        f"layer ({numel / 1e6:.0f} M params): Muon {t * 1e3:.0f} ms = blend {t_blend * 1e3:.0f}"
-        f" + device round trip {t_dev * 1e3:.0f} + apply {t_apply * 1e3:.0f} (pipelined);"
-        f" fused CPU AdamW {t_adamw * 1e3:.0f} ms"
+        f"layer ({numel / 1e6:.0f} M params, {out['threads']} threads, native "
+        f"{out['native']}): host blend {out['blend_ms']:.0f} ms + apply {out['apply_ms']:.0f}"
+        f" ({out['blend_gb_per_s']:.0f} and {out['apply_gb_per_s']:.0f} GB/s; copy "
+        f"{out['copy_gb_per_s']:.0f}, AdamW {out['adamw_fused_cpu_gb_per_s']:.0f} GB/s)"
+        f" (torch.optim.Muon's ops: {out['torch_ops_blend_ms']:.0f} + "
+        f"{out['torch_ops_apply_ms']:.0f}); fused CPU AdamW {out['adamw_fused_cpu_ms']:.0f} ms;"
+        f" host / AdamW {out['host_ms'] / out['adamw_fused_cpu_ms']:.2f} (torch ops "
+        f"{out['torch_ops_host_ms'] / out['adamw_fused_cpu_ms']:.2f})"
     )
+    if "muon_ms" in out:
+        out["muon_gparams_per_s"] = numel / out["muon_ms"] * 1e-6
+        say(f"layer: whole Muon step {out['muon_ms']:.0f} ms, device round trip of all "
+            f"matrices {out['device_roundtrip_ms']:.0f} ms")  # fmt: skip
     return out
 
 
@@ -296,25 +339,43 @@ def part_train(device: torch.device, args) -> dict:
 
 def report(result: dict) -> str:
     lines = [f"# Muon under offload ({result['meta']['device']}, {result['meta']['date']})", ""]
-    lines += ["## Newton-Schulz (bf16, 5 steps) per matrix of a Llama-3-8B layer", "",
-              "| matrix | shape | ms | TFLOP/s | extra device memory |", "|---|---|---|---|---|"]  # fmt: skip
-    for r in result["ns"]["device"]:
-        extra = "-" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.0f} MiB"
-        lines.append(f"| {r['matrix']} | {r['shape'][0]}x{r['shape'][1]} | {r['ms']:.2f} | "
-                     f"{r['tflops']:.1f} | {extra} |")  # fmt: skip
-    c = result["ns"]["cpu"]
-    lines += ["", f"On the host CPU ({c['threads']} threads), {c['shape'][0]}x{c['shape'][1]}: "
-              f"{c['ms']:.0f} ms.", ""]  # fmt: skip
-    la = result["layer"]
-    lines += [
-        "## One layer's step over host tensors", "",
-        "| params | Muon (ms) | blend | device round trip | apply | fused CPU AdamW (ms) |",
-        "|---|---|---|---|---|---|",
-        f"| {la['params'] / 1e6:.0f} M | {la['muon_ms']:.0f} | {la['blend_ms']:.0f} | "
-        f"{la['device_roundtrip_ms']:.0f} | {la['apply_ms']:.0f} | {la['adamw_fused_cpu_ms']:.0f} |",
-        "",
-    ]  # fmt: skip
-    tr = result["train"]
+    if "ns" in result:
+        lines += ["## Newton-Schulz (bf16, 5 steps) per matrix of a Llama-3-8B layer", "",
+                  "| matrix | shape | ms | TFLOP/s | extra device memory |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for r in result["ns"]["device"]:
+            extra = (
+                "-" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.0f} MiB"
+            )
+            lines.append(f"| {r['matrix']} | {r['shape'][0]}x{r['shape'][1]} | {r['ms']:.2f} | "
+                         f"{r['tflops']:.1f} | {extra} |")  # fmt: skip
+        c = result["ns"]["cpu"]
+        lines += ["", f"On the host CPU ({c['threads']} threads), {c['shape'][0]}x{c['shape'][1]}: "
+                  f"{c['ms']:.0f} ms.", ""]  # fmt: skip
+    la = result.get("layer")
+    if la:
+        whole = f"{la['muon_ms']:.0f}" if "muon_ms" in la else "-"
+        dev = f"{la['device_roundtrip_ms']:.0f}" if "device_roundtrip_ms" in la else "-"
+        adamw = la["adamw_fused_cpu_ms"]
+        lines += [
+            f"## One layer's step over host tensors ({la['threads']} threads)", "",
+            "| params | Muon (ms) | host blend | host apply | host / fused AdamW "
+            "| device round trip | fused CPU AdamW (ms) |",
+            "|---|---|---|---|---|---|---|",
+            f"| {la['params'] / 1e6:.0f} M | {whole} | {la['blend_ms']:.0f} | "
+            f"{la['apply_ms']:.0f} | {la['host_ms'] / adamw:.2f} | {dev} | {adamw:.0f} |",
+            "",
+            f"The same host arithmetic as torch.optim.Muon's ops: blend "
+            f"{la['torch_ops_blend_ms']:.0f} ms + apply {la['torch_ops_apply_ms']:.0f} ms "
+            f"({la['torch_ops_host_ms'] / adamw:.2f} x fused AdamW). Native passes: "
+            f"{la['native']}. DRAM rates (bytes read and written): blend "
+            f"{la['blend_gb_per_s']:.0f} GB/s, apply {la['apply_gb_per_s']:.0f}, fused AdamW "
+            f"{la['adamw_fused_cpu_gb_per_s']:.0f}, an fp32 copy {la['copy_gb_per_s']:.0f}.",
+            "",
+        ]  # fmt: skip
+    tr = result.get("train")
+    if not tr:
+        return "\n".join(lines) + "\n"
     lines += [
         "## Training steps",
         "",
@@ -348,7 +409,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--gpu-memory", default="12GiB")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"comma-separated, of {','.join(PARTS)} (default: all)")  # fmt: skip
     args = ap.parse_args()
+    parts = args.parts.split(",")
+    if not set(parts) <= set(PARTS):
+        ap.error(f"--parts {args.parts}: choose from {','.join(PARTS)}")
     if args.tiny:
         args.layers, args.batch, args.seq = 2, 2, 32
     device = torch.device(args.device)
@@ -360,9 +426,12 @@ def main() -> None:
     say(json.dumps(meta))
     shapes = TINY_LAYER if args.tiny else LLAMA_8B_LAYER
     result = {"meta": meta}
-    result["ns"] = part_ns(device, shapes, repeat=args.repeat)
-    result["layer"] = part_layer(device, shapes, repeat=max(2, args.repeat // 2))
-    result["train"] = part_train(device, args)
+    if "ns" in parts:
+        result["ns"] = part_ns(device, shapes, repeat=args.repeat)
+    if "layer" in parts:
+        result["layer"] = part_layer(device, shapes, repeat=max(2, args.repeat // 2))
+    if "train" in parts:
+        result["train"] = part_train(device, args)
     (out_dir / "muon.json").write_text(json.dumps(result, indent=1))
     (out_dir / "muon.md").write_text(report(result))
     (out_dir / "muon.log").write_text("\n".join(LOG) + "\n")

@@ -10,8 +10,9 @@ wire copy), and its results are bit-identical to PyTorch's.
 
 See [Note: matching PyTorch's fused AdamW bit for bit] for how.
 
-The C++ source, ``_cpu_kernels.cpp`` and the lean steps' ``_lean_kernels.cpp`` (package
-data beside this module, read with ``importlib.resources``, compiled as one file), is
+The C++ source, ``_cpu_kernels.cpp``, the lean steps' ``_lean_kernels.cpp`` and Muon's host
+passes' ``_muon_kernels.cpp`` (package data beside this module, read with
+``importlib.resources``, compiled as one file), is
 compiled before the first step (``make setup``, else in the background from
 ``ramflow.offload``: [Note: building before the first step]) with torch's
 ``torch.utils.cpp_extension.load_inline`` (about 6 s on a 2-core machine, 2 s on a 16-core one; a PyTorch without ``load_inline``'s ``no_implicit_headers`` adds torch/extension.h and

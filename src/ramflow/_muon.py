@@ -18,12 +18,14 @@ step runs] in ``_stepper``), in three parts:
   1. host: the momentum ``m <- lerp(m, g, 1 - mu)`` and the Nesterov blend
      ``u = lerp(g, m, mu)`` in fp32 over the host gradient (whole: accumulated, clipped,
      unscaled, reduced as any host step sees it), rounded to bf16 (the iteration's first
-     op, so rounding on the host gives its bits);
-  2. device: ``u`` (bf16, 2 bytes per element) goes H2D on a stream of this optimizer's,
-     the Newton-Schulz iteration runs there in bf16 (tensor cores: a 4096 x 14336 matrix
-     is about 5.5 TFLOP, seconds on a CPU, milliseconds on an H100), and the result
-     ``O`` (bf16) comes back D2H;
-  3. host: ``p <- p * (1 - lr * wd) - lr_adj * O``.
+     op, so rounding on the host gives its bits), in one pass written straight into a
+     pinned buffer (``_muon_kernels.muon_blend_``);
+  2. device: ``u`` (bf16, 2 bytes per element) goes H2D, the Newton-Schulz iteration
+     runs there in bf16 (tensor cores: a 4096 x 14336 matrix is about 5.5 TFLOP, seconds
+     on a CPU, milliseconds on an H100), and the result ``O`` (bf16) comes back D2H, on
+     three streams of this optimizer's (upload, iteration, download), so one matrix's
+     copies overlap another's iteration;
+  3. host: ``p <- p * (1 - lr * wd) - lr_adj * O``, one pass (``muon_apply_``).
 The matrices of a unit are pipelined: while the device orthogonalizes one, the worker
 blends the next and applies the one before. The momentum never leaves the host, and only
 the blend and the result cross PCIe: 4 bytes per element on top of the gradient's D2H and
