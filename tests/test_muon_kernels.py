@@ -11,6 +11,9 @@ the library cannot be built) and the chunked PyTorch path used without them.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -196,3 +199,35 @@ def test_overlapping_buffers_are_refused():
     p = torch.zeros(64)
     with pytest.raises(ValueError, match="param and orthogonal overlap"):
         muon_apply_(p, p.view(torch.bfloat16)[:64], lr=1e-3, weight_decay=0.0, adjusted_lr=1e-3)
+
+
+_DEFAULT_BUILD_CHECK = """
+import torch
+from ramflow import _muon_kernels as k
+from ramflow._muon_kernels import muon_apply_, muon_blend_
+assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+assert k.muon_kernel_available() and not k._LIB.torch_fma, k._LIB.reason
+gen = torch.Generator().manual_seed(0)
+m, g, p = (torch.randn(100_003, generator=gen) for _ in range(3))
+ref_m, ref_p, out = m.clone(), p.clone(), torch.empty(m.shape, dtype=torch.bfloat16)
+muon_blend_(m, g, out, momentum_coef=0.95, nesterov=True)
+ref_m.lerp_(g, 0.05)
+assert torch.equal(m.view(torch.int32), ref_m.view(torch.int32))
+assert torch.equal(out.view(torch.int16), g.lerp(ref_m, 0.95).bfloat16().view(torch.int16))
+muon_apply_(p, out, lr=0.02, weight_decay=0.1, adjusted_lr=0.3)
+ref_p.mul_(1 - 0.02 * 0.1).add_(out, alpha=-0.3)
+assert torch.equal(p.view(torch.int32), ref_p.view(torch.int32))
+"""
+
+
+def test_native_passes_follow_atens_default_build():
+    """On a CPU without AVX2 (ATen's DEFAULT build, forced here) PyTorch's lerp and add do
+    not fuse their multiply-adds; the native passes then take the unfused scalar loop,
+    and still give PyTorch's bits."""
+    if not _muon_kernels.muon_kernel_available():
+        pytest.skip(f"native Muon passes not available: {_muon_kernels._LIB.reason}")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    done = subprocess.run(
+        [sys.executable, "-c", _DEFAULT_BUILD_CHECK], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
