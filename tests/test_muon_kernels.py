@@ -231,3 +231,20 @@ def test_native_passes_follow_atens_default_build():
         [sys.executable, "-c", _DEFAULT_BUILD_CHECK], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_written_tensors_count_as_modified_in_place(impl):
+    """As after PyTorch's in-place ops, a backward through a graph that saved the weights
+    before the update is refused instead of using the new weights."""
+    w = torch.randn(4, 4, requires_grad=True)
+    loss = w.square().sum()  # saves w for its backward
+    with torch.no_grad():
+        muon_apply_(w, torch.ones(4, 4, dtype=torch.bfloat16), lr=0.1, weight_decay=0.0,
+                    adjusted_lr=0.1)  # fmt: skip
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    m = torch.zeros(8)
+    version = m._version
+    muon_blend_(m, torch.ones(8), torch.empty(8, dtype=torch.bfloat16), momentum_coef=0.9,
+                nesterov=True)  # fmt: skip
+    assert m._version > version

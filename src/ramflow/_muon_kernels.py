@@ -263,7 +263,8 @@ def muon_blend_(
         num_threads: CPU threads of the native pass, an int >= 1; None is
             ``torch.get_num_threads()``. The result does not depend on it.
 
-    All tensors on the CPU, contiguous, not overlapping. Releases the GIL (native).
+    All tensors on the CPU, contiguous, not overlapping. Releases the GIL (native). The
+    version counters of the tensors written are bumped, as by PyTorch's in-place ops.
 
     Raises:
         TypeError: a tensor has another dtype, or ``num_threads`` is not an int.
@@ -286,6 +287,7 @@ def muon_blend_(
             lib, _LIB.torch_fma, momentum, grad, out, float(momentum_coef), bool(nesterov),
             num_threads or 0, False,
         )  # fmt: skip
+        torch.autograd.graph.increment_version(momentum)  # written in place, as by lerp_
 
 
 def muon_apply_(
@@ -324,3 +326,6 @@ def muon_apply_(
         _apply_torch(param, orthogonal, decay, alpha)
     else:
         _apply_native(lib, _LIB.torch_fma, param, orthogonal, decay, alpha, num_threads or 0, False)
+        # as PyTorch's in-place ops do: autograd then refuses a backward through a graph
+        # that saved the old weights, rather than using the new ones silently
+        torch.autograd.graph.increment_version(param)
