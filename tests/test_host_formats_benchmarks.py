@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # each script's study folder under benchmarks/
 STUDY = {
@@ -89,11 +91,13 @@ def test_lora_step_profile_smoke(tmp_path: Path) -> None:
     assert variants["rms"]["losses"][-1] < variants["stock"]["losses"][0]  # it learns
 
 
-def test_scale_smoke(tmp_path: Path) -> None:
-    """The tiny shape loads from a random init, trains its steps, and reports every figure
-    the CPU can give (lean host formats: 4.03 bytes per trained parameter)."""
-    _run("host_formats_scale.py", "--out-dir", str(tmp_path))
-    result = json.loads((tmp_path / "scale-tiny.json").read_text())
+@pytest.mark.parametrize("shape", ["tiny", "tiny-neox"])
+def test_scale_smoke(tmp_path: Path, shape: str) -> None:
+    """The tiny shape (a Llama, and a GPT-NeoX: another body and head name) loads from a
+    random init, trains its steps, and reports every figure the CPU can give (lean host
+    formats: 4.03 bytes per trained parameter)."""
+    _run("host_formats_scale.py", "--shape", shape, "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / f"scale-{shape}.json").read_text())
     assert result["stage"] == "done"
     assert len(result["steps_s"]) == 2
     assert all(math.isfinite(x) for x in result["losses"])
@@ -102,7 +106,7 @@ def test_scale_smoke(tmp_path: Path) -> None:
     assert s["median_step_s"] > 0 and s["tokens_per_s"] > 0
     assert s["peak_rss_bytes"] >= result["load_peak_rss_bytes"] > 0
     assert result["prediction"]["step_s"] is not None, result["prediction"]["why_none"]
-    assert (tmp_path / "scale-tiny.md").exists()
+    assert (tmp_path / f"scale-{shape}.md").exists()
 
 
 def test_frozen_quality_smoke(tmp_path: Path) -> None:

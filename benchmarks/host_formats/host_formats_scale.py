@@ -56,7 +56,7 @@ import measure  # noqa: E402
 from measure import matmul_rate  # noqa: E402
 from models import ChunkedLossHead, random_init  # noqa: E402
 
-SHAPES = ("llama-3.1-8b", "llama-8b", "qwen2.5-14b", "tiny")
+SHAPES = ("llama-3.1-8b", "llama-8b", "qwen2.5-14b", "llama-13b", "neox-12b", "tiny", "tiny-neox")
 GIB = 2**30
 
 
@@ -81,6 +81,11 @@ def model_config(shape: str):
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             tie_word_embeddings=False,
         )
+    elif shape in ("llama-13b", "neox-12b", "tiny-neox"):  # the loading study's (issue 30.6)
+        sys.path.insert(0, str(BENCH / "load"))
+        from load_speed import model_config as load_config
+
+        cfg = load_config(shape)
     elif shape == "tiny":
         from transformers import LlamaConfig
 
@@ -277,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU, 2 steps")
     args = p.parse_args(argv)
     if args.smoke:
-        args.shape, args.batch, args.seq, args.steps, args.warmup = "tiny", 2, 64, 2, 1
+        # a tiny shape of --shape's family ("tiny-neox" stays), 2 steps on the CPU
+        args.shape = args.shape if args.shape.startswith("tiny") else "tiny"
+        args.batch, args.seq, args.steps, args.warmup = 2, 64, 2, 1
         args.gpu_memory, args.loss_chunk = None, 32
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -291,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    model.lm_head = ChunkedLossHead(model.lm_head, args.loss_chunk)
+    # the head by its role, not its name (Llama's lm_head, GPT-NeoX's embed_out)
+    head = ChunkedLossHead(model.get_output_embeddings(), args.loss_chunk)
+    model.set_output_embeddings(head)
     n_params = sum(p.numel() for p in model.parameters())
     tokens = args.batch * args.seq
     result: dict = {
@@ -356,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def step() -> float:
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            hidden_BTD = model.model(input_ids=ids_BT).last_hidden_state
-            loss = model.lm_head(hidden_BTD, ids_BT)
+            body = getattr(model, model.base_model_prefix)  # model.model, gpt_neox, ...
+            hidden_BTD = body(input_ids=ids_BT).last_hidden_state
+            loss = head(hidden_BTD, ids_BT)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -1,0 +1,48 @@
+#!/bin/bash
+# The GPU checks the open issues still wait for, one GPU (nvidia-h100-x1), as device calls of
+# at most ~9 minutes each: `bash benchmarks/open_checks/one_gpu.sh PART` with PART one of
+#   tests   the GPU suite (and the two tests that failed on 2026-11-27), the Flux NaN check
+#   dit     the Flux-dev-shaped DiT at 1024x1024 under 24 GiB (issue 33, point 1)
+#   long    the 8B long-context ladder with a warm pinned pool (issue 32, point 3)
+#   muon    Muon's host passes and training step on the box (issue 33, point 3)
+#   lean    the lean CPU step vs the copy rate, and loading at 12-13B (issue 30, points 2, 5)
+#   scale   12-14B of two architectures at 8x2048 (issue 30, point 6)
+# Each part writes a .tgz under $OUT (at most 8 files come back), rewritten after each
+# stage, so a call cut by its limit keeps what ran. Carry [".whl"] for `tests` and `dit`
+# (diffusers, importlib_metadata, lazy-importer, ramtorch; benchmarks/README.md).
+set -u
+PART=${1:?usage: one_gpu.sh tests|dit|long|muon|lean|scale}
+export PYTHONUNBUFFERED=1
+R=/tmp/open-checks-$PART; mkdir -p "$R"
+pack() { tar -czf "$OUT/$PART.tgz" -C "$R" . ; }
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$R/pip.txt" 2>&1
+fi
+export PYTHONPATH=$PWD/src:/tmp/site
+{ nvidia-smi --query-gpu=name,memory.total --format=csv; nproc; free -g; git log -1 --format=%h 2>/dev/null; } > "$R/device.txt" 2>&1
+( time timeout 150 python3 -m ramflow.build_kernels ) > "$R/build.txt" 2>&1; pack
+left() { echo $(( ${LIMIT:-560} - SECONDS )); }
+case "$PART" in
+tests)
+  timeout 60 python3 benchmarks/dit/flux_nan_check.py --mode resident --accel 0 > "$R/flux-nan.txt" 2>&1
+  timeout 60 python3 benchmarks/dit/flux_nan_check.py --mode resident --accel 0 --no-cudnn-sdp >> "$R/flux-nan.txt" 2>&1
+  timeout 60 python3 benchmarks/dit/flux_nan_check.py --no-cudnn-sdp >> "$R/flux-nan.txt" 2>&1; pack
+  timeout "$(left)" python3 -m pytest -q -m gpu tests -p no:cacheprovider -rs --durations=15 > "$R/gpu-tests.txt" 2>&1
+  echo "rc=$? at ${SECONDS}s" >> "$R/gpu-tests.txt" ;;
+dit)
+  timeout "$(left)" python3 benchmarks/dit/dit_flux.py --out-dir "$R/dit" --budget-s $(( $(left) - 20 )) > "$R/stdout.log" 2>&1
+  dmesg 2>/dev/null | tail -5 > "$R/dmesg.txt" ;;
+long)
+  timeout "$(left)" python3 benchmarks/long_context/long_context.py --out-dir "$R/lc" --budget-s $(( $(left) - 60 )) > "$R/stdout.log" 2>&1 ;;
+muon)
+  timeout "$(left)" python3 benchmarks/muon/muon_bench.py --out-dir "$R/muon" > "$R/stdout.log" 2>&1 ;;
+lean)
+  timeout 120 python3 benchmarks/cpu_optimizer_runner.py --out-dir "$R/cpuopt" > "$R/cpuopt.log" 2>&1; pack
+  timeout "$(left)" python3 benchmarks/load/load_speed.py --out-dir "$R/load" --budget-s $(( $(left) - 30 )) > "$R/load.log" 2>&1 ;;
+scale)
+  timeout 280 python3 benchmarks/host_formats/host_formats_scale.py --shape llama-13b --batch 8 --seq 2048 --gpu-memory 34GiB --out-dir "$R/scale" > "$R/scale-llama.log" 2>&1; pack
+  timeout "$(left)" python3 benchmarks/host_formats/host_formats_scale.py --shape neox-12b --batch 8 --seq 2048 --gpu-memory 34GiB --out-dir "$R/scale" > "$R/scale-neox.log" 2>&1 ;;
+*) echo "unknown part $PART" >&2; exit 2 ;;
+esac
+echo "done at ${SECONDS}s" >> "$R/device.txt"; pack
+tail -5 "$R"/*.txt "$R"/*.log 2>/dev/null | tail -40
