@@ -134,10 +134,50 @@ struct Fp8Scale {
   float scale, rcp;
 };
 
+inline int32_t fp8_scale_exp(uint32_t amax_bits) {
+  const int32_t e = static_cast<int32_t>((amax_bits + 0x1FFFFFu) >> 23) - 135;
+  return e < -126 ? -126 : e;
+}
+
 inline Fp8Scale fp8_scale(float amax) {
-  int32_t e = static_cast<int32_t>((f2u(amax) + 0x1FFFFFu) >> 23) - 135;
-  e = e < -126 ? -126 : e;
+  const int32_t e = fp8_scale_exp(f2u(amax));
   return {u2f(static_cast<uint32_t>(e + 127) << 23), u2f(static_cast<uint32_t>(127 - e) << 23)};
+}
+
+// The largest |x[j]| of a block, a NaN left out (std::max(running, NaN) is running): the
+// scale's amax wherever the block holds a NaN or an infinity.
+inline float block_amax(const float* x, int64_t len) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < len; ++j) amax = std::max(amax, std::abs(x[j]));
+  return amax;
+}
+
+// [Note: the FP8 encoder's fast blocks]
+// The SIMD loops encode a block in fewer operations when all of its values are finite,
+// which they learn for free: the step keeps the block's largest |x| as an integer maximum
+// of the bits (for finite floats of one sign, integer and float order agree; a NaN or an
+// infinity makes it 0x7F800000 or more, and such a block takes the exact encoder above).
+// Then, with 2^e the block's scale:
+// * y = x * 2^-e only moves the exponent, so the bits of |y| are |x|'s minus e << 23, and
+//   the multiply folds into the rounding's constant: code = (|x| + bias + odd) >> 20 with
+//   bias = 0x7FFFF - (120 << 23) - (e << 23) mod 2^32 and odd = bit 20 of |x| (which the
+//   exponent's shift leaves alone), as fp8_encode's normal case computes it from |y|;
+// * that holds where y is a normal E4M3 (|y| >= 2^-6) and x a normal float, i.e. where
+//   |x| >= low = max((121 + e) << 23, 1 << 23) as integers; a vector with a lane below
+//   `low` (zero, tiny, or a subnormal x) takes the exact encoder, all of it;
+// * no lane can round above 448 (|y| <= amax * 2^-e <= 448), and the codes, at most 0xFF
+//   with the sign, pack to bytes with unsigned saturation (which leaves them as they are).
+struct Fp8Fast {
+  float scale, rcp;
+  uint32_t bias, low;
+};
+
+inline Fp8Fast fp8_fast(uint32_t amax_bits) {
+  const int32_t e = fp8_scale_exp(amax_bits);
+  const uint32_t shift = static_cast<uint32_t>(e) << 23;  // mod 2^32
+  const int32_t low = std::max((121 + e) * (1 << 23), 1 << 23);
+  return {u2f(static_cast<uint32_t>(e + 127) << 23), u2f(static_cast<uint32_t>(127 - e) << 23),
+          0x7FFFFu - kFp8Rebase - shift, static_cast<uint32_t>(low)};
 }
 
 // The second moment is kept as sqrt(v), without a sign bit; a code of 0 for a positive y
@@ -235,9 +275,12 @@ void lean_block(const LeanArgs& a, int64_t begin, int64_t len) {
 // the bits are the scalar block's; tests compare the three (RAMFLOW_LEAN_ISA caps the
 // choice). One pass over the block's memory: fp32 and bf16 states are stored as they are
 // computed; 8-bit ones go to two 1 KiB arrays (in L1) while the block's absmax is taken in
-// registers, and are encoded from there once the block's scale is known. The FP8
-// conversions are the integer operations of [Note: FP8 conversions in bits], with blends
-// for the subnormal and NaN cases: no table, no gather, no division. The constants and
+// registers (an integer maximum of the bits), and are encoded from there once the block's
+// scale is known: a block without NaN or infinity by [Note: the FP8 encoder's fast
+// blocks], any other by the integer operations of [Note: FP8 conversions in bits], with
+// blends for the subnormal and NaN cases: no table, no gather, no division. The codes of
+// four vectors are packed to bytes at once (two 32-to-16 packs, one 16-to-8, one permute
+// to undo the packs' interleaving of 128-bit lanes). The constants and
 // pointers are read into locals once per work item (the intrinsics' unaligned stores may
 // alias anything, so the compiler would read fields of the arguments again after each).
 // Whole blocks of kQBlock only; a last partial block takes the scalar path.
@@ -252,6 +295,15 @@ RAMFLOW_AVX2 inline __m256i hash32_8(__m256i x) {
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bU)));
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// hash32 with the top 16 bits right and the others not: its last x ^= x >> 16 leaves the
+// top half as it is, and the stochastic rounding reads only that (bits >> 16).
+RAMFLOW_AVX2 inline __m256i hash32_8_top(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  return _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bU)));
 }
 
 #define I8(x) _mm256_set1_epi32(static_cast<int>(x))
@@ -323,8 +375,9 @@ RAMFLOW_AVX2 inline __m256i f32x8_to_fp8(__m256 x, __m256 rcp) {
 }
 
 // x[0, kQBlock) as codes at out[0, kQBlock) with the scale of `amax`; returns the scale.
+// Any block; the step takes it for a block with a NaN or an infinity.
 template <bool kSecond>
-RAMFLOW_AVX2 inline float encode_block8(const float* x, float amax, uint8_t* out) {
+RAMFLOW_AVX2 float encode_block8_exact(const float* x, float amax, uint8_t* out) {
   const Fp8Scale sc = fp8_scale(amax);
   const __m256 rcp = _mm256_set1_ps(sc.rcp);
   // the packs interleave the 128-bit lanes: 4-byte groups k0lo k1lo k2lo k3lo k0hi k1hi ...
@@ -338,18 +391,64 @@ RAMFLOW_AVX2 inline float encode_block8(const float* x, float amax, uint8_t* out
   return sc.scale;
 }
 
-// The largest lane; a NaN lane is left out (as std::max(running, NaN) does).
-RAMFLOW_AVX2 inline float max_lane(__m256 x) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, x);
-  float amax = 0.0f;
-  for (float l : lanes) amax = std::max(amax, l);
-  return amax;
+// The 32 codes of x[0, 32) at out[0, 32) as encode_block8_exact writes them, with the
+// block's 1 / scale `rcp`: a fast block's group of vectors with a lane below `low`. Rare.
+template <bool kSecond>
+RAMFLOW_AVX2 __attribute__((noinline)) void encode32_exact(const float* x, float rcp, uint8_t* out) {
+  const __m256 r = _mm256_set1_ps(rcp);
+  const __m256i k0 = f32x8_to_fp8<kSecond>(_mm256_load_ps(x), r);
+  const __m256i k1 = f32x8_to_fp8<kSecond>(_mm256_load_ps(x + 8), r);
+  const __m256i k2 = f32x8_to_fp8<kSecond>(_mm256_load_ps(x + 16), r);
+  const __m256i k3 = f32x8_to_fp8<kSecond>(_mm256_load_ps(x + 24), r);
+  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(k0, k1), _mm256_packus_epi32(k2, k3));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-// |x| and running max: a NaN |x| leaves the running max as it is, as std::max does.
-RAMFLOW_AVX2 inline __m256 abs_max8(__m256 x, __m256 running) {
-  return _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), running);
+// fp8_encode_state of the 8 floats at x of a block without NaN or infinity, in the fast
+// block's integer operations ([Note: the FP8 encoder's fast blocks]); the codes, one per
+// int32 lane, right where no lane is below `low` (`below` gathers the lanes that are).
+template <bool kSecond>
+RAMFLOW_AVX2 inline __m256i f32x8_to_fp8_fast(const float* x, __m256i bias, __m256i low, __m256i& below) {
+  const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i a = kSecond ? u : _mm256_and_si256(u, I8(0x7FFFFFFF));  // sqrt(v) >= +0
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), I8(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, bias), odd), 20);
+  below = _mm256_or_si256(below, _mm256_cmpgt_epi32(low, a));
+  if (kSecond) return r;
+  return _mm256_or_si256(r, _mm256_and_si256(_mm256_srli_epi32(u, 24), I8(0x80)));
+}
+
+// x[0, kQBlock) (32-byte aligned) as codes at out[0, kQBlock); amax_bits: the largest
+// |x| as an integer maximum of the bits (of x itself for the second moment, whose
+// negative values, -0 and NaN included, then count as non-finite); returns the scale.
+template <bool kSecond>
+RAMFLOW_AVX2 inline float encode_block8(const float* x, uint32_t amax_bits, uint8_t* out) {
+  if (amax_bits >= kFp8Inf) return encode_block8_exact<kSecond>(x, block_amax(x, kQBlock), out);
+  const Fp8Fast f = fp8_fast(amax_bits);
+  const __m256i bias = I8(f.bias);
+  const __m256i low = I8(f.low);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // as encode_block8_exact
+  for (int64_t j = 0; j < kQBlock; j += 32) {
+    __m256i k[4];
+    __m256i below = _mm256_setzero_si256();
+    for (int r = 0; r < 4; ++r) k[r] = f32x8_to_fp8_fast<kSecond>(x + j + 8 * r, bias, low, below);
+    if (__builtin_expect(!_mm256_testz_si256(below, below), 0)) {
+      encode32_exact<kSecond>(x + j, f.rcp, out + j);
+      continue;
+    }
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(k[0], k[1]), _mm256_packus_epi32(k[2], k[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_permutevar8x32_epi32(b, order));
+  }
+  return f.scale;
+}
+
+// The largest of 8 unsigned lanes.
+RAMFLOW_AVX2 inline uint32_t max_lane_u32(__m256i x) {
+  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
 }
 
 template <int kGrad, int kMaster, int kState>
@@ -377,6 +476,8 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
   const __m256 eps = _mm256_set1_ps(a.eps);
   const __m256 neg_step_size = _mm256_set1_ps(a.neg_step_size);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i top_halves = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                              2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
   alignas(32) float m_new[kQBlock];
   alignas(32) float s_new[kQBlock];  // sqrt(v)
   for (int64_t block = block_begin; block < block_end; ++block) {
@@ -393,8 +494,8 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
       m_scale = _mm256_set1_ps(m_special ? exp_avg_scale[block] : ms);
       v_scale = _mm256_set1_ps(v_special ? exp_avg_sq_scale[block] : vs);
     }
-    __m256 m_max = _mm256_setzero_ps();
-    __m256 s_max = _mm256_setzero_ps();
+    __m256i m_max = _mm256_setzero_si256();  // [Note: the FP8 encoder's fast blocks]
+    __m256i s_max = _mm256_setzero_si256();
     for (int64_t j = 0; j < kQBlock; j += 8) {
       const int64_t i = begin + j;
       __m256 g = load_grad8<kGrad>(grad, i);
@@ -436,8 +537,8 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
       } else {
         _mm256_store_ps(m_new + j, m);
         _mm256_store_ps(s_new + j, sq);
-        m_max = abs_max8(m, m_max);
-        s_max = abs_max8(sq, s_max);
+        m_max = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(m), I8(0x7FFFFFFF)), m_max);
+        s_max = _mm256_max_epu32(_mm256_castps_si256(sq), s_max);
       }
       if constexpr (kMaster == kMasterF32) {
         _mm256_storeu_ps(static_cast<float*>(master) + i, p);
@@ -461,12 +562,15 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
           const __m256i idx = _mm256_add_epi32(I8(lo), lane);
           const __m256i h = hash32_8(_mm256_xor_si256(idx, I8(key)));
           const __m256i hi = I8(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32));
-          const __m256i bits = hash32_8(_mm256_add_epi32(h, hi));
+          const __m256i bits = hash32_8_top(_mm256_add_epi32(h, hi));
           const __m256i u = _mm256_castps_si256(p);
-          __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(bits, 16)), 16);
+          // the bf16 is the top half of u + bits / 2^16 (0x7FC0 for NaN): one byte shuffle
+          // and one qword permute gather the 8 top halves, no shift and no pack
+          __m256i r = _mm256_add_epi32(u, _mm256_srli_epi32(bits, 16));
           const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
-          r = _mm256_blendv_epi8(r, I8(0x7FC0), nan);
-          b16 = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+          r = _mm256_blendv_epi8(r, I8(0x7FC00000u), nan);
+          r = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(r, top_halves), 0x08);
+          b16 = _mm256_castsi256_si128(r);
         }
         _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(master) + i), b16);
       } else {
@@ -477,8 +581,8 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
       }
     }
     if constexpr (kState == kStateQ8) {
-      exp_avg_scale[block] = encode_block8<false>(m_new, max_lane(m_max), static_cast<uint8_t*>(exp_avg) + begin);
-      exp_avg_sq_scale[block] = encode_block8<true>(s_new, max_lane(s_max), static_cast<uint8_t*>(exp_avg_sq) + begin);
+      exp_avg_scale[block] = encode_block8<false>(m_new, max_lane_u32(m_max), static_cast<uint8_t*>(exp_avg) + begin);
+      exp_avg_sq_scale[block] = encode_block8<true>(s_new, max_lane_u32(s_max), static_cast<uint8_t*>(exp_avg_sq) + begin);
     }
   }
 }

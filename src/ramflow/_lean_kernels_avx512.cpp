@@ -40,6 +40,14 @@ RAMFLOW_AVX512 inline __m512i hash32_16(__m512i x) {
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
+// As hash32_8_top: hash32's top 16 bits, which are all the stochastic rounding reads.
+RAMFLOW_AVX512 inline __m512i hash32_16_top(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, I16(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  return _mm512_mullo_epi32(x, I16(0x846ca68bU));
+}
+
 // fp8_decode of the 16 codes at q.
 RAMFLOW_AVX512 inline __m512 fp8x16_to_f32(const uint8_t* q) {
   const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
@@ -101,8 +109,9 @@ RAMFLOW_AVX512 inline __m512i f32x16_to_fp8(__m512 x, __m512 rcp) {
 }
 
 // x[0, kQBlock) as codes at out[0, kQBlock) with the scale of `amax`; returns the scale.
+// Any block; the step takes it for a block with a NaN or an infinity.
 template <bool kSecond>
-RAMFLOW_AVX512 inline float encode_block16(const float* x, float amax, uint8_t* out) {
+RAMFLOW_AVX512 float encode_block16_exact(const float* x, float amax, uint8_t* out) {
   const Fp8Scale sc = fp8_scale(amax);
   const __m512 rcp = _mm512_set1_ps(sc.rcp);
   for (int64_t j = 0; j < kQBlock; j += 16) {
@@ -112,8 +121,49 @@ RAMFLOW_AVX512 inline float encode_block16(const float* x, float amax, uint8_t* 
   return sc.scale;
 }
 
-RAMFLOW_AVX512 inline __m512 abs_max16(__m512 x, __m512 running) {
-  return _mm512_max_ps(_mm512_andnot_ps(_mm512_set1_ps(-0.0f), x), running);  // as abs_max8
+// As encode32_exact, 64 codes.
+template <bool kSecond>
+RAMFLOW_AVX512 __attribute__((noinline)) void encode64_exact(const float* x, float rcp, uint8_t* out) {
+  const __m512 r = _mm512_set1_ps(rcp);
+  for (int j = 0; j < 64; j += 16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j),
+                     _mm512_cvtepi32_epi8(f32x16_to_fp8<kSecond>(_mm512_load_ps(x + j), r)));
+  }
+}
+
+// As f32x8_to_fp8_fast, 16 lanes.
+template <bool kSecond>
+RAMFLOW_AVX512 inline __m512i f32x16_to_fp8_fast(const float* x, __m512i bias, __m512i low, __mmask16& below) {
+  const __m512i u = _mm512_load_si512(x);
+  const __m512i a = kSecond ? u : _mm512_and_si512(u, I16(0x7FFFFFFF));  // sqrt(v) >= +0
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), I16(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, bias), odd), 20);
+  below |= _mm512_cmplt_epu32_mask(a, low);
+  if (kSecond) return r;
+  return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(u, 24), I16(0x80), 0xF8);  // the sign
+}
+
+// As encode_block8: the fast encoder unless the block holds a NaN or an infinity.
+template <bool kSecond>
+RAMFLOW_AVX512 inline float encode_block16(const float* x, uint32_t amax_bits, uint8_t* out) {
+  if (amax_bits >= kFp8Inf) return encode_block16_exact<kSecond>(x, block_amax(x, kQBlock), out);
+  const Fp8Fast f = fp8_fast(amax_bits);
+  const __m512i bias = I16(f.bias);
+  const __m512i low = I16(f.low);
+  // the packs interleave the 128-bit lanes: 4-byte groups k0 k1 k2 k3 of lane 0, then lane 1...
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int64_t j = 0; j < kQBlock; j += 64) {
+    __m512i k[4];
+    __mmask16 below = 0;
+    for (int r = 0; r < 4; ++r) k[r] = f32x16_to_fp8_fast<kSecond>(x + j + 16 * r, bias, low, below);
+    if (__builtin_expect(below != 0, 0)) {
+      encode64_exact<kSecond>(x + j, f.rcp, out + j);
+      continue;
+    }
+    const __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(k[0], k[1]), _mm512_packus_epi32(k[2], k[3]));
+    _mm512_storeu_si512(out + j, _mm512_permutexvar_epi32(order, b));
+  }
+  return f.scale;
 }
 
 template <int kGrad, int kMaster, int kState>
@@ -158,8 +208,8 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
       m_scale = _mm512_set1_ps(m_special ? exp_avg_scale[block] : ms);
       v_scale = _mm512_set1_ps(v_special ? exp_avg_sq_scale[block] : vs);
     }
-    __m512 m_max = _mm512_setzero_ps();
-    __m512 s_max = _mm512_setzero_ps();
+    __m512i m_max = _mm512_setzero_si512();  // [Note: the FP8 encoder's fast blocks]
+    __m512i s_max = _mm512_setzero_si512();
     for (int64_t j = 0; j < kQBlock; j += 16) {
       const int64_t i = begin + j;
       __m512 g = load_grad16<kGrad>(grad, i);
@@ -201,8 +251,8 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
       } else {
         _mm512_store_ps(m_new + j, m);
         _mm512_store_ps(s_new + j, sq);
-        m_max = abs_max16(m, m_max);
-        s_max = abs_max16(sq, s_max);
+        m_max = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(m), I16(0x7FFFFFFF)), m_max);
+        s_max = _mm512_max_epu32(_mm512_castps_si512(sq), s_max);
       }
       if constexpr (kMaster == kMasterF32) {
         _mm512_storeu_ps(static_cast<float*>(master) + i, p);
@@ -226,7 +276,7 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
           const __m512i idx = _mm512_add_epi32(I16(lo), lane);
           const __m512i h = hash32_16(_mm512_xor_si512(idx, key16));
           const __m512i hi = I16(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32));
-          const __m512i bits = hash32_16(_mm512_add_epi32(h, hi));
+          const __m512i bits = hash32_16_top(_mm512_add_epi32(h, hi));
           const __m512i u = _mm512_castps_si512(p);
           __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_srli_epi32(bits, 16)), 16);
           r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), I16(0x7FC0));
@@ -241,8 +291,8 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
       }
     }
     if constexpr (kState == kStateQ8) {
-      exp_avg_scale[block] = encode_block16<false>(m_new, _mm512_reduce_max_ps(m_max), static_cast<uint8_t*>(exp_avg) + begin);
-      exp_avg_sq_scale[block] = encode_block16<true>(s_new, _mm512_reduce_max_ps(s_max), static_cast<uint8_t*>(exp_avg_sq) + begin);
+      exp_avg_scale[block] = encode_block16<false>(m_new, _mm512_reduce_max_epu32(m_max), static_cast<uint8_t*>(exp_avg) + begin);
+      exp_avg_sq_scale[block] = encode_block16<true>(s_new, _mm512_reduce_max_epu32(s_max), static_cast<uint8_t*>(exp_avg_sq) + begin);
     }
   }
 }
@@ -404,8 +454,8 @@ extern "C" int ramflow_fp8_quantize_blocks(const float* x, int64_t n, int32_t se
     for (int64_t j = 0; j < len; ++j) y[j] = second ? std::sqrt(x[begin + j]) : x[begin + j];
 #if RAMFLOW_X86
     if (len == kQBlock && isa != kIsaScalar) {
-      float amax = 0.0f;
-      for (int64_t j = 0; j < len; ++j) amax = std::max(amax, std::abs(y[j]));
+      uint32_t amax = 0;  // as the step takes it: [Note: the FP8 encoder's fast blocks]
+      for (int64_t j = 0; j < len; ++j) amax = std::max(amax, second ? f2u(y[j]) : f2u(y[j]) & 0x7FFFFFFFu);
       float* const sc = scale + begin / kQBlock;
       if (isa == kIsaAvx512) {
         *sc = second ? encode_block16<true>(y, amax, q + begin) : encode_block16<false>(y, amax, q + begin);
