@@ -136,8 +136,9 @@ template <bool kSecond>
 RAMFLOW_AVX512 inline __m512i f32x16_to_fp8_fast(const float* x, __m512i bias, __m512i low, __mmask16& below) {
   const __m512i u = _mm512_load_si512(x);
   const __m512i a = kSecond ? u : _mm512_and_si512(u, I16(0x7FFFFFFF));  // sqrt(v) >= +0
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), I16(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, bias), odd), 20);
+  // + 1 where bit 20 is set (the kept lsb: ties to even), by a masked add, not a shift
+  const __m512i t = _mm512_add_epi32(a, bias);
+  const __m512i r = _mm512_srli_epi32(_mm512_mask_add_epi32(t, _mm512_test_epi32_mask(a, I16(1u << 20)), t, I16(1)), 20);
   below |= _mm512_cmplt_epu32_mask(a, low);
   if (kSecond) return r;
   return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(u, 24), I16(0x80), 0xF8);  // the sign
@@ -192,6 +193,8 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
   const __m512 neg_step_size = _mm512_set1_ps(a.neg_step_size);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i key16 = I16(key);
+  const __m512i top_halves = _mm512_setr_epi32(0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011,
+                                               0x00170015, 0x001B0019, 0x001F001D, 0, 0, 0, 0, 0, 0, 0, 0);
   alignas(64) float m_new[kQBlock];
   alignas(64) float s_new[kQBlock];  // sqrt(v)
   for (int64_t block = block_begin; block < block_end; ++block) {
@@ -251,8 +254,8 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
       } else {
         _mm512_store_ps(m_new + j, m);
         _mm512_store_ps(s_new + j, sq);
-        m_max = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(m), I16(0x7FFFFFFF)), m_max);
-        s_max = _mm512_max_epu32(_mm512_castps_si512(sq), s_max);
+        m_max = _mm512_max_epu32(m_max, _mm512_and_si512(_mm512_castps_si512(m), I16(0x7FFFFFFF)));
+        s_max = _mm512_max_epu32(s_max, _mm512_castps_si512(sq));
       }
       if constexpr (kMaster == kMasterF32) {
         _mm512_storeu_ps(static_cast<float*>(master) + i, p);
@@ -278,9 +281,11 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
           const __m512i hi = I16(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32));
           const __m512i bits = hash32_16_top(_mm512_add_epi32(h, hi));
           const __m512i u = _mm512_castps_si512(p);
-          __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_srli_epi32(bits, 16)), 16);
-          r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), I16(0x7FC0));
-          b16 = _mm512_cvtepi32_epi16(r);
+          // the bf16 is the top half of u + bits / 2^16 (0x7FC0 for NaN): one word permute
+          // gathers the 16 top halves (a shift and a 32-to-16 pack cost a uop more)
+          __m512i r = _mm512_add_epi32(u, _mm512_srli_epi32(bits, 16));
+          r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), I16(0x7FC00000u));
+          b16 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(top_halves, r));
         }
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(master) + i), b16);
       } else {
