@@ -482,6 +482,12 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
   alignas(32) float s_new[kQBlock];  // sqrt(v)
   for (int64_t block = block_begin; block < block_end; ++block) {
     const int64_t begin = block * kQBlock;
+    // the rounding counter's lanes, stepped by 8: its low words wrap by themselves, and only
+    // a block that crosses a multiple of 2^32 (once per 16 G elements) reads them afresh
+    const int64_t index0 = counter_offset + begin;
+    const bool crosses = static_cast<uint32_t>(index0) > 0xFFFFFFFFu - (kQBlock - 1);
+    __m256i idx = _mm256_add_epi32(I8(static_cast<uint32_t>(index0)), lane);
+    const __m256i hi_word = I8(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
     __m256 m_scale = _mm256_setzero_ps();
     __m256 v_scale = _mm256_setzero_ps();
     bool m_special = false;
@@ -537,8 +543,8 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
       } else {
         _mm256_store_ps(m_new + j, m);
         _mm256_store_ps(s_new + j, sq);
-        m_max = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(m), I8(0x7FFFFFFF)), m_max);
-        s_max = _mm256_max_epu32(_mm256_castps_si256(sq), s_max);
+        m_max = _mm256_max_epu32(m_max, _mm256_and_si256(_mm256_castps_si256(m), I8(0x7FFFFFFF)));
+        s_max = _mm256_max_epu32(s_max, _mm256_castps_si256(sq));
       }
       if constexpr (kMaster == kMasterF32) {
         _mm256_storeu_ps(static_cast<float*>(master) + i, p);
@@ -552,16 +558,16 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
         const int64_t index = counter_offset + i;
         const uint32_t lo = static_cast<uint32_t>(index);
         __m128i b16;
-        if (lo > 0xFFFFFFFFu - 7u) {  // the lanes cross a multiple of 2^32: as the scalar does
+        if (crosses && lo > 0xFFFFFFFFu - 7u) {  // the lanes cross a multiple of 2^32: as the scalar does
           alignas(32) float ps[8];
           alignas(16) uint16_t bs[8];
           _mm256_store_ps(ps, p);
           for (int l = 0; l < 8; ++l) bs[l] = bf16_stochastic(ps[l], sr_bits(key, index + l));
           b16 = _mm_load_si128(reinterpret_cast<const __m128i*>(bs));
         } else {
-          const __m256i idx = _mm256_add_epi32(I8(lo), lane);
-          const __m256i h = hash32_8(_mm256_xor_si256(idx, I8(key)));
-          const __m256i hi = I8(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32));
+          const __m256i h = hash32_8(_mm256_xor_si256(crosses ? _mm256_add_epi32(I8(lo), lane) : idx, I8(key)));
+          const __m256i hi =
+              crosses ? I8(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32)) : hi_word;
           const __m256i bits = hash32_8_top(_mm256_add_epi32(h, hi));
           const __m256i u = _mm256_castps_si256(p);
           // the bf16 is the top half of u + bits / 2^16 (0x7FC0 for NaN): one byte shuffle
@@ -573,6 +579,7 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
           b16 = _mm256_castsi256_si128(r);
         }
         _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(master) + i), b16);
+        idx = _mm256_add_epi32(idx, I8(8));
       } else {
         const __m128i hi16 = to_bf16_8(p);
         const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi16), 16));

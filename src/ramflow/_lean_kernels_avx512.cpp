@@ -199,6 +199,12 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
   alignas(64) float s_new[kQBlock];  // sqrt(v)
   for (int64_t block = block_begin; block < block_end; ++block) {
     const int64_t begin = block * kQBlock;
+    // as in lean_blocks_avx2: the counter's lanes stepped by 16, read afresh where a block
+    // crosses a multiple of 2^32
+    const int64_t index0 = counter_offset + begin;
+    const bool crosses = static_cast<uint32_t>(index0) > 0xFFFFFFFFu - (kQBlock - 1);
+    __m512i idx = _mm512_add_epi32(I16(static_cast<uint32_t>(index0)), lane);
+    const __m512i hi_word = I16(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
     __m512 m_scale = _mm512_setzero_ps();
     __m512 v_scale = _mm512_setzero_ps();
     bool m_special = false;
@@ -269,16 +275,16 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
         const int64_t index = counter_offset + i;
         const uint32_t lo = static_cast<uint32_t>(index);
         __m256i b16;
-        if (lo > 0xFFFFFFFFu - 15u) {  // the lanes cross a multiple of 2^32: as the scalar does
+        if (crosses && lo > 0xFFFFFFFFu - 15u) {  // the lanes cross a multiple of 2^32: as the scalar does
           alignas(64) float ps[16];
           alignas(32) uint16_t bs[16];
           _mm512_store_ps(ps, p);
           for (int l = 0; l < 16; ++l) bs[l] = bf16_stochastic(ps[l], sr_bits(key, index + l));
           b16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(bs));
         } else {
-          const __m512i idx = _mm512_add_epi32(I16(lo), lane);
-          const __m512i h = hash32_16(_mm512_xor_si512(idx, key16));
-          const __m512i hi = I16(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32));
+          const __m512i h = hash32_16(_mm512_xor_si512(crosses ? _mm512_add_epi32(I16(lo), lane) : idx, key16));
+          const __m512i hi =
+              crosses ? I16(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32)) : hi_word;
           const __m512i bits = hash32_16_top(_mm512_add_epi32(h, hi));
           const __m512i u = _mm512_castps_si512(p);
           // the bf16 is the top half of u + bits / 2^16 (0x7FC0 for NaN): one word permute
@@ -288,6 +294,7 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
           b16 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(top_halves, r));
         }
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(master) + i), b16);
+        idx = _mm512_add_epi32(idx, I16(16));
       } else {
         const __m256i hi16 = to_bf16_16(p);
         const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi16), 16));
