@@ -700,8 +700,11 @@ threads in one run (``bench.py --cpu-optimizer``: ramflow's fp32 AdamW 4.89 G pa
 ``host_formats`` rates, AVX-512 bf16 8.04, lean 5.53, kahan 5.16, AVX2 6.47, 3.82, 3.13;
 benchmarks/results/2026-11-26-nvidia-h100-lean-avx512). The bf16 step moves fewer bytes;
 the 8-bit ones were bound by their lookups and arithmetic, not by DRAM. The lean and kahan
-figures are those of the table code before the FP8 one, which is faster (a conservative
-prediction until ``benchmarks/cpu_optimizer_runner.py`` is run on the box again)."""
+figures are those of the table code before the FP8 one, which is faster: the FP8 code's
+rates on the same box, 2026-11-27 (``benchmarks/cpu_optimizer_runner.py``, 16 threads,
+copy rate 96.3 GB/s; benchmarks/results/2026-11-27-nvidia-h100-gpu-suite-cpuopt-muon),
+were AVX-512 bf16 7.78, lean 7.22, kahan 6.67, AVX2 6.19, 4.88, 5.07 G params/s; that run
+has no fp32 rate to divide by, so the ratios above stay the conservative ones."""
 
 
 def _cpu_lean_isa() -> str:
