@@ -405,18 +405,24 @@ RAMFLOW_AVX2 __attribute__((noinline)) void encode32_exact(const float* x, float
                       _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
+// The fast encoder's constants, in registers once per block.
+struct Fp8FastConsts8 {
+  __m256i bias, abs, one, sign;
+};
+
 // fp8_encode_state of the 8 floats at x of a block without NaN or infinity, in the fast
 // block's integer operations ([Note: the FP8 encoder's fast blocks]); the codes, one per
-// int32 lane, right where no lane is below `low` (`below` gathers the lanes that are).
+// int32 lane, right where no lane is below the block's `low` (`amin` keeps the least |x|,
+// which the caller compares once per group).
 template <bool kSecond>
-RAMFLOW_AVX2 inline __m256i f32x8_to_fp8_fast(const float* x, __m256i bias, __m256i low, __m256i& below) {
+RAMFLOW_AVX2 inline __m256i f32x8_to_fp8_fast(const float* x, const Fp8FastConsts8& c, __m256i& amin) {
   const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i a = kSecond ? u : _mm256_and_si256(u, I8(0x7FFFFFFF));  // sqrt(v) >= +0
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), I8(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, bias), odd), 20);
-  below = _mm256_or_si256(below, _mm256_cmpgt_epi32(low, a));
+  const __m256i a = kSecond ? u : _mm256_and_si256(u, c.abs);  // sqrt(v) >= +0
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), c.one);
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, c.bias), odd), 20);
+  amin = _mm256_min_epu32(amin, a);
   if (kSecond) return r;
-  return _mm256_or_si256(r, _mm256_and_si256(_mm256_srli_epi32(u, 24), I8(0x80)));
+  return _mm256_or_si256(r, _mm256_and_si256(_mm256_srli_epi32(u, 24), c.sign));
 }
 
 // x[0, kQBlock) (32-byte aligned) as codes at out[0, kQBlock); amax_bits: the largest
@@ -426,14 +432,15 @@ template <bool kSecond>
 RAMFLOW_AVX2 inline float encode_block8(const float* x, uint32_t amax_bits, uint8_t* out) {
   if (amax_bits >= kFp8Inf) return encode_block8_exact<kSecond>(x, block_amax(x, kQBlock), out);
   const Fp8Fast f = fp8_fast(amax_bits);
-  const __m256i bias = I8(f.bias);
+  const Fp8FastConsts8 c{I8(f.bias), I8(0x7FFFFFFF), I8(1), I8(0x80)};
   const __m256i low = I8(f.low);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // as encode_block8_exact
   for (int64_t j = 0; j < kQBlock; j += 32) {
     __m256i k[4];
-    __m256i below = _mm256_setzero_si256();
-    for (int r = 0; r < 4; ++r) k[r] = f32x8_to_fp8_fast<kSecond>(x + j + 8 * r, bias, low, below);
-    if (__builtin_expect(!_mm256_testz_si256(below, below), 0)) {
+    __m256i amin = I8(0xFFFFFFFFu);
+    for (int r = 0; r < 4; ++r) k[r] = f32x8_to_fp8_fast<kSecond>(x + j + 8 * r, c, amin);
+    // a lane below `low` (signed compare: |x| < 2^31 in a finite block)
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(low, amin))) != 0, 0)) {
       encode32_exact<kSecond>(x + j, f.rcp, out + j);
       continue;
     }

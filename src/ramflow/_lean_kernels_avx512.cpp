@@ -131,17 +131,21 @@ RAMFLOW_AVX512 __attribute__((noinline)) void encode64_exact(const float* x, flo
   }
 }
 
+struct Fp8FastConsts16 {
+  __m512i bias, abs, one, bit20, sign;
+};
+
 // As f32x8_to_fp8_fast, 16 lanes.
 template <bool kSecond>
-RAMFLOW_AVX512 inline __m512i f32x16_to_fp8_fast(const float* x, __m512i bias, __m512i low, __mmask16& below) {
+RAMFLOW_AVX512 inline __m512i f32x16_to_fp8_fast(const float* x, const Fp8FastConsts16& c, __m512i& amin) {
   const __m512i u = _mm512_load_si512(x);
-  const __m512i a = kSecond ? u : _mm512_and_si512(u, I16(0x7FFFFFFF));  // sqrt(v) >= +0
+  const __m512i a = kSecond ? u : _mm512_and_si512(u, c.abs);  // sqrt(v) >= +0
   // + 1 where bit 20 is set (the kept lsb: ties to even), by a masked add, not a shift
-  const __m512i t = _mm512_add_epi32(a, bias);
-  const __m512i r = _mm512_srli_epi32(_mm512_mask_add_epi32(t, _mm512_test_epi32_mask(a, I16(1u << 20)), t, I16(1)), 20);
-  below |= _mm512_cmplt_epu32_mask(a, low);
+  const __m512i t = _mm512_add_epi32(a, c.bias);
+  const __m512i r = _mm512_srli_epi32(_mm512_mask_add_epi32(t, _mm512_test_epi32_mask(a, c.bit20), t, c.one), 20);
+  amin = _mm512_min_epu32(amin, a);
   if (kSecond) return r;
-  return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(u, 24), I16(0x80), 0xF8);  // the sign
+  return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(u, 24), c.sign, 0xF8);  // the sign
 }
 
 // As encode_block8: the fast encoder unless the block holds a NaN or an infinity.
@@ -149,15 +153,15 @@ template <bool kSecond>
 RAMFLOW_AVX512 inline float encode_block16(const float* x, uint32_t amax_bits, uint8_t* out) {
   if (amax_bits >= kFp8Inf) return encode_block16_exact<kSecond>(x, block_amax(x, kQBlock), out);
   const Fp8Fast f = fp8_fast(amax_bits);
-  const __m512i bias = I16(f.bias);
+  const Fp8FastConsts16 c{I16(f.bias), I16(0x7FFFFFFF), I16(1), I16(1u << 20), I16(0x80)};
   const __m512i low = I16(f.low);
   // the packs interleave the 128-bit lanes: 4-byte groups k0 k1 k2 k3 of lane 0, then lane 1...
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   for (int64_t j = 0; j < kQBlock; j += 64) {
     __m512i k[4];
-    __mmask16 below = 0;
-    for (int r = 0; r < 4; ++r) k[r] = f32x16_to_fp8_fast<kSecond>(x + j + 16 * r, bias, low, below);
-    if (__builtin_expect(below != 0, 0)) {
+    __m512i amin = I16(0xFFFFFFFFu);
+    for (int r = 0; r < 4; ++r) k[r] = f32x16_to_fp8_fast<kSecond>(x + j + 16 * r, c, amin);
+    if (__builtin_expect(_mm512_cmplt_epu32_mask(amin, low) != 0, 0)) {
       encode64_exact<kSecond>(x + j, f.rcp, out + j);
       continue;
     }
