@@ -163,8 +163,9 @@ inline float block_amax(const float* x, int64_t len) {
 //   bias = 0x7FFFF - (120 << 23) - (e << 23) mod 2^32 and odd = bit 20 of |x| (which the
 //   exponent's shift leaves alone), as fp8_encode's normal case computes it from |y|;
 // * that holds where y is a normal E4M3 (|y| >= 2^-6) and x a normal float, i.e. where
-//   |x| >= low = max((121 + e) << 23, 1 << 23) as integers; a vector with a lane below
-//   `low` (zero, tiny, or a subnormal x) takes the exact encoder, all of it;
+//   |x| >= low = max((121 + e) << 23, 1 << 23) as integers (one compare per group of four
+//   vectors, on their least |x|); a group with a lane below `low` (zero, tiny, or a
+//   subnormal x) takes the exact encoder, all of it;
 // * no lane can round above 448 (|y| <= amax * 2^-e <= 448), and the codes, at most 0xFF
 //   with the sign, pack to bytes with unsigned saturation (which leaves them as they are).
 struct Fp8Fast {
