@@ -169,10 +169,12 @@ def run_case(args: argparse.Namespace) -> dict:
             activation_checkpointing=True,
             host_precision=args.host_precision,
             wire_dtype=torch.bfloat16,
+            device_optimizer={"auto": None, "on": True, "off": False}[args.device_optimizer],
         )
         opt = ramflow.optim.AdamW(model.parameters(), lr=1e-5)
         plan = ramflow.get_plan(model)
         rec["plan"] = plan.describe() if hasattr(plan, "describe") else str(plan)
+        print(rec["plan"], file=sys.stderr, flush=True)  # before the first step
         rec["gpu_memory_bytes"] = cap - reserve
 
         def drain() -> None:
@@ -323,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activation-reserve", default="6GiB",
                    help="what the budget keeps for activations (ramflow's gpu_memory is the rest)")  # fmt: skip
     p.add_argument("--host-precision", default="auto", help="ramflow's host format")
+    p.add_argument("--device-optimizer", choices=("auto", "on", "off"), default="auto",
+                   help="ramflow.offload's device_optimizer: auto (the planner's), on, off")  # fmt: skip
     p.add_argument("--small-double", type=int, default=4, help="double blocks of the small model")
     p.add_argument("--small-single", type=int, default=8, help="single blocks of the small model")
     p.add_argument("--steps", type=int, default=3)
