@@ -64,6 +64,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import platform
 import sys
 import time
@@ -72,6 +73,12 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the harness's modules
 sys.path[:0] = [str(BENCH), str(BENCH / "long_context"), str(BENCH.parent / "src")]
+
+from ramflow.cli import _default_allocator_settings  # noqa: E402
+
+# the CUDA allocator `ramflow train` runs with (expandable segments unless the user set
+# PYTORCH_CUDA_ALLOC_CONF), set before torch allocates; recorded in the meta
+ALLOC_CONF = _default_allocator_settings(os.environ)  # type: ignore[arg-type]
 
 import long_context_report as report  # noqa: E402
 import torch  # noqa: E402
@@ -313,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             "ramflow_share_bytes": share, "matmul_flops_per_s": matmul, "pinned": bw,
             "cpu_params_per_s": cpu_rate, "toolkit": toolkit, "ladder": ladder,
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "cuda_alloc_conf": ALLOC_CONF,
         },
         "runs": [], "longest": {}, "skipped": [],
     }  # fmt: skip
