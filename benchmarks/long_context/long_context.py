@@ -206,7 +206,8 @@ def warm_pinned_pool(block_bytes: int, count: int) -> float:
     """Allocate ``count`` pinned blocks of ``block_bytes`` at once through PyTorch's caching
     host allocator (the one ``BoundaryOffloader`` takes its buffers from) and free them: the
     allocator keeps them, so the step that follows reuses them instead of paying
-    ``cudaHostAlloc`` (0.5 to 1.5 s per GiB on the H100 box) inside the timed step, as a
+    ``cudaHostAlloc`` inside the timed step (the warm-up's seconds are recorded: its rate on
+    the box is not yet measured), as a
     training run's second step does. Seconds taken."""
     t = time.perf_counter()
     blocks = [torch.empty(block_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
