@@ -23,24 +23,11 @@ import pytest
 import torch
 from torch.optim import adam as torch_adam
 
+from bit_compare import assert_bits_equal
 from ramflow import _cpu_kernels, _lean_kernels
 from ramflow._cpu_kernels import fused_adamw_step_
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
-
-
-def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    if not torch.equal(bits(actual), bits(expected)):
-        differ = (bits(actual) != bits(expected)).nonzero().flatten()
-        i = differ[0].item()
-        raise AssertionError(
-            f"{what}: {differ.numel()} of {actual.numel()} elements differ, first at {i}: "
-            f"{actual[i].item()!r} != {expected[i].item()!r}"
-        )
 
 
 def reference_step(state, grad, *, step, grad_scale=1.0, accumulate=None, **hyper):

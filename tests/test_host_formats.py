@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ramflow
+from bit_compare import assert_bits_equal, bits
 from ramflow import _lean_kernels
 from ramflow._host_formats import check_optimizer_formats
 from ramflow._lean_kernels import (
@@ -35,15 +36,6 @@ def impl(request, monkeypatch):
     else:
         monkeypatch.setattr(_lean_kernels._LEAN, "get", lambda: None)
     return request.param
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
-
-
-def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    differ = (bits(a) != bits(b)).sum().item()
-    assert differ == 0, f"{what}: {differ} of {a.numel()} elements differ"
 
 
 # ---- stochastic rounding -------------------------------------------------------------

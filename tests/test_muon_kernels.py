@@ -19,26 +19,13 @@ import pytest
 import torch
 
 import ramflow
+from bit_compare import assert_bits_equal
 from models import MLPStack
 from ramflow import _muon_kernels
 from ramflow._cpu_kernels import DECAY_PROBE_LR, DECAY_PROBE_WD
 from ramflow._muon_kernels import TORCH_CHUNK, muon_apply_, muon_blend_
 
 IMPLS = ["native", "torch"]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
-
-
-def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    if not torch.equal(bits(actual), bits(expected)):
-        differ = (bits(actual) != bits(expected)).nonzero().flatten()
-        i = differ[0].item()
-        raise AssertionError(
-            f"{what}: {differ.numel()} of {actual.numel()} elements differ, first at {i}: "
-            f"{actual.flatten()[i].item()!r} != {expected.flatten()[i].item()!r}"
-        )
 
 
 @pytest.fixture(params=IMPLS)

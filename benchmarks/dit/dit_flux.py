@@ -123,16 +123,6 @@ def make_batch(cfg: dict, args: argparse.Namespace, device):
     return inputs, pack(noise - x0, 1, channels, side, side).to(device)
 
 
-def _vm(key: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def run_case(args: argparse.Namespace) -> dict:
     """One case in this process; returns its record."""
     import torch
@@ -194,7 +184,7 @@ def run_case(args: argparse.Namespace) -> dict:
     rec["setup_s"] = time.perf_counter() - t0
     print(f"{args.case}: set up in {rec['setup_s']:.1f} s", file=sys.stderr, flush=True)
     done = [0]
-    rec["rss_after_setup_bytes"] = _vm("VmRSS")
+    rec["rss_after_setup_bytes"] = measure.proc_status_bytes("VmRSS")
 
     def step() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -218,8 +208,8 @@ def run_case(args: argparse.Namespace) -> dict:
                                   drain=drain))  # fmt: skip
     if device.type == "cuda":
         rec["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
-    rec["peak_rss_bytes"] = _vm("VmHWM")
-    rec["rss_bytes"] = _vm("VmRSS")
+    rec["peak_rss_bytes"] = measure.proc_status_bytes("VmHWM")
+    rec["rss_bytes"] = measure.proc_status_bytes("VmRSS")
     return rec
 
 

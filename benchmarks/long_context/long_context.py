@@ -74,11 +74,11 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the harness's modules
 sys.path[:0] = [str(BENCH), str(BENCH / "long_context"), str(BENCH.parent / "src")]
 
-from ramflow.cli import _default_allocator_settings  # noqa: E402
+from ramflow.cli import default_allocator_settings  # noqa: E402
 
 # the CUDA allocator `ramflow train` runs with (expandable segments unless the user set
 # PYTORCH_CUDA_ALLOC_CONF), set before torch allocates; recorded in the meta
-ALLOC_CONF = _default_allocator_settings(os.environ)  # type: ignore[arg-type]
+ALLOC_CONF = default_allocator_settings(os.environ)
 
 import long_context_report as report  # noqa: E402
 import torch  # noqa: E402

@@ -44,9 +44,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import math
-import os
-import platform
-import threading
 import warnings
 
 import torch
@@ -328,38 +325,18 @@ class _LeanArgs(ctypes.Structure):
     ]
 
 
-class _LeanLibrary:
+class _LeanLibrary(_cpu_kernels.KernelLibrary):
     """The library with the lean entry points (the fp32 kernel's build), or None."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._loaded = False
-        self.lib = None
+    def _on_build_error(self, err: Exception) -> None:
+        warnings.warn(
+            f"ramflow: the native lean CPU AdamW kernels could not be built ({err}); "
+            "stepping with PyTorch instead (same results, slower).",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
-    def get(self):
-        if not self._loaded:
-            with self._lock:
-                if not self._loaded:
-                    self.lib = self._load()
-                    self._loaded = True
-        return self.lib
-
-    @staticmethod
-    def _load():
-        if os.environ.get(_cpu_kernels._ENV_DISABLE, "") not in ("", "0"):
-            return None
-        if platform.machine().lower() not in ("x86_64", "amd64"):
-            return None
-        try:
-            lib = ctypes.CDLL(_cpu_kernels._build())
-        except Exception as err:  # any build failure means: use PyTorch, do not crash
-            warnings.warn(
-                f"ramflow: the native lean CPU AdamW kernels could not be built ({err}); "
-                "stepping with PyTorch instead (same results, slower).",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return None
+    def _declare(self, lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.ramflow_lean_adamw_step.argtypes = [ctypes.POINTER(_LeanArgs)]
         lib.ramflow_lean_adamw_step.restype = ctypes.c_int
         lib.ramflow_bf16_stochastic_round.argtypes = [

@@ -124,6 +124,23 @@ bool muon_simd(int32_t torch_fma, int32_t force_scalar) {
 #endif
 }
 
+// Runs ``simd_part(begin, end)`` over each block's whole 8-lane groups (when ``simd``) and
+// ``scalar_part`` over the rest, the blocks shared over ``num_threads``.
+template <typename Simd, typename Scalar>
+void for_blocks(int64_t n, int32_t num_threads, bool simd, Simd simd_part, Scalar scalar_part) {
+  const int64_t num_blocks = (n + kBlock - 1) / kBlock;
+  share_blocks(num_blocks, kGrainBlocks, num_threads, [&](int64_t b0, int64_t b1) {
+    const int64_t begin = b0 * kBlock, end = std::min(b1 * kBlock, n);
+    int64_t i = begin;
+    if (simd) {
+      const int64_t simd_end = begin + (end - begin) / 8 * 8;
+      if (simd_end > begin) simd_part(begin, simd_end);
+      i = simd_end;
+    }
+    scalar_part(i, end);
+  });
+}
+
 }  // namespace
 
 extern "C" int ramflow_muon_blend(const MuonBlendArgs* args) {
@@ -133,19 +150,14 @@ extern "C" int ramflow_muon_blend(const MuonBlendArgs* args) {
   // The blend is write-only and leaves for the device (or the iteration) next: no need
   // to read it into the cache first.
   const bool stream = a.n >= kStreamingMinElements && reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
-  const int64_t num_blocks = (a.n + kBlock - 1) / kBlock;
-  share_blocks(num_blocks, kGrainBlocks, a.num_threads, [&](int64_t b0, int64_t b1) {
-    const int64_t begin = b0 * kBlock, end = std::min(b1 * kBlock, a.n);
-    int64_t i = begin;
+  for_blocks(
+      a.n, a.num_threads, simd,
+      [&](int64_t b, int64_t e) {
 #if RAMFLOW_X86
-    if (simd) {
-      const int64_t simd_end = begin + (end - begin) / 8 * 8;
-      if (simd_end > begin) blend_avx2(a, begin, simd_end, stream);
-      i = simd_end;
-    }
+        blend_avx2(a, b, e, stream);
 #endif
-    blend_scalar(a, i, end);
-  });
+      },
+      [&](int64_t b, int64_t e) { blend_scalar(a, b, e); });
   return 0;
 }
 
@@ -153,18 +165,13 @@ extern "C" int ramflow_muon_apply(const MuonApplyArgs* args) {
   const MuonApplyArgs a = *args;
   if (a.n <= 0) return 0;
   const bool simd = muon_simd(a.torch_fma, a.force_scalar);
-  const int64_t num_blocks = (a.n + kBlock - 1) / kBlock;
-  share_blocks(num_blocks, kGrainBlocks, a.num_threads, [&](int64_t b0, int64_t b1) {
-    const int64_t begin = b0 * kBlock, end = std::min(b1 * kBlock, a.n);
-    int64_t i = begin;
+  for_blocks(
+      a.n, a.num_threads, simd,
+      [&](int64_t b, int64_t e) {
 #if RAMFLOW_X86
-    if (simd) {
-      const int64_t simd_end = begin + (end - begin) / 8 * 8;
-      if (simd_end > begin) apply_avx2(a, begin, simd_end);
-      i = simd_end;
-    }
+        apply_avx2(a, b, e);
 #endif
-    apply_scalar(a, i, end);
-  });
+      },
+      [&](int64_t b, int64_t e) { apply_scalar(a, b, e); });
   return 0;
 }

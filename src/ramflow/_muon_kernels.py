@@ -35,9 +35,6 @@ slower.
 from __future__ import annotations
 
 import ctypes
-import os
-import platform
-import threading
 import warnings
 
 import torch
@@ -85,35 +82,14 @@ class _ApplyArgs(ctypes.Structure):
     ]
 
 
-class _MuonLibrary:
+class _MuonLibrary(_cpu_kernels.KernelLibrary):
     """The native entry points (the ``_cpu_kernels`` build), checked once, or None."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._loaded = False
-        self.lib = None
+        super().__init__()
         self.torch_fma = True
-        self.reason = ""
 
-    def get(self):
-        if not self._loaded:
-            with self._lock:
-                if not self._loaded:
-                    self.lib = self._load()
-                    self._loaded = True
-        return self.lib
-
-    def _load(self):
-        if os.environ.get(_cpu_kernels._ENV_DISABLE, "") not in ("", "0"):
-            self.reason = f"{_cpu_kernels._ENV_DISABLE} is set"
-            return None
-        if platform.machine().lower() not in ("x86_64", "amd64"):
-            self.reason = f"it is only verified on x86-64, not {platform.machine()}"
-            return None
-        try:
-            lib = ctypes.CDLL(_cpu_kernels._build())
-        except Exception as err:  # any build failure means: use PyTorch, do not crash
-            return self._give_up(f"it could not be built ({type(err).__name__}: {err})")
+    def _declare(self, lib: ctypes.CDLL) -> ctypes.CDLL | None:
         lib.ramflow_muon_blend.argtypes = [ctypes.POINTER(_BlendArgs)]
         lib.ramflow_muon_blend.restype = ctypes.c_int
         lib.ramflow_muon_apply.argtypes = [ctypes.POINTER(_ApplyArgs)]
@@ -121,19 +97,22 @@ class _MuonLibrary:
         self.torch_fma = torch.backends.cpu.get_cpu_capability() != "DEFAULT"
         mismatch = _probe_mismatch(lib, self.torch_fma)
         if mismatch:
-            return self._give_up(f"it does not reproduce PyTorch's ops here ({mismatch})")
+            self.reason = f"it does not reproduce PyTorch's ops here ({mismatch})"
+            self._warn()
+            return None
         return lib
 
-    def _give_up(self, why: str) -> None:
-        self.reason = why
+    def _on_build_error(self, err: Exception) -> None:
+        self._warn()
+
+    def _warn(self) -> None:
         warnings.warn(
-            f"ramflow: the native Muon host passes are not used because {why}; running "
-            f"PyTorch's ops in chunks instead (same results, slower). Set "
+            f"ramflow: the native Muon host passes are not used because {self.reason}; "
+            f"running PyTorch's ops in chunks instead (same results, slower). Set "
             f"{_cpu_kernels._ENV_DISABLE}=1 to silence this.",
             RuntimeWarning,
-            stacklevel=5,
+            stacklevel=6,
         )
-        return None
 
 
 _LIB = _MuonLibrary()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 from ._host_formats import PRESETS
@@ -557,7 +557,7 @@ def _profile(args: argparse.Namespace) -> int:
 ALLOC_CONF_DEFAULT = "expandable_segments:True"
 
 
-def _default_allocator_settings(environ: dict[str, str]) -> str | None:
+def default_allocator_settings(environ: MutableMapping[str, str]) -> str | None:
     """Set ``PYTORCH_CUDA_ALLOC_CONF`` to ``ALLOC_CONF_DEFAULT`` in ``environ`` unless the user
     set it or ``PYTORCH_ALLOC_CONF``; returns the setting in force (None: PyTorch's own).
     See [Note: expandable segments by default in ramflow train]."""
@@ -572,7 +572,7 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import os
 
     # before anything initializes CUDA; the ranks a launcher starts inherit it
-    _default_allocator_settings(os.environ)  # type: ignore[arg-type]
+    default_allocator_settings(os.environ)
     from .train import TrainConfig, open_checkpoint, resume_config, train
     from .train.ranks import DEFAULT_TIMEOUT_S
 

@@ -5,23 +5,23 @@ from __future__ import annotations
 
 import pytest
 
-from ramflow.cli import ALLOC_CONF_DEFAULT, _default_allocator_settings
+from ramflow.cli import ALLOC_CONF_DEFAULT, default_allocator_settings
 
 
 def test_unset_gets_expandable_segments() -> None:
     env = {"PATH": "/bin"}
-    assert _default_allocator_settings(env) == ALLOC_CONF_DEFAULT == "expandable_segments:True"
+    assert default_allocator_settings(env) == ALLOC_CONF_DEFAULT == "expandable_segments:True"
     assert env == {"PATH": "/bin", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
 @pytest.mark.parametrize("name", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
 def test_the_users_setting_stays(name: str) -> None:
     env = {name: "max_split_size_mb:512"}
-    assert _default_allocator_settings(env) == "max_split_size_mb:512"
+    assert default_allocator_settings(env) == "max_split_size_mb:512"
     assert env == {name: "max_split_size_mb:512"}  # nothing added beside it
 
 
 def test_an_empty_setting_means_pytorchs_own() -> None:
     env = {"PYTORCH_CUDA_ALLOC_CONF": ""}
-    assert _default_allocator_settings(env) is None
+    assert default_allocator_settings(env) is None
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": ""}
