@@ -50,6 +50,7 @@ import torch
 
 from . import _cpu_kernels, _lean_triton
 from ._cpu_kernels import _check_no_overlap, _check_tensor, _check_threads
+from ._kernel_library import KernelLibrary
 
 __all__ = [
     "QBLOCK",
@@ -325,7 +326,7 @@ class _LeanArgs(ctypes.Structure):
     ]
 
 
-class _LeanLibrary(_cpu_kernels.KernelLibrary):
+class _LeanLibrary(KernelLibrary):
     """The library with the lean entry points (the fp32 kernel's build), or None."""
 
     def _on_build_error(self, err: Exception) -> None:

@@ -41,6 +41,7 @@ import torch
 
 from . import _cpu_kernels
 from ._cpu_kernels import _check_no_overlap, _check_tensor, _check_threads
+from ._kernel_library import KernelLibrary
 
 __all__ = ["muon_apply_", "muon_blend_", "muon_kernel_available"]
 
@@ -82,7 +83,7 @@ class _ApplyArgs(ctypes.Structure):
     ]
 
 
-class _MuonLibrary(_cpu_kernels.KernelLibrary):
+class _MuonLibrary(KernelLibrary):
     """The native entry points (the ``_cpu_kernels`` build), checked once, or None."""
 
     def __init__(self) -> None:
