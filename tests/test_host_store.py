@@ -96,3 +96,21 @@ def test_pinned_buffers_take_their_own_pages_not_a_power_of_two():
     assert registered_bytes() - before >= expected
     ramflow.undo(model)
     assert registered_bytes() == before
+
+
+def test_host_ram_override_decides_whether_the_store_fits(monkeypatch):
+    """``$RAMFLOW_HOST_RAM`` replaces MemAvailable in the RAM check (VMs whose RAM grows as
+    it is used); too little is refused with the variable named, a bad value names it too."""
+    import ramflow
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    monkeypatch.setenv("RAMFLOW_HOST_RAM", "1KiB")
+    with pytest.raises(MemoryError, match="only 1.00 KiB is available.*RAMFLOW_HOST_RAM"):
+        ramflow.offload(model, device="cpu")
+    # nothing was lost: the refused model still holds its own parameters
+    assert all(p.device.type == "cpu" and not p.is_meta for p in model.parameters())
+    monkeypatch.setenv("RAMFLOW_HOST_RAM", "twelve")
+    with pytest.raises(ValueError, match="RAMFLOW_HOST_RAM: cannot read 'twelve'"):
+        ramflow.offload(model, device="cpu")
+    monkeypatch.setenv("RAMFLOW_HOST_RAM", "1TiB")
+    ramflow.offload(model, device="cpu")(torch.randn(2, 64)).sum().backward()

@@ -173,10 +173,14 @@ def _write(out: Path, result: dict) -> None:
 def host_ram_available() -> int:
     """Bytes of RAM this process may hold: what the kernel calls available (MemAvailable,
     through psutil) plus what the process holds already (VmRSS), since a run's plan counts
-    the whole process (host store, runtime) and not only what it adds."""
-    import psutil
+    the whole process (host store, runtime) and not only what it adds. ``$RAMFLOW_HOST_RAM``,
+    where set, is taken as the whole budget (``ramflow._host_store.host_ram_available``)."""
+    from ramflow._host_store import HOST_RAM_ENV
+    from ramflow._host_store import host_ram_available as ramflow_available
 
-    return psutil.virtual_memory().available + (measure.proc_status_bytes("VmRSS") or 0)
+    if os.environ.get(HOST_RAM_ENV, "").strip():
+        return ramflow_available()
+    return ramflow_available() + (measure.proc_status_bytes("VmRSS") or 0)
 
 
 def release_pinned_cache() -> bool:

@@ -33,6 +33,7 @@ more (a 12B model loaded in 107 s, 0.2 GB/s of bf16 weights). No DMA reads a uni
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 from collections.abc import Callable
 
@@ -41,13 +42,33 @@ import torch
 
 from ._frozen_formats import FrozenStore, give_back, meta_stand_in
 from ._host_formats import PRESETS, RING_BUFFERS, HostPrecision
-from ._plan import format_bytes
+from ._plan import format_bytes, parse_bytes
 from ._streams import alloc_host, alloc_pinned, map_host, pin_in_place, unpin
 from ._units import _Unit
 from ._window import DeviceWindow
 
 # writes a unit's parameter values into their views of its new master (``HostStore.build``)
 FillMaster = Callable[[list[torch.nn.Parameter], list[torch.Tensor]], None]
+
+
+HOST_RAM_ENV = "RAMFLOW_HOST_RAM"
+
+
+def host_ram_available() -> int:
+    """Bytes of host RAM ramflow may count on: ``$RAMFLOW_HOST_RAM`` when set (a size such
+    as ``"240GiB"``), else what the kernel calls available (``MemAvailable``, by psutil).
+
+    The override is for machines whose ``MemTotal`` understates what they can hold: a VM
+    whose memory is hot-plugged or ballooned as it is used (seen on Firecracker guests that
+    report 31 of 256 GiB at boot) would otherwise be refused a store that fits.
+
+    Raises:
+        ValueError: ``$RAMFLOW_HOST_RAM`` is set but not a size (names the variable).
+    """
+    value = os.environ.get(HOST_RAM_ENV, "").strip()
+    if value:
+        return parse_bytes(value, what=HOST_RAM_ENV)
+    return psutil.virtual_memory().available
 
 
 def store_bytes(units: list[_Unit], precision: HostPrecision, wire_dtype: torch.dtype) -> int:
@@ -135,7 +156,7 @@ def resolve_precision(
     reason = None
     if isinstance(host_precision, str) and host_precision == AUTO:
         if available is None:
-            available = psutil.virtual_memory().available
+            available = host_ram_available()
         precision, reason = choose_precision(
             units(), wire_dtype, available, default_wire=default_wire
         )
@@ -193,7 +214,7 @@ class HostStore:
         The store (masters, wire copies, gradients) must fit; the message gives what each
         preset would need with AdamW's states too, so the user can pick one that fits."""
         need = self.store_bytes(units)
-        avail = psutil.virtual_memory().available
+        avail = host_ram_available()
         if need > avail:
             sizes = []
             for name in PRESETS:
@@ -210,7 +231,8 @@ class HostStore:
                 f"gradients) but only {format_bytes(avail)} is available. With AdamW's states, "
                 f"each host_precision needs about: {', '.join(sizes)}. Pick one that fits "
                 "(ramflow.offload(..., host_precision=...)), free memory, freeze parameters "
-                "you do not train (requires_grad=False), or use a smaller model."
+                "you do not train (requires_grad=False), or use a smaller model. On a VM "
+                f"whose RAM grows as it is used, set {HOST_RAM_ENV} (e.g. '240GiB')."
             )
 
     def build(self, units: list[_Unit], *, fill: FillMaster | None = None) -> None:

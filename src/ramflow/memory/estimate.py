@@ -20,12 +20,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import torch
 from torch import nn
 
 from .._host_formats import HostPrecision
-from .._host_store import resolve_precision
+from .._host_store import host_ram_available, resolve_precision
 from .._plan import (
     OFFLOAD_BOUNDARIES_ON_DEVICE,
     OffloadPlan,
@@ -659,7 +658,7 @@ def estimate_memory(
         # on disk: unpadded parameters and their states
         checkpoint_bytes=num_parameters * host.master_dtype.itemsize
         + host.state_bytes(num_trainable, num_states=optimizer_states),
-        ram_available_bytes=psutil.virtual_memory().available,
+        ram_available_bytes=host_ram_available(),
         disk_free_bytes=disk_free,
         host_precision=host.name,
         host_precision_reason=reason,
