@@ -16,12 +16,15 @@ PART=${1:?usage: one_gpu.sh tests|dit|long|train128k|muon|lean|scale}
 export PYTHONUNBUFFERED=1
 R=/tmp/open-checks-$PART; mkdir -p "$R"
 pack() { tar -czf "$OUT/$PART.tgz" -C "$R" . ; }
-if ls .whl/*.whl >/dev/null 2>&1; then
+# SETUP_DONE=1: two_gpu.sh installed the wheels and built the kernels once for both GPUs
+if [ "${SETUP_DONE:-0}" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$R/pip.txt" 2>&1
 fi
 export PYTHONPATH=$PWD/src:/tmp/site
-{ nvidia-smi --query-gpu=name,memory.total --format=csv; nproc; free -g; git log -1 --format=%h 2>/dev/null; } > "$R/device.txt" 2>&1
-( time timeout 150 python3 -m ramflow.build_kernels ) > "$R/build.txt" 2>&1; pack
+# a process whose CUDA context was lost (an MMU fault) may not end on SIGTERM: -k kills it
+timeout() { command timeout -k 15 "$@"; }
+{ nvidia-smi --query-gpu=name,memory.total --format=csv; echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}"; nproc; free -g; git log -1 --format=%h 2>/dev/null; } > "$R/device.txt" 2>&1
+[ "${SETUP_DONE:-0}" = 1 ] || { ( time timeout 150 python3 -m ramflow.build_kernels ) > "$R/build.txt" 2>&1; }; pack
 left() { echo $(( ${LIMIT:-560} - SECONDS )); }
 case "$PART" in
 tests)
