@@ -185,6 +185,33 @@ def test_disabled_offloader_checkpoints_alone_and_can_be_enabled_again():
     assert engine_of_model(plain).schedule.boundary_offloader is None
 
 
+def test_empty_saved_tensors_are_kept_not_offloaded():
+    """An empty tensor saved beside a block's input (torch 2.11's non-reentrant checkpoint
+    saves such a placeholder per call) stays where it is and is not counted: only the
+    input moves, and the gradients are checkpointing's own."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    empty = torch.empty(0, requires_grad=True)
+
+    def fn(h, e):
+        return lin(h).tanh() + e.sum()
+
+    checkpoint(fn, x, empty, use_reentrant=False).square().sum().backward()
+    expected = (x.grad.clone(), lin.weight.grad.clone())
+    x.grad = None
+    lin.weight.grad = None
+    offloader = BoundaryOffloader()
+    with offloader.saving():
+        out = checkpoint(fn, x, empty, use_reentrant=False)
+    out.square().sum().backward()
+    assert torch.equal(x.grad, expected[0]) and torch.equal(lin.weight.grad, expected[1])
+    stats = offloader.stats
+    assert (stats.num_packed, stats.packed_bytes) == (1, 4 * 8 * 4)
+
+
 # --------------------------------------------------------------------------- GPU
 
 
