@@ -224,7 +224,7 @@ def _run(args: argparse.Namespace) -> None:
             # resident units reach the ranks that do not own them from the owner's device
             # (see [Note: refresh by broadcast] in ramflow/_dist.py) or from the host
             "refresh": "broadcast"
-            if os.environ.get("RAMFLOW_REFRESH_BY_BROADCAST", "0") not in ("", "0")
+            if os.environ.get("RAMFLOW_REFRESH_BY_BROADCAST", "1").strip() != "0"
             else "host",
             "checkpoint": args.checkpoint,
             "meta": args.meta,

@@ -369,7 +369,7 @@ def offload(
             zero_stage=zero_stage, average=True, reduce_to_owner=single_host
         )
         engine.dist.copies = dist.get_world_size() // len(local)  # hosts (equal ranks each)
-        if os.environ.get("RAMFLOW_REFRESH_BY_BROADCAST", "0") not in ("", "0"):
+        if os.environ.get("RAMFLOW_REFRESH_BY_BROADCAST", "1").strip() != "0":
             engine.dist.refresh_by_broadcast(engine)  # see [Note: refresh by broadcast]
     return model
 
