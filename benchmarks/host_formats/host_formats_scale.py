@@ -50,6 +50,15 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the harness's modules
 sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 
+import os  # noqa: E402
+
+from ramflow.cli import default_allocator_settings  # noqa: E402
+
+# the CUDA allocator `ramflow train` runs with (expandable segments unless the user set
+# PYTORCH_CUDA_ALLOC_CONF), set before torch allocates: the reserved peak then follows the
+# allocated one (2026-11-27, H200: 50.8 GiB reserved for 44.0 allocated without it)
+ALLOC_CONF = default_allocator_settings(os.environ)
+
 import torch  # noqa: E402
 
 import measure  # noqa: E402
@@ -306,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {
         "meta": {
             "date": date.today().isoformat(),
+            "cuda_alloc_conf": ALLOC_CONF,
             "host": platform.node(),
             "device": torch.cuda.get_device_name(device) if cuda else "cpu",
             "torch": torch.__version__,
