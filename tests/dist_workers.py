@@ -133,8 +133,8 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     every rank trains on the whole global batch (its averaged gradients are then one
     process's, bit for bit, on two ranks); ``muon``: ``ramflow.optim.Muon`` (its defaults,
     lr 1e-2) instead of AdamW; ``optimizer``: (a ``ramflow.optim`` class name, its settings)
-    instead of AdamW; ``gpu_memory``: ``offload``'s (a budget keeps units
-    resident, on the CPU too)."""
+    instead of AdamW; ``gpu_memory``, ``device_optimizer``: ``offload``'s (a budget keeps
+    units resident, on the CPU too)."""
     device = _device(rank, options)
     model = reference_model(seed=rank, dim=options.get("dim", 32))
     ramflow.offload(
@@ -144,6 +144,7 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
         wire_dtype=options.get("wire_dtype", torch.float32),
         host_precision=options.get("host_precision"),
         gpu_memory=options.get("gpu_memory"),
+        device_optimizer=options.get("device_optimizer"),
     )
     if options.get("muon"):
         opt = ramflow.optim.Muon(model.parameters(), lr=1e-2)
@@ -210,6 +211,9 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
         "memory": memory,
         "host_precision": (plan.host_precision, plan.host_precision_reason),
         "device_optimizer": (plan.device_stepped, plan.device_optimizer_reason),
+        "unit_names": [u.name for u in engine.units if u.num_trainable],
+        # parameters the CPU optimizer stepped over the run (flat steps count padding)
+        "host_steps": engine.host_step_totals()[0],
         # the optimizer states this rank holds: (parameters with states, their dtypes)
         "states": (
             sum(bool(st) for st in opt.state.values()),

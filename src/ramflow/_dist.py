@@ -148,14 +148,24 @@ class DistributedState:
         of the steps, as on one GPU, and waits only at a unit that is not current yet."""
         others = [u for u in engine.units if not self.owns(u) and u.num_trainable]
         engine.mark_stale(others)
-        engine.worker.submit(STEP, _AFTER_ALL_STEPS, functools.partial(self._sync, engine, others))
+        # this step's device steps are all issued: the barrier waits for their write-backs
+        written = engine.write_back_events()
+        sync = functools.partial(self._sync, engine, others, written)
+        engine.worker.submit(STEP, _AFTER_ALL_STEPS, sync)
 
-    def _sync(self, engine: Engine, others: list[_Unit]) -> None:
+    def _sync(
+        self, engine: Engine, others: list[_Unit], written: list[tuple[_Unit, torch.cuda.Event]]
+    ) -> None:
         """Worker: wait for the other ranks' steps, take the stepped masters from their
         owners where they are not shared, and bring the wire copies up to date (a wire
         copy that is the master, or is shared with the owner, already is); the device
         copies of resident units come from their owners' devices where ``broadcast_units``
-        names them (see [Note: refresh by broadcast])."""
+        names them (see [Note: refresh by broadcast]). ``written``: the write-backs of
+        this step's device steps, which the barrier waits for."""
+        # the host store is current before the barrier: see [Note: the device optimizer
+        # under ZeRO] in ramflow._stepper
+        for u, event in written:
+            self.wait_event(event, f"writing the weights of unit {u.name!r} back to the host")
         with self.explained("waiting for the other ranks' optimizer steps"):
             dist.barrier(group=self.step_group)
             for u in engine.units:
@@ -214,9 +224,10 @@ class DistributedState:
                     event = None
                 else:
                     with torch.cuda.stream(stream):
-                        # the owner sends what its refresh wrote; the others overwrite a
-                        # copy only once their backward is done reading it
-                        for e in [u.h2d_event] if mine else u.idle_events:
+                        # the owner sends what its refresh (or device step) wrote; the
+                        # others overwrite a copy only once their backward is done reading it
+                        mine_events = [u.h2d_event, u.device_step_event]
+                        for e in mine_events if mine else u.idle_events:
                             if e is not None:
                                 stream.wait_event(e)
                         dist.broadcast(
@@ -303,7 +314,8 @@ class DistributedState:
 # forward waits: on 4 GPUs with a 2.7 B model resident, 4.0 GB per rank and step, about the
 # 100 ms by which a 4-GPU step exceeded one GPU's (benchmarks/results/
 # 2026-11-27-nvidia-h200-x4-scaling). The owner already refreshed its own copy during
-# backward, right after its step; by default (``RAMFLOW_REFRESH_BY_BROADCAST=0``, read by
+# backward, right after its step (or stepped it there, [Note: the device optimizer under
+# ZeRO] in ``ramflow._stepper``); by default (``RAMFLOW_REFRESH_BY_BROADCAST=0``, read by
 # ``ramflow.offload``, turns it off) the others take it from there: after the barrier, the worker of
 # every rank broadcasts each such unit, in unit order, from its owner's device (NCCL over
 # NVLink, on a stream and a process group of the worker's own; gloo on CPUs). A receiver's

@@ -14,7 +14,7 @@ import atexit
 import dataclasses
 import functools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -99,6 +99,8 @@ class Engine:
         fill: FillMaster | None = None,
         frozen_format: str | None = None,
         on_device: Iterable[nn.Parameter] = (),
+        owners: Sequence[int] | None = None,
+        rank: int | None = None,
     ) -> None:
         # model None: a layer engine (see ``ramflow._linear``): no root module, units are
         # added one by one with ``add_units``, worker and streams are shared per device.
@@ -111,6 +113,10 @@ class Engine:
         # None: the planner chooses (see [Note: the device optimizer's default] in _plan)
         self.device_optimizer = device_optimizer
         self._device_optimizer_reason = device_optimizer_reason
+        # under ZeRO (``ramflow.offload(zero_stage=...)``): each unit's owner rank and this
+        # process's, so that only the units it steps are planned for its device optimizer
+        self._owners = None if owners is None else list(owners)
+        self._rank = rank
         self.streams = streams if streams is not None else CopyStreams(device)
         self.worker = worker if worker is not None else HostWorker(device)
         self._owns_worker = worker is None
@@ -137,7 +143,12 @@ class Engine:
             device=device, wire_dtype=wire_dtype, window=self.window, precision=host_precision
         )
         self.stepper = Stepper(
-            device=device, units=self.units, worker=self.worker, window=self.window, host=self.host
+            device=device,
+            units=self.units,
+            worker=self.worker,
+            window=self.window,
+            host=self.host,
+            streams=self.streams,
         )
         self.gradients = GradientPath(
             device=device,
@@ -212,6 +223,9 @@ class Engine:
             _Unit(len(self.units) + i, s, frozen_format=self.frozen_format)
             for i, s in enumerate(specs)
         ]
+        if self._owners is not None:
+            for u in new:
+                u.owner = self._owners[u.index]
         self.host.check_memory(new)
         all_units = self.units + new
         plan = self._make_plan(all_units)
@@ -311,10 +325,16 @@ class Engine:
             bytes_per_param=precision.device_step_bytes_per_parameter,
             scratch_bytes=precision.device_step_scratch_bytes,
         )
-        numels = [u.trainable_numel for u in all_units]
+        # under ZeRO only the units this rank owns (see [Note: the device optimizer under
+        # ZeRO] in ramflow._stepper): a unit of no trainable elements is never chosen
+        numels = [
+            u.trainable_numel if u.owner is None or u.owner == self._rank else 0 for u in all_units
+        ]
         if self.device_optimizer is True:
             plan = with_device_optimizer(plan, numels, **sizes)
             fits = "" if plan.device_stepped else ", but no unit's states fit the budget"
+            if self._owners is not None:
+                fits = f" (the units rank {self._rank} owns){fits}"
             return dataclasses.replace(plan, device_optimizer_reason=f"device_optimizer=True{fits}")
         if self.device_optimizer is False:
             why = self._device_optimizer_reason or "device_optimizer=False"
@@ -571,6 +591,10 @@ class Engine:
         wire and device copies up to date (see ``HostStore.refresh_wire``; ``received``:
         the device copy came from the unit's owner)."""
         self.host.refresh_wire(u, written=written, received=received)
+
+    def write_back_events(self) -> list[tuple[_Unit, torch.cuda.Event]]:
+        """At ``opt.step()``, under ZeRO: see ``Stepper.write_back_events``."""
+        return self.stepper.write_back_events()
 
     def synchronize(self) -> None:
         """Wait for every pending gradient landing and optimizer step on the host."""

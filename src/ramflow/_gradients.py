@@ -137,7 +137,7 @@ class GradientPath:
             params = u.owned[: u.num_trainable]
             if stepper.device_steppable(u) and all(p.grad is None for p in params):
                 opt = stepper.optimizers[0]
-                stepper.device_step(u, opt, opt._hyperparameters(), u.device_grad)
+                stepper.device_step(u, opt, opt._hyperparameters(), u.device_grad, after=reduced)
                 self._pass_stepped.append(u)
                 if not opt.keep_grads:
                     u.device_grad = None

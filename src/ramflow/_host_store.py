@@ -304,7 +304,11 @@ class HostStore:
             assert all(
                 p.data_ptr() == view.data_ptr() for p, view in zip(u.owned, u.views(u.master))
             ), "a given master must hold the unit's parameters at the engine's offsets"
-            if pin and serves_wire:
+            # a master that the device step writes back (under ZeRO, a unit this rank
+            # steps on its device) is pinned too: see [Note: the device optimizer under
+            # ZeRO] in ``ramflow._stepper``
+            write_back = u.device_stepped and u.owner is not None
+            if pin and (serves_wire or write_back):
                 pin_in_place(u.master, what=f"the master weights of {u.name!r}")
                 self.pinned_in_place.append(u.master)
         else:

@@ -270,8 +270,8 @@ def with_device_optimizer(
 # [Note: the device optimizer's default]
 # ``ramflow.offload(device_optimizer=None)`` (the default) lets the planner choose the units
 # stepped on the device. It refuses first where a device step cannot apply or would change the
-# run (each a reason in the plan): no budget, the CPU as the device, ZeRO (the states are
-# sharded over the ranks), trainable parameters kept on the device (LoRA: the adapters step
+# run (each a reason in the plan): no budget, the CPU as the device, ZeRO (not measured yet;
+# ``True`` steps each rank's owned units), trainable parameters on the device (LoRA: those step
 # there already), and fp32 masters, whose device step is PyTorch's fused CUDA AdamW and not
 # the CPU kernel's bits (a run would depend on which units fit; ``True`` still forces it).
 # For the lean formats the device step gives the host step's bits, so it changes the speed

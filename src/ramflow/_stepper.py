@@ -45,7 +45,7 @@ unit's host fp32 gradients. A unit whose parameters sit in several param groups 
 weights without weight decay, its matrices with: Hugging Face's and ``ramflow train``'s
 recipe) is stepped run by run, each with its group's hyperparameters (``flat_runs``).
 A step that the device cannot take (several optimizers in one unit, parameters at
-different step counts, ZeRO) pulls the state back, steps on the host and uploads it
+different step counts) pulls the state back, steps on the host and uploads it
 again at the next device step. The device step's rounding is CUDA's fused AdamW, within
 float rounding of the host kernel (bit-identical on the CPU device). Lean host formats: a
 bf16 master is the wire copy, hence the unit's device copy, so the device holds only the
@@ -60,6 +60,33 @@ a device-stepped unit's host gradients are pinned (the upload is a DMA at the PC
 not a synchronous copy through the driver's bounce buffers, about ten times slower), and
 ``step()`` returns once the uploads have read them (``wait_host_grad_reads``): the loop may
 then write ``p.grad`` at once, as after a host step.
+
+[Note: the device optimizer under ZeRO]
+With ``zero_stage`` and ``device_optimizer=True`` each rank plans, and steps on its own GPU,
+the resident units it owns (``Engine._with_device_optimizer`` counts no other unit), so each
+GPU holds the device states of its shard only; the other units keep the host step of their
+owner. The owner's step waits for the unit's gradient reduction (``after``: on CUDA the
+compute stream waits for it, which stalls the backward on this rank by the collective's
+tail; a stream of the step's own would not, at the cost of one more event for the next
+forward to wait on). The one-process device step leaves the host copies stale until
+``synchronize``, but under ZeRO the host store is shared: other ranks read a unit's wire
+copy (their refresh after the barrier, their loads of a unit they do not keep resident)
+and any rank's ``state_dict`` reads its master. So right after each device step the owner
+copies the new weights (an fp32 master and the wire copy, or the bf16 master that is the
+wire copy; the states stay on the device until ``synchronize``) into the shared store on
+the D2H stream, asynchronously (``_write_back``; the owner pins such a master even where a
+wire copy beside it is what others read), and the step's barrier waits for those copies
+(``ramflow._dist``): after the barrier the host store is as after host steps, and the other
+ranks refresh from it or from the owner's device copy ([Note: refresh by broadcast]) as
+for any unit. Race-free as the host step is (see "Data parallelism" in docs/design.md): the
+write-back follows the reduction, which every rank joins after its last read of the unit,
+and the barrier orders it before every next read; the owner's next device step of the unit
+waits for the write-back's copies and for the next reduction, which the other ranks join
+only once their copy of the unit (from the host or the broadcast) has ended. The bytes are
+those of the one-process device step, so the run equals one process stepping the same units
+on the device (tested on gloo). Cost against host steps: the write-back's D2H (2 bytes per
+parameter with a bf16 master, 6 with an fp32 master beside a bf16 wire) in place of the
+gradients' D2H, the CPU step and the owner's refresh H2D.
 
 [Note: the norm without clipping]
 A loop that reads the global gradient norm without clipping (``max_norm=inf``: Hugging
@@ -89,7 +116,7 @@ from ._host_store import HostStore
 from ._interfaces import DataParallel, StepOptimizer
 from ._plan import DEVICE_STEP_PIECE
 from ._step_policy import StepItem, StepPolicy
-from ._streams import record_event
+from ._streams import CopyStreams, record_event
 from ._units import _ALIGN, _Unit
 from ._window import DeviceWindow
 from ._worker import STEP, HostWorker
@@ -108,6 +135,8 @@ class Stepper:
         worker: the host worker that runs host steps.
         window: the device window (versions of the device copies, pieces of the refresh).
         host: the host store (wire copies).
+        streams: the copy streams of ``device`` (the D2H stream writes a device step's
+            weights back to the host under ZeRO).
     """
 
     def __init__(
@@ -118,8 +147,10 @@ class Stepper:
         worker: HostWorker,
         window: DeviceWindow,
         host: HostStore,
+        streams: CopyStreams,
     ) -> None:
         self.device = device
+        self._streams = streams
         self.units = units
         self.worker = worker
         self._window = window
@@ -495,16 +526,18 @@ class Stepper:
         self._pull_device_state(u, weights=False)
         u.device_state = None
         u.device_step_event = None
+        u.weights_written = False
+        u.write_back_event = None
         self._window.begin_host_write([u])
         self._host.refresh_wire(u)
 
     # ------------------------------------------------------------------ device steps
 
     def device_steppable(self, u: _Unit, opt: StepOptimizer | None = None) -> bool:
-        """Whether ``u`` can be stepped on the device now: planned so, one process, and one
-        optimizer with a device step holding all of it (any param groups, one step count;
-        ``flat_runs``)."""
-        if not u.device_stepped or self.live_dist() is not None:
+        """Whether ``u`` can be stepped on the device now: planned so, stepped by this
+        process (its owner under ZeRO), and one optimizer with a device step holding all of
+        it (any param groups, one step count; ``flat_runs``)."""
+        if not u.device_stepped or not self.steps_here(u):
             return False
         if opt is None:
             if len(self.optimizers) != 1:
@@ -513,17 +546,29 @@ class Stepper:
         return hasattr(opt, "device_flat_step") and opt.flat_runs(u) is not None
 
     def device_step(
-        self, u: _Unit, opt: StepOptimizer, hyper: list[dict], grad: torch.Tensor
+        self,
+        u: _Unit,
+        opt: StepOptimizer,
+        hyper: list[dict],
+        grad: torch.Tensor,
+        *,
+        after: object | None = None,
     ) -> None:
         """Step ``u`` on the device, on the current stream: its fp32 master weights and
         optimizer states stay there and the new weights go straight into its device copy,
         which the next forward reads in stream order. The host copies are stale until
-        ``pull_device_state``."""
+        ``pull_device_state``; under ZeRO the weights are written back to the shared host
+        store at once (see [Note: the device optimizer under ZeRO]). ``after``: the work
+        handle of the data-parallel reduction of ``grad`` (in place), which the step waits
+        for (on CUDA the current stream waits)."""
         n = u.trainable_numel
+        self._wait_write_back(u, host=False)  # its copies read what this step rewrites
         with torch.profiler.record_function(f"ramflow.device_optimizer:{u.name}"):
             if u.device_state is None:
                 self._wait_host_idle(u)
                 u.device_state = opt.device_state(u, self.device)  # type: ignore[attr-defined]
+            if after is not None:
+                after.wait()  # type: ignore[attr-defined]
             opt.device_flat_step(  # type: ignore[attr-defined]
                 u,
                 hyper,
@@ -537,6 +582,45 @@ class Stepper:
             if grad.device.type == "cpu":
                 u.host_grad_read = u.device_step_event
         u.host_stale = True
+        u.weights_written = False
+        u.write_back_event = None
+        if self.live_dist() is not None:
+            self._write_back(u)
+
+    def _write_back(self, u: _Unit) -> None:
+        """Under ZeRO, right after a device step of ``u``: copy its new weights into the
+        shared host master and wire copy (pinned), on the D2H stream behind the step;
+        ``u.write_back_event`` ends the copies. See [Note: the device optimizer under
+        ZeRO]."""
+        st = u.device_state
+        assert st is not None
+        n = u.trainable_numel
+        self._host.before_host_write(u)
+        with torch.no_grad(), torch.profiler.record_function(f"ramflow.write_back:{u.name}"):
+            # an fp32 master has its own device copy in the state, a bf16 one is the device copy
+            event = self._streams.d2h(u.master[:n], st.get("master", u.device_flat[:n]))
+            if u.wire is not u.master:  # one stream: the last copy's event ends both
+                event = self._streams.d2h(u.wire[:n], u.device_flat[:n])
+        u.weights_written = True
+        u.write_back_event = event
+
+    def _wait_write_back(self, u: _Unit, *, host: bool) -> bool:
+        """Wait for the copies of the last write-back of ``u``'s weights (``host``: on this
+        thread; else the current stream waits on CUDA). Returns whether the host's weights
+        are the device's."""
+        event = u.write_back_event
+        if event is not None:
+            if host:
+                event.synchronize()
+            else:
+                torch.cuda.current_stream(self.device).wait_event(event)
+        return u.weights_written
+
+    def write_back_events(self) -> list[tuple[_Unit, torch.cuda.Event]]:
+        """At ``opt.step()``, under ZeRO: the units whose weights this rank's device steps
+        are writing back, each with the event that ends its copies (none on the CPU, where
+        they have ended). The step's barrier waits for them (``ramflow._dist``)."""
+        return [(u, u.write_back_event) for u in self.units if u.write_back_event is not None]
 
     @staticmethod
     def wait_host_grad_read(u: _Unit) -> None:
@@ -574,10 +658,11 @@ class Stepper:
             return
         if u.device_step_event is not None:
             u.device_step_event.synchronize()
+        written = self._wait_write_back(u, host=True)  # under ZeRO: never written twice
         n = u.trainable_numel
         self._host.before_host_write(u)
         with torch.no_grad():
-            if weights:
+            if weights and not written:
                 # an fp32 master has its own device copy; a bf16 one is the device copy
                 u.master[:n].copy_(st["master"] if "master" in st else u.device_flat[:n])
                 if u.wire is not u.master:
@@ -593,3 +678,5 @@ class Stepper:
         self._pull_device_state(u)
         u.device_state = None
         u.device_step_event = None
+        u.weights_written = False
+        u.write_back_event = None

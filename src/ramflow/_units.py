@@ -379,6 +379,11 @@ class _Unit:
         self.device_state: dict[str, torch.Tensor] | None = None
         self.device_step_event: torch.cuda.Event | None = None
         self.host_stale = False  # the device state is newer than the host's copies
+        # under ZeRO the weights of each device step are written back to the shared host
+        # store at once (see [Note: the device optimizer under ZeRO] in ``_stepper``):
+        # whether they were, and the event that ends the copies (None on the CPU)
+        self.weights_written = False
+        self.write_back_event: torch.cuda.Event | None = None
         self.device_step_pending = False
         # a device step that uploads the host gradients: their pinned buffer (kept for the
         # unit's life) and the event after which the upload has read it

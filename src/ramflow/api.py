@@ -113,8 +113,11 @@ def offload(
             kernel's arithmetic (the same bits). Needs a ``ramflow.optim.AdamW``; other
             steps of those units run on the host. The host copies are current after
             ``ramflow.synchronize`` and in every ``state_dict``.
-            ``ramflow.get_plan(model).device_stepped`` names the units. True is refused
-            with ``zero_stage``.
+            ``ramflow.get_plan(model).device_stepped`` names the units. With
+            ``zero_stage``, True steps on each rank's GPU the resident units that rank owns
+            (only their states are on its device: 1/N of them per GPU), the others take
+            the new weights from the shared host store or the owner's device (see [Note:
+            the device optimizer under ZeRO] in ``ramflow._stepper``).
         host_precision: how master weights, AdamW states and host gradients are kept in
             host RAM (``ramflow.HostPrecision``, or a preset's name): ``"fp32"`` (the
             default, None: fp32 masters, exact, about 20 bytes per trained parameter with a
@@ -189,10 +192,10 @@ def offload(
         RuntimeError: ``zero_stage`` without an initialized process group; with
             ``zero_stage``, set-up or loading failed on another rank (the message names it
             and its error; that rank raises its own).
-        ValueError: ``device_optimizer=True`` with ``zero_stage``; ``host_precision`` not a
-            preset or a HostPrecision, or lean masters with a wire dtype other than bf16
-            (the message names what works); ``zero_stage`` on a GPU with
-            ``$RAMFLOW_SHM_DIR`` on a filesystem that is not memory-backed (tmpfs).
+        ValueError: ``host_precision`` not a preset or a HostPrecision, or lean masters
+            with a wire dtype other than bf16 (the message names what works);
+            ``zero_stage`` on a GPU with ``$RAMFLOW_SHM_DIR`` on a filesystem that is not
+            memory-backed (tmpfs).
         MemoryError: ``host_precision="auto"`` and not even the leanest fits (the message
             gives each preset's size).
         ValueError: ``frozen_format`` not a format, with ``zero_stage``, or for a model
@@ -285,12 +288,9 @@ def offload(
         raise TypeError(f"device_optimizer must be None, True or False, got {device_optimizer!r}")
     if device_optimizer is None and zero_stage is not None:
         device_optimizer = False
-        device_optimizer_reason = "none: zero_stage shards the optimizer states over the ranks"
-    if device_optimizer and zero_stage is not None:
-        raise ValueError(
-            "device_optimizer=True steps units on one GPU and cannot be combined with "
-            "zero_stage (each unit's optimizer states are sharded over the ranks' hosts); "
-            "leave one of them out"
+        device_optimizer_reason = (
+            "none: under zero_stage the planner does not choose device steps yet "
+            "(device_optimizer=True steps the resident units each rank owns on its GPU)"
         )
     if zero_stage is not None:
         if zero_stage not in (1, 2):
@@ -345,6 +345,8 @@ def offload(
                 host_precision_reason=precision_reason,
                 frozen_format=frozen_format,
                 on_device=on_device,
+                owners=owners,
+                rank=None if owners is None else dist.get_rank(),
             )
         except Exception as err:  # noqa: BLE001 - raised below, after the ranks agree
             error = err
@@ -363,8 +365,6 @@ def offload(
             loader.close()
     if owners is not None:
         single_host = len(local) == dist.get_world_size()
-        for u, owner in zip(engine.units, owners):
-            u.owner = owner
         engine.dist = DistributedState(
             zero_stage=zero_stage, average=True, reduce_to_owner=single_host
         )

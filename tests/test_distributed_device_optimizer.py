@@ -1,0 +1,103 @@
+"""The device optimizer under ZeRO (``offload(..., zero_stage=..., device_optimizer=True)``):
+each rank steps on its own device the resident units it owns, writes their weights back to
+the shared host store, and the others refresh from it or from the owner's device copy (see
+[Note: the device optimizer under ZeRO] in ``ramflow._stepper``). gloo on the CPU device,
+where the device step runs too (CI); NCCL on two GPUs (the GPU box)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_workers as W
+from test_distributed import _check_ok, _nccl
+
+FP32 = {"wire_dtype": torch.float32}
+LEAN = {"wire_dtype": torch.bfloat16, "host_precision": "lean"}
+
+
+def _train(tmp_path, name: str, world_size: int, backend: str, options: dict) -> list[dict]:
+    results = W.run(
+        W.train_offload,
+        world_size,
+        {
+            "device_optimizer": True,
+            **options,
+            "out": str(tmp_path / name),
+            "backend": backend,
+            "gpu_memory": "1GiB",  # room to keep every unit resident, with its device states
+            "whole_batch": True,
+        },
+    )
+    _check_ok(results)
+    return results
+
+
+def _assert_bit_for_bit(results: list[dict], ref: dict) -> None:
+    for r in results:
+        assert r["losses"] == ref["losses"]
+        assert r["norms"] == ref["norms"]
+    state = results[0]["state"]
+    assert state.keys() == ref["state"].keys()
+    for k, v in ref["state"].items():
+        assert torch.equal(state[k], v), k
+
+
+@pytest.mark.parametrize("refresh", ["0", "1"], ids=["refresh-host", "refresh-broadcast"])
+@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("formats", [FP32, LEAN], ids=["fp32", "lean"])
+@pytest.mark.parametrize("world_size,backend", [(2, "gloo"), _nccl(2)])
+def test_owners_step_on_their_device_as_one_process_does(
+    tmp_path, monkeypatch, world_size, backend, formats, zero_stage, refresh
+):
+    """Two ranks that each train on the whole global batch average two equal gradients,
+    which is exact, so they step with one process's gradients: with every unit stepped on
+    the device of its owner, losses and final weights equal, bit for bit, one process that
+    steps every unit on its device (the same device step, on the same bytes). Each rank
+    plans device steps for the units it owns only, the CPU optimizer steps nothing, and
+    every rank's device copies end as the shared wire copies (refreshed from the host
+    store, which the owners wrote back, or from the owners' devices)."""
+    monkeypatch.setenv("RAMFLOW_REFRESH_BY_BROADCAST", refresh)
+    options = {**formats, "zero_stage": zero_stage}
+    ref = _train(tmp_path, "one", 1, backend, {**options, "zero_stage": None})[0]
+    results = _train(tmp_path, "two", world_size, backend, options)
+    _assert_bit_for_bit(results, ref)
+    assert sorted(ref["device_optimizer"][0]) == sorted(ref["unit_names"])
+    stepped = [set(r["device_optimizer"][0]) for r in results]
+    assert all(stepped) and not stepped[0] & stepped[1]
+    assert stepped[0] | stepped[1] == set(ref["unit_names"])
+    assert all("owns" in r["device_optimizer"][1] for r in results)
+    assert all(r["host_steps"] == 0 for r in [ref, *results])
+    assert all(r["device_current"] for r in results)
+    broadcast = [r["broadcast_units"] for r in results]
+    assert broadcast == ([len(ref["unit_names"])] * 2 if refresh == "1" else [0, 0])
+
+
+def _clip_cases() -> list:
+    """(formats, world_size, backend): fp32 and lean on gloo; lean on NCCL, since fp32's
+    device step on CUDA is PyTorch's fused CUDA AdamW, not the host kernel's bits (its
+    NCCL case is the test above, against one process's device steps)."""
+    lean_nccl = _nccl(2)
+    return [
+        pytest.param(FP32, 2, "gloo", id="fp32-gloo"),
+        pytest.param(LEAN, 2, "gloo", id="lean-gloo"),
+        pytest.param(LEAN, *lean_nccl.values, marks=lean_nccl.marks, id="lean-nccl"),
+    ]
+
+
+@pytest.mark.parametrize("formats,world_size,backend", _clip_cases())
+def test_clipping_under_zero2_with_device_steps(tmp_path, formats, world_size, backend):
+    """Clipping defers every step: each owner lands its reduced gradients, the global norm
+    is summed over the ranks' shares (ZeRO-2), each rank scales its own, and the owners step
+    their units on the device from the clipped host gradients. Norms, losses and weights
+    equal, bit for bit, the same two ranks stepping every unit on the host (the device step
+    gives the host kernel's bits: fused AdamW on the CPU device, the lean kernel's
+    arithmetic anywhere); one process would clip by a norm summed in another order."""
+    options = {**formats, "zero_stage": 2, "clip": 0.05}
+    on_device = _train(tmp_path, "device", world_size, backend, options)
+    on_host = _train(tmp_path, "host", world_size, backend, {**options, "device_optimizer": False})
+    _assert_bit_for_bit(on_device, on_host[0])
+    # the clip bit: the norms exceed max_norm, so the gradients were scaled
+    assert all(n > 0.05 for n in on_host[0]["norms"])
+    assert all(r["host_steps"] == 0 for r in on_device)
+    assert all(r["host_steps"] > 0 for r in on_host)
