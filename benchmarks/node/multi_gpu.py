@@ -18,6 +18,12 @@ memory copy rate with all cores, and each GPU's bf16 matmul rate. The report div
 step's host DRAM traffic (every rank's H2D and D2H plus the CPU optimizer's bytes) by the
 copy rate, and each rank's H2D by its link's rate, to say which resource binds.
 
+``--device-optimizer on`` steps on each GPU the resident units its rank owns (under ZeRO:
+see [Note: the device optimizer under ZeRO] in ramflow/_stepper.py); ``auto`` (the default)
+is ``offload``'s own choice (the planner's on one GPU, none under ZeRO), ``off`` none:
+
+    torchrun --nproc-per-node 2 benchmarks/node/multi_gpu.py --device-optimizer on --out r.jsonl
+
 The ranks share the host's cores: each uses cores / ranks threads.
 """
 
@@ -172,6 +178,7 @@ def _run(args: argparse.Namespace) -> None:
         zero_stage=zero,
         host_precision=args.host_precision,
         weights=weights,
+        device_optimizer=DEVICE_OPTIMIZER[args.device_optimizer],
     )
     counter.watch(model)
     engine = engine_of_model(model)
@@ -207,6 +214,7 @@ def _run(args: argparse.Namespace) -> None:
         "optimizer_params_per_s": params / seconds if seconds > 0 else None,
         "threads": torch.get_num_threads(),
         "host_peak_in_use": host_peak[0] if local_rank == 0 else None,
+        "device_stepped_units": len(ramflow.get_plan(model).device_stepped),
     }
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -226,6 +234,8 @@ def _run(args: argparse.Namespace) -> None:
             "refresh": "broadcast"
             if os.environ.get("RAMFLOW_REFRESH_BY_BROADCAST", "1").strip() != "0"
             else "host",
+            "device_optimizer": args.device_optimizer,
+            "device_optimizer_reason": plan.device_optimizer_reason,
             "checkpoint": args.checkpoint,
             "meta": args.meta,
             "batch_per_gpu": args.batch,
@@ -284,18 +294,21 @@ def _report(paths: list[str]) -> None:
             r.get("meta"),
         )
 
-    # one GPU has no other rank to refresh: its rows are every refresh's baseline
+    # one GPU has no other rank to refresh: its rows are every refresh's baseline (the one
+    # with the same --device-optimizer where there is one)
     base = {key(r): r["tokens_per_s"] for r in rows if r["gpus"] == 1}
+    same = {(key(r), _device_optimizer(r)): r["tokens_per_s"] for r in rows if r["gpus"] == 1}
     link = None
     if floors:
         link = min(x["together"]["h2d_pieces"] or 0 for x in floors["ranks"]) or None
     print(
-        "| GPUs | host formats | refresh | tokens per GPU | ramflow budget | step | tokens/s | "
-        "vs one GPU | peak GPU | host memory in use | CPU optimizer busy | H2D link busy |"
+        "| GPUs | host formats | refresh | device optimizer | tokens per GPU | ramflow budget | "
+        "step | tokens/s | vs one GPU | peak GPU | host memory in use | CPU optimizer busy | "
+        "H2D link busy |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- " * 13 + "|")
     for r in rows:
-        one = base.get(key(r))
+        one = same.get((key(r), _device_optimizer(r)), base.get(key(r)))
         ratio = f"{r['tokens_per_s'] / one:.2f}x" if one else "-"
         peaks = [x["peak_bytes"] for x in r["ranks"] if x["peak_bytes"] is not None]
         peak = f"{max(peaks) / 2**30:.1f} GiB" if peaks else "-"
@@ -306,7 +319,7 @@ def _report(paths: list[str]) -> None:
         )
         print(
             f"| {r['gpus']} | {r.get('host_precision') or 'fp32'} | {r.get('refresh', 'host')} | "
-            f"{r['batch_per_gpu']}x{r['seq']} | {r['gpu_memory'] or 'no cap'} | "
+            f"{_device_optimizer_cell(r)} | {r['batch_per_gpu']}x{r['seq']} | {r['gpu_memory'] or 'no cap'} | "
             f"{r['step_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} | {ratio} | {peak} | {host} | "
             + " | ".join(
                 f"{busy[k]:.0%}" if k in busy else "-" for k in ("CPU optimizer", "H2D link")
@@ -317,7 +330,8 @@ def _report(paths: list[str]) -> None:
         f"\n{rows[0]['date']}, {rows[0]['device']}; step = median of the slowest rank. Host "
         "memory in use: the system's (total - available), above what it was before the model was "
         "built, after offload (peak while training). Busy: the largest share of the step "
-        "that any rank kept the resource working."
+        "that any rank kept the resource working. Device optimizer: --device-optimizer "
+        "(units stepped on the GPUs, all ranks, of the resident units)."
     )
     if floors:
         alone = floors["alone"] or {}
@@ -332,6 +346,21 @@ def _report(paths: list[str]) -> None:
             f"bf16 matmul {min(x['matmul_flops'] or 0 for x in floors['ranks']) / 1e12:.0f} "
             "TFLOP/s on the slowest GPU."
         )
+
+
+# --device-optimizer: offload's device_optimizer
+DEVICE_OPTIMIZER = {"auto": None, "on": True, "off": False}
+
+
+def _device_optimizer(r: dict) -> str:
+    return r.get("device_optimizer", "auto")  # rows from before the option: offload's default
+
+
+def _device_optimizer_cell(r: dict) -> str:
+    stepped = [x.get("device_stepped_units") for x in r["ranks"]]
+    if None in stepped:
+        return _device_optimizer(r)
+    return f"{_device_optimizer(r)} ({sum(stepped)}/{r['resident_units']})"
 
 
 def main() -> None:
@@ -352,6 +381,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--loss-chunk", type=int, default=0, help="head and loss in chunks of this many tokens"
+    )
+    parser.add_argument(
+        "--device-optimizer",
+        choices=tuple(DEVICE_OPTIMIZER),
+        default="auto",
+        help="offload's device_optimizer: auto (None: its own choice), on (True), off (False)",
     )
     parser.add_argument("--floors", action="store_true", help="measure the shared floors only")
     parser.add_argument(
