@@ -101,3 +101,17 @@ def test_clipping_under_zero2_with_device_steps(tmp_path, formats, world_size, b
     assert all(n > 0.05 for n in on_host[0]["norms"])
     assert all(r["host_steps"] == 0 for r in on_device)
     assert all(r["host_steps"] > 0 for r in on_host)
+
+
+def test_two_simulated_hosts_step_on_their_devices_as_on_the_host(tmp_path):
+    """Two hosts of two ranks ($RAMFLOW_TEST_HOST): each host steps every unit once, on the
+    device of its owner there, from gradients all-reduced over the four ranks, and writes
+    the weights back to its own host store. Losses and weights equal, bit for bit, the same
+    four ranks stepping every unit on the host (the device step gives the host kernel's
+    bits on the CPU device)."""
+    options = {**LEAN, "zero_stage": 2, "hosts": ["host-a", "host-a", "host-b", "host-b"]}
+    on_device = _train(tmp_path, "device", 4, "gloo", options)
+    on_host = _train(tmp_path, "host", 4, "gloo", {**options, "device_optimizer": False})
+    _assert_bit_for_bit(on_device, on_host[0])
+    assert all(r["host_steps"] == 0 for r in on_device)
+    assert all(r["device_current"] for r in on_device)
