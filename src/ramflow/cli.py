@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
         "device step shortens the predicted step (lean host formats; never on the CPU, with "
         "--lora or several ranks); on (or the bare flag): every resident unit whose states "
         "fit ramflow's budget (fp32 masters cost 12 bytes per parameter there, bf16 masters "
-        "their states only); off: all on the CPU. Same arithmetic as the CPU step",
+        "their states only; with several ranks, the units each rank owns, on its GPU); "
+        "off: all on the CPU. Same arithmetic as the CPU step",
     )
     t.add_argument(
         "--lora",

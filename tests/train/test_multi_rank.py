@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -198,6 +199,37 @@ def test_two_ranks_compute_one_process_at_twice_the_batch(
     assert f"2 ranks (2 on this host), ZeRO-2 over {backend}" in done.stdout
     assert json.loads((out / "run.json").read_text())["num_ranks"] == 2
     assert _shm_files(shm) == []
+
+
+@pytest.mark.slow
+def test_two_ranks_with_the_device_optimizer_on_compute_what_host_steps_do(
+    two_rank_run, corpus_file, tmp_path, shm_root
+):
+    """``--device-optimizer on`` on 2 ranks: each rank steps the units it owns on its device
+    (see [Note: the device optimizer under ZeRO] in ramflow._stepper) and the losses are the
+    host steps' (the two_rank_run, whose planner chooses no device step under ZeRO). On the
+    CPU the device step is the host kernel's arithmetic, so they are equal; on CUDA fp32
+    masters step with PyTorch's fused CUDA AdamW, within float rounding of the host kernel,
+    which 6 steps keep within LOSS_RTOL."""
+    out, _, _, device = two_rank_run
+    on = tmp_path / "on"
+    done = _ramflow(
+        "train", *RUN, "--batch-size", "2", "--data", corpus_file, "--device", device,
+        "--device-optimizer", "on", "--gpu-memory", "1GiB",  # room to keep units resident
+        "--out", on, env=_env(_shm(shm_root)), torchrun=2,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    # rank 0 reports its own plan: some of the units it owns step on its device
+    assert re.search(r"optimizer on the device for [1-9]\d* of \d+ units", done.stdout), done.stdout
+    assert "(the units rank 0 owns)" in done.stdout
+    for event in ("step", "eval"):
+        got, want = _losses(on, event), _losses(out, event)
+        assert sorted(got) == sorted(want)
+        for step, loss in want.items():
+            if device == "cpu":
+                assert got[step] == loss, (event, step)
+            else:
+                assert got[step] == pytest.approx(loss, rel=LOSS_RTOL), (event, step)
 
 
 @pytest.mark.slow
@@ -431,12 +463,11 @@ def test_ranks_from_environment():
     [
         ({"precision": "fp16"}, "--precision fp16"),
         ({"lora": True}, "--lora"),
-        ({"device_optimizer": True}, "--device-optimizer"),
         ({"auto_batch": True}, "--batch-size auto"),
     ],
 )
 def test_settings_several_ranks_refuse(refused, match):
-    ok = {"precision": "bf16", "lora": False, "device_optimizer": False, "auto_batch": False}
+    ok = {"precision": "bf16", "lora": False, "auto_batch": False}
     check_several_ranks(world_size=1, **{**ok, **refused})
     with pytest.raises(ValueError, match=f"2 ranks do not support {match}"):
         check_several_ranks(world_size=2, **{**ok, **refused})

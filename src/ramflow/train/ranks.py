@@ -25,7 +25,7 @@ each unit is stepped by one rank. Everything else is made to agree as follows.
 
 Not with several ranks (refused with what to do): fp16 (the GradScaler's skip decision
 would differ between ranks that hold different gradients), ``--lora``,
-``--device-optimizer``, ``--batch-size auto`` and the back-off after an out-of-memory error
+``--batch-size auto`` and the back-off after an out-of-memory error
 (each rank would pick its own micro-batch and the collectives would no longer match).
 """
 
@@ -342,9 +342,7 @@ class Ranks:
         return value  # type: ignore[return-value]
 
 
-def check_several_ranks(
-    *, world_size: int, precision: str, lora: bool, device_optimizer: bool, auto_batch: bool
-) -> None:
+def check_several_ranks(*, world_size: int, precision: str, lora: bool, auto_batch: bool) -> None:
     """Refuse settings a run of several ranks does not support (see [Note: several ranks
     from the CLI] for why).
 
@@ -356,7 +354,6 @@ def check_several_ranks(
     refused = [
         (precision == "fp16", "--precision fp16 (use bf16, or fp32)"),
         (lora, "--lora (train LoRA on one rank)"),
-        (device_optimizer, "--device-optimizer (drop it: ZeRO shards the optimizer instead)"),
         (auto_batch, "--batch-size auto (give a number: each rank's micro-batch)"),
     ]
     for bad, what in refused:

@@ -293,7 +293,6 @@ def _train_ranks(
             world_size=ranks.world_size,
             precision=setup.policy.precision,
             lora=config.lora_rank is not None,
-            device_optimizer=config.device_optimizer is True,
             auto_batch=config.auto_batch_size,
         )
         return ckpt, run_dir, setup
