@@ -3,7 +3,9 @@
 # GPU, under 24 GiB per GPU (the model's own checkpointing, the head and loss in chunks), for
 # each host format named, ZeRO-2. META=1 builds on the meta device (weights=). With FLOORS=1 it first measures what the ranks share
 # (`multi_gpu.py --floors`). Appends to $1/scaling.jsonl, a log per run beside it.
-# Usage: FLOORS=1 REFRESH="host broadcast" bash benchmarks/node/run_scaling.sh "$OUT" fp32 lean
+# DEVOPT="auto on" runs each row with each --device-optimizer (one GPU: the planner's auto
+# only; on several: under ZeRO, "on" steps each rank's owned resident units on its GPU).
+# Usage: FLOORS=1 REFRESH="host broadcast" DEVOPT="auto on" bash benchmarks/node/run_scaling.sh "$OUT" fp32 lean
 set -u
 out=${1:?usage: run_scaling.sh OUT FORMAT...}
 shift
@@ -12,8 +14,8 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 run() {  # gpus, extra args
   local n=$1; shift
-  local log="$out/run-$n-refresh${REFRESH_FLAG:-0}-$(echo "$*" | tr -d '-' | tr ' ' '_').log"
-  RAMFLOW_REFRESH_BY_BROADCAST=${REFRESH_FLAG:-0} timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/node/multi_gpu.py ${META:+--meta} \
+  local log="$out/run-$n-refresh${REFRESH_FLAG:-1}-$(echo "$*" | tr -d '-' | tr ' ' '_').log"
+  RAMFLOW_REFRESH_BY_BROADCAST=${REFRESH_FLAG:-1} timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/node/multi_gpu.py ${META:+--meta} \
     --warmup 3 --steps 7 --out "$out/scaling.jsonl" "$@" > "$log" 2>&1 || echo "run $n $* failed: $? (see $log)"
 }
 if [ "${FLOORS:-0}" = 1 ]; then
@@ -26,11 +28,14 @@ fi
 for fmt in "$@"; do
   for n in 1 2 4; do
     [ "$n" -le "$gpus" ] || continue
-    for refresh in ${REFRESH:-host}; do
-      [ "$n" -gt 1 ] || [ "$refresh" = host ] || continue
+    for refresh in ${REFRESH:-broadcast}; do
+      [ "$n" -gt 1 ] || [ "$refresh" = broadcast ] || continue
       REFRESH_FLAG=0; [ "$refresh" = broadcast ] && REFRESH_FLAG=1
-      run "$n" --host-precision "$fmt" --batch 4 --gpu-memory 18GiB --checkpoint --loss-chunk 4096
-      run "$n" --host-precision "$fmt" --batch 16 --gpu-memory 12GiB --checkpoint --loss-chunk 4096
+      for devopt in ${DEVOPT:-auto}; do
+        [ "$n" -gt 1 ] || [ "$devopt" = auto ] || continue
+        run "$n" --host-precision "$fmt" --batch 4 --gpu-memory 18GiB --checkpoint --loss-chunk 4096 --device-optimizer "$devopt"
+        run "$n" --host-precision "$fmt" --batch 16 --gpu-memory 12GiB --checkpoint --loss-chunk 4096 --device-optimizer "$devopt"
+      done
     done
   done
 done
