@@ -4,6 +4,9 @@ ranks (each filling its own units, any number of threads) start from the same we
 
 from __future__ import annotations
 
+import hashlib
+import platform
+
 import pytest
 import torch
 from torch import nn
@@ -109,3 +112,67 @@ def test_meta_model_is_untouched_by_the_init():
     model = meta_model(_config())
     SeededInit(model, seed=0)
     assert all(p.is_meta for p in model.parameters())
+
+
+# [the values are part of every preset's initial weights]
+# sha256 (first 16 hex digits) of the bytes SeededInit(_Pinned(), seed=11) writes, recorded
+# before the fill was made parallel across a unit (2026-11-27), so that any change of how the
+# chunks are drawn provably keeps the bits. torch's CPU normal_ has two builds whose last bits
+# differ: its AVX2 kernel (AVX2 and AVX-512 machines), and its DEFAULT kernel (no AVX2, or
+# ATEN_CPU_CAPABILITY=default), so each has its own record. Norm weights and biases are
+# ones and zeros, the same in both.
+_PINNED_AVX2 = {
+    "embed.weight/float32": "2dd9ed8c2bf9a257", "embed.weight/bfloat16": "34ada538291ae29d",
+    "proj.weight/float32": "ae3b8ded52f2c7ba", "proj.weight/bfloat16": "c1291c20a3f095b8",
+    "big.weight/float32": "84d727af83f05d9a", "big.weight/bfloat16": "02df8ce7e63caa7d",
+}  # fmt: skip
+_PINNED_DEFAULT = {
+    "embed.weight/float32": "6f42db794853679f", "embed.weight/bfloat16": "a3f171c4d9006e93",
+    "proj.weight/float32": "ba1cf0e57d406fca", "proj.weight/bfloat16": "ba353135aaf127d1",
+    "big.weight/float32": "7224a4289cf3699d", "big.weight/bfloat16": "bc55eb81bf7d9462",
+}  # fmt: skip
+_PINNED_CONSTANT = {
+    "proj.bias/float32": "67042dfda5683aea", "proj.bias/bfloat16": "7a12e561363385e9",
+    "norm.weight/float32": "2f20cd03c9cd392a", "norm.weight/bfloat16": "e72710531b01d91e",
+    "norm.bias/float32": "5341e6b2646979a7", "norm.bias/bfloat16": "38723a2e5e8a17aa",
+}  # fmt: skip
+
+
+class _Pinned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(300, 64, padding_idx=3)
+        self.proj = nn.Linear(64, 200)
+        self.norm = nn.LayerNorm(64)
+        # two chunks of CHUNK_ELEMENTS, the second 4093 elements (not a multiple of 16)
+        self.big = nn.Linear(2047, 2051, bias=False)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def _pinned_digests() -> dict[str, str]:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX2", "AVX512"):
+        return {**_PINNED_AVX2, **_PINNED_CONSTANT}
+    if capability == "DEFAULT" and platform.machine().lower() in ("x86_64", "amd64"):
+        return {**_PINNED_DEFAULT, **_PINNED_CONSTANT}
+    pytest.skip(f"digests were recorded on x86-64 only, not with {capability} kernels")
+
+
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_values_are_pinned(num_threads):
+    """The bits of a tiny model's init, one tensor at a time, fp32 and bf16 (rounded to
+    nearest from fp32), are those recorded: a faster fill must not change them."""
+    want = _pinned_digests()
+    assert initialization.CHUNK_ELEMENTS == 1 << 22
+    model = _Pinned()
+    init = SeededInit(model, seed=11, num_threads=num_threads)
+    got = {}
+    for name, p in model.named_parameters():
+        for dtype in (torch.float32, torch.bfloat16):
+            out = torch.full(p.shape, float("nan"), dtype=dtype)
+            init(name, out)
+            got[f"{name}/{str(dtype)[6:]}"] = _digest(out)
+    assert got == want
