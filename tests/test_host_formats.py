@@ -85,6 +85,20 @@ def test_stochastic_rounding_native_matches_torch_bit_for_bit(monkeypatch):
         assert_bits_equal(native, ref, f"seed={seed} step={step} offset={offset}")
 
 
+def test_nearest_rounding_native_matches_torch_copy_bit_for_bit():
+    """The seeded init's rounding (``round_to_bf16_native``) gives ``copy_``'s bits: ties to
+    even, overflow to infinity, subnormals, an odd tail after the vector loop."""
+    if not _lean_kernels.lean_kernel_available():
+        pytest.skip("the native lean kernels are not available here")
+    x = torch.randn(70_001) * torch.exp(torch.randn(70_001) * 20)
+    one = 1.0 + 2**-8  # halfway between two bf16 values: each rounds to the even one
+    x[:8] = torch.tensor([one, 1.0 + 3 * 2**-8, -one, 3.4e38, -3.4e38, float("inf"), -0.0, 1e-40])
+    for n in (x.numel(), 7, 8, 13):
+        out = torch.empty(n, dtype=torch.bfloat16)
+        assert _lean_kernels.round_to_bf16_native(x[:n], out)
+        assert_bits_equal(out, x[:n].to(torch.bfloat16), f"n={n}")
+
+
 def test_stochastic_rounding_same_at_any_thread_count_and_reproducible(impl):
     x = torch.randn(3 * 16384 + 77)
     one = stochastic_round_bf16(x, seed=5, step=3, num_threads=1)

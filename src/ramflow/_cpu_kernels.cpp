@@ -239,6 +239,15 @@ bool cpu_has_avx2() {
       __builtin_cpu_supports("f16c");
   return ok;
 }
+
+// The elements of [0, n) a multiple of 8 that ramflow_round_to_bf16 rounds with AVX2.
+RAMFLOW_AVX2 int64_t round_to_bf16_avx2(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), to_bf16_8(_mm256_loadu_ps(x + i)));
+  }
+  return i;
+}
 #endif  // RAMFLOW_X86
 
 // Non-temporal stores skip the read-for-ownership of write-only outputs, but only pay off
@@ -257,6 +266,19 @@ extern "C" int ramflow_simd_level() {
 #else
   return 0;
 #endif
+}
+
+// x (n,) fp32 -> out (n,) bf16 bits, rounded to nearest even as c10::BFloat16(float) and
+// PyTorch's copy_ round (NaN -> 0x7FC0), on the calling thread only: the seeded init rounds
+// each chunk on the thread that drew it (a PyTorch copy_ there would start an OpenMP team
+// per thread). See [Note: drawing a unit's chunks at once] in train/initialization.py.
+extern "C" int ramflow_round_to_bf16(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+#if RAMFLOW_X86
+  if (cpu_has_avx2()) i = round_to_bf16_avx2(x, out, n);
+#endif
+  for (; i < n; ++i) out[i] = c10::BFloat16(x[i]).x;
+  return 0;
 }
 
 extern "C" int ramflow_fused_adamw_step(const Args* args) {

@@ -58,6 +58,7 @@ __all__ = [
     "lean_adamw_step_",
     "lean_kernel_available",
     "quantize_blockwise",
+    "round_to_bf16_native",
     "rounding_key",
     "stochastic_round_bf16",
 ]
@@ -131,6 +132,30 @@ def _round_bf16_torch(x: torch.Tensor, key: int, counter_offset: int) -> torch.T
     b = ((u + (_sr_bits(key, counter_offset, x.numel(), x.device) >> 16)) >> 16) & 0xFFFF
     b = torch.where(torch.isnan(x), 0x7FC0, b)
     return torch.where(b >= 0x8000, b - 0x10000, b).to(torch.int16).view(torch.bfloat16)
+
+
+def round_to_bf16_native(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Write ``x`` rounded to nearest even into ``out`` (the bits of ``out.copy_(x)``) with
+    the native loop, on the calling thread only (no OpenMP team: threads that each round
+    their own piece scale, where a PyTorch ``copy_`` on each would start a team per
+    thread). The GIL is released while it runs.
+
+    Args:
+        x: fp32, contiguous, on the CPU.
+        out: bf16, contiguous, on the CPU, ``x.numel()`` elements.
+
+    Returns: True, or False (nothing written) where the native library is not available
+    (``lean_kernel_available``; the caller rounds with PyTorch).
+    """
+    assert x.dtype == torch.float32 and out.dtype == torch.bfloat16, (x.dtype, out.dtype)
+    assert x.is_contiguous() and out.is_contiguous() and x.numel() == out.numel()
+    assert x.device.type == "cpu" and out.device.type == "cpu"
+    lib = _LEAN.get()
+    if lib is None:
+        return False
+    rc = lib.ramflow_round_to_bf16(x.data_ptr(), out.data_ptr(), x.numel())
+    assert rc == 0, rc
+    return True
 
 
 def stochastic_round_bf16(
@@ -359,6 +384,8 @@ class _LeanLibrary(KernelLibrary):
         lib.ramflow_fp8_dequantize_blocks.restype = ctypes.c_int
         lib.ramflow_lean_isa.argtypes = []
         lib.ramflow_lean_isa.restype = ctypes.c_int
+        lib.ramflow_round_to_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        lib.ramflow_round_to_bf16.restype = ctypes.c_int
         return lib
 
 
