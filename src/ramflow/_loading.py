@@ -345,7 +345,9 @@ class MetaLoader:
         weights: a safetensors file, a folder, or an index (see ``weight_files``); or a
             function ``weights(name, out)`` that writes the tensor ``name`` (as in
             ``model.named_parameters()``) into ``out`` (the tensor's view of the master, on
-            the CPU).
+            the CPU). A function object may also have ``write_many(items)``, which ``fill``
+            then calls once per unit with its ``(name, out)`` pairs, so that it can work
+            on them in parallel (``ramflow.train.initialization.SeededInit`` does).
 
     Raises:
         TypeError: ``weights`` is neither a path nor a callable.
@@ -509,10 +511,16 @@ class MetaLoader:
     def fill(self, params: list[nn.Parameter], views: list[torch.Tensor]) -> None:
         """``HostStore.build``'s hook: write ``params``' values into ``views`` (contiguous
         CPU views of one unit's new master, in its dtype): read from the files in parallel
-        (``SafetensorsReader``), or by the weights function, one tensor after another."""
+        (``SafetensorsReader``), or by the weights function: all at once through its
+        ``write_many`` where it has one (``SeededInit``), else one tensor after another."""
         if self._function is not None:
-            for p, view in zip(params, views):
-                self._function(self._names[id(p)][0], view)
+            items = [(self._names[id(p)][0], view) for p, view in zip(params, views)]
+            write_many = getattr(self._function, "write_many", None)
+            if write_many is not None:
+                write_many(items)
+                return
+            for name, view in items:
+                self._function(name, view)
             return
         self._reader.read([(*self._source_of(p), view) for p, view in zip(params, views)])
 
@@ -546,7 +554,8 @@ class MetaLoader:
 def load_resident(model: nn.Module, weights: Weights) -> nn.Module:
     """The resident counterpart of ``ramflow.offload(model, weights=...)``: give a model
     built on the meta device ordinary CPU parameters, in their own dtypes, filled from
-    ``weights`` one tensor at a time (buffers as ``MetaLoader.materialize`` makes them).
+    ``weights`` in one ``MetaLoader.fill`` (buffers as ``MetaLoader.materialize`` makes
+    them).
     Returns ``model``.
 
     Raises:
@@ -559,9 +568,9 @@ def load_resident(model: nn.Module, weights: Weights) -> nn.Module:
     try:
         loader.materialize()
         with torch.no_grad():
-            for p in params:
-                data = torch.empty(p.shape, dtype=p.dtype)
-                loader.fill([p], [data])
+            datas = [torch.empty(p.shape, dtype=p.dtype) for p in params]
+            loader.fill(params, datas)  # all at once: the reader's or init's threads stay busy
+            for p, data in zip(params, datas):
                 p.data = data
     except BaseException:
         loader.restore()

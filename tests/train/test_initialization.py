@@ -161,18 +161,63 @@ def _pinned_digests() -> dict[str, str]:
     pytest.skip(f"digests were recorded on x86-64 only, not with {capability} kernels")
 
 
-@pytest.mark.parametrize("num_threads", [1, 3])
-def test_values_are_pinned(num_threads):
-    """The bits of a tiny model's init, one tensor at a time, fp32 and bf16 (rounded to
-    nearest from fp32), are those recorded: a faster fill must not change them."""
+def _fill(init: SeededInit, model: nn.Module, dtype: torch.dtype, *, at_once: bool) -> dict:
+    outs = {name: torch.full(p.shape, float("nan"), dtype=dtype)
+            for name, p in model.named_parameters()}  # fmt: skip
+    if at_once:
+        init.write_many(list(outs.items()))
+    else:
+        for name, out in outs.items():
+            init(name, out)
+    return {f"{name}/{str(dtype)[6:]}": _digest(out) for name, out in outs.items()}
+
+
+@pytest.mark.parametrize(
+    "how", ["one tensor, 1 thread", "one tensor, 3 threads", "all at once", "PyTorch rounding"]
+)
+def test_values_are_pinned(how, monkeypatch):
+    """The bits of a tiny model's init, fp32 and bf16 (rounded to nearest from fp32), are
+    those recorded, however the chunks are drawn: a tensor at a time or all at once, on
+    one thread or several, rounded natively or by PyTorch."""
     want = _pinned_digests()
     assert initialization.CHUNK_ELEMENTS == 1 << 22
+    if how == "PyTorch rounding":
+        monkeypatch.setattr(initialization._lean_kernels, "lean_kernel_available", lambda: False)
     model = _Pinned()
-    init = SeededInit(model, seed=11, num_threads=num_threads)
+    init = SeededInit(model, seed=11, num_threads=1 if how == "one tensor, 1 thread" else 3)
+    at_once = how in ("all at once", "PyTorch rounding")
     got = {}
-    for name, p in model.named_parameters():
-        for dtype in (torch.float32, torch.bfloat16):
-            out = torch.full(p.shape, float("nan"), dtype=dtype)
-            init(name, out)
-            got[f"{name}/{str(dtype)[6:]}"] = _digest(out)
+    for dtype in (torch.float32, torch.bfloat16):
+        got.update(_fill(init, model, dtype, at_once=at_once))
     assert got == want
+
+
+@pytest.mark.parametrize("precision", ["fp32", "lean"])
+def test_offloaded_values_are_pinned(precision):
+    """``ramflow.offload(meta_model, weights=SeededInit(...))`` fills the masters (fp32, or
+    lean's bf16) with the recorded bits, a unit at a time through ``write_many``."""
+    want = _pinned_digests()
+    with torch.device("meta"):
+        model = _Pinned()
+    init = SeededInit(model, seed=11, num_threads=3)
+    ramflow.offload(model, device="cpu", weights=init, host_precision=precision)
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    state = model.state_dict()
+    assert {v.dtype for v in state.values()} == {dtype}
+    got = {f"{k}/{str(dtype)[6:]}": _digest(v) for k, v in state.items()}
+    assert got == {k: v for k, v in want.items() if k.endswith(str(dtype)[6:])}
+    ramflow.undo(model)
+
+
+def test_write_many_checks_every_name_first():
+    """An unknown name raises before any tensor of the call is written; ``std`` must be a
+    finite number >= 0."""
+    model = nn.Linear(8, 8)
+    init = SeededInit(model, seed=0, num_threads=2)
+    weight = torch.full((8, 8), float("nan"))
+    with pytest.raises(KeyError, match="another model"):
+        init.write_many([("weight", weight), ("lm_head.weight", torch.empty(8, 8))])
+    assert weight.isnan().all()
+    for std in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="std must be"):
+            SeededInit(model, seed=0, std=std)

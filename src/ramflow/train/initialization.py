@@ -15,21 +15,50 @@ an fp32 or a bf16 master (drawn in fp32, rounded to nearest) all start from the 
 weights. The rules are those of ``transformers``' ``PreTrainedModel._init_weights``: a
 normal of standard deviation ``config.initializer_range`` for linear and embedding
 weights (an embedding's padding row zero), ones for norm weights, zeros for biases.
+The values are those of torch's CPU ``normal_``, whose AVX2 kernel (AVX2 and AVX-512
+machines) and DEFAULT kernel (no AVX2, ``ATEN_CPU_CAPABILITY=default``) differ in the last
+bits: ``tests/train/test_initialization.py`` pins both.
+
+[Note: drawing a unit's chunks at once]
+``ramflow.offload`` fills a unit at a time (``MetaLoader.fill``), and a chunk is the smallest
+piece of work (its generator is serial). Drawn a parameter at a time, a 5120 x 5120 weight
+has 7 chunks: 7 of 32 threads drew while 25 idled, and a bf16 master's chunks were rounded
+by one copy on the calling thread after each wave, so a 13B model loaded at 1.4 GB/s of
+bf16 weights on a 32-core box (``benchmarks/load/load_speed.py``). ``write_many`` takes the
+whole unit (a layer is about 80 chunks), and ``num_threads`` persistent threads each take
+the next chunk, largest first: an fp32 output is drawn straight into its place; a bf16 one
+into the thread's own fp32 scratch, then rounded into its place on the same thread, while
+the chunk is still in its caches, by ``_lean_kernels.round_to_bf16_native`` (a PyTorch
+``copy_`` on each thread would start an OpenMP team per thread; without the native library,
+PyTorch's ``copy_`` in pieces of its grain, which stay on the thread). So the threads also
+fault in the master's pages in parallel (see [Note: filling the host store] in
+``ramflow._host_store``), and only a unit's last round of chunks leaves threads idle. The
+values do not change: each chunk is still one ``normal_`` of its own generator, and the
+rounding is ``copy_``'s (nearest even). Figures: ``benchmarks/load/seeded_init_rate.py``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import math
+import threading
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from .. import _lean_kernels
 from .._loading import default_num_threads
 
 # elements per generator. This is part of the values: changing it changes every preset's
 # initial weights (a run resumed from a seed, a LoRA base rebuilt from its seed)
 CHUNK_ELEMENTS = 1 << 22
+
+# PyTorch's CPU grain (at::internal::GRAIN_SIZE): a copy_ of at most this many elements
+# runs on the calling thread alone
+_SERIAL_COPY_ELEMENTS = 32768
 
 _NORMAL, _ONES, _ZEROS = "normal", "ones", "zeros"
 _NORM_CLASSES = (nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm)
@@ -53,15 +82,17 @@ class SeededInit:
         seed: the run's seed (any int; the same seed gives the same weights).
         std: standard deviation of the normal weights; None takes the model's
             ``config.initializer_range`` (0.02 without one), as ``transformers`` does.
-        num_threads: threads that draw the chunks of one parameter (values do not depend
-            on it); None: ``default_num_threads()``. Outputs that are not fp32 (a bf16
-            master) are drawn into an fp32 scratch of ``num_threads`` chunks (16 MiB each),
-            kept while this object lives, and rounded to nearest from it.
+        num_threads: threads that draw the chunks of the tensors of one call (values do
+            not depend on it); None: ``default_num_threads()``. They are started on the
+            first call and kept while this object lives. Outputs that are not fp32 (a
+            bf16 master) are drawn into an fp32 scratch of one chunk (16 MiB) per thread,
+            also kept, and rounded to nearest from it.
 
     Raises:
         ValueError: a parameter belongs to a module that is none of linear, embedding or
             norm layers (the rules do not say how to draw it; load that model's weights
-            from a checkpoint instead), or ``num_threads`` < 1.
+            from a checkpoint instead), ``std`` is negative or not finite, or
+            ``num_threads`` < 1.
     """
 
     def __init__(
@@ -78,10 +109,15 @@ class SeededInit:
             num_threads = default_num_threads()
         if num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+        if not (math.isfinite(float(std)) and float(std) >= 0):
+            raise ValueError(f"std must be a finite number >= 0, got {std}")
         self.seed = int(seed)
         self.std = float(std)
         self.num_threads = num_threads
-        self._scratch: torch.Tensor | None = None  # see _scratch_for
+        # the drawing threads (num_threads > 1) and each one's fp32 scratch, made on first
+        # use: see [Note: drawing a unit's chunks at once]
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._local = threading.local()
         # parameter name -> (rule, padding row or None)
         self._rules: dict[str, tuple[str, int | None]] = {}
         unknown: list[str] = []
@@ -128,68 +164,91 @@ class SeededInit:
         Raises:
             KeyError: ``name`` is not a parameter of the model this init was made for.
         """
+        self.write_many([(name, out)])
+
+    def write_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """``self(name, out)`` for each ``(name, out)`` of ``items`` (a unit's parameters:
+        ``MetaLoader.fill`` calls it so), their chunks drawn in parallel all together. See
+        [Note: drawing a unit's chunks at once].
+
+        Raises:
+            KeyError: a name is not a parameter of the model this init was made for
+                (before anything is written).
+        """
+        chunk_elements = CHUNK_ELEMENTS  # read once: the tests change it
+        chunks: list[_Chunk] = []
+        padding_rows: list[tuple[torch.Tensor, int]] = []
+        rules = [(self._rule_of(name), name, out) for name, out in items]
+        for (rule, padding_idx), name, out in rules:
+            if rule == _ONES:
+                out.fill_(1.0)
+            elif rule == _ZEROS:
+                out.zero_()
+            else:
+                assert out.is_contiguous(), "ramflow fills contiguous views of its masters"
+                flat = out.view(-1)
+                for index, start in enumerate(range(0, flat.numel(), chunk_elements)):
+                    chunks.append(_Chunk(flat[start : start + chunk_elements], name, index))
+                if padding_idx is not None:
+                    padding_rows.append((out, padding_idx))
+        if chunks:
+            # the native rounding, built (or found in the cache) here, not on a worker
+            native = any(c.out.dtype == torch.bfloat16 for c in chunks) and (
+                _lean_kernels.lean_kernel_available()
+            )
+            if self.num_threads == 1:
+                for chunk in chunks:
+                    self._draw(chunk, native)
+            else:
+                if self._pool is None:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(
+                        self.num_threads, thread_name_prefix="ramflow-seeded-init"
+                    )
+                # largest first, so that a parameter's short last chunk fills a gap at the end
+                order = sorted(chunks, key=lambda c: -c.out.numel())
+                list(self._pool.map(lambda c: self._draw(c, native), order))  # first error
+        for out, row in padding_rows:
+            out[row].zero_()
+
+    def _rule_of(self, name: str) -> tuple[str, int | None]:
         try:
-            rule, padding_idx = self._rules[name]
+            return self._rules[name]
         except KeyError:
             raise KeyError(
                 f"the seeded init was made for another model: it has no parameter {name!r}"
             ) from None
-        if rule == _ONES:
-            out.fill_(1.0)
+
+    def _draw(self, chunk: _Chunk, native: bool) -> None:
+        """Draw ``chunk`` on this thread: straight into the output when it is fp32, else
+        into this thread's fp32 scratch, then rounded into the output here."""
+        g = torch.Generator().manual_seed(self.chunk_seed(chunk.name, chunk.index))
+        out = chunk.out
+        if out.dtype == torch.float32:
+            out.normal_(0.0, self.std, generator=g)  # one thread: a generator is serial
             return
-        if rule == _ZEROS:
-            out.zero_()
+        n = out.numel()
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.numel() < n:
+            scratch = self._local.scratch = torch.empty(max(n, CHUNK_ELEMENTS))
+        drawn = scratch[:n]
+        drawn.normal_(0.0, self.std, generator=g)
+        if native and out.dtype == torch.bfloat16:
+            _lean_kernels.round_to_bf16_native(drawn, out)
             return
-        assert out.is_contiguous(), "ramflow fills contiguous views of its masters"
-        flat = out.view(-1)
-        starts = range(0, flat.numel(), CHUNK_ELEMENTS)
-        threads = min(self.num_threads, len(starts))
-        pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
+        # PyTorch's copy_ runs on this thread alone up to its grain (32768 elements);
+        # above it, it would start an OpenMP team on every drawing thread
+        for start in range(0, n, _SERIAL_COPY_ELEMENTS):
+            out[start : start + _SERIAL_COPY_ELEMENTS].copy_(
+                drawn[start : start + _SERIAL_COPY_ELEMENTS]
+            )
 
-        def run(fn, items) -> None:
-            if pool is None:
-                for item in items:
-                    fn(item)
-            else:
-                list(pool.map(fn, items))  # torch's kernels release the GIL: in parallel
 
-        def draw(index: int, into: torch.Tensor) -> None:
-            g = torch.Generator().manual_seed(self.chunk_seed(name, index))
-            into.normal_(0.0, self.std, generator=g)  # one thread: a generator is serial
+class _Chunk(NamedTuple):
+    """Chunk ``index`` of parameter ``name``: its elements' view of the output."""
 
-        try:
-            if flat.dtype == torch.float32:
-                run(
-                    lambda i: draw(i, flat[starts[i] : starts[i] + CHUNK_ELEMENTS]),
-                    range(len(starts)),
-                )
-            else:
-                # drawn in fp32 as for an fp32 master, a wave of chunks at a time, then
-                # rounded by one copy on this thread with PyTorch's intra-op threads (a copy
-                # on each drawing thread would start an OpenMP team per thread)
-                scratch = self._scratch_for(threads)
-                for w in range(0, len(starts), threads):
-                    wave = starts[w : w + threads]
-                    lo, hi = wave[0], min(wave[-1] + CHUNK_ELEMENTS, flat.numel())
-
-                    def draw_into_scratch(i: int, lo: int = lo, hi: int = hi) -> None:
-                        a = starts[i] - lo
-                        draw(i, scratch[a : min(a + CHUNK_ELEMENTS, hi - lo)])
-
-                    run(draw_into_scratch, range(w, w + len(wave)))
-                    flat[lo:hi].copy_(scratch[: hi - lo])
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True)
-        if padding_idx is not None:
-            out[padding_idx].zero_()
-
-    def _scratch_for(self, threads: int) -> torch.Tensor:
-        """fp32 scratch of ``threads`` chunks, kept while this init lives (made anew for
-        every tensor, its pages would be faulted in again each time)."""
-        if self._scratch is None or self._scratch.numel() < threads * CHUNK_ELEMENTS:
-            self._scratch = torch.empty(threads * CHUNK_ELEMENTS)
-        return self._scratch
+    out: torch.Tensor  # (<= CHUNK_ELEMENTS,), contiguous
+    name: str
+    index: int
 
 
 __all__ = ["CHUNK_ELEMENTS", "SeededInit", "default_num_threads"]
