@@ -8,13 +8,16 @@ tokens, as many layers as make about ``--params`` elements) is built on the meta
 and each unit (the embedding, each layer, the final norm with the head) gets a fresh
 anonymous mapping of its own (``_streams.map_host``, as ``HostStore.build`` makes a master,
 so the fill pays the page faults), filled through ``MetaLoader.fill`` (the hook
-``HostStore.build`` calls) and dropped. Per ``--threads`` and ``--dtypes`` (bf16: a lean
+``HostStore.build`` calls) and kept until the model is filled, as the store keeps them (so
+every unit's pages are new ones, not the last unit's again; it needs the model's bytes of
+RAM). Per ``--threads`` and ``--dtypes`` (bf16: a lean
 master, drawn in fp32 and rounded to nearest; fp32), the best of ``--repeats``.
 
 Before that, on one thread, the parts of one chunk of ``CHUNK_ELEMENTS``: the draw
 (``normal_`` with a freshly seeded generator), its seed (``chunk_seed`` and the
 generator), and the fp32 -> bf16 rounding (PyTorch's ``copy_`` on one intra-op thread; and
-the native loop the fill uses, where it is built).
+the native loop the fill uses, where it is built); and the fill's own cost per chunk
+(Python, the GIL held), from a weight cut into 20000 chunks of 64 elements.
 
 Prints a table and, with ``--out-dir``, writes ``seeded_init_rate.json`` and
 ``seeded_init_rate.md`` there. On a 2-core machine (about a minute)::
@@ -44,6 +47,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from ramflow import _lean_kernels, _loading, _streams  # noqa: E402
+from ramflow.train import initialization  # noqa: E402
 from ramflow.train.initialization import CHUNK_ELEMENTS, SeededInit  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -85,19 +89,19 @@ def fill_rate(model: nn.Module, dtype: torch.dtype, threads: int, repeats: int) 
     best = float("inf")
     try:
         for _ in range(repeats):
-            seconds = 0.0
+            seconds, masters = 0.0, []
             for params in units:
                 n = sum(p.numel() for p in params)
-                master = _streams.map_host(n, dtype, what="a benchmark unit")
+                masters.append(_streams.map_host(n, dtype, what="a benchmark unit"))
                 views, at = [], 0
                 for p in params:
-                    views.append(master[at : at + p.numel()].view(p.shape))
+                    views.append(masters[-1][at : at + p.numel()].view(p.shape))
                     at += p.numel()
                 t = time.perf_counter()
                 loader.fill(params, views)
                 seconds += time.perf_counter() - t
-                del views, master
             best = min(best, seconds)
+            del views, masters  # kept to the end, as the store keeps them: fresh pages
     finally:
         loader.close()
     return {
@@ -147,6 +151,18 @@ def components() -> dict[str, Any]:
     native = getattr(_lean_kernels, "round_to_bf16_native", None)  # absent before 2026-11-27
     if native is not None and native(x[:16], out[:16]):
         r["round_native_elements_per_s"] = CHUNK_ELEMENTS / _best(lambda: native(x, out))
+    # what the fill costs per chunk beside the work: chunks of 64 elements, one thread
+    model, num_chunks = nn.Linear(64, 20000, bias=False), 20000
+    tiny = SeededInit(model, seed=0, num_threads=1)
+    initialization.CHUNK_ELEMENTS = 64
+    try:
+        for name, dtype in DTYPES.items():
+            w = torch.empty(20000, 64, dtype=dtype)
+            r[f"overhead_us_per_chunk_{name}"] = (
+                _best(lambda w=w: tiny("weight", w), 3) / num_chunks * 1e6
+            )
+    finally:
+        initialization.CHUNK_ELEMENTS = CHUNK_ELEMENTS
     return r
 
 
@@ -165,7 +181,9 @@ def markdown(doc: dict[str, Any]) -> str:
             f"; native {c['round_native_elements_per_s'] / 1e6:.0f} M/s"
             if "round_native_elements_per_s" in c
             else ""
-        ),
+        )
+        + f"; fill overhead per chunk (1 thread) {c['overhead_us_per_chunk_bf16']:.1f} us bf16, "
+        f"{c['overhead_us_per_chunk_fp32']:.1f} us fp32",
         "",
         "| dtype | threads | elements (G) | s | G elem/s | M elem/s per thread | of the draw "
         "rate | GB/s bf16 |",
