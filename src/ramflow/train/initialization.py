@@ -23,18 +23,18 @@ bits: ``tests/train/test_initialization.py`` pins both.
 ``ramflow.offload`` fills a unit at a time (``MetaLoader.fill``), and a chunk is the smallest
 piece of work (its generator is serial). Drawn a parameter at a time, a 5120 x 5120 weight
 has 7 chunks: 7 of 32 threads drew while 25 idled, and a bf16 master's chunks were rounded
-by one copy on the calling thread after each wave, so a 13B model loaded at 1.4 GB/s of
-bf16 weights on a 32-core box (``benchmarks/load/load_speed.py``). ``write_many`` takes the
-whole unit (a layer is about 80 chunks), and ``num_threads`` persistent threads each take
-the next chunk, largest first: an fp32 output is drawn straight into its place; a bf16 one
-into the thread's own fp32 scratch, then rounded into its place on the same thread, while
-the chunk is still in its caches, by ``_lean_kernels.round_to_bf16_native`` (a PyTorch
-``copy_`` on each thread would start an OpenMP team per thread; without the native library,
-PyTorch's ``copy_`` in pieces of its grain, which stay on the thread). So the threads also
-fault in the master's pages in parallel (see [Note: filling the host store] in
-``ramflow._host_store``), and only a unit's last round of chunks leaves threads idle. The
-values do not change: each chunk is still one ``normal_`` of its own generator, and the
-rounding is ``copy_``'s (nearest even). Figures: ``benchmarks/load/seeded_init_rate.py``.
+by one copy on the calling thread after each wave. ``write_many`` takes the whole unit (a
+layer is about 80 chunks), and ``num_threads`` persistent threads each take the next chunk,
+largest first. An fp32 output is drawn straight into its place; a bf16 one into the
+thread's own fp32 scratch, then rounded into its place by the same thread right after the
+draw, by ``_lean_kernels.round_to_bf16_native`` (a PyTorch ``copy_`` on each thread would
+start an OpenMP team per thread; without the native library, PyTorch's ``copy_`` in pieces
+of its grain, which stay on the thread). So the threads also fault in the master's pages in
+parallel (see [Note: filling the host store] in ``ramflow._host_store``), and only a unit's
+last round of chunks leaves threads idle. The values do not change: each chunk is still one
+``normal_`` of its own generator, and the rounding is ``copy_``'s (nearest even). Measured
+by ``benchmarks/load/seeded_init_rate.py`` and ``benchmarks/load/load_speed.py``; figures
+in docs/design.md ("Loading").
 """
 
 from __future__ import annotations
