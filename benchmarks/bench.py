@@ -146,6 +146,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "only where Triton runs their device step as one kernel)",
     )
     p.add_argument(
+        "--device-optimizer",
+        choices=("on", "auto"),
+        default="on",
+        help="on (default): the first resident units of ramflow's training cases step on the "
+        "GPU where the host format has a device step; auto: the planner decides "
+        "(device_optimizer=None, the loop that passes nothing beyond host_precision)",
+    )
+    p.add_argument(
         "--list", action="store_true", help="print the cases and their time estimates, run nothing"
     )
     p.add_argument(
@@ -211,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         peer_names=args.peer,
         checkpointing_by=args.checkpointing_by,
         host_precision=args.host_precision,
+        device_optimizer=args.device_optimizer,
     )
     if args.all:
         selected = cases.suite_cases(part=args.part, tag=tag, **options)

@@ -83,6 +83,7 @@ def build_cases(
     peer_names: list[str] | None = None,
     checkpointing_by: str = "model",
     host_precision: str = "fp32",
+    device_optimizer: str = "on",
 ) -> list[dict[str, Any]]:
     """All cases of the selected groups, in priority order (GROUPS order, then as listed).
 
@@ -90,10 +91,14 @@ def build_cases(
     ``model`` (the model's own ``torch.utils.checkpoint`` per block, as in the resident
     cases) or ``ramflow`` (``ramflow.offload(activation_checkpointing=True)``, every unit).
     ``host_precision``: ``ramflow.offload``'s, for ramflow's training cases.
+    ``device_optimizer``: ``on`` steps the first resident units on the GPU (where the host
+    format has a device step); ``auto`` leaves it to the planner (``device_optimizer=None``,
+    the plain loop that passes nothing beyond ``host_precision``).
     """
     base = _base(model, tiny, warmup, steps)
     base["checkpointing_by"] = checkpointing_by
     base["host_precision"] = host_precision
+    base["device_optimizer"] = device_optimizer
     seq = base["seq"]
     # estimates are H200 wall times of the reference model (2026-11-22 runs, about 1.2x),
     # llama-3b (3.2 B parameters, 28 layers) about 1.2x those

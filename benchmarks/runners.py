@@ -133,8 +133,10 @@ def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
     # benchmarks/results/2026-11-23-nvidia-h100-lean-device-step)
     from ramflow._lean_triton import available as lean_kernel_on
 
-    device_optimizer = True
-    if not lean_kernel_on(torch.device(device)):
+    device_optimizer: bool | None = True
+    if case.get("device_optimizer") == "auto":
+        device_optimizer = None  # the planner's choice: the loop that passes nothing else
+    elif not lean_kernel_on(torch.device(device)):
         device_optimizer = offload_kwargs.get("host_precision", "fp32") == "fp32"
     ramflow.offload(
         model, gpu_memory=budget, device=device, device_optimizer=device_optimizer, **offload_kwargs
@@ -149,6 +151,8 @@ def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
     out = {**res, **_shape_fields(model), **_plan_fields(plan), **budget_info}
     out.update(
         host_precision=plan.host_precision,
+        device_optimizer=case.get("device_optimizer", "on"),
+        device_stepped_units=len(plan.device_stepped),
         host_bytes_per_parameter=plan.host_bytes_per_parameter,
         checkpointing_by=case.get("checkpointing_by") if case.get("checkpoint") else None,
         loss=_last_loss(losses),

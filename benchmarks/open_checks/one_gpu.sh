@@ -8,11 +8,13 @@
 #   muon    Muon's host passes and training step on the box (issue 33, point 3)
 #   lean    the lean CPU step vs the copy rate, and loading at 12-13B (issue 30, points 2, 5)
 #   scale   12-14B of two architectures at 8x2048 (issue 30, point 6)
+#   formats lean against fp32 in ramflow's training cases, the planner's device step (the
+#           plain loop) and the benchmark's (issue 30, point 3)
 # Each part writes a .tgz under $OUT (at most 8 files come back), rewritten after each
 # stage, so a call cut by its limit keeps what ran. Carry [".whl"] for `tests` and `dit`
 # (diffusers, importlib_metadata, lazy-importer, ramtorch; benchmarks/README.md).
 set -u
-PART=${1:?usage: one_gpu.sh tests|dit|long|train128k|muon|lean|scale}
+PART=${1:?usage: one_gpu.sh tests|dit|long|train128k|muon|lean|scale|formats}
 export PYTHONUNBUFFERED=1
 R=/tmp/open-checks-$PART; mkdir -p "$R"
 pack() { tar -czf "$OUT/$PART.tgz" -C "$R" . ; }
@@ -55,6 +57,15 @@ lean)
 scale)
   timeout 280 python3 benchmarks/host_formats/host_formats_scale.py --shape llama-13b --batch 8 --seq 2048 --gpu-memory 34GiB --out-dir "$R/scale" > "$R/scale-llama.log" 2>&1; pack
   timeout "$(left)" python3 benchmarks/host_formats/host_formats_scale.py --shape neox-12b --batch 8 --seq 2048 --gpu-memory 34GiB --out-dir "$R/scale" > "$R/scale-neox.log" 2>&1 ;;
+formats)
+  # the plain loop (device_optimizer left to the planner) first, then the benchmark's own
+  for run in "auto fp32" "auto lean" "on fp32" "on lean"; do
+    set -- $run
+    [ "$(left)" -gt 90 ] || { echo "no time for $run" >> "$R/device.txt"; continue; }
+    timeout "$(left)" python3 benchmarks/bench.py --ramflow --only train --host-precision "$2" \
+      --device-optimizer "$1" --out-dir "$R/bench" --tag "$2-$1" --budget-s $(( $(left) - 20 )) \
+      >> "$R/bench.log" 2>&1; echo "$run: rc=$? at ${SECONDS}s" >> "$R/device.txt"; pack
+  done ;;
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 echo "done at ${SECONDS}s" >> "$R/device.txt"; pack
