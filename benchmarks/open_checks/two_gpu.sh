@@ -25,7 +25,7 @@ nccl)
   R=/tmp/open-checks-nccl; mkdir -p "$R"; cp /tmp/build.txt "$R/"
   pack() { tar -czf "$OUT/nccl.tgz" -C "$R" . ; }
   { nvidia-smi --query-gpu=name,memory.total,pci.bus_id --format=csv; nvidia-smi topo -m; nproc; free -g; git log -1 --format=%h 2>/dev/null; } > "$R/device.txt" 2>&1; pack
-  timeout -k 15 330 python3 -m pytest -q -m gpu tests/test_distributed.py tests/train/test_multi_rank.py \
+  timeout -k 15 400 python3 -m pytest -q -m gpu tests/test_distributed.py tests/train/test_multi_rank.py \
     tests/test_distributed_loading.py -p no:cacheprovider -rs --durations=20 > "$R/gpu-tests-dist.txt" 2>&1
   echo "rc=$? at ${SECONDS}s" >> "$R/gpu-tests-dist.txt"; pack
   # run_scaling.sh's 4x2048 row, lean, 1 GPU then 2 GPUs with each refresh
