@@ -230,10 +230,11 @@ def _run(args: argparse.Namespace) -> None:
             "zero_stage": zero,
             "host_precision": args.host_precision,
             # resident units reach the ranks that do not own them from the owner's device
-            # (see [Note: refresh by broadcast] in ramflow/_dist.py) or from the host
-            "refresh": "broadcast"
-            if os.environ.get("RAMFLOW_REFRESH_BY_BROADCAST", "1").strip() != "0"
-            else "host",
+            # (see [Note: refresh by broadcast] in ramflow/_dist.py) or from the host; read
+            # from the engine, which decided it (one GPU refreshes nothing)
+            "refresh": "-"
+            if engine.dist is None
+            else ("broadcast" if engine.dist.broadcast_units else "host"),
             "device_optimizer": args.device_optimizer,
             "device_optimizer_reason": plan.device_optimizer_reason,
             "checkpoint": args.checkpoint,

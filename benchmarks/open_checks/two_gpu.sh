@@ -20,46 +20,44 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD/src:/tmp/site
 ( time timeout -k 15 150 python3 -m ramflow.build_kernels ) > /tmp/build.txt 2>&1
-case "$PART" in
-nccl)
-  R=/tmp/open-checks-nccl; mkdir -p "$R"; cp /tmp/build.txt "$R/"
-  pack() { tar -czf "$OUT/nccl.tgz" -C "$R" . ; }
+# tests_then_rows NAME TESTS_LIMIT_S TESTS ROWS: the multi-rank GPU tests, then the 4x2048-per-
+# GPU rows of run_scaling.sh (lean, 18 GiB, ZeRO-2), each "GPUs device-optimizer refresh-flag",
+# into $OUT/NAME.tgz, rewritten after each stage
+tests_then_rows() {
+  local name=$1 limit=$2 tests=$3 rows=$4
+  R=/tmp/open-checks-$name; mkdir -p "$R"; cp /tmp/build.txt "$R/"
+  pack() { tar -czf "$OUT/$name.tgz" -C "$R" . ; }
   { nvidia-smi --query-gpu=name,memory.total,pci.bus_id --format=csv; nvidia-smi topo -m; nproc; free -g; git log -1 --format=%h 2>/dev/null; } > "$R/device.txt" 2>&1; pack
-  timeout -k 15 400 python3 -m pytest -q -m gpu tests/test_distributed.py tests/train/test_multi_rank.py \
-    tests/test_distributed_loading.py -p no:cacheprovider -rs --durations=20 > "$R/gpu-tests-dist.txt" 2>&1
-  echo "rc=$? at ${SECONDS}s" >> "$R/gpu-tests-dist.txt"; pack
-  # run_scaling.sh's 4x2048 row, lean, 1 GPU then 2 GPUs with each refresh
+  timeout -k 15 "$limit" python3 -m pytest -q -m gpu $tests -p no:cacheprovider -rs --durations=20 \
+    > "$R/gpu-tests-$name.txt" 2>&1
+  echo "rc=$? at ${SECONDS}s" >> "$R/gpu-tests-$name.txt"; pack
   export PYTHONPATH=$PWD/src
-  for run in "1 0" "2 0" "2 1"; do
+  local run
+  while read -r run; do
     set -- $run
     [ $(( 560 - SECONDS )) -gt 60 ] || { echo "no time for $run" >> "$R/device.txt"; continue; }
-    RAMFLOW_REFRESH_BY_BROADCAST=$2 timeout -k 15 $(( 560 - SECONDS )) torchrun --standalone --nproc-per-node "$1" \
-      benchmarks/node/multi_gpu.py --warmup 3 --steps 7 --out "$R/scaling.jsonl" --host-precision lean \
-      --batch 4 --gpu-memory 18GiB --checkpoint --loss-chunk 4096 > "$R/run-$1-refresh$2.log" 2>&1
-    echo "run $1 refresh-by-broadcast=$2: rc=$? at ${SECONDS}s" >> "$R/device.txt"; pack
-  done
-  python3 benchmarks/node/multi_gpu.py --report "$R/scaling.jsonl" > "$R/scaling.md" 2>&1; pack
-  tail -3 "$R/gpu-tests-dist.txt"; cat "$R/scaling.md" ;;
-devopt)
-  R=/tmp/open-checks-devopt; mkdir -p "$R"; cp /tmp/build.txt "$R/"
-  pack() { tar -czf "$OUT/devopt.tgz" -C "$R" . ; }
-  { nvidia-smi --query-gpu=name,memory.total,pci.bus_id --format=csv; nproc; free -g; git log -1 --format=%h 2>/dev/null; } > "$R/device.txt" 2>&1; pack
-  timeout -k 15 200 python3 -m pytest -q -m gpu tests/test_distributed_device_optimizer.py \
-    -p no:cacheprovider -rs --durations=20 > "$R/gpu-tests-devopt.txt" 2>&1
-  echo "rc=$? at ${SECONDS}s" >> "$R/gpu-tests-devopt.txt"; pack
-  export PYTHONPATH=$PWD/src
-  # GPUs, --device-optimizer, RAMFLOW_REFRESH_BY_BROADCAST; the most telling rows first
-  for run in "1 auto 0" "2 on 1" "2 off 1" "2 on 0"; do
-    set -- $run
-    [ $(( 540 - SECONDS )) -gt 60 ] || { echo "no time for $run" >> "$R/device.txt"; continue; }
-    RAMFLOW_REFRESH_BY_BROADCAST=$3 timeout -k 15 $(( 540 - SECONDS )) torchrun --standalone --nproc-per-node "$1" \
+    RAMFLOW_REFRESH_BY_BROADCAST=$3 timeout -k 15 $(( 560 - SECONDS )) torchrun --standalone --nproc-per-node "$1" \
       benchmarks/node/multi_gpu.py --warmup 3 --steps 7 --out "$R/scaling.jsonl" --host-precision lean \
       --batch 4 --gpu-memory 18GiB --checkpoint --loss-chunk 4096 --device-optimizer "$2" \
       > "$R/run-$1-$2-refresh$3.log" 2>&1
     echo "run $1 device-optimizer=$2 refresh-by-broadcast=$3: rc=$? at ${SECONDS}s" >> "$R/device.txt"; pack
-  done
+  done <<< "$rows"
   python3 benchmarks/node/multi_gpu.py --report "$R/scaling.jsonl" > "$R/scaling.md" 2>&1; pack
-  tail -3 "$R/gpu-tests-devopt.txt"; cat "$R/scaling.md" ;;
+  tail -3 "$R/gpu-tests-$name.txt"; cat "$R/scaling.md"
+}
+case "$PART" in
+nccl)
+  # 1 GPU, then 2 GPUs with each refresh
+  tests_then_rows nccl 400 "tests/test_distributed.py tests/train/test_multi_rank.py tests/test_distributed_loading.py" \
+    "1 auto 1
+2 auto 0
+2 auto 1" ;;
+devopt)
+  # the most telling rows first
+  tests_then_rows devopt 200 tests/test_distributed_device_optimizer.py "1 auto 1
+2 on 1
+2 off 1
+2 on 0" ;;
 pair)
   A=${2:?pair needs two parts}; B=${3:?pair needs two parts}
   export SETUP_DONE=1
