@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+import ramflow
 from ramflow.compat.ramtorch import AdamW
 from ramflow.compat.ramtorch.helpers import replace_linear_with_ramtorch
 from ramflow.compat.ramtorch.zero1 import broadcast_zero_params, create_zero_param_groups
@@ -135,6 +136,9 @@ def train(rank: int, args: argparse.Namespace, model: nn.Module) -> None:
     if rank == 0 and args.out:
         state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         torch.save({"losses": losses, "state": state, "args": vars(args)}, args.out)
+    # every rank: the last step's sync with the other ranks may still run on ramflow's host
+    # worker, on a group that destroy_process_group would pull from under it
+    ramflow.synchronize(model)
     dist.barrier()
     dist.destroy_process_group()
 
