@@ -10,11 +10,14 @@
 #   scale   12-14B of two architectures at 8x2048 (issue 30, point 6)
 #   formats lean against fp32 in ramflow's training cases, the planner's device step (the
 #           plain loop) and the benchmark's (issue 30, point 3)
+#   accuracy-S  fp32 and lean, llama-1b, 500 steps, seed S, two runs at once on this GPU
+#           (issue 30, point 2); a second call on the same warm machine resumes them from
+#           /tmp/acc-S (about 600 s of 500 steps in all with 8 cores each)
 # Each part writes a .tgz under $OUT (at most 8 files come back), rewritten after each
 # stage, so a call cut by its limit keeps what ran. Carry [".whl"] for `tests` and `dit`
 # (diffusers, importlib_metadata, lazy-importer, ramtorch; benchmarks/README.md).
 set -u
-PART=${1:?usage: one_gpu.sh tests|dit|long|train128k|muon|lean|scale|formats}
+PART=${1:?usage: one_gpu.sh tests|dit|long|train128k|muon|lean|scale|formats|accuracy-SEED}
 export PYTHONUNBUFFERED=1
 R=/tmp/open-checks-$PART; mkdir -p "$R"
 pack() { tar -czf "$OUT/$PART.tgz" -C "$R" . ; }
@@ -66,6 +69,12 @@ formats)
       --device-optimizer "$1" --out-dir "$R/bench" --tag "$2-$1" --budget-s $(( $(left) - 20 )) \
       >> "$R/bench.log" 2>&1; echo "$run: rc=$? at ${SECONDS}s" >> "$R/device.txt"; pack
   done ;;
+accuracy-*)
+  seed=${PART#accuracy-}; resume=(); [ -d "/tmp/acc-$seed" ] && resume=(--resume)
+  timeout "$(left)" python3 benchmarks/host_formats/host_formats_accuracy.py --formats fp32,lean \
+    --seed "$seed" --device-optimizer --gpu-memory 30GiB --threads $(( $(nproc) / 2 )) \
+    --run-root "/tmp/acc-$seed" --out-dir "$R/acc" --budget-s $(( $(left) - 10 )) --grace-s 60 \
+    "${resume[@]}" > "$R/acc.log" 2>&1 ;;
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 echo "done at ${SECONDS}s" >> "$R/device.txt"; pack

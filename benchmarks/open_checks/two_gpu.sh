@@ -59,11 +59,6 @@ devopt)
 2 off 1
 2 on 0" ;;
 pair)
-  A=${2:?pair needs two parts}; B=${3:?pair needs two parts}
-  export SETUP_DONE=1
-  CUDA_VISIBLE_DEVICES=0 bash "$here/one_gpu.sh" "$A" > /tmp/pair-a.txt 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 bash "$here/one_gpu.sh" "$B" > /tmp/pair-b.txt 2>&1 &
-  wait
-  tail -15 /tmp/pair-a.txt /tmp/pair-b.txt ;;
+  bash "$here/parts.sh" "${2:?pair needs two parts}" "${3:?pair needs two parts}" ;;
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
