@@ -60,3 +60,37 @@ def test_batch_stream_resumes_at_any_position_across_epochs() -> None:
     assert sorted(first_epoch.tolist()) == list(range(10))  # every sequence once per epoch
     other_seed = BatchStream(tokens, batch_size=3, seq_len=8, seed=6)
     assert not all(torch.equal(other_seed.next_batch(), b) for b in batches[:3])
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_distributed_sampler_seeded_by_epoch_order_seed_gives_the_same_global_batches(seed):
+    """A ``DistributedSampler`` seeded with ``epoch_order_seed`` draws, each step and
+    epoch, the global batch ``BatchStream`` draws for the same ranks (what
+    examples/llama_torchrun.py relies on to train as ``ramflow train``); only the rows'
+    placement among the ranks differs. 24 sequences, 2 ranks at 3: 4 steps an epoch."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from ramflow.train.data import epoch_order_seed
+
+    num_ranks, batch, seq_len = 2, 3, 8
+    tokens = torch.arange(24 * seq_len, dtype=torch.int32)
+    sequences = tokens.view(24, seq_len).long()
+    streams = [
+        BatchStream(tokens, batch_size=batch, seq_len=seq_len, seed=seed, rank=r, num_ranks=2)
+        for r in range(num_ranks)
+    ]
+    samplers = [
+        DistributedSampler(
+            sequences, num_replicas=num_ranks, rank=r, seed=epoch_order_seed(seed), drop_last=True
+        )
+        for r in range(num_ranks)
+    ]
+    loaders = [DataLoader(sequences, batch_size=batch, sampler=s) for s in samplers]
+    for epoch in range(2):
+        for s in samplers:
+            s.set_epoch(epoch)
+        for mine in zip(*loaders):
+            want = torch.cat([s.next_batch() for s in streams])
+            got = torch.cat(mine)
+            assert sorted(got[:, 0].tolist()) == sorted(want[:, 0].tolist())
+            assert not torch.equal(got, want)  # dealt in turn, not in blocks

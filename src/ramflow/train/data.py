@@ -64,6 +64,9 @@ TEXT_SUFFIXES = frozenset(
 )
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
 _SPLIT_SEED = 1234  # fixed: the validation set does not depend on the training seed
+# epoch e's order is drawn from seed * _EPOCH_SEED_STRIDE + e; part of the data order (a
+# resumed run, and a DistributedSampler given epoch_order_seed, depend on it)
+_EPOCH_SEED_STRIDE = 1_000_003
 
 
 @dataclass(frozen=True)
@@ -280,6 +283,24 @@ def build_corpus(
     return Corpus(train, val, len(documents), source, digest.hexdigest())
 
 
+def epoch_order_seed(seed: int) -> int:
+    """The base seed of the training order of a run with ``seed``: epoch ``e`` visits the
+    sequences in the order of ``torch.randperm(num_sequences)`` drawn from a
+    ``torch.Generator`` seeded with ``epoch_order_seed(seed) + e`` (see [Note: data
+    position]).
+
+    That is ``torch.utils.data.DistributedSampler``'s rule for its ``seed``: a sampler
+    with ``seed=epoch_order_seed(seed)`` (``shuffle=True``, ``drop_last=True``,
+    ``set_epoch`` each epoch) over the same sequences gives N ranks at a batch of B, step
+    after step, the global batches of B x N sequences that ``BatchStream`` (``ramflow
+    train --seed seed``) gives them, within each epoch; only which rank holds which row
+    differs (the sampler deals them out in turn, ``BatchStream`` in blocks), and at an
+    epoch's end the sampler drops the last incomplete batch where ``BatchStream`` goes on
+    into the next epoch. ``examples/llama_torchrun.py`` uses it so.
+    """
+    return int(seed) * _EPOCH_SEED_STRIDE
+
+
 class BatchStream:
     """Training micro-batches in a fixed, resumable order. See [Note: data position].
 
@@ -328,7 +349,7 @@ class BatchStream:
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         if epoch != self._epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            g = torch.Generator().manual_seed(epoch_order_seed(self.seed) + epoch)
             self._order = torch.randperm(self.num_sequences, generator=g)
             self._epoch = epoch
         return self._order
@@ -384,6 +405,7 @@ __all__ = [
     "Corpus",
     "Document",
     "build_corpus",
+    "epoch_order_seed",
     "find_documents",
     "stdlib_root",
     "validation_batches",

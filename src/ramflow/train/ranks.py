@@ -362,9 +362,12 @@ def check_several_ranks(*, world_size: int, precision: str, lora: bool, auto_bat
 
 
 __all__ = [
+    "DEFAULT_NUMA_BINDING",
     "DEFAULT_TIMEOUT_S",
+    "NUMA_BINDINGS",
     "SAVE_TIMEOUT_S",
     "RankSetupError",
     "Ranks",
+    "bind_to_gpu_node",
     "check_several_ranks",
 ]
