@@ -11,7 +11,11 @@ In one run, on the GPU box (a 4-GPU kind):
 4. ``ramflow train`` itself (the stdlib corpus, random init from the seed through the
    presets' ``SeededInit``, lean host formats), while a thread samples the host's memory in
    use (psutil's ``used``: total minus available, so the /dev/shm store counts) every
-   0.2 s.
+   0.2 s. ``--api``: the same run through the Python API instead,
+   ``examples/llama_torchrun.py`` under ``torchrun`` (the same model, seed, data, batch and
+   host formats, no clipping, ramflow's device share read from the plan), sampled the
+   same way; ``--both``: the example, then ``ramflow train``, on the same floors and plan,
+   in one report (a column each).
 
 Reports (``node_70b.json`` and ``node_70b.md`` in ``--out-dir``): the load time as the
 trainer logs it (``load_s``: build, fill and offload; ``since_start_s``: rank 0's process
@@ -24,9 +28,15 @@ GPU's matmul rate, and measured over predicted step.
     PYTHONUNBUFFERED=1 python3 benchmarks/node/node_70b.py --out-dir /tmp/node-70b \
         --pack $OUT/node-70b.tgz --clip-grad 0 --budget-s 420
 
-CPU smoke test (the tiny preset on two gloo ranks; a minute)::
+Both, in one device call of at most 10 minutes (the example first; ``ramflow train``
+gets what is left of ``--budget-s``)::
 
-    python benchmarks/node/node_70b.py --smoke --out-dir /tmp/node-smoke
+    PYTHONUNBUFFERED=1 python3 benchmarks/node/node_70b.py --both --steps 5 \
+        --out-dir /tmp/node-70b --pack $OUT/node-70b.tgz --budget-s 540
+
+CPU smoke test (the tiny preset on two gloo ranks; a minute, two with ``--both``)::
+
+    python benchmarks/node/node_70b.py --smoke [--api | --both] --out-dir /tmp/node-smoke
 """
 
 from __future__ import annotations
@@ -118,6 +128,9 @@ def _parse_plan(text: str) -> dict:
     m = re.search(r"host RAM for \d+ ranks: ([0-9.,]+) GiB", text)
     if m:
         out["host_bytes"] = float(m.group(1).replace(",", "")) * GIB
+    m = re.search(r"of its ([0-9.,]+) ([KMGT]iB|B) share", text)
+    if m:  # what ramflow train gives ramflow.offload as gpu_memory: the budget less activations
+        out["ramflow_share"] = m.group(1).replace(",", "") + m.group(2)
     m = re.search(r"predicted: \d+ GPUs: ([0-9,]+) ms per step", text)
     if m:
         out["step_s"] = float(m.group(1).replace(",", "")) / 1e3
@@ -184,6 +197,107 @@ def _read_log(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+# examples/llama_torchrun.py's --size of each preset it has
+API_SIZES = {"tiny": "tiny", "llama-8b": "8b", "llama-70b": "70b"}
+
+
+def _train_cli(args, common: list[str], out: Path, deadline: float) -> dict:
+    """``ramflow train`` under the host memory sampler; its figures as the trainer logs
+    them (``log.jsonl``, ``run.json``)."""
+    run_dir = out / "run"
+    cmd = [
+        sys.executable, "-m", "ramflow", "train", *common, "--steps", str(args.steps),
+        # the one validation at the end: a batch, not eight (it is not timed)
+        "--eval-every", "0", "--eval-batches", "1",
+        "--keep-checkpoints", "0", "--no-progress", "--out", str(run_dir),
+    ]  # fmt: skip
+    run = _measured(cmd, out / "train.log", deadline)
+    log = _read_log(run_dir / "log.jsonl")
+    start = next((r for r in log if r.get("event") == "start"), {})
+    run.update(
+        load_s=start.get("load_s"),
+        since_start_s=start.get("since_start_s"),
+        steps=[r for r in log if "step_s" in r and "loss" in r],
+        peak_gpu_bytes_per_rank=next(
+            (r.get("peak_gpu_bytes_per_rank") for r in log if r.get("event") == "end"), None
+        ),
+    )
+    if (run_dir / "run.json").exists():
+        run["num_parameters"] = json.loads((run_dir / "run.json").read_text())["num_parameters"]
+    return run
+
+
+def _train_api(args, share: str | None, out: Path, deadline: float) -> dict:
+    """``examples/llama_torchrun.py`` under ``torchrun`` and the host memory sampler: the
+    same model, data, batch and host formats through the Python API, with ramflow's
+    device share from the plan (``ramflow train`` gives ``offload`` the same)."""
+    summary_path = out / "api" / "summary.json"
+    summary_path.parent.mkdir(parents=True, exist_ok=True)
+    summary_path.unlink(missing_ok=True)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={args.gpus}", str(ROOT / "examples" / "llama_torchrun.py"),
+        "--size", API_SIZES[args.preset], "--host-precision", args.host_precision,
+        "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+        "--checkpointing", "on", "--steps", str(args.steps), "--out", str(summary_path),
+    ]  # fmt: skip
+    if args.smoke:
+        cmd += ["--device", "cpu"]
+    if share:
+        cmd += ["--gpu-memory", share]
+    run = _measured(cmd, out / "api.log", deadline)
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        run.update(
+            {
+                k: summary.get(k)
+                for k in (
+                    "load_s", "since_start_s", "steps", "num_parameters",
+                    "peak_gpu_bytes_per_rank", "resident_units",
+                )
+            }
+        )  # fmt: skip
+    return run
+
+
+def _measured(cmd: list[str], log: Path, deadline: float) -> dict:
+    """Run ``cmd`` while ``_HostMemory`` samples the host; the exit code, wall time and
+    host memory figures."""
+    memory = _HostMemory()
+    rc, wall = _run(cmd, log, timeout=max(60.0, deadline - time.monotonic()))
+    host_peak = memory.stop()
+    return {
+        "command": " ".join(cmd[1:]),
+        "exit_code": rc,
+        "wall_s": wall,
+        "host_peak_in_use_bytes": host_peak,
+        "host_shmem_at_peak_bytes": memory.shmem,
+        "ranks_rss_at_peak": memory.at_peak,
+    }
+
+
+def _figures(run: dict, args, matmul: float | None, plan: dict) -> None:
+    """The report's figures of one run, from its steps (the first two not timed)."""
+    steps = run.get("steps") or []
+    timed = [r["step_s"] for r in steps[2:]] or [r["step_s"] for r in steps]
+    if plan.get("host_bytes"):
+        run["host_peak_over_plan"] = run["host_peak_in_use_bytes"] / plan["host_bytes"]
+    if not timed or not run.get("num_parameters"):
+        return
+    step_s = statistics.median(timed)
+    tokens_per_gpu = args.batch_size * args.seq_len
+    model_flops = 6.0 * run["num_parameters"] * tokens_per_gpu / step_s
+    run.update(
+        step_s=step_s,
+        tokens_per_s=args.gpus * tokens_per_gpu / step_s,
+        model_flops_per_gpu=model_flops,
+        of_matmul=model_flops / matmul if matmul else None,
+        peak_gpu_bytes=max((r.get("peak_gpu_bytes") or 0) for r in steps) or None,
+    )
+    if plan.get("step_s"):
+        run["measured_over_predicted"] = step_s / plan["step_s"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", required=True)
@@ -197,9 +311,22 @@ def main(argv: list[str] | None = None) -> int:
         "--clip-grad",
         default=None,
         help="ramflow train --clip-grad (default: the trainer's, 1.0; 0 turns clipping off, "
-        "so units step during backward and no full host gradient buffer is made)",
+        "so units step during backward and no full host gradient buffer is made); "
+        "--api and --both: 0, the example's",
     )
     p.add_argument("--gpu-memory", default=None, help="ramflow train --gpu-memory")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--api",
+        action="store_true",
+        help="train with examples/llama_torchrun.py (the Python API, under torchrun) instead "
+        "of ramflow train, with ramflow's device share from the plan",
+    )
+    which.add_argument(
+        "--both",
+        action="store_true",
+        help="the example first, then ramflow train, on the same floors and plan: one report",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny preset, 2 gloo ranks on the CPU")
     p.add_argument(
         "--pack",
@@ -217,10 +344,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.preset, args.gpus, args.batch_size, args.seq_len, args.steps = "tiny", 2, 2, 64, 4
+    runs = ["api", "cli"] if args.both else ["api"] if args.api else ["cli"]
+    if "api" in runs:
+        if args.preset not in API_SIZES:
+            p.error(f"--api: examples/llama_torchrun.py has the presets {', '.join(API_SIZES)}")
+        if args.clip_grad is not None and float(args.clip_grad) != 0:
+            p.error("--api/--both: the example does not clip (its units step during backward)")
+        args.clip_grad = "0"  # the plan's (and with --both, ramflow train's)
     deadline = time.monotonic() + args.budget_s
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"date": date.today().isoformat(), "args": vars(args)}
+    result: dict = {"date": date.today().isoformat(), "args": vars(args), "runs": {}}
 
     def write() -> None:
         (out / "node_70b.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -277,104 +411,110 @@ def main(argv: list[str] | None = None) -> int:
     _run(plan_cmd, out / "plan.txt", timeout=300)
     plan_text = (out / "plan.txt").read_text()
     result["plan_command"] = " ".join(plan_cmd[1:])
-    result["plan"] = _parse_plan(plan_text)
+    plan = result["plan"] = _parse_plan(plan_text)
     write()
 
-    run_dir = out / "run"
-    train_cmd = [
-        sys.executable,
-        "-m",
-        "ramflow",
-        "train",
-        *common,
-        "--steps",
-        str(args.steps),
-        "--eval-every",
-        "0",
-        "--keep-checkpoints",
-        "0",
-        "--no-progress",
-        "--out",
-        str(run_dir),
-    ]
-    memory = _HostMemory()
-    rc, wall = _run(train_cmd, out / "train.log", timeout=max(60.0, deadline - time.monotonic()))
-    host_peak = memory.stop()
-    result["train_command"] = " ".join(train_cmd[1:])
-    result["train_exit_code"] = rc
-    result["train_wall_s"] = wall
-    result["host_peak_in_use_bytes"] = host_peak
-    result["host_shmem_at_peak_bytes"] = memory.shmem
-    result["ranks_rss_at_peak"] = memory.at_peak
-    log = _read_log(run_dir / "log.jsonl")
-    steps = [r for r in log if "step_s" in r and "loss" in r]
-    start = next((r for r in log if r.get("event") == "start"), {})
-    result["load_s"] = start.get("load_s")
-    result["steps"] = steps
-    timed = [r["step_s"] for r in steps[2:]] or [r["step_s"] for r in steps]
-    if timed:
-        step_s = statistics.median(timed)
-        tokens_per_gpu = args.batch_size * args.seq_len
-        num_params = json.loads((run_dir / "run.json").read_text())["num_parameters"]
-        model_flops = 6.0 * num_params * tokens_per_gpu / step_s
-        result.update(
-            step_s=step_s,
-            tokens_per_s=args.gpus * tokens_per_gpu / step_s,
-            num_parameters=num_params,
-            model_flops_per_gpu=model_flops,
-            of_matmul=model_flops / matmul if matmul else None,
-            peak_gpu_bytes=max((r.get("peak_gpu_bytes") or 0) for r in steps) or None,
-            peak_gpu_bytes_per_rank=next(
-                (r.get("peak_gpu_bytes_per_rank") for r in log if r.get("event") == "end"), None
-            ),
-            since_start_s=start.get("since_start_s"),
-        )
-        if result["plan"].get("step_s"):
-            result["measured_over_predicted"] = step_s / result["plan"]["step_s"]
-        if result["plan"].get("host_bytes"):
-            result["host_peak_over_plan"] = host_peak / result["plan"]["host_bytes"]
-    write()
+    for name in runs:
+        if time.monotonic() > deadline - 60:
+            result["runs"][name] = {"skipped": "the budget (--budget-s) was spent"}
+            continue
+        if name == "api":
+            run = _train_api(args, plan.get("ramflow_share"), out, deadline)
+        else:
+            run = _train_cli(args, common, out, deadline)
+        _figures(run, args, matmul, plan)
+        result["runs"][name] = run
+        write()
     print(_markdown(result), flush=True)
-    return 0 if rc == 0 else 1
+    return 0 if all(r.get("exit_code") == 0 for r in result["runs"].values()) else 1
 
 
 def _f(x, scale: float = 1.0, spec: str = ".2f") -> str:
     return "-" if x is None else format(x / scale, spec)
 
 
+def _largest(values: list | None) -> float | None:
+    """The largest of ``values`` that is not None (a CPU run's are all None)."""
+    values = [v for v in values or [] if v is not None]
+    return max(values) if values else None
+
+
+_RUN_NAMES = {"cli": "ramflow train", "api": "Python API (examples/llama_torchrun.py)"}
+
+
 def _markdown(r: dict) -> str:
     a = r["args"]
     plan = r.get("plan") or {}
+    runs = r.get("runs") or {}
+    names = list(runs) or (
+        ["api", "cli"] if a.get("both") else ["api"] if a.get("api") else ["cli"]
+    )
+
+    def row(label: str, cell, target: str) -> str:
+        return (
+            f"| {label} | " + " | ".join(cell(runs.get(n) or {}) for n in names) + f" | {target} |"
+        )
+
     lines = [
         f"# {a['preset']}, full fine-tune, {a['gpus']} GPUs, {a['host_precision']} host formats",
         "",
         f"{r['date']}, {r.get('device', '-')}, commit {r.get('commit')}; "
         f"{a['batch_size']}x{a['seq_len']} tokens per GPU per step, activation checkpointing.",
         "",
-        "| figure | measured | target |",
-        "| --- | --- | --- |",
-        f"| load: build, fill and offload (rank 0's process start to its first step) | "
-        f"{_f(r.get('load_s'), 1, '.0f')} s ({_f(r.get('since_start_s'), 1, '.0f')} s) | "
-        "at most 300 s |",
-        f"| peak host memory in use (all ranks, above the baseline) | "
-        f"{_f(r.get('host_peak_in_use_bytes'), GIB, '.1f')} GiB; plan "
-        f"{_f(plan.get('host_bytes'), GIB, '.1f')} GiB ({_f(r.get('host_peak_over_plan'))}x) | "
-        "at most 1.2x the plan |",
-        f"| peak GPU memory (rank 0; per rank: {r.get('peak_gpu_bytes_per_rank') or '-'}) | "
-        f"{_f(r.get('peak_gpu_bytes'), GIB, '.1f')} GiB | - |",
-        f"| step (median after two) | {_f(r.get('step_s'), 1, '.2f')} s | - |",
-        f"| tokens/s, all GPUs | {_f(r.get('tokens_per_s'), 1, ',.0f')} | - |",
-        f"| model TFLOPS per GPU (6 x N x tokens) | {_f(r.get('model_flops_per_gpu'), 1e12, '.0f')}"
-        f" = {_f(r.get('of_matmul'))} of the matmul rate "
-        f"({_f(r.get('matmul_flops'), 1e12, '.0f')} TFLOP/s) | at least 0.40 |",
-        f"| plan's predicted step | {_f(plan.get('step_s'), 1, '.2f')} s, bound by "
-        f"{plan.get('bound', '-')}; measured / predicted {_f(r.get('measured_over_predicted'))} | "
-        "within 15% |",
+        "| figure | " + " | ".join(_RUN_NAMES[n] for n in names) + " | target |",
+        "| --- | " + " | ".join("---" for _ in names) + " | --- |",
+        row(
+            "load: build, fill and offload (rank 0's process start to its first step)",
+            lambda x: (
+                f"{_f(x.get('load_s'), 1, '.0f')} s ({_f(x.get('since_start_s'), 1, '.0f')} s)"
+            ),
+            "at most 300 s",
+        ),
+        row(
+            f"peak host memory in use (all ranks, above the baseline); plan "
+            f"{_f(plan.get('host_bytes'), GIB, '.1f')} GiB",
+            lambda x: (
+                f"{_f(x.get('host_peak_in_use_bytes'), GIB, '.1f')} GiB "
+                f"({_f(x.get('host_peak_over_plan'))}x the plan)"
+            ),
+            "at most 1.2x the plan",
+        ),
+        row(
+            "peak GPU memory (the largest rank)",
+            lambda x: _f(_largest(x.get("peak_gpu_bytes_per_rank")), GIB, ".1f") + " GiB",
+            "-",
+        ),
+        row("step (median after two)", lambda x: f"{_f(x.get('step_s'), 1, '.2f')} s", "-"),
+        row("tokens/s, all GPUs", lambda x: _f(x.get("tokens_per_s"), 1, ",.0f"), "-"),
+        row(
+            f"model TFLOPS per GPU (6 x N x tokens), of the matmul rate "
+            f"({_f(r.get('matmul_flops'), 1e12, '.0f')} TFLOP/s)",
+            lambda x: f"{_f(x.get('model_flops_per_gpu'), 1e12, '.0f')} = {_f(x.get('of_matmul'))}",
+            "at least 0.40",
+        ),
+        row(
+            f"measured / the plan's predicted step ({_f(plan.get('step_s'), 1, '.2f')} s, bound "
+            f"by {plan.get('bound', '-')})",
+            lambda x: _f(x.get("measured_over_predicted")),
+            "within 15%",
+        ),
+        row(
+            "losses",
+            lambda x: ", ".join(f"{s['loss']:.3f}" for s in x.get("steps") or []) or "-",
+            "-",
+        ),
         "",
-        f"Commands: `{r.get('plan_command', '-')}`; `{r.get('train_command', '-')}` "
-        f"(exit {r.get('train_exit_code', '-')}, {_f(r.get('train_wall_s'), 1, '.0f')} s).",
-        "",
+        f"Plan: `{r.get('plan_command', '-')}`.",
     ]
+    for n in names:
+        x = runs.get(n) or {}
+        lines.append(
+            f"{_RUN_NAMES[n]}: `{x.get('command', '-')}` (exit {x.get('exit_code', '-')}, "
+            f"{_f(x.get('wall_s'), 1, '.0f')} s)"
+            + (f"; {x['skipped']}" if x.get("skipped") else "")
+            + "."
+        )
+    lines.append("")
     return "\n".join(lines)
 
 
