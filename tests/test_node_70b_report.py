@@ -38,6 +38,17 @@ def test_plan_figures(node_70b):
     assert plan["ramflow_share"] == "97.66GiB"
     assert plan["host_bytes"] == pytest.approx(310.20 * 2**30)
     assert (plan["step_s"], plan["bound"]) == (15.737, "GPU compute")
+    assert plan["store_bytes"] == pytest.approx(131.42 * 2**30)
+
+
+def test_load_peak_is_the_samples_before_the_first_step(node_70b):
+    # rank 0's first step 10 s after its start: the 12 GiB sample at 11 s is training's
+    run = {"since_start_s": 10.0, "host_timeline": [(1.0, 2 * 2**30), (9.5, 5 * 2**30),
+                                                    (11.0, 12 * 2**30)]}  # fmt: skip
+    args = type("Args", (), dict(batch_size=2, seq_len=64, gpus=2))()
+    node_70b._figures(run, args, None, {"store_bytes": 2**30})
+    assert run["host_load_peak_bytes"] == 5 * 2**30
+    assert run["load_peak_over_bound"] == pytest.approx(5 / (1 + 2 * 4))
 
 
 def test_report_of_both_runs(node_70b):

@@ -128,6 +128,10 @@ def _parse_plan(text: str) -> dict:
     m = re.search(r"host RAM for \d+ ranks: ([0-9.,]+) GiB", text)
     if m:
         out["host_bytes"] = float(m.group(1).replace(",", "")) * GIB
+    m = re.search(r"host store ([0-9.,]+) ([KMGT]iB|B) once", text)
+    if m:  # what 4 loading ranks may peak at: this plus 4 GiB per rank (issue 29, point 2)
+        unit = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[m.group(2)]
+        out["store_bytes"] = float(m.group(1).replace(",", "")) * unit
     m = re.search(r"of its ([0-9.,]+) ([KMGT]iB|B) share", text)
     if m:  # what ramflow train gives ramflow.offload as gpu_memory: the budget less activations
         out["ramflow_share"] = m.group(1).replace(",", "") + m.group(2)
@@ -157,7 +161,8 @@ def _rss_parts(pid: int) -> dict[str, int]:
 class _HostMemory:
     """Samples psutil's ``used`` (total minus available) every ``period`` seconds, and at
     the peak, each descendant process's resident memory by kind (``_rss_parts``): private
-    (anonymous) memory per rank against the shared store (shmem)."""
+    (anonymous) memory per rank against the shared store (shmem). ``timeline``: (seconds
+    since the start, bytes in use above the baseline), one sample a second."""
 
     def __init__(self, period: float = 0.2) -> None:
         import psutil
@@ -167,6 +172,8 @@ class _HostMemory:
         self.peak = self.baseline
         self.at_peak: list[dict] = []
         self.shmem = 0
+        self.t0 = time.monotonic()
+        self.timeline: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, args=(period,), daemon=True)
         self._thread.start()
@@ -175,6 +182,9 @@ class _HostMemory:
         me = self._psutil.Process()
         while not self._stop.wait(period):
             vm = self._psutil.virtual_memory()
+            t = time.monotonic() - self.t0
+            if not self.timeline or t - self.timeline[-1][0] >= 1.0 or vm.used > self.peak:
+                self.timeline.append((round(t, 1), vm.used - self.baseline))
             if vm.used > self.peak:
                 self.peak = vm.used
                 self.shmem = vm.shared
@@ -273,13 +283,28 @@ def _measured(cmd: list[str], log: Path, deadline: float) -> dict:
         "host_peak_in_use_bytes": host_peak,
         "host_shmem_at_peak_bytes": memory.shmem,
         "ranks_rss_at_peak": memory.at_peak,
+        "host_timeline": memory.timeline,
     }
+
+
+def _load_peak(run: dict) -> None:
+    """The peak host memory in use while the ranks load: the samples up to rank 0's first
+    step (``since_start_s`` after its process started, which is within a second of the
+    launcher's start)."""
+    since = run.get("since_start_s")
+    samples = [b for t, b in run.get("host_timeline") or [] if since is not None and t <= since]
+    run["host_load_peak_bytes"] = max(samples) if samples else None
 
 
 def _figures(run: dict, args, matmul: float | None, plan: dict) -> None:
     """The report's figures of one run, from its steps (the first two not timed)."""
     steps = run.get("steps") or []
     timed = [r["step_s"] for r in steps[2:]] or [r["step_s"] for r in steps]
+    _load_peak(run)
+    if run.get("host_load_peak_bytes") is not None and plan.get("store_bytes"):
+        run["load_peak_over_bound"] = run["host_load_peak_bytes"] / (
+            plan["store_bytes"] + args.gpus * 4 * GIB
+        )
     if plan.get("host_bytes"):
         run["host_peak_over_plan"] = run["host_peak_in_use_bytes"] / plan["host_bytes"]
     if not timed or not run.get("num_parameters"):
@@ -478,6 +503,15 @@ def _markdown(r: dict) -> str:
                 f"({_f(x.get('host_peak_over_plan'))}x the plan)"
             ),
             "at most 1.2x the plan",
+        ),
+        row(
+            f"peak host memory in use while loading; the store "
+            f"{_f(plan.get('store_bytes'), GIB, '.1f')} GiB + 4 GiB per rank",
+            lambda x: (
+                f"{_f(x.get('host_load_peak_bytes'), GIB, '.1f')} GiB "
+                f"({_f(x.get('load_peak_over_bound'))}x the bound)"
+            ),
+            "at most 1.0x the bound",
         ),
         row(
             "peak GPU memory (the largest rank)",
