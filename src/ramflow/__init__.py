@@ -13,6 +13,7 @@ from .api import (
     is_offloaded,
     offload,
     refresh,
+    set_activation_checkpointing,
     synchronize,
     undo,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "optim",
     "parse_bytes",
     "refresh",
+    "set_activation_checkpointing",
     "synchronize",
     "undo",
 ]

@@ -50,6 +50,7 @@ from ._streams import CopyStreams, StagingBuffers, unpin
 from ._units import UnitSpec, _Unit, plan_inputs, refuse_copy
 from ._window import DeviceWindow
 from ._worker import HostWorker
+from .memory.checkpointing import CheckpointPolicyLike
 
 
 @atexit.register
@@ -602,6 +603,22 @@ class Engine:
         self.worker.wait_idle()
         for u in self.units:
             self.stepper.pull_device_state(u)
+
+    def set_activation_checkpointing(
+        self, which: bool | Iterable[str] | CheckpointPolicyLike
+    ) -> None:
+        """Replace the model's activation checkpointing between passes (see
+        ``ramflow.set_activation_checkpointing``); a failed backward is cleaned up first.
+
+        Raises:
+            ValueError: a layer engine (no model), or as ``Schedule.recheckpoint_units``.
+            RuntimeError: inside a forward or backward pass.
+        """
+        model = self.model
+        if model is None:
+            raise ValueError("activation checkpointing needs an offloaded model, not its layers")
+        self.schedule.settle()  # a failed backward's leftovers: see [Note: a failed backward]
+        self.schedule.recheckpoint_units(model, which)
 
     def _after_load_state_dict(self, module: nn.Module, incompatible: Any) -> None:
         # a checkpoint was loaded: see [Note: a failed backward]

@@ -469,6 +469,33 @@ def accept_partial_step(model: nn.Module) -> None:
     _engine(model).accept_partial_step()
 
 
+def set_activation_checkpointing(
+    model: nn.Module, activation_checkpointing: bool | Iterable[str] | CheckpointPolicyLike
+) -> None:
+    """Change an offloaded model's activation checkpointing between passes: what
+    ``offload``'s ``activation_checkpointing`` would have installed is installed instead
+    of what it did (False: none). Units, plan and device window stay as they are. This is
+    how ``ramflow train --checkpointing auto`` goes to activation offload
+    (``ramflow.memory.CheckpointOffload()``) after an out-of-memory error at a micro-batch
+    of 1 (see [Note: a heavier checkpointing after an out-of-memory error] in
+    ``ramflow.train.backoff``). A backward that raised is cleaned up first, as the next
+    forward would (see [Note: a failed backward] in ``ramflow._schedule``). With
+    ``zero_stage``, every rank must change it alike.
+
+    Args:
+        model: the offloaded model, or a module wrapping it (a ``peft.PeftModel``).
+        activation_checkpointing: as ``offload``'s.
+
+    Raises:
+        ValueError: ``model`` is not offloaded; the choice cannot apply to this model (as
+            ``offload``; the previous checkpointing stays).
+        TypeError: ``activation_checkpointing`` is none of what ``offload`` takes.
+        RuntimeError: called inside a forward or backward pass.
+    """
+    choice = checkpointing_choice(activation_checkpointing)
+    _engine(model).set_activation_checkpointing(choice)
+
+
 def get_plan(model: nn.Module) -> OffloadPlan:
     """The plan ramflow chose for an offloaded model (resident units, window, budget, the
     units stepped on the device and ``device_optimizer_reason``, why)."""

@@ -157,6 +157,94 @@ def test_hugging_face_model_offloaded_with_boundary_offload(monkeypatch):
     assert packs[0] == 2  # one hidden state per layer
 
 
+def _hf_step(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list]:
+    for p in model.parameters():
+        p.grad = None
+    loss = model(ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_set_activation_checkpointing_switches_a_built_model_to_offload(monkeypatch):
+    """``ramflow.set_activation_checkpointing``: a Hugging Face model offloaded with its own
+    checkpointing switch (True) takes our offload wrapper after a step, computes what a
+    model offloaded with ``CheckpointOffload()`` from the start computes, bit for bit, and
+    can go back to no checkpointing (Hugging Face's flags off, no wrapper left)."""
+    from ramflow._registry import engine_of_model
+
+    packs = count_packs(monkeypatch)
+    torch.manual_seed(0)
+    base = tiny_llama(tie=False, layers=2).train()
+    ids = torch.randint(0, 128, (2, 16))
+    reference = copy.deepcopy(base)
+    ramflow.offload(reference, device="cpu", activation_checkpointing=CheckpointOffload())
+    expected = _hf_step(reference, ids)
+    packs[0] = 0
+    model = copy.deepcopy(base)
+    ramflow.offload(model, device="cpu", activation_checkpointing=True)
+    schedule = engine_of_model(model).schedule
+    assert_bitwise(expected, _hf_step(model, ids))  # checkpointing alone: the same bits
+    assert packs[0] == 0 and schedule.boundary_offloader is None
+    ramflow.set_activation_checkpointing(model, CheckpointOffload())
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    assert_bitwise(expected, _hf_step(model, ids))
+    assert packs[0] == 2 and schedule.boundary_offloader is not None  # one input per layer
+    ramflow.set_activation_checkpointing(model, False)
+    assert schedule.boundary_offloader is None and not schedule.checkpointed
+    assert_bitwise(expected, _hf_step(model, ids))
+    assert packs[0] == 2
+    ramflow.undo(model)
+    assert "forward" not in model.model.layers[0].__dict__
+
+
+def test_set_activation_checkpointing_after_a_failed_backward_and_its_errors():
+    """A backward that raised is cleaned up by the switch (the next step is a whole one);
+    inside a forward the switch is refused, and a choice that cannot apply leaves the
+    previous checkpointing in place."""
+    from ramflow._registry import engine_of_model
+
+    torch.manual_seed(0)
+    base = MLPStack(dim=32, depth=4)
+    x = torch.randn(8, 16)
+    reference = copy.deepcopy(base)
+    ramflow.offload(reference, device="cpu", activation_checkpointing=CheckpointOffload())
+    expected = grads_after_step(reference, x)
+    model = copy.deepcopy(base)
+    ramflow.offload(model, device="cpu", activation_checkpointing=CheckpointAll())
+
+    def fail(_: torch.Tensor) -> None:
+        raise torch.OutOfMemoryError("injected")
+
+    out = model(x)
+    out.register_hook(fail)
+    with pytest.raises(torch.OutOfMemoryError):
+        out.square().mean().backward()
+    del out
+    ramflow.set_activation_checkpointing(model, CheckpointOffload())
+    for p in model.parameters():
+        p.grad = None
+    assert_bitwise(expected, grads_after_step(model, x))
+
+    def inside(module, args):
+        ramflow.set_activation_checkpointing(model, True)
+
+    handle = model.blocks[0].register_forward_pre_hook(inside)
+    with pytest.raises(RuntimeError, match="between passes"):
+        model(x)
+    handle.remove()
+    with pytest.raises(ValueError, match="CheckpointSegments"):
+        ramflow.set_activation_checkpointing(model, CheckpointOffload(CheckpointSegments(2)))
+    assert engine_of_model(model).schedule.boundary_offloader is not None
+    for p in model.parameters():
+        p.grad = None
+    assert_bitwise(expected, grads_after_step(model, x))
+    with pytest.raises(TypeError, match="activation_checkpointing takes"):
+        ramflow.set_activation_checkpointing(model, 3)
+    with pytest.raises(ValueError, match="not offloaded"):
+        ramflow.set_activation_checkpointing(nn.Linear(2, 2), True)
+    ramflow.undo(model)
+
+
 def test_disabled_offloader_checkpoints_alone_and_can_be_enabled_again():
     """``BoundaryOffloader.enabled = False`` (the engine's, ``schedule.boundary_offloader``):
     nothing is packed and the step is checkpointing's; enabled again, the inputs move."""
