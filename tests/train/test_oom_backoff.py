@@ -10,26 +10,42 @@ unchanged and compute what a run started at the smaller micro-batch computes.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from ramflow.train import TrainConfig, train
+from ramflow._registry import engine_of_model
+from ramflow.train import TrainConfig, open_checkpoint, train
 from ramflow.train import trainer as trainer_module
-from ramflow.train.report import read_log
+from ramflow.train.backoff import RunCheckpointing, accumulate_step
+from ramflow.train.data import BatchStream
+from ramflow.train.precision import resolve_compute
+from ramflow.train.report import QuietReport, read_log
 
 RUN = dict(steps=4, seq_len=32, eval_every=0, eval_batches=1, device="cpu", seed=0)
 
 
 class OOMInjector:
-    """Raises ``torch.OutOfMemoryError`` from decoder layer 1 when a micro-batch has more
-    than ``limit`` sequences and ``armed`` is set."""
+    """Raises ``torch.OutOfMemoryError`` from decoder layer 1 when ``armed`` is set and a
+    micro-batch has more than ``limit`` sequences, or (``until_offload``) at any
+    micro-batch while the layers' inputs are kept on the device: until activation offload
+    is on (the engine's boundary offloader, which ``--checkpointing offload`` installs)."""
 
-    def __init__(self, *, limit: int, where: str, armed: bool = True) -> None:
+    def __init__(
+        self, *, limit: int, where: str, armed: bool = True, until_offload: bool = False
+    ) -> None:
         self.limit, self.where, self.armed = limit, where, armed
+        self.until_offload = until_offload
         self.raised = 0
+
+    def _fails(self, model: torch.nn.Module, batch: int) -> bool:
+        if not self.armed:
+            return False
+        offloaded = engine_of_model(model).schedule.boundary_offloader is not None
+        return batch > self.limit or (self.until_offload and not offloaded)
 
     def _raise(self, *_: Any) -> None:
         self.raised += 1
@@ -42,12 +58,12 @@ class OOMInjector:
 
             def pre(module, args, kwargs):
                 h = args[0] if args else kwargs["hidden_states"]
-                if self.armed and self.where == "forward" and h.shape[0] > self.limit:
+                if self.where == "forward" and self._fails(model, h.shape[0]):
                     self._raise()
 
             def post(module, args, kwargs, output):
                 h = output[0] if isinstance(output, tuple) else output
-                if self.armed and self.where == "backward" and h.shape[0] > self.limit:
+                if self.where == "backward" and self._fails(model, h.shape[0]):
                     h.register_hook(self._raise)
 
             layer.register_forward_pre_hook(pre, with_kwargs=True)
@@ -145,12 +161,173 @@ def test_batch_size_auto_fits_the_micro_batch_and_reaches_the_global_batch(
 def test_a_micro_batch_of_one_that_runs_out_of_memory_ends_the_run(
     tmp_path: Path, corpus_file: Path, monkeypatch
 ) -> None:
-    _inject(monkeypatch, OOMInjector(limit=0, where="forward"))
+    """Under auto (off on the CPU without a budget) the run tries checkpointing and then
+    activation offload at a micro-batch of 1; where even that runs out of memory, the
+    error ends it."""
+    injector = OOMInjector(limit=0, where="forward")
+    _inject(monkeypatch, injector)
     config = TrainConfig.from_options(data=str(corpus_file), batch_size=2, **RUN)
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
         train(config, out=tmp_path / "run", progress=False)
     (event,) = _events(tmp_path / "run", "oom_backoff")
     assert (event["from_micro_batch"], event["micro_batch"]) == (2, 1)
+    (on,) = _events(tmp_path / "run", "checkpointing_on")
+    (offload,) = _events(tmp_path / "run", "checkpointing_offload")
+    assert (on["from"], offload["from"], on["step"], offload["step"]) == ("off", "on", 1, 1)
+    assert injector.raised == 4  # at 2; at 1 off, on and offload
+
+
+# a device budget that makes auto plan checkpointing (on) for the tiny preset at 1 or 2 x 32
+# tokens on the CPU (ramflow plan --device cpu --gpu-memory 23MiB says "on")
+PLANNED_ON = dict(gpu_memory="23MiB")
+
+
+def _losses(run: Path) -> list[tuple[int, float, int]]:
+    return [(r["step"], r["loss"], r["micro_batch"]) for r in _steps(run)]
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_auto_goes_to_activation_offload_after_an_oom_at_a_micro_batch_of_one(
+    tmp_path: Path, corpus_file: Path, monkeypatch, where: str
+) -> None:
+    """The plan chose checkpointing (on); from step 2 a pass runs out of memory until the
+    layers' inputs are offloaded: the run switches to activation offload, runs step 2
+    again with the same data and computes what a run started with --checkpointing offload
+    computes, bit for bit (checkpointing and offload recompute the same kernels on the same
+    inputs); run.json, the summary and the checkpoint say offload."""
+    injector = OOMInjector(limit=1, where=where, armed=False, until_offload=True)
+    _inject(monkeypatch, injector)
+
+    def arm(record: dict[str, Any]) -> None:
+        injector.armed = True  # from step 2 on
+
+    config = TrainConfig.from_options(data=str(corpus_file), batch_size=1, **PLANNED_ON, **RUN)
+    out = tmp_path / "auto"
+    result = train(config, out=out, progress=False, on_step=arm)
+    assert result.steps_done == 4 and not result.interrupted
+    assert injector.raised == 1
+    assert not _events(out, "oom_backoff")
+    (event,) = _events(out, "checkpointing_offload")
+    assert (event["step"], event["from"], event["micro_batch"]) == (2, "on", 1)
+    assert "injected" in event["error"]
+    info = json.loads((out / "run.json").read_text())
+    assert (info["checkpointing_planned"], info["checkpointing_mode"]) == ("on", "offload")
+    assert info["checkpointing_switched_at_step"] == 2 and info["config"]["checkpointing"] == "auto"
+    assert (
+        "activation checkpointing offload (auto planned on; offload from step 2" in result.summary
+    )
+    (end,) = _events(out, "end")
+    assert end["checkpointing"] == "offload"
+    # a resumed run goes on with offload: see [Note: a heavier checkpointing ...]
+    assert open_checkpoint(out).state["train_config"]["checkpointing"] == "offload"
+
+    monkeypatch.undo()
+    offload = TrainConfig.from_options(
+        data=str(corpus_file), batch_size=1, checkpointing="offload", **PLANNED_ON, **RUN
+    )
+    ref = train(offload, out=tmp_path / "offload", progress=False)
+    assert _losses(out) == _losses(tmp_path / "offload")
+    assert result.val_loss == ref.val_loss
+
+
+def test_auto_backs_off_the_micro_batch_then_the_checkpointing(
+    tmp_path: Path, corpus_file: Path, monkeypatch
+) -> None:
+    """Planned off (no budget on the CPU): an out-of-memory error at a micro-batch of 2
+    halves it; at 1, auto goes to checkpointing, then to offload, each time running the
+    step again; the run computes what --checkpointing offload at 1 x 2 accumulated
+    computes, bit for bit."""
+    injector = OOMInjector(limit=2, where="backward", until_offload=True)
+    _inject(monkeypatch, injector)
+    run = dict(RUN, steps=2)
+    out = tmp_path / "auto"
+    config = TrainConfig.from_options(data=str(corpus_file), batch_size=2, **run)
+    result = train(config, out=out, progress=False)
+    assert result.steps_done == 2 and injector.raised == 3
+    events = [
+        (r["event"], r["step"])
+        for r in read_log(out / "log.jsonl")
+        if r["event"] in ("oom_backoff", "checkpointing_on", "checkpointing_offload")
+    ]
+    assert events == [("oom_backoff", 1), ("checkpointing_on", 1), ("checkpointing_offload", 1)]
+
+    monkeypatch.undo()
+    ref = TrainConfig.from_options(
+        data=str(corpus_file), batch_size=1, grad_accum=2, checkpointing="offload", **run
+    )
+    train(ref, out=tmp_path / "offload", progress=False)
+    assert _losses(out) == _losses(tmp_path / "offload")
+
+
+def test_batch_size_auto_goes_heavier_where_no_micro_batch_fits(
+    tmp_path: Path, corpus_file: Path, monkeypatch, ramflow_cli
+) -> None:
+    """--batch-size auto --checkpointing auto (off on the CPU): trial steps at 2 and 1 run
+    out of memory with the layers' inputs on the device, under off and then on; with
+    offload the fit starts again from the largest micro-batch, which fits; the steps are
+    those of --checkpointing offload at that micro-batch."""
+    injector = OOMInjector(limit=2, where="forward", until_offload=True)
+    _inject(monkeypatch, injector)
+    common = ("--data", corpus_file, "--steps", "2", "--seq-len", "32", "--eval-every", "0",
+              "--eval-batches", "1", "--no-progress", "--device", "cpu")  # fmt: skip
+    out = tmp_path / "auto"
+    assert ramflow_cli("train", *common, "--batch-size", "auto", "--global-batch", "2",
+                       "--out", out) == 0  # fmt: skip
+    assert injector.raised == 4  # trials at 2 and 1, off and on
+    assert [(r["step"], r["from"]) for r in _events(out, "checkpointing_on")] == [(0, "off")]
+    assert [(r["step"], r["from"]) for r in _events(out, "checkpointing_offload")] == [(0, "on")]
+    (fit,) = _events(out, "batch_fit")
+    assert (fit["micro_batch"], fit["checkpointing_mode"]) == (2, "offload")
+
+    monkeypatch.undo()
+    ref = tmp_path / "offload"
+    assert ramflow_cli("train", *common, "--batch-size", "2", "--checkpointing", "offload",
+                       "--out", ref) == 0  # fmt: skip
+    assert _losses(out) == _losses(ref)
+
+
+def test_a_forced_checkpointing_is_kept_and_the_error_names_offload(
+    tmp_path: Path, corpus_file: Path, monkeypatch
+) -> None:
+    """--checkpointing on is the user's choice: an out-of-memory error at a micro-batch of
+    1 ends the run, and the message says what to pass."""
+    injector = OOMInjector(limit=1, where="forward", until_offload=True)
+    _inject(monkeypatch, injector)
+    config = TrainConfig.from_options(
+        data=str(corpus_file), batch_size=1, checkpointing="on", **dict(RUN, steps=1)
+    )
+    with pytest.raises(torch.OutOfMemoryError, match="pass --checkpointing offload") as info:
+        train(config, out=tmp_path / "run", progress=False)
+    assert "--checkpointing on" in str(info.value) and injector.raised == 1
+    assert not _events(tmp_path / "run", "checkpointing_offload")
+
+
+def test_several_ranks_refuse_to_change_the_checkpointing(tmp_path: Path) -> None:
+    """With two ranks the other rank would wait in a collective: auto does not go heavier,
+    and the error names --checkpointing offload (one step of ``accumulate_step`` as rank
+    0 of 2, its forward raising)."""
+
+    class OutOfMemory(torch.nn.Module):
+        def forward(self, **inputs: Any) -> Any:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+    config = TrainConfig.from_options(batch_size=1, seq_len=8, device="cpu")
+    batches = BatchStream(torch.arange(1000), batch_size=1, seq_len=8, seed=0, rank=0, num_ranks=2)
+    checkpointing = RunCheckpointing(mode="on", auto=True)
+    with pytest.raises(torch.OutOfMemoryError, match="2 ranks") as info:
+        accumulate_step(
+            config,
+            QuietReport(tmp_path),
+            OutOfMemory(),
+            None,  # no optimizer call before the refusal
+            torch.amp.GradScaler("cpu", enabled=False),
+            batches,
+            resolve_compute(device="cpu", precision="fp32"),
+            0,
+            checkpointing,
+        )
+    assert "pass --checkpointing offload" in str(info.value)
+    assert checkpointing.mode == "on" and checkpointing.switched_at is None
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import torch
 import ramflow
 
 from .._plan import format_bytes
-from .backoff import accumulate_step
+from .backoff import RunCheckpointing, accumulate_step
 from .checkpoint import fault_point, save_checkpoint
 from .data import validation_batches
 from .flops import model_flops_utilisation, peak_flops
@@ -141,6 +141,7 @@ def run_loop(
     step,
     tokens_seen,
     ranks,
+    checkpointing: RunCheckpointing,
 ) -> TrainResult:
     policy, corpus = setup.policy, setup.corpus
     # every rank's tokens: see [Note: several ranks from the CLI] in ranks.py
@@ -183,7 +184,8 @@ def run_loop(
                 "tokens_seen": tokens_seen,
                 "scheduler": sched.state_dict(),
                 "grad_scaler": scaler.state_dict(),
-                "train_config": config.to_dict(),
+                # after auto went heavier, its --checkpointing: see backoff.py
+                "train_config": checkpointing.saved_config(config).to_dict(),
                 "corpus": {
                     "fingerprint": corpus.fingerprint,
                     "num_tokens": corpus.num_tokens,
@@ -232,7 +234,9 @@ def run_loop(
             break
         fault_point("step")  # test-only: see [Note: test faults] in checkpoint.py
         t0 = time.perf_counter()
-        loss_sum = accumulate_step(config, report, model, opt, scaler, batches, policy, step)
+        loss_sum = accumulate_step(
+            config, report, model, opt, scaler, batches, policy, step, checkpointing
+        )
         grad_accum = config.global_batch // batches.batch_size
         scaler.unscale_(opt)
         grad_norm = (
@@ -309,6 +313,8 @@ def run_loop(
             "peak_host_bytes_per_rank": ranks.all_gather(peak_host),
             "step": step,
             "interrupted": interrupted,
+            # the activation checkpointing the run ended with ("off", "on", "offload")
+            "checkpointing": checkpointing.mode,
             "elapsed_s": elapsed,
             "tokens_per_s": tps,
             "mfu": model_flops_utilisation(
@@ -332,7 +338,7 @@ def run_loop(
             "device",
             (f"{ranks.world_size} ranks (ZeRO), " if ranks.several else "")
             + f"{policy.device}, {policy.precision}, activation checkpointing "
-            f"{setup.estimate.checkpointing_mode}",
+            f"{checkpointing.describe()}",
         ),
         (
             "steps",

@@ -44,9 +44,8 @@ import torch
 
 import ramflow
 
-from ..memory import CheckpointOffload
 from ..optim import muon_param_groups
-from .backoff import fit_micro_batch
+from .backoff import RunCheckpointing, checkpointing_policy, fit_micro_batch
 from .checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -337,8 +336,15 @@ def _train_ranks(
 
 
 def _write_run_json(
-    run_dir: Path, config: TrainConfig, setup: PreparedRun, ranks: Ranks, zero_stage: int | None
+    run_dir: Path,
+    config: TrainConfig,
+    setup: PreparedRun,
+    ranks: Ranks,
+    zero_stage: int | None,
+    checkpointing: RunCheckpointing,
 ) -> None:
+    """``run.json``; written again when ``--checkpointing auto`` goes heavier (see [Note: a
+    heavier checkpointing after an out-of-memory error] in ``backoff.py``)."""
     import json
 
     info = {
@@ -347,7 +353,11 @@ def _write_run_json(
         "zero_stage": zero_stage,
         "device": str(setup.policy.device),
         "precision": setup.policy.precision,
-        "checkpointing": setup.estimate.checkpointing,
+        "checkpointing": checkpointing.mode != "off",
+        # what the run computes with: "off", "on" or "offload"; planned: the plan's choice
+        "checkpointing_mode": checkpointing.mode,
+        "checkpointing_planned": checkpointing.planned,
+        "checkpointing_switched_at_step": checkpointing.switched_at,
         "num_parameters": setup.estimate.num_parameters,
         "tokenizer": setup.tokenizer.name,
         "corpus": {
@@ -380,8 +390,16 @@ def _train(
 ) -> TrainResult:
     policy, corpus, est, ckpt = setup.policy, setup.corpus, setup.estimate, setup.checkpoint
     zero_stage = choose_zero_stage(ranks.world_size, zero_stage).stage if ranks.several else None
+    checkpointing = RunCheckpointing(
+        mode=est.checkpointing_mode, auto=config.checkpointing == "auto"
+    )
     if ranks.is_main:
-        _write_run_json(run_dir, config, setup, ranks, zero_stage)
+
+        def write_run_json() -> None:
+            _write_run_json(run_dir, config, setup, ranks, zero_stage, checkpointing)
+
+        write_run_json()
+        checkpointing.on_switch = write_run_json
     say = report.message
     lora = config.lora_rank is not None
     trained = None
@@ -414,9 +432,7 @@ def _train(
         gpu_memory=setup.ramflow_budget,
         device=policy.device,
         wire_dtype=policy.wire_dtype,
-        activation_checkpointing=CheckpointOffload()
-        if est.activation_offload
-        else est.checkpointing,
+        activation_checkpointing=checkpointing_policy(checkpointing.mode),
         host_precision=est.host_precision,  # "auto" was decided by the estimate
         # only AdamW has a device step: auto must not plan one for the others
         device_optimizer=config.device_optimizer if config.optimizer == "adamw" else False,
@@ -516,7 +532,7 @@ def _train(
                 )
             report.log({"event": "resume", "step": step, "checkpoint": str(ckpt.path)})
         if config.auto_batch_size:
-            fit_micro_batch(config, setup, report, model, opt, scaler, batches)
+            fit_micro_batch(config, setup, report, model, opt, scaler, batches, checkpointing)
         else:
             torch.manual_seed(config.seed)
             report.log(
@@ -557,6 +573,7 @@ def _train(
             step,
             tokens_seen,
             ranks,
+            checkpointing,
         )
     finally:
         with contextlib.suppress(Exception):  # leave no optimizer step running at exit
