@@ -10,6 +10,7 @@ unchanged and compute what a run started at the smaller micro-batch computes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,12 @@ import pytest
 import torch
 
 from ramflow._registry import engine_of_model
-from ramflow.train import TrainConfig, open_checkpoint, train
+from ramflow.train import TrainConfig, open_checkpoint, resume_config, train
 from ramflow.train import trainer as trainer_module
 from ramflow.train.backoff import RunCheckpointing, accumulate_step
 from ramflow.train.data import BatchStream
 from ramflow.train.precision import resolve_compute
+from ramflow.train.presets import PRESETS
 from ramflow.train.report import QuietReport, read_log
 
 RUN = dict(steps=4, seq_len=32, eval_every=0, eval_batches=1, device="cpu", seed=0)
@@ -230,6 +232,29 @@ def test_auto_goes_to_activation_offload_after_an_oom_at_a_micro_batch_of_one(
     assert result.val_loss == ref.val_loss
 
 
+def test_a_resumed_run_goes_on_with_the_checkpointing_it_switched_to(
+    tmp_path: Path, corpus_file: Path, monkeypatch
+) -> None:
+    """The checkpoint written after the switch records --checkpointing offload: resumed
+    without --checkpointing (``resume_config`` keeps the checkpoint's), the run plans and
+    runs offload from its first step, and is not switched again."""
+    injector = OOMInjector(limit=1, where="forward", until_offload=True)
+    _inject(monkeypatch, injector)
+    out = tmp_path / "run"
+    config = TrainConfig.from_options(
+        data=str(corpus_file), batch_size=1, **PLANNED_ON, **dict(RUN, steps=2)
+    )
+    train(config, out=out, progress=False)
+    assert injector.raised == 1
+    ckpt = open_checkpoint(out)
+    resumed = train(resume_config(ckpt, steps=3), resume=ckpt, progress=False)
+    assert resumed.steps_done == 3 and injector.raised == 1
+    info = json.loads((out / "run.json").read_text())
+    assert info["config"]["checkpointing"] == "offload"
+    assert (info["checkpointing_planned"], info["checkpointing_mode"]) == ("offload", "offload")
+    assert [r["step"] for r in _events(out, "checkpointing_offload")] == [1]
+
+
 def test_auto_backs_off_the_micro_batch_then_the_checkpointing(
     tmp_path: Path, corpus_file: Path, monkeypatch
 ) -> None:
@@ -405,3 +430,62 @@ def test_a_real_out_of_memory_error_on_the_gpu_backs_off_and_the_run_goes_on(
     assert event["global_batch"] == 4
     assert "out of memory" in event["error"].lower()  # the allocator's own error
     assert [r["micro_batch"] for r in _steps(tmp_path / "run")] == [4, 4, 2, 2, 2]
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_auto_switches_to_offload_and_its_steps_take_offloads_memory(
+    tmp_path: Path, corpus_file: Path, monkeypatch
+) -> None:
+    """On CUDA, with the layers' inputs on side streams and in pinned host memory: auto
+    (off here, the GPU's default budget) hits an injected out-of-memory error at a
+    micro-batch of 1 in step 1, goes through checkpointing to offload, and its steps then
+    compute the losses of a --checkpointing offload run, bit for bit (the same kernels on
+    the same inputs under the same plan), with its peak device memory, below checkpointing
+    alone's by at least two layers' inputs (offload keeps at most two of four on the
+    device, ``OFFLOAD_BOUNDARIES_ON_DEVICE``). The tiny preset at 8192 tokens: each layer's input is 8192 x 256 x 2 bytes =
+    4 MiB."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run on the GPU box)")
+    device = torch.device("cuda", torch.cuda.current_device())
+    T = 8192
+    monkeypatch.setitem(
+        PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], max_position_embeddings=T)
+    )
+    run = dict(steps=3, seq_len=T, batch_size=1, eval_every=0, eval_batches=1, device="cuda")
+
+    def steps(name: str, checkpointing: str, injector: OOMInjector | None = None) -> list:
+        """The (loss, peak device bytes of that step alone) of each step of a run."""
+        peaks: list[int] = []
+
+        def reset(record: dict[str, Any]) -> None:
+            peaks.append(record["peak_gpu_bytes"])
+            torch.cuda.reset_peak_memory_stats(device)  # the next record: that step's peak
+
+        with monkeypatch.context() as m:
+            if injector is not None:
+                _inject(m, injector)
+            config = TrainConfig.from_options(
+                data=str(corpus_file), checkpointing=checkpointing, seed=0, **run
+            )
+            train(config, out=tmp_path / name, progress=False, on_step=reset)
+        torch.cuda.empty_cache()
+        return [(r["loss"], p) for r, p in zip(_steps(tmp_path / name), peaks)]
+
+    injector = OOMInjector(limit=1, where="backward", until_offload=True)
+    auto = steps("auto", "auto", injector)
+    assert injector.raised == 2  # off, then on
+    switches = [
+        (r["event"], r["step"], r["from"])
+        for r in read_log(tmp_path / "auto" / "log.jsonl")
+        if r["event"].startswith("checkpointing_")
+    ]
+    assert switches == [("checkpointing_on", 1, "off"), ("checkpointing_offload", 1, "on")]
+    offload = steps("offload", "offload")
+    on = steps("on", "on")
+    assert [loss for loss, _ in auto] == [loss for loss, _ in offload]
+    # steps 2 and 3 (step 1's peak holds the failed passes)
+    for (_, peak_auto), (_, peak_offload), (_, peak_on) in list(zip(auto, offload, on))[1:]:
+        # the same plan gives the same allocations; a layer's input of slack covers a
+        # plan that differs in what the budget left (auto planned off)
+        assert peak_auto <= peak_offload + T * 256 * 2, (peak_auto, peak_offload)
+        assert peak_on - peak_auto >= 2 * T * 256 * 2, (peak_on, peak_auto)
