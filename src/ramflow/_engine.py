@@ -607,18 +607,36 @@ class Engine:
     def set_activation_checkpointing(
         self, which: bool | Iterable[str] | CheckpointPolicyLike
     ) -> None:
-        """Replace the model's activation checkpointing between passes (see
-        ``ramflow.set_activation_checkpointing``); a failed backward is cleaned up first.
+        """Replace the model's activation checkpointing (``Schedule.checkpoint_units``'s
+        ``which``; False: none) between passes (see ``ramflow.set_activation_checkpointing``);
+        a failed backward is cleaned up first. Units, plan and window are unchanged.
 
         Raises:
-            ValueError: a layer engine (no model), or as ``Schedule.recheckpoint_units``.
+            ValueError: a layer engine (no model), or as ``Schedule.checkpoint_units`` (the
+                previous checkpointing is back).
             RuntimeError: inside a forward or backward pass.
         """
         model = self.model
         if model is None:
             raise ValueError("activation checkpointing needs an offloaded model, not its layers")
-        self.schedule.settle()  # a failed backward's leftovers: see [Note: a failed backward]
-        self.schedule.recheckpoint_units(model, which)
+        schedule = self.schedule
+        if schedule.in_pass:
+            raise RuntimeError(
+                "activation checkpointing can change only between passes, not inside a "
+                "forward or backward"
+            )
+        schedule.settle()  # a failed backward's leftovers: see [Note: a failed backward]
+        previous = schedule.checkpointing
+        schedule.uncheckpoint_units(model)
+        if which is False:
+            return
+        try:
+            schedule.checkpoint_units(model, which)
+        except ValueError:
+            schedule.uncheckpoint_units(model)
+            if previous is not False:
+                schedule.checkpoint_units(model, previous)
+            raise
 
     def _after_load_state_dict(self, module: nn.Module, incompatible: Any) -> None:
         # a checkpoint was loaded: see [Note: a failed backward]

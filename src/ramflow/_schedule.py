@@ -196,7 +196,7 @@ class Schedule:
         self.boundary_offloader: BoundaryOffloader | None = None
         self._hf_checkpointing = False
         # what checkpoint_units installed last (False: nothing)
-        self._checkpointing: bool | Iterable[str] | CheckpointPolicyLike = False
+        self.checkpointing: bool | Iterable[str] | CheckpointPolicyLike = False
 
     @property
     def order(self) -> list[_Unit]:
@@ -279,7 +279,7 @@ class Schedule:
             ValueError: ``which`` names a unit the model does not have, or the policy
                 cannot apply to this model (nothing changed).
         """
-        self._checkpointing = which
+        self.checkpointing = which
         names: set[str] | None = None
         context_fn = None
         offloader = None
@@ -425,33 +425,10 @@ class Schedule:
                 u.swaps = 1
                 self._swap(u, to_device=False)
 
-    def recheckpoint_units(
-        self, model: nn.Module, which: bool | Iterable[str] | CheckpointPolicyLike
-    ) -> None:
-        """Replace the checkpointing ``checkpoint_units`` installed with ``which`` (its
-        argument; False: none), between passes. The next forward runs under it; the
-        units, plan and window are unchanged.
-
-        Raises:
-            RuntimeError: called inside a forward or backward pass.
-            ValueError: as ``checkpoint_units`` (the previous checkpointing is back).
-        """
-        if self._root_active or _in_backward():
-            raise RuntimeError(
-                "activation checkpointing can change only between passes, not inside a "
-                "forward or backward"
-            )
-        previous = self._checkpointing
-        self.uncheckpoint_units(model)
-        if which is False:
-            return
-        try:
-            self.checkpoint_units(model, which)
-        except ValueError:
-            self.uncheckpoint_units(model)
-            if previous is not False:
-                self.checkpoint_units(model, previous)
-            raise
+    @property
+    def in_pass(self) -> bool:
+        """Inside a forward or backward pass."""
+        return bool(self._root_active) or _in_backward()
 
     def uncheckpoint_units(self, model: nn.Module | None) -> None:
         """Take off what ``checkpoint_units`` installed: our wrappers, Hugging Face's
@@ -469,7 +446,7 @@ class Schedule:
             disable()
             self._hf_checkpointing = False
         self.boundary_offloader = None
-        self._checkpointing = False
+        self.checkpointing = False
 
     def _call_swapped(self, u: _Unit, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` with ``u``'s module slots on the device parameters: the checkpoint

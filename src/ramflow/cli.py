@@ -149,7 +149,8 @@ def _shape_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="activation checkpointing; offload: on, with the layers' inputs in pinned host "
         "memory (default auto: on when activations would not fit the budget, offload when "
-        "even that does not)",
+        "even that does not; an out-of-memory error at a micro-batch of 1 takes the next "
+        "heavier one)",
     )
     p.add_argument(
         "--host-precision",

@@ -78,8 +78,10 @@ class TrainConfig:
         clip_grad: global gradient-norm limit, finite; 0 turns clipping off.
         precision: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``bf16``, ``fp16`` (with a
             GradScaler) or ``fp32``.
-        checkpointing: activation checkpointing ``on``, ``off`` or ``auto`` (on when the
-            activations would not fit in the device budget beside ramflow's smallest plan).
+        checkpointing: activation checkpointing ``on``, ``off``, ``offload`` (on, with the
+            layers' inputs in pinned host memory) or ``auto`` (the lightest that the plan
+            fits in the device budget beside ramflow's smallest plan; at a micro-batch of
+            1, an out-of-memory error takes the next heavier one, see ``backoff.py``).
         host_precision: the host formats (``ramflow.offload``'s ``host_precision``):
             ``fp32``, ``bf16``, ``lean``, ``kahan`` or ``auto``. Formats other than fp32
             need a bf16 wire: on the CPU the weights are then kept and computed in bf16.
