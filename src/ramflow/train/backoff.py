@@ -178,7 +178,8 @@ class RunCheckpointing:
         self, err: torch.OutOfMemoryError, *, micro_batch: int, num_ranks: int
     ) -> torch.OutOfMemoryError | None:
         """The error that ends the run where a micro-batch of ``micro_batch`` (the smallest)
-        ran out of memory, None where auto goes heavier on one process."""
+        ran out of memory: None where auto goes heavier (one process); ``err`` itself under
+        offload (nothing heavier to name); else ``err`` with what to pass."""
         heavier = self.heavier()
         if heavier is not None and num_ranks == 1:
             return None
@@ -191,10 +192,9 @@ class RunCheckpointing:
             )
         if self.mode == CHECKPOINTING_LADDER[-1]:
             return err
-        chosen = "the plan's choice" if self.auto else f"--checkpointing {self.mode}"
         return torch.OutOfMemoryError(
             f"{err} -- out of memory at a micro-batch of {micro_batch}, the smallest, with "
-            f"activation checkpointing {self.mode} ({chosen}): pass --checkpointing offload "
+            f"--checkpointing {self.mode}: pass --checkpointing offload "
             "to keep the layers' inputs in pinned host memory (or --checkpointing auto, "
             "which goes there after such an error)"
         )
