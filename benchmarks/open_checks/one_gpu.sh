@@ -5,6 +5,8 @@
 #   dit     the Flux-dev-shaped DiT at 1024x1024 under 24 GiB (issue 33, point 1)
 #   long    the 8B long-context ladder with a warm pinned pool (issue 32, point 3)
 #   train128k  `ramflow train --preset llama-8b --seq-len 131072`, auto checkpointing (32.2, 32.4)
+#   oomoffload  the same with the allocator capped at 60 GiB: auto's checkpointing alone runs
+#           out of memory and the run goes on with activation offload (issue 32, point 4)
 #   muon    Muon's host passes and training step on the box (issue 33, point 3)
 #   lean    the lean CPU step vs the copy rate, and loading at 12-13B (issue 30, points 2, 5)
 #   scale   12-14B of two architectures at 8x2048 (issue 30, point 6)
@@ -17,7 +19,7 @@
 # stage, so a call cut by its limit keeps what ran. Carry [".whl"] for `tests` and `dit`
 # (diffusers, importlib_metadata, lazy-importer, ramtorch; benchmarks/README.md).
 set -u
-PART=${1:?usage: one_gpu.sh tests|dit|long|train128k|muon|lean|scale|formats|accuracy-SEED}
+PART=${1:?usage: one_gpu.sh tests|dit|long|train128k|oomoffload|muon|lean|scale|formats|accuracy-SEED}
 export PYTHONUNBUFFERED=1
 R=/tmp/open-checks-$PART; mkdir -p "$R"
 pack() { tar -czf "$OUT/$PART.tgz" -C "$R" . ; }
@@ -52,6 +54,8 @@ train128k)
   timeout "$(left)" python3 -m ramflow train --preset llama-8b --seq-len 131072 --batch-size 1 \
     --host-precision lean --checkpointing auto --steps 3 --eval-every 1000 --save-every 1000 \
     --no-progress --out "$R/run" > "$R/train.log" 2>&1; echo "rc=$? at ${SECONDS}s" >> "$R/train.log" ;;
+oomoffload)
+  timeout "$(left)" python3 benchmarks/long_context/oom_offload.py --out-dir "$R/oom" --cap-gib 60 > "$R/stdout.log" 2>&1 ;;
 muon)
   timeout "$(left)" python3 benchmarks/muon/muon_bench.py --out-dir "$R/muon" > "$R/stdout.log" 2>&1 ;;
 lean)
