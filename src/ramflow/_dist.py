@@ -19,24 +19,32 @@ model; a unit that receives gradients on some ranks and not on others would hang
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import os
-import re
-import socket
 import time
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import psutil
 import torch
 import torch.distributed as dist
 
 from ._host_formats import HostPrecision
 from ._host_store import FillMaster
+from ._phase_times import PhaseSeconds
 from ._plan import format_bytes
+from ._store_files import (  # noqa: F401 - STORE_FILE and the checks are imported from here
+    STORE_FILE,
+    _CreatedFiles,
+    _pid_alive,
+    check_shm_directory_pins,
+    create_store_file,
+    filesystem_type,
+    host_name,
+    remove_stale_store_files,
+    shm_directory,
+)
 from ._streams import record_event
 from ._units import UnitSpec, _Unit
 from ._worker import STEP
@@ -69,13 +77,6 @@ def cpu_group() -> dist.ProcessGroup:
             group = dist.new_group(backend="gloo")
         _cpu_groups[key] = group
     return group
-
-
-def host_name() -> str:
-    """This host's name for grouping ranks by host: the machine's, unless
-    ``$RAMFLOW_TEST_HOST`` names a simulated host (tests run several "hosts" on one machine;
-    never set it otherwise, or ranks of one machine stop sharing their host copy)."""
-    return os.environ.get("RAMFLOW_TEST_HOST") or socket.gethostname()
 
 
 def host_ranks(group: dist.ProcessGroup) -> list[int]:
@@ -115,6 +116,8 @@ class DistributedState:
         self.broadcast_units: frozenset[int] = frozenset()
         self.broadcast_group: dist.ProcessGroup | None = None
         self._broadcast_stream: torch.cuda.Stream | None = None
+        # wall seconds of the worker's phases after each step, see [Note: the step's sync]
+        self.sync_seconds = PhaseSeconds()
 
     def alive(self) -> bool:
         """False once the process group this state was made for has been destroyed."""
@@ -143,9 +146,10 @@ class DistributedState:
     def after_step(self, engine: Engine) -> None:
         """Called by ``opt.step()`` once this rank's steps are scheduled: mark the units
         that other ranks step as stale (their next use waits), and queue, behind this
-        rank's own steps on the worker, the barrier with the other ranks and the refresh
-        of those units. ``opt.step()`` returns at once: the next forward overlaps the tail
-        of the steps, as on one GPU, and waits only at a unit that is not current yet."""
+        rank's own steps on the worker, the refresh of those units and the barrier with
+        the other ranks ([Note: the step's sync]). ``opt.step()`` returns at once: the next
+        forward overlaps the tail of the steps, as on one GPU, and waits only at a unit
+        that is not current yet."""
         others = [u for u in engine.units if not self.owns(u) and u.num_trainable]
         engine.mark_stale(others)
         # this step's device steps are all issued: the barrier waits for their write-backs
@@ -156,16 +160,25 @@ class DistributedState:
     def _sync(
         self, engine: Engine, others: list[_Unit], written: list[tuple[_Unit, torch.cuda.Event]]
     ) -> None:
-        """Worker: wait for the other ranks' steps, take the stepped masters from their
-        owners where they are not shared, and bring the wire copies up to date (a wire
-        copy that is the master, or is shared with the owner, already is); the device
-        copies of resident units come from their owners' devices where ``broadcast_units``
-        names them (see [Note: refresh by broadcast]). ``written``: the write-backs of
-        this step's device steps, which the barrier waits for."""
+        """Worker: see [Note: the step's sync]. ``written``: the write-backs of this step's
+        device steps, which the barrier waits for."""
+        clock = time.perf_counter()
+        received: dict[int, torch.cuda.Event | None] = {}
+        sent: list[tuple[_Unit, torch.cuda.Event]] = []
+        if self.broadcast_units:
+            received, sent = self._broadcast_resident(engine)
+        late = []
+        for u in others:  # in unit order: the next forward waits for each unit's own copy
+            if u.index in received and _wire_shared(u):
+                engine.refresh_wire(u, written=True, received=(received[u.index],))
+            else:
+                late.append(u)
+        clock = self.sync_seconds.add("broadcasts issued", clock)
         # the host store is current before the barrier: see [Note: the device optimizer
         # under ZeRO] in ramflow._stepper
         for u, event in written:
             self.wait_event(event, f"writing the weights of unit {u.name!r} back to the host")
+        clock = self.sync_seconds.add("write-backs", clock)
         with self.explained("waiting for the other ranks' optimizer steps"):
             dist.barrier(group=self.step_group)
             for u in engine.units:
@@ -173,16 +186,23 @@ class DistributedState:
                     dist.broadcast(
                         u.master[: u.trainable_numel], src=u.owner, group=self.step_group
                     )
-        received = self._broadcast_resident(engine) if self.broadcast_units else {}
-        for u in others:
-            written = u.wire is u.master or u.given_wire is not None
+        clock = self.sync_seconds.add("barrier", clock)
+        for u in late:
             if u.index in received:
                 event = received[u.index]
                 if event is not None:
                     self.wait_event(event, f"receiving unit {u.name!r} from rank {u.owner}")
-                engine.refresh_wire(u, written=written, received=(event,))
+                engine.refresh_wire(u, written=_wire_shared(u), received=(event,))
             else:
-                engine.refresh_wire(u, written=written)
+                engine.refresh_wire(u, written=_wire_shared(u))
+        # every send and receive has ended before the worker goes on: its next tasks (host
+        # steps and their refreshes) rewrite device copies that a broadcast may still read
+        for u, event in sent:
+            self.wait_event(event, f"broadcasting unit {u.name!r} to the other ranks")
+        for u in engine.units:
+            if received.get(u.index) is not None:
+                self.wait_event(received[u.index], f"receiving unit {u.name!r} from rank {u.owner}")
+        self.sync_seconds.add("broadcasts ended", clock)
 
     def refresh_by_broadcast(self, engine: Engine) -> None:
         """Every rank (a collective): from now on, the device copies of the units every
@@ -204,11 +224,14 @@ class DistributedState:
             self._broadcast_stream = torch.cuda.Stream(engine.device)
         self.broadcast_units = common
 
-    def _broadcast_resident(self, engine: Engine) -> dict[int, torch.cuda.Event | None]:
-        """Worker, after the barrier: broadcast each unit of ``broadcast_units`` from its
-        owner's device copy (stepped and refreshed there during backward) into every other
-        rank's, in unit order on every rank. Returns, for the units this rank received, the
-        event that ends each copy (None on the CPU)."""
+    def _broadcast_resident(
+        self, engine: Engine
+    ) -> tuple[dict[int, torch.cuda.Event | None], list[tuple[_Unit, torch.cuda.Event]]]:
+        """Worker: issue the broadcast of each unit of ``broadcast_units`` from its owner's
+        device copy (stepped and refreshed there during backward) into every other rank's,
+        in unit order on every rank, without waiting for them. Returns, for the units this
+        rank receives, the event that ends each copy (None on the CPU, where they have
+        ended), and the units this rank sends with theirs."""
         stream = self._broadcast_stream
         received: dict[int, torch.cuda.Event | None] = {}
         sent: list[tuple[_Unit, torch.cuda.Event]] = []
@@ -238,11 +261,7 @@ class DistributedState:
                 received[u.index] = event
             elif event is not None:
                 sent.append((u, event))
-        # the owner's next refresh of a unit (its next step) must not overwrite the copy
-        # while it is being sent: the worker goes on only once every send has ended
-        for u, event in sent:
-            self.wait_event(event, f"broadcasting unit {u.name!r} to the other ranks")
-        return received
+        return received, sent
 
     def dead_ranks(self) -> list[int]:
         """The ranks of this host whose process is gone (a zombie counts as gone)."""
@@ -310,26 +329,53 @@ class DistributedState:
 # [Note: refresh by broadcast]
 # A unit every rank keeps resident is stepped by its owner alone, and every rank must then
 # refresh its device copy. From the host that costs each rank the units it does not own
-# (N-1 of N of the resident bytes) over its own PCIe link after the barrier, while the next
-# forward waits: on 4 GPUs with a 2.7 B model resident, 4.0 GB per rank and step, about the
-# 100 ms by which a 4-GPU step exceeded one GPU's (benchmarks/results/
-# 2026-11-27-nvidia-h200-x4-scaling). The owner already refreshed its own copy during
-# backward, right after its step (or stepped it there, [Note: the device optimizer under
-# ZeRO] in ``ramflow._stepper``); by default (``RAMFLOW_REFRESH_BY_BROADCAST=0``, read by
-# ``ramflow.offload``, turns it off) the others take it from there: after the barrier, the worker of
-# every rank broadcasts each such unit, in unit order, from its owner's device (NCCL over
-# NVLink, on a stream and a process group of the worker's own; gloo on CPUs). A receiver's
-# copy waits for its backward's last use of the unit (``idle_events``), its next use waits
-# for the broadcast's event as for a load, and the worker waits (polling liveness, as
-# ``wait_event``) until every send and receive has ended, so an owner's next refresh never
-# overwrites a copy being sent. The bytes are the owner's copy of the same shared wire
-# copy, so results are unchanged (tested on gloo and NCCL). On by default since it was
+# (N-1 of N of the resident bytes) over its own PCIe link while the next forward waits: on
+# 4 GPUs with a 2.7 B model resident, 4.0 GB per rank and step, about the 100 ms by which a
+# 4-GPU step exceeded one GPU's (benchmarks/results/2026-11-27-nvidia-h200-x4-scaling). The
+# owner already refreshed its own copy during backward, right after its step (or stepped it
+# there, [Note: the device optimizer under ZeRO] in ``ramflow._stepper``); by default
+# (``RAMFLOW_REFRESH_BY_BROADCAST=0``, read by ``ramflow.offload``, turns it off) the others
+# take it from there: the worker of every rank broadcasts each such unit, in unit order,
+# from its owner's device (NCCL over NVLink, on a stream and a process group of the
+# worker's own; gloo on CPUs), see [Note: the step's sync] for when. A receiver's copy waits
+# for its backward's last use of the unit (``idle_events``), the owner's send for its step
+# or refresh (``device_step_event``, ``h2d_event``), and the receiver's next use waits for
+# the broadcast's event as for a load. The bytes are the owner's copy of the same shared
+# wire copy, so results are unchanged (tested on gloo and NCCL). On by default since it was
 # measured on 2 x H200 (lean, 4x2048 per GPU: 420 ms against 446 ms from the host;
 # benchmarks/results/2026-11-27-nvidia-h200-x2-nccl-refresh); the ranks must agree on the
 # variable (``refresh_by_broadcast`` is a collective).
+# [Note: the step's sync]
+# Behind this rank's steps, the worker (``_sync``): (1) issues the broadcasts of the
+# resident units (unit order, nothing waited for) and marks each received unit current with
+# its broadcast's event, where the unit's wire copy is the shared one (nothing on this
+# host to rewrite); (2) waits for this rank's write-backs ([Note: the device optimizer
+# under ZeRO]); (3) meets the other ranks at the barrier; (4) refreshes the other units
+# from the host (and the received ones whose wire copy is this rank's own); (5) waits until
+# every send and receive has ended. So the next forward waits per unit, for its own
+# broadcast only, and neither the write-backs (a D2H of up to 6 bytes per parameter) nor
+# the barrier are on its way: the bytes a broadcast carries are the owner's device copy,
+# ordered by events, not by the host store. The host store is still current for every
+# reader after the barrier, as before: a load of a unit not kept resident waits for (4),
+# and ``synchronize`` (``state_dict``, a checkpoint, ``undo``) waits for the worker, so for
+# (5). The owner's next write of a sent copy (its next device step, or a host step's
+# refresh) follows the next reduction of the unit's gradients, which the receivers join
+# only after their forward read the received copy (so after the broadcast has read the
+# owner's), and the worker's own next tasks come after (5). A forward that meets a unit
+# whose broadcast has not ended polls its event (``DeviceWindow.acquire``) and raises the
+# worker's error, so a rank that dies meanwhile fails this one with ramflow's error (the
+# worker's waits in (2)-(5) check liveness, [Note: a rank that dies]). Every phase's wall
+# time is summed in ``DistributedState.sync_seconds`` (``benchmarks/node/multi_gpu.py``
+# reports it per rank).
 _LIVENESS_PERIOD_S = 0.5
 _DYING_S = 2.0
 _POLL_S = 1e-4  # a backward that waits here stalls by at most this (plus the sleep's slack)
+
+
+def _wire_shared(u: _Unit) -> bool:
+    """Whether ``u``'s wire copy is the one its owner writes (the master, or a shared
+    wire copy), so that nothing on this rank's host needs rewriting after its step."""
+    return u.wire is u.master or u.given_wire is not None
 
 
 class _Work:
@@ -385,141 +431,6 @@ def assign_owners(numels: list[int], ranks: list[int]) -> list[int]:
         owners[i] = r
         load[r] += numels[i]
     return owners
-
-
-# [Note: host store files]
-# The leader of a host creates one file per unit and kind in $RAMFLOW_SHM_DIR (default
-# /dev/shm), named ``ramflow-<pid>-<token>-<host>-<unit>.<master|wire>``: the leader's PID,
-# a token drawn by rank 0 for this set-up, and the host name. It creates each with
-# O_CREAT | O_EXCL (never opening a file someone else made), and unlinks every file it made
-# on every exit path it runs code on: once all ranks of the host have mapped them, or in a
-# ``finally`` when set-up fails, or at interpreter exit. A leader killed outright (SIGKILL,
-# ``os._exit``, SIGTERM without a handler: no Python runs then, and a Python handler would
-# only run after the blocking collective returns, delaying the kill by up to the process
-# group's timeout) leaves its files; the next ``shared_host_store`` on this host removes the
-# files of this naming pattern whose PID is no longer a live process. Files of other hosts
-# (a directory shared between containers), of live processes, and of other names are never
-# touched.
-STORE_FILE = re.compile(
-    r"ramflow-(?P<pid>[0-9]+)-(?P<token>[0-9a-f]{32})-(?P<host>.+)-(?P<unit>[0-9]+)"
-    r"\.(?P<kind>master|wire)"
-)
-
-
-def shm_directory() -> str:
-    return os.environ.get("RAMFLOW_SHM_DIR", "/dev/shm")
-
-
-_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
-
-
-def filesystem_type(path: str, *, mounts: str = "/proc/self/mounts") -> str | None:
-    """The type of the filesystem that holds ``path`` (from the ``mounts`` table: the
-    longest mount point above it), or None where that cannot be read."""
-    real = os.path.realpath(path)
-    try:
-        with open(mounts, encoding="utf-8") as f:
-            table = [line.split()[1:3] for line in f if len(line.split()) >= 3]
-    except OSError:
-        return None
-    best, kind = "", None
-    for point, fstype in table:
-        point = point.replace("\\040", " ")
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > len(best):
-            best, kind = point, fstype
-    return kind
-
-
-def check_shm_directory_pins(directory: str, *, mounts: str = "/proc/self/mounts") -> None:
-    """Raise ValueError when the shared host store's ``directory`` is not memory-backed:
-    Linux does not page-lock the pages of a file on disk for DMA (``cudaHostRegister``
-    fails), so a GPU run could not copy from the shared masters asynchronously."""
-    kind = filesystem_type(directory, mounts=mounts)
-    if kind is not None and kind not in _MEMORY_FILESYSTEMS:
-        raise ValueError(
-            f"RAMFLOW_SHM_DIR={directory} is on a {kind} filesystem: the shared host store "
-            "must be in memory-backed files for the GPU to copy from them (Linux does not "
-            "page-lock a disk file's pages). Use /dev/shm (the default) or another tmpfs."
-        )
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether ``pid`` is a running process of this PID namespace (a zombie is not)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:  # exists, but cannot be inspected (another user's)
-        return True
-
-
-def remove_stale_store_files(directory: str) -> list[str]:
-    """Remove this host's store files in ``directory`` whose creating process is gone.
-
-    Only names that match ``STORE_FILE`` with this host's name are considered, and only
-    those whose PID is not a live process are removed (see [Note: host store files]).
-    Returns the paths removed; a file that cannot be removed (another user's) is skipped.
-    """
-    host = host_name()
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = STORE_FILE.fullmatch(name)
-        if m is None or m["host"] != host or _pid_alive(int(m["pid"])):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            os.unlink(path)
-        except OSError:
-            continue
-        removed.append(path)
-    return removed
-
-
-def create_store_file(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Create ``path`` exclusively, size it for ``numel`` elements of ``dtype`` and map it
-    shared; returns the 1-D tensor over it (zeros).
-
-    Raises:
-        FileExistsError: ``path`` exists already (it is left as it was).
-    """
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, numel * torch.empty((), dtype=dtype).element_size())
-    finally:
-        os.close(fd)
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
-
-
-class _CreatedFiles:
-    """The store files this process created; ``remove`` unlinks them (once, idempotent),
-    also from ``atexit`` while set-up runs. See [Note: host store files]."""
-
-    def __init__(self) -> None:
-        self.paths: list[str] = []
-
-    def __enter__(self) -> _CreatedFiles:
-        atexit.register(self.remove)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-        atexit.unregister(self.remove)
-
-    def create(self, path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        tensor = create_store_file(path, numel, dtype)
-        self.paths.append(path)
-        return tensor
-
-    def remove(self) -> None:
-        for path in self.paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self.paths.clear()
 
 
 def raise_if_any_failed(what: str, error: BaseException | None) -> None:

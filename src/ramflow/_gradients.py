@@ -137,7 +137,10 @@ class GradientPath:
             params = u.owned[: u.num_trainable]
             if stepper.device_steppable(u) and all(p.grad is None for p in params):
                 opt = stepper.optimizers[0]
-                stepper.device_step(u, opt, opt._hyperparameters(), u.device_grad, after=reduced)
+                hyper = opt._hyperparameters()
+                if stepper.device_step(u, opt, hyper, u.device_grad, after=reduced):
+                    # its own stream holds the gradient buffer: count it in the throttle
+                    self._grads_in_flight.append(u.device_step_event)
                 self._pass_stepped.append(u)
                 if not opt.keep_grads:
                     u.device_grad = None

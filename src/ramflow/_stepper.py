@@ -62,29 +62,35 @@ not a synchronous copy through the driver's bounce buffers, about ten times slow
 then write ``p.grad`` at once, as after a host step.
 
 [Note: the device optimizer under ZeRO]
-With ``zero_stage`` and ``device_optimizer=True`` each rank plans, and steps on its own GPU,
-the resident units it owns (``Engine._with_device_optimizer`` counts no other unit), so each
-GPU holds the device states of its shard only; the other units keep the host step of their
-owner. The owner's step waits for the unit's gradient reduction (``after``: on CUDA the
-compute stream waits for it, which stalls the backward on this rank by the collective's
-tail; a stream of the step's own would not, at the cost of one more event for the next
-forward to wait on). The one-process device step leaves the host copies stale until
-``synchronize``, but under ZeRO the host store is shared: other ranks read a unit's wire
-copy (their refresh after the barrier, their loads of a unit they do not keep resident)
-and any rank's ``state_dict`` reads its master. So right after each device step the owner
-copies the new weights (an fp32 master and the wire copy, or the bf16 master that is the
-wire copy; the states stay on the device until ``synchronize``) into the shared store on
-the D2H stream, asynchronously (``_write_back``; the owner pins such a master even where a
-wire copy beside it is what others read), and the step's barrier waits for those copies
-(``ramflow._dist``): after the barrier the host store is as after host steps, and the other
-ranks refresh from it or from the owner's device copy ([Note: refresh by broadcast]) as
-for any unit. Race-free as the host step is (see "Data parallelism" in docs/design.md): the
-write-back follows the reduction, which every rank joins after its last read of the unit,
-and the barrier orders it before every next read; the owner's next device step of the unit
-waits for the write-back's copies and for the next reduction, which the other ranks join
-only once their copy of the unit (from the host or the broadcast) has ended. The bytes are
-those of the one-process device step, so the run equals one process stepping the same units
-on the device (tested on gloo). Cost against host steps: the write-back's D2H (2 bytes per
+With ``zero_stage`` each rank plans, and steps on its own GPU, the resident units it owns
+(``Engine._with_device_optimizer`` counts no other unit; the default lets the planner
+choose among them per rank, [Note: the device optimizer's default] in ``ramflow._plan``),
+so each GPU holds the device states of its shard only; the other units keep the host step
+of their owner. The owner's step waits for the unit's gradient reduction (``after``) on a
+CUDA stream of the steps' own, which first waits for the compute stream: the backward goes
+on meanwhile instead of stalling for the collective's tail at every owned unit, the
+gradient buffer is kept for that stream (``record_stream``, and the backward's throttle on
+buffers in flight counts it), and the unit's next use waits for ``device_step_event``
+(``DeviceWindow.acquire``), as do its broadcast and its write-back
+(``RAMFLOW_DEVICE_STEP_STREAM=0`` steps on the compute stream, a benchmark's comparison).
+The one-process device step leaves the host copies stale until ``synchronize``, but under
+ZeRO the host store is shared: other ranks read a unit's wire copy (a refresh from the
+host, a load of a unit they do not keep resident) and any rank's ``state_dict`` reads its
+master. So right after each device step the owner copies the new weights (an fp32 master
+and the wire copy, or the bf16 master that is the wire copy; the states stay on the device
+until ``synchronize``) into the shared store on the D2H stream, behind the step
+(``_write_back``; the owner pins such a master even where a wire copy beside it is what
+others read), and the step's barrier waits for those copies (``ramflow._dist``, [Note: the
+step's sync]): after the barrier the host store is as after host steps. The next forward
+does not wait for the write-backs or the barrier where it takes the units from their
+owners' devices ([Note: refresh by broadcast]). Race-free as the host step is (see "Data
+parallelism" in docs/design.md): the write-back follows the reduction, which every rank
+joins after its last read of the unit in this step, and the barrier orders it before every
+next read of the host store; the owner's next device step of the unit waits for the
+write-back's copies and for the next reduction, which the other ranks join only once their
+copy of the unit (from the host or the broadcast) has ended. The bytes are those of the
+one-process device step, so the run equals one process stepping the same units on the
+device (tested on gloo). Cost against host steps: the write-back's D2H (2 bytes per
 parameter with a bf16 master, 6 with an fp32 master beside a bf16 wire) in place of the
 gradients' D2H, the CPU step and the owner's refresh H2D.
 
@@ -105,7 +111,9 @@ defers every step (``note_clip``). The unit norms are summed in another order th
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import time
 import weakref
 from collections.abc import Iterable
@@ -124,6 +132,9 @@ from ._worker import STEP, HostWorker
 # A resident unit's refresh is sent in pieces of this many wire bytes, each as soon as the
 # step has written it. See [Note: the refresh follows the step].
 REFRESH_PIECE_BYTES = 64 << 20
+# "0": a device step that waits for a reduction runs on the current stream, stalling the
+# backward for the collective's tail, as before (a benchmark's comparison)
+_STEP_STREAM = os.environ.get("RAMFLOW_DEVICE_STEP_STREAM", "1") != "0"
 
 
 class Stepper:
@@ -156,6 +167,7 @@ class Stepper:
         self._window = window
         self._host = host
         self.dist: DataParallel | None = None
+        self._device_step_stream: torch.cuda.Stream | None = None  # made on first use
         # forward position of each unit, the priority of its step on the worker
         self._positions: dict[_Unit, int] = {}
         # the worker's optimizer kernels so far: parameters stepped, seconds (host_step_totals)
@@ -553,39 +565,59 @@ class Stepper:
         grad: torch.Tensor,
         *,
         after: object | None = None,
-    ) -> None:
-        """Step ``u`` on the device, on the current stream: its fp32 master weights and
-        optimizer states stay there and the new weights go straight into its device copy,
-        which the next forward reads in stream order. The host copies are stale until
-        ``pull_device_state``; under ZeRO the weights are written back to the shared host
-        store at once (see [Note: the device optimizer under ZeRO]). ``after``: the work
-        handle of the data-parallel reduction of ``grad`` (in place), which the step waits
-        for (on CUDA the current stream waits)."""
+    ) -> bool:
+        """Step ``u`` on the device: its fp32 master weights and optimizer states stay
+        there and the new weights go straight into its device copy. The host copies are
+        stale until ``pull_device_state``; under ZeRO the weights are written back to the
+        shared host store at once (see [Note: the device optimizer under ZeRO]). ``after``:
+        the work handle of the data-parallel reduction of ``grad`` (in place), which the
+        step waits for: on CUDA the step then runs on a stream of its own, so the backward
+        goes on meanwhile, and the next use of the unit waits for ``u.device_step_event``
+        (``DeviceWindow.acquire``); without ``after``, on the current stream, which the next
+        forward follows in order. Returns whether it ran on its own stream."""
         n = u.trainable_numel
-        self._wait_write_back(u, host=False)  # its copies read what this step rewrites
+        cuda = self.device.type == "cuda"
         with torch.profiler.record_function(f"ramflow.device_optimizer:{u.name}"):
             if u.device_state is None:
                 self._wait_host_idle(u)
                 u.device_state = opt.device_state(u, self.device)  # type: ignore[attr-defined]
-            if after is not None:
-                after.wait()  # type: ignore[attr-defined]
-            opt.device_flat_step(  # type: ignore[attr-defined]
-                u,
-                hyper,
-                grad=grad,
-                state=u.device_state,
-                weights_out=u.device_alias[:n],  # see [Note: units and views]
-                piece=DEVICE_STEP_PIECE,
-            )
-        if self.device.type == "cuda":
-            u.device_step_event = record_event(torch.cuda.current_stream(self.device))
-            if grad.device.type == "cpu":
-                u.host_grad_read = u.device_step_event
-        u.host_stale = True
-        u.weights_written = False
-        u.write_back_event = None
-        if self.live_dist() is not None:
-            self._write_back(u)
+            side = self._step_stream() if cuda and after is not None else None
+            if side is not None:  # the gradients (and states just uploaded) are written
+                side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                self._wait_write_back(u, host=False)  # its copies read what this step rewrites
+                if after is not None:
+                    after.wait()  # type: ignore[attr-defined]
+                opt.device_flat_step(  # type: ignore[attr-defined]
+                    u,
+                    hyper,
+                    grad=grad,
+                    state=u.device_state,
+                    weights_out=u.device_alias[:n],  # see [Note: units and views]
+                    piece=DEVICE_STEP_PIECE,
+                )
+                if side is not None:
+                    grad.record_stream(side)
+                if cuda:
+                    u.device_step_event = record_event(torch.cuda.current_stream(self.device))
+                    if grad.device.type == "cpu":
+                        u.host_grad_read = u.device_step_event
+                u.host_stale = True
+                u.weights_written = False
+                u.write_back_event = None
+                if self.live_dist() is not None:
+                    self._write_back(u)  # on the step's stream: the D2H follows it
+        return side is not None
+
+    def _step_stream(self) -> torch.cuda.Stream | None:
+        """The stream of device steps that wait for a reduction (None: the current stream,
+        ``RAMFLOW_DEVICE_STEP_STREAM=0``, a benchmark's comparison). See [Note: the device
+        optimizer under ZeRO]."""
+        if not _STEP_STREAM:
+            return None
+        if self._device_step_stream is None:
+            self._device_step_stream = torch.cuda.Stream(self.device)
+        return self._device_step_stream
 
     def _write_back(self, u: _Unit) -> None:
         """Under ZeRO, right after a device step of ``u``: copy its new weights into the

@@ -351,6 +351,8 @@ class _Unit:
         self.device_version = -1
         self.host_version = 0
         self.h2d_event: torch.cuda.Event | None = None
+        # h2d_event follows a collective (an owner's broadcast): a forward polls it first
+        self.load_follows_collective = False
         self.wire_read_event: torch.cuda.Event | None = None
         self.used_streams: set[torch.cuda.Stream] = set()
         self.idle_events: list[torch.cuda.Event] = []  # recorded when the last pin went

@@ -17,18 +17,21 @@ all-gathers). Gradient buffers are limited the same way: a third waits for the o
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from ._phase_times import PhaseSeconds
 from ._streams import CopyStreams, StagingBuffers, record_event
 from ._units import UnitSpec, _Unit
 from ._worker import HostWorker
 
 # False: evictions wait for the GPU with the lock held, as before (a benchmark's comparison)
 _WAIT_UNLOCKED = True
+_POLL_S = 1e-4  # a forward that waits for a broadcast stalls by at most this
 
 
 class DeviceWindow:
@@ -58,6 +61,8 @@ class DeviceWindow:
         self._used = 0
         self._lru: OrderedDict[_Unit, None] = OrderedDict()
         self._staging = StagingBuffers()  # compressed units' copies land here first
+        # seconds the computing thread waited in ``acquire`` for units not current yet
+        self.wait_seconds = PhaseSeconds()
 
     # ------------------------------------------------------------------ set-up
 
@@ -203,6 +208,7 @@ class DeviceWindow:
                 self._staging,
             )
         u.h2d_event = event
+        u.load_follows_collective = False
         u.wire_read_event = event
         u.device_version = u.host_version
         u.load_requested = False
@@ -236,6 +242,7 @@ class DeviceWindow:
             u.wire_ready.set()
             if sent:
                 u.h2d_event = u.wire_read_event
+                u.load_follows_collective = False
                 u.device_version = u.host_version
                 u.load_requested = False
                 u.h2d_issued.set()
@@ -246,10 +253,12 @@ class DeviceWindow:
         """Worker: resident ``u``'s device copy was just written by another rank (its
         owner's broadcast, see [Note: refresh by broadcast] in ``ramflow._dist``), and its
         wire copy is current; ``event`` marks the copy's end on the device (None on the
-        CPU, where it has ended). Its next use waits for ``event`` as for a load."""
+        CPU, where it has ended). Its next use polls ``event`` on the host, then waits for
+        it as for a load (see [Note: the step's sync] in ``ramflow._dist``)."""
         with self._lock:
             u.wire_ready.set()
             u.h2d_event = event
+            u.load_follows_collective = event is not None
             u.device_version = u.host_version
             u.load_requested = False
             u.h2d_issued.set()
@@ -300,16 +309,30 @@ class DeviceWindow:
                         u.backward_pins += 1
                     pinned.append(u)
             stream = self.streams.compute_stream()
+            start = time.perf_counter()
             for u in units:
                 while not u.h2d_issued.wait(timeout=1.0):
                     self.worker.raise_error()
                 if stream is not None:
                     if u.h2d_event is not None:
+                        if u.load_follows_collective:
+                            self._poll_collective(u.h2d_event)
                         stream.wait_event(u.h2d_event)  # See [Note: copies and events]
+                    if u.device_step_event is not None:  # a step on a stream of its own
+                        stream.wait_event(u.device_step_event)
                     u.used_streams.add(stream)
+            self.wait_seconds.add("units not current", start)
         except BaseException:
             self.release(pinned, backward=backward)
             raise
+
+    def _poll_collective(self, event: torch.cuda.Event) -> None:
+        """Wait on the host for ``event``, which follows a collective, raising the worker's
+        error meanwhile (its own waits check whether a rank has died; see [Note: the step's
+        sync] in ``ramflow._dist``)."""
+        while not event.query():
+            self.worker.raise_error()
+            time.sleep(_POLL_S)
 
     def release(self, units: list[_Unit], *, backward: bool = False) -> None:
         """Give back one pin of each of ``units``; the last pin records when the GPU is
