@@ -134,7 +134,9 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     process's, bit for bit, on two ranks); ``muon``: ``ramflow.optim.Muon`` (its defaults,
     lr 1e-2) instead of AdamW; ``optimizer``: (a ``ramflow.optim`` class name, its settings)
     instead of AdamW; ``gpu_memory``, ``device_optimizer``: ``offload``'s (a budget keeps
-    units resident, on the CPU too)."""
+    units resident, on the CPU too); ``state_each_step``: keep ``model.state_dict()`` taken
+    right after each ``opt.step()``; ``undo``: ``ramflow.undo`` right after the last step and
+    return only the plain model's state and those."""
     device = _device(rank, options)
     model = reference_model(seed=rank, dim=options.get("dim", 32))
     ramflow.offload(
@@ -158,7 +160,7 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     if options.get("slow_owner") is not None and rank == options["slow_owner"]:
         _slow_host_steps(opt, seconds=0.2)
     per_rank = GLOBAL_BATCH // world_size
-    losses, norms, grads_left = [], [], []
+    losses, norms, grads_left, step_states = [], [], [], []
     kill = options.get("kill")  # ("backward" or "step", step): SIGKILL rank 1 there
     if kill is not None and kill[0] == "backward" and rank == 1:
         _kill_in_backward_at(model, step=kill[1])
@@ -176,11 +178,17 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
         if options.get("clip"):
             norms.append(ramflow.clip_grad_norm_(model.parameters(), options["clip"]).item())
         opt.step()
+        if options.get("state_each_step"):  # at once: this step may still run on the worker
+            step_states.append({k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
         if kill == ("step", step) and rank == 1:
             # opt.step() has returned; this rank's steps and the barrier run on its worker
             os.kill(os.getpid(), signal.SIGKILL)
         opt.zero_grad()
         losses.append(loss.detach().clone())
+    if options.get("undo"):  # right after the last step, which may still run on the worker
+        ramflow.undo(model)
+        plain = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        return {"state": plain, "step_states": step_states}
     # summed over the ranks only now: a rank that dies mid-run fails the others in
     # ramflow's collectives, not in this one
     total = torch.stack(losses)

@@ -115,3 +115,77 @@ def test_two_simulated_hosts_step_on_their_devices_as_on_the_host(tmp_path):
     _assert_bit_for_bit(on_device, on_host[0])
     assert all(r["host_steps"] == 0 for r in on_device)
     assert all(r["device_current"] for r in on_device)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        # every unit resident, each stepped on its owner's device and broadcast to the other
+        # rank before the barrier
+        {**LEAN, "device_optimizer": True, "gpu_memory": "1GiB"},
+        {**FP32, "device_optimizer": True, "gpu_memory": "1GiB"},
+        # host steps; three units resident (broadcast), the others loaded from the host
+        {**LEAN, "device_optimizer": False, "gpu_memory": "160KiB"},
+    ],
+    ids=["lean-device", "fp32-device", "lean-host-partly-resident"],
+)
+def test_state_dict_and_undo_right_after_a_step_see_its_weights(tmp_path, monkeypatch, options):
+    """``model.state_dict()`` taken at once after each ``opt.step()`` (its steps, the
+    owners' write-backs and the step's sync still running on the workers), and the plain
+    weights after ``ramflow.undo`` right after the last step, equal one process's on every
+    rank, bit for bit: both wait for this rank's worker, so for the barrier behind which
+    every owner's write-back has landed, even though the next forward no longer waits for
+    it (see [Note: the step's sync] in ramflow._dist)."""
+    monkeypatch.setenv("RAMFLOW_REFRESH_BY_BROADCAST", "1")
+    options = {**options, "state_each_step": True, "undo": True, "whole_batch": True}
+
+    def run(name: str, world_size: int, zero_stage: int | None) -> list[dict]:
+        opts = {**options, "zero_stage": zero_stage, "out": str(tmp_path / name)}
+        results = W.run(W.train_offload, world_size, opts)
+        _check_ok(results)
+        return results
+
+    ref = run("one", 1, None)[0]
+    assert len(ref["step_states"]) == W.STEPS
+    for r in run("two", 2, 2):
+        for got, want in zip(r["step_states"], ref["step_states"], strict=True):
+            for k, v in want.items():
+                assert torch.equal(got[k], v), k
+        for k, v in ref["state"].items():
+            assert torch.equal(r["state"][k], v), k
+        assert not torch.equal(r["step_states"][-1][k], r["step_states"][-2][k])  # it trained
+
+
+def test_the_planner_chooses_device_steps_per_rank_under_zero(monkeypatch):
+    """``device_optimizer=None`` under ZeRO: each rank's planner chooses among the resident
+    units it owns (never another rank's), with its CPU optimizer at its share of the host's
+    rate, and the plan's reason says so. The CPU device refuses device steps before any
+    prediction; with that refusal lifted, the choice is the one a GPU rank makes."""
+    from ramflow._engine import Engine
+    from ramflow._host_formats import HostPrecision
+    from ramflow._units import find_units
+
+    monkeypatch.setattr(Engine, "_device_optimizer_refusal", lambda self: None)
+    model = W.reference_model(seed=0)
+    specs = find_units(model)
+    owners = [i % 2 for i in range(len(specs))]
+    engine = Engine(
+        model,
+        specs,
+        device=torch.device("cpu"),
+        wire_dtype=torch.bfloat16,
+        gpu_memory_bytes=1 << 30,  # every unit resident, with room for its device states
+        prefetch_depth=2,
+        device_optimizer=None,
+        host_precision=HostPrecision.lean(),
+        owners=owners,
+        rank=1,
+    )
+    try:
+        plan = engine.plan
+        mine = {u.name for u in engine.units if u.owner == 1}
+        assert plan.device_stepped and set(plan.device_stepped) <= mine
+        assert "rank 1 owns" in plan.device_optimizer_reason
+        assert "1/2 of the host's rate" in plan.device_optimizer_reason
+    finally:
+        engine.remove()

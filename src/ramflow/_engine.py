@@ -344,13 +344,29 @@ class Engine:
         refusal = self._device_optimizer_refusal()
         if refusal is not None:
             return dataclasses.replace(plan, device_optimizer_reason=f"none: {refusal}")
-        return auto_device_optimizer(
+        rates = rates_for(Rates(), precision.name)
+        if self._owners is not None:
+            # per rank: its own units, on its share of the host's cores (the ranks of a
+            # host split them), see [Note: the device optimizer under ZeRO] in _stepper
+            ranks = len(set(self._owners))
+            rates = dataclasses.replace(
+                rates, cpu_optimizer_params_per_s=rates.cpu_optimizer_params_per_s / ranks
+            )
+        plan = auto_device_optimizer(
             plan,
             numels,
             **sizes,
-            rates=rates_for(Rates(), precision.name),
+            rates=rates,
             grad_bytes_per_param=torch.empty((), dtype=self.wire_dtype).element_size(),
         )
+        if self._owners is None:
+            return plan
+        why = (
+            f"{plan.device_optimizer_reason} (under ZeRO: among the units rank {self._rank} "
+            f"owns, its CPU optimizer at 1/{ranks} of the host's rate; the other ranks take "
+            "them from the shared host store or its device)"
+        )
+        return dataclasses.replace(plan, device_optimizer_reason=why)
 
     def _warm_up_device_step(self) -> None:
         """Compile the lean device step's Triton kernel now when the plan steps units on

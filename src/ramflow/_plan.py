@@ -269,11 +269,11 @@ def with_device_optimizer(
 
 # [Note: the device optimizer's default]
 # ``ramflow.offload(device_optimizer=None)`` (the default) lets the planner choose the units
-# stepped on the device. It refuses first where a device step cannot apply or would change the
-# run (each a reason in the plan): no budget, the CPU as the device, ZeRO (not measured yet;
-# ``True`` steps each rank's owned units), trainable parameters on the device (LoRA: those step
-# there already), and fp32 masters, whose device step is PyTorch's fused CUDA AdamW and not
-# the CPU kernel's bits (a run would depend on which units fit; ``True`` still forces it).
+# stepped on the device (under ZeRO each rank among the units it owns, on its share of the
+# host's cores: ``Engine._with_device_optimizer``). It refuses where a device step cannot
+# apply or would change the run (a reason in the plan): no budget, the CPU as the device,
+# trainable parameters on the device (LoRA), fp32 masters (their device step is fused CUDA
+# AdamW, not the CPU kernel's bits: a run would depend on which units fit; ``True`` forces it).
 # For the lean formats the device step gives the host step's bits, so it changes the speed
 # only. Then the candidates are ``with_device_optimizer``'s units (those whose states fit in
 # what the budget leaves after the plan, first units first), and the planner keeps the

@@ -101,8 +101,9 @@ def offload(
             are stepped on the GPU (no gradient copy, no CPU step for them), which shortens
             a step bound by the CPU optimizer (partial optimizer offload, as DeepSpeed's
             ZeRO-Offload++). None (the default): the planner chooses the units whose device
-            step shortens the predicted step, and none on the CPU, without ``gpu_memory``,
-            with ``zero_stage``, with trainable parameters on the device (LoRA) or with fp32
+            step shortens the predicted step (with ``zero_stage``: among the units this rank
+            steps, on its share of the host's cores), and none on the CPU, without
+            ``gpu_memory``, with trainable parameters on the device (LoRA) or with fp32
             masters (whose device step is not the CPU step's bits);
             ``get_plan(model).device_optimizer_reason`` says why (see [Note: the device
             optimizer's default] in ``ramflow._plan``). True: every resident unit whose
@@ -283,15 +284,8 @@ def offload(
     remove_stale_store_files(shm_directory())  # of ranks that died: see [Note: host store files]
     start_background_build()  # see [Note: building before the first step]
     owners = None
-    device_optimizer_reason = None
     if device_optimizer not in (None, True, False):
         raise TypeError(f"device_optimizer must be None, True or False, got {device_optimizer!r}")
-    if device_optimizer is None and zero_stage is not None:
-        device_optimizer = False
-        device_optimizer_reason = (
-            "none: under zero_stage the planner does not choose device steps yet "
-            "(device_optimizer=True steps the resident units each rank owns on its GPU)"
-        )
     if zero_stage is not None:
         if zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1, 2 or None, got {zero_stage!r}")
@@ -339,7 +333,6 @@ def offload(
                 prefetch_depth=prefetch_depth,
                 activation_checkpointing=activation_checkpointing,
                 device_optimizer=device_optimizer,
-                device_optimizer_reason=device_optimizer_reason,
                 fill=None if loader is None else loader.fill,
                 host_precision=precision,
                 host_precision_reason=precision_reason,

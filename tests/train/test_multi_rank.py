@@ -207,7 +207,7 @@ def test_two_ranks_with_the_device_optimizer_on_compute_what_host_steps_do(
 ):
     """``--device-optimizer on`` on 2 ranks: each rank steps the units it owns on its device
     (see [Note: the device optimizer under ZeRO] in ramflow._stepper) and the losses are the
-    host steps' (the two_rank_run, whose planner chooses no device step under ZeRO). On the
+    host steps' (the two_rank_run: no --gpu-memory, so no device step). On the
     CPU the device step is the host kernel's arithmetic, so they are equal; on CUDA fp32
     masters step with PyTorch's fused CUDA AdamW, within float rounding of the host kernel,
     which 6 steps keep within LOSS_RTOL."""

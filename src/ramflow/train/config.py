@@ -93,7 +93,8 @@ class TrainConfig:
             device memory within the budget (fp32: 12 bytes per parameter stepped there;
             bf16 masters: their states only). None (default, ``--device-optimizer auto``):
             the planner chooses the units whose device step shortens the predicted step
-            (none with fp32 masters, ``lora_rank``, on the CPU or several ranks); True:
+            (on several ranks, each among the units it steps; none with fp32 masters,
+            ``lora_rank`` or on the CPU); True:
             every unit that fits (not with ``lora_rank``: adapters are on the device
             already); False: none.
         seed: seeds the model's initialisation and the data order.
