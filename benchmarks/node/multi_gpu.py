@@ -20,7 +20,7 @@ copy rate, and each rank's H2D by its link's rate, to say which resource binds.
 
 ``--device-optimizer on`` steps on each GPU the resident units its rank owns (under ZeRO:
 see [Note: the device optimizer under ZeRO] in ramflow/_stepper.py); ``auto`` (the default)
-is ``offload``'s own choice (the planner's on one GPU, none under ZeRO), ``off`` none:
+is ``offload``'s own choice (the planner's, per rank under ZeRO), ``off`` none:
 
     torchrun --nproc-per-node 2 benchmarks/node/multi_gpu.py --device-optimizer on --out r.jsonl
 
@@ -189,7 +189,16 @@ def _run(args: argparse.Namespace) -> None:
     dist.barrier()
     setup_s = time.perf_counter() - t0
     host_after_offload = _host_in_use()
-    before = [(0, 0.0)]
+    before: list = [(0, 0.0), {}, {}]
+
+    def phases() -> tuple[dict[str, float], dict[str, float]]:
+        """Seconds so far: the forward's waits for units, the worker's sync phases."""
+        sync = engine.dist.sync_seconds.snapshot() if engine.dist is not None else {}
+        return engine.window.wait_seconds.snapshot(), sync
+
+    def timed_start() -> None:
+        before[:] = [engine.host_step_totals(), *phases()]
+
     res = measure.time_steps(
         _train_step(model, opt, ids, labels, device),
         device=device,
@@ -197,9 +206,13 @@ def _run(args: argparse.Namespace) -> None:
         steps=args.steps,
         drain=lambda: ramflow.synchronize(model),
         counter=counter,
-        on_timed_start=lambda: before.__setitem__(0, engine.host_step_totals()),
+        on_timed_start=timed_start,
     )
     params, seconds = (a - b for a, b in zip(engine.host_step_totals(), before[0]))
+    waits, sync = (
+        {k: (v - old.get(k, 0.0)) / args.steps for k, v in now.items()}
+        for now, old in zip(phases(), before[1:])
+    )
     stop.set()
     # every rank's own times, bytes and peak, gathered on rank 0
     mine = {
@@ -215,6 +228,11 @@ def _run(args: argparse.Namespace) -> None:
         "threads": torch.get_num_threads(),
         "host_peak_in_use": host_peak[0] if local_rank == 0 else None,
         "device_stepped_units": len(ramflow.get_plan(model).device_stepped),
+        # per step: seconds the forward (and backward) waited for units not current yet,
+        # and the worker's sync after opt.step() by phase (see [Note: the step's sync] in
+        # ramflow/_dist.py; it overlaps the next forward)
+        "unit_wait_s": waits.get("units not current"),
+        "sync_s": sync,
     }
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -237,6 +255,9 @@ def _run(args: argparse.Namespace) -> None:
             else ("broadcast" if engine.dist.broadcast_units else "host"),
             "device_optimizer": args.device_optimizer,
             "device_optimizer_reason": plan.device_optimizer_reason,
+            # "0": device steps that wait for a reduction run on the compute stream (an A/B
+            # of [Note: the device optimizer under ZeRO] in ramflow/_stepper.py)
+            "device_step_stream": os.environ.get("RAMFLOW_DEVICE_STEP_STREAM", "1"),
             "checkpoint": args.checkpoint,
             "meta": args.meta,
             "batch_per_gpu": args.batch,
@@ -334,6 +355,7 @@ def _report(paths: list[str]) -> None:
         "that any rank kept the resource working. Device optimizer: --device-optimizer "
         "(units stepped on the GPUs, all ranks, of the resident units)."
     )
+    _report_sync(rows)
     if floors:
         alone = floors["alone"] or {}
         together = [x["together"] for x in floors["ranks"]]
@@ -347,6 +369,48 @@ def _report(paths: list[str]) -> None:
             f"bf16 matmul {min(x['matmul_flops'] or 0 for x in floors['ranks']) / 1e12:.0f} "
             "TFLOP/s on the slowest GPU."
         )
+
+
+SYNC_PHASES = ("broadcasts issued", "write-backs", "barrier", "broadcasts ended")
+
+
+def _report_sync(rows: list[dict]) -> None:
+    """Where a multi-GPU step's extra time goes, per row of several GPUs: the largest per
+    step over the ranks of the time the passes waited for units (on the step's path) and of
+    each phase of the worker's sync after ``opt.step()`` (beside the next forward)."""
+    rows = [r for r in rows if r["gpus"] > 1 and any("sync_s" in x for x in r["ranks"])]
+    if not rows:
+        return
+    print(
+        "\n| GPUs | host formats | device optimizer | step stream | tokens per GPU | step | "
+        "passes wait for units | sync: " + " | ".join(SYNC_PHASES) + " |"
+    )
+    print("| --- " * (7 + len(SYNC_PHASES)) + "|")
+
+    def worst(r: dict, get) -> str:
+        values = [v for x in r["ranks"] if (v := get(x)) is not None]
+        return f"{max(values) * 1e3:.1f} ms" if values else "-"
+
+    for r in rows:
+        cells = [worst(r, lambda x: x.get("unit_wait_s"))]
+        cells += [worst(r, lambda x, p=p: (x.get("sync_s") or {}).get(p)) for p in SYNC_PHASES]
+        print(
+            f"| {r['gpus']} | {r.get('host_precision') or 'fp32'} | {_device_optimizer_cell(r)} "
+            f"| {'on' if r.get('device_step_stream', '1') != '0' else 'off'} "
+            f"| {r['batch_per_gpu']}x{r['seq']} | {r['step_s'] * 1e3:.0f} ms | "
+            + " | ".join(cells)
+            + " |"
+        )
+    print(
+        "\nPer step, the largest over the ranks. Passes wait for units: the forward and "
+        "backward's host waits for units not current (another rank's step, its broadcast), "
+        "on the step's path. Step stream: device steps after a reduction on a stream of "
+        "their own (RAMFLOW_DEVICE_STEP_STREAM). Sync: the worker's phases after opt.step(), "
+        "beside the next "
+        "forward (see [Note: the step's sync] in src/ramflow/_dist.py): issuing the "
+        "broadcasts, waiting for this rank's write-backs, the barrier, the rest until every "
+        "broadcast ended."
+    )
 
 
 # --device-optimizer: offload's device_optimizer

@@ -4,7 +4,12 @@
 # each host format named, ZeRO-2. META=1 builds on the meta device (weights=). With FLOORS=1 it first measures what the ranks share
 # (`multi_gpu.py --floors`). Appends to $1/scaling.jsonl, a log per run beside it.
 # DEVOPT="auto on" runs each row with each --device-optimizer (one GPU: the planner's auto
-# only; on several: under ZeRO, "on" steps each rank's owned resident units on its GPU).
+# only; on several, under ZeRO: auto is each rank's planner's choice among the resident units
+# it owns, "on" steps all of them on its GPU). STEPSTREAM="1 0" runs the multi-GPU device-
+# optimizer rows with and without a stream of their own for the device steps
+# (RAMFLOW_DEVICE_STEP_STREAM; [Note: the device optimizer under ZeRO] in src/ramflow/_stepper.py).
+# The second table of the report says where each rank's step waits ([Note: the step's sync]).
+# GPUS="1 4" runs those GPU counts only (default 1 2 4).
 # Usage: FLOORS=1 REFRESH="host broadcast" DEVOPT="auto on" bash benchmarks/node/run_scaling.sh "$OUT" fp32 lean
 set -u
 out=${1:?usage: run_scaling.sh OUT FORMAT...}
@@ -14,8 +19,8 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 run() {  # gpus, extra args
   local n=$1; shift
-  local log="$out/run-$n-refresh${REFRESH_FLAG:-1}-$(echo "$*" | tr -d '-' | tr ' ' '_').log"
-  RAMFLOW_REFRESH_BY_BROADCAST=${REFRESH_FLAG:-1} timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/node/multi_gpu.py ${META:+--meta} \
+  local log="$out/run-$n-refresh${REFRESH_FLAG:-1}-stream${STREAM_FLAG:-1}-$(echo "$*" | tr -d '-' | tr ' ' '_').log"
+  RAMFLOW_DEVICE_STEP_STREAM=${STREAM_FLAG:-1} RAMFLOW_REFRESH_BY_BROADCAST=${REFRESH_FLAG:-1} timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/node/multi_gpu.py ${META:+--meta} \
     --warmup 3 --steps 7 --out "$out/scaling.jsonl" "$@" > "$log" 2>&1 || echo "run $n $* failed: $? (see $log)"
 }
 if [ "${FLOORS:-0}" = 1 ]; then
@@ -26,15 +31,18 @@ fi
 # REFRESH="host broadcast" runs the multi-GPU rows both ways (RAMFLOW_REFRESH_BY_BROADCAST,
 # see [Note: refresh by broadcast] in src/ramflow/_dist.py); one GPU has nothing to refresh
 for fmt in "$@"; do
-  for n in 1 2 4; do
+  for n in ${GPUS:-1 2 4}; do
     [ "$n" -le "$gpus" ] || continue
     for refresh in ${REFRESH:-broadcast}; do
       [ "$n" -gt 1 ] || [ "$refresh" = broadcast ] || continue
       REFRESH_FLAG=0; [ "$refresh" = broadcast ] && REFRESH_FLAG=1
       for devopt in ${DEVOPT:-auto}; do
         [ "$n" -gt 1 ] || [ "$devopt" = auto ] || continue
-        run "$n" --host-precision "$fmt" --batch 4 --gpu-memory 18GiB --checkpoint --loss-chunk 4096 --device-optimizer "$devopt"
-        run "$n" --host-precision "$fmt" --batch 16 --gpu-memory 12GiB --checkpoint --loss-chunk 4096 --device-optimizer "$devopt"
+        for STREAM_FLAG in ${STEPSTREAM:-1}; do
+          [ "$STREAM_FLAG" = 1 ] || { [ "$n" -gt 1 ] && [ "$devopt" != off ]; } || continue
+          run "$n" --host-precision "$fmt" --batch 4 --gpu-memory 18GiB --checkpoint --loss-chunk 4096 --device-optimizer "$devopt"
+          run "$n" --host-precision "$fmt" --batch 16 --gpu-memory 12GiB --checkpoint --loss-chunk 4096 --device-optimizer "$devopt"
+        done
       done
     done
   done
