@@ -117,19 +117,30 @@ def test_two_simulated_hosts_step_on_their_devices_as_on_the_host(tmp_path):
     assert all(r["device_current"] for r in on_device)
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        # every unit resident, each stepped on its owner's device and broadcast to the other
-        # rank before the barrier
-        {**LEAN, "device_optimizer": True, "gpu_memory": "1GiB"},
-        {**FP32, "device_optimizer": True, "gpu_memory": "1GiB"},
-        # host steps; three units resident (broadcast), the others loaded from the host
-        {**LEAN, "device_optimizer": False, "gpu_memory": "160KiB"},
-    ],
-    ids=["lean-device", "fp32-device", "lean-host-partly-resident"],
-)
-def test_state_dict_and_undo_right_after_a_step_see_its_weights(tmp_path, monkeypatch, options):
+def _right_after_cases() -> list:
+    """(options, backend): every unit resident, each stepped on its owner's device (on its
+    own stream on CUDA) and broadcast to the other rank before the barrier; and host steps
+    with three units resident (broadcast), the others loaded from the host after it."""
+    lean_device = {**LEAN, "device_optimizer": True, "gpu_memory": "1GiB"}
+    nccl = _nccl(2)
+    return [
+        pytest.param(lean_device, "gloo", id="lean-device-gloo"),
+        pytest.param(
+            {**FP32, "device_optimizer": True, "gpu_memory": "1GiB"}, "gloo", id="fp32-device-gloo"
+        ),
+        pytest.param(
+            {**LEAN, "device_optimizer": False, "gpu_memory": "160KiB"},
+            "gloo",
+            id="lean-host-partly-resident-gloo",
+        ),
+        pytest.param(lean_device, "nccl", marks=nccl.marks, id="lean-device-nccl"),
+    ]
+
+
+@pytest.mark.parametrize("options,backend", _right_after_cases())
+def test_state_dict_and_undo_right_after_a_step_see_its_weights(
+    tmp_path, monkeypatch, options, backend
+):
     """``model.state_dict()`` taken at once after each ``opt.step()`` (its steps, the
     owners' write-backs and the step's sync still running on the workers), and the plain
     weights after ``ramflow.undo`` right after the last step, equal one process's on every
@@ -138,6 +149,7 @@ def test_state_dict_and_undo_right_after_a_step_see_its_weights(tmp_path, monkey
     it (see [Note: the step's sync] in ramflow._dist)."""
     monkeypatch.setenv("RAMFLOW_REFRESH_BY_BROADCAST", "1")
     options = {**options, "state_each_step": True, "undo": True, "whole_batch": True}
+    options["backend"] = backend
 
     def run(name: str, world_size: int, zero_stage: int | None) -> list[dict]:
         opts = {**options, "zero_stage": zero_stage, "out": str(tmp_path / name)}
