@@ -257,7 +257,7 @@ def _run(args: argparse.Namespace) -> None:
             "device_optimizer_reason": plan.device_optimizer_reason,
             # "0": device steps that wait for a reduction run on the compute stream (an A/B
             # of [Note: the device optimizer under ZeRO] in ramflow/_stepper.py)
-            "device_step_stream": os.environ.get("RAMFLOW_DEVICE_STEP_STREAM", "1"),
+            "device_step_stream": os.environ.get("RAMFLOW_DEVICE_STEP_STREAM", "0"),
             "checkpoint": args.checkpoint,
             "meta": args.meta,
             "batch_per_gpu": args.batch,

@@ -5,7 +5,7 @@
 # (`multi_gpu.py --floors`). Appends to $1/scaling.jsonl, a log per run beside it.
 # DEVOPT="auto on" runs each row with each --device-optimizer (one GPU: the planner's auto
 # only; on several, under ZeRO: auto is each rank's planner's choice among the resident units
-# it owns, "on" steps all of them on its GPU). STEPSTREAM="1 0" runs the multi-GPU device-
+# it owns, "on" steps all of them on its GPU). STEPSTREAM="0 1" runs the multi-GPU device-
 # optimizer rows with and without a stream of their own for the device steps
 # (RAMFLOW_DEVICE_STEP_STREAM; [Note: the device optimizer under ZeRO] in src/ramflow/_stepper.py).
 # The second table of the report says where each rank's step waits ([Note: the step's sync]).
@@ -19,8 +19,8 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 run() {  # gpus, extra args
   local n=$1; shift
-  local log="$out/run-$n-refresh${REFRESH_FLAG:-1}-stream${STREAM_FLAG:-1}-$(echo "$*" | tr -d '-' | tr ' ' '_').log"
-  RAMFLOW_DEVICE_STEP_STREAM=${STREAM_FLAG:-1} RAMFLOW_REFRESH_BY_BROADCAST=${REFRESH_FLAG:-1} timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/node/multi_gpu.py ${META:+--meta} \
+  local log="$out/run-$n-refresh${REFRESH_FLAG:-1}-stream${STREAM_FLAG:-0}-$(echo "$*" | tr -d '-' | tr ' ' '_').log"
+  RAMFLOW_DEVICE_STEP_STREAM=${STREAM_FLAG:-0} RAMFLOW_REFRESH_BY_BROADCAST=${REFRESH_FLAG:-1} timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/node/multi_gpu.py ${META:+--meta} \
     --warmup 3 --steps 7 --out "$out/scaling.jsonl" "$@" > "$log" 2>&1 || echo "run $n $* failed: $? (see $log)"
 }
 if [ "${FLOORS:-0}" = 1 ]; then
@@ -38,8 +38,8 @@ for fmt in "$@"; do
       REFRESH_FLAG=0; [ "$refresh" = broadcast ] && REFRESH_FLAG=1
       for devopt in ${DEVOPT:-auto}; do
         [ "$n" -gt 1 ] || [ "$devopt" = auto ] || continue
-        for STREAM_FLAG in ${STEPSTREAM:-1}; do
-          [ "$STREAM_FLAG" = 1 ] || { [ "$n" -gt 1 ] && [ "$devopt" != off ]; } || continue
+        for STREAM_FLAG in ${STEPSTREAM:-0}; do
+          [ "$STREAM_FLAG" = 0 ] || { [ "$n" -gt 1 ] && [ "$devopt" != off ]; } || continue
           run "$n" --host-precision "$fmt" --batch 4 --gpu-memory 18GiB --checkpoint --loss-chunk 4096 --device-optimizer "$devopt"
           run "$n" --host-precision "$fmt" --batch 16 --gpu-memory 12GiB --checkpoint --loss-chunk 4096 --device-optimizer "$devopt"
         done

@@ -72,7 +72,8 @@ on meanwhile instead of stalling for the collective's tail at every owned unit, 
 gradient buffer is kept for that stream (``record_stream``, and the backward's throttle on
 buffers in flight counts it), and the unit's next use waits for ``device_step_event``
 (``DeviceWindow.acquire``), as do its broadcast and its write-back
-(``RAMFLOW_DEVICE_STEP_STREAM=0`` steps on the compute stream, a benchmark's comparison).
+(with ``RAMFLOW_DEVICE_STEP_STREAM=1``; by default, until measured on GPUs, the owner steps
+on the compute stream, which then waits for the reduction).
 The one-process device step leaves the host copies stale until ``synchronize``, but under
 ZeRO the host store is shared: other ranks read a unit's wire copy (a refresh from the
 host, a load of a unit they do not keep resident) and any rank's ``state_dict`` reads its
@@ -132,9 +133,11 @@ from ._worker import STEP, HostWorker
 # A resident unit's refresh is sent in pieces of this many wire bytes, each as soon as the
 # step has written it. See [Note: the refresh follows the step].
 REFRESH_PIECE_BYTES = 64 << 20
-# "0": a device step that waits for a reduction runs on the current stream, stalling the
-# backward for the collective's tail, as before (a benchmark's comparison)
-_STEP_STREAM = os.environ.get("RAMFLOW_DEVICE_STEP_STREAM", "1") != "0"
+# "1": a device step that waits for a reduction runs on a stream of the steps' own, so the
+# backward does not stall for the collective's tail. Off by default until its NCCL tests
+# and the 4-GPU A/B have run on GPUs (written 2026-11-27, only read on CUDA so far); "0"
+# (the default) steps on the current stream
+_STEP_STREAM = os.environ.get("RAMFLOW_DEVICE_STEP_STREAM", "0") == "1"
 
 
 class Stepper:
@@ -611,7 +614,7 @@ class Stepper:
 
     def _step_stream(self) -> torch.cuda.Stream | None:
         """The stream of device steps that wait for a reduction (None: the current stream,
-        ``RAMFLOW_DEVICE_STEP_STREAM=0``, a benchmark's comparison). See [Note: the device
+        the default; ``RAMFLOW_DEVICE_STEP_STREAM=1`` gives them their own). See [Note: the device
         optimizer under ZeRO]."""
         if not _STEP_STREAM:
             return None
