@@ -3,8 +3,8 @@
 The reference of an offloaded step in a lean format is the lean kernel applied by hand to a
 copy of the same weights with the same gradients (``lean_adamw_step_``, tested against its
 PyTorch twin in ``test_host_formats``): the engine must feed it exactly, whatever the path
-(deferred in ``opt.step()``, fused during backward, one parameter at a time for split param
-groups, accumulation). Each test runs on the CPU (CI) and, marked ``gpu``, on CUDA.
+(deferred in ``opt.step()``, fused during backward, run by run for split param groups,
+accumulation). Each test runs on the CPU (CI) and, marked ``gpu``, on CUDA.
 """
 
 from __future__ import annotations
@@ -74,8 +74,12 @@ class KernelReference:
                     )
                 )
 
-    def step(self, grads: list[torch.Tensor], step: int, weight_decay: float = 1e-2) -> None:
-        for st, g in zip(self.params, grads):
+    def step(
+        self, grads: list[torch.Tensor], step: int, weight_decay: float | list[float] = 1e-2
+    ) -> None:
+        """One step; ``weight_decay``: one for all parameters, or each parameter's."""
+        decays = weight_decay if isinstance(weight_decay, list) else [weight_decay] * len(grads)
+        for st, g, weight_decay in zip(self.params, grads, decays):
             lean_adamw_step_(
                 st["w"], g.reshape(-1).cpu(), st["m"], st["v"], step=step, lr=LR, beta1=0.9,
                 beta2=0.999, eps=1e-8, weight_decay=weight_decay, compensation=st["comp"],
@@ -132,8 +136,9 @@ def test_steps_during_backward_equal_deferred_steps(device, preset):
 
 @pytest.mark.parametrize("preset", ["lean", "kahan"])
 def test_split_param_groups_step_as_one_group(device, preset):
-    """Two groups with the same settings (no flat step: one parameter at a time) give the
-    bits of one group (flat steps), so offsets, blocks and rounding counters line up."""
+    """Two groups with the same settings (flat steps run by run, ``AdamW.flat_runs``) give
+    the bits of one group (flat steps over the whole unit), so offsets, blocks and rounding
+    counters line up."""
     torch.manual_seed(0)
     base = MLPStack()
     models = [copy.deepcopy(base), copy.deepcopy(base)]
@@ -301,6 +306,51 @@ def test_no_full_gradient_ever_with_the_ring_and_keep_grads_false(device):
     assert all(u.host_grad is None for u in engine.units)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p.detach(), q.detach())
+
+
+def recipe_groups(model, weight_decay: float) -> list[dict]:
+    """``ramflow train``'s param groups (Hugging Face's recipe): matrices with weight
+    decay, vectors (biases, norm weights) without; a unit holds both."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+@pytest.mark.parametrize("preset", ["lean", "kahan"])
+def test_the_recipes_param_groups_step_during_backward_without_host_gradients(device, preset):
+    """Units whose parameters sit in two param groups of other settings (the usual recipe)
+    are stepped during backward straight from the ring's staging buffer, run by run, like
+    one-group units: no full host gradient buffer is made (it cost a 70B run 2 bytes per
+    parameter of every layer a rank steps, beyond the plan). The bits are the lean kernel's
+    applied to each parameter with its group's weight decay."""
+    torch.manual_seed(0)
+    base = MLPStack()
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    opts = []
+    for m, options in ((a, dict(keep_grads=False)), (b, dict(overlap=False))):
+        ramflow.offload(m, device=device, wire_dtype=torch.bfloat16, host_precision=preset)
+        opts.append(ramflow.optim.AdamW(recipe_groups(m, 0.1), lr=LR, **options))
+    ref = KernelReference(b, preset)
+    decays = [0.1 if p.dim() >= 2 else 0.0 for p in b.parameters()]
+    engine = engine_of_model(a)
+    assert any(len(opts[0].flat_runs(u)) == 2 for u in engine.units)  # mixed units
+    for step, (x, y) in enumerate(batches(4, device), start=1):
+        for m, opt in zip((a, b), opts):
+            loss_of(m, x, y).backward()
+            if m is a:
+                assert all(u.host_grad is None for u in engine.units), step
+            else:
+                ref.step([p.grad.detach().clone() for p in b.parameters()], step, decays)
+            opt.step()
+            opt.zero_grad()
+    ramflow.synchronize(a)
+    ramflow.synchronize(b)
+    assert all(u.host_grad is None for u in engine.units)
+    for p, q, st in zip(a.parameters(), b.parameters(), ref.params):
+        assert torch.equal(p.detach(), q.detach())
+        assert torch.equal(q.detach().reshape(-1).cpu(), st["w"])
 
 
 def test_reproducible_at_any_thread_count():

@@ -51,6 +51,14 @@ def _cut(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
     return None if t is None else t[lo:hi]
 
 
+def cut_at_runs(lo: int, hi: int, runs: Runs) -> list[tuple[int, int, int]]:
+    """``[lo, hi)`` cut at the boundaries of ``runs`` (``AdamW.flat_runs``: consecutive
+    ``(group index, begin, end)`` covering a unit's trainable prefix): the ``(group index,
+    begin, end)`` parts of each run inside it, in order. A run begins at a parameter's
+    offset, so every part begins on a whole block or where ``lo`` does."""
+    return [(index, max(lo, b), min(hi, e)) for index, b, e in runs if b < hi and e > lo]
+
+
 class ExactAdamW:
     """fp32 masters and states, stepped bit for bit as ``torch.optim.AdamW(fused=True)``."""
 
@@ -62,7 +70,8 @@ class ExactAdamW:
         states: dict[str, torch.Tensor],
         *,
         pieces: Pieces,
-        settings: AdamWSettings,
+        runs: Runs,
+        settings: Sequence[AdamWSettings],
         step: int,
         accumulate: torch.Tensor | None,
         grad_out: torch.Tensor | None,
@@ -72,18 +81,21 @@ class ExactAdamW:
         threads: int | None,
         after_piece: Callable[[int, int], None] | None,
     ) -> None:
-        """Step the flat ``master`` from ``grad`` piece by piece (see ``Optimizer.flat_step``);
-        each parameter's scalar tail is a call of its own (``_cpu_kernels.odd_tails``)."""
+        """Step the flat ``master`` from ``grad`` piece by piece (see ``Optimizer.flat_step``),
+        each part of a piece with the settings of its run's param group (``runs``); each
+        parameter's scalar tail is a call of its own (``_cpu_kernels.odd_tails``)."""
         m, v = states["exp_avg"], states["exp_avg_sq"]
         for lo, hi in pieces:
-            for a, b in cut_at_tails(lo, hi, tails):
-                fused_adamw_step_(
-                    master[a:b], grad[a:b], m[a:b], v[a:b], step=step, lr=settings.lr,
-                    beta1=settings.beta1, beta2=settings.beta2, eps=settings.eps,
-                    weight_decay=settings.weight_decay, accumulate=_cut(accumulate, a, b),
-                    grad_out=_cut(grad_out, a, b), wire_out=_cut(wire_out, a, b),
-                    num_threads=threads,
-                )  # fmt: skip
+            for index, c, d in cut_at_runs(lo, hi, runs):
+                s = settings[index]
+                for a, b in cut_at_tails(c, d, tails):
+                    fused_adamw_step_(
+                        master[a:b], grad[a:b], m[a:b], v[a:b], step=step, lr=s.lr,
+                        beta1=s.beta1, beta2=s.beta2, eps=s.eps,
+                        weight_decay=s.weight_decay, accumulate=_cut(accumulate, a, b),
+                        grad_out=_cut(grad_out, a, b), wire_out=_cut(wire_out, a, b),
+                        num_threads=threads,
+                    )  # fmt: skip
             if after_piece is not None:
                 after_piece(lo, hi)
 
@@ -159,7 +171,8 @@ class LeanAdamW:
         states: dict[str, torch.Tensor],
         *,
         pieces: Pieces,
-        settings: AdamWSettings,
+        runs: Runs,
+        settings: Sequence[AdamWSettings],
         step: int,
         accumulate: torch.Tensor | None,
         grad_out: torch.Tensor | None,
@@ -178,10 +191,11 @@ class LeanAdamW:
         elif grad_out is not None:
             grad_out.data.copy_(grad)
         for lo, hi in pieces:
-            self.piece(
-                fmt, master, grad[lo:hi], states, lo, hi, settings=settings, step=step,
-                wire_out=_cut(wire_out, lo, hi), seed=seed, threads=threads,
-            )  # fmt: skip
+            for index, a, b in cut_at_runs(lo, hi, runs):
+                self.piece(
+                    fmt, master, grad[a:b], states, a, b, settings=settings[index], step=step,
+                    wire_out=_cut(wire_out, a, b), seed=seed, threads=threads,
+                )  # fmt: skip
             if after_piece is not None:
                 after_piece(lo, hi)
 

@@ -184,8 +184,9 @@ class GradientPath:
         """Worker: add the staged gradients into the fp32 host gradients of ``u``.
 
         When the step follows at once and one optimizer steps the whole unit in one pass
-        (``flat_group``), landing is folded into that pass: the kernel reads the staged
-        gradients and writes the fp32 gradients (``p.grad``) as it steps. ``p.grad`` points
+        (``flat_runs``: any param groups, one step count), landing is folded into that pass:
+        the kernel reads the staged gradients and writes the fp32 gradients (``p.grad``) as
+        it steps. ``p.grad`` points
         at them already, so a change by the user is still seen by the version check; their
         contents are complete once the step is (``ramflow.synchronize``)."""
         stepper = self._stepper
@@ -206,7 +207,7 @@ class GradientPath:
             and stepper.steps_here(u)
             and (fresh or ours)
             and len(optimizers) == 1
-            and optimizers[0].flat_group(u) is not None
+            and optimizers[0].flat_runs(u) is not None
         )
         # the optimizer's keep_grads=False, or the gradient ring: the fused step does not
         # write p.grad at all (see [Note: the gradient ring] in ``ramflow._host_store``)

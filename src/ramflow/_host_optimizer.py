@@ -196,17 +196,14 @@ class HostOptimizer(torch.optim.Optimizer):
     ) -> None:
         raise NotImplementedError
 
-    def flat_group(self, unit: _Unit) -> int | None:
-        """The param group index if this optimizer can step ``unit``'s trainable prefix as
-        one flat buffer (it holds all of them, in one group, at one step count), else None."""
-        return None
-
     def flat_runs(self, unit: _Unit) -> list[tuple[int, int, int]] | None:
         """``unit``'s trainable prefix as runs of consecutive parameters of one param group,
         ``(group index, begin, end)`` in elements, covering it in order (each begin is a
         parameter's offset, so a whole 8-bit block), if this optimizer holds all of them at
-        one step count; else None. A device step takes each run with its group's
-        hyperparameters (a block's norm weights without weight decay, its matrices with)."""
+        one step count and can step them flat (``flat_step``); else None (the default: the
+        optimizer steps parameter by parameter). A flat step, on the host or the device,
+        takes each run with its group's hyperparameters (a block's norm weights without
+        weight decay, its matrices with)."""
         return None
 
     def flat_step(

@@ -502,7 +502,7 @@ class Stepper:
     def whole_unit(self, u: _Unit, item: StepItem) -> bool:
         """Whether ``item`` (see ``step_items``) steps all of ``u`` flat from the host
         gradients as they landed."""
-        return item.optimizer.flat_group(u) is not None and self.all_host_grads(u, item)
+        return item.optimizer.flat_runs(u) is not None and self.all_host_grads(u, item)
 
     @staticmethod
     def all_host_grads(u: _Unit, item: StepItem) -> bool:

@@ -87,16 +87,6 @@ class AdamW(HostOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, overlap=overlap, keep_grads=keep_grads)
 
-    def flat_group(self, unit: _Unit) -> int | None:
-        params = unit.owned[: unit.num_trainable]
-        if not params:
-            return None
-        groups = {self._group_of.get(id(p)) for p in params}
-        if len(groups) != 1 or None in groups:
-            return None
-        steps = {float(self.state[p]["step"]) if self.state.get(p) else 0.0 for p in params}
-        return groups.pop() if len(steps) == 1 else None
-
     def flat_runs(self, unit: _Unit) -> list[tuple[int, int, int]] | None:
         params = unit.owned[: unit.num_trainable]
         if not params:
@@ -123,8 +113,8 @@ class AdamW(HostOptimizer):
         pieces: list[tuple[int, int]] | None = None,
         after_piece: Callable[[int, int], None] | None = None,
     ) -> None:
-        index = self.flat_group(unit)
-        assert index is not None
+        runs = self.flat_runs(unit)
+        assert runs is not None
         params = unit.owned[: unit.num_trainable]
         fmt = _format(unit)
         adamw_for(fmt).host_step(
@@ -133,7 +123,8 @@ class AdamW(HostOptimizer):
             grad,
             self._unit_states(unit),
             pieces=pieces or [(0, unit.trainable_numel)],
-            settings=AdamWSettings.of(hyper[index]),
+            runs=runs,
+            settings=[AdamWSettings.of(group) for group in hyper],
             step=int(self.state[params[0]]["step"]) + 1,
             accumulate=accumulate,
             grad_out=grad_out,
