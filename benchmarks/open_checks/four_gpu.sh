@@ -6,12 +6,15 @@
 #   scaling  1 and 4 GPUs, lean, 4x2048 and 16x2048 per GPU, device optimizer auto and on,
 #            the device steps' stream off and on (point 3), with the per-rank wait table
 #   node70   the 70B full fine-tune through the Python API and `ramflow train` (point 4)
+#   deepspeed70  DeepSpeed ZeRO-3 offload on the same 70B shape, 4 ranks (point 4): trained, or
+#            stopped by its watchdog with the host memory it reached (carry [".whl"] from
+#            fetch_wheels.sh)
 #   parts A B C D   one one_gpu.sh part per GPU (parts.sh), e.g. accuracy-0 accuracy-1 ...
 # Writes $OUT/PART.tgz, rewritten after each stage. On an H200 machine (RAM starts small)
 # give RAMFLOW_HOST_RAM=480GiB.
 set -u
 export PYTHONUNBUFFERED=1
-PART=${1:?usage: four_gpu.sh nccl | scaling | node70 | parts A B C D}
+PART=${1:?usage: four_gpu.sh nccl | scaling | node70 | deepspeed70 | parts A B C D}
 here=$(dirname "$0")
 R=/tmp/four-gpu-$PART; mkdir -p "$R"
 pack() { tar -czf "$OUT/$PART.tgz" -C "$R" . ; }
@@ -35,6 +38,11 @@ node70)
   timeout -k 15 "$(left)" python3 benchmarks/node/node_70b.py --both --steps 4 --clip-grad 0 \
     --out-dir "$R/n70" --budget-s $(( $(left) - 20 )) > "$R/node_70b.txt" 2>&1
   rm -rf "$R/n70/run/checkpoints" ;;
+deepspeed70)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$R/pip.txt" 2>&1
+  PYTHONPATH=$PWD/src:/tmp/site DS_BUILD_OPS=0 timeout -k 15 "$(left)" torchrun --standalone --nproc-per-node 4 \
+    benchmarks/peers/deepspeed_zero3_big.py --shape llama-70b --batch 4 --seq 4096 --reserve 16GiB \
+    --out-dir "$R/ds" > "$R/deepspeed.log" 2>&1; echo "rc=$? at ${SECONDS}s" >> "$R/deepspeed.log" ;;
 parts)
   shift; bash "$here/parts.sh" "$@"; exit ;;
 *) echo "unknown part $PART" >&2; exit 2 ;;

@@ -6,7 +6,10 @@ ZeRO-3 offload examples train a model larger than the host's fp32 copy: built in
 ``deepspeed.zero.Init(remote_device="cpu", pin_memory=True, dtype=torch.bfloat16)`` (each
 parameter is partitioned to pinned host memory as it is made, so no full copy exists),
 ``offload_param`` and ``offload_optimizer`` to the CPU with ``pin_memory``, bf16, DeepSpeed's
-CPU AdamW, ``transformers``' gradient checkpointing on every decoder layer. A world of one.
+CPU AdamW, ``transformers``' gradient checkpointing on every decoder layer. A world of one,
+or under ``torchrun`` one process per GPU of the host (each rank its ``LOCAL_RANK`` GPU and
+its own micro-batch of ``--batch``); ``--shape llama-70b`` is ``ramflow train``'s preset
+(issue 29, point 4: DeepSpeed on the 70B run's model and host).
 
 Host RAM: DeepSpeed's own estimate (``estimate_zero3_model_states_mem_needs``, with and
 without its 1.5x buffer factor) is recorded first. A watchdog thread samples the available
@@ -19,8 +22,12 @@ GPU box::
 
     PYTHONUNBUFFERED=1 python3 benchmarks/peers/deepspeed_zero3_big.py --shape llama-3.1-8b \\
         --batch 4 --seq 2048 --out-dir $OUT/deepspeed-8b
+    PYTHONUNBUFFERED=1 torchrun --standalone --nproc-per-node 4 \\
+        benchmarks/peers/deepspeed_zero3_big.py --shape llama-70b --batch 4 --seq 4096 \\
+        --reserve 16GiB --out-dir $OUT/deepspeed-70b
 
-Writes ``deepspeed-<shape>.json`` into ``--out-dir``, rewritten at every stage.
+Writes ``deepspeed-<shape>.json`` (rank 0; ``deepspeed-<shape>-rank<R>.json`` for the others)
+into ``--out-dir``, rewritten at every stage.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     import host_formats_scale as scale
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", choices=scale.SHAPES, default="llama-3.1-8b")
+    p.add_argument("--shape", choices=(*scale.SHAPES, "llama-70b"), default="llama-3.1-8b")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=3)
@@ -60,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"deepspeed-{args.shape}.json"
+    rank = int(os.environ.get("RANK", "0"))
+    path = out / f"deepspeed-{args.shape}{f'-rank{rank}' if rank else ''}.json"
     from ramflow._plan import parse_bytes
 
     reserve = parse_bytes(args.reserve, what="--reserve")
@@ -71,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             "seq": args.seq,
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "host_ram_bytes": psutil.virtual_memory().total,
+            "world_size": int(os.environ.get("WORLD_SIZE", "1")),
             "reserve_bytes": reserve,
         },
         "stage": "start",
@@ -86,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             rss = psutil.Process().memory_info().rss
             peak = max(peak, rss)
             result["peak_rss_bytes"] = peak
+            vm = psutil.virtual_memory()
+            result["host_peak_in_use_bytes"] = max(
+                result.get("host_peak_in_use_bytes", 0), vm.total - vm.available
+            )
             if psutil.virtual_memory().available < reserve:
                 result["outcome"] = (
                     f"stopped by the watchdog at stage {result['stage']!r}: host RAM available "
@@ -102,14 +115,21 @@ def main(argv: list[str] | None = None) -> int:
         write()
         print(result["outcome"])
         return 0
-    _common.single_process_env()
-    torch.cuda.set_device(0)
-    device = torch.device("cuda", 0)
+    _common.single_process_env()  # under torchrun its variables are set already
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
     deepspeed = _common.require("deepspeed")
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from transformers import AutoModelForCausalLM
 
-    cfg = scale.model_config(args.shape)
+    if args.shape == "llama-70b":
+        from ramflow.train.presets import get_preset
+
+        cfg = get_preset("llama-70b").to_config()  # its own vocabulary, 128256
+        cfg.use_cache = False
+        cfg._attn_implementation = "sdpa"
+    else:
+        cfg = scale.model_config(args.shape)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(cfg)
     n_params = sum(q.numel() for q in meta.parameters())
