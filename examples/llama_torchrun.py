@@ -57,79 +57,23 @@ import ramflow
 from ramflow.train.data import build_corpus, epoch_order_seed, find_documents
 from ramflow.train.initialization import SeededInit
 from ramflow.train.loss import chunk_lm_head, lm_loss
+from ramflow.train.presets import get_preset
 from ramflow.train.ranks import NUMA_BINDINGS, bind_to_gpu_node
 from ramflow.train.schedule import warmup_cosine
 from ramflow.train.tokenizer import ByteTokenizer
 
-_LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-
-# the shapes of ramflow's presets tiny, llama-8b and llama-70b (Meta's config.json files for
-# the last two); tests/test_llama_torchrun.py checks they stay equal. vocab None: the byte
-# tokenizer's 259
-SIZES = {
-    "tiny": dict(
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=64,
-        vocab_size=None,
-        max_position_embeddings=2048,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    ),
-    "8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_parameters=_LLAMA3_ROPE,
-    ),
-    "70b": dict(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_parameters=_LLAMA3_ROPE,
-    ),
-}
-# ramflow train's defaults for these presets: sequences per rank, tokens, peak LR
-DEFAULTS = {
-    "tiny": dict(batch_size=16, seq_len=256, lr=2e-3),
-    "8b": dict(batch_size=4, seq_len=2048, lr=1.5e-4),
-    "70b": dict(batch_size=1, seq_len=2048, lr=1e-5),
-}
+# --size: the ramflow preset whose shape (Meta's config.json for the Llama ones) and
+# defaults (sequences per rank, tokens, peak LR) this example trains
+SIZES = {"tiny": "tiny", "8b": "llama-8b", "70b": "llama-70b"}
 
 
 def llama_config(size: str, tokenizer: ByteTokenizer) -> LlamaConfig:
-    """The ``LlamaConfig`` of ``size``, with the tokenizer's special ids."""
-    shape = dict(SIZES[size])
-    shape["vocab_size"] = shape["vocab_size"] or tokenizer.vocab_size
-    return LlamaConfig(
-        **shape,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
+    """The ``LlamaConfig`` of ``size`` (its preset's), with the tokenizer's special ids."""
+    return get_preset(SIZES[size]).to_config(
+        vocab_size=tokenizer.vocab_size,
         bos_token_id=tokenizer.bos_id,
         eos_token_id=tokenizer.eos_id,
         pad_token_id=tokenizer.pad_id,
-        attn_implementation="sdpa",  # fused causal attention: no (T, T) scores
     )
 
 
@@ -179,9 +123,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="of the init and the data order")
     p.add_argument("--out", help="rank 0 writes the summary here (json)")
     args = p.parse_args(argv)
-    for name, value in DEFAULTS[args.size].items():
+    preset = get_preset(SIZES[args.size])
+    for name in ("batch_size", "seq_len", "lr"):  # ramflow train's defaults for the preset
         if getattr(args, name) is None:
-            setattr(args, name, value)
+            setattr(args, name, getattr(preset, name))
     if args.warmup_steps is None:
         args.warmup_steps = min(200, args.steps // 5)
     return args

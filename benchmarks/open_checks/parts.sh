@@ -16,7 +16,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 PYTHONPATH=$PWD/src:/tmp/site timeout -k 15 150 python3 -m ramflow.build_kernels > /tmp/build.txt 2>&1
 cores=$(nproc); share=$(( cores / $# ))
-host_gib=${RAMFLOW_HOST_RAM%GiB}
+host_gib=${RAMFLOW_HOST_RAM:-}; host_gib=${host_gib%GiB}
 i=0
 for part in "$@"; do
   first=$(( i * share )); last=$(( first + share - 1 ))

@@ -186,9 +186,9 @@ class GradientPath:
         When the step follows at once and one optimizer steps the whole unit in one pass
         (``flat_runs``: any param groups, one step count), landing is folded into that pass:
         the kernel reads the staged gradients and writes the fp32 gradients (``p.grad``) as
-        it steps. ``p.grad`` points
-        at them already, so a change by the user is still seen by the version check; their
-        contents are complete once the step is (``ramflow.synchronize``)."""
+        it steps. ``p.grad`` points at them already, so a change by the user is still seen
+        by the version check; their contents are complete once the step is
+        (``ramflow.synchronize``)."""
         stepper = self._stepper
         if event is not None:
             self._wait_collective(event, f"landing the gradients of unit {u.name!r}")

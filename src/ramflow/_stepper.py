@@ -66,14 +66,14 @@ With ``zero_stage`` each rank plans, and steps on its own GPU, the resident unit
 (``Engine._with_device_optimizer`` counts no other unit; the default lets the planner
 choose among them per rank, [Note: the device optimizer's default] in ``ramflow._plan``),
 so each GPU holds the device states of its shard only; the other units keep the host step
-of their owner. The owner's step waits for the unit's gradient reduction (``after``) on a
-CUDA stream of the steps' own, which first waits for the compute stream: the backward goes
-on meanwhile instead of stalling for the collective's tail at every owned unit, the
-gradient buffer is kept for that stream (``record_stream``, and the backward's throttle on
-buffers in flight counts it), and the unit's next use waits for ``device_step_event``
-(``DeviceWindow.acquire``), as do its broadcast and its write-back
-(with ``RAMFLOW_DEVICE_STEP_STREAM=1``; by default, until measured on GPUs, the owner steps
-on the compute stream, which then waits for the reduction).
+of their owner. The owner's step waits for the unit's gradient reduction (``after``). By
+default it runs on the compute stream, which then waits for the reduction, so the backward
+on this rank stalls by the collective's tail at every owned unit. With
+``RAMFLOW_DEVICE_STEP_STREAM=1`` (off until measured on GPUs) it runs on a CUDA stream of
+the steps' own, which first waits for the compute stream: the backward goes on meanwhile,
+the gradient buffer is kept for that stream (``record_stream``, and the backward's throttle
+on buffers in flight counts it), and the unit's next use waits for ``device_step_event``
+(``DeviceWindow.acquire``), as do its broadcast and its write-back.
 The one-process device step leaves the host copies stale until ``synchronize``, but under
 ZeRO the host store is shared: other ranks read a unit's wire copy (a refresh from the
 host, a load of a unit they do not keep resident) and any rank's ``state_dict`` reads its
@@ -574,10 +574,11 @@ class Stepper:
         stale until ``pull_device_state``; under ZeRO the weights are written back to the
         shared host store at once (see [Note: the device optimizer under ZeRO]). ``after``:
         the work handle of the data-parallel reduction of ``grad`` (in place), which the
-        step waits for: on CUDA the step then runs on a stream of its own, so the backward
-        goes on meanwhile, and the next use of the unit waits for ``u.device_step_event``
-        (``DeviceWindow.acquire``); without ``after``, on the current stream, which the next
-        forward follows in order. Returns whether it ran on its own stream."""
+        step waits for: on CUDA with ``RAMFLOW_DEVICE_STEP_STREAM=1`` the step then runs on
+        a stream of its own, so the backward goes on meanwhile, and the next use of the
+        unit waits for ``u.device_step_event`` (``DeviceWindow.acquire``); otherwise on the
+        current stream, which the next forward follows in order. Returns whether it ran on
+        its own stream."""
         n = u.trainable_numel
         cuda = self.device.type == "cuda"
         with torch.profiler.record_function(f"ramflow.device_optimizer:{u.name}"):
