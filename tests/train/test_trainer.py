@@ -328,12 +328,18 @@ def test_keep_checkpoints_zero_writes_none_and_needs_no_disk(
 ) -> None:
     """``--keep-checkpoints 0`` (a benchmark on a disk too small for one checkpoint, as a
     70B model's on the GPU box): the run trains and writes no checkpoint, and the disk
-    check that would refuse it does not run; a negative count is refused before anything
-    is written."""
+    check that would refuse it does not run, nor does the plan it prints call the run too
+    big for the machine; a negative count is refused before anything is written."""
+    import shutil
+
     from ramflow.memory import estimate as memory_estimate
 
-    # a disk with no room: a run that saves is refused, one that does not goes ahead
-    monkeypatch.setattr(memory_estimate.MemoryEstimate, "fits_disk", property(lambda self: False))
+    # a disk with one free byte (the real one cannot be filled in a test): a run that
+    # saves is refused, one that does not goes ahead
+    def full_disk(path):
+        return shutil._ntuple_diskusage(1 << 40, (1 << 40) - 1, 1)
+
+    monkeypatch.setattr(memory_estimate.shutil, "disk_usage", full_disk)
     refused = tmp_path / "refused"
     assert ramflow_cli("train", "--steps", "2", "--data", corpus_file, "--out", refused, *fast)
     assert "--keep-checkpoints 0 to write none" in capsys.readouterr().err
@@ -341,6 +347,8 @@ def test_keep_checkpoints_zero_writes_none_and_needs_no_disk(
     run = tmp_path / "run"
     args = ("train", "--steps", "3", "--eval-every", "0", "--data", corpus_file, *fast)
     assert ramflow_cli(*args, "--keep-checkpoints", "0", "--out", run) == 0
+    printed = capsys.readouterr()
+    assert "DOES NOT FIT" not in printed.out + printed.err
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
     assert [s for s, _ in _losses(run)] == [1, 2, 3]
     with pytest.raises(ValueError, match="--keep-checkpoints must be 0"):

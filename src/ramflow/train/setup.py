@@ -136,7 +136,10 @@ def _estimate(
             seq_len=config.seq_len,
             gpu_memory_bytes=budget,
             checkpointing=checkpointing,
-            out_dir=out_dir if out_dir is not None else Path("runs"),
+            # no checkpoint written (--keep-checkpoints 0): the disk is not asked
+            out_dir=(out_dir if out_dir is not None else Path("runs"))
+            if config.keep_checkpoints > 0
+            else None,
             host_precision=host_precision,
             optimizer_states=OPTIMIZER_DEFAULTS[config.optimizer].num_states,
             full_gradients=not config.steps_during_backward(several_ranks=several_ranks),
