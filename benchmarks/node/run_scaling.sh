@@ -38,8 +38,9 @@ for fmt in "$@"; do
       REFRESH_FLAG=0; [ "$refresh" = broadcast ] && REFRESH_FLAG=1
       for devopt in ${DEVOPT:-auto}; do
         [ "$n" -gt 1 ] || [ "$devopt" = auto ] || continue
-        for STREAM_FLAG in ${STEPSTREAM:-0}; do
-          [ "$STREAM_FLAG" = 0 ] || { [ "$n" -gt 1 ] && [ "$devopt" != off ]; } || continue
+        streams=${STEPSTREAM:-0}; [ "$n" -gt 1 ] || streams=0  # one GPU: nothing to reduce
+        for STREAM_FLAG in $streams; do
+          [ "$STREAM_FLAG" = 0 ] || [ "$devopt" != off ] || continue
           run "$n" --host-precision "$fmt" --batch 4 --gpu-memory 18GiB --checkpoint --loss-chunk 4096 --device-optimizer "$devopt"
           run "$n" --host-precision "$fmt" --batch 16 --gpu-memory 12GiB --checkpoint --loss-chunk 4096 --device-optimizer "$devopt"
         done

@@ -3,6 +3,9 @@
 # become), each one device call of at most ~9 minutes: `bash benchmarks/open_checks/four_gpu.sh PART`
 #   nccl     the multi-rank GPU tests of the step's sync and the device optimizer under ZeRO
 #            (default stream, then RAMFLOW_DEVICE_STEP_STREAM=1), the example's NCCL test
+#   final29  the test the step stream still lacks on NCCL (state_dict right after a step), then
+#            1, 2 and 4 GPUs, lean and fp32, 4x2048 and 16x2048 per GPU, the planner's device
+#            optimizer, device steps on their own stream: point 3's table in one run
 #   scaling  1 and 4 GPUs, lean, 4x2048 and 16x2048 per GPU, device optimizer auto and on,
 #            the device steps' stream off and on (point 3), with the per-rank wait table
 #   node70   the 70B full fine-tune through the Python API and `ramflow train` (point 4)
@@ -14,7 +17,7 @@
 # give RAMFLOW_HOST_RAM=480GiB.
 set -u
 export PYTHONUNBUFFERED=1
-PART=${1:?usage: four_gpu.sh nccl | scaling | node70 | deepspeed70 | parts A B C D}
+PART=${1:?usage: four_gpu.sh nccl | final29 | scaling | node70 | deepspeed70 | parts A B C D}
 here=$(dirname "$0")
 R=/tmp/four-gpu-$PART; mkdir -p "$R"
 pack() { tar -czf "$OUT/$PART.tgz" -C "$R" . ; }
@@ -30,6 +33,13 @@ nccl)
   RAMFLOW_DEVICE_STEP_STREAM=1 timeout -k 15 "$(left)" python3 -m pytest -q -m gpu \
     tests/test_distributed_device_optimizer.py -p no:cacheprovider -rs > "$R/gpu-tests-step-stream.txt" 2>&1
   echo "rc=$? at ${SECONDS}s" >> "$R/gpu-tests-step-stream.txt" ;;
+final29)
+  RAMFLOW_DEVICE_STEP_STREAM=1 timeout -k 15 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
+    "tests/test_distributed_device_optimizer.py::test_state_dict_and_undo_right_after_a_step_see_its_weights" \
+    > "$R/gpu-tests-step-stream.txt" 2>&1; echo "rc=$? at ${SECONDS}s" >> "$R/gpu-tests-step-stream.txt"; pack
+  GPUS="1 2 4" DEVOPT=auto STEPSTREAM=1 META=1 timeout -k 15 "$(left)" \
+    bash benchmarks/node/run_scaling.sh "$R" lean fp32 > "$R/run_scaling.txt" 2>&1
+  python3 benchmarks/node/multi_gpu.py --report "$R/scaling.jsonl" > "$R/scaling.md" 2>&1 ;;
 scaling)
   GPUS="1 4" DEVOPT="auto on" STEPSTREAM="0 1" META=1 timeout -k 15 "$(left)" \
     bash benchmarks/node/run_scaling.sh "$R" lean > "$R/run_scaling.txt" 2>&1
