@@ -27,7 +27,8 @@ GPU box::
         --reserve 16GiB --out-dir $OUT/deepspeed-70b
 
 Writes ``deepspeed-<shape>.json`` (rank 0; ``deepspeed-<shape>-rank<R>.json`` for the others)
-into ``--out-dir``, rewritten at every stage.
+into ``--out-dir``, rewritten at every stage and every 5 s (``host_in_use_timeline``: the host's
+memory in use each second).
 """
 
 from __future__ import annotations
@@ -86,12 +87,25 @@ def main(argv: list[str] | None = None) -> int:
         "steps_s": [],
     }
 
+    lock = threading.Lock()  # the watchdog thread writes too
+
     def write() -> None:
-        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        with lock:
+            path.write_text(json.dumps(result, indent=2, default=str) + "\n")
 
     def watchdog() -> None:
+        # also rewrites the json every 5 s with the host's memory in use each second, so a
+        # run that a time limit ends keeps how far its allocation had got
         peak = 0
+        start = time.monotonic()
+        timeline = result.setdefault("host_in_use_timeline", [])  # [seconds, bytes]
         while True:
+            elapsed = time.monotonic() - start
+            if not timeline or elapsed - timeline[-1][0] >= 1.0:
+                vm = psutil.virtual_memory()
+                timeline.append([round(elapsed, 1), vm.total - vm.available])
+                if len(timeline) % 5 == 0:
+                    write()
             rss = psutil.Process().memory_info().rss
             peak = max(peak, rss)
             result["peak_rss_bytes"] = peak
