@@ -62,6 +62,35 @@ def test_clipping_defers_and_a_late_clip_is_a_pattern_error():
     assert not policy.pattern_error and not policy.allowed
 
 
+def test_a_clip_after_keep_grads_false_under_the_ring_names_the_promise():
+    """The first pass under the ring with keep_grads=False is eager on the optimizer's
+    promise, not on a pattern seen: a clip then (the Trainer's max_grad_norm > 0, which
+    clips from the first step on) is refused with a message that names keep_grads, not one
+    that tells the loop to clip from the first step on, which it did."""
+    policy, opt = StepPolicy(), _opt(keep_grads=False)
+    assert policy.begin_pass([opt], ring=True)
+    policy.end_pass([opt])
+    with pytest.raises(RuntimeError, match="keep_grads=False") as err:
+        policy.note_clip()
+    assert "first step on" not in str(err.value)
+    policy.zero_grad()
+    policy, opt = StepPolicy(), _opt(keep_grads=False)
+    policy.begin_pass([opt], ring=True)
+    policy.end_pass([opt])
+    with pytest.raises(RuntimeError, match="keep_grads=True"):
+        policy.check_step(opt._hyperparameters(), modified=True)
+    # a pass eager on a pattern seen keeps the message about that pattern
+    policy, opt = StepPolicy(), _opt()
+    for _ in range(2):
+        policy.begin_pass([opt], ring=True)
+        policy.end_pass([opt])
+        _step(policy, opt)
+    assert policy.begin_pass([opt], ring=True)
+    policy.end_pass([opt])
+    with pytest.raises(RuntimeError, match="first step on"):
+        policy.note_clip()
+
+
 def test_second_backward_after_an_eager_one_is_refused():
     policy, opt = StepPolicy(), _opt()
     for _ in range(2):

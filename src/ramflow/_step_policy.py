@@ -16,6 +16,14 @@ import torch
 
 from ._interfaces import StepOptimizer
 
+# the end of a loop-pattern error whose eager pass came from keep_grads=False's promise
+_PROMISE = (
+    ": the optimizer was built with keep_grads=False, a promise that the loop never reads "
+    "or changes the gradients, so under the gradient ring of a host_precision other than "
+    "fp32 every backward, the first included, steps each unit as its gradients land. To "
+    "clip or read the gradients, build it with keep_grads=True (the default) or overlap=False."
+)
+
 
 class StepItem(NamedTuple):
     """One optimizer's part of a unit's step, captured when it is scheduled (the user may
@@ -83,6 +91,8 @@ class StepPolicy:
         partial_step: names of units a failed backward had already stepped.
         partial_grads: gradients hold part of a failed backward.
         pattern_error: a loop-pattern error was raised (``zero_grad`` starts afresh).
+        eager_by_promise: the last decided pass was eager on ``keep_grads=False``'s promise
+            (``_eager_from_the_start``), not on a pattern seen: the errors then name it.
     """
 
     def __init__(self) -> None:
@@ -99,6 +109,7 @@ class StepPolicy:
         self.partial_step: list[str] = []
         self.partial_grads = False
         self.pattern_error = False
+        self.eager_by_promise = False
 
     def new_optimizer(self) -> None:
         """A new optimizer starts the policy afresh (a layer engine outlives the models
@@ -135,6 +146,7 @@ class StepPolicy:
                 and self.final_backwards == 0
                 and len(optimizers) == 1
             )
+            self.eager_by_promise = self.eager_now and not self.allowed
             self.eager_settings = optimizers[0]._hyperparameters() if self.eager_now else None
         return self.eager_now
 
@@ -206,11 +218,16 @@ class StepPolicy:
     def note_clip(self) -> None:
         """The gradients are about to be clipped (a finite ``max_norm``)."""
         if self.last_eager:
-            raise self.pattern(
+            clipped = (
                 "gradients were clipped (ramflow.clip_grad_norm_, or torch.nn.utils."
                 "clip_grad_norm_ with a finite max_norm) after ramflow had already applied the "
-                "step during backward (it saw no clipping at the first step). Clip from the "
-                "first step on, or construct the optimizer with overlap=False."
+                "step during backward"
+            )
+            if self.eager_by_promise:
+                raise self.pattern(f"{clipped}{_PROMISE}")
+            raise self.pattern(
+                f"{clipped} (it saw no clipping at the first step). Clip from the first step "
+                "on, or construct the optimizer with overlap=False."
             )
         self.clip_used = True
         self.allowed = False
@@ -233,11 +250,15 @@ class StepPolicy:
                 self.settings_late = True  # set between backward and step: never eager
             return True
         if modified:
-            raise self.pattern(
+            changed = (
                 "gradients were changed after backward (clipping, unscaling or a manual "
-                "edit), but ramflow had already applied this step during backward. Use "
-                "ramflow.clip_grad_norm_ from the first step on, or construct the "
-                "optimizer with overlap=False."
+                "edit), but ramflow had already applied this step during backward"
+            )
+            if self.eager_by_promise:
+                raise self.pattern(f"{changed}{_PROMISE}")
+            raise self.pattern(
+                f"{changed}. Use ramflow.clip_grad_norm_ from the first step on, or construct "
+                "the optimizer with overlap=False."
             )
         if self.eager_settings is not None and not same_settings(settings, self.eager_settings):
             raise self.pattern(
