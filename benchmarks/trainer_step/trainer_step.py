@@ -1,11 +1,13 @@
-"""The step of Hugging Face's ``Trainer`` on an offloaded model against the bare loop.
+"""The step of Hugging Face's ``Trainer`` on an offloaded model against the bare loop, per
+host format.
 
 The reference model at 4x2048 tokens with the offload settings of the suite's capped 4x2048
 case (``runners.run_ramflow_train``: checkpointed blocks, chunked loss, the budget that keeps
-the peak under 12 GiB, ``device_optimizer=True``, ``AdamW(keep_grads=False)``), bf16
-autocast, three variants, each in a process of its own:
+the peak under 12 GiB, ``AdamW(keep_grads=False)``, ``keep_grads=True`` where the loop
+clips), bf16 autocast. Variants, each run once per host format (``--host-precision
+fp32,lean``), each run in a process of its own:
 
-- ``bare``: the suite's loop (``loss.backward(); opt.step(); opt.zero_grad()``);
+- ``bare``: the README's loop (``loss.backward(); opt.step(); opt.zero_grad()``);
 - ``trainer``: ``Trainer`` with ``max_grad_norm=0`` (it reads the norm only, so units step
   during backward: the fast path);
 - ``trainer-clip``: ``Trainer`` with ``max_grad_norm=1.0`` (a real clip: every step waits
@@ -13,21 +15,38 @@ autocast, three variants, each in a process of its own:
 - ``bare-compiled``: the bare loop with each decoder block compiled (``block.compile()``,
   inductor; ramflow's hooks run eagerly between the graphs), issue 15's point 6.
 
+The offload call is the one a user writes: ``ramflow.offload(model, gpu_memory=...,
+host_precision=...)``, ``device_optimizer`` left to the planner (``--device-optimizer
+auto``, the default). ``--device-optimizer on`` passes ``device_optimizer=True`` (every
+resident unit whose states fit steps on the GPU), as the suite's cases and this script did
+before 2026-11-28 (``results/2026-11-23-nvidia-h100-toolkit-trainer``).
+
+Every run gets the same ``gpu_memory``: the one the first run finds (the bare fp32 run in
+the default order) by the suite's calibration (``runners._ramflow_budget``: the cap minus
+the activations one step measures with nothing resident), or ``--gpu-memory``. The
+activations do not depend on the host format, so one calibration serves all formats, and a
+format is then compared with fp32 on the same budget, not on its own calibration's noise.
+
 A step is the wall clock between the ends of consecutive steps, each end after
 ``torch.cuda.synchronize()`` (for the Trainer in ``on_step_end``), after warm-ups; the
-median is reported. ``steps_in_backward`` counts the timed Trainer steps whose gradients
-were gone before ``optimizer.step()`` (with ``keep_grads=False`` only a step during backward
-leaves ``p.grad`` None). The budget the bare run finds is given to the others.
+median is reported. ``steps_in_backward`` counts the timed Trainer steps whose units were
+stepped during backward (the step policy's ``last_eager`` before ``optimizer.step()``; until
+2026-11-28: the steps whose ``p.grad`` were None then, the same count with
+``keep_grads=False``). The report gives each format's step against fp32's in the same
+variant (issue 30, point 3: lean at most 1.0x fp32 in every loop).
 
-GPU box, from the repository root::
+GPU box, from the repository root (one H100: about 8 minutes)::
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/trainer_step/trainer_step.py --out-dir $OUT
+    PYTHONUNBUFFERED=1 python3 benchmarks/trainer_step/trainer_step.py --out-dir $OUT \\
+        --variants bare,trainer,trainer-clip --host-precision fp32,lean --budget-s 500
 
 CPU smoke test (a 4-layer, 256-wide model, sequences of 128; about a minute)::
 
-    python benchmarks/trainer_step/trainer_step.py --smoke --out-dir /tmp/trainer-step
+    python benchmarks/trainer_step/trainer_step.py --smoke --variants bare,trainer \\
+        --host-precision fp32,lean --out-dir /tmp/trainer-step
 
-Writes ``<out-dir>/<date>-<device>-trainer-step/trainer_step.{json,md}``.
+Writes ``<out-dir>/<date>-<device>-trainer-step/trainer_step.{json,md}``, rewritten after
+each run, so a run cut short keeps what ran.
 """
 
 from __future__ import annotations
@@ -54,19 +73,45 @@ from models import loss_of, make_batch, model_shape  # noqa: E402
 
 VARIANTS = ("bare", "trainer", "trainer-clip", "bare-compiled")
 MAX_GRAD_NORM = {"trainer": 0.0, "trainer-clip": 1.0}
+FORMATS = ("fp32", "bf16", "lean", "kahan")  # ramflow.offload's host_precision presets
+REFERENCE_FORMAT = "fp32"  # every other format's step is given against this one's
+# --device-optimizer -> ramflow.offload(device_optimizer=...)
+DEVICE_OPTIMIZER: dict[str, bool | None] = {"auto": None, "on": True}
 
 
-def case_of(smoke: bool) -> dict[str, Any]:
-    """The suite's capped 4x2048 training case (2x128 with ``smoke``)."""
+def case_of(smoke: bool, host_precision: str = REFERENCE_FORMAT) -> dict[str, Any]:
+    """The suite's capped 4x2048 training case (2x128 with ``smoke``) in one host format."""
     warmup, steps = (1, 3) if smoke else (2, 5)
     return {
         **cases._base("reference", smoke, warmup, steps),
         **cases.training_shapes(smoke)[0],
+        "host_precision": host_precision,
     }
 
 
-def run_variant(variant: str, case: dict[str, Any], budget: int | None) -> dict[str, Any]:
-    """One variant in this process; returns its record."""
+def optimizer_kwargs(variant: str) -> dict[str, Any]:
+    """``ramflow.optim.AdamW``'s arguments: the suite's (``keep_grads=False``), except for a
+    loop that clips, which cannot promise never to read the gradients: under the gradient
+    ring of the non-fp32 formats ``keep_grads=False`` steps even the first backward during
+    backward, and the clip is then refused. (fp32 is deferred there either way, so
+    ``keep_grads`` changes nothing for it.)"""
+    if MAX_GRAD_NORM.get(variant, 0.0) > 0:
+        return {**runners.RAMFLOW_OPTIMIZER, "keep_grads": True}
+    return dict(runners.RAMFLOW_OPTIMIZER)
+
+
+def run_variant(
+    variant: str,
+    case: dict[str, Any],
+    budget: int | None,
+    *,
+    calibrate: bool,
+    device_optimizer: str,
+) -> dict[str, Any]:
+    """One variant in one host format, in this process; returns its record.
+
+    ``calibrate``: find the budget first (``runners._ramflow_budget``) instead of ``budget``.
+    """
     import ramflow
 
     device = runners.compute_device()
@@ -76,12 +121,17 @@ def run_variant(variant: str, case: dict[str, Any], budget: int | None) -> dict[
         model_shape(model).vocab_size, case["batch"], case["seq"], device=device
     )
     budget_info: dict[str, Any] = {}
-    if variant == "bare":
+    if calibrate:
         budget, budget_info = runners._ramflow_budget(case, model, ids, labels, device)
     ramflow.offload(
-        model, gpu_memory=budget, device=device, device_optimizer=True, **offload_kwargs
+        model,
+        gpu_memory=budget,
+        device=device,
+        device_optimizer=DEVICE_OPTIMIZER[device_optimizer],
+        **offload_kwargs,
     )
-    opt = ramflow.optim.AdamW(model.parameters(), **runners.RAMFLOW_OPTIMIZER)
+    plan = ramflow.get_plan(model)
+    opt = ramflow.optim.AdamW(model.parameters(), **optimizer_kwargs(variant))
     if variant == "bare-compiled":
         for block in model.layers:
             block.compile()
@@ -95,19 +145,33 @@ def run_variant(variant: str, case: dict[str, Any], budget: int | None) -> dict[
         )
     else:
         res = _time_trainer(model, opt, ids, labels, device, case, MAX_GRAD_NORM[variant])
-    return {"variant": variant, "gpu_memory_bytes": budget, **budget_info, **res}
+    return {
+        "variant": variant,
+        "host_precision": case["host_precision"],
+        "device_optimizer": device_optimizer,
+        "gpu_memory_bytes": budget,
+        **budget_info,
+        "keep_grads": opt.keep_grads,
+        "device_stepped_units": len(plan.device_stepped),
+        "units": len(plan.unit_names),
+        "device_optimizer_reason": plan.device_optimizer_reason,
+        "host_bytes_per_parameter": plan.host_bytes_per_parameter,
+        **res,
+    }
 
 
 def _time_trainer(model, opt, ids, labels, device, case, max_grad_norm: float) -> dict[str, Any]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    params = [p for p in model.parameters() if p.requires_grad]
+    from ramflow._registry import engine_of_model
+
+    policy = engine_of_model(model).stepper.policy  # ramflow._step_policy.StepPolicy
     ends: list[float] = []
     in_backward: list[bool] = []
 
     class Clock(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            in_backward.append(all(p.grad is None for p in params))
+            in_backward.append(policy.last_eager)
 
         def on_step_end(self, args, state, control, **kwargs):
             measure.sync(device)
@@ -154,86 +218,247 @@ def _time_trainer(model, opt, ids, labels, device, case, max_grad_norm: float) -
     }
 
 
+# ---------------------------------------------------------------------------------- report
+
+
+def against_reference(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per record with a step: its step over the reference format's in the same variant.
+
+    Returns one dict per record, in order: ``variant``, ``host_precision``, ``step_s``
+    (None for a run that failed or was skipped) and ``ratio`` (its step over fp32's in the
+    same variant; None for fp32 itself or where either step is missing) and ``ok``
+    (``ratio <= 1.0``, or None without a ratio).
+    """
+    ref = {
+        r["variant"]: r["step_s"]
+        for r in records
+        if r.get("host_precision") == REFERENCE_FORMAT and "step_s" in r
+    }
+    out = []
+    for r in records:
+        step = r.get("step_s")
+        base = ref.get(r["variant"])
+        ratio = None
+        if step is not None and base and r.get("host_precision") != REFERENCE_FORMAT:
+            ratio = step / base
+        out.append(
+            {
+                "variant": r["variant"],
+                "host_precision": r.get("host_precision"),
+                "step_s": step,
+                "ratio": ratio,
+                "ok": None if ratio is None else ratio <= 1.0,
+            }
+        )
+    return out
+
+
 def markdown(doc: dict[str, Any]) -> str:
     meta, rows = doc["meta"], doc["records"]
-    bare = next((r for r in rows if r["variant"] == "bare" and "step_s" in r), None)
     tokens = meta["batch"] * meta["seq"]
+    bare = {
+        r.get("host_precision"): r["step_s"]
+        for r in rows
+        if r["variant"] == "bare" and "step_s" in r
+    }
+    budget = meta.get("gpu_memory_bytes")
+    budget_text = f"{budget / measure.GiB:.2f} GiB" if budget else "none (nothing resident)"
     out = [
-        f"# Trainer step against the bare loop ({meta['device']}, commit {meta['commit']})",
+        f"# Trainer step against the bare loop, per host format ({meta['device']}, "
+        f"commit {meta['commit']})",
         "",
         f"Reference model, {meta['batch']}x{meta['seq']} tokens, offload settings of the "
-        "capped 4x2048 suite case; median of the timed steps.",
+        f"capped 4x2048 suite case, `device_optimizer` {meta['device_optimizer']} "
+        f"({'the planner decides' if meta['device_optimizer'] == 'auto' else 'True'}); "
+        f"`gpu_memory` {budget_text} for every run ({meta['budget_from']}); median of the "
+        "timed steps. `x fp32`: the step over fp32's in the same variant.",
         "",
-        "| variant | step | tokens/s | x bare | steps during backward | peak GPU |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| variant | format | step | tokens/s | x fp32 | <= 1.0x | x bare | steps during "
+        "backward | device-stepped units | peak GPU |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in rows:
+    for r, cmp in zip(rows, against_reference(rows)):
+        fmt = r.get("host_precision", "-")
         if "step_s" not in r:
-            out.append(f"| {r['variant']} | failed: {r.get('error', '?')} | | | | |")
+            why = r.get("skipped") or f"failed: {r.get('error', '?')}"
+            out.append(f"| {r['variant']} | {fmt} | {_one_line(why)} | | | | | | | |")
             continue
-        ratio = f"{r['step_s'] / bare['step_s']:.2f}x" if bare else "-"
+        ratio = f"{cmp['ratio']:.2f}x" if cmp["ratio"] is not None else "-"
+        ok = "-" if cmp["ok"] is None else ("yes" if cmp["ok"] else "**no**")
+        xbare = f"{r['step_s'] / bare[fmt]:.2f}x" if bare.get(fmt) else "-"
         eager = (
             f"{r['steps_in_backward']} of {r['timed_steps']}" if "steps_in_backward" in r else "-"
         )
+        stepped = f"{r['device_stepped_units']} of {r['units']}" if "units" in r else "-"
         peak = f"{r['peak_bytes'] / measure.GiB:.1f} GiB" if r.get("peak_bytes") else "-"
         out.append(
-            f"| {r['variant']} | {r['step_s'] * 1e3:.0f} ms | {tokens / r['step_s']:.0f} | "
-            f"{ratio} | {eager} | {peak} |"
+            f"| {r['variant']} | {fmt} | {r['step_s'] * 1e3:.0f} ms | "
+            f"{tokens / r['step_s']:.0f} | {ratio} | {ok} | {xbare} | {eager} | {stepped} | "
+            f"{peak} |"
         )
+    verdicts = [c for c in against_reference(rows) if c["ok"] is not None]
+    if verdicts:
+        met = sum(c["ok"] for c in verdicts)
+        out += ["", f"At most 1.0x fp32: {met} of {len(verdicts)} runs."]
     return "\n".join(out) + "\n"
+
+
+def _one_line(text: str) -> str:
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else "?")[:160].replace("|", "/")
+
+
+# ---------------------------------------------------------------------------------- runs
+
+
+def _run_child(
+    args: argparse.Namespace,
+    variant: str,
+    fmt: str,
+    budget: int | None,
+    calibrate: bool,
+    timeout_s: float,
+) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--variant", variant, "--format", fmt]
+    cmd += ["--device-optimizer", args.device_optimizer, "--out-dir", str(args.out_dir)]
+    cmd += ["--smoke"] * args.smoke + ["--calibrate"] * calibrate
+    cmd += ["--budget", str(budget)] if budget is not None else []
+    try:
+        proc = subprocess.run(
+            cmd, env=harness.child_env(), capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        error = f"timed out after {timeout_s:.0f} s"
+        return {"variant": variant, "host_precision": fmt, "error": error}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    return {"variant": variant, "host_precision": fmt, "error": proc.stderr.strip()[-2000:]}
+
+
+def _split(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names or len(set(names)) != len(names):
+        raise ValueError(
+            f"{flag} {text!r}: give a comma-separated list of distinct names from "
+            f"{', '.join(allowed)}"
+        )
+    return names
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/trainer_step/trainer_step.py", description=__doc__)
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
-    p.add_argument("--timeout-s", type=float, default=180.0, help="per variant")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, in order")
+    p.add_argument(
+        "--host-precision",
+        default=REFERENCE_FORMAT,
+        help=f"comma-separated host formats ({', '.join(FORMATS)}); each variant runs once per "
+        "format, in this order",
+    )
+    p.add_argument(
+        "--device-optimizer",
+        choices=tuple(DEVICE_OPTIMIZER),
+        default="auto",
+        help="auto (default): device_optimizer left to the planner, the call a user writes; "
+        "on: device_optimizer=True, as the suite's cases (and this script before 2026-11-28)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        help="one gpu_memory for every run (e.g. 10GiB) instead of the first run's calibration",
+    )
+    p.add_argument("--timeout-s", type=float, default=180.0, help="per run")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds for all runs: a run (or a variant's set of formats) that the longest run "
+        "so far says would not fit is skipped and listed",
+    )
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--format", choices=FORMATS, default=REFERENCE_FORMAT, help=argparse.SUPPRESS)
     p.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    case = case_of(args.smoke)
-    if args.variant:  # a child: one variant, its record on the last line
-        print(json.dumps(run_variant(args.variant, case, args.budget)), flush=True)
+    if args.variant:  # a child: one variant in one format, its record on the last line
+        record = run_variant(
+            args.variant,
+            case_of(args.smoke, args.format),
+            args.budget,
+            calibrate=args.calibrate,
+            device_optimizer=args.device_optimizer,
+        )
+        print(json.dumps(record, default=str), flush=True)
         return 0
-    records: list[dict[str, Any]] = []
-    budget = None
-    for variant in VARIANTS:
-        cmd = [sys.executable, __file__, "--variant", variant, "--out-dir", str(args.out_dir)]
-        cmd += ["--smoke"] * args.smoke + (["--budget", str(budget)] if budget else [])
-        try:
-            proc = subprocess.run(
-                cmd,
-                env=harness.child_env(),
-                capture_output=True,
-                text=True,
-                timeout=args.timeout_s,
-            )
-            lines = proc.stdout.strip().splitlines()
-            record = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
-            if record is None:
-                record = {"variant": variant, "error": proc.stderr.strip()[-2000:]}
-        except subprocess.TimeoutExpired:
-            record = {"variant": variant, "error": f"timed out after {args.timeout_s:.0f} s"}
-        if variant == "bare":
-            budget = record.get("gpu_memory_bytes")
-        records.append(record)
-        print(variant, record.get("step_s", record.get("error")), flush=True)
+    import ramflow
+
+    budget: int | None = None
+    budget_from = "calibrated by the first run"
+    try:
+        variants = _split(args.variants, VARIANTS, "--variants")
+        formats = _split(args.host_precision, FORMATS, "--host-precision")
+        if args.gpu_memory is not None:
+            budget = ramflow.parse_bytes(args.gpu_memory, what="--gpu-memory")
+            budget_from = f"--gpu-memory {args.gpu_memory}"
+    except (TypeError, ValueError) as err:
+        p.error(str(err))
+    calibrated = budget is not None
+    case = case_of(args.smoke)
     meta = {
         "device": harness.device_name(),
         "commit": harness._commit(),
         "command": " ".join([Path(sys.argv[0]).name, *argv]),
         "batch": case["batch"],
         "seq": case["seq"],
+        "variants": variants,
+        "host_precisions": formats,
+        "device_optimizer": args.device_optimizer,
+        "gpu_memory_bytes": budget,
+        "budget_from": budget_from,
         "torch": torch.__version__,
         "transformers": harness._version("transformers"),
     }
-    doc = {"meta": meta, "records": records}
     stem = harness.run_dir(args.out_dir, "trainer-step") / "trainer_step"
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
-    stem.with_suffix(".md").write_text(markdown(doc))
+    records: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    longest = 0.0  # wall seconds of the longest run so far: the estimate of the next
+
+    def write() -> None:
+        doc = {"meta": meta, "records": records}
+        stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
+        stem.with_suffix(".md").write_text(markdown(doc))
+
+    for variant in variants:
+        skip = ""  # why this variant's runs are skipped
+        for i, fmt in enumerate(formats):
+            left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - t0)
+            # a variant's first format starts only if all its formats fit (a lone fp32 run
+            # answers nothing about the others); 10% for the spread between runs
+            need = 1.1 * longest * (len(formats) if i == 0 else 1)
+            if not skip and left is not None and left < max(need, 1.0):
+                skip = f"skipped: {left:.0f} s left, {need:.0f} s needed"
+            if skip:
+                record = {"variant": variant, "host_precision": fmt, "skipped": skip}
+            else:
+                timeout = args.timeout_s if left is None else min(args.timeout_s, left)
+                start = time.perf_counter()
+                record = _run_child(args, variant, fmt, budget, not calibrated, timeout)
+                record["wall_s"] = time.perf_counter() - start
+                longest = max(longest, record["wall_s"])
+                if not calibrated and "budget_rule" in record:
+                    calibrated = True
+                    budget = meta["gpu_memory_bytes"] = record.get("gpu_memory_bytes")
+                    meta["budget_from"] = (
+                        f"calibrated by the {variant} {fmt} run: {record['budget_rule']}"
+                    )
+            records.append(record)
+            print(variant, fmt, record.get("step_s", record.get("skipped", "failed")), flush=True)
+            write()
     print(stem.with_suffix(".md").read_text())
-    return 0 if all("step_s" in r for r in records) else 1
+    return 0 if all("step_s" in r or "skipped" in r for r in records) else 1  # failed: 1
 
 
 if __name__ == "__main__":
