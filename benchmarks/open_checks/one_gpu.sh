@@ -12,6 +12,10 @@
 #   scale   12-14B of two architectures at 8x2048 (issue 30, point 6)
 #   formats lean against fp32 in ramflow's training cases, the planner's device step (the
 #           plain loop) and the benchmark's (issue 30, point 3)
+#   formats-trainer  lean against fp32 in the bare loop and Hugging Face's Trainer
+#           (max_grad_norm 0, then 1.0 if the time is left), the call a user writes
+#           (host_precision only), one gpu_memory for all runs: the bare fp32 run's
+#           calibration (issue 30, point 3); about 70-90 s a run, six runs
 #   accuracy-S  fp32 and lean, llama-1b, 500 steps, seed S, two runs at once on this GPU
 #           (issue 30, point 2); a second call on the same warm machine resumes them from
 #           /tmp/acc-S (about 600 s of 500 steps in all with 8 cores each)
@@ -19,7 +23,7 @@
 # stage, so a call cut by its limit keeps what ran. Carry [".whl"] for `tests` and `dit`
 # (diffusers, importlib_metadata, lazy-importer, ramtorch; benchmarks/README.md).
 set -u
-PART=${1:?usage: one_gpu.sh tests|dit|long|train128k|oomoffload|muon|lean|scale|formats|accuracy-SEED}
+PART=${1:?usage: one_gpu.sh tests|dit|long|train128k|oomoffload|muon|lean|scale|formats|formats-trainer|accuracy-SEED}
 export PYTHONUNBUFFERED=1
 R=/tmp/open-checks-$PART; mkdir -p "$R"
 pack() { tar -czf "$OUT/$PART.tgz" -C "$R" . ; }
@@ -73,6 +77,11 @@ formats)
       --device-optimizer "$1" --out-dir "$R/bench" --tag "$2-$1" --budget-s $(( $(left) - 20 )) \
       >> "$R/bench.log" 2>&1; echo "$run: rc=$? at ${SECONDS}s" >> "$R/device.txt"; pack
   done ;;
+formats-trainer)
+  # the script skips a variant whose two runs would not fit its budget (trainer-clip last)
+  timeout "$(left)" python3 benchmarks/trainer_step/trainer_step.py --out-dir "$R/trainer" \
+    --variants bare,trainer,trainer-clip --host-precision fp32,lean --device-optimizer auto \
+    --budget-s $(( $(left) - 20 )) > "$R/trainer.log" 2>&1; echo "rc=$? at ${SECONDS}s" >> "$R/device.txt" ;;
 accuracy-*)
   seed=${PART#accuracy-}; resume=(); [ -d "/tmp/acc-$seed" ] && resume=(--resume)
   timeout "$(left)" python3 benchmarks/host_formats/host_formats_accuracy.py --formats fp32,lean \
