@@ -58,4 +58,4 @@ parts)
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 echo "done at ${SECONDS}s" >> "$R/device.txt"; pack
-tail -3 "$R"/*.txt; cat "$R"/scaling.md "$R"/n70/node_70b.md 2>/dev/null | tail -30
+tail -n 3 "$R"/*.txt; cat "$R"/scaling.md "$R"/n70/node_70b.md 2>/dev/null | tail -30

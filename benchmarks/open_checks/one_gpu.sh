@@ -91,4 +91,4 @@ accuracy-*)
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 echo "done at ${SECONDS}s" >> "$R/device.txt"; pack
-tail -5 "$R"/*.txt "$R"/*.log 2>/dev/null | tail -40
+tail -n 5 "$R"/*.txt "$R"/*.log 2>/dev/null | tail -40
