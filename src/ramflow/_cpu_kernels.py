@@ -245,6 +245,7 @@ _NATIVE = _NativeKernel()
 _SOURCES = (
     "_cpu_kernels.cpp",
     "_lean_kernels.cpp",
+    "_lean_kernels_avx2.cpp",
     "_lean_kernels_avx512.cpp",
     "_muon_kernels.cpp",
 )

@@ -35,11 +35,14 @@ struct LeanArgs {
 };
 
 // A 32-bit integer hash, a bijection ("lowbias32", C. Wellons, 2018).
+constexpr uint32_t kHashC1 = 0x7feb352dU;
+constexpr uint32_t kHashC2 = 0x846ca68bU;
+
 inline uint32_t hash32(uint32_t x) {
   x ^= x >> 16;
-  x *= 0x7feb352dU;
+  x *= kHashC1;
   x ^= x >> 15;
-  x *= 0x846ca68bU;
+  x *= kHashC2;
   x ^= x >> 16;
   return x;
 }
@@ -290,11 +293,13 @@ RAMFLOW_AVX2 inline __m256 bf16x8_to_f32(const void* base, int64_t i) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+#define I8(x) _mm256_set1_epi32(static_cast<int>(x))
+
 RAMFLOW_AVX2 inline __m256i hash32_8(__m256i x) {
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_mullo_epi32(x, I8(kHashC1));
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bU)));
+  x = _mm256_mullo_epi32(x, I8(kHashC2));
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
@@ -302,16 +307,13 @@ RAMFLOW_AVX2 inline __m256i hash32_8(__m256i x) {
 // top half as it is, and the stochastic rounding reads only that (bits >> 16).
 RAMFLOW_AVX2 inline __m256i hash32_8_top(__m256i x) {
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_mullo_epi32(x, I8(kHashC1));
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-  return _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bU)));
+  return _mm256_mullo_epi32(x, I8(kHashC2));
 }
 
-#define I8(x) _mm256_set1_epi32(static_cast<int>(x))
-
-// fp8_decode of the 8 codes at q.
-RAMFLOW_AVX2 inline __m256 fp8x8_to_f32(const uint8_t* q) {
-  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+// fp8_decode of 8 codes, one per 32-bit lane (zero-extended).
+RAMFLOW_AVX2 inline __m256 fp8_codes_to_f32(__m256i c) {
   const __m256i mag = _mm256_and_si256(c, I8(0x7F));
   const __m256i sub = _mm256_cmpgt_epi32(I8(8), mag);
   const __m256i bias = _mm256_add_epi32(I8(kFp8Rebase), _mm256_and_si256(sub, I8(1u << 23)));
@@ -321,6 +323,11 @@ RAMFLOW_AVX2 inline __m256 fp8x8_to_f32(const uint8_t* q) {
   b = _mm256_or_si256(b, _mm256_and_si256(_mm256_cmpeq_epi32(mag, I8(0x7F)), I8(kFp8Inf)));
   b = _mm256_or_si256(b, _mm256_and_si256(_mm256_slli_epi32(c, 24), I8(0x80000000u)));
   return _mm256_castsi256_ps(b);
+}
+
+// fp8_decode of the 8 codes at q.
+RAMFLOW_AVX2 inline __m256 fp8x8_to_f32(const uint8_t* q) {
+  return fp8_codes_to_f32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
 }
 
 // fp8x8_to_f32 times 2^-120 of codes that are neither subnormal, zero nor NaN: the

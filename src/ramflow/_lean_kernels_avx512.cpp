@@ -34,18 +34,18 @@ RAMFLOW_AVX512 inline __m256i to_bf16_16(__m512 x) {
 
 RAMFLOW_AVX512 inline __m512i hash32_16(__m512i x) {
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  x = _mm512_mullo_epi32(x, I16(0x7feb352d));
+  x = _mm512_mullo_epi32(x, I16(kHashC1));
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-  x = _mm512_mullo_epi32(x, I16(0x846ca68bU));
+  x = _mm512_mullo_epi32(x, I16(kHashC2));
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
 // As hash32_8_top: hash32's top 16 bits, which are all the stochastic rounding reads.
 RAMFLOW_AVX512 inline __m512i hash32_16_top(__m512i x) {
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  x = _mm512_mullo_epi32(x, I16(0x7feb352d));
+  x = _mm512_mullo_epi32(x, I16(kHashC1));
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-  return _mm512_mullo_epi32(x, I16(0x846ca68bU));
+  return _mm512_mullo_epi32(x, I16(kHashC2));
 }
 
 // fp8_decode of the 16 codes at q.
@@ -171,6 +171,14 @@ RAMFLOW_AVX512 inline float encode_block16(const float* x, uint32_t amax_bits, u
   return f.scale;
 }
 
+// The rounding bits of [Note: the rounding bits in fewer operations] from x1 = K + T[t].
+RAMFLOW_AVX512 inline __m512i sr_bits_from_x1_16(__m512i x1) {
+  x1 = _mm512_xor_si512(x1, _mm512_srli_epi32(x1, 15));
+  __m512i y = _mm512_mullo_epi32(x1, I16(kHashC21));
+  y = _mm512_xor_si512(y, _mm512_srli_epi32(y, 15));
+  return _mm512_mullo_epi32(y, I16(kHashC2));
+}
+
 template <int kGrad, int kMaster, int kState>
 RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, int64_t block_end) {
   const void* const grad = a.grad;
@@ -201,12 +209,26 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
                                                0x00170015, 0x001B0019, 0x001F001D, 0, 0, 0, 0, 0, 0, 0, 0);
   alignas(64) float m_new[kQBlock];
   alignas(64) float s_new[kQBlock];  // sqrt(v)
+  alignas(64) uint32_t bits_table[kQBlock];  // [Note: the rounding bits in fewer operations]
+  uint32_t table_q = 0xFFFFFFFFu;  // none yet
   for (int64_t block = block_begin; block < block_end; ++block) {
     const int64_t begin = block * kQBlock;
     // as in lean_blocks_avx2: the counter's lanes stepped by 16, read afresh where a block
     // crosses a multiple of 2^32
     const int64_t index0 = counter_offset + begin;
     const bool crosses = static_cast<uint32_t>(index0) > 0xFFFFFFFFu - (kQBlock - 1);
+    const bool short_bits = kMaster == kMasterSR && (static_cast<uint64_t>(index0) >> 32) == 0 &&
+                            (index0 & (kQBlock - 1)) == 0;
+    __m512i bits_base = _mm512_setzero_si512();
+    if (short_bits) {
+      const uint32_t x0 = static_cast<uint32_t>(index0) ^ key;
+      const uint32_t y = x0 ^ (x0 >> 16);
+      if ((y & 0xFF) != table_q) {
+        table_q = y & 0xFF;
+        for (uint32_t t = 0; t < kQBlock; ++t) bits_table[t] = (t ^ table_q) * kHashC1;  // element order
+      }
+      bits_base = I16((y & ~0xFFu) * kHashC1);
+    }
     __m512i idx = _mm512_add_epi32(I16(static_cast<uint32_t>(index0)), lane);
     const __m512i hi_word = I16(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
     __m512 m_scale = _mm512_setzero_ps();
@@ -286,10 +308,15 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
           for (int l = 0; l < 16; ++l) bs[l] = bf16_stochastic(ps[l], sr_bits(key, index + l));
           b16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(bs));
         } else {
-          const __m512i h = hash32_16(_mm512_xor_si512(crosses ? _mm512_add_epi32(I16(lo), lane) : idx, key16));
-          const __m512i hi =
-              crosses ? I16(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32)) : hi_word;
-          const __m512i bits = hash32_16_top(_mm512_add_epi32(h, hi));
+          __m512i bits;
+          if (short_bits) {
+            bits = sr_bits_from_x1_16(_mm512_add_epi32(bits_base, _mm512_load_si512(bits_table + j)));
+          } else {
+            const __m512i h = hash32_16(_mm512_xor_si512(crosses ? _mm512_add_epi32(I16(lo), lane) : idx, key16));
+            const __m512i hi =
+                crosses ? I16(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32)) : hi_word;
+            bits = hash32_16_top(_mm512_add_epi32(h, hi));
+          }
           const __m512i u = _mm512_castps_si512(p);
           // the bf16 is the top half of u + bits / 2^16 (0x7FC0 for NaN): one word permute
           // gathers the 16 top halves (a shift and a 32-to-16 pack cost a uop more)
@@ -358,6 +385,13 @@ LeanBlocksFn pick_state(int32_t state) {
       default: return &lean_blocks_avx512<kGrad, kMaster, kStateF32>;
     }
   } else {
+    if constexpr (kGrad == kBF16 && kMaster != kMasterF32) {  // the presets' loop
+      switch (state) {
+        case kStateBF16: return &lean_blocks_avx2_split<kMaster, kStateBF16>;
+        case kStateQ8: return &lean_blocks_avx2_split<kMaster, kStateQ8>;
+        default: break;
+      }
+    }
     switch (state) {
       case kStateBF16: return &lean_blocks_avx2<kGrad, kMaster, kStateBF16>;
       case kStateQ8: return &lean_blocks_avx2<kGrad, kMaster, kStateQ8>;
