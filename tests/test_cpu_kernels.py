@@ -684,6 +684,44 @@ def test_lean_step_simd_equals_the_scalar_block(master, isa, monkeypatch):
             assert_bits_equal(value, results[1][key], key)
 
 
+@pytest.mark.parametrize("counter_offset", [0, 3, (1 << 32) - 20 * 256 + 5])
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("master", ["bf16-sr", "bf16-kahan"])
+def test_lean_step_simd_equals_the_scalar_block_with_bf16_states(
+    master, isa, counter_offset, monkeypatch
+):
+    """bf16 states over three steps of bf16 gradients, equal to the scalar block bit for
+    bit: the AVX2 loop in even and odd lanes ([Note: the lean step in even and odd lanes])
+    with its two ways to the rounding bits ([Note: the rounding bits in fewer operations]):
+    the short one (counter 0), the full hash where a block does not start on a multiple of
+    256 (offset 3) and where the counter passes 2**32 (the last offset, which also has a
+    block whose lanes cross it)."""
+    _use_lean_isa(isa, monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    n = 40 * 256 + 77
+    master0 = torch.randn(n, generator=gen).to(torch.bfloat16)
+    grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    grads[1][[5, 300]] = torch.tensor([float("nan"), float("inf")], dtype=torch.bfloat16)
+    results = []
+    for cap in (isa, "scalar"):
+        monkeypatch.setenv("RAMFLOW_LEAN_ISA", cap)
+        s = {"master": master0.clone()}
+        s["compensation"] = torch.zeros(n, dtype=torch.bfloat16) if master == "bf16-kahan" else None
+        s["exp_avg"] = torch.zeros(n, dtype=torch.bfloat16)
+        s["exp_avg_sq"] = torch.zeros(n, dtype=torch.bfloat16)
+        for step, g in enumerate(grads, start=1):
+            _lean_kernels.lean_adamw_step_(
+                s["master"], g, s["exp_avg"], s["exp_avg_sq"], step=step, lr=1e-2, beta1=0.9,
+                beta2=0.999, eps=1e-8, weight_decay=0.1, grad_scale=0.5 if step == 3 else 1.0,
+                compensation=s["compensation"], seed=9, counter_offset=counter_offset,
+            )  # fmt: skip
+        results.append(s)
+    for key, value in results[0].items():
+        if value is not None:
+            assert_bits_equal(value, results[1][key], key)
+    assert results[0]["master"].isnan().any()  # the NaN's lanes took the NaN path
+
+
 def _hard_block_grads(gen: torch.Generator) -> torch.Tensor:
     """bf16 gradients, one kind of 8-bit block each: plain; one zero lane; lanes 2**13 below
     the rest (subnormal codes in a block the fast encoder takes); a NaN; an infinity; all
