@@ -287,7 +287,9 @@ void lean_block(const LeanArgs& a, int64_t begin, int64_t len) {
 // to undo the packs' interleaving of 128-bit lanes). The constants and
 // pointers are read into locals once per work item (the intrinsics' unaligned stores may
 // alias anything, so the compiler would read fields of the arguments again after each).
-// Whole blocks of kQBlock only; a last partial block takes the scalar path.
+// Whole blocks of kQBlock only; a last partial block takes the scalar path. With bf16
+// gradients and a bf16 master the AVX2 step takes lean_blocks_avx2_split instead
+// ([Note: the lean step in even and odd lanes], _lean_kernels_avx2.cpp).
 RAMFLOW_AVX2 inline __m256 bf16x8_to_f32(const void* base, int64_t i) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));

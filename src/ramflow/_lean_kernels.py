@@ -4,9 +4,10 @@ The master weights are fp32, or bf16 written with stochastic rounding, or bf16 p
 compensation; the AdamW states fp32, bf16 or 8-bit block-wise. Each step reads the gradient
 (fp32, bf16 or fp16: the staging buffer the GPU's gradient landed in), the master and the
 states once, computes in fp32 and writes them back once. The native code is the
-``ramflow_lean_adamw_step`` entry point of ``_lean_kernels_avx512.cpp`` (the loops are in it
-and ``_lean_kernels.cpp``), built with ``_cpu_kernels.cpp`` and cached as the fp32 kernel is (see ``_cpu_kernels``); where it is not available (no compiler, not x86-64,
-``RAMFLOW_DISABLE_CPU_KERNELS=1``) a PyTorch path gives the same bits, slower. It runs
+``ramflow_lean_adamw_step`` entry point of ``_lean_kernels_avx512.cpp`` (the loops are in it,
+``_lean_kernels.cpp`` and ``_lean_kernels_avx2.cpp``), built with ``_cpu_kernels.cpp`` and
+cached as the fp32 kernel is (see ``_cpu_kernels``); where it is not available (no compiler,
+not x86-64, ``RAMFLOW_DISABLE_CPU_KERNELS=1``) a PyTorch path gives the same bits, slower. It runs
 the best of three loops the CPU has, all with the same bits (``lean_isa``): AVX-512 (F, BW,
 DQ and VL: Skylake-SP and later Xeons, Zen 4), AVX2 with FMA and F16C, or scalar code;
 ``RAMFLOW_LEAN_ISA=avx2`` or ``scalar`` caps it (tests and benchmarks compare them).
