@@ -9,7 +9,7 @@ calls of ``ramflow_lean_adamw_step`` with the arguments ``lean_adamw_step_`` bui
 thread's CPU time does not count the time a busy machine takes the core away. It still
 counts cache and memory traffic shared with other work.
 
-    python cpu_time_probe.py --trees /path/to/main/src /path/to/branch/src --params 4194304
+    python benchmarks/host_formats/cpu_time_probe.py --trees /path/to/main/src /path/to/branch/src --params 4194304
 """
 
 from __future__ import annotations
