@@ -396,6 +396,84 @@ def load_meta(rank: int, world_size: int, options: dict) -> dict:
     }
 
 
+def first_step_private(rank: int, world_size: int, options: dict) -> dict:
+    """The Llama shape of ``train_meta_private``, offloaded and trained the same way for
+    ``options["steps"]`` steps. Returns what the optimizer holds before its first step
+    (the units whose flat states exist, the parameters with a state, the gradient ring's
+    buffers), the bytes of this rank's states and ring, and each step's rise of this
+    rank's private memory (``RssAnon`` after the step, its optimizer steps done, minus
+    before it). ``lazy``: states and ring made inside the first step, as before they were
+    made at set-up (the test's control)."""
+    from ramflow._engine import Engine
+    from ramflow._host_optimizer import HostOptimizer
+
+    if options.get("lazy"):
+        HostOptimizer._make_unit_states = lambda self, engine: None
+        Engine.prepare_first_step = lambda self: None
+    model, opt = _llama_lean(rank, options)
+    engine = engine_of_model(model)
+    owned = [u for u in engine.units if u.owner == rank and u.num_trainable]
+    before = {
+        "units_with_states": sorted(u.index for u in opt._unit_state),
+        "params_with_state": sum(1 for p in model.parameters() if opt.state.get(p)),
+        "ring": engine.host._ring_made,
+    }
+    precision = engine.host.precision
+    g = torch.Generator().manual_seed(rank)
+    rises = []
+    for _ in range(options["steps"]):
+        level = _private_bytes()
+        ids = torch.randint(0, 256, (1, 16), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ramflow.synchronize(model)
+        rises.append(_private_bytes() - level)
+    return {
+        "before": before,
+        "owned": sorted(u.index for u in owned),
+        "states_bytes": precision.state_bytes(sum(u.trainable_numel for u in owned)),
+        "ring_bytes": precision.host_bytes(engine.units, engine.wire_dtype).staging,
+        # on the CPU the device's buffers (window, resident units, gradients) are host
+        # memory too, made in the first step as on a GPU
+        "device_side": engine.plan.planned_bytes,
+        "rises": rises,
+    }
+
+
+def _llama_lean(rank: int, options: dict) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``train_meta_private``'s model (built on meta, ``zero_stage=2``, lean host formats,
+    the seeded init) and optimizer (AdamW over the recipe's two param groups,
+    ``keep_grads=False``), with glibc returning buffers of 1 MiB and more when freed."""
+    import ctypes
+
+    from transformers import LlamaConfig
+
+    from ramflow.train.initialization import SeededInit
+    from ramflow.train.modeling import meta_model as hf_meta_model
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: see train_meta_private
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=options["hidden"], intermediate_size=3 * options["hidden"],
+        num_hidden_layers=options["layers"], num_attention_heads=8, num_key_value_heads=8,
+        max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = hf_meta_model(config)
+    ramflow.offload(
+        model,
+        device=_device(rank, options),
+        zero_stage=2,
+        host_precision="lean",
+        weights=SeededInit(model, seed=0, num_threads=1),
+    )
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return model, ramflow.optim.AdamW(groups, lr=1e-3, overlap=True, keep_grads=False)
+
+
 def train_meta_private(rank: int, world_size: int, options: dict) -> dict:
     """A Llama shape built on the meta device, offloaded as ``ramflow train`` offloads it on
     several ranks (``zero_stage=2``, lean host formats, ``weights=SeededInit``) and trained

@@ -382,6 +382,22 @@ class Engine:
             compensated=precision.master_format.compensated,
         )
 
+    def prepare_first_step(self) -> None:
+        """Make now the host buffers the first backward would make: the gradient ring's,
+        one per unit whose gradients this process lands on the host (under ZeRO-2, the
+        units it owns; not those stepped on the device), up to the ring's size. Call it
+        once the distributed state is set. See [Note: states made before the first step]
+        in ``ramflow._host_optimizer``."""
+        dist = self.dist
+        landed = sum(
+            1
+            for u in self.units
+            if u.num_trainable
+            and not u.device_stepped
+            and (dist is None or dist.keeps_gradients(u))
+        )
+        self.host.make_ring(landed)
+
     def _device_optimizer_refusal(self) -> str | None:
         """Why ``device_optimizer=None`` steps no unit on the device before any prediction
         (None: the planner predicts)."""

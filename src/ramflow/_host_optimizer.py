@@ -60,6 +60,62 @@ class HostOptimizer(torch.optim.Optimizer):
             self._group_of[id(p)] = index
         self._unmanaged.extend(params)  # until sorted, just below
         self._sort_params(params)
+        for engine in self._engines:
+            self._make_unit_states(engine)
+
+    # [Note: states made before the first step]
+    # A unit's flat optimizer states are made (zeros, written: their pages faulted in by
+    # the intra-op threads) when the optimizer is built, for every unit this process steps
+    # (under ZeRO, the units it owns), not by the worker inside the first step. Making them
+    # there was the largest new memory of the first step (2 bytes per parameter in lean
+    # formats, 8 in fp32: 33 GiB per rank for a 70B model on 4 ranks, beside the gradient
+    # ring's 8 GiB), paid on the worker while backward waits for its steps: the first run on
+    # a 4-GPU box took 26 s over its median there, likely a VM backing its RAM at first touch
+    # (docs/design.md, "Host memory is made before the first step"). ``self.state``
+    # stays empty until a step, as for a torch optimizer: a step, ``load_state_dict`` or a
+    # device step finds the flats made and takes views of them (``_flat_state``). An
+    # optimizer built over units whose states an older optimizer made but never used
+    # (never stepped, nothing loaded) takes those, so that building a second optimizer
+    # before dropping the first costs no second set. See ``Engine.prepare_first_step``
+    # for the gradient ring.
+
+    def _unit_state_names(self, unit: _Unit) -> tuple[str, ...]:
+        """Names of the flat states this optimizer keeps for ``unit`` and makes when it
+        is built (see [Note: states made before the first step]); () (the default) makes
+        them at the first step."""
+        return ()
+
+    def _make_unit_states(self, engine: Engine) -> None:
+        """Make the flat states of ``engine``'s units that this process steps and this
+        optimizer holds parameters of, unless made already. See [Note: states made
+        before the first step]."""
+        donors = [o for o in engine.optimizers if o is not self and isinstance(o, HostOptimizer)]
+        for u in engine.units:
+            if u in self._unit_state or not u.num_trainable or not engine.stepper.steps_here(u):
+                continue
+            params = u.owned[: u.num_trainable]
+            if not any(self._holds(p) for p in params):
+                continue
+            names = self._unit_state_names(u)
+            if not names:
+                continue
+            flats = next(
+                (f for o in donors if (f := o._give_unused_states(u, names)) is not None), None
+            )
+            self._unit_state[u] = flats if flats is not None else self._new_flats(u, names)
+
+    def _give_unused_states(
+        self, unit: _Unit, names: tuple[str, ...]
+    ) -> dict[str, torch.Tensor] | None:
+        """Give up ``unit``'s flat states if they are exactly ``names`` and hold nothing:
+        made when this optimizer was built, never stepped or loaded into (no parameter of
+        the unit has a state). None otherwise."""
+        flats = self._unit_state.get(unit)
+        if flats is None or tuple(flats) != tuple(names):
+            return None
+        if any(self.state.get(p) for p in unit.owned[: unit.num_trainable]):
+            return None
+        return self._unit_state.pop(unit)
 
     # [Note: parameters that change hands]
     # A parameter keeps its identity through ``ramflow.offload`` and ``ramflow.undo``, so
@@ -428,6 +484,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 st[n] = view
         for engine in self._engines:
             engine.drop_device_states()  # the next device step uploads the loaded states
+            self._make_unit_states(engine)  # units the dict has no states for: zeros
 
 
 def _format(unit: _Unit) -> HostPrecision:

@@ -434,6 +434,27 @@ class HostStore:
         )
         return u.staging
 
+    def make_ring(self, num_buffers: int) -> None:
+        """Make the gradient ring's buffers now, up to ``num_buffers`` (at most
+        ``RING_BUFFERS``), rather than in the first backward: each is written first (zeros,
+        by the intra-op threads, so its pages are faulted in in parallel) and then
+        page-locked, as the store's buffers are (see [Note: filling the host store]); the
+        first backward finds them free. Does nothing without the ring. See [Note: states
+        made before the first step] in ``ramflow._host_optimizer``."""
+        if not self.precision.gradient_format.ring or not self._ring_numel:
+            return
+        with self._ring_cond:
+            while self._ring_made < min(num_buffers, RING_BUFFERS):
+                what = "a staging buffer of the gradient ring"
+                buf = map_host(self._ring_numel, self.wire_dtype, what=what)
+                buf.zero_()  # faults the pages in, in parallel, before they are locked
+                if self._pin:
+                    pin_in_place(buf, what=what)
+                    self.pinned_in_place.append(buf)
+                self._ring_made += 1
+                self._ring_free.append(buf)
+                self._ring_cond.notify()
+
     def host_gradients(self, u: _Unit, *, pinned: bool) -> torch.Tensor:
         """A new flat host gradient buffer (T,) of ``u`` in the master dtype (PyTorch wants
         a gradient's dtype to be its parameter's). ``pinned`` (a unit stepped on the device,

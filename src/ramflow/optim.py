@@ -169,6 +169,11 @@ class AdamW(HostOptimizer):
         fmt = _format(unit)
         return {name: fmt.new_state(name, unit.trainable_numel) for name in names}
 
+    def _unit_state_names(self, unit: _Unit) -> tuple[str, ...]:
+        """AdamW's states in ``unit``'s host format, made when it is built: see [Note:
+        states made before the first step] in ``ramflow._host_optimizer``."""
+        return _state_names(unit)
+
     def device_state(self, unit: _Unit, device: torch.device) -> dict[str, torch.Tensor]:
         """Device copies of ``unit``'s master weights and AdamW states (the unit's trainable
         flat range, on ``device``), for a unit stepped on the device
