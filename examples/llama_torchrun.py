@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     weights = args.weights or SeededInit(model, seed=args.seed)
+    t_offload = time.perf_counter()
     ramflow.offload(
         model,
         device=device,
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     model.train()
     chunk_lm_head(model)  # lm_loss computes the loss C tokens at a time
+    t_optimizer = time.perf_counter()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = ramflow.optim.AdamW(
@@ -213,6 +215,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     load_s = time.perf_counter() - t_load
+    # where the load went (s): the optimizer's states are made when it is built
+    load_phases = {
+        "build_s": t_offload - t_load,
+        "offload_s": t_optimizer - t_offload,
+        "optimizer_s": t_load + load_s - t_optimizer,
+    }
     num_params = sum(p.numel() for p in model.parameters())
     plan = ramflow.get_plan(model)
     say(
@@ -238,16 +246,28 @@ def main(argv: list[str] | None = None) -> None:
             # bf16 autocast on GPUs; the CPU computes in the wire dtype, as ramflow train
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                 loss = lm_loss(model, batch.to(device))  # (B, T) ids -> mean loss, fp32
+            t1 = time.perf_counter()
             loss.backward()  # units step on the host as their gradients land
+            t2 = time.perf_counter()
             opt.step()  # returns at once; the next forward waits where it must
             opt.zero_grad()
             sched.step()
+            t3 = time.perf_counter()
             mean = loss.detach()
             dist.all_reduce(mean)
             record = {
                 "step": len(records) + 1,
                 "loss": mean.item() / world,
                 "step_s": time.perf_counter() - t0,
+                # wall seconds of the step's calls on rank 0 (the GPU runs behind them;
+                # the loss's sync waits for it): where a slow step spent its time
+                "phases_s": {
+                    "forward": t1 - t0,
+                    "backward": t2 - t1,
+                    "optimizer_step": t3 - t2,
+                    "loss_sync": time.perf_counter() - t3,
+                },
+                "host_rss_bytes": psutil.Process().memory_info().rss,
             }
             record["tokens_per_s"] = tokens_per_step / record["step_s"]
             record["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
@@ -284,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         "corpus_fingerprint": corpus.fingerprint,
         "resident_units": len(plan.resident),
         "load_s": load_s,
+        "load_phases_s": load_phases,
         "since_start_s": since_start_s,
         "step_s": statistics.median(timed),
         "tokens_per_s": tokens_per_step / statistics.median(timed),
