@@ -16,7 +16,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "node" / "node_
 PLAN = """\
 ramflow on the device: window 6.38 GiB + gradients 3.91 GiB + fixed 512 B + resident 86.79 GiB = 97.08 GiB of its 97.66 GiB share (the budget less the activations); the smallest that works, streaming every unit: 11.74 GiB
 4 ranks on this host, ZeRO-2 (...)
-host RAM for 4 ranks: 310.20 GiB = host store 131.42 GiB once (shared memory) + ...
+host RAM for 4 ranks: 310.20 GiB = host store 131.42 GiB once (shared memory) + optimizer states 133.47 GiB once (sharded) + host gradients of all ranks 31.31 GiB + 4 x 3.50 GiB per rank (runtime); 480.00 GiB available: fits
 predicted: 4 GPUs: 15737 ms per step, 4,165 tokens/s (4.00x one GPU); bound by GPU compute; busy per step (ms): GPU compute 15335
 """
 
@@ -39,6 +39,9 @@ def test_plan_figures(node_70b):
     assert plan["host_bytes"] == pytest.approx(310.20 * 2**30)
     assert (plan["step_s"], plan["bound"]) == (15.737, "GPU compute")
     assert plan["store_bytes"] == pytest.approx(131.42 * 2**30)
+    # made before the first step too (the optimizer's states, the gradient ring)
+    assert plan["states_bytes"] == pytest.approx(133.47 * 2**30)
+    assert plan["host_gradients_bytes"] == pytest.approx(31.31 * 2**30)
 
 
 def test_load_peak_is_the_samples_before_the_first_step(node_70b):

@@ -128,10 +128,17 @@ def _parse_plan(text: str) -> dict:
     m = re.search(r"host RAM for \d+ ranks: ([0-9.,]+) GiB", text)
     if m:
         out["host_bytes"] = float(m.group(1).replace(",", "")) * GIB
-    m = re.search(r"host store ([0-9.,]+) ([KMGT]iB|B) once", text)
-    if m:  # what 4 loading ranks may peak at: this plus 4 GiB per rank (issue 29, point 2)
-        unit = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[m.group(2)]
-        out["store_bytes"] = float(m.group(1).replace(",", "")) * unit
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    # what the ranks make before the first step: the store, and since the optimizer's
+    # states and the gradient ring are made at set-up (not in the first step), those too
+    for key, pattern in (
+        ("store_bytes", r"host store ([0-9.,]+) ([KMGT]iB|B) once"),
+        ("states_bytes", r"optimizer states ([0-9.,]+) ([KMGT]iB|B) once"),
+        ("host_gradients_bytes", r"host gradients of all ranks ([0-9.,]+) ([KMGT]iB|B)"),
+    ):
+        m = re.search(pattern, text)
+        if m:
+            out[key] = float(m.group(1).replace(",", "")) * units[m.group(2)]
     m = re.search(r"of its ([0-9.,]+) ([KMGT]iB|B) share", text)
     if m:  # what ramflow train gives ramflow.offload as gpu_memory: the budget less activations
         out["ramflow_share"] = m.group(1).replace(",", "") + m.group(2)
@@ -296,15 +303,21 @@ def _load_peak(run: dict) -> None:
     run["host_load_peak_bytes"] = max(samples) if samples else None
 
 
+def _load_bound(plan: dict, gpus: int) -> float:
+    """What the ranks may hold before the first step: the plan's store, optimizer states
+    and host gradients (the ring), all made at set-up, plus 4 GiB per rank (issue 29,
+    point 2: no rank holds a model beside the store while loading)."""
+    made = sum(plan.get(k) or 0 for k in ("store_bytes", "states_bytes", "host_gradients_bytes"))
+    return made + gpus * 4 * GIB
+
+
 def _figures(run: dict, args, matmul: float | None, plan: dict) -> None:
     """The report's figures of one run, from its steps (the first two not timed)."""
     steps = run.get("steps") or []
     timed = [r["step_s"] for r in steps[2:]] or [r["step_s"] for r in steps]
     _load_peak(run)
     if run.get("host_load_peak_bytes") is not None and plan.get("store_bytes"):
-        run["load_peak_over_bound"] = run["host_load_peak_bytes"] / (
-            plan["store_bytes"] + args.gpus * 4 * GIB
-        )
+        run["load_peak_over_bound"] = run["host_load_peak_bytes"] / _load_bound(plan, args.gpus)
     if plan.get("host_bytes"):
         run["host_peak_over_plan"] = run["host_peak_in_use_bytes"] / plan["host_bytes"]
     if not timed or not run.get("num_parameters"):
@@ -517,8 +530,9 @@ def _markdown(r: dict) -> str:
             "at most 1.2x the plan",
         ),
         row(
-            f"peak host memory in use while loading; the store "
-            f"{_f(plan.get('store_bytes'), GIB, '.1f')} GiB + 4 GiB per rank",
+            f"peak host memory in use before the first step; the store, optimizer states and "
+            f"host gradients {_f(_load_bound(plan, a['gpus']) - a['gpus'] * 4 * GIB, GIB, '.1f')}"
+            " GiB + 4 GiB per rank",
             lambda x: (
                 f"{_f(x.get('host_load_peak_bytes'), GIB, '.1f')} GiB "
                 f"({_f(x.get('load_peak_over_bound'))}x the bound)"
