@@ -224,6 +224,22 @@ class DistributedState:
             self._broadcast_stream = torch.cuda.Stream(engine.device)
         self.broadcast_units = common
 
+    def open_communicators(self, device: torch.device) -> None:
+        """Every rank (a collective): one collective of one element on each process group
+        the steps use on ``device`` (the gradients' reductions, the resident units'
+        broadcasts), so that NCCL, which makes a group's communicator at its first
+        collective (seconds on a host of several GPUs), makes them at ``offload`` and not
+        inside the first step. See [Note: states made before the first step] in
+        ``ramflow._host_optimizer``."""
+        probe = torch.zeros(1, device=device)
+        with self.explained("opening the process groups' communicators"):
+            dist.all_reduce(probe, group=self.group)
+            if self.broadcast_group is not None and self.broadcast_group is not self.step_group:
+                dist.broadcast(probe, src=dist.get_global_rank(self.broadcast_group, 0),
+                               group=self.broadcast_group)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     def _broadcast_resident(
         self, engine: Engine
     ) -> tuple[dict[int, torch.cuda.Event | None], list[tuple[_Unit, torch.cuda.Event]]]:

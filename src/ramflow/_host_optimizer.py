@@ -76,8 +76,10 @@ class HostOptimizer(torch.optim.Optimizer):
     # device step finds the flats made and takes views of them (``_flat_state``). An
     # optimizer built over units whose states an older optimizer made but never used
     # (never stepped, nothing loaded) takes those, so that building a second optimizer
-    # before dropping the first costs no second set. See ``Engine.prepare_first_step``
-    # for the gradient ring.
+    # before dropping the first costs no second set. ``offload`` does the same for the
+    # rest of what a first step made: the gradient ring's buffers
+    # (``Engine.prepare_first_step``) and, under ``zero_stage``, NCCL's communicators
+    # (``DistributedState.open_communicators``).
 
     def _unit_state_names(self, unit: _Unit) -> tuple[str, ...]:
         """Names of the flat states this optimizer keeps for ``unit`` and makes when it

@@ -364,6 +364,7 @@ def offload(
         engine.dist.copies = dist.get_world_size() // len(local)  # hosts (equal ranks each)
         if os.environ.get("RAMFLOW_REFRESH_BY_BROADCAST", "1").strip() != "0":
             engine.dist.refresh_by_broadcast(engine)  # see [Note: refresh by broadcast]
+        engine.dist.open_communicators(engine.device)
     engine.prepare_first_step()
     return model
 
