@@ -4,6 +4,7 @@ are the GPU box's to give; here only the pipeline and the table are checked.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,9 +14,24 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "trainer_step" / "trainer_step.py"
-sys.path.insert(0, str(SCRIPT.parent))
 
-import trainer_step  # noqa: E402
+
+@pytest.fixture(scope="module")
+def trainer_step():
+    """The script as a module. It puts benchmarks/ first on sys.path and imports
+    benchmarks/models.py as ``models``, the name of tests/models.py too: sys.path and
+    ``sys.modules["models"]`` are put back afterwards, so the other tests keep theirs."""
+    path, models = list(sys.path), sys.modules.pop("models", None)
+    try:
+        spec = importlib.util.spec_from_file_location("trainer_step", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+        sys.modules.pop("models", None)
+        if models is not None:
+            sys.modules["models"] = models
+    return module
 
 
 def test_smoke_runs_each_variant_in_each_format(tmp_path: Path) -> None:
@@ -54,7 +70,7 @@ def _record(variant: str, fmt: str, step_s: float | None, **extra) -> dict:
     return record
 
 
-def test_each_format_is_compared_with_fp32_in_its_own_variant() -> None:
+def test_each_format_is_compared_with_fp32_in_its_own_variant(trainer_step) -> None:
     records = [
         _record("bare", "fp32", 0.8),
         _record("bare", "lean", 1.0),
