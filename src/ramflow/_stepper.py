@@ -135,9 +135,10 @@ from ._worker import STEP, HostWorker
 # step has written it. See [Note: the refresh follows the step].
 REFRESH_PIECE_BYTES = 64 << 20
 # "1": a device step that waits for a reduction runs on a stream of the steps' own, so the
-# backward does not stall for the collective's tail. Off by default until its NCCL tests
-# and the 4-GPU A/B have run on GPUs (written 2026-11-27, only read on CUDA so far); "0"
-# (the default) steps on the current stream
+# backward does not stall for the collective's tail. Off by default until the last of its
+# NCCL tests has run (9 of 10 passed on 4 x H100; the 4-GPU A/B is in
+# benchmarks/results/2026-11-27-nvidia-h100-x4-scaling-step-stream/); "0" (the default)
+# steps on the current stream
 _STEP_STREAM = os.environ.get("RAMFLOW_DEVICE_STEP_STREAM", "0") == "1"
 
 
