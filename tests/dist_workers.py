@@ -452,7 +452,11 @@ def _llama_lean(rank: int, options: dict) -> tuple[torch.nn.Module, torch.optim.
     from ramflow.train.initialization import SeededInit
     from ramflow.train.modeling import meta_model as hf_meta_model
 
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: see train_meta_private
+    # Buffers of 1 MiB and more get pages of their own, given back when freed, as a GPU
+    # run's are (its units are GBs, above glibc's largest dynamic mmap threshold, 32 MiB).
+    # Without this, glibc raises the threshold past this small model's units after the
+    # first free, and keeps their freed buffers in its heap: RSS the GPU run does not have.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     config = LlamaConfig(
         vocab_size=256, hidden_size=options["hidden"], intermediate_size=3 * options["hidden"],
         num_hidden_layers=options["layers"], num_attention_heads=8, num_key_value_heads=8,
@@ -480,41 +484,11 @@ def train_meta_private(rank: int, world_size: int, options: dict) -> dict:
     as it trains it without clipping: AdamW over the recipe's two param groups (matrices
     with weight decay, vectors without; every layer holds both), ``keep_grads=False``, so
     units step during backward. Returns the peak of this rank's private memory
-    (``RssAnon``) over its level after ``offload``, the part of the plan's bytes that is
-    this rank's own (``plan``: its units' optimizer states, its gradient ring, and, on the
-    CPU, its "device" side) and the host gradient buffers its units hold at the end."""
-    import ctypes
-
-    from transformers import LlamaConfig
-
-    from ramflow.train.initialization import SeededInit
-
-    # Buffers of 1 MiB and more get pages of their own, given back when freed, as a GPU
-    # run's are (its units are GBs, above glibc's largest dynamic mmap threshold, 32 MiB).
-    # Without this, glibc raises the threshold past this small model's units after the
-    # first free, and keeps their freed buffers in its heap: RSS the GPU run does not have.
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    from ramflow.train.modeling import meta_model as hf_meta_model
-
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=options["hidden"], intermediate_size=3 * options["hidden"],
-        num_hidden_layers=options["layers"], num_attention_heads=8, num_key_value_heads=8,
-        max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = hf_meta_model(config)
-    ramflow.offload(
-        model,
-        device=_device(rank, options),
-        zero_stage=2,
-        host_precision="lean",
-        weights=SeededInit(model, seed=0, num_threads=1),
-    )
-    params = list(model.parameters())
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    opt = ramflow.optim.AdamW(groups, lr=1e-3, overlap=True, keep_grads=False)
+    (``RssAnon``) while training, over its level once the optimizer is built (the states
+    and the gradient ring are made by then), the part of the plan's bytes that is this
+    rank's own (``plan``: its units' optimizer states, its gradient ring, and, on the CPU,
+    its "device" side) and the host gradient buffers its units hold at the end."""
+    model, opt = _llama_lean(rank, options)
     engine = engine_of_model(model)
     g = torch.Generator().manual_seed(rank)
     baseline = _private_bytes()

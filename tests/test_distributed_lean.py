@@ -79,12 +79,12 @@ def test_lean_zero_on_two_ranks_is_one_process_bit_for_bit(tmp_path, zero_stage,
 def test_a_ranks_private_memory_while_training_is_the_plans(tmp_path):
     """Two ranks train a Llama shape as ``ramflow train`` does on several GPUs (meta model,
     shared lean store, the recipe's two param groups, steps during backward): the peak of
-    each rank's private memory over its level after ``offload`` is the plan's bytes of that
-    rank (its units' optimizer states, its gradient ring, and its "device" side on the
-    CPU), and no unit keeps a host gradient buffer. Before units of two param groups were
-    stepped flat, each rank also kept a bf16 gradient buffer of every unit it steps (2
-    bytes per parameter: here 88 MiB beside a plan of 236 MiB, 1.4x; 30 GiB a rank on a
-    70B run on 4 GPUs)."""
+    each rank's private memory while training, over its level once the optimizer is built,
+    is within the plan's bytes of that rank (its units' optimizer states and gradient ring,
+    made by then, and its "device" side on the CPU), and no unit keeps a host gradient
+    buffer. Before units of two param groups were stepped flat, each rank also kept a bf16
+    gradient buffer of every unit it steps (2 bytes per parameter: here 88 MiB beside a
+    plan of 236 MiB; 30 GiB a rank on a 70B run on 4 GPUs)."""
     results = W.run(W.train_meta_private, 2, {"out": str(tmp_path), "hidden": 768, "layers": 12})
     _check_ok(results)
     for rank, r in enumerate(results):

@@ -226,18 +226,12 @@ RAMFLOW_AVX2 void lean_blocks_avx2_split(const LeanArgs& a, int64_t block_begin,
     }
     __m256i idx = _mm256_add_epi32(I8(static_cast<uint32_t>(index0)), even_lanes);
     const __m256i hi_word = I8(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
-    __m256 m_scale = _mm256_setzero_ps();
-    __m256 v_scale = _mm256_setzero_ps();
-    bool m_special = false;
-    bool v_special = false;
-    if constexpr (kState == kStateQ8) {
-      const float ms = fast_scale(exp_avg_scale[block]);
-      const float vs = fast_scale(exp_avg_sq_scale[block]);
-      m_special = ms == 0.0f || block_has_special8(static_cast<const uint8_t*>(exp_avg) + begin);
-      v_special = vs == 0.0f || block_has_special8(static_cast<const uint8_t*>(exp_avg_sq) + begin);
-      m_scale = _mm256_set1_ps(m_special ? exp_avg_scale[block] : ms);
-      v_scale = _mm256_set1_ps(v_special ? exp_avg_sq_scale[block] : vs);
-    }
+    Q8Block q{};  // zeros: unused unless the states are 8-bit
+    if constexpr (kState == kStateQ8) q = q8_block(a, block);
+    const __m256 m_scale = q.m_scale;
+    const __m256 v_scale = q.v_scale;
+    const bool m_special = q.m_special;
+    const bool v_special = q.v_special;
     __m256i m_max = _mm256_setzero_si256();  // [Note: the FP8 encoder's fast blocks]
     __m256i s_max = _mm256_setzero_si256();
     for (int64_t j = 0; j < kQBlock; j += 16) {
