@@ -134,6 +134,7 @@ def _run(args: argparse.Namespace) -> None:
     import ramflow
     from models import build_model, make_batch, model_shape
     from ramflow._registry import engine_of_model
+    from ramflow._stepper import _STEP_STREAM
     from runners import _train_step
 
     device = _init_process(args)
@@ -256,8 +257,9 @@ def _run(args: argparse.Namespace) -> None:
             "device_optimizer": args.device_optimizer,
             "device_optimizer_reason": plan.device_optimizer_reason,
             # "0": device steps that wait for a reduction run on the compute stream (an A/B
-            # of [Note: the device optimizer under ZeRO] in ramflow/_stepper.py)
-            "device_step_stream": os.environ.get("RAMFLOW_DEVICE_STEP_STREAM", "0"),
+            # of [Note: the device optimizer under ZeRO] in ramflow/_stepper.py); read
+            # from the engine's module, which decided it from RAMFLOW_DEVICE_STEP_STREAM
+            "device_step_stream": "1" if _STEP_STREAM else "0",
             "checkpoint": args.checkpoint,
             "meta": args.meta,
             "batch_per_gpu": args.batch,

@@ -7,7 +7,8 @@
 # only; on several, under ZeRO: auto is each rank's planner's choice among the resident units
 # it owns, "on" steps all of them on its GPU). STEPSTREAM="0 1" runs the multi-GPU device-
 # optimizer rows with and without a stream of their own for the device steps
-# (RAMFLOW_DEVICE_STEP_STREAM; [Note: the device optimizer under ZeRO] in src/ramflow/_stepper.py).
+# (RAMFLOW_DEVICE_STEP_STREAM, on by default; [Note: the device optimizer under ZeRO] in
+# src/ramflow/_stepper.py).
 # The second table of the report says where each rank's step waits ([Note: the step's sync]).
 # GPUS="1 4" runs those GPU counts only (default 1 2 4).
 # Usage: FLOORS=1 REFRESH="host broadcast" DEVOPT="auto on" bash benchmarks/node/run_scaling.sh "$OUT" fp32 lean
@@ -19,8 +20,8 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 run() {  # gpus, extra args
   local n=$1; shift
-  local log="$out/run-$n-refresh${REFRESH_FLAG:-1}-stream${STREAM_FLAG:-0}-$(echo "$*" | tr -d '-' | tr ' ' '_').log"
-  RAMFLOW_DEVICE_STEP_STREAM=${STREAM_FLAG:-0} RAMFLOW_REFRESH_BY_BROADCAST=${REFRESH_FLAG:-1} timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/node/multi_gpu.py ${META:+--meta} \
+  local log="$out/run-$n-refresh${REFRESH_FLAG:-1}-stream${STREAM_FLAG:-1}-$(echo "$*" | tr -d '-' | tr ' ' '_').log"
+  RAMFLOW_DEVICE_STEP_STREAM=${STREAM_FLAG:-1} RAMFLOW_REFRESH_BY_BROADCAST=${REFRESH_FLAG:-1} timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/node/multi_gpu.py ${META:+--meta} \
     --warmup 3 --steps 7 --out "$out/scaling.jsonl" "$@" > "$log" 2>&1 || echo "run $n $* failed: $? (see $log)"
 }
 if [ "${FLOORS:-0}" = 1 ]; then
@@ -38,9 +39,10 @@ for fmt in "$@"; do
       REFRESH_FLAG=0; [ "$refresh" = broadcast ] && REFRESH_FLAG=1
       for devopt in ${DEVOPT:-auto}; do
         [ "$n" -gt 1 ] || [ "$devopt" = auto ] || continue
-        streams=${STEPSTREAM:-0}; [ "$n" -gt 1 ] || streams=0  # one GPU: nothing to reduce
+        streams=${STEPSTREAM:-1}; [ "$n" -gt 1 ] || streams=1  # one GPU: nothing to reduce
         for STREAM_FLAG in $streams; do
-          [ "$STREAM_FLAG" = 0 ] || [ "$devopt" != off ] || continue
+          # no device step: the stream does not matter, one row
+          [ "$devopt" != off ] || [ "$STREAM_FLAG" = "${streams%% *}" ] || continue
           run "$n" --host-precision "$fmt" --batch 4 --gpu-memory 18GiB --checkpoint --loss-chunk 4096 --device-optimizer "$devopt"
           run "$n" --host-precision "$fmt" --batch 16 --gpu-memory 12GiB --checkpoint --loss-chunk 4096 --device-optimizer "$devopt"
         done

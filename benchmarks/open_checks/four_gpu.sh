@@ -2,10 +2,11 @@
 # Issue 29's checks on a four-GPU machine (nvidia-h100-x4 or the nvidia-h200-x4 it may
 # become), each one device call of at most ~9 minutes: `bash benchmarks/open_checks/four_gpu.sh PART`
 #   nccl     the multi-rank GPU tests of the step's sync and the device optimizer under ZeRO
-#            (default stream, then RAMFLOW_DEVICE_STEP_STREAM=1), the example's NCCL test
-#   final29  the test the step stream still lacks on NCCL (state_dict right after a step), then
-#            1, 2 and 4 GPUs, lean and fp32, 4x2048 and 16x2048 per GPU, the planner's device
-#            optimizer, device steps on their own stream: point 3's table in one run
+#            (device steps on their own stream, the default, then RAMFLOW_DEVICE_STEP_STREAM=0),
+#            the example's NCCL test
+#   final29  the step stream's test of state_dict right after a step on NCCL, then 1, 2 and
+#            4 GPUs, lean and fp32, 4x2048 and 16x2048 per GPU, the planner's device optimizer,
+#            device steps on their own stream: point 3's table in one run
 #   scaling  1 and 4 GPUs, lean, 4x2048 and 16x2048 per GPU, device optimizer auto and on,
 #            the device steps' stream off and on (point 3), with the per-rank wait table
 #   node70   the 70B full fine-tune through the Python API and `ramflow train` (point 4)
@@ -30,16 +31,16 @@ nccl)
   tests="tests/test_distributed_device_optimizer.py tests/test_llama_torchrun.py"
   timeout -k 15 300 python3 -m pytest -q -m gpu $tests -p no:cacheprovider -rs --durations=10 \
     > "$R/gpu-tests.txt" 2>&1; echo "rc=$? at ${SECONDS}s" >> "$R/gpu-tests.txt"; pack
-  RAMFLOW_DEVICE_STEP_STREAM=1 timeout -k 15 "$(left)" python3 -m pytest -q -m gpu \
-    tests/test_distributed_device_optimizer.py -p no:cacheprovider -rs > "$R/gpu-tests-step-stream.txt" 2>&1
-  echo "rc=$? at ${SECONDS}s" >> "$R/gpu-tests-step-stream.txt" ;;
+  RAMFLOW_DEVICE_STEP_STREAM=0 timeout -k 15 "$(left)" python3 -m pytest -q -m gpu \
+    tests/test_distributed_device_optimizer.py -p no:cacheprovider -rs > "$R/gpu-tests-compute-stream.txt" 2>&1
+  echo "rc=$? at ${SECONDS}s" >> "$R/gpu-tests-compute-stream.txt" ;;
 final29)
-  RAMFLOW_DEVICE_STEP_STREAM=1 timeout -k 15 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
+  timeout -k 15 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
     "tests/test_distributed_device_optimizer.py::test_state_dict_and_undo_right_after_a_step_see_its_weights" \
     > "$R/gpu-tests-step-stream.txt" 2>&1; rc=$?; echo "rc=$rc at ${SECONDS}s" >> "$R/gpu-tests-step-stream.txt"; pack
   # a failure ends the call here: the table would measure a path that is not right
   [ "$rc" = 0 ] || { tail -n 40 "$R/gpu-tests-step-stream.txt"; exit 1; }
-  GPUS="1 2 4" DEVOPT=auto STEPSTREAM=1 META=1 timeout -k 15 "$(left)" \
+  GPUS="1 2 4" DEVOPT=auto META=1 timeout -k 15 "$(left)" \
     bash benchmarks/node/run_scaling.sh "$R" lean fp32 > "$R/run_scaling.txt" 2>&1
   python3 benchmarks/node/multi_gpu.py --report "$R/scaling.jsonl" > "$R/scaling.md" 2>&1 ;;
 scaling)

@@ -66,13 +66,11 @@ With ``zero_stage`` each rank plans, and steps on its own GPU, the resident unit
 (``Engine._with_device_optimizer`` counts no other unit; the default lets the planner
 choose among them per rank, [Note: the device optimizer's default] in ``ramflow._plan``),
 so each GPU holds the device states of its shard only; the other units keep the host step
-of their owner. The owner's step waits for the unit's gradient reduction (``after``). By
-default it runs on the compute stream, which then waits for the reduction, so the backward
-on this rank stalls by the collective's tail at every owned unit. With
-``RAMFLOW_DEVICE_STEP_STREAM=1`` (opt-in until its last NCCL test has run: 4 x H100,
-2026-11-27, 3.90x one GPU against 3.65x without it) it runs on a CUDA stream of
-the steps' own, which first waits for the compute stream: the backward goes on meanwhile,
-the gradient buffer is kept for that stream (``record_stream``, and the backward's throttle
+of their owner. The owner's step waits for the unit's gradient reduction (``after``). On
+CUDA it runs on a stream of the steps' own (4 x H100, 2026-11-27: 3.90x one GPU at 4x2048
+tokens per GPU against 3.65x on the compute stream; ``RAMFLOW_DEVICE_STEP_STREAM=0`` steps
+there, to bisect a suspected race), which first waits for the compute stream: the backward
+goes on meanwhile, the gradient buffer is kept for that stream (``record_stream``, and the backward's throttle
 on buffers in flight counts it), and the unit's next use waits for ``device_step_event``
 (``DeviceWindow.acquire``), as do its broadcast and its write-back.
 The one-process device step leaves the host copies stale until ``synchronize``, but under
@@ -134,12 +132,12 @@ from ._worker import STEP, HostWorker
 # A resident unit's refresh is sent in pieces of this many wire bytes, each as soon as the
 # step has written it. See [Note: the refresh follows the step].
 REFRESH_PIECE_BYTES = 64 << 20
-# "1": a device step that waits for a reduction runs on a stream of the steps' own, so the
-# backward does not stall for the collective's tail. Off by default until the last of its
-# NCCL tests has run (9 of 10 passed on 4 x H100; the 4-GPU A/B is in
-# benchmarks/results/2026-11-27-nvidia-h100-x4-scaling-step-stream/); "0" (the default)
-# steps on the current stream
-_STEP_STREAM = os.environ.get("RAMFLOW_DEVICE_STEP_STREAM", "0") == "1"
+# "1" (the default): a device step that waits for a reduction runs on a stream of the steps'
+# own, so the backward does not stall for the collective's tail (the 4-GPU A/B is in
+# benchmarks/results/2026-11-27-nvidia-h100-x4-scaling-step-stream/, its NCCL tests in
+# benchmarks/results/2026-11-27-nvidia-h100-x4-scaling-final/); "0" steps on the current
+# stream, which then waits for the reduction (kept to bisect a suspected race)
+_STEP_STREAM = os.environ.get("RAMFLOW_DEVICE_STEP_STREAM", "1") == "1"
 
 
 class Stepper:
@@ -576,10 +574,10 @@ class Stepper:
         stale until ``pull_device_state``; under ZeRO the weights are written back to the
         shared host store at once (see [Note: the device optimizer under ZeRO]). ``after``:
         the work handle of the data-parallel reduction of ``grad`` (in place), which the
-        step waits for: on CUDA with ``RAMFLOW_DEVICE_STEP_STREAM=1`` the step then runs on
-        a stream of its own, so the backward goes on meanwhile, and the next use of the
-        unit waits for ``u.device_step_event`` (``DeviceWindow.acquire``); otherwise on the
-        current stream, which the next forward follows in order. Returns whether it ran on
+        step waits for: on CUDA the step then runs on a stream of its own (unless
+        ``RAMFLOW_DEVICE_STEP_STREAM=0``), so the backward goes on meanwhile, and the next
+        use of the unit waits for ``u.device_step_event`` (``DeviceWindow.acquire``);
+        otherwise on the current stream, which the next forward follows in order. Returns whether it ran on
         its own stream."""
         n = u.trainable_numel
         cuda = self.device.type == "cuda"
@@ -616,8 +614,8 @@ class Stepper:
         return side is not None
 
     def _step_stream(self) -> torch.cuda.Stream | None:
-        """The stream of device steps that wait for a reduction (None: the current stream,
-        the default; ``RAMFLOW_DEVICE_STEP_STREAM=1`` gives them their own). See [Note: the device
+        """The stream of device steps that wait for a reduction: one of their own (None:
+        the current stream, where ``RAMFLOW_DEVICE_STEP_STREAM=0``). See [Note: the device
         optimizer under ZeRO]."""
         if not _STEP_STREAM:
             return None
