@@ -3,8 +3,9 @@
 Legend: B = sequences per step, T = tokens per sequence, V = vocabulary, D = model width.
 
 Builds the model of ``--shape`` on the meta device (no memory), offloads it with
-``ramflow.offload(host_precision=..., weights=<random init>, gpu_memory=...,
-activation_checkpointing=True)`` (so the host never holds a full-precision copy), then times
+``ramflow.offload(host_precision=..., weights=SeededInit(model, seed=0), gpu_memory=...,
+activation_checkpointing=True)`` (the seeded init ``ramflow train`` uses, drawn by all the
+host's cores; the host never holds a full-precision copy), then times
 ``--steps`` training steps after ``--warmup`` with ``ramflow.optim.AdamW`` (one parameter
 group) under ``torch.autocast`` bf16 on random tokens. The loss is computed in chunks of
 ``--loss-chunk`` tokens, each checkpointed, inside the head unit (the logits of B x T tokens
@@ -63,7 +64,7 @@ import torch  # noqa: E402
 
 import measure  # noqa: E402
 from measure import matmul_rate  # noqa: E402
-from models import ChunkedLossHead, random_init  # noqa: E402
+from models import ChunkedLossHead  # noqa: E402
 
 SHAPES = ("llama-3.1-8b", "llama-8b", "qwen2.5-14b", "llama-13b", "neox-12b", "tiny", "tiny-neox")
 GIB = 2**30
@@ -299,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     import ramflow
+    from ramflow.train.initialization import SeededInit
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     cuda = device.type == "cuda"
@@ -351,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         wire_dtype=torch.bfloat16,
         host_precision=args.host_precision,
         activation_checkpointing=True,
-        weights=random_init,
+        weights=SeededInit(model, seed=0),
         device_optimizer={"auto": None, "on": True, "off": False}[args.device_optimizer],
     )
     result["load_s"] = time.perf_counter() - t0
