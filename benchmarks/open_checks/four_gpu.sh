@@ -9,7 +9,8 @@
 #            device steps on their own stream: point 3's table in one run
 #   scaling  1 and 4 GPUs, lean, 4x2048 and 16x2048 per GPU, device optimizer auto and on,
 #            the device steps' stream off and on (point 3), with the per-rank wait table
-#   node70   the 70B full fine-tune through the Python API and `ramflow train` (point 4)
+#   node70 [ARGS]  the 70B full fine-tune through the Python API and `ramflow train` (point 4);
+#            ARGS go to node_70b.py (--cli-first: the CLI first, on the fresh machine)
 #   deepspeed70  DeepSpeed ZeRO-3 offload on the same 70B shape, 4 ranks (point 4): trained, or
 #            stopped by its watchdog with the host memory it reached (carry [".whl"] from
 #            fetch_wheels.sh)
@@ -48,8 +49,9 @@ scaling)
     bash benchmarks/node/run_scaling.sh "$R" lean > "$R/run_scaling.txt" 2>&1
   python3 benchmarks/node/multi_gpu.py --report "$R/scaling.jsonl" > "$R/scaling.md" 2>&1 ;;
 node70)
+  shift  # the rest goes to node_70b.py, e.g. --cli-first
   timeout -k 15 "$(left)" python3 benchmarks/node/node_70b.py --both --steps 4 --clip-grad 0 \
-    --out-dir "$R/n70" --budget-s $(( $(left) - 20 )) > "$R/node_70b.txt" 2>&1
+    --out-dir "$R/n70" --budget-s $(( $(left) - 20 )) "$@" > "$R/node_70b.txt" 2>&1
   rm -rf "$R/n70/run/checkpoints" ;;
 deepspeed70)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$R/pip.txt" 2>&1
