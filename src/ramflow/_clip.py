@@ -10,8 +10,9 @@ write it. So the first offloaded model replaces ``torch.nn.utils.clip_grad_norm_
 ``torch.nn.utils.clip_grad.clip_grad_norm_``) with a route: parameters of no offloaded
 model go to PyTorch's function unchanged; any offloaded parameter sends the call to
 ``ramflow.clip_grad_norm_``, which returns what PyTorch's function returns (within fp32
-rounding on the fast path, see [Note: the norm without clipping] in ``ramflow._stepper``)
-and clips the same gradients. A module that bound the function by name before ramflow was
+rounding on CUDA, see [Note: the norm from the device gradients] in ``ramflow._grad_norms``)
+and clips the same gradients (in the step, see [Note: folding the clip into the step] in
+``ramflow._grad_scale``). A module that bound the function by name before ramflow was
 imported (``from torch.nn.utils import clip_grad_norm_``) keeps PyTorch's: it still trains
 right, with every step deferred. ``remove_clip_route`` puts PyTorch's function back.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,21 +43,29 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip the global gradient norm exactly, as ``torch.nn.utils.clip_grad_norm_``.
 
-    For parameters of offloaded models it first waits for every gradient to land on the
-    host. A finite ``max_norm`` tells the engine that this loop clips, so later steps are
-    not applied during backward (the norm must be known first). ``max_norm=inf`` with
-    ``norm_type=2`` only reads the norm and leaves the gradients as they are, so steps
-    still run during backward: after such a pass the norm comes from each unit's device
-    gradients (see [Note: the norm without clipping] in ``ramflow._stepper``).
+    For parameters of offloaded models the 2-norm comes from each parameter's device
+    gradients, kept as the backward pass made them, when they are this step's (see [Note:
+    the norm from the device gradients] in ``ramflow._grad_norms``), else from the host
+    gradients, once they have all landed. A finite ``max_norm`` tells the engine that this
+    loop clips, so later steps are not applied during backward (the norm must be known
+    first); the coefficient ``min(max_norm / (norm + 1e-6), 1)`` is PyTorch's, and each
+    unit's optimizer step applies it as it reads the gradients, which stay unscaled in
+    ``p.grad`` until ``ramflow.synchronize`` (see [Note: folding the clip into the step]
+    in ``ramflow._grad_scale``; ``RAMFLOW_CLIP_FOLD=0`` scales them here instead, as
+    PyTorch does). ``max_norm=inf`` with ``norm_type=2`` only reads the norm and leaves
+    the gradients as they are, so steps still run during backward.
 
     Returns:
         the total norm of the gradients, an fp32 scalar: on the device when read from the
-        device gradients, else on the CPU (from the host gradients).
+        device gradients, else on the CPU (from the host gradients). On the CPU the same
+        bits as PyTorch's function; on CUDA within fp32 rounding of them.
 
     Raises:
         RuntimeError: the step was already applied during backward (clipping started after
             the first step); clip from the first step on, or use ``overlap=False``.
         RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf.
+        RuntimeError: a gradient was written in place after an earlier clip whose
+            coefficient is still pending (call ``ramflow.synchronize`` between them).
         NotImplementedError: under ZeRO-2 (gradients sharded over the ranks, whose norms
             are combined with an all-reduce), a ``norm_type`` other than 2 or inf.
     """
@@ -68,57 +78,119 @@ def clip_grad_norm_(
     norm_only = float(max_norm) == math.inf and float(norm_type) == 2.0
     for engine in engines:
         engine.note_clip(norm_only=norm_only)
-    if norm_only and engines:
+    total = None
+    if engines and float(norm_type) == 2.0 and (norm_only or _FOLD):
         total = _norm_from_device(params, engines)
-        if total is not None:
-            if error_if_nonfinite and not torch.isfinite(total):
-                raise RuntimeError(
-                    "the total norm of order 2.0 of the gradients is non-finite, so it cannot "
-                    "be clipped; set error_if_nonfinite=False to go on"
-                )
-            return total
-    sharded = [e.dist for e in engines if e.dist is not None and e.dist.zero_stage == 2]
-    if sharded:
-        return _clip_sharded(params, max_norm, float(norm_type), sharded[0], error_if_nonfinite)
-    if norm_only:  # gradients left as they are, so the step policy sees no clip
-        return torch.nn.utils.get_total_norm(
+        if error_if_nonfinite and total is not None and not torch.isfinite(total):
+            raise RuntimeError(
+                "the total norm of order 2.0 of the gradients is non-finite, so it cannot "
+                "be clipped; set error_if_nonfinite=False to go on"
+            )
+    if total is None:
+        sharded = [e.dist for e in engines if e.dist is not None and e.dist.zero_stage == 2]
+        if sharded:
+            return _clip_sharded(params, max_norm, float(norm_type), sharded[0], error_if_nonfinite)
+        if not norm_only and not (_FOLD and engines):
+            return _TORCH_CLIP_GRAD_NORM(
+                params,
+                max_norm,
+                norm_type=norm_type,
+                error_if_nonfinite=error_if_nonfinite,
+                foreach=foreach,
+            )
+        # gradients left as they are (norm only), or scaled by their steps
+        total = torch.nn.utils.get_total_norm(
             [p.grad for p in params if p.grad is not None],
             norm_type,
             error_if_nonfinite=error_if_nonfinite,
             foreach=foreach,
         )
-    return _TORCH_CLIP_GRAD_NORM(
-        params,
-        max_norm,
-        norm_type=norm_type,
-        error_if_nonfinite=error_if_nonfinite,
-        foreach=foreach,
-    )
+    if not norm_only:
+        _scale(params, float(max_norm), total)
+    return total
+
+
+# "1" (the default): a clip's coefficient is applied by each unit's step ([Note: folding the
+# clip into the step] in ``ramflow._grad_scale``) and its norm read from the device
+# gradients where they are this step's; "0": PyTorch's clip on the host gradients (kept to
+# measure against, and to bisect a suspected difference)
+_FOLD = os.environ.get("RAMFLOW_CLIP_FOLD", "1") == "1"
+
+
+@torch.no_grad()
+def _scale(params: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Multiply the gradients of ``params`` by PyTorch's clip coefficient for ``total``:
+    each offloaded unit whose trainable parameters are all given has its step apply it
+    (``fold_grad_scale``), other gradients are scaled in place as PyTorch's
+    ``_clip_grads_with_norm_`` does (an fp32 multiply, the same bits)."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # PyTorch's arithmetic
+    value = float(coef)
+    units: dict[int, tuple[Any, Any, list[torch.Tensor]]] = {}
+    in_place: list[torch.Tensor] = []
+    for p in params:
+        if p.grad is None:
+            continue
+        engine = engine_of_param(p)
+        u = engine.unit_of(p) if engine is not None else None
+        if u is None:
+            in_place.append(p.grad)
+        else:
+            units.setdefault(id(u), (engine, u, []))[2].append(p)
+    for engine, u, given in units.values():
+        if value == 1.0:  # x * 1 is x: nothing to apply
+            continue
+        whole = len({id(p) for p in given}) == u.num_trainable
+        if not (whole and engine.fold_grad_scale(u, value)):
+            in_place.extend(p.grad for p in given)
+    for g in in_place:
+        g.mul_(coef.to(g.device))
 
 
 def _norm_from_device(params: list[torch.Tensor], engines: list[Any]) -> torch.Tensor | None:
-    """The 2-norm of ``params``' gradients from the units' device gradient norms of the
-    last pass, when every engine has them and ``params`` holds all of each engine's
-    trainable parameters; None: read the host gradients."""
-    norms = [engine.pass_grad_norm() for engine in engines]
-    if any(norm is None for norm in norms):
+    """The 2-norm of ``params``' gradients from the per-parameter norms of the units'
+    device gradients in the last pass (stacked in the order of ``params``, as PyTorch
+    stacks its per-tensor norms), when every engine has them; None: read the host
+    gradients. Under ZeRO-2 (each rank keeps its own units) ``params`` must hold all of
+    the engine's trainable parameters, whose norms are summed over the ranks."""
+    found = [engine.pass_param_norms() for engine in engines]
+    if any(norms is None for norms in found):
         return None
-    given = {id(p) for p in params}
-    for k, engine in enumerate(engines):
-        trainable = [p for u in engine.units for p in u.owned[: u.num_trainable]]
-        if not all(id(p) in given for p in trainable):
-            return None  # a part of the model's gradients: read those on the host
-        state = engine.dist
-        if state is not None and state.zero_stage == 2:  # each rank holds its own units
-            norms[k] = _sum_over_ranks(norms[k], state)
-    devices = {n.device for n in norms}
-    plain = [p.grad for p in params if engine_of_param(p) is None and p.grad is not None]
-    if plain:
-        norms.append(torch.nn.utils.get_total_norm(plain).float())
-        devices.add(norms[-1].device)
-    if len(devices) > 1:
-        norms = [n.cpu() for n in norms]
-    return torch.linalg.vector_norm(torch.stack(norms))
+    where: dict[int, tuple[Any, torch.Tensor, int]] = {}  # id(p) -> (engine, norms, index)
+    for engine, norms in zip(engines, found):
+        for u, vec in norms.items():
+            for k, p in enumerate(u.owned[: u.num_trainable]):
+                where[id(p)] = (engine, vec, k)
+    sharded = {id(e) for e in engines if e.dist is not None and e.dist.zero_stage == 2}
+    for engine in engines:
+        if id(engine) in sharded:
+            given = {id(p) for p in params}
+            if not all(id(p) in given for u in engine.units for p in u.owned[: u.num_trainable]):
+                return None  # a part of the model's gradients: read those on the host
+    parts: list[torch.Tensor] = []
+    per_rank: dict[int, list[torch.Tensor]] = {}  # ZeRO-2: this rank's parts per engine
+    for p in params:
+        hit = where.get(id(p))
+        if hit is not None:
+            engine, vec, k = hit
+            (per_rank.setdefault(id(engine), []) if id(engine) in sharded else parts).append(vec[k])
+        elif engine_of_param(p) is None:
+            if p.grad is not None:
+                parts.append(torch.linalg.vector_norm(p.grad, 2.0).float())
+        elif p.grad is not None:
+            return None  # gradients the pass's norms do not cover
+    for engine in engines:
+        if id(engine) in sharded:
+            mine = per_rank.get(id(engine), [])
+            local = (
+                torch.linalg.vector_norm(torch.stack(mine))
+                if mine
+                else torch.zeros((), dtype=torch.float32, device=engine.device)
+            )
+            parts.append(_sum_over_ranks(local, engine.dist))
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=engines[0].device)
+    first = parts[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in parts]))
 
 
 def _sum_over_ranks(norm: torch.Tensor, state: Any) -> torch.Tensor:

@@ -29,6 +29,7 @@ from ._adapters import (
 )
 from ._clip import install_clip_route
 from ._frozen_formats import raise_if_trained
+from ._grad_scale import fold_grad_scale
 from ._gradients import GradientPath
 from ._hooks import ModuleCall
 from ._host_formats import HostPrecision, rates_for
@@ -587,9 +588,13 @@ class Engine:
         self.schedule.settle()
         self.stepper.note_clip(norm_only=norm_only)
 
-    def pass_grad_norm(self) -> torch.Tensor | None:
-        """See ``Stepper.pass_grad_norm`` (after ``note_clip``)."""
-        return self.stepper.pass_grad_norm()
+    def pass_param_norms(self) -> dict[_Unit, torch.Tensor] | None:
+        """See ``Stepper.pass_param_norms`` (after ``note_clip``)."""
+        return self.stepper.pass_param_norms()
+
+    def fold_grad_scale(self, u: _Unit, scale: float) -> bool:
+        """See ``ramflow._grad_scale.fold_grad_scale`` (a clip, after ``note_clip``)."""
+        return fold_grad_scale(u, scale)
 
     def accept_partial_step(self) -> None:
         """Go on from the weights a failed backward left partly stepped."""
@@ -630,11 +635,13 @@ class Engine:
         return self.stepper.write_back_events()
 
     def synchronize(self) -> None:
-        """Wait for every pending gradient landing and optimizer step on the host."""
+        """Wait for every pending gradient landing and optimizer step on the host; a clip's
+        pending coefficient is applied to the host gradients."""
         self.schedule.settle()
         self.worker.wait_idle()
         for u in self.units:
             self.stepper.pull_device_state(u)
+        self.stepper.apply_grad_scales()  # p.grad as PyTorch's clip leaves it
 
     def set_activation_checkpointing(
         self, which: bool | Iterable[str] | CheckpointPolicyLike

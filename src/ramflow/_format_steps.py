@@ -80,10 +80,13 @@ class ExactAdamW:
         seed: int,
         threads: int | None,
         after_piece: Callable[[int, int], None] | None,
+        grad_scale: float = 1.0,
     ) -> None:
         """Step the flat ``master`` from ``grad`` piece by piece (see ``Optimizer.flat_step``),
         each part of a piece with the settings of its run's param group (``runs``); each
-        parameter's scalar tail is a call of its own (``_cpu_kernels.odd_tails``)."""
+        parameter's scalar tail is a call of its own (``_cpu_kernels.odd_tails``).
+        ``grad_scale`` multiplies the gradient as the kernel reads it (a clip's
+        coefficient; see ``Optimizer.flat_step``)."""
         m, v = states["exp_avg"], states["exp_avg_sq"]
         for lo, hi in pieces:
             for index, c, d in cut_at_runs(lo, hi, runs):
@@ -92,9 +95,9 @@ class ExactAdamW:
                     fused_adamw_step_(
                         master[a:b], grad[a:b], m[a:b], v[a:b], step=step, lr=s.lr,
                         beta1=s.beta1, beta2=s.beta2, eps=s.eps,
-                        weight_decay=s.weight_decay, accumulate=_cut(accumulate, a, b),
-                        grad_out=_cut(grad_out, a, b), wire_out=_cut(wire_out, a, b),
-                        num_threads=threads,
+                        weight_decay=s.weight_decay, grad_scale=grad_scale,
+                        accumulate=_cut(accumulate, a, b), grad_out=_cut(grad_out, a, b),
+                        wire_out=_cut(wire_out, a, b), num_threads=threads,
                     )  # fmt: skip
             if after_piece is not None:
                 after_piece(lo, hi)
@@ -112,16 +115,22 @@ class ExactAdamW:
         step: int,
         seed: int,
         threads: int | None,
+        grad_scale: float = 1.0,
     ) -> None:
         """One step of a unit on the device with ``torch._fused_adamw_``: ``state`` holds
-        its fp32 ``master`` and states there; the new weights go to ``weights_out``."""
+        its fp32 ``master`` and states there; the new weights go to ``weights_out``.
+        ``grad_scale`` multiplies the gradient first, in fp32 (out of place: on the CPU
+        device ``grad`` may be the host gradient itself). A host ``grad`` is read by an
+        asynchronous copy where it is pinned (the caller's event covers the read)."""
         master, m, v = state["master"], state["exp_avg"], state["exp_avg_sq"]
         step_t = torch.full((), float(step), device=master.device)
         for index, begin, end in runs:
             s = settings[index]
             for lo in range(begin, end, piece):
                 hi = min(end, lo + piece)
-                g = grad[lo:hi].to(master.device, torch.float32)
+                g = grad[lo:hi].to(master.device, torch.float32, non_blocking=True)
+                if grad_scale != 1.0:
+                    g = g * grad_scale  # an fp32 value: the fp32 product, as a host clip's
                 torch._fused_adamw_(
                     [master[lo:hi]], [g], [m[lo:hi]], [v[lo:hi]], [], [step_t], lr=s.lr,
                     beta1=s.beta1, beta2=s.beta2, weight_decay=s.weight_decay, eps=s.eps,
@@ -149,16 +158,17 @@ class LeanAdamW:
         wire_out: torch.Tensor | None,
         seed: int,
         threads: int | None,
+        grad_scale: float = 1.0,
     ) -> None:
-        """Step elements ``lo:hi`` of the flat ``master`` (``grad`` is theirs); ``lo`` is a
-        multiple of ``STEP_ALIGN``, so the rounding and the 8-bit blocks are those of the
-        whole unit."""
+        """Step elements ``lo:hi`` of the flat ``master`` (``grad`` is theirs, multiplied
+        by ``grad_scale`` as it is read); ``lo`` is a multiple of ``STEP_ALIGN``, so the
+        rounding and the 8-bit blocks are those of the whole unit."""
         # this piece of each state (the state tensors' names are the kernel's arguments)
         st = {name: fmt.state_view(name, states[name], lo, hi) for name in fmt.state_names}
         lean_adamw_step_(
             master[lo:hi], grad, st.pop("exp_avg"), st.pop("exp_avg_sq"), step=step,
             lr=settings.lr, beta1=settings.beta1, beta2=settings.beta2, eps=settings.eps,
-            weight_decay=settings.weight_decay,
+            weight_decay=settings.weight_decay, grad_scale=grad_scale,
             compensation=st.pop(MasterFormat.COMPENSATION, None), **st, wire_out=wire_out,
             seed=seed, counter_offset=lo, num_threads=threads,
         )  # fmt: skip
@@ -181,8 +191,10 @@ class LeanAdamW:
         seed: int,
         threads: int | None,
         after_piece: Callable[[int, int], None] | None,
+        grad_scale: float = 1.0,
     ) -> None:
         """As ``ExactAdamW.host_step``; the kernel reads one gradient, the accumulated one."""
+        assert grad_scale == 1.0 or (accumulate is None and grad_out is None)
         # Through ``.data``, as the native fp32 kernel writes them, so the gradients'
         # version counters (the loop pattern check) see no change by the user.
         if accumulate is not None:
@@ -195,6 +207,7 @@ class LeanAdamW:
                 self.piece(
                     fmt, master, grad[a:b], states, a, b, settings=settings[index], step=step,
                     wire_out=_cut(wire_out, a, b), seed=seed, threads=threads,
+                    grad_scale=grad_scale,
                 )  # fmt: skip
             if after_piece is not None:
                 after_piece(lo, hi)
@@ -212,6 +225,7 @@ class LeanAdamW:
         step: int,
         seed: int,
         threads: int | None,
+        grad_scale: float = 1.0,
     ) -> None:
         """One step on the device with the host kernel's arithmetic (one Triton kernel, or
         PyTorch ops without Triton). A master that is the wire copy is the unit's device
@@ -230,7 +244,7 @@ class LeanAdamW:
                 self.piece(
                     fmt, master, g, state, lo, hi, settings=settings[index], step=step,
                     wire_out=weights_out[lo:hi] if own_master else None, seed=seed,
-                    threads=threads,
+                    threads=threads, grad_scale=grad_scale,
                 )  # fmt: skip
 
 

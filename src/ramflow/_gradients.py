@@ -129,7 +129,7 @@ class GradientPath:
                 u.device_grad = None
                 u.fired = 0
                 return
-        # the unit's share of the global norm, see [Note: the norm without clipping]
+        # its parameters' norms, see [Note: the norm from the device gradients] in _grad_norms
         side = self.streams.d2h_stream if reduced is not None and self.streams.is_cuda else None
         stepper.note_grad_norm(u, u.device_grad, after=reduced, stream=side)
         if eager and u.device_stepped and stepper.steps_here(u):

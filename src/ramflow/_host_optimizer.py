@@ -275,13 +275,17 @@ class HostOptimizer(torch.optim.Optimizer):
         wire_out: torch.Tensor | None = None,
         pieces: list[tuple[int, int]] | None = None,
         after_piece: Callable[[int, int], None] | None = None,
+        grad_scale: float = 1.0,
     ) -> None:
         """Step ``unit``'s trainable prefix in one pass (see ``ramflow._cpu_kernels``).
 
         ``pieces``: ``(begin, end)`` element ranges covering the prefix in order, each
         begin a multiple of 64; the kernel runs once per range and ``after_piece(begin,
         end)`` is called after each, so the caller can send the new wire copy of a range
-        while the next is stepped. The result does not depend on the pieces."""
+        while the next is stepped. The result does not depend on the pieces.
+        ``grad_scale`` (a clip's coefficient, an fp32 value) multiplies the gradient as it
+        is read: the bits of a step from ``grad * grad_scale`` (fp32); not with
+        ``accumulate`` or ``grad_out``."""
         raise NotImplementedError
 
     def _run_kernel(self, fn: Callable[..., None], **kwargs: Any) -> None:

@@ -45,6 +45,7 @@ class StepOptimizer(Protocol):
         wire_out: torch.Tensor | None = None,
         pieces: list[tuple[int, int]] | None = None,
         after_piece: Callable[[int, int], None] | None = None,
+        grad_scale: float = 1.0,
     ) -> None: ...
 
 

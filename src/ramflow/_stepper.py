@@ -93,20 +93,6 @@ one-process device step, so the run equals one process stepping the same units o
 device (tested on gloo). Cost against host steps: the write-back's D2H (2 bytes per
 parameter with a bf16 master, 6 with an fp32 master beside a bf16 wire) in place of the
 gradients' D2H, the CPU step and the owner's refresh H2D.
-
-[Note: the norm without clipping]
-A loop that reads the global gradient norm without clipping (``max_norm=inf``: Hugging
-Face's ``Trainer`` logs ``grad_norm`` so with ``max_grad_norm=0``) needs the norm, not
-gradients that wait for it, so it keeps the eager step. In an eager pass, each unit's
-dispatch keeps the 2-norm of its flat device gradients (fp32, a device scalar; after the
-data-parallel reduction, so in the reduced scale) when the unit had no gradients before
-the pass; the clip returns the 2-norm of those norms without waiting for a step. That is
-the norm of the step's gradients only when the pass is the step's one backward and every
-unit started from no gradients: otherwise (the first step, gradient accumulation, a
-deferred pass) the norm is read from the host gradients as before, which are complete
-then. A real clip (finite ``max_norm``) must scale the gradients before any step, so it
-defers every step (``note_clip``). The unit norms are summed in another order than
-``torch.nn.utils.clip_grad_norm_`` sums its per-tensor norms: equal within fp32 rounding.
 """
 
 from __future__ import annotations
@@ -120,6 +106,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ._grad_norms import PassNorms
+from ._grad_scale import apply_grad_scale, raise_if_written, scale_for_step
 from ._host_store import HostStore
 from ._interfaces import DataParallel, StepOptimizer
 from ._plan import DEVICE_STEP_PIECE
@@ -179,10 +167,8 @@ class Stepper:
         # when units step, see [Note: when the step runs]; its recovery state, see [Note: a
         # failed backward] in ``ramflow._schedule``
         self.policy = StepPolicy()
-        # unit gradient norms of the last eager pass, see [Note: the norm without clipping]
-        self._pass_norms: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
-        self._pass_norms_whole = False  # every unit of the pass started from no gradients
-        self._pass_fresh = False  # some unit of the pass started from no gradients
+        # see [Note: the norm from the device gradients] in ``ramflow._grad_norms``
+        self.norms = PassNorms()
 
     # ------------------------------------------------------------------ optimizers, order
 
@@ -230,9 +216,7 @@ class Stepper:
             self.optimizers, ring=self._host.precision.gradient_format.ring
         )
         if first:
-            self._pass_norms = []
-            self._pass_norms_whole = eager
-            self._pass_fresh = False
+            self.norms.begin_pass()
         return eager
 
     def end_pass(self) -> None:
@@ -266,16 +250,21 @@ class Stepper:
                 already applied (a loop-pattern error; a second call goes on).
         """
         self.policy.zero_grad()
-        self._pass_norms_whole = False
+        self.norms.invalidate()
+        for u in self.units:  # dropped with the gradients
+            u.grad_scale = None
 
     def pattern(self, message: str) -> RuntimeError:
         """A loop-pattern error; ``opt.zero_grad()`` recovers from it."""
         return self.policy.pattern(message)
 
     def note_clip(self, *, norm_only: bool = False) -> None:
-        """Called by ``ramflow.clip_grad_norm_`` before it reads the gradients.
-        ``norm_only``: the 2-norm is read and the gradients are left as they are, so steps
-        may still run during backward. See [Note: the norm without clipping]."""
+        """Called by ``ramflow.clip_grad_norm_`` before it reads the gradients: they are
+        scaled by an earlier clip's coefficient first (``apply_grad_scales``). ``norm_only``:
+        the 2-norm is read and the gradients are left as they are, so steps may still run
+        during backward. See [Note: the norm from the device gradients] in
+        ``ramflow._grad_norms``."""
+        self.apply_grad_scales()
         if not norm_only:
             self.policy.note_clip()
 
@@ -287,67 +276,82 @@ class Stepper:
         after: object | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> None:
-        """Dispatch of ``u`` in a backward pass: in an eager pass, keep the 2-norm of its
-        flat device gradients ``grad`` (fp32 device scalar). ``after``: the work handle of
-        their data-parallel reduction (in place), which the norm waits for, on ``stream``
-        (on CUDA; None: the calling stream). See [Note: the norm without clipping]."""
-        if not self.policy.eager_now:
-            return
+        """Dispatch of ``u`` in a backward pass: keep the 2-norms of its parameters' flat
+        device gradients ``grad`` (``PassNorms.note``); a coefficient of an earlier clip
+        goes (fresh gradients) or is applied first (gradients added to)."""
         fresh = all(p.grad is None for p in u.owned[: u.num_trainable])
-        self._pass_fresh = self._pass_fresh or fresh
-        if not fresh:  # these gradients add to earlier ones
-            self._pass_norms_whole = False
-            self._pass_norms = []
-        if not self._pass_norms_whole:
-            return
-        if grad.device.type != "cuda":
-            if after is not None:
-                after.wait()  # type: ignore[attr-defined]
-            self._pass_norms.append((torch.linalg.vector_norm(grad, dtype=torch.float32), None))
-            return
-        produced = torch.cuda.current_stream(grad.device).record_event()
-        stream = stream or torch.cuda.current_stream(grad.device)
-        with torch.cuda.stream(stream):
-            stream.wait_event(produced)
-            if after is not None:
-                after.wait()  # type: ignore[attr-defined]  # this stream waits for it
-            norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-            grad.record_stream(stream)
-            self._pass_norms.append((norm, record_event(stream)))
+        if fresh:
+            u.grad_scale = None
+        elif u.grad_scale is not None:
+            self.worker.wait_idle()  # a step that reads them
+            apply_grad_scale(u)
+        self.norms.note(u, grad, fresh=fresh, after=after, stream=stream)
 
-    def pass_grad_norm(self) -> torch.Tensor | None:
-        """After a norm-only ``note_clip``: the 2-norm of the gradients of the last backward
-        pass (fp32 scalar on the device, ordered on the calling stream) when that pass
-        stepped during backward and its gradients are all of this step's. None: read the
-        host gradients, which are complete (a pass that stepped during backward onto
-        gradients left from before waits here for its steps, which write them). See
-        [Note: the norm without clipping].
+    def pass_param_norms(self) -> dict[_Unit, torch.Tensor] | None:
+        """After ``note_clip``: per unit of the last backward pass, the 2-norms of its
+        trainable parameters' gradients ((num_trainable,) fp32 on the device, ordered on
+        the calling stream), when they are the gradients of this step (see [Note: the norm
+        from the device gradients] in ``ramflow._grad_norms``). None: read the host
+        gradients, which are complete (a pass that stepped during backward onto gradients
+        left from before waits here for its steps, which write them).
 
         Raises:
-            RuntimeError: that pass added to gradients left from before, and also gave
+            RuntimeError: an eager pass added to gradients left from before, and also gave
                 gradients to units that had none, which the optimizer's
                 ``keep_grads=False`` leaves out of ``p.grad``.
         """
-        if not self.policy.last_eager:
+        if self.policy.last_eager:
+            if not self.norms.whole:
+                if self.norms.fresh and not all(opt.keep_grads for opt in self.optimizers):
+                    raise self.pattern(
+                        "the gradient norm was read after a backward pass that added to "
+                        "gradients left from before while ramflow stepped during backward, and "
+                        "the optimizer was built with keep_grads=False, so p.grad misses the "
+                        "units that had none before. Call opt.zero_grad() after each step, or "
+                        "use keep_grads=True."
+                    )
+                self.worker.wait_idle()
+                return None
+            return self.norms.ready(self.device)
+        if not self.norms.whole:
             return None
-        if not self._pass_norms_whole:
-            if self._pass_fresh and not all(opt.keep_grads for opt in self.optimizers):
-                raise self.pattern(
-                    "the gradient norm was read after a backward pass that added to gradients "
-                    "left from before while ramflow stepped during backward, and the optimizer "
-                    "was built with keep_grads=False, so p.grad misses the units that had none "
-                    "before. Call opt.zero_grad() after each step, or use keep_grads=True."
+        kept = set(self.norms.units())
+        for u in self.units:
+            params = u.owned[: u.num_trainable]
+            if u in kept:  # the host gradients are still those that landed
+                same = len(u.grad_versions) == len(params) and all(
+                    p.grad is v and v._version == version
+                    for p, v, version in zip(params, u.host_grad_views, u.grad_versions)
                 )
+                if not same:
+                    return None
+            elif any(p.grad is not None for p in params):  # left from before the pass
+                return None
+        return self.norms.ready(self.device)
+
+    # ------------------------------------------------------------------ the clip's scale
+
+    def apply_grad_scales(self) -> None:
+        """Every unit's pending clip coefficient applied to its host gradients, once the
+        steps that read them are done (``synchronize``, a clip). See [Note: folding the
+        clip into the step] in ``ramflow._grad_scale``."""
+        pending = [u for u in self.units if u.grad_scale is not None]
+        if pending:
             self.worker.wait_idle()
-            return None
-        if not self._pass_norms:
-            return torch.zeros((), dtype=torch.float32, device=self.device)
-        norms = []
-        for norm, event in self._pass_norms:
-            if event is not None:
-                torch.cuda.current_stream(self.device).wait_event(event)
-            norms.append(norm)
-        return torch.linalg.vector_norm(torch.stack(norms))
+        for u in pending:
+            apply_grad_scale(u)
+
+    def _take_grad_scale(self, u: _Unit, items: list[StepItem], *, flat: bool) -> float:
+        """At ``opt.step()``: the clip coefficient ``u``'s step applies (1.0: none), or,
+        where the step is not ``flat`` (one flat step of the whole unit) or a gradient was
+        written since the clip, 1.0 with the gradients scaled in place first (``items``
+        captured again)."""
+        scale = scale_for_step(u, items[0].grads, flat=flat)
+        if scale is None:
+            apply_grad_scale(u)
+            items[:] = self.step_items(u, [item.optimizer for item in items])  # new versions
+            return 1.0
+        return scale
 
     def schedule_step(self, opt: StepOptimizer) -> None:
         """``opt.step()`` (the last backward pass settled): check or schedule the step of
@@ -355,6 +359,8 @@ class Stepper:
         self.worker.raise_error()
         modified = self._grads_modified(opt)
         if self.policy.check_step(opt._hyperparameters(), modified=modified):
+            for u in self.units:  # before any unit is stepped
+                raise_if_written(u)
             for u in sorted(self.units, key=self.priority):
                 if not self.steps_here(u):
                     continue
@@ -396,9 +402,11 @@ class Stepper:
                 items.append(StepItem(opt, opt._hyperparameters(), params, grads, versions))
         return items
 
-    def step_unit(self, u: _Unit, items: list[StepItem]) -> None:
+    def step_unit(self, u: _Unit, items: list[StepItem], *, grad_scale: float = 1.0) -> None:
         """Worker: step ``u``'s master weights with each optimizer, then refresh its wire
-        copy (in the same pass when one optimizer steps the whole unit flat)."""
+        copy (in the same pass when one optimizer steps the whole unit flat, which then
+        multiplies the gradients by ``grad_scale`` as it reads them: a clip's coefficient,
+        see [Note: folding the clip into the step] in ``ramflow._grad_scale``)."""
         self._host.before_host_write(u)
         wire_written = False
         pieces = None
@@ -410,12 +418,14 @@ class Stepper:
                     u,
                     items[0].hyper,
                     grad=u.host_grad,
+                    grad_scale=grad_scale,
                     wire_out=self._host.wire_prefix(u),
                     pieces=pieces,
                     after_piece=functools.partial(self._window.send_piece, u) if pieces else None,
                 )
                 wire_written = True
             else:
+                assert grad_scale == 1.0  # applied in place (``_take_grad_scale``)
                 for item in items:
                     item.optimizer._step_params(item.params, item.grads, item.hyper)
         self._count_host_step(sum(p.numel() for item in items for p in item.params), start)
@@ -528,11 +538,17 @@ class Stepper:
             and self.all_host_grads(u, items[0])
         ):
             assert u.host_grad is not None
-            self.device_step(u, items[0].optimizer, items[0].hyper, u.host_grad)
+            scale = self._take_grad_scale(u, items, flat=True)
+            self.device_step(u, items[0].optimizer, items[0].hyper, u.host_grad, grad_scale=scale)
             return
+        scale = self._take_grad_scale(
+            u, items, flat=len(items) == 1 and self.whole_unit(u, items[0])
+        )
         self.drop_device_state(u)
         self._window.begin_host_write([u])
-        self.worker.submit(STEP, self.priority(u), functools.partial(self.step_unit, u, items))
+        self.worker.submit(
+            STEP, self.priority(u), functools.partial(self.step_unit, u, items, grad_scale=scale)
+        )
 
     def refresh_from_host(self, u: _Unit) -> None:
         """The host master weights of ``u`` changed outside ramflow (worker idle): the
@@ -568,9 +584,11 @@ class Stepper:
         grad: torch.Tensor,
         *,
         after: object | None = None,
+        grad_scale: float = 1.0,
     ) -> bool:
         """Step ``u`` on the device: its fp32 master weights and optimizer states stay
-        there and the new weights go straight into its device copy. The host copies are
+        there and the new weights go straight into its device copy; ``grad_scale``
+        multiplies ``grad`` first (a clip's coefficient). The host copies are
         stale until ``pull_device_state``; under ZeRO the weights are written back to the
         shared host store at once (see [Note: the device optimizer under ZeRO]). ``after``:
         the work handle of the data-parallel reduction of ``grad`` (in place), which the
@@ -599,6 +617,7 @@ class Stepper:
                     state=u.device_state,
                     weights_out=u.device_alias[:n],  # see [Note: units and views]
                     piece=DEVICE_STEP_PIECE,
+                    grad_scale=grad_scale,
                 )
                 if side is not None:
                     grad.record_stream(side)

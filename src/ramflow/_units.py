@@ -391,6 +391,11 @@ class _Unit:
         # unit's life) and the event after which the upload has read it
         self.pinned_host_grad: torch.Tensor | None = None
         self.host_grad_read: torch.cuda.Event | None = None
+        # a clip's coefficient that the unit's step applies to its host gradients, and their
+        # version counters at the clip (see [Note: folding the clip into the step] in
+        # ``_grad_scale``)
+        self.grad_scale: float | None = None
+        self.grad_scale_versions: list[int] = []
 
     @property
     def deps(self) -> list[_Unit]:

@@ -112,6 +112,7 @@ class AdamW(HostOptimizer):
         wire_out: torch.Tensor | None = None,
         pieces: list[tuple[int, int]] | None = None,
         after_piece: Callable[[int, int], None] | None = None,
+        grad_scale: float = 1.0,
     ) -> None:
         runs = self.flat_runs(unit)
         assert runs is not None
@@ -133,6 +134,7 @@ class AdamW(HostOptimizer):
             seed=unit.rounding_seed,
             threads=self.threads,
             after_piece=after_piece,
+            grad_scale=grad_scale,
         )
         for p in params:
             self.state[p]["step"].add_(1)
@@ -205,6 +207,7 @@ class AdamW(HostOptimizer):
         state: dict[str, torch.Tensor],
         weights_out: torch.Tensor,
         piece: int,
+        grad_scale: float = 1.0,
     ) -> None:
         """One AdamW step of ``unit`` on the device, run by run of ``flat_runs`` (each with
         its param group's hyperparameters), ``piece`` elements at a time: fp32 masters with
@@ -212,7 +215,8 @@ class AdamW(HostOptimizer):
         lean formats with ``lean_adamw_step_`` (the host kernel's bits). ``grad`` (the unit's
         flat gradient: the device's wire-dtype buffer or the host's) is copied to the device
         per piece, and the new weights are written to ``weights_out`` (the unit's device
-        copy, wire dtype)."""
+        copy, wire dtype). ``grad_scale`` (a clip's coefficient, an fp32 value) multiplies
+        the gradient first, in fp32: the bits of a step from the scaled gradient."""
         runs = self.flat_runs(unit)
         assert runs is not None
         params = unit.owned[: unit.num_trainable]
@@ -228,6 +232,7 @@ class AdamW(HostOptimizer):
             step=int(self.state[params[0]]["step"]) + 1,
             seed=unit.rounding_seed,
             threads=self.threads,
+            grad_scale=grad_scale,
         )
         for p in params:
             self.state[p]["step"].add_(1)
