@@ -176,8 +176,10 @@ def _norm_from_device(params: list[torch.Tensor], engines: list[Any]) -> torch.T
         elif engine_of_param(p) is None:
             if p.grad is not None:
                 parts.append(torch.linalg.vector_norm(p.grad, 2.0).float())
-        elif p.grad is not None:
-            return None  # gradients the pass's norms do not cover
+        elif p.grad is not None:  # gradients the pass's norms do not cover: read on the
+            for engine in engines:  # host, once steps during backward have written them
+                engine.worker.wait_idle()
+            return None
     for engine in engines:
         if id(engine) in sharded:
             mine = per_rank.get(id(engine), [])
