@@ -1,8 +1,10 @@
 """A real clip's coefficient applied by each unit's step (``ramflow._grad_scale``) and its
-norm read from the device gradients (``ramflow._grad_norms``): the same bits as scaling
-the host gradients in place first (``RAMFLOW_CLIP_FOLD=0``, PyTorch's own clip), in every
-host format, on the host and the device step; ``p.grad`` as PyTorch leaves it once
-synchronized; writes after the clip kept or refused, never silently misapplied.
+norm read from the device gradients (``ramflow._grad_norms``), as ``clip_grad_norm_(...,
+fold=True)`` (``ramflow train``) or ``RAMFLOW_CLIP_FOLD=1`` do: the same bits as scaling
+the host gradients in place first (the default, PyTorch's own clip), in every host format,
+on the host and the device step; ``p.grad`` as PyTorch leaves it once synchronized; writes
+after the clip kept or refused, never silently misapplied. Without fold, ``p.grad`` is
+clipped when the call returns, as PyTorch's.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ MAX_NORM = 0.05  # below the tiny models' gradient norms (about 1): every step c
 # a coefficient whose products with the gradients round (a power of two would not)
 SCALE = 0.3711
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+
+
+@pytest.fixture(autouse=True)
+def folded(monkeypatch):
+    """These tests are the fold's: as ``RAMFLOW_CLIP_FOLD=1`` (tests that compare both set
+    it per run)."""
+    monkeypatch.setattr(_clip, "_FOLD", True)
 
 
 # ---------------------------------------------------------------------- the kernels
@@ -233,6 +242,31 @@ def test_clip_matches_torch_and_leaves_pytorchs_gradients_once_synchronized():
             assert_bits_equal(p.detach(), q.detach(), "weights")
         opt.zero_grad()
         ref_opt.zero_grad()
+
+
+def test_without_fold_the_gradients_are_clipped_when_the_call_returns(monkeypatch):
+    """The default (no ``fold``, ``RAMFLOW_CLIP_FOLD`` unset): PyTorch's clip in place, so a
+    loop that reads ``p.grad`` right after the call reads PyTorch's clipped gradients, bit
+    for bit, and no unit holds a coefficient; ``fold=True`` folds whatever the default."""
+    monkeypatch.setattr(_clip, "_FOLD", False)
+    model, ref, opt, ref_opt = mlp_pair(False)
+    engine = ramflow.api._engine(model)
+    for seed in range(2):
+        mse(model, seed).backward()
+        mse(ref, seed).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        assert_bits_equal(norm, ref_norm, "norm")
+        assert all(u.grad_scale is None for u in engine.units)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_bits_equal(p.grad, q.grad, "p.grad right after the clip")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    mse(model, 2).backward()
+    ramflow.clip_grad_norm_(model.parameters(), MAX_NORM, fold=True)
+    assert any(u.grad_scale is not None for u in engine.units)
 
 
 def mlp_pair(device_optimizer: bool):

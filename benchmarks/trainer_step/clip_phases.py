@@ -166,7 +166,7 @@ def run_variant(variant: str, case: dict[str, Any], budget: int | None) -> dict[
         "variant": variant,
         "host_precision": case["host_precision"],
         "max_norm": max_norm,
-        "clip_fold": os.environ.get("RAMFLOW_CLIP_FOLD", "1"),
+        "clip_fold": os.environ.get("RAMFLOW_CLIP_FOLD", "0"),
         "gpu_memory_bytes": budget,
         "device_stepped_units": len(plan.device_stepped),
         "units": len(plan.unit_names),

@@ -40,20 +40,27 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    fold: bool | None = None,
 ) -> torch.Tensor:
     """Clip the global gradient norm exactly, as ``torch.nn.utils.clip_grad_norm_``.
 
-    For parameters of offloaded models the 2-norm comes from each parameter's device
-    gradients, kept as the backward pass made them, when they are this step's (see [Note:
-    the norm from the device gradients] in ``ramflow._grad_norms``), else from the host
-    gradients, once they have all landed. A finite ``max_norm`` tells the engine that this
-    loop clips, so later steps are not applied during backward (the norm must be known
-    first); the coefficient ``min(max_norm / (norm + 1e-6), 1)`` is PyTorch's, and each
-    unit's optimizer step applies it as it reads the gradients, which stay unscaled in
-    ``p.grad`` until ``ramflow.synchronize`` (see [Note: folding the clip into the step]
-    in ``ramflow._grad_scale``; ``RAMFLOW_CLIP_FOLD=0`` scales them here instead, as
-    PyTorch does). ``max_norm=inf`` with ``norm_type=2`` only reads the norm and leaves
-    the gradients as they are, so steps still run during backward.
+    For parameters of offloaded models it first waits for every gradient to land on the
+    host and clips them there, in place, as PyTorch does. A finite ``max_norm`` tells the
+    engine that this loop clips, so later steps are not applied during backward (the norm
+    must be known first). ``max_norm=inf`` with ``norm_type=2`` only reads the norm and
+    leaves the gradients as they are, so steps still run during backward; its norm comes
+    from each parameter's device gradients as the backward pass made them (see [Note: the
+    norm from the device gradients] in ``ramflow._grad_norms``).
+
+    ``fold=True`` (or ``RAMFLOW_CLIP_FOLD=1`` where ``fold`` is None; ``ramflow train``
+    passes it) makes a real clip cheaper: the 2-norm comes from the device gradients too,
+    and each unit's optimizer step applies PyTorch's coefficient ``min(max_norm / (norm +
+    1e-6), 1)`` as it reads the gradients, so no pass over the host gradients runs here.
+    The gradients then stay unscaled in ``p.grad`` until ``ramflow.synchronize`` (or
+    ``zero_grad``): only for a loop that does not read them between the clip and the
+    step (see [Note: folding the clip into the step] in ``ramflow._grad_scale``). The
+    steps give the same bits as with the gradients scaled first.
 
     Returns:
         the total norm of the gradients, an fp32 scalar: on the device when read from the
@@ -64,8 +71,8 @@ def clip_grad_norm_(
         RuntimeError: the step was already applied during backward (clipping started after
             the first step); clip from the first step on, or use ``overlap=False``.
         RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf.
-        RuntimeError: a gradient was written in place after an earlier clip whose
-            coefficient is still pending (call ``ramflow.synchronize`` between them).
+        RuntimeError: with ``fold``, a gradient was written in place after an earlier clip
+            whose coefficient is still pending (call ``ramflow.synchronize`` between them).
         NotImplementedError: under ZeRO-2 (gradients sharded over the ranks, whose norms
             are combined with an all-reduce), a ``norm_type`` other than 2 or inf.
     """
@@ -79,7 +86,9 @@ def clip_grad_norm_(
     for engine in engines:
         engine.note_clip(norm_only=norm_only)
     total = None
-    if engines and float(norm_type) == 2.0 and (norm_only or _FOLD):
+    if fold is None:
+        fold = _FOLD
+    if engines and float(norm_type) == 2.0 and (norm_only or fold):
         total = _norm_from_device(params, engines)
         if error_if_nonfinite and total is not None and not torch.isfinite(total):
             raise RuntimeError(
@@ -90,7 +99,7 @@ def clip_grad_norm_(
         sharded = [e.dist for e in engines if e.dist is not None and e.dist.zero_stage == 2]
         if sharded:
             return _clip_sharded(params, max_norm, float(norm_type), sharded[0], error_if_nonfinite)
-        if not norm_only and not (_FOLD and engines):
+        if not norm_only and not (fold and engines):
             return _TORCH_CLIP_GRAD_NORM(
                 params,
                 max_norm,
@@ -110,11 +119,12 @@ def clip_grad_norm_(
     return total
 
 
-# "1" (the default): a clip's coefficient is applied by each unit's step ([Note: folding the
-# clip into the step] in ``ramflow._grad_scale``) and its norm read from the device
-# gradients where they are this step's; "0": PyTorch's clip on the host gradients (kept to
-# measure against, and to bisect a suspected difference)
-_FOLD = os.environ.get("RAMFLOW_CLIP_FOLD", "1") == "1"
+# "1": clip_grad_norm_'s fold when its caller does not say (a clip's coefficient applied by
+# each unit's step, [Note: folding the clip into the step] in ``ramflow._grad_scale``, and
+# its norm read from the device gradients); "0" (the default): PyTorch's clip on the host
+# gradients, in place, so ``p.grad`` reads as clipped right after the call. Off by default
+# until its GPU A/B (benchmarks/trainer_step/clip_phases.py) says what it saves
+_FOLD = os.environ.get("RAMFLOW_CLIP_FOLD", "0") == "1"
 
 
 @torch.no_grad()

@@ -239,8 +239,12 @@ def run_loop(
         )
         grad_accum = config.global_batch // batches.batch_size
         scaler.unscale_(opt)
+        # fold: this loop never reads the gradients between the clip and the step, so each
+        # unit's step applies the coefficient (see ramflow.clip_grad_norm_)
         grad_norm = (
-            ramflow.clip_grad_norm_(params, config.clip_grad).item() if config.clip_grad else None
+            ramflow.clip_grad_norm_(params, config.clip_grad, fold=True).item()
+            if config.clip_grad
+            else None
         )
         lr = opt.param_groups[0]["lr"]
         scale = scaler.get_scale() if scaler.is_enabled() else 1.0
