@@ -16,6 +16,8 @@
 #           (max_grad_norm 0, then 1.0 if the time is left), the call a user writes
 #           (host_precision only), one gpu_memory for all runs: the bare fp32 run's
 #           calibration (issue 30, point 3); about 70-90 s a run, six runs
+#   clip    the phases of a clipped step, ramflow's folded clip against PyTorch's in place
+#           (trainer_step/clip_phases.py), fp32 and lean; about 6 minutes
 #   formats-cli  `ramflow train` with lean against fp32, anchor-2.7b at 4x2048 under 12 GiB,
 #           --clip-grad 1.0 (the CLI's default) and 0 (issue 30, point 3); about 4 minutes
 #   accuracy-S  fp32 and lean, llama-1b, 500 steps, seed S, two runs at once on this GPU
@@ -25,7 +27,7 @@
 # stage, so a call cut by its limit keeps what ran. Carry [".whl"] for `tests` and `dit`
 # (diffusers, importlib_metadata, lazy-importer, ramtorch; benchmarks/README.md).
 set -u
-PART=${1:?usage: one_gpu.sh tests|dit|long|train128k|oomoffload|muon|lean|scale|formats|formats-trainer|formats-cli|accuracy-SEED}
+PART=${1:?usage: one_gpu.sh tests|dit|long|train128k|oomoffload|muon|lean|scale|formats|formats-trainer|formats-cli|clip|accuracy-SEED}
 export PYTHONUNBUFFERED=1
 R=/tmp/open-checks-$PART; mkdir -p "$R"
 pack() { tar -czf "$OUT/$PART.tgz" -C "$R" . ; }
@@ -84,6 +86,10 @@ formats-trainer)
   timeout "$(left)" python3 benchmarks/trainer_step/trainer_step.py --out-dir "$R/trainer" \
     --variants bare,trainer,trainer-clip --host-precision fp32,lean --device-optimizer auto \
     --budget-s $(( $(left) - 20 )) > "$R/trainer.log" 2>&1; echo "rc=$? at ${SECONDS}s" >> "$R/device.txt" ;;
+clip)
+  timeout "$(left)" python3 benchmarks/trainer_step/clip_phases.py --out-dir "$R/clip" \
+    --host-precision fp32,lean --budget-s $(( $(left) - 30 )) > "$R/clip.log" 2>&1
+  echo "rc=$? at ${SECONDS}s" >> "$R/device.txt" ;;
 formats-cli)
   timeout "$(left)" python3 benchmarks/trainer_step/cli_formats.py --out-dir "$R/cli" \
     --budget-s $(( $(left) - 90 )) > "$R/cli.log" 2>&1; echo "rc=$? at ${SECONDS}s" >> "$R/device.txt" ;;
