@@ -15,6 +15,18 @@ and clips the same gradients (in the step, see [Note: folding the clip into the 
 ``ramflow._grad_scale``). A module that bound the function by name before ramflow was
 imported (``from torch.nn.utils import clip_grad_norm_``) keeps PyTorch's: it still trains
 right, with every step deferred. ``remove_clip_route`` puts PyTorch's function back.
+
+[Note: norms in pieces on the CPU]
+A CPU reduction into a wider dtype than its input's (``vector_norm(g, dtype=torch.float32)``
+of a bf16 gradient, ``g.double()``) first copies the whole input in that dtype; CUDA's
+reads bf16 in place. So a norm of a host gradient, or of a device gradient on the CPU,
+takes ``NORM_PIECE`` elements at a time (``squared_norm``): its scratch is one piece (4
+MiB in fp32, 8 MiB in fp64), not the tensor. Whole, the unit norm of a CPU run's dispatch
+made an fp32 copy of every unit's gradients (2 bytes per element over the bf16 gradient
+itself: 29 MiB for a 768-wide Llama layer, 12% of a rank's plan in the 2-rank test), and
+clipping under ZeRO-2 made an fp64 copy of each host gradient and its square (16 bytes per
+element of the largest: 17 GB for a 70B model's embedding, on its owner, at every step).
+A tensor of at most one piece is reduced whole, as before, to the same bits.
 """
 
 from __future__ import annotations
@@ -32,6 +44,45 @@ import torch.nn.utils.clip_grad as _torch_clip_module
 from ._registry import engine_of_param
 
 _TORCH_CLIP_GRAD_NORM = _torch_clip_module.clip_grad_norm_
+
+# elements per piece of a norm taken on the CPU, see [Note: norms in pieces on the CPU]
+NORM_PIECE = 1 << 20
+
+
+def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` flat, in pieces of ``NORM_PIECE`` elements on the CPU, whole elsewhere."""
+    flat = t.reshape(-1)
+    if t.device.type != "cpu" or flat.numel() <= NORM_PIECE:
+        return [flat]
+    return list(flat.split(NORM_PIECE))
+
+
+def squared_norm(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The sum of the squares of ``t``'s elements (any shape and float dtype, any device),
+    accumulated in ``dtype``: a ``dtype`` scalar on ``t``'s device. On the CPU it upcasts
+    one piece at a time (see [Note: norms in pieces on the CPU])."""
+    total = None
+    for piece in _pieces(t):
+        part = piece.to(dtype).pow(2).sum()
+        total = part if total is None else total + part
+    return total
+
+
+def vector_norm_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``torch.linalg.vector_norm(t, dtype=torch.float32)`` (an fp32 scalar on ``t``'s
+    device), without an fp32 copy of ``t`` on the CPU: the 2-norm of its pieces' norms
+    (see [Note: norms in pieces on the CPU]); the same bits for a tensor of one piece."""
+    pieces = _pieces(t)
+    if len(pieces) == 1:
+        return torch.linalg.vector_norm(pieces[0], dtype=torch.float32)
+    norms = [torch.linalg.vector_norm(p, dtype=torch.float32) for p in pieces]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _abs_max(t: torch.Tensor) -> torch.Tensor:
+    """The largest absolute value of ``t``'s elements as an fp64 scalar on the CPU, without
+    a whole ``abs`` copy of ``t`` on the CPU."""
+    return torch.stack([p.abs().max() for p in _pieces(t)]).max().double().cpu()
 
 
 def clip_grad_norm_(
@@ -227,13 +278,14 @@ def _clip_sharded(
     grads = [p.grad for p in params if p.grad is not None]
     if norm_type == 2.0:
         local = sum(
-            (g.double().pow(2).sum().cpu() for g in grads), torch.zeros((), dtype=torch.float64)
+            (squared_norm(g, torch.float64).cpu() for g in grads),
+            torch.zeros((), dtype=torch.float64),
         )
         dist.all_reduce(local, group=state.cpu_group)
         total = (local / state.copies).sqrt().float()
     elif norm_type == float("inf"):
         local = max(
-            (g.abs().max().double().cpu() for g in grads),
+            (_abs_max(g) for g in grads),
             default=torch.zeros((), dtype=torch.float64),
         )
         local = torch.as_tensor(local, dtype=torch.float64)
