@@ -441,15 +441,13 @@ def first_step_private(rank: int, world_size: int, options: dict) -> dict:
     }
 
 
-def _llama_lean(rank: int, options: dict) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """``train_meta_private``'s model (built on meta, ``zero_stage=2``, lean host formats,
-    the seeded init) and optimizer (AdamW over the recipe's two param groups,
-    ``keep_grads=False``), with glibc returning buffers of 1 MiB and more when freed."""
+def _llama_meta(options: dict) -> torch.nn.Module:
+    """``train_meta_private``'s Llama shape (``options["hidden"]`` wide, ``["layers"]``
+    deep) on the meta device, with glibc returning buffers of 1 MiB and more when freed."""
     import ctypes
 
     from transformers import LlamaConfig
 
-    from ramflow.train.initialization import SeededInit
     from ramflow.train.modeling import meta_model as hf_meta_model
 
     # Buffers of 1 MiB and more get pages of their own, given back when freed, as a GPU
@@ -462,7 +460,19 @@ def _llama_lean(rank: int, options: dict) -> tuple[torch.nn.Module, torch.optim.
         num_hidden_layers=options["layers"], num_attention_heads=8, num_key_value_heads=8,
         max_position_embeddings=64, tie_word_embeddings=False,
     )  # fmt: skip
-    model = hf_meta_model(config)
+    return hf_meta_model(config)
+
+
+def _llama_lean(
+    rank: int, options: dict, model: torch.nn.Module | None = None
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``model`` (default ``_llama_meta(options)``) offloaded as ``train_meta_private``
+    offloads it (``zero_stage=2``, lean host formats, the seeded init) and its optimizer
+    (AdamW over the recipe's two param groups, ``keep_grads=False``)."""
+    from ramflow.train.initialization import SeededInit
+
+    if model is None:
+        model = _llama_meta(options)
     ramflow.offload(
         model,
         device=_device(rank, options),
@@ -484,30 +494,34 @@ def train_meta_private(rank: int, world_size: int, options: dict) -> dict:
     as it trains it without clipping: AdamW over the recipe's two param groups (matrices
     with weight decay, vectors without; every layer holds both), ``keep_grads=False``, so
     units step during backward. Returns the peak of this rank's private memory
-    (``RssAnon``) while training, over its level once the optimizer is built (the states
-    and the gradient ring are made by then), the part of the plan's bytes that is this
-    rank's own (``plan``: its units' optimizer states, its gradient ring, and, on the CPU,
-    its "device" side) and the host gradient buffers its units hold at the end."""
-    model, opt = _llama_lean(rank, options)
-    engine = engine_of_model(model)
+    (``RssAnon``) while it offloads, builds the optimizer and trains (``growth``: over its
+    level before ``offload``), the part of the plan's bytes that is this rank's own
+    (``plan``: its units' optimizer states, its gradient ring, and, on the CPU, its
+    "device" side; ``plan_parts`` by name) and the host gradient buffers its units hold at
+    the end."""
+    model = _llama_meta(options)
     g = torch.Generator().manual_seed(rank)
     baseline = _private_bytes()
     with PeakSampler() as sampler:
+        model, opt = _llama_lean(rank, options, model)
         for _ in range(options.get("steps", 3)):
             ids = torch.randint(0, 256, (1, 16), generator=g).to(_device(rank, options))
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad()
         ramflow.synchronize(model)
+    engine = engine_of_model(model)
     owned = [u for u in engine.units if u.owner == rank]
     precision = engine.host.precision
-    plan = engine.plan
-    device_side = plan.planned_bytes if engine.device.type == "cpu" else 0
+    parts = {
+        "states": precision.state_bytes(sum(u.trainable_numel for u in owned)),
+        "ring": precision.host_bytes(engine.units, engine.wire_dtype).staging,
+        "device_side": engine.plan.planned_bytes if engine.device.type == "cpu" else 0,
+    }
     return {
         "growth": sampler.peak - baseline,
-        "plan": precision.state_bytes(sum(u.trainable_numel for u in owned))
-        + precision.host_bytes(engine.units, engine.wire_dtype).staging
-        + device_side,
+        "plan": sum(parts.values()),
+        "plan_parts": parts,
         "host_grads": sum(u.host_grad.nbytes for u in engine.units if u.host_grad is not None),
         "owned_bytes": sum(u.trainable_numel for u in owned) * 2,
     }
