@@ -136,7 +136,13 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     instead of AdamW; ``gpu_memory``, ``device_optimizer``: ``offload``'s (a budget keeps
     units resident, on the CPU too); ``state_each_step``: keep ``model.state_dict()`` taken
     right after each ``opt.step()``; ``undo``: ``ramflow.undo`` right after the last step and
-    return only the plain model's state and those."""
+    return only the plain model's state and those; ``norm_piece``: the elements per piece
+    of a CPU norm (``ramflow._clip.NORM_PIECE``), small so that this model's gradients are
+    reduced in several."""
+    if options.get("norm_piece"):
+        from ramflow import _clip
+
+        _clip.NORM_PIECE = options["norm_piece"]
     device = _device(rank, options)
     model = reference_model(seed=rank, dim=options.get("dim", 32))
     ramflow.offload(

@@ -246,13 +246,14 @@ def test_a_slow_owner_is_waited_for(tmp_path, zero_stage):
     _assert_matches_reference(results)
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
-def test_zero_clipping_uses_the_global_norm(tmp_path, zero_stage):
+@pytest.mark.parametrize("zero_stage,norm_piece", [(1, None), (2, None), (2, 64)])
+def test_zero_clipping_uses_the_global_norm(tmp_path, zero_stage, norm_piece):
     """ramflow.clip_grad_norm_ clips by the norm of all gradients, also when each rank
-    holds only its share of them (ZeRO-2): the run still equals one process."""
-    results = W.run(
-        W.train_offload, 2, {"out": str(tmp_path), "zero_stage": zero_stage, "clip": 0.05}
-    )
+    holds only its share of them (ZeRO-2): the run still equals one process. ``norm_piece``
+    64: each host gradient's norm is summed in pieces of 64 elements (see [Note: norms in
+    pieces on the CPU] in ``ramflow._clip``), as a large model's are."""
+    options = {"out": str(tmp_path), "zero_stage": zero_stage, "clip": 0.05}
+    results = W.run(W.train_offload, 2, {**options, "norm_piece": norm_piece})
     _check_ok(results)
     ref_losses, ref_state = reference_run(clip=0.05)
     assert results[0]["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
@@ -263,13 +264,17 @@ def test_zero_clipping_uses_the_global_norm(tmp_path, zero_stage):
         torch.testing.assert_close(results[0]["state"][k], v, rtol=1e-4, atol=2e-5, msg=k)
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
-def test_zero_norm_only_steps_during_backward(tmp_path, zero_stage):
+@pytest.mark.parametrize("zero_stage,norm_piece", [(1, None), (2, None), (2, 64)])
+def test_zero_norm_only_steps_during_backward(tmp_path, zero_stage, norm_piece):
     """Reading the norm alone (``max_norm=inf``) under ZeRO keeps the steps during
     backward from the second step on (with ``keep_grads=False`` the units a rank steps
     then leave no ``p.grad``, where the deferred first step filled them) and gives the norm
-    of the reduced gradients of one process on the global batch."""
-    options = {"out": str(tmp_path), "zero_stage": zero_stage, "clip": math.inf}
+    of the reduced gradients of one process on the global batch. ``norm_piece`` 64: each
+    unit's norm at dispatch is taken in pieces of 64 elements, as a large unit's is on the
+    CPU."""
+    options = {
+        "out": str(tmp_path), "zero_stage": zero_stage, "clip": math.inf, "norm_piece": norm_piece
+    }  # fmt: skip
     results = W.run(W.train_offload, 2, {**options, "keep_grads": False})
     _check_ok(results)
     ref_norms: list[float] = []
