@@ -17,16 +17,17 @@ imported (``from torch.nn.utils import clip_grad_norm_``) keeps PyTorch's: it st
 right, with every step deferred. ``remove_clip_route`` puts PyTorch's function back.
 
 [Note: norms in pieces on the CPU]
-A CPU reduction into a wider dtype than its input's (``vector_norm(g, dtype=torch.float32)``
-of a bf16 gradient, ``g.double()``) first copies the whole input in that dtype; CUDA's
-reads bf16 in place. So a norm of a host gradient, or of a device gradient on the CPU,
-takes ``NORM_PIECE`` elements at a time (``squared_norm``): its scratch is one piece (4
-MiB in fp32, 8 MiB in fp64), not the tensor. Whole, the unit norm of a CPU run's dispatch
-made an fp32 copy of every unit's gradients (2 bytes per element over the bf16 gradient
-itself: 29 MiB for a 768-wide Llama layer, 12% of a rank's plan in the 2-rank test), and
-clipping under ZeRO-2 made an fp64 copy of each host gradient and its square (16 bytes per
-element of the largest: 17 GB for a 70B model's embedding, on its owner, at every step).
-A tensor of at most one piece is reduced whole, as before, to the same bits.
+A CPU reduction into a wider dtype than its input's (``g.double()``, ``vector_norm(g,
+dtype=torch.float32)`` of a bf16 gradient) first copies the whole input in that dtype;
+CUDA's reads bf16 in place. So the norm of a host gradient under ZeRO-2 clipping takes
+``NORM_PIECE`` elements at a time (``squared_norm``): its scratch is one piece (8 MiB in
+fp64), not the tensor. Whole, it made an fp64 copy of each host gradient and of its square
+(16 bytes per element of the largest: 17 GB for a 70B model's embedding, on its owner, at
+every step). The norms each dispatch keeps ([Note: the norm from the device gradients] in
+``ramflow._grad_norms``) are per parameter, as PyTorch's clip takes them: on a CPU run they
+upcast one parameter at a time (PyTorch's bits; before, a unit's norm made an fp32 copy of
+the whole unit's gradients). A tensor of at most one piece is reduced whole, to the same
+bits as before.
 """
 
 from __future__ import annotations
@@ -66,17 +67,6 @@ def squared_norm(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         part = piece.to(dtype).pow(2).sum()
         total = part if total is None else total + part
     return total
-
-
-def vector_norm_fp32(t: torch.Tensor) -> torch.Tensor:
-    """``torch.linalg.vector_norm(t, dtype=torch.float32)`` (an fp32 scalar on ``t``'s
-    device), without an fp32 copy of ``t`` on the CPU: the 2-norm of its pieces' norms
-    (see [Note: norms in pieces on the CPU]); the same bits for a tensor of one piece."""
-    pieces = _pieces(t)
-    if len(pieces) == 1:
-        return torch.linalg.vector_norm(pieces[0], dtype=torch.float32)
-    norms = [torch.linalg.vector_norm(p, dtype=torch.float32) for p in pieces]
-    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def _abs_max(t: torch.Tensor) -> torch.Tensor:
