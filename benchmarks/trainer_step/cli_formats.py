@@ -36,6 +36,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))  # the harness's modules
+
+import harness  # noqa: E402
+
 REFERENCE_FORMAT = "fp32"
 NEVER = 10**9  # --eval-every / --save-every: not before the end of the run
 
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(["cli_formats.py", *(argv if argv is not None else sys.argv[1:])]),
             "run_command": " ".join(run_command(args, "FORMAT", 0.0, Path("DIR"))[1:]),
             "warmup": args.warmup,
-            "commit": _commit(),
+            "commit": harness._commit(),
         },
         "records": [],
     }
@@ -186,15 +190,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{fmt} clip {clip:g}: {rec.get('step_s', rec.get('error'))}", flush=True)
     print(report(doc))
     return 0 if all("step_s" in r for r in doc["records"]) else 1
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        return ""
 
 
 if __name__ == "__main__":
