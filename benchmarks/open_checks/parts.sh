@@ -5,7 +5,8 @@
 # MemAvailable starts small, an equal share of RAMFLOW_HOST_RAM (give the whole host's).
 # For checks of correctness, memory and accuracy: the parts share the host's DRAM and page
 # cache, so their timings are not clean (a 4-GPU host gives each part 16 cores, as the
-# one-GPU box has). Each part writes its own $OUT/PART.tgz.
+# one-GPU box has). Each part writes its own $OUT/PART.tgz. A part "A+B" runs A, then B on
+# the same GPU within the one LIMIT (B is skipped when less than 60 s are left).
 set -u
 [ $# -ge 1 ] || { echo "usage: parts.sh PART..." >&2; exit 2; }
 here=$(dirname "$0")
@@ -23,7 +24,9 @@ for part in "$@"; do
   ram=()
   [ -n "${RAMFLOW_HOST_RAM:-}" ] && ram=(RAMFLOW_HOST_RAM="$(( host_gib / $# ))GiB")
   env "${ram[@]}" SETUP_DONE=1 CUDA_VISIBLE_DEVICES=$i OMP_NUM_THREADS=$share \
-    taskset -c "$first-$last" bash "$here/one_gpu.sh" "$part" > "/tmp/part-$i.txt" 2>&1 &
+    taskset -c "$first-$last" bash -c 'lim=${LIMIT:-560}; for p in ${1//+/ }; do
+      left=$(( lim - SECONDS )); [ "$left" -gt 60 ] || { echo "no time for $p"; continue; }
+      LIMIT=$left bash "$0" "$p"; done' "$here/one_gpu.sh" "$part" > "/tmp/part-$i.txt" 2>&1 &
   i=$(( i + 1 ))
 done
 wait
