@@ -432,18 +432,31 @@ def test_a_real_out_of_memory_error_on_the_gpu_backs_off_and_the_run_goes_on(
     assert [r["micro_batch"] for r in _steps(tmp_path / "run")] == [4, 4, 2, 2, 2]
 
 
+@pytest.fixture
+def deterministic(monkeypatch):
+    """``torch.use_deterministic_algorithms(True)`` for one test. CUDA's backward adds some
+    gradients up with atomics, so without it two runs of one command differ in their last
+    bits from step 2 on (two ``--checkpointing offload`` runs of the test below, H200,
+    2026-11-28); with it they agree bit for bit."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
 @pytest.mark.gpu
 def test_on_the_gpu_auto_switches_to_offload_and_its_steps_take_offloads_memory(
-    tmp_path: Path, corpus_file: Path, monkeypatch
+    tmp_path: Path, corpus_file: Path, monkeypatch, deterministic
 ) -> None:
     """On CUDA, with the layers' inputs on side streams and in pinned host memory: auto
     (off here, the GPU's default budget) hits an injected out-of-memory error at a
     micro-batch of 1 in step 1, goes through checkpointing to offload, and its steps then
     compute the losses of a --checkpointing offload run, bit for bit (the same kernels on
-    the same inputs under the same plan), with its peak device memory, below checkpointing
-    alone's by at least two layers' inputs (offload keeps at most two of four on the
-    device, ``OFFLOAD_BOUNDARIES_ON_DEVICE``). The tiny preset at 8192 tokens: each layer's input is 8192 x 256 x 2 bytes =
-    4 MiB."""
+    the same inputs under the same plan, with deterministic algorithms), with its peak
+    device memory below checkpointing alone's by at least two layers' inputs (offload
+    keeps at most two of four on the device, ``OFFLOAD_BOUNDARIES_ON_DEVICE``). The tiny
+    preset at 8192 tokens: each layer's input is 8192 x 256 x 2 bytes = 4 MiB."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (run on the GPU box)")
     device = torch.device("cuda", torch.cuda.current_device())
