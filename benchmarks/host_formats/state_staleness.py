@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", required=True)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--elements", type=int, default=256 * 2048, help="state elements (a multiple of 256)")
+    p.add_argument(
+        "--elements", type=int, default=256 * 2048, help="state elements (a multiple of 256)"
+    )
     args = p.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
