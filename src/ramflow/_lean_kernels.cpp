@@ -193,6 +193,31 @@ inline uint8_t fp8_encode_state(float y, bool second) {
   return (c & 0x7F) == 0 && y > 0.0f ? 1 : c & 0x7F;
 }
 
+// [Note: stochastic rounding of the 8-bit states] (the Python note has the why)
+// y = x / scale rounded onto the E4M3 grid stochastically: with Ey = max(exponent(|y|), -6)
+// the grid's spacing at y is 2^(Ey - 3) (2^-9 for E4M3's subnormals), t = |y| / spacing is
+// exact, and k = floor(t + u) with u = u16 / 2^16 is floor(t) + 1 with probability frac(t)
+// (to 2^-16), so k * spacing is y in the mean. t + u is one fp32 addition, exact below 16
+// and never carried past an integer above it, so floor gives every loop the same k. The
+// result is a point of the grid (at most 448, since |y| <= 448 and 448 is one), which the
+// nearest-even encoder then codes exactly. The second moment keeps a positive y off code 0
+// (k = 0 becomes 1, as fp8_encode_state does). NaN and infinity are left as they are.
+// The 16 bits come from one more hash of the master's rounding bits of the element
+// (state_bits): the top half for the first moment, the bottom half for the second.
+constexpr uint32_t kStateSalt = 0x68E31DA4u;
+
+inline uint32_t state_bits(uint32_t key, int64_t index) { return hash32(sr_bits(key, index) ^ kStateSalt); }
+
+inline float fp8_stochastic(float y, uint32_t u16, bool second) {
+  const uint32_t a = f2u(y) & 0x7FFFFFFFu;
+  if (a >= kFp8Inf) return y;
+  const uint32_t eb = std::max(a >> 23, 121u);  // biased exponent, at least -6's
+  const float t = u2f(a) * u2f((257u - eb) << 23);  // |y| * 2^(3 - Ey)
+  float k = std::floor(t + static_cast<float>(u16) * 0x1p-16f);
+  if (second && t > 0.0f && k == 0.0f) k = 1.0f;
+  return u2f(f2u(k * u2f((eb - 3u) << 23)) | (f2u(y) & 0x80000000u));
+}
+
 inline float load_state(const LeanArgs& a, const void* s, const float* scale, int64_t i, bool second) {
   switch (a.state_format) {
     case kStateBF16: return bf16_to_float(static_cast<const c10::BFloat16*>(s)[i]);
@@ -205,9 +230,11 @@ inline float load_state(const LeanArgs& a, const void* s, const float* scale, in
 }
 
 // Writes x[0, len) as block `block` of the state s: bf16 (nearest even), fp32, or E4M3 codes
-// and the block's scale (x is sqrt(v) for the second moment's codes).
+// and the block's scale (x is sqrt(v) for the second moment's codes), the codes rounded
+// stochastically with state_bits `bits` (the first moment its top 16, the second its bottom
+// 16; see [Note: stochastic rounding of the 8-bit states]) or, without, to nearest even.
 inline void store_state(const LeanArgs& a, void* s, float* scale, int64_t begin, int64_t len,
-                        const float* x, bool second) {
+                        const float* x, bool second, const uint32_t* bits) {
   if (a.state_format == kStateF32) {
     std::memcpy(static_cast<float*>(s) + begin, x, len * sizeof(float));
   } else if (a.state_format == kStateBF16) {
@@ -219,7 +246,14 @@ inline void store_state(const LeanArgs& a, void* s, float* scale, int64_t begin,
     const Fp8Scale sc = fp8_scale(amax);
     scale[begin / kQBlock] = sc.scale;
     auto* out = static_cast<uint8_t*>(s) + begin;
-    for (int64_t j = 0; j < len; ++j) out[j] = fp8_encode_state(x[j] * sc.rcp, second);
+    if (bits == nullptr) {
+      for (int64_t j = 0; j < len; ++j) out[j] = fp8_encode_state(x[j] * sc.rcp, second);
+    } else {
+      for (int64_t j = 0; j < len; ++j) {
+        const uint32_t u16 = second ? bits[j] & 0xFFFFu : bits[j] >> 16;
+        out[j] = fp8_encode_state(fp8_stochastic(x[j] * sc.rcp, u16, second), second);
+      }
+    }
   }
 }
 
@@ -268,8 +302,12 @@ void lean_block(const LeanArgs& a, int64_t begin, int64_t len) {
       a.compensation[i] = c10::BFloat16(p - bf16_to_float(hi));
     }
   }
-  store_state(a, a.exp_avg, a.exp_avg_scale, begin, len, m_new, false);
-  store_state(a, a.exp_avg_sq, a.exp_avg_sq_scale, begin, len, v_new, true);
+  uint32_t bits[kQBlock];  // [Note: stochastic rounding of the 8-bit states]
+  if (q8) {
+    for (int64_t j = 0; j < len; ++j) bits[j] = state_bits(a.key, a.counter_offset + begin + j);
+  }
+  store_state(a, a.exp_avg, a.exp_avg_scale, begin, len, m_new, false, q8 ? bits : nullptr);
+  store_state(a, a.exp_avg_sq, a.exp_avg_sq_scale, begin, len, v_new, true, q8 ? bits : nullptr);
 }
 
 #if RAMFLOW_X86
@@ -468,6 +506,65 @@ RAMFLOW_AVX2 inline uint32_t max_lane_u32(__m256i x) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
 }
 
+// fp8_stochastic of 8 lanes: y = x / scale; u16 the random bits, one per lane (below 2^16).
+template <bool kSecond>
+RAMFLOW_AVX2 inline __m256 fp8x8_stochastic(__m256 y, __m256i u16) {
+  const __m256i a = _mm256_and_si256(_mm256_castps_si256(y), I8(0x7FFFFFFF));
+  const __m256i eb = _mm256_max_epi32(_mm256_srli_epi32(a, 23), I8(121));
+  const __m256 t = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(I8(257), eb), 23)));
+  __m256 k = _mm256_floor_ps(_mm256_add_ps(t, _mm256_mul_ps(_mm256_cvtepi32_ps(u16), _mm256_set1_ps(0x1p-16f))));
+  if (kSecond) k = _mm256_max_ps(k, _mm256_and_ps(_mm256_cmp_ps(t, _mm256_setzero_ps(), _CMP_GT_OQ), _mm256_set1_ps(1.0f)));
+  __m256i r = _mm256_castps_si256(_mm256_mul_ps(k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(eb, I8(3)), 23))));
+  r = _mm256_or_si256(r, _mm256_andnot_si256(I8(0x7FFFFFFF), _mm256_castps_si256(y)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), y, _mm256_castsi256_ps(_mm256_cmpgt_epi32(a, I8(kFp8Inf - 1))));
+}
+
+// The 8-bit states of one block before coding (m: the first moment, s: sqrt(v), in the
+// loop's order: element order, or split order for kSplit, see [Note: the lean step in even
+// and odd lanes]) replaced by x / scale rounded stochastically onto the E4M3 grid, with the
+// element's state_bits ([Note: stochastic rounding of the 8-bit states]). index0: the
+// counter of the block's first element, a multiple of kQBlock (so no lane crosses 2^32).
+template <bool kSplit>
+RAMFLOW_AVX2 void stochastic_block8(float* m, float* s, float m_rcp, float s_rcp, uint32_t key, int64_t index0) {
+  const __m256i lane = kSplit ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14) : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i hi = I8(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
+  const __m256 mr = _mm256_set1_ps(m_rcp);
+  const __m256 sr = _mm256_set1_ps(s_rcp);
+  for (int64_t j = 0; j < kQBlock; j += 8) {
+    const int64_t first = kSplit ? (j & ~int64_t{15}) + ((j & 8) != 0) : j;  // lane 0's element
+    const __m256i idx = _mm256_add_epi32(I8(static_cast<uint32_t>(index0 + first)), lane);
+    const __m256i sr_bits = hash32_8(_mm256_add_epi32(hash32_8(_mm256_xor_si256(idx, I8(key))), hi));
+    const __m256i bits = hash32_8(_mm256_xor_si256(sr_bits, I8(kStateSalt)));
+    _mm256_store_ps(m + j, fp8x8_stochastic<false>(_mm256_mul_ps(_mm256_load_ps(m + j), mr), _mm256_srli_epi32(bits, 16)));
+    _mm256_store_ps(s + j, fp8x8_stochastic<true>(_mm256_mul_ps(_mm256_load_ps(s + j), sr), _mm256_and_si256(bits, I8(0xFFFF))));
+  }
+}
+
+// The bits of 448: as an absmax, it gives the fast encoder the scale 1.
+constexpr uint32_t kBits448 = 0x43E00000u;
+
+template <bool kSecond, bool kSplit>
+RAMFLOW_AVX2 float encode_block8_any(const float* x, uint32_t amax_bits, uint8_t* out);
+
+// One block's 8-bit states from the loop's arrays (m_new, s_new = sqrt(v), in its order)
+// and the integer maxima of their bits (m_bits, s_bits, [Note: the FP8 encoder's fast
+// blocks]): each scale from the values as they are, then the values rounded stochastically
+// on its grid (stochastic_block8), then coded at scale 1 by the nearest-even encoders,
+// which leave the grid's points as they are.
+template <bool kSplit>
+RAMFLOW_AVX2 void store_q8_block8(const LeanArgs& a, int64_t block, float* m_new, float* s_new, uint32_t m_bits,
+                                  uint32_t s_bits) {
+  const int64_t begin = block * kQBlock;
+  const Fp8Scale ms = fp8_scale(m_bits >= kFp8Inf ? block_amax(m_new, kQBlock) : u2f(m_bits));
+  const Fp8Scale vs = fp8_scale(s_bits >= kFp8Inf ? block_amax(s_new, kQBlock) : u2f(s_bits));
+  stochastic_block8<kSplit>(m_new, s_new, ms.rcp, vs.rcp, a.key, a.counter_offset + begin);
+  // a block without NaN or infinity is still without; one with takes the exact encoder
+  encode_block8_any<false, kSplit>(m_new, m_bits >= kFp8Inf ? kFp8Inf : kBits448, static_cast<uint8_t*>(a.exp_avg) + begin);
+  encode_block8_any<true, kSplit>(s_new, s_bits >= kFp8Inf ? kFp8Inf : kBits448, static_cast<uint8_t*>(a.exp_avg_sq) + begin);
+  a.exp_avg_scale[block] = ms.scale;
+  a.exp_avg_sq_scale[block] = vs.scale;
+}
+
 // One block of 8-bit states, as both AVX2 loops read it: each state's scale (the fast
 // decoder's, a float times 2^120, or the exact one's) and whether the block takes the
 // exact decoder (a zero or huge scale, or a special code: block_has_special8).
@@ -495,8 +592,6 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
   uint16_t* const compensation = reinterpret_cast<uint16_t*>(a.compensation);
   void* const exp_avg = a.exp_avg;
   void* const exp_avg_sq = a.exp_avg_sq;
-  float* const exp_avg_scale = a.exp_avg_scale;
-  float* const exp_avg_sq_scale = a.exp_avg_sq_scale;
   uint16_t* const wire_out = static_cast<uint16_t*>(a.wire_out);
   const int32_t wire_dtype = a.wire_dtype;
   const int64_t counter_offset = a.counter_offset;
@@ -618,10 +713,7 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
         _mm_storeu_si128(reinterpret_cast<__m128i*>(compensation + i), to_bf16_8(_mm256_sub_ps(p, hi)));
       }
     }
-    if constexpr (kState == kStateQ8) {
-      exp_avg_scale[block] = encode_block8<false>(m_new, max_lane_u32(m_max), static_cast<uint8_t*>(exp_avg) + begin);
-      exp_avg_sq_scale[block] = encode_block8<true>(s_new, max_lane_u32(s_max), static_cast<uint8_t*>(exp_avg_sq) + begin);
-    }
+    if constexpr (kState == kStateQ8) store_q8_block8<false>(a, block, m_new, s_new, max_lane_u32(m_max), max_lane_u32(s_max));
   }
 }
 #endif  // RAMFLOW_X86

@@ -70,6 +70,7 @@ _MASTER_F32, _MASTER_SR, _MASTER_KAHAN = 0, 1, 2
 _STATE_F32, _STATE_BF16, _STATE_Q8 = 0, 1, 2
 _STATE_FORMAT = {torch.float32: _STATE_F32, torch.bfloat16: _STATE_BF16, torch.uint8: _STATE_Q8}
 _MASK32 = 0xFFFFFFFF
+_STATE_SALT = 0x68E31DA4  # [Note: stochastic rounding of the 8-bit states]
 
 
 # [Note: counter-based stochastic rounding]
@@ -254,8 +255,40 @@ def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, 
             second (``exp_avg_sq``, never negative, coded as sqrt(x) / scale, and a positive
             value never as code 0).
 
-    Returns: (codes, scales) on ``x``'s device; codes round to nearest even.
+    Returns: (codes, scales) on ``x``'s device; codes round to nearest even (a lean step
+    rounds its states' codes stochastically instead, see [Note: stochastic rounding of the
+    8-bit states]; conversions and checkpoints use this).
     """
+    return _quantize(x, signed=signed, u16=None)
+
+
+def _state_bits(key: int, counter_offset: int, n: int, device: torch.device | None) -> torch.Tensor:
+    """The 32 random bits (n,) int64 of the 8-bit states' rounding of elements
+    counter_offset .. counter_offset + n - 1: one more hash of the master's (``_sr_bits``).
+    See [Note: stochastic rounding of the 8-bit states]."""
+    return _hash32(_sr_bits(key, counter_offset, n, device) ^ _STATE_SALT)
+
+
+def _fp8_stochastic(y: torch.Tensor, u16: torch.Tensor, *, second: bool) -> torch.Tensor:
+    """fp32 ``y`` rounded onto the E4M3 grid stochastically with 16 random bits ``u16``
+    (int64, same shape) each, as the native ``fp8_stochastic``: a point of the grid, NaN
+    and infinity as they are. See [Note: stochastic rounding of the 8-bit states]."""
+    a = y.view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    ey = ((a >> 23) - 127).clamp(min=-6)  # the grid's spacing at y is 2**(ey - 3)
+    t = a.to(torch.int32).view(torch.float32) * _pow2(3 - ey)  # exact
+    k = torch.floor(t + u16.to(torch.float32) * 2.0**-16)  # one fp32 addition, then floor
+    if second:  # a positive value never code 0
+        k = torch.where((t > 0) & (k == 0), 1.0, k)
+    r = k * _pow2(ey - 3)  # exact, >= +0
+    r = r.view(torch.int32) | (y.view(torch.int32) & torch.iinfo(torch.int32).min)  # y's sign
+    return torch.where(a >= 0x7F800000, y, r.view(torch.float32))
+
+
+def _quantize(
+    x: torch.Tensor, *, signed: bool, u16: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_blockwise``, the codes rounded to nearest even (``u16`` None) or
+    stochastically with ``u16`` (n,) int64, 16 random bits per element."""
     n = x.numel()
     y = x.reshape(-1).to(torch.float32)
     if not signed:  # the fp64 root rounded to fp32 is correctly rounded, as C++'s sqrt
@@ -264,6 +297,9 @@ def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, 
     # NaN left out of the absmax, as the native code's running max and Triton's leave it
     e = _scale_exponents(torch.where(blocks.isnan(), 0.0, blocks.abs()).amax(dim=1))
     y = blocks * _pow2(-e)[:, None]  # |y| <= 448 where finite
+    if u16 is not None:  # the scale is the unrounded block's; the rounded y stays <= 448
+        u16 = torch.nn.functional.pad(u16, (0, -n % QBLOCK)).view(-1, QBLOCK)
+        y = _fp8_stochastic(y, u16, second=not signed)
     q = y.to(torch.float8_e4m3fn).view(torch.uint8)
     # infinity and NaN as 0x7F: torch 2.13 saturates infinity to 448, older ones made it NaN
     q = torch.where(torch.isfinite(y), q, q | 0x7F)
@@ -428,9 +464,12 @@ def _load_state(s: torch.Tensor, scale: torch.Tensor | None, *, signed: bool) ->
     return s.to(torch.float32)
 
 
-def _store_state(s: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor, *, signed: bool):
-    if s.dtype == torch.uint8:
-        q, sc = quantize_blockwise(x, signed=signed)
+def _store_state(
+    s: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor, *, signed: bool,
+    bits: torch.Tensor | None,
+):  # fmt: skip
+    if s.dtype == torch.uint8:  # [Note: stochastic rounding of the 8-bit states]
+        q, sc = _quantize(x, signed=signed, u16=(bits >> 16) if signed else (bits & 0xFFFF))
         s.copy_(q)
         scale.copy_(sc)
     else:
@@ -461,8 +500,11 @@ def _step_torch(
     bc2_sqrt = c["bc2_sqrt"] if v.device.type == "cpu" else v.new_tensor(c["bc2_sqrt"])
     denom = v.double().sqrt().float() / bc2_sqrt + c["eps"]
     p = p + (m * c["neg_step_size"]) / denom
-    _store_state(exp_avg.view(-1), m_scale, m, signed=True)
-    _store_state(exp_avg_sq.view(-1), v_scale, v, signed=False)
+    bits = None
+    if exp_avg.dtype == torch.uint8:
+        bits = _state_bits(key, counter_offset, m.numel(), m.device)
+    _store_state(exp_avg.view(-1), m_scale, m, signed=True, bits=bits)
+    _store_state(exp_avg_sq.view(-1), v_scale, v, signed=False, bits=bits)
     if master.dtype == torch.float32:
         master.view(-1).copy_(p)
         if wire_out is not None:

@@ -128,6 +128,16 @@ RAMFLOW_AVX2 inline float encode_split(const float* x, uint32_t amax_bits, uint8
   return f.scale;
 }
 
+// encode_block8 (element order) or encode_split (split order) of x at scale 1 (amax_bits:
+// kBits448, or kFp8Inf where the block holds a NaN or an infinity); see store_q8_block8.
+template <bool kSecond, bool kSplit>
+RAMFLOW_AVX2 float encode_block8_any(const float* x, uint32_t amax_bits, uint8_t* out) {
+  if (amax_bits >= kFp8Inf) {
+    return kSplit ? encode_split_exact<kSecond>(x, 448.0f, out) : encode_block8_exact<kSecond>(x, 448.0f, out);
+  }
+  return kSplit ? encode_split<kSecond>(x, amax_bits, out) : encode_block8<kSecond>(x, amax_bits, out);
+}
+
 // [Note: the rounding bits in fewer operations]
 // sr_bits(key, i) is hash32(hash32(lo ^ key) + hi) with lo, hi the counter's words, and the
 // rounding reads its top 16 bits: 4 multiplies and 9 shifts a lane. Where a block starts on
@@ -186,8 +196,6 @@ RAMFLOW_AVX2 void lean_blocks_avx2_split(const LeanArgs& a, int64_t block_begin,
   const uint16_t* const compensation = reinterpret_cast<const uint16_t*>(a.compensation);
   void* const exp_avg = a.exp_avg;
   void* const exp_avg_sq = a.exp_avg_sq;
-  float* const exp_avg_scale = a.exp_avg_scale;
-  float* const exp_avg_sq_scale = a.exp_avg_sq_scale;
   const int64_t counter_offset = a.counter_offset;
   const bool apply_scale = a.apply_scale != 0;
   const bool apply_decay = a.apply_decay != 0;
@@ -297,10 +305,7 @@ RAMFLOW_AVX2 void lean_blocks_avx2_split(const LeanArgs& a, int64_t block_begin,
         store_bf16x16(a.compensation, i, bf16_nearest_top(rest_e), bf16_nearest_top(rest_o));
       }
     }
-    if constexpr (kState == kStateQ8) {
-      exp_avg_scale[block] = encode_split<false>(m_new, max_lane_u32(m_max), static_cast<uint8_t*>(exp_avg) + begin);
-      exp_avg_sq_scale[block] = encode_split<true>(s_new, max_lane_u32(s_max), static_cast<uint8_t*>(exp_avg_sq) + begin);
-    }
+    if constexpr (kState == kStateQ8) store_q8_block8<true>(a, block, m_new, s_new, max_lane_u32(m_max), max_lane_u32(s_max));
   }
 }
 #endif  // RAMFLOW_X86

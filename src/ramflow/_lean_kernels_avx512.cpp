@@ -179,6 +179,47 @@ RAMFLOW_AVX512 inline __m512i sr_bits_from_x1_16(__m512i x1) {
   return _mm512_mullo_epi32(y, I16(kHashC2));
 }
 
+// As fp8x8_stochastic, 16 lanes.
+template <bool kSecond>
+RAMFLOW_AVX512 inline __m512 fp8x16_stochastic(__m512 y, __m512i u16) {
+  const __m512i a = _mm512_and_si512(_mm512_castps_si512(y), I16(0x7FFFFFFF));
+  const __m512i eb = _mm512_max_epi32(_mm512_srli_epi32(a, 23), I16(121));
+  const __m512 t = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(I16(257), eb), 23)));
+  __m512 k = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_mul_ps(_mm512_cvtepi32_ps(u16), _mm512_set1_ps(0x1p-16f))),
+                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  if (kSecond) k = _mm512_mask_max_ps(k, _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GT_OQ), k, _mm512_set1_ps(1.0f));
+  __m512i r = _mm512_castps_si512(_mm512_mul_ps(k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(eb, I16(3)), 23))));
+  r = _mm512_ternarylogic_epi32(r, _mm512_castps_si512(y), I16(0x80000000u), 0xF8);  // r | (y & sign)
+  return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmpge_epu32_mask(a, I16(kFp8Inf)), y);
+}
+
+// As store_q8_block8 (element order), 16 lanes.
+RAMFLOW_AVX512 void store_q8_block16(const LeanArgs& a, int64_t block, float* m_new, float* s_new, uint32_t m_bits,
+                                     uint32_t s_bits) {
+  const int64_t begin = block * kQBlock;
+  const Fp8Scale ms = fp8_scale(m_bits >= kFp8Inf ? block_amax(m_new, kQBlock) : u2f(m_bits));
+  const Fp8Scale vs = fp8_scale(s_bits >= kFp8Inf ? block_amax(s_new, kQBlock) : u2f(s_bits));
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int64_t index0 = a.counter_offset + begin;
+  const __m512i hi = I16(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
+  const __m512i key = I16(a.key);
+  const __m512 mr = _mm512_set1_ps(ms.rcp);
+  const __m512 sr = _mm512_set1_ps(vs.rcp);
+  for (int64_t j = 0; j < kQBlock; j += 16) {
+    const __m512i idx = _mm512_add_epi32(I16(static_cast<uint32_t>(index0 + j)), lane);
+    const __m512i sr_bits = hash32_16(_mm512_add_epi32(hash32_16(_mm512_xor_si512(idx, key)), hi));
+    const __m512i bits = hash32_16(_mm512_xor_si512(sr_bits, I16(kStateSalt)));
+    _mm512_store_ps(m_new + j, fp8x16_stochastic<false>(_mm512_mul_ps(_mm512_load_ps(m_new + j), mr), _mm512_srli_epi32(bits, 16)));
+    _mm512_store_ps(s_new + j, fp8x16_stochastic<true>(_mm512_mul_ps(_mm512_load_ps(s_new + j), sr), _mm512_and_si512(bits, I16(0xFFFF))));
+  }
+  uint8_t* const qm = static_cast<uint8_t*>(a.exp_avg) + begin;
+  uint8_t* const qv = static_cast<uint8_t*>(a.exp_avg_sq) + begin;
+  if (m_bits >= kFp8Inf) encode_block16_exact<false>(m_new, 448.0f, qm); else encode_block16<false>(m_new, kBits448, qm);
+  if (s_bits >= kFp8Inf) encode_block16_exact<true>(s_new, 448.0f, qv); else encode_block16<true>(s_new, kBits448, qv);
+  a.exp_avg_scale[block] = ms.scale;
+  a.exp_avg_sq_scale[block] = vs.scale;
+}
+
 template <int kGrad, int kMaster, int kState>
 RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, int64_t block_end) {
   const void* const grad = a.grad;
@@ -334,8 +375,7 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
       }
     }
     if constexpr (kState == kStateQ8) {
-      exp_avg_scale[block] = encode_block16<false>(m_new, _mm512_reduce_max_epu32(m_max), static_cast<uint8_t*>(exp_avg) + begin);
-      exp_avg_sq_scale[block] = encode_block16<true>(s_new, _mm512_reduce_max_epu32(s_max), static_cast<uint8_t*>(exp_avg_sq) + begin);
+      store_q8_block16(a, block, m_new, s_new, _mm512_reduce_max_epu32(m_max), _mm512_reduce_max_epu32(s_max));
     }
   }
 }
@@ -515,7 +555,7 @@ extern "C" int ramflow_fp8_quantize_blocks(const float* x, int64_t n, int32_t se
       continue;
     }
 #endif
-    store_state(a, q, scale, begin, len, y, second != 0);
+    store_state(a, q, scale, begin, len, y, second != 0, nullptr);
   }
   return 0;
 }

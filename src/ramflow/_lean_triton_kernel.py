@@ -60,6 +60,24 @@ def _fp8_encode(y, SECOND: tl.constexpr):
 
 
 @triton.jit
+def _fp8_stochastic(y, u16, SECOND: tl.constexpr):
+    # y rounded onto the E4M3 grid stochastically with the 16 random bits u16 (uint32), as
+    # _lean_kernels.cpp's fp8_stochastic: see [Note: stochastic rounding of the 8-bit
+    # states] in _lean_kernels.py. Powers of two from their bits; t exact; one fp32 add
+    # (a fused multiply-add would give the same: u16 * 2**-16 is exact)
+    yb = y.to(tl.uint32, bitcast=True)
+    a = yb & 0x7FFFFFFF
+    eb = tl.maximum(a >> 23, tl.full(a.shape, 121, tl.uint32))
+    t = a.to(tl.float32, bitcast=True) * ((257 - eb) << 23).to(tl.float32, bitcast=True)
+    k = tl.floor(t + u16.to(tl.float32) * 1.52587890625e-05)
+    if SECOND:
+        k = tl.where((t > 0.0) & (k == 0.0), 1.0, k)
+    r = (k * ((eb - 3) << 23).to(tl.float32, bitcast=True)).to(tl.uint32, bitcast=True)
+    r = (r | (yb & tl.full(yb.shape, 0x80000000, tl.uint32))).to(tl.float32, bitcast=True)
+    return tl.where(a >= 0x7F800000, y, r)
+
+
+@triton.jit
 def _fp8_scale_exponent(amax):
     # the block scale's exponent: see [Note: 8-bit states in FP8 with power-of-two block
     # scales] in _lean_kernels.py
@@ -123,8 +141,16 @@ def lean_adamw_kernel(
         tl.store(v_scale_ptr + rows, ((ve + 127) << 23).to(tl.float32, bitcast=True), mask=row_mask)
         m_rcp = ((127 - me) << 23).to(tl.float32, bitcast=True)
         v_rcp = ((127 - ve) << 23).to(tl.float32, bitcast=True)
-        mq = _fp8_encode(m * m_rcp[:, None], False)
-        vq = _fp8_encode(sq * v_rcp[:, None], True)
+        # stochastic rounding of the codes: see [Note: stochastic rounding of the 8-bit
+        # states]; 32 bits per element, one hash of the master's rounding bits
+        counter = idx + counter_offset
+        k = key.to(tl.uint32)
+        bits = _hash32(_hash32(counter.to(tl.uint32) ^ k) + (counter >> 32).to(tl.uint32))
+        bits = _hash32(bits ^ tl.full(bits.shape, 0x68E31DA4, tl.uint32))
+        y_m = _fp8_stochastic(m * m_rcp[:, None], bits >> 16, False)
+        y_v = _fp8_stochastic(sq * v_rcp[:, None], bits & 0xFFFF, True)
+        mq = _fp8_encode(y_m, False)
+        vq = _fp8_encode(y_v, True)
         tl.store(m_ptr + idx, mq, mask=mask)
         tl.store(v_ptr + idx, vq, mask=mask)
     elif STATE == 1:
