@@ -31,7 +31,29 @@ CASES = [
     (300, "fp32", torch.uint8, torch.bfloat16, torch.float16, 0.7, 0.01, 0),
     (5000, "sr", torch.uint8, torch.bfloat16, None, 1.0, 0.0, (1 << 32) + 512),
     (1536, "sr", torch.float32, torch.float32, None, 1.0, 0.0, 0),
+    # gradients of most kinds of 8-bit block (_hard_grads): the codes' stochastic rounding
+    # on subnormal codes, zeros, -0.0, fp32 subnormals, codes of 0, and a tail
+    (12 * 256 + 77, "sr", torch.uint8, torch.bfloat16, None, 1.0, 0.0, (1 << 32) + 256),
+    (12 * 256 + 77, "fp32", torch.uint8, torch.float32, torch.bfloat16, 1.0, 0.01, 0),
 ]
+HARD = 12 * 256 + 77  # the size of the cases with _hard_grads
+
+
+def _hard_grads(n, gen):
+    """Gradients (n,) fp32, one kind of 8-bit block each, then a tail (as
+    test_cpu_kernels' hard blocks, less NaN and infinity: there the PyTorch path's NaN
+    payloads differ from the kernel's in the master and its wire copy, unrelated to the
+    states' codes, whose NaN and infinity test_lean_state_rounding covers)."""
+    blocks = [torch.randn(256, generator=gen) * 1e-2 for _ in range(12)]
+    blocks[1][17] = 0.0
+    blocks[2][::7] *= 2.0**-13  # subnormal codes next to normal ones
+    blocks[3][::2] *= 2.0**-20
+    blocks[4][5] = 1e3  # one lane 10**5 above the rest
+    blocks[5].zero_()
+    blocks[6] *= 1e-36  # fp32 subnormal squares
+    blocks[7][:] = -0.0
+    blocks[8][::3] *= 2.0**-30  # codes of 0
+    return torch.cat(blocks + [torch.randn(n - 12 * 256, generator=gen) * 1e-2])
 
 
 def _tensors(n, master, states, grad_dtype, wire, gen):
@@ -69,8 +91,11 @@ def mismatches(device: str) -> list[str]:
         if master == "sr" and states == torch.float32:
             ref[0][5] = new[0][5] = float("nan")  # NaN rounds to 0x7FC0 in both
         for step in (1, 2, 7):
-            g = (torch.randn(n, generator=gen) * 1e-2).to(grad_dtype).to(device)
-            if n > 300:
+            g = torch.randn(n, generator=gen) * 1e-2
+            if n == HARD:
+                g = _hard_grads(n, gen)
+            g = g.to(grad_dtype).to(device)
+            if n > 300 and n != HARD:
                 g[256:512] = 0.0
             c = lk._coefficients(
                 step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd

@@ -327,6 +327,30 @@ def _quantize_blockwise_native(
     return q, scale
 
 
+def _quantize_stochastic_native(
+    m: torch.Tensor, v: torch.Tensor, *, key: int, counter_offset: int, split: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The moments ``m`` and ``v`` (n,) fp32 as a lean step's native code stores them, with
+    stochastic rounding: (m codes, m scales, v codes, v scales); ``split``: by AVX2's loop in
+    even and odd lanes. None where the native code is not available. For the tests, which
+    compare it with ``_quantize`` bit for bit."""
+    lib = _LEAN.get()
+    if lib is None:
+        return None
+    m = m.reshape(-1).to(torch.float32).contiguous()
+    v = v.reshape(-1).to(torch.float32).contiguous()
+    n = m.numel()
+    assert v.numel() == n and counter_offset % QBLOCK == 0
+    qm, qv = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+    ms, vs = (torch.empty(-(-n // QBLOCK), dtype=torch.float32) for _ in range(2))
+    rc = lib.ramflow_fp8_stochastic_blocks(
+        m.data_ptr(), v.data_ptr(), n, key, counter_offset, int(split), qm.data_ptr(),
+        qv.data_ptr(), ms.data_ptr(), vs.data_ptr(),
+    )  # fmt: skip
+    assert rc == 0, rc
+    return qm, ms, qv, vs
+
+
 def _dequantize_blockwise_native(
     q: torch.Tensor, scale: torch.Tensor, *, signed: bool
 ) -> torch.Tensor | None:
@@ -415,6 +439,11 @@ class _LeanLibrary(KernelLibrary):
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
         ]  # fmt: skip
         lib.ramflow_fp8_quantize_blocks.restype = ctypes.c_int
+        lib.ramflow_fp8_stochastic_blocks.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int64,
+            ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ]  # fmt: skip
+        lib.ramflow_fp8_stochastic_blocks.restype = ctypes.c_int
         lib.ramflow_fp8_dequantize_blocks.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
         ]  # fmt: skip

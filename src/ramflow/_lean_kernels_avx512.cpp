@@ -560,6 +560,59 @@ extern "C" int ramflow_fp8_quantize_blocks(const float* x, int64_t n, int32_t se
   return 0;
 }
 
+// The moments m and v (n,) as a lean step stores them (codes and scales, with stochastic
+// rounding keyed by `key` and the counter from `counter_offset`, a multiple of kQBlock): by
+// the store of lean_isa()'s loop on whole blocks (AVX2's split loop's with `split`), the
+// scalar one on a last partial block. For the tests.
+extern "C" int ramflow_fp8_stochastic_blocks(const float* m, const float* v, int64_t n, uint32_t key,
+                                             int64_t counter_offset, int32_t split, uint8_t* qm, uint8_t* qv,
+                                             float* m_scale, float* v_scale) {
+  LeanArgs a{};
+  a.state_format = kStateQ8;
+  a.exp_avg = qm;
+  a.exp_avg_sq = qv;
+  a.exp_avg_scale = m_scale;
+  a.exp_avg_sq_scale = v_scale;
+  a.key = key;
+  a.counter_offset = counter_offset;
+  const int isa = lean_isa();
+  alignas(64) float mb[kQBlock];
+  alignas(64) float sb[kQBlock];
+  uint32_t bits[kQBlock];
+  for (int64_t begin = 0; begin < n; begin += kQBlock) {
+    const int64_t len = std::min(kQBlock, n - begin);
+    const bool permute = split && len == kQBlock && isa == 2;  // kIsaAvx2: its split loop
+    for (int64_t j = 0; j < len; ++j) {  // 8 even, then 8 odd elements of each 16
+      const int64_t at = permute ? (j & ~int64_t{15}) + (j & 7) * 2 + ((j & 8) != 0) : j;
+      mb[j] = m[begin + at];
+      sb[j] = std::sqrt(v[begin + at]);
+    }
+#if RAMFLOW_X86
+    if (len == kQBlock && isa != kIsaScalar) {
+      uint32_t m_bits = 0;  // as the step takes them: [Note: the FP8 encoder's fast blocks]
+      uint32_t s_bits = 0;
+      for (int64_t j = 0; j < len; ++j) {
+        m_bits = std::max(m_bits, f2u(mb[j]) & 0x7FFFFFFFu);
+        s_bits = std::max(s_bits, f2u(sb[j]));
+      }
+      const int64_t block = begin / kQBlock;
+      if (isa == kIsaAvx512) {
+        store_q8_block16(a, block, mb, sb, m_bits, s_bits);
+      } else if (split) {
+        store_q8_block8<true>(a, block, mb, sb, m_bits, s_bits);
+      } else {
+        store_q8_block8<false>(a, block, mb, sb, m_bits, s_bits);
+      }
+      continue;
+    }
+#endif
+    for (int64_t j = 0; j < len; ++j) bits[j] = state_bits(key, counter_offset + begin + j);
+    store_state(a, qm, m_scale, begin, len, mb, false, bits);
+    store_state(a, qv, v_scale, begin, len, sb, true, bits);
+  }
+  return 0;
+}
+
 // The values of E4M3 codes q (n,) with one scale per block of kQBlock, as a lean step reads
 // a state (`second`: the second moment, squared), by the decoder of lean_isa(): the normal
 // decoder for each whole block without special codes. For the tests.

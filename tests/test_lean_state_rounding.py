@@ -1,0 +1,198 @@
+"""Stochastic rounding of the lean formats' 8-bit state codes ([Note: stochastic rounding of
+the 8-bit states] in ``ramflow._lean_kernels``).
+
+Three kinds of test: every implementation codes the same bits (the PyTorch path and the
+native store of each loop: scalar, AVX2 in element order and in even and odd lanes,
+AVX-512; the Triton kernel is held to the PyTorch path in ``test_lean_triton``, the whole
+step in ``test_host_formats`` and ``test_cpu_kernels``); the rounding is unbiased; and a lean
+step's second moment follows fp32's over hundreds of steps, which nearest-even codes do not
+("state staleness", Topollai & Choromanska 2026, arXiv 2603.16731).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bit_compare import assert_bits_equal
+from ramflow import _lean_kernels
+from ramflow._lean_kernels import (
+    QBLOCK,
+    dequantize_blockwise,
+    lean_adamw_step_,
+    quantize_blockwise,
+    rounding_key,
+)
+
+
+def _use_lean_isa(isa: str, monkeypatch) -> None:
+    if not _lean_kernels.lean_kernel_available():
+        pytest.skip("the native lean kernels are not available here")
+    monkeypatch.setenv("RAMFLOW_LEAN_ISA", isa)
+    if _lean_kernels.lean_isa() != isa:
+        pytest.skip(f"this CPU runs the lean step in {_lean_kernels.lean_isa()}, not {isa}")
+
+
+def _hard_moments(gen: torch.Generator) -> torch.Tensor:
+    """fp32 values, blocks of 256 and a partial one, whose codes take every path: values at,
+    next to and between E4M3's grid points at every exponent (block absmax 448, scale 1);
+    values below the normal range (subnormal codes and codes of 0, next to larger ones in
+    one block); blocks at a tiny scale (clamped at 2**-126) and a huge one; zeros; -0.0;
+    NaN and infinities; random blocks; a tail of 77."""
+    upper = torch.arange(1 << 12, dtype=torch.int64) << 20
+    lows = [0, 1, 0x7FFFF, 0x80000, 0x80001, 0xFFFFF, 0x3A5C1]
+    b = torch.cat([upper | low for low in lows])
+    x = torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32)
+    sub = torch.arange(-64, 65, dtype=torch.float32) * 2.0**-12
+    x = torch.cat([x, sub, torch.nextafter(sub, sub + 1)])
+    x = x[x.abs() <= 448]
+    x = x[torch.randperm(x.numel(), generator=gen)]
+    grid = torch.nn.functional.pad(x, (0, -x.numel() % 255)).view(-1, 255)
+    grid = torch.cat([grid, torch.full((grid.shape[0], 1), 448.0)], dim=1)
+    blocks = [grid.flatten()]
+    for scale in (1e-40, 3e-39, 1e30, 1e-20):
+        blocks.append(torch.randn(256, generator=gen) * scale)
+    spread = torch.randn(256, generator=gen) * torch.exp(torch.randn(256, generator=gen) * 6)
+    blocks += [spread, torch.zeros(256), torch.full((256,), -0.0)]
+    odd = torch.randn(256, generator=gen)
+    odd[[3, 100, 200]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    blocks += [odd, torch.randn(256 * 3 + 77, generator=gen)]
+    return torch.cat(blocks)
+
+
+def _torch_codes(m: torch.Tensor, v: torch.Tensor, key: int, counter_offset: int):
+    """The PyTorch path's stochastically rounded codes of m and v, as ``_step_torch``."""
+    bits = _lean_kernels._state_bits(key, counter_offset, m.numel(), None)
+    qm, ms = _lean_kernels._quantize(m, signed=True, u16=bits >> 16)
+    qv, vs = _lean_kernels._quantize(v, signed=False, u16=bits & 0xFFFF)
+    return qm, ms, qv, vs
+
+
+@pytest.mark.parametrize("counter_offset", [0, (1 << 32) + 3 * QBLOCK])
+@pytest.mark.parametrize(
+    "isa,split", [("avx512", False), ("avx2", False), ("avx2", True), ("scalar", False)]
+)
+def test_native_stochastic_codes_are_the_pytorch_paths(isa, split, counter_offset, monkeypatch):
+    """The native store of the step's loop for ``isa`` (AVX2: both loops) codes the moments
+    as the PyTorch path does, bit for bit, on blocks that take every path of the encoders;
+    with a counter past 2**32 the random bits take its high word."""
+    _use_lean_isa(isa, monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    m = _hard_moments(gen)
+    v = _hard_moments(gen).roll(1000).square()
+    v[[7, 9000]] = torch.tensor([float("nan"), float("inf")])
+    key = rounding_key(77, 3)
+    got = _lean_kernels._quantize_stochastic_native(
+        m, v, key=key, counter_offset=counter_offset, split=split
+    )
+    want = _torch_codes(m, v, key, counter_offset)
+    for name, a, b in zip(("m codes", "m scales", "v codes", "v scales"), got, want):
+        assert_bits_equal(a, b, name)
+    qm, ms, qv, vs = want
+    # the cases happened: subnormal codes, zeros, NaN; and the rounding is not nearest's
+    assert ((qm & 0x7F) < 8).any() and ((qm & 0x7F) == 0).any() and (qv == 0x7F).any()
+    # (most of the grid values lie far below E4M3's range, codes of 0 either way)
+    assert (qm != quantize_blockwise(m, signed=True)[0]).float().mean() > 0.03
+    # a positive sqrt(v) / scale is never code 0: the codes of 0 are nearest's (where the
+    # scaled value is 0, e.g. in the block that holds an infinity, scale 2**120)
+    assert torch.equal(qv == 0, quantize_blockwise(v, signed=False)[0] == 0)
+
+
+def test_stochastic_codes_are_a_grid_neighbour_of_the_value():
+    """Each code is one of the two E4M3 values around x / scale (the value itself where it
+    is on the grid), at the scale of the unrounded block (``quantize_blockwise``'s)."""
+    gen = torch.Generator().manual_seed(6)
+    m = _hard_moments(gen)
+    finite = m.isfinite()
+    qm, ms, _, _ = _torch_codes(m, m.abs(), rounding_key(1, 1), 0)
+    assert_bits_equal(ms, quantize_blockwise(m, signed=True)[1], "scales")
+    scale = ms.repeat_interleave(QBLOCK)[: m.numel()]
+    y = (m / scale)[finite].double()
+    d = qm[finite].view(torch.float8_e4m3fn).double()
+    assert torch.equal(torch.sign(d) * torch.sign(y) >= 0, torch.ones_like(d, dtype=torch.bool))
+    exp = torch.floor(torch.log2(y.abs().clamp_min(2.0**-6)))
+    spacing = 2.0 ** (exp - 3)  # E4M3's spacing at |y| (2**-9 below 2**-6)
+    assert ((d - y).abs() < spacing).all()
+    on_grid = y == y.float().to(torch.float8_e4m3fn).double()
+    assert torch.equal(d[on_grid], y[on_grid])
+
+
+# y (between grid points, away from their midpoints so that nearest even is off by 0.2-0.4
+# of a spacing), and its spacing: normal, subnormal and near 448.
+UNBIASED = [(1 + 0.3 / 8, 1 / 8), (3.3 * 2.0**-9, 2.0**-9), (0.0171, 2.0**-9), (311.0, 32.0)]
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("y,spacing", UNBIASED)
+def test_stochastic_codes_are_unbiased(y, spacing, signed):
+    """For a fixed value, the mean of its decoded codes over many keys and counters is the
+    value: the first moment's codes, and the second's (which code sqrt(v); their square,
+    v, is then high by the codes' variance, at most a quarter spacing squared)."""
+    blocks, keys = 256, 8
+    x = torch.full((blocks, QBLOCK), y if signed else y * y)
+    x[:, 0] = 448.0 if signed else 448.0**2  # the scale is 1
+    if signed:
+        x[1::2] *= -1.0  # and negative values
+    target = x.abs()[:, 1:] if signed else x[:, 1:].double().sqrt().float()
+    errors = []
+    for step in range(1, keys + 1):
+        bits = _lean_kernels._state_bits(rounding_key(3, step), 0, x.numel(), None)
+        q, scale = _lean_kernels._quantize(
+            x, signed=signed, u16=bits >> 16 if signed else bits & 0xFFFF
+        )
+        d = dequantize_blockwise(q, scale, signed=True).view(blocks, QBLOCK).abs()
+        errors.append((d[:, 1:].double() - target.double()).flatten())
+    error = torch.cat(errors)
+    n = error.numel()
+    # One rounding errs by less than a spacing, with mean 0 (to the 2**-16 of a spacing the
+    # 16 random bits resolve) and standard deviation at most spacing / 2: over n
+    # independent ones the mean is within 8 standard deviations, spacing * 4 / sqrt(n)
+    # (0.6% of a spacing here), but for a chance of about 1e-15.
+    bound = spacing * (4 / math.sqrt(n) + 2.0**-16)
+    assert abs(error.mean().item()) <= bound, (error.mean().item(), bound)
+    assert error.abs().max().item() < spacing
+    # nearest even misses by far more
+    nearest = torch.tensor(target[0, 0].item()).to(torch.float8_e4m3fn).double()
+    assert abs(nearest.item() - target[0, 0].item()) > 20 * bound
+
+
+def _stale_ratios(beta2: float, shrinking: bool, *, n: int = 64 * QBLOCK, steps: int = 300):
+    """AdamW with fp32 states and with 8-bit states side by side, the same gradients:
+    g = s * N(0, 1) per element, s log-uniform over 3 decades, stationary or shrinking as
+    in training (40 * exp(-t / 30) + 2, a 21x fall). Returns (median over elements of
+    the 8-bit v over fp32's, the mean |update| of the last step, 8-bit over fp32's)."""
+    gen = torch.Generator().manual_seed(0)
+    s = 10 ** (-3 * torch.rand(n, generator=gen))
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.0)
+    ref = [torch.zeros(n), torch.zeros(n), torch.zeros(n)]
+    lean = [torch.zeros(n), *quantize_blockwise(torch.zeros(n), signed=True)]
+    lean += quantize_blockwise(torch.zeros(n), signed=False)
+    for t in range(1, steps + 1):
+        g = s * torch.randn(n, generator=gen) * ((40 * math.exp(-t / 30) + 2) if shrinking else 1)
+        before = ref[0].clone(), lean[0].clone()
+        lean_adamw_step_(ref[0], g, ref[1], ref[2], step=t, seed=1, **hyper)
+        lean_adamw_step_(lean[0], g, lean[1], lean[3], step=t, exp_avg_scale=lean[2],
+                         exp_avg_sq_scale=lean[4], seed=1, **hyper)  # fmt: skip
+    v = dequantize_blockwise(lean[3], lean[4], signed=False)
+    ratio = (v / ref[2]).median().item()
+    update = ((lean[0] - before[1]).abs().mean() / (ref[0] - before[0]).abs().mean()).item()
+    return ratio, update
+
+
+@pytest.mark.parametrize("shrinking", [False, True], ids=["stationary", "shrinking"])
+@pytest.mark.parametrize("beta2", [0.95, 0.999])
+def test_8bit_second_moment_tracks_fp32s(beta2, shrinking):
+    """300 steps of AdamW with 8-bit states keep the second moment and the update of fp32
+    states. With nearest-even codes they did not: a stored sqrt(v) cannot move by less
+    than half an E4M3 spacing (1/32 to 1/16 of itself) in a step, which at beta2 = 0.95
+    (at most 2.5% down a step) froze v high; at 0.999 v lagged low. Measured with this
+    set-up (beta2 0.95 stationary, shrinking; 0.999 stationary, shrinking), median v over
+    fp32's: nearest even 2.76, 175, 0.31, 0.81 (updates 0.62, 0.08, 1.79, 1.12);
+    stochastic 1.000, 0.999, 0.994, 0.995 (updates 1.007, 1.007, 1.013, 1.019: the noise
+    of v lengthens the mean of m / sqrt(v) a little). The 5% bounds hold the latter with
+    room and reject every one of the former."""
+    ratio, update = _stale_ratios(beta2, shrinking)
+    assert 0.95 <= ratio <= 1.05, ratio
+    assert 0.95 <= update <= 1.05, update
