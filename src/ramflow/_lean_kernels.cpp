@@ -422,17 +422,45 @@ RAMFLOW_AVX2 inline __m256i f32x8_to_fp8(__m256 x, __m256 rcp) {
   return r;
 }
 
-// x[0, kQBlock) as codes at out[0, kQBlock) with the scale of `amax`; returns the scale.
-// Any block; the step takes it for a block with a NaN or an infinity.
+// fp8_stochastic of 8 lanes: y = x / scale; u16 the random bits, one per lane (below 2^16).
 template <bool kSecond>
-RAMFLOW_AVX2 float encode_block8_exact(const float* x, float amax, uint8_t* out) {
+RAMFLOW_AVX2 inline __m256 fp8x8_stochastic(__m256 y, __m256i u16) {
+  const __m256i a = _mm256_and_si256(_mm256_castps_si256(y), I8(0x7FFFFFFF));
+  const __m256i eb = _mm256_max_epi32(_mm256_srli_epi32(a, 23), I8(121));
+  const __m256 t = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(I8(257), eb), 23)));
+  __m256 k = _mm256_floor_ps(_mm256_add_ps(t, _mm256_mul_ps(_mm256_cvtepi32_ps(u16), _mm256_set1_ps(0x1p-16f))));
+  if (kSecond) k = _mm256_max_ps(k, _mm256_and_ps(_mm256_cmp_ps(t, _mm256_setzero_ps(), _CMP_GT_OQ), _mm256_set1_ps(1.0f)));
+  __m256i r = _mm256_castps_si256(_mm256_mul_ps(k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(eb, I8(3)), 23))));
+  r = _mm256_or_si256(r, _mm256_andnot_si256(I8(0x7FFFFFFF), _mm256_castps_si256(y)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), y, _mm256_castsi256_ps(_mm256_cmpgt_epi32(a, I8(kFp8Inf - 1))));
+}
+
+// f32x8_to_fp8, or with kSR its codes of fp8x8_stochastic(x * rcp) with the random bits of
+// the 8 lanes at bits (state_bits; the first moment reads their top 16, the second their
+// bottom 16): the grid's points, coded exactly at scale 1.
+template <bool kSecond, bool kSR>
+RAMFLOW_AVX2 inline __m256i f32x8_to_fp8_sr(__m256 x, __m256 rcp, const uint32_t* bits) {
+  if constexpr (!kSR) {
+    return f32x8_to_fp8<kSecond>(x, rcp);
+  } else {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits));
+    const __m256i u16 = kSecond ? _mm256_and_si256(b, I8(0xFFFF)) : _mm256_srli_epi32(b, 16);
+    return f32x8_to_fp8<kSecond>(fp8x8_stochastic<kSecond>(_mm256_mul_ps(x, rcp), u16), _mm256_set1_ps(1.0f));
+  }
+}
+
+// x[0, kQBlock) as codes at out[0, kQBlock) with the scale of `amax` (rounded
+// stochastically with kSR, bits as x); returns the scale. Any block; the step takes it for
+// a block with a NaN or an infinity.
+template <bool kSecond, bool kSR>
+RAMFLOW_AVX2 float encode_block8_exact(const float* x, float amax, uint8_t* out, const uint32_t* bits) {
   const Fp8Scale sc = fp8_scale(amax);
   const __m256 rcp = _mm256_set1_ps(sc.rcp);
   // the packs interleave the 128-bit lanes: 4-byte groups k0lo k1lo k2lo k3lo k0hi k1hi ...
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t j = 0; j < kQBlock; j += 32) {
     __m256i k[4];
-    for (int r = 0; r < 4; ++r) k[r] = f32x8_to_fp8<kSecond>(_mm256_load_ps(x + j + 8 * r), rcp);
+    for (int r = 0; r < 4; ++r) k[r] = f32x8_to_fp8_sr<kSecond, kSR>(_mm256_load_ps(x + j + 8 * r), rcp, bits + j + 8 * r);
     const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(k[0], k[1]), _mm256_packus_epi32(k[2], k[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_permutevar8x32_epi32(b, order));
   }
@@ -441,13 +469,13 @@ RAMFLOW_AVX2 float encode_block8_exact(const float* x, float amax, uint8_t* out)
 
 // The 32 codes of x[0, 32) at out[0, 32) as encode_block8_exact writes them, with the
 // block's 1 / scale `rcp`: a fast block's group of vectors with a lane below `low`. Rare.
-template <bool kSecond>
-RAMFLOW_AVX2 __attribute__((noinline)) void encode32_exact(const float* x, float rcp, uint8_t* out) {
+template <bool kSecond, bool kSR>
+RAMFLOW_AVX2 __attribute__((noinline)) void encode32_exact(const float* x, float rcp, uint8_t* out, const uint32_t* bits) {
   const __m256 r = _mm256_set1_ps(rcp);
-  const __m256i k0 = f32x8_to_fp8<kSecond>(_mm256_load_ps(x), r);
-  const __m256i k1 = f32x8_to_fp8<kSecond>(_mm256_load_ps(x + 8), r);
-  const __m256i k2 = f32x8_to_fp8<kSecond>(_mm256_load_ps(x + 16), r);
-  const __m256i k3 = f32x8_to_fp8<kSecond>(_mm256_load_ps(x + 24), r);
+  const __m256i k0 = f32x8_to_fp8_sr<kSecond, kSR>(_mm256_load_ps(x), r, bits);
+  const __m256i k1 = f32x8_to_fp8_sr<kSecond, kSR>(_mm256_load_ps(x + 8), r, bits + 8);
+  const __m256i k2 = f32x8_to_fp8_sr<kSecond, kSR>(_mm256_load_ps(x + 16), r, bits + 16);
+  const __m256i k3 = f32x8_to_fp8_sr<kSecond, kSR>(_mm256_load_ps(x + 24), r, bits + 24);
   const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(k0, k1), _mm256_packus_epi32(k2, k3));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
                       _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
@@ -461,13 +489,22 @@ struct Fp8FastConsts8 {
 // fp8_encode_state of the 8 floats at x of a block without NaN or infinity, in the fast
 // block's integer operations ([Note: the FP8 encoder's fast blocks]); the codes, one per
 // int32 lane, right where no lane is below the block's `low` (`amin` keeps the least |x|,
-// which the caller compares once per group).
-template <bool kSecond>
-RAMFLOW_AVX2 inline __m256i f32x8_to_fp8_fast(const float* x, const Fp8FastConsts8& c, __m256i& amin) {
+// which the caller compares once per group). With kSR rounded stochastically with the
+// random bits at `bits`: the 20 dropped bits get u16 * 2^4 added in place of nearest
+// even's 0x7FFFF + odd (c.bias leaves 0x7FFFF out then), which carries into the code
+// exactly when floor(t + u) of [Note: stochastic rounding of the 8-bit states] rounds up.
+template <bool kSecond, bool kSR>
+RAMFLOW_AVX2 inline __m256i f32x8_to_fp8_fast(const float* x, const Fp8FastConsts8& c, __m256i& amin, const uint32_t* bits) {
   const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(x));
   const __m256i a = kSecond ? u : _mm256_and_si256(u, c.abs);  // sqrt(v) >= +0
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), c.one);
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, c.bias), odd), 20);
+  __m256i add;
+  if constexpr (kSR) {
+    const __m256i b = _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
+    add = kSecond ? _mm256_slli_epi32(_mm256_and_si256(b, I8(0xFFFF)), 4) : _mm256_and_si256(_mm256_srli_epi32(b, 12), I8(0xFFFF0));
+  } else {
+    add = _mm256_and_si256(_mm256_srli_epi32(a, 20), c.one);
+  }
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, c.bias), add), 20);
   amin = _mm256_min_epu32(amin, a);
   if (kSecond) return r;
   return _mm256_or_si256(r, _mm256_and_si256(_mm256_srli_epi32(u, 24), c.sign));
@@ -476,20 +513,20 @@ RAMFLOW_AVX2 inline __m256i f32x8_to_fp8_fast(const float* x, const Fp8FastConst
 // x[0, kQBlock) (32-byte aligned) as codes at out[0, kQBlock); amax_bits: the largest
 // |x| as an integer maximum of the bits (of x itself for the second moment, whose
 // negative values, -0 and NaN included, then count as non-finite); returns the scale.
-template <bool kSecond>
-RAMFLOW_AVX2 inline float encode_block8(const float* x, uint32_t amax_bits, uint8_t* out) {
-  if (amax_bits >= kFp8Inf) return encode_block8_exact<kSecond>(x, block_amax(x, kQBlock), out);
+template <bool kSecond, bool kSR>
+RAMFLOW_AVX2 inline float encode_block8(const float* x, uint32_t amax_bits, uint8_t* out, const uint32_t* bits) {
+  if (amax_bits >= kFp8Inf) return encode_block8_exact<kSecond, kSR>(x, block_amax(x, kQBlock), out, bits);
   const Fp8Fast f = fp8_fast(amax_bits);
-  const Fp8FastConsts8 c{I8(f.bias), I8(0x7FFFFFFF), I8(1), I8(0x80)};
+  const Fp8FastConsts8 c{I8(kSR ? f.bias - 0x7FFFFu : f.bias), I8(0x7FFFFFFF), I8(1), I8(0x80)};
   const __m256i low = I8(f.low);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // as encode_block8_exact
   for (int64_t j = 0; j < kQBlock; j += 32) {
     __m256i k[4];
     __m256i amin = I8(0xFFFFFFFFu);
-    for (int r = 0; r < 4; ++r) k[r] = f32x8_to_fp8_fast<kSecond>(x + j + 8 * r, c, amin);
+    for (int r = 0; r < 4; ++r) k[r] = f32x8_to_fp8_fast<kSecond, kSR>(x + j + 8 * r, c, amin, bits + j + 8 * r);
     // a lane below `low` (signed compare: |x| < 2^31 in a finite block)
     if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(low, amin))) != 0, 0)) {
-      encode32_exact<kSecond>(x + j, f.rcp, out + j);
+      encode32_exact<kSecond, kSR>(x + j, f.rcp, out + j, bits + j);
       continue;
     }
     const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(k[0], k[1]), _mm256_packus_epi32(k[2], k[3]));
@@ -504,65 +541,6 @@ RAMFLOW_AVX2 inline uint32_t max_lane_u32(__m256i x) {
   m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
   m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
   return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
-}
-
-// fp8_stochastic of 8 lanes: y = x / scale; u16 the random bits, one per lane (below 2^16).
-template <bool kSecond>
-RAMFLOW_AVX2 inline __m256 fp8x8_stochastic(__m256 y, __m256i u16) {
-  const __m256i a = _mm256_and_si256(_mm256_castps_si256(y), I8(0x7FFFFFFF));
-  const __m256i eb = _mm256_max_epi32(_mm256_srli_epi32(a, 23), I8(121));
-  const __m256 t = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(I8(257), eb), 23)));
-  __m256 k = _mm256_floor_ps(_mm256_add_ps(t, _mm256_mul_ps(_mm256_cvtepi32_ps(u16), _mm256_set1_ps(0x1p-16f))));
-  if (kSecond) k = _mm256_max_ps(k, _mm256_and_ps(_mm256_cmp_ps(t, _mm256_setzero_ps(), _CMP_GT_OQ), _mm256_set1_ps(1.0f)));
-  __m256i r = _mm256_castps_si256(_mm256_mul_ps(k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(eb, I8(3)), 23))));
-  r = _mm256_or_si256(r, _mm256_andnot_si256(I8(0x7FFFFFFF), _mm256_castps_si256(y)));
-  return _mm256_blendv_ps(_mm256_castsi256_ps(r), y, _mm256_castsi256_ps(_mm256_cmpgt_epi32(a, I8(kFp8Inf - 1))));
-}
-
-// The 8-bit states of one block before coding (m: the first moment, s: sqrt(v), in the
-// loop's order: element order, or split order for kSplit, see [Note: the lean step in even
-// and odd lanes]) replaced by x / scale rounded stochastically onto the E4M3 grid, with the
-// element's state_bits ([Note: stochastic rounding of the 8-bit states]). index0: the
-// counter of the block's first element, a multiple of kQBlock (so no lane crosses 2^32).
-template <bool kSplit>
-RAMFLOW_AVX2 void stochastic_block8(float* m, float* s, float m_rcp, float s_rcp, uint32_t key, int64_t index0) {
-  const __m256i lane = kSplit ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14) : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i hi = I8(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
-  const __m256 mr = _mm256_set1_ps(m_rcp);
-  const __m256 sr = _mm256_set1_ps(s_rcp);
-  for (int64_t j = 0; j < kQBlock; j += 8) {
-    const int64_t first = kSplit ? (j & ~int64_t{15}) + ((j & 8) != 0) : j;  // lane 0's element
-    const __m256i idx = _mm256_add_epi32(I8(static_cast<uint32_t>(index0 + first)), lane);
-    const __m256i sr_bits = hash32_8(_mm256_add_epi32(hash32_8(_mm256_xor_si256(idx, I8(key))), hi));
-    const __m256i bits = hash32_8(_mm256_xor_si256(sr_bits, I8(kStateSalt)));
-    _mm256_store_ps(m + j, fp8x8_stochastic<false>(_mm256_mul_ps(_mm256_load_ps(m + j), mr), _mm256_srli_epi32(bits, 16)));
-    _mm256_store_ps(s + j, fp8x8_stochastic<true>(_mm256_mul_ps(_mm256_load_ps(s + j), sr), _mm256_and_si256(bits, I8(0xFFFF))));
-  }
-}
-
-// The bits of 448: as an absmax, it gives the fast encoder the scale 1.
-constexpr uint32_t kBits448 = 0x43E00000u;
-
-template <bool kSecond, bool kSplit>
-RAMFLOW_AVX2 float encode_block8_any(const float* x, uint32_t amax_bits, uint8_t* out);
-
-// One block's 8-bit states from the loop's arrays (m_new, s_new = sqrt(v), in its order)
-// and the integer maxima of their bits (m_bits, s_bits, [Note: the FP8 encoder's fast
-// blocks]): each scale from the values as they are, then the values rounded stochastically
-// on its grid (stochastic_block8), then coded at scale 1 by the nearest-even encoders,
-// which leave the grid's points as they are.
-template <bool kSplit>
-RAMFLOW_AVX2 void store_q8_block8(const LeanArgs& a, int64_t block, float* m_new, float* s_new, uint32_t m_bits,
-                                  uint32_t s_bits) {
-  const int64_t begin = block * kQBlock;
-  const Fp8Scale ms = fp8_scale(m_bits >= kFp8Inf ? block_amax(m_new, kQBlock) : u2f(m_bits));
-  const Fp8Scale vs = fp8_scale(s_bits >= kFp8Inf ? block_amax(s_new, kQBlock) : u2f(s_bits));
-  stochastic_block8<kSplit>(m_new, s_new, ms.rcp, vs.rcp, a.key, a.counter_offset + begin);
-  // a block without NaN or infinity is still without; one with takes the exact encoder
-  encode_block8_any<false, kSplit>(m_new, m_bits >= kFp8Inf ? kFp8Inf : kBits448, static_cast<uint8_t*>(a.exp_avg) + begin);
-  encode_block8_any<true, kSplit>(s_new, s_bits >= kFp8Inf ? kFp8Inf : kBits448, static_cast<uint8_t*>(a.exp_avg_sq) + begin);
-  a.exp_avg_scale[block] = ms.scale;
-  a.exp_avg_sq_scale[block] = vs.scale;
 }
 
 // One block of 8-bit states, as both AVX2 loops read it: each state's scale (the fast
@@ -612,6 +590,7 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
                                               2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
   alignas(32) float m_new[kQBlock];
   alignas(32) float s_new[kQBlock];  // sqrt(v)
+  alignas(32) uint32_t st_bits[kQBlock];  // [Note: stochastic rounding of the 8-bit states]
   for (int64_t block = block_begin; block < block_end; ++block) {
     const int64_t begin = block * kQBlock;
     // the rounding counter's lanes, stepped by 8: its low words wrap by themselves, and only
@@ -671,6 +650,9 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
         _mm256_store_ps(s_new + j, sq);
         m_max = _mm256_max_epu32(m_max, _mm256_and_si256(_mm256_castps_si256(m), I8(0x7FFFFFFF)));
         s_max = _mm256_max_epu32(s_max, _mm256_castps_si256(sq));
+        // the codes' random bits (the counter: a block of 8-bit states never crosses 2^32)
+        const __m256i sr = hash32_8(_mm256_add_epi32(hash32_8(_mm256_xor_si256(idx, I8(key))), hi_word));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j), hash32_8(_mm256_xor_si256(sr, I8(kStateSalt))));
       }
       if constexpr (kMaster == kMasterF32) {
         _mm256_storeu_ps(static_cast<float*>(master) + i, p);
@@ -705,15 +687,20 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
           b16 = _mm256_castsi256_si128(r);
         }
         _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(master) + i), b16);
-        idx = _mm256_add_epi32(idx, I8(8));
       } else {
         const __m128i hi16 = to_bf16_8(p);
         const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi16), 16));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(master) + i), hi16);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(compensation + i), to_bf16_8(_mm256_sub_ps(p, hi)));
       }
+      idx = _mm256_add_epi32(idx, I8(8));
     }
-    if constexpr (kState == kStateQ8) store_q8_block8<false>(a, block, m_new, s_new, max_lane_u32(m_max), max_lane_u32(s_max));
+    if constexpr (kState == kStateQ8) {
+      uint8_t* const qm = static_cast<uint8_t*>(exp_avg) + begin;
+      uint8_t* const qv = static_cast<uint8_t*>(exp_avg_sq) + begin;
+      a.exp_avg_scale[block] = encode_block8<false, true>(m_new, max_lane_u32(m_max), qm, st_bits);
+      a.exp_avg_sq_scale[block] = encode_block8<true, true>(s_new, max_lane_u32(s_max), qv, st_bits);
+    }
   }
 }
 #endif  // RAMFLOW_X86

@@ -86,56 +86,50 @@ RAMFLOW_AVX2 inline void store_codes_split(uint8_t* out, __m256i e0, __m256i o0,
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(_mm256_packus_epi32(w0, w1), 0xD8));
 }
 
-// encode_block8_exact of a block in split order (x: 16 groups of 8 even, then 8 odd values).
-template <bool kSecond>
-RAMFLOW_AVX2 float encode_split_exact(const float* x, float amax, uint8_t* out) {
+// encode_block8_exact of a block in split order (x and bits: 16 groups of 8 even, then 8
+// odd values).
+template <bool kSecond, bool kSR>
+RAMFLOW_AVX2 float encode_split_exact(const float* x, float amax, uint8_t* out, const uint32_t* bits) {
   const Fp8Scale sc = fp8_scale(amax);
   const __m256 rcp = _mm256_set1_ps(sc.rcp);
   for (int64_t j = 0; j < kQBlock; j += 32) {
     __m256i k[4];
-    for (int r = 0; r < 4; ++r) k[r] = f32x8_to_fp8<kSecond>(_mm256_load_ps(x + j + 8 * r), rcp);
+    for (int r = 0; r < 4; ++r) k[r] = f32x8_to_fp8_sr<kSecond, kSR>(_mm256_load_ps(x + j + 8 * r), rcp, bits + j + 8 * r);
     store_codes_split(out + j, k[0], k[1], k[2], k[3]);
   }
   return sc.scale;
 }
 
 // encode32_exact in split order. Rare.
-template <bool kSecond>
-RAMFLOW_AVX2 __attribute__((noinline)) void encode32_split_exact(const float* x, float rcp, uint8_t* out) {
+template <bool kSecond, bool kSR>
+RAMFLOW_AVX2 __attribute__((noinline)) void encode32_split_exact(const float* x, float rcp, uint8_t* out,
+                                                                 const uint32_t* bits) {
   const __m256 r = _mm256_set1_ps(rcp);
-  store_codes_split(out, f32x8_to_fp8<kSecond>(_mm256_load_ps(x), r), f32x8_to_fp8<kSecond>(_mm256_load_ps(x + 8), r),
-                    f32x8_to_fp8<kSecond>(_mm256_load_ps(x + 16), r), f32x8_to_fp8<kSecond>(_mm256_load_ps(x + 24), r));
+  store_codes_split(out, f32x8_to_fp8_sr<kSecond, kSR>(_mm256_load_ps(x), r, bits),
+                    f32x8_to_fp8_sr<kSecond, kSR>(_mm256_load_ps(x + 8), r, bits + 8),
+                    f32x8_to_fp8_sr<kSecond, kSR>(_mm256_load_ps(x + 16), r, bits + 16),
+                    f32x8_to_fp8_sr<kSecond, kSR>(_mm256_load_ps(x + 24), r, bits + 24));
 }
 
 // encode_block8 in split order: the fast encoder unless the block holds a NaN or an
 // infinity ([Note: the FP8 encoder's fast blocks]).
-template <bool kSecond>
-RAMFLOW_AVX2 inline float encode_split(const float* x, uint32_t amax_bits, uint8_t* out) {
-  if (amax_bits >= kFp8Inf) return encode_split_exact<kSecond>(x, block_amax(x, kQBlock), out);
+template <bool kSecond, bool kSR>
+RAMFLOW_AVX2 inline float encode_split(const float* x, uint32_t amax_bits, uint8_t* out, const uint32_t* bits) {
+  if (amax_bits >= kFp8Inf) return encode_split_exact<kSecond, kSR>(x, block_amax(x, kQBlock), out, bits);
   const Fp8Fast f = fp8_fast(amax_bits);
-  const Fp8FastConsts8 c{I8(f.bias), I8(0x7FFFFFFF), I8(1), I8(0x80)};
+  const Fp8FastConsts8 c{I8(kSR ? f.bias - 0x7FFFFu : f.bias), I8(0x7FFFFFFF), I8(1), I8(0x80)};
   const __m256i low = I8(f.low);
   for (int64_t j = 0; j < kQBlock; j += 32) {
     __m256i k[4];
     __m256i amin = I8(0xFFFFFFFFu);
-    for (int r = 0; r < 4; ++r) k[r] = f32x8_to_fp8_fast<kSecond>(x + j + 8 * r, c, amin);
+    for (int r = 0; r < 4; ++r) k[r] = f32x8_to_fp8_fast<kSecond, kSR>(x + j + 8 * r, c, amin, bits + j + 8 * r);
     if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(low, amin))) != 0, 0)) {
-      encode32_split_exact<kSecond>(x + j, f.rcp, out + j);
+      encode32_split_exact<kSecond, kSR>(x + j, f.rcp, out + j, bits + j);
       continue;
     }
     store_codes_split(out + j, k[0], k[1], k[2], k[3]);
   }
   return f.scale;
-}
-
-// encode_block8 (element order) or encode_split (split order) of x at scale 1 (amax_bits:
-// kBits448, or kFp8Inf where the block holds a NaN or an infinity); see store_q8_block8.
-template <bool kSecond, bool kSplit>
-RAMFLOW_AVX2 float encode_block8_any(const float* x, uint32_t amax_bits, uint8_t* out) {
-  if (amax_bits >= kFp8Inf) {
-    return kSplit ? encode_split_exact<kSecond>(x, 448.0f, out) : encode_block8_exact<kSecond>(x, 448.0f, out);
-  }
-  return kSplit ? encode_split<kSecond>(x, amax_bits, out) : encode_block8<kSecond>(x, amax_bits, out);
 }
 
 // [Note: the rounding bits in fewer operations]
@@ -212,16 +206,19 @@ RAMFLOW_AVX2 void lean_blocks_avx2_split(const LeanArgs& a, int64_t block_begin,
   alignas(32) float m_new[kQBlock];  // split order: 8 even, then 8 odd of each 16
   alignas(32) float s_new[kQBlock];  // sqrt(v)
   alignas(32) uint32_t bits_table[kQBlock];  // [Note: the rounding bits in fewer operations]
+  alignas(32) uint32_t st_bits[kQBlock];  // [Note: stochastic rounding of the 8-bit states]
+  // the rounding bits: the master's, and the 8-bit states' from them (one more hash)
+  constexpr bool kBits = kMaster == kMasterSR || kState == kStateQ8;
   uint32_t table_q = 0xFFFFFFFFu;  // none yet
   for (int64_t block = block_begin; block < block_end; ++block) {
     const int64_t begin = block * kQBlock;
     const int64_t index0 = counter_offset + begin;
-    if (kMaster == kMasterSR && static_cast<uint32_t>(index0) > 0xFFFFFFFFu - (kQBlock - 1)) {
+    // (8-bit states start a block on a multiple of kQBlock: never here)
+    if (kBits && static_cast<uint32_t>(index0) > 0xFFFFFFFFu - (kQBlock - 1)) {
       lean_block(a, begin, kQBlock);  // the lanes' counters cross a multiple of 2^32
       continue;
     }
-    const bool short_bits = kMaster == kMasterSR && (static_cast<uint64_t>(index0) >> 32) == 0 &&
-                            (index0 & (kQBlock - 1)) == 0;
+    const bool short_bits = kBits && (static_cast<uint64_t>(index0) >> 32) == 0 && (index0 & (kQBlock - 1)) == 0;
     __m256i bits_base = _mm256_setzero_si256();
     if (short_bits) {
       const uint32_t x0 = static_cast<uint32_t>(index0) ^ a.key;
@@ -282,9 +279,10 @@ RAMFLOW_AVX2 void lean_blocks_avx2_split(const LeanArgs& a, int64_t block_begin,
         m_max = _mm256_max_epu32(m_max, _mm256_and_si256(_mm256_castps_si256(m.o), abs_mask));
         s_max = _mm256_max_epu32(s_max, _mm256_max_epu32(_mm256_castps_si256(sq.e), _mm256_castps_si256(sq.o)));
       }
-      if constexpr (kMaster == kMasterSR) {
-        __m256i bits_e;
-        __m256i bits_o;
+      // the rounding bits, their top 16 right (the master reads only those)
+      __m256i bits_e = _mm256_setzero_si256();
+      __m256i bits_o = _mm256_setzero_si256();
+      if constexpr (kBits) {
         if (short_bits) {
           bits_e = sr_bits_from_x1(_mm256_add_epi32(bits_base, _mm256_load_si256(reinterpret_cast<const __m256i*>(bits_table + j))));
           bits_o = sr_bits_from_x1(_mm256_add_epi32(bits_base, _mm256_load_si256(reinterpret_cast<const __m256i*>(bits_table + j + 8))));
@@ -294,8 +292,17 @@ RAMFLOW_AVX2 void lean_blocks_avx2_split(const LeanArgs& a, int64_t block_begin,
           bits_e = hash32_8_top(_mm256_add_epi32(hash32_8(x), hi_word));
           bits_o = hash32_8_top(_mm256_add_epi32(hash32_8(x_o), hi_word));
         }
-        store_bf16x16(master, i, bf16_stochastic_top(p.e, bits_e), bf16_stochastic_top(p.o, bits_o));
         idx = _mm256_add_epi32(idx, I8(16));
+      }
+      if constexpr (kState == kStateQ8) {  // hash32's last step, then state_bits' hash
+        const __m256i salt = I8(kStateSalt);
+        const __m256i st_e = hash32_8(_mm256_xor_si256(_mm256_xor_si256(bits_e, _mm256_srli_epi32(bits_e, 16)), salt));
+        const __m256i st_o = hash32_8(_mm256_xor_si256(_mm256_xor_si256(bits_o, _mm256_srli_epi32(bits_o, 16)), salt));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j), st_e);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j + 8), st_o);
+      }
+      if constexpr (kMaster == kMasterSR) {
+        store_bf16x16(master, i, bf16_stochastic_top(p.e, bits_e), bf16_stochastic_top(p.o, bits_o));
       } else {
         const __m256i hi_e = bf16_nearest_top(p.e);
         const __m256i hi_o = bf16_nearest_top(p.o);
@@ -305,7 +312,12 @@ RAMFLOW_AVX2 void lean_blocks_avx2_split(const LeanArgs& a, int64_t block_begin,
         store_bf16x16(a.compensation, i, bf16_nearest_top(rest_e), bf16_nearest_top(rest_o));
       }
     }
-    if constexpr (kState == kStateQ8) store_q8_block8<true>(a, block, m_new, s_new, max_lane_u32(m_max), max_lane_u32(s_max));
+    if constexpr (kState == kStateQ8) {
+      uint8_t* const qm = static_cast<uint8_t*>(exp_avg) + begin;
+      uint8_t* const qv = static_cast<uint8_t*>(exp_avg_sq) + begin;
+      a.exp_avg_scale[block] = encode_split<false, true>(m_new, max_lane_u32(m_max), qm, st_bits);
+      a.exp_avg_sq_scale[block] = encode_split<true, true>(s_new, max_lane_u32(s_max), qv, st_bits);
+    }
   }
 }
 #endif  // RAMFLOW_X86

@@ -108,77 +108,6 @@ RAMFLOW_AVX512 inline __m512i f32x16_to_fp8(__m512 x, __m512 rcp) {
   return r;
 }
 
-// x[0, kQBlock) as codes at out[0, kQBlock) with the scale of `amax`; returns the scale.
-// Any block; the step takes it for a block with a NaN or an infinity.
-template <bool kSecond>
-RAMFLOW_AVX512 float encode_block16_exact(const float* x, float amax, uint8_t* out) {
-  const Fp8Scale sc = fp8_scale(amax);
-  const __m512 rcp = _mm512_set1_ps(sc.rcp);
-  for (int64_t j = 0; j < kQBlock; j += 16) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j),
-                     _mm512_cvtepi32_epi8(f32x16_to_fp8<kSecond>(_mm512_load_ps(x + j), rcp)));
-  }
-  return sc.scale;
-}
-
-// As encode32_exact, 64 codes.
-template <bool kSecond>
-RAMFLOW_AVX512 __attribute__((noinline)) void encode64_exact(const float* x, float rcp, uint8_t* out) {
-  const __m512 r = _mm512_set1_ps(rcp);
-  for (int j = 0; j < 64; j += 16) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j),
-                     _mm512_cvtepi32_epi8(f32x16_to_fp8<kSecond>(_mm512_load_ps(x + j), r)));
-  }
-}
-
-struct Fp8FastConsts16 {
-  __m512i bias, abs, one, bit20, sign;
-};
-
-// As f32x8_to_fp8_fast, 16 lanes.
-template <bool kSecond>
-RAMFLOW_AVX512 inline __m512i f32x16_to_fp8_fast(const float* x, const Fp8FastConsts16& c, __m512i& amin) {
-  const __m512i u = _mm512_load_si512(x);
-  const __m512i a = kSecond ? u : _mm512_and_si512(u, c.abs);  // sqrt(v) >= +0
-  // + 1 where bit 20 is set (the kept lsb: ties to even), by a masked add, not a shift
-  const __m512i t = _mm512_add_epi32(a, c.bias);
-  const __m512i r = _mm512_srli_epi32(_mm512_mask_add_epi32(t, _mm512_test_epi32_mask(a, c.bit20), t, c.one), 20);
-  amin = _mm512_min_epu32(amin, a);
-  if (kSecond) return r;
-  return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(u, 24), c.sign, 0xF8);  // the sign
-}
-
-// As encode_block8: the fast encoder unless the block holds a NaN or an infinity.
-template <bool kSecond>
-RAMFLOW_AVX512 inline float encode_block16(const float* x, uint32_t amax_bits, uint8_t* out) {
-  if (amax_bits >= kFp8Inf) return encode_block16_exact<kSecond>(x, block_amax(x, kQBlock), out);
-  const Fp8Fast f = fp8_fast(amax_bits);
-  const Fp8FastConsts16 c{I16(f.bias), I16(0x7FFFFFFF), I16(1), I16(1u << 20), I16(0x80)};
-  const __m512i low = I16(f.low);
-  // the packs interleave the 128-bit lanes: 4-byte groups k0 k1 k2 k3 of lane 0, then lane 1...
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  for (int64_t j = 0; j < kQBlock; j += 64) {
-    __m512i k[4];
-    __m512i amin = I16(0xFFFFFFFFu);
-    for (int r = 0; r < 4; ++r) k[r] = f32x16_to_fp8_fast<kSecond>(x + j + 16 * r, c, amin);
-    if (__builtin_expect(_mm512_cmplt_epu32_mask(amin, low) != 0, 0)) {
-      encode64_exact<kSecond>(x + j, f.rcp, out + j);
-      continue;
-    }
-    const __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(k[0], k[1]), _mm512_packus_epi32(k[2], k[3]));
-    _mm512_storeu_si512(out + j, _mm512_permutexvar_epi32(order, b));
-  }
-  return f.scale;
-}
-
-// The rounding bits of [Note: the rounding bits in fewer operations] from x1 = K + T[t].
-RAMFLOW_AVX512 inline __m512i sr_bits_from_x1_16(__m512i x1) {
-  x1 = _mm512_xor_si512(x1, _mm512_srli_epi32(x1, 15));
-  __m512i y = _mm512_mullo_epi32(x1, I16(kHashC21));
-  y = _mm512_xor_si512(y, _mm512_srli_epi32(y, 15));
-  return _mm512_mullo_epi32(y, I16(kHashC2));
-}
-
 // As fp8x8_stochastic, 16 lanes.
 template <bool kSecond>
 RAMFLOW_AVX512 inline __m512 fp8x16_stochastic(__m512 y, __m512i u16) {
@@ -193,31 +122,97 @@ RAMFLOW_AVX512 inline __m512 fp8x16_stochastic(__m512 y, __m512i u16) {
   return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmpge_epu32_mask(a, I16(kFp8Inf)), y);
 }
 
-// As store_q8_block8 (element order), 16 lanes.
-RAMFLOW_AVX512 void store_q8_block16(const LeanArgs& a, int64_t block, float* m_new, float* s_new, uint32_t m_bits,
-                                     uint32_t s_bits) {
-  const int64_t begin = block * kQBlock;
-  const Fp8Scale ms = fp8_scale(m_bits >= kFp8Inf ? block_amax(m_new, kQBlock) : u2f(m_bits));
-  const Fp8Scale vs = fp8_scale(s_bits >= kFp8Inf ? block_amax(s_new, kQBlock) : u2f(s_bits));
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const int64_t index0 = a.counter_offset + begin;
-  const __m512i hi = I16(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
-  const __m512i key = I16(a.key);
-  const __m512 mr = _mm512_set1_ps(ms.rcp);
-  const __m512 sr = _mm512_set1_ps(vs.rcp);
-  for (int64_t j = 0; j < kQBlock; j += 16) {
-    const __m512i idx = _mm512_add_epi32(I16(static_cast<uint32_t>(index0 + j)), lane);
-    const __m512i sr_bits = hash32_16(_mm512_add_epi32(hash32_16(_mm512_xor_si512(idx, key)), hi));
-    const __m512i bits = hash32_16(_mm512_xor_si512(sr_bits, I16(kStateSalt)));
-    _mm512_store_ps(m_new + j, fp8x16_stochastic<false>(_mm512_mul_ps(_mm512_load_ps(m_new + j), mr), _mm512_srli_epi32(bits, 16)));
-    _mm512_store_ps(s_new + j, fp8x16_stochastic<true>(_mm512_mul_ps(_mm512_load_ps(s_new + j), sr), _mm512_and_si512(bits, I16(0xFFFF))));
+// As f32x8_to_fp8_sr, 16 lanes.
+template <bool kSecond, bool kSR>
+RAMFLOW_AVX512 inline __m512i f32x16_to_fp8_sr(__m512 x, __m512 rcp, const uint32_t* bits) {
+  if constexpr (!kSR) {
+    return f32x16_to_fp8<kSecond>(x, rcp);
+  } else {
+    const __m512i b = _mm512_loadu_si512(bits);
+    const __m512i u16 = kSecond ? _mm512_and_si512(b, I16(0xFFFF)) : _mm512_srli_epi32(b, 16);
+    return f32x16_to_fp8<kSecond>(fp8x16_stochastic<kSecond>(_mm512_mul_ps(x, rcp), u16), _mm512_set1_ps(1.0f));
   }
-  uint8_t* const qm = static_cast<uint8_t*>(a.exp_avg) + begin;
-  uint8_t* const qv = static_cast<uint8_t*>(a.exp_avg_sq) + begin;
-  if (m_bits >= kFp8Inf) encode_block16_exact<false>(m_new, 448.0f, qm); else encode_block16<false>(m_new, kBits448, qm);
-  if (s_bits >= kFp8Inf) encode_block16_exact<true>(s_new, 448.0f, qv); else encode_block16<true>(s_new, kBits448, qv);
-  a.exp_avg_scale[block] = ms.scale;
-  a.exp_avg_sq_scale[block] = vs.scale;
+}
+
+// x[0, kQBlock) as codes at out[0, kQBlock) with the scale of `amax` (rounded
+// stochastically with kSR, bits as x); returns the scale. Any block; the step takes it for
+// a block with a NaN or an infinity.
+template <bool kSecond, bool kSR>
+RAMFLOW_AVX512 float encode_block16_exact(const float* x, float amax, uint8_t* out, const uint32_t* bits) {
+  const Fp8Scale sc = fp8_scale(amax);
+  const __m512 rcp = _mm512_set1_ps(sc.rcp);
+  for (int64_t j = 0; j < kQBlock; j += 16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j),
+                     _mm512_cvtepi32_epi8(f32x16_to_fp8_sr<kSecond, kSR>(_mm512_load_ps(x + j), rcp, bits + j)));
+  }
+  return sc.scale;
+}
+
+// As encode32_exact, 64 codes.
+template <bool kSecond, bool kSR>
+RAMFLOW_AVX512 __attribute__((noinline)) void encode64_exact(const float* x, float rcp, uint8_t* out,
+                                                             const uint32_t* bits) {
+  const __m512 r = _mm512_set1_ps(rcp);
+  for (int j = 0; j < 64; j += 16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j),
+                     _mm512_cvtepi32_epi8(f32x16_to_fp8_sr<kSecond, kSR>(_mm512_load_ps(x + j), r, bits + j)));
+  }
+}
+
+struct Fp8FastConsts16 {
+  __m512i bias, abs, one, bit20, sign;
+};
+
+// As f32x8_to_fp8_fast, 16 lanes.
+template <bool kSecond, bool kSR>
+RAMFLOW_AVX512 inline __m512i f32x16_to_fp8_fast(const float* x, const Fp8FastConsts16& c, __m512i& amin,
+                                                 const uint32_t* bits) {
+  const __m512i u = _mm512_load_si512(x);
+  const __m512i a = kSecond ? u : _mm512_and_si512(u, c.abs);  // sqrt(v) >= +0
+  const __m512i t = _mm512_add_epi32(a, c.bias);
+  __m512i r;
+  if constexpr (kSR) {  // + u16 * 2^4
+    const __m512i b = _mm512_load_si512(bits);
+    const __m512i add = kSecond ? _mm512_slli_epi32(_mm512_and_si512(b, I16(0xFFFF)), 4)
+                                : _mm512_and_si512(_mm512_srli_epi32(b, 12), I16(0xFFFF0));
+    r = _mm512_srli_epi32(_mm512_add_epi32(t, add), 20);
+  } else {  // + 1 where bit 20 is set (the kept lsb: ties to even), by a masked add, not a shift
+    r = _mm512_srli_epi32(_mm512_mask_add_epi32(t, _mm512_test_epi32_mask(a, c.bit20), t, c.one), 20);
+  }
+  amin = _mm512_min_epu32(amin, a);
+  if (kSecond) return r;
+  return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(u, 24), c.sign, 0xF8);  // the sign
+}
+
+// As encode_block8: the fast encoder unless the block holds a NaN or an infinity.
+template <bool kSecond, bool kSR>
+RAMFLOW_AVX512 inline float encode_block16(const float* x, uint32_t amax_bits, uint8_t* out, const uint32_t* bits) {
+  if (amax_bits >= kFp8Inf) return encode_block16_exact<kSecond, kSR>(x, block_amax(x, kQBlock), out, bits);
+  const Fp8Fast f = fp8_fast(amax_bits);
+  const Fp8FastConsts16 c{I16(kSR ? f.bias - 0x7FFFFu : f.bias), I16(0x7FFFFFFF), I16(1), I16(1u << 20), I16(0x80)};
+  const __m512i low = I16(f.low);
+  // the packs interleave the 128-bit lanes: 4-byte groups k0 k1 k2 k3 of lane 0, then lane 1...
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int64_t j = 0; j < kQBlock; j += 64) {
+    __m512i k[4];
+    __m512i amin = I16(0xFFFFFFFFu);
+    for (int r = 0; r < 4; ++r) k[r] = f32x16_to_fp8_fast<kSecond, kSR>(x + j + 16 * r, c, amin, bits + j + 16 * r);
+    if (__builtin_expect(_mm512_cmplt_epu32_mask(amin, low) != 0, 0)) {
+      encode64_exact<kSecond, kSR>(x + j, f.rcp, out + j, bits + j);
+      continue;
+    }
+    const __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(k[0], k[1]), _mm512_packus_epi32(k[2], k[3]));
+    _mm512_storeu_si512(out + j, _mm512_permutexvar_epi32(order, b));
+  }
+  return f.scale;
+}
+
+// The rounding bits of [Note: the rounding bits in fewer operations] from x1 = K + T[t].
+RAMFLOW_AVX512 inline __m512i sr_bits_from_x1_16(__m512i x1) {
+  x1 = _mm512_xor_si512(x1, _mm512_srli_epi32(x1, 15));
+  __m512i y = _mm512_mullo_epi32(x1, I16(kHashC21));
+  y = _mm512_xor_si512(y, _mm512_srli_epi32(y, 15));
+  return _mm512_mullo_epi32(y, I16(kHashC2));
 }
 
 template <int kGrad, int kMaster, int kState>
@@ -251,15 +246,17 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
   alignas(64) float m_new[kQBlock];
   alignas(64) float s_new[kQBlock];  // sqrt(v)
   alignas(64) uint32_t bits_table[kQBlock];  // [Note: the rounding bits in fewer operations]
+  alignas(64) uint32_t st_bits[kQBlock];  // [Note: stochastic rounding of the 8-bit states]
   uint32_t table_q = 0xFFFFFFFFu;  // none yet
   for (int64_t block = block_begin; block < block_end; ++block) {
     const int64_t begin = block * kQBlock;
     // as in lean_blocks_avx2: the counter's lanes stepped by 16, read afresh where a block
-    // crosses a multiple of 2^32
+    // crosses a multiple of 2^32 (a block of 8-bit states starts on a multiple of kQBlock:
+    // never)
     const int64_t index0 = counter_offset + begin;
     const bool crosses = static_cast<uint32_t>(index0) > 0xFFFFFFFFu - (kQBlock - 1);
-    const bool short_bits = kMaster == kMasterSR && (static_cast<uint64_t>(index0) >> 32) == 0 &&
-                            (index0 & (kQBlock - 1)) == 0;
+    const bool short_bits = (kMaster == kMasterSR || kState == kStateQ8) &&
+                            (static_cast<uint64_t>(index0) >> 32) == 0 && (index0 & (kQBlock - 1)) == 0;
     __m512i bits_base = _mm512_setzero_si512();
     if (short_bits) {
       const uint32_t x0 = static_cast<uint32_t>(index0) ^ key;
@@ -330,6 +327,13 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
         m_max = _mm512_max_epu32(m_max, _mm512_and_si512(_mm512_castps_si512(m), I16(0x7FFFFFFF)));
         s_max = _mm512_max_epu32(s_max, _mm512_castps_si512(sq));
       }
+      __m512i q8_bits = _mm512_setzero_si512();  // the rounding bits, top 16 right (as the master's)
+      if constexpr (kState == kStateQ8) {  // then hash32's last step and state_bits' hash
+        q8_bits = short_bits ? sr_bits_from_x1_16(_mm512_add_epi32(bits_base, _mm512_load_si512(bits_table + j)))
+                             : hash32_16_top(_mm512_add_epi32(hash32_16(_mm512_xor_si512(idx, key16)), hi_word));
+        const __m512i full = _mm512_xor_si512(q8_bits, _mm512_srli_epi32(q8_bits, 16));
+        _mm512_store_si512(st_bits + j, hash32_16(_mm512_xor_si512(full, I16(kStateSalt))));
+      }
       if constexpr (kMaster == kMasterF32) {
         _mm512_storeu_ps(static_cast<float*>(master) + i, p);
         if (wire_dtype == kBF16) {
@@ -349,14 +353,16 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
           for (int l = 0; l < 16; ++l) bs[l] = bf16_stochastic(ps[l], sr_bits(key, index + l));
           b16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(bs));
         } else {
-          __m512i bits;
-          if (short_bits) {
-            bits = sr_bits_from_x1_16(_mm512_add_epi32(bits_base, _mm512_load_si512(bits_table + j)));
-          } else {
-            const __m512i h = hash32_16(_mm512_xor_si512(crosses ? _mm512_add_epi32(I16(lo), lane) : idx, key16));
-            const __m512i hi =
-                crosses ? I16(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32)) : hi_word;
-            bits = hash32_16_top(_mm512_add_epi32(h, hi));
+          __m512i bits = q8_bits;  // with 8-bit states: computed above
+          if constexpr (kState != kStateQ8) {
+            if (short_bits) {
+              bits = sr_bits_from_x1_16(_mm512_add_epi32(bits_base, _mm512_load_si512(bits_table + j)));
+            } else {
+              const __m512i h = hash32_16(_mm512_xor_si512(crosses ? _mm512_add_epi32(I16(lo), lane) : idx, key16));
+              const __m512i hi =
+                  crosses ? I16(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32)) : hi_word;
+              bits = hash32_16_top(_mm512_add_epi32(h, hi));
+            }
           }
           const __m512i u = _mm512_castps_si512(p);
           // the bf16 is the top half of u + bits / 2^16 (0x7FC0 for NaN): one word permute
@@ -366,16 +372,19 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
           b16 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(top_halves, r));
         }
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(master) + i), b16);
-        idx = _mm512_add_epi32(idx, I16(16));
       } else {
         const __m256i hi16 = to_bf16_16(p);
         const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi16), 16));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(master) + i), hi16);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(compensation + i), to_bf16_16(_mm512_sub_ps(p, hi)));
       }
+      idx = _mm512_add_epi32(idx, I16(16));
     }
     if constexpr (kState == kStateQ8) {
-      store_q8_block16(a, block, m_new, s_new, _mm512_reduce_max_epu32(m_max), _mm512_reduce_max_epu32(s_max));
+      uint8_t* const qm = static_cast<uint8_t*>(exp_avg) + begin;
+      uint8_t* const qv = static_cast<uint8_t*>(exp_avg_sq) + begin;
+      exp_avg_scale[block] = encode_block16<false, true>(m_new, _mm512_reduce_max_epu32(m_max), qm, st_bits);
+      exp_avg_sq_scale[block] = encode_block16<true, true>(s_new, _mm512_reduce_max_epu32(s_max), qv, st_bits);
     }
   }
 }
@@ -548,9 +557,11 @@ extern "C" int ramflow_fp8_quantize_blocks(const float* x, int64_t n, int32_t se
       for (int64_t j = 0; j < len; ++j) amax = std::max(amax, second ? f2u(y[j]) : f2u(y[j]) & 0x7FFFFFFFu);
       float* const sc = scale + begin / kQBlock;
       if (isa == kIsaAvx512) {
-        *sc = second ? encode_block16<true>(y, amax, q + begin) : encode_block16<false>(y, amax, q + begin);
+        *sc = second ? encode_block16<true, false>(y, amax, q + begin, nullptr)
+                     : encode_block16<false, false>(y, amax, q + begin, nullptr);
       } else {
-        *sc = second ? encode_block8<true>(y, amax, q + begin) : encode_block8<false>(y, amax, q + begin);
+        *sc = second ? encode_block8<true, false>(y, amax, q + begin, nullptr)
+                     : encode_block8<false, false>(y, amax, q + begin, nullptr);
       }
       continue;
     }
@@ -578,7 +589,7 @@ extern "C" int ramflow_fp8_stochastic_blocks(const float* m, const float* v, int
   const int isa = lean_isa();
   alignas(64) float mb[kQBlock];
   alignas(64) float sb[kQBlock];
-  uint32_t bits[kQBlock];
+  alignas(64) uint32_t bits[kQBlock];
   for (int64_t begin = 0; begin < n; begin += kQBlock) {
     const int64_t len = std::min(kQBlock, n - begin);
     const bool permute = split && len == kQBlock && isa == 2;  // kIsaAvx2: its split loop
@@ -586,6 +597,7 @@ extern "C" int ramflow_fp8_stochastic_blocks(const float* m, const float* v, int
       const int64_t at = permute ? (j & ~int64_t{15}) + (j & 7) * 2 + ((j & 8) != 0) : j;
       mb[j] = m[begin + at];
       sb[j] = std::sqrt(v[begin + at]);
+      bits[j] = state_bits(key, counter_offset + begin + at);
     }
 #if RAMFLOW_X86
     if (len == kQBlock && isa != kIsaScalar) {
@@ -597,16 +609,18 @@ extern "C" int ramflow_fp8_stochastic_blocks(const float* m, const float* v, int
       }
       const int64_t block = begin / kQBlock;
       if (isa == kIsaAvx512) {
-        store_q8_block16(a, block, mb, sb, m_bits, s_bits);
+        m_scale[block] = encode_block16<false, true>(mb, m_bits, qm + begin, bits);
+        v_scale[block] = encode_block16<true, true>(sb, s_bits, qv + begin, bits);
       } else if (split) {
-        store_q8_block8<true>(a, block, mb, sb, m_bits, s_bits);
+        m_scale[block] = encode_split<false, true>(mb, m_bits, qm + begin, bits);
+        v_scale[block] = encode_split<true, true>(sb, s_bits, qv + begin, bits);
       } else {
-        store_q8_block8<false>(a, block, mb, sb, m_bits, s_bits);
+        m_scale[block] = encode_block8<false, true>(mb, m_bits, qm + begin, bits);
+        v_scale[block] = encode_block8<true, true>(sb, s_bits, qv + begin, bits);
       }
       continue;
     }
 #endif
-    for (int64_t j = 0; j < len; ++j) bits[j] = state_bits(key, counter_offset + begin + j);
     store_state(a, qm, m_scale, begin, len, mb, false, bits);
     store_state(a, qv, v_scale, begin, len, sb, true, bits);
   }
