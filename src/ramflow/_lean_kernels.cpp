@@ -170,7 +170,12 @@ inline float block_amax(const float* x, int64_t len) {
 //   vectors, on their least |x|); a group with a lane below `low` (zero, tiny, or a
 //   subnormal x) takes the exact encoder, all of it;
 // * no lane can round above 448 (|y| <= amax * 2^-e <= 448), and the codes, at most 0xFF
-//   with the sign, pack to bytes with unsigned saturation (which leaves them as they are).
+//   with the sign, pack to bytes with unsigned saturation (which leaves them as they are);
+// * the step rounds stochastically ([Note: stochastic rounding of the 8-bit states]): the
+//   add is then bias - 0x7FFFF + u16 * 2^4 (u16 the lane's 16 random bits), which carries
+//   into the code exactly where fp8_stochastic's floor(t + u) rounds up; the lanes of a
+//   group with one below `low`, and a block with a NaN or an infinity, take fp8_stochastic's
+//   float formula (fp8x8_stochastic), then the exact encoder at scale 1.
 struct Fp8Fast {
   float scale, rcp;
   uint32_t bias, low;
@@ -320,7 +325,10 @@ void lean_block(const LeanArgs& a, int64_t begin, int64_t len) {
 // registers (an integer maximum of the bits), and are encoded from there once the block's
 // scale is known: a block without NaN or infinity by [Note: the FP8 encoder's fast
 // blocks], any other by the integer operations of [Note: FP8 conversions in bits], with
-// blends for the subnormal and NaN cases: no table, no gather, no division. The codes of
+// blends for the subnormal and NaN cases: no table, no gather, no division. The codes'
+// random bits (state_bits, [Note: stochastic rounding of the 8-bit states]) go to a third
+// 1 KiB array in the loop, one hash from the master's rounding bits (which the loop has
+// anyway for a stochastically rounded master; Kahan and fp32 masters compute them too). The codes of
 // four vectors are packed to bytes at once (two 32-to-16 packs, one 16-to-8, one permute
 // to undo the packs' interleaving of 128-bit lanes). The constants and
 // pointers are read into locals once per work item (the intrinsics' unaligned stores may

@@ -35,9 +35,10 @@ format that must be stays on ``_cpu_kernels.fused_adamw_step_``.
 8-bit states: each block of 256 elements keeps one fp32 scale, a power of two, and 256
 one-byte FP8 E4M3 codes: of ``exp_avg / scale`` for the first moment, of ``sqrt(exp_avg_sq)
 / scale`` for the second. A step decodes a block, updates it, takes the new block's scale
-and encodes each element by rounding to nearest even, in integer bit operations (no table,
-no search). Blocks start at multiples of 256 of the buffer given, and the threads take
-whole blocks. See [Note: 8-bit states in FP8 with power-of-two block scales].
+and encodes each element with stochastic rounding, in integer bit operations (no table, no
+search). Blocks start at multiples of 256 of the buffer given, and the threads take whole
+blocks. See [Note: 8-bit states in FP8 with power-of-two block scales] and [Note:
+stochastic rounding of the 8-bit states].
 """
 
 from __future__ import annotations
@@ -220,6 +221,38 @@ def stochastic_round_bf16(
 # The table-defined "dynamic" code of Dettmers et al. 2022 this replaces needed a lookup
 # per element to quantize and ran the CPU step at about 0.5 of the host copy rate; old
 # checkpoints are converted when loaded (``_legacy_states``).
+
+# [Note: stochastic rounding of the 8-bit states]
+# A step writes each new code with stochastic rounding (Gupta et al. 2015, "Deep learning
+# with limited numerical precision"), not to nearest. With 3 mantissa bits, nearest even
+# moves a stored value only when the new one is half a spacing (1/32 to 1/16 of it) away,
+# and an EMA moves by (1 - beta) of its distance to the new term a step: at beta2 = 0.95
+# sqrt(v) falls by at most 2.5% a step, so a stored v could never decrease, and small
+# rises rounded back too ("state staleness", Topollai & Choromanska 2026, arXiv
+# 2603.16731; docs/design-host.md has a simulation's figures, and
+# tests/test_lean_state_rounding.py runs it).
+# * y = x / scale (the scale from the unrounded block, as ``quantize_blockwise``'s), Ey =
+#   max(exponent(|y|), -6) from its bits (2**(Ey - 3) is E4M3's spacing at y, 2**-9 for
+#   the subnormals), t = |y| * 2**(3 - Ey) (exact), k = floor(t + u), the stored value
+#   sign(y) * k * 2**(Ey - 3): a point of the grid (k = 16 is the next binade's 8), at most
+#   448 since |y| <= 448 and 448 is one, which the nearest-even encoder codes exactly. It is
+#   floor(t) + 1 with probability frac(t), to the 2**-16 that u resolves, so the stored
+#   value is y in the mean. t + u is one fp32 addition (exact where t < 16, and never
+#   carried past an integer above), so every implementation gets the same k.
+# * The second moment codes sqrt(v): sqrt(v) is unbiased and v = code**2 is high by the
+#   code's variance, at most a quarter spacing squared (2**-8 of v in the normal range). A
+#   positive value is never code 0 (k = 0 becomes 1, as nearest even's code 0 became 1).
+#   NaN and infinity keep their code 0x7F.
+# * u: 16 random bits per state and element from one more hash of the master's rounding
+#   bits (same key and index, see [Note: counter-based stochastic rounding]): r =
+#   hash32(sr_bits ^ 0x68E31DA4), the first moment's u = (r >> 16) / 2**16, the second's
+#   (r & 0xFFFF) / 2**16; the result does not depend on threads or pieces.
+# * The SIMD loops' fast encoder does it in its integer add: for a normal y, k rounds up
+#   exactly when the 20 dropped mantissa bits plus u * 2**20 carry, so it adds u16 * 2**4
+#   where nearest even adds 0x7FFFF plus the kept lsb (same op count); the other lanes take
+#   the formula above (``_lean_kernels.cpp``: fp8_stochastic, fp8x8_stochastic).
+# ``quantize_blockwise`` (conversions, checkpoints, legacy states) still rounds to nearest
+# even; the codes' format does not change, so old checkpoints load as before.
 
 
 def _scale_exponents(absmax: torch.Tensor) -> torch.Tensor:
@@ -598,8 +631,9 @@ def lean_adamw_step_(
     * ``exp_avg``/``exp_avg_sq`` fp32 or bf16 (stored rounded to nearest even), or uint8
       E4M3 codes of 8-bit block-wise states with ``exp_avg_scale``/``exp_avg_sq_scale`` fp32
       (ceil(n / 256),), one power of two per block of 256 elements (see
-      ``quantize_blockwise``). Both
-      states have one format.
+      ``quantize_blockwise``), the codes rounded stochastically with the master's key and
+      counter (see [Note: stochastic rounding of the 8-bit states]). Both states have one
+      format.
 
     Args:
         master: (n,) master weights, any shape, updated in place.
