@@ -196,3 +196,63 @@ def test_8bit_second_moment_tracks_fp32s(beta2, shrinking):
     ratio, update = _stale_ratios(beta2, shrinking)
     assert 0.95 <= ratio <= 1.05, ratio
     assert 0.95 <= update <= 1.05, update
+
+
+def _hard_grads(gen: torch.Generator) -> torch.Tensor:
+    """Gradients, one kind of 8-bit block each (as test_cpu_kernels' hard blocks), a tail."""
+    blocks = [torch.randn(256, generator=gen) for _ in range(10)]
+    blocks[1][17] = 0.0
+    blocks[2][::7] *= 2.0**-13  # subnormal codes next to normal ones
+    blocks[3][100] = float("nan")
+    blocks[4][5] = float("inf")
+    blocks[5].zero_()
+    blocks[6] *= 1e-40  # fp32 subnormals
+    blocks[7][:] = -0.0
+    blocks[8][::3] *= 2.0**-30  # codes of 0
+    return torch.cat(blocks + [torch.randn(77, generator=gen)])
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("master", ["bf16-sr", "bf16-kahan", "fp32"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_lean_step_codes_equal_the_pytorch_steps(isa, master, grad_dtype, monkeypatch):
+    """Three steps over hard 8-bit blocks, each loop against the PyTorch path, every tensor
+    bit for bit: the loops make the codes' random bits their own ways (from the master's
+    bits, the short hash of [Note: the rounding bits in fewer operations], or the full
+    one; AVX2 in even and odd lanes for bf16 gradients and a bf16 master), here with a
+    counter that passes 2**32 after two blocks."""
+    _use_lean_isa(isa, monkeypatch)
+    gen = torch.Generator().manual_seed(8)
+    grads = [_hard_grads(gen).to(grad_dtype) for _ in range(3)]
+    n = grads[0].numel()
+    p32 = torch.randn(n, generator=gen)
+    results = []
+    for path in ("native", "torch"):
+        s = {"master": p32.clone() if master == "fp32" else p32.to(torch.bfloat16)}
+        s["compensation"] = torch.zeros(n, dtype=torch.bfloat16) if master == "bf16-kahan" else None
+        s["wire_out"] = torch.empty(n, dtype=torch.bfloat16) if master == "fp32" else None
+        s["exp_avg"], s["exp_avg_scale"] = quantize_blockwise(torch.zeros(n), signed=True)
+        s["exp_avg_sq"], s["exp_avg_sq_scale"] = quantize_blockwise(torch.zeros(n), signed=False)
+        with monkeypatch.context() as m:
+            if path == "torch":
+                m.setattr(_lean_kernels._LEAN, "get", lambda: None)
+            for step, g in enumerate(grads, start=1):
+                lean_adamw_step_(
+                    s["master"], g, s["exp_avg"], s["exp_avg_sq"], step=step, lr=1e-3,
+                    beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                    compensation=s["compensation"], exp_avg_scale=s["exp_avg_scale"],
+                    exp_avg_sq_scale=s["exp_avg_sq_scale"], wire_out=s["wire_out"], seed=4,
+                    counter_offset=(1 << 32) - 2 * QBLOCK,
+                )  # fmt: skip
+        results.append(s)
+    for key, value in results[0].items():
+        other = results[1][key]
+        if value is not None and value.is_floating_point():
+            # NaN payloads: the PyTorch path's nearest-even casts (Kahan's hi, the wire
+            # copy) keep NaN's sign where the native code writes 0x7FC0, a difference that
+            # predates the codes' rounding; every other element is compared bit for bit
+            both = value.isnan() & other.isnan()
+            value, other = value.masked_fill(both, 0.0), other.masked_fill(both, 0.0)
+        if value is not None:
+            assert_bits_equal(value, other, key)
+    assert (results[0]["exp_avg"][3 * QBLOCK : 4 * QBLOCK] & 0x7F).eq(0x7F).any()  # NaN code
