@@ -134,8 +134,10 @@ def lean_adamw_kernel(
     if STATE == 2:
         m = tl.where(mask, m, 0.0)
         sq = tl.where(mask, sq, 0.0)
-        me = _fp8_scale_exponent(tl.max(tl.abs(m), axis=1))
-        ve = _fp8_scale_exponent(tl.max(sq, axis=1))
+        # NaN left out of the absmax, as the CPU's running max leaves it (written out: a
+        # reduction's NaN handling differs between the GPU and the interpreter)
+        me = _fp8_scale_exponent(tl.max(tl.where(m != m, 0.0, tl.abs(m)), axis=1))
+        ve = _fp8_scale_exponent(tl.max(tl.where(sq != sq, 0.0, sq), axis=1))
         # 2**e and 2**-e from their bits (exact): see the note
         tl.store(m_scale_ptr + rows, ((me + 127) << 23).to(tl.float32, bitcast=True), mask=row_mask)
         tl.store(v_scale_ptr + rows, ((ve + 127) << 23).to(tl.float32, bitcast=True), mask=row_mask)
