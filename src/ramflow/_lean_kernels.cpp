@@ -551,6 +551,18 @@ RAMFLOW_AVX2 inline uint32_t max_lane_u32(__m256i x) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
 }
 
+// [Note: the rounding bits in fewer operations] (_lean_kernels_avx2.cpp): its constant,
+// and the rounding bits from x1 = K + T[t] of the note.
+constexpr uint32_t kHashC21 = kHashC2 * kHashC1;  // mod 2^32
+
+// (their top 16 bits right)
+RAMFLOW_AVX2 inline __m256i sr_bits_from_x1(__m256i x1) {
+  x1 = _mm256_xor_si256(x1, _mm256_srli_epi32(x1, 15));
+  __m256i y = _mm256_mullo_epi32(x1, I8(kHashC21));
+  y = _mm256_xor_si256(y, _mm256_srli_epi32(y, 15));
+  return _mm256_mullo_epi32(y, I8(kHashC2));
+}
+
 // One block of 8-bit states, as both AVX2 loops read it: each state's scale (the fast
 // decoder's, a float times 2^120, or the exact one's) and whether the block takes the
 // exact decoder (a zero or huge scale, or a special code: block_has_special8).
@@ -599,12 +611,27 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
   alignas(32) float m_new[kQBlock];
   alignas(32) float s_new[kQBlock];  // sqrt(v)
   alignas(32) uint32_t st_bits[kQBlock];  // [Note: stochastic rounding of the 8-bit states]
+  alignas(32) uint32_t bits_table[kQBlock];  // [Note: the rounding bits in fewer operations]
+  uint32_t table_q = 0xFFFFFFFFu;  // none yet
   for (int64_t block = block_begin; block < block_end; ++block) {
     const int64_t begin = block * kQBlock;
     // the rounding counter's lanes, stepped by 8: its low words wrap by themselves, and only
     // a block that crosses a multiple of 2^32 (once per 16 G elements) reads them afresh
+    // (a block of 8-bit states starts on a multiple of kQBlock: never)
     const int64_t index0 = counter_offset + begin;
     const bool crosses = static_cast<uint32_t>(index0) > 0xFFFFFFFFu - (kQBlock - 1);
+    // 8-bit states: the short rounding bits below 2^32, in element order
+    const bool short_bits = kState == kStateQ8 && (static_cast<uint64_t>(index0) >> 32) == 0;
+    __m256i bits_base = _mm256_setzero_si256();
+    if (short_bits) {
+      const uint32_t x0 = static_cast<uint32_t>(index0) ^ key;
+      const uint32_t y = x0 ^ (x0 >> 16);
+      if ((y & 0xFF) != table_q) {
+        table_q = y & 0xFF;
+        for (uint32_t t = 0; t < kQBlock; ++t) bits_table[t] = (t ^ table_q) * kHashC1;
+      }
+      bits_base = I8((y & ~0xFFu) * kHashC1);
+    }
     __m256i idx = _mm256_add_epi32(I8(static_cast<uint32_t>(index0)), lane);
     const __m256i hi_word = I8(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
     Q8Block q{};  // zeros: unused unless the states are 8-bit
@@ -658,9 +685,13 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
         _mm256_store_ps(s_new + j, sq);
         m_max = _mm256_max_epu32(m_max, _mm256_and_si256(_mm256_castps_si256(m), I8(0x7FFFFFFF)));
         s_max = _mm256_max_epu32(s_max, _mm256_castps_si256(sq));
-        // the codes' random bits (the counter: a block of 8-bit states never crosses 2^32)
-        const __m256i sr = hash32_8(_mm256_add_epi32(hash32_8(_mm256_xor_si256(idx, I8(key))), hi_word));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j), hash32_8(_mm256_xor_si256(sr, I8(kStateSalt))));
+      }
+      __m256i q8_bits = _mm256_setzero_si256();  // the rounding bits, top 16 right (as the master's)
+      if constexpr (kState == kStateQ8) {  // then hash32's last step and state_bits' hash
+        q8_bits = short_bits ? sr_bits_from_x1(_mm256_add_epi32(bits_base, _mm256_load_si256(reinterpret_cast<const __m256i*>(bits_table + j))))
+                             : hash32_8_top(_mm256_add_epi32(hash32_8(_mm256_xor_si256(idx, I8(key))), hi_word));
+        const __m256i full = _mm256_xor_si256(q8_bits, _mm256_srli_epi32(q8_bits, 16));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j), hash32_8(_mm256_xor_si256(full, I8(kStateSalt))));
       }
       if constexpr (kMaster == kMasterF32) {
         _mm256_storeu_ps(static_cast<float*>(master) + i, p);
@@ -681,10 +712,13 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
           for (int l = 0; l < 8; ++l) bs[l] = bf16_stochastic(ps[l], sr_bits(key, index + l));
           b16 = _mm_load_si128(reinterpret_cast<const __m128i*>(bs));
         } else {
-          const __m256i h = hash32_8(_mm256_xor_si256(crosses ? _mm256_add_epi32(I8(lo), lane) : idx, I8(key)));
-          const __m256i hi =
-              crosses ? I8(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32)) : hi_word;
-          const __m256i bits = hash32_8_top(_mm256_add_epi32(h, hi));
+          __m256i bits = q8_bits;  // with 8-bit states: computed above
+          if constexpr (kState != kStateQ8) {
+            const __m256i h = hash32_8(_mm256_xor_si256(crosses ? _mm256_add_epi32(I8(lo), lane) : idx, I8(key)));
+            const __m256i hi =
+                crosses ? I8(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32)) : hi_word;
+            bits = hash32_8_top(_mm256_add_epi32(h, hi));
+          }
           const __m256i u = _mm256_castps_si256(p);
           // the bf16 is the top half of u + bits / 2^16 (0x7FC0 for NaN): one byte shuffle
           // and one qword permute gather the 8 top halves, no shift and no pack

@@ -146,7 +146,7 @@ RAMFLOW_AVX2 inline float encode_split(const float* x, uint32_t amax_bits, uint8
 //   T[t] = ((y & 0xFF) ^ t) * C1: a block's constant plus a 1 KiB table, which changes with
 //   bits 16-23 of b only (once per 256 blocks) and is kept in the split order.
 // So x1 = K + T[t], x1 ^= x1 >> 15, y = x1 * (C2 * C1), y ^= y >> 15, bits = y * C2.
-constexpr uint32_t kHashC21 = kHashC2 * kHashC1;  // mod 2^32
+// (kHashC21 and sr_bits_from_x1 are in _lean_kernels.cpp, whose loop uses them too)
 
 // T of the note for the low byte q of y, in split order: entry g * 16 + l (l < 8) is lane
 // l of the even vector of group g (t = 16 g + 2 l), entry g * 16 + 8 + l the odd one's.
@@ -157,14 +157,6 @@ inline void fill_bits_table(uint32_t q, uint32_t* table) {
       table[g + 8 + l] = ((g + 2 * l + 1) ^ q) * kHashC1;
     }
   }
-}
-
-// The rounding bits (their top 16 bits right) from x1 = K + T[t] of the note.
-RAMFLOW_AVX2 inline __m256i sr_bits_from_x1(__m256i x1) {
-  x1 = _mm256_xor_si256(x1, _mm256_srli_epi32(x1, 15));
-  __m256i y = _mm256_mullo_epi32(x1, I8(kHashC21));
-  y = _mm256_xor_si256(y, _mm256_srli_epi32(y, 15));
-  return _mm256_mullo_epi32(y, I8(kHashC2));
 }
 
 // AdamW's arithmetic of lean_block on 8 lanes (the same operations in the same order).
