@@ -146,6 +146,8 @@ RAMFLOW_AVX2 inline float encode_split(const float* x, uint32_t amax_bits, uint8
 //   T[t] = ((y & 0xFF) ^ t) * C1: a block's constant plus a 1 KiB table, which changes with
 //   bits 16-23 of b only (once per 256 blocks) and is kept in the split order.
 // So x1 = K + T[t], x1 ^= x1 >> 15, y = x1 * (C2 * C1), y ^= y >> 15, bits = y * C2.
+// With 8-bit states every loop takes it for the codes' bits (state_bits hashes these once
+// more), whatever the master: their blocks start on multiples of 256.
 // (kHashC21 and sr_bits_from_x1 are in _lean_kernels.cpp, whose loop uses them too)
 
 // T of the note for the low byte q of y, in split order: entry g * 16 + l (l < 8) is lane
