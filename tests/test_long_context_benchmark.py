@@ -120,3 +120,17 @@ def test_merge_keeps_decided_runs_over_skipped_ones_and_refuses_other_models() -
     assert report.merge_results([two, one], [98304])["runs"][0]["fits"] is True
     with pytest.raises(ValueError, match="different runs"):
         report.merge_results([one, {**two, "meta": {**meta, "model": "tiny"}}], [98304])
+
+
+def test_a_lean_run_plans_with_its_own_cpu_rate() -> None:
+    """``_rates`` with the run's own formats' CPU rate (lean, measured by the one-pass lean
+    step) keeps it as it is for a lean plan; a rate of fp32's is converted by
+    ``OPTIMIZER_SPEED``, whose lean ratio lagged the FP8 kernels (with it the 8k plan was
+    44-47% pessimistic on 2026-11-28)."""
+    import long_context
+    from ramflow._host_formats import optimizer_speed, rates_for
+
+    own = rates_for(long_context._rates({}, None, 5e9, "lean"), "lean")
+    assert own.cpu_optimizer_params_per_s == 5e9
+    converted = rates_for(long_context._rates({}, None, 5e9), "lean")
+    assert converted.cpu_optimizer_params_per_s == pytest.approx(5e9 * optimizer_speed("lean"))

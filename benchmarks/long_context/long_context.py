@@ -219,11 +219,21 @@ def warm_pinned_pool(block_bytes: int, count: int) -> float:
     return time.perf_counter() - t
 
 
-def _rates(pinned: dict, matmul: float | None, cpu_params_per_s: float | None):
-    """``ramflow._predict.Rates`` from the run's measured copy rates and CPU optimizer rate
-    (ramflow's AdamW from torch's fused one, ``rows.measured_rates``' rule); the defaults
-    (the H200 box's) for what was not measured."""
-    from ramflow._predict import Rates
+def _rates(
+    pinned: dict,
+    matmul: float | None,
+    cpu_params_per_s: float | None,
+    cpu_rate_format: str = "fp32",
+):
+    """``ramflow._predict.Rates`` from the run's measured copy rates and CPU optimizer rate;
+    the defaults (the H200 box's) for what was not measured. ``cpu_rate_format``: the host
+    formats the rate is of: "fp32" (ramflow's AdamW from torch's fused one,
+    ``rows.measured_rates``' rule; the plan converts it to the run's formats by
+    ``_host_formats.OPTIMIZER_SPEED``), or the run's own formats' one-pass rate
+    (``cpu_optimizer_runner._host_format_rates``, as ``host_formats_scale.py`` measures it),
+    taken as it is."""
+    from ramflow._host_formats import optimizer_speed
+    from ramflow._predict import RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM, Rates
 
     rates = Rates()
     if pinned.get("h2d"):
@@ -233,7 +243,31 @@ def _rates(pinned: dict, matmul: float | None, cpu_params_per_s: float | None):
         )  # fmt: skip
     if cpu_params_per_s:
         rates = dataclasses.replace(rates, cpu_optimizer_params_per_s=cpu_params_per_s)
+        if cpu_rate_format != "fp32":  # the copies' DRAM rate stays the fp32 kernel's
+            rates = dataclasses.replace(
+                rates,
+                cpu_optimizer_dram_bytes_per_param=RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM
+                / optimizer_speed(cpu_rate_format),
+                host_precision=cpu_rate_format,
+            )
     return rates
+
+
+def _cpu_rate(host_precision: str) -> tuple[float, str]:
+    """The CPU optimizer's rate for the run's host formats, parameters per second, and the
+    formats it is of. fp32: ramflow's AdamW from torch's fused CPU AdamW. The lean formats:
+    their own one-pass step over 2**27 parameters with all threads (the constants that
+    convert fp32's rate to theirs lag the kernels: on 2026-11-28 the plan at 8k tokens, where
+    the CPU step binds, was 44-47% pessimistic with them)."""
+    from ramflow._predict import ramflow_adamw_rate
+
+    if host_precision == "fp32":
+        return ramflow_adamw_rate(measure.cpu_adamw_rate(1 << 27)), "fp32"
+    import cpu_optimizer_runner
+
+    dram = measure.dram_copy_bandwidth()
+    rates = cpu_optimizer_runner._host_format_rates(1 << 27, {"steps": 3}, dram)
+    return rates[host_precision]["params_per_s"], host_precision
 
 
 def merge(paths: list[str], out: Path, toolkit: list[int] | None) -> int:
@@ -249,7 +283,10 @@ def merge(paths: list[str], out: Path, toolkit: list[int] | None) -> int:
         from harness import _commit
 
         cfg = model_config(meta["model"] == "tiny", max(x["seq"] for x in merged["runs"]))
-        rates = _rates(meta["pinned"], meta["matmul_flops_per_s"], meta.get("cpu_params_per_s"))
+        rates = _rates(
+            meta["pinned"], meta["matmul_flops_per_s"], meta.get("cpu_params_per_s"),
+            meta.get("cpu_rate_format", "fp32"),
+        )  # fmt: skip
         plans = Plans(cfg, rates, meta["matmul_flops_per_s"], meta["host_precision"], "cuda")
         for run in stale:
             run["plan"] = plans(run["mode"], run["seq"])
@@ -292,7 +329,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import ramflow
     from harness import _commit
-    from ramflow._predict import ramflow_adamw_rate
     from ramflow.memory import CheckpointOffload
     from ramflow.train.loss import chunk_lm_head, lm_loss
 
@@ -301,8 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_config(args.tiny, max(ladder + toolkit))
     matmul = matmul_rate(device)
     bw = pinned_bandwidth(device)
-    cpu_rate = ramflow_adamw_rate(measure.cpu_adamw_rate(1 << 27)) if cuda else None
-    plans = Plans(cfg, _rates(bw, matmul, cpu_rate), matmul, args.host_precision, device.type)
+    cpu_rate, cpu_rate_format = _cpu_rate(args.host_precision) if cuda else (None, "fp32")
+    plans = Plans(
+        cfg, _rates(bw, matmul, cpu_rate, cpu_rate_format), matmul, args.host_precision,
+        device.type,
+    )  # fmt: skip
     free = torch.cuda.mem_get_info(device)[0] if cuda else None
     from transformers import AutoModelForCausalLM
 
@@ -323,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             "host_precision": args.host_precision, "gpu_free_bytes": free,
             "host_ram_bytes": psutil.virtual_memory().total,
             "ramflow_share_bytes": share, "matmul_flops_per_s": matmul, "pinned": bw,
-            "cpu_params_per_s": cpu_rate, "toolkit": toolkit, "ladder": ladder,
+            "cpu_params_per_s": cpu_rate, "cpu_rate_format": cpu_rate_format,
+            "toolkit": toolkit, "ladder": ladder,
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "cuda_alloc_conf": ALLOC_CONF,
         },
