@@ -187,6 +187,7 @@ def _host_format_rates(n: int, case: dict[str, Any], dram: float) -> dict[str, A
         else:
             os.environ["RAMFLOW_LEAN_ISA"] = before
     del buffers
+    fp32_s = _fp32_step_s(n, case["steps"])
     by_isa: dict[str, dict[str, Any]] = {isa: {} for isa in isas}
     for (isa, name), step_s in best.items():
         by_isa[isa][name] = {"step_s": step_s, "bytes_per_param": HOST_FORMAT_BYTES[name]}
@@ -195,6 +196,7 @@ def _host_format_rates(n: int, case: dict[str, Any], dram: float) -> dict[str, A
     for rates in by_isa.values():
         for r in rates.values():
             r["params_per_s"] = n / r["step_s"]
+            r["x_fp32"] = fp32_s / r["step_s"]  # ``_host_formats.OPTIMIZER_SPEED_BY_ISA``'s
             r["bytes_per_s"] = n * r["bytes_per_param"] / r["step_s"]
             r["share_of_dram_copy"] = r["bytes_per_s"] / copy
             r["meets_target"] = r["share_of_dram_copy"] >= TARGET_SHARE
@@ -204,9 +206,35 @@ def _host_format_rates(n: int, case: dict[str, Any], dram: float) -> dict[str, A
         **by_isa[isas[0]],
         "by_isa": {isa: rates for isa, rates in by_isa.items() if isa != isas[0]},
         "dram_copy_bytes_per_s": {"before": dram, "after": after, "used": copy},
+        "fp32": {"step_s": fp32_s, "params_per_s": n / fp32_s, "bytes_per_param": FP32_BYTES},
         "target_share": TARGET_SHARE,
         "cpu_threads": torch.get_num_threads(),
     }
+
+
+FP32_BYTES = 4 + 2 * (4 + 8) + 2  # fp32 gradient read; master and states; the bf16 wire
+
+
+def _fp32_step_s(n: int, steps: int) -> float:
+    """ramflow's fp32 AdamW step (``_cpu_kernels.fused_adamw_step_``: fp32 master, gradient
+    and states, the bf16 wire copy written, as a deferred step of ``host_precision="fp32"``)
+    over ``n`` parameters of flat buffers with all threads: the fastest of ``steps`` after
+    one untimed, seconds. The lean formats' rates over it are the planner's
+    ``OPTIMIZER_SPEED_BY_ISA`` (``x_fp32``), measured in the same run."""
+    from ramflow._cpu_kernels import fused_adamw_step_
+
+    param, grad = torch.randn(n), torch.randn(n) * 1e-3
+    m, v, wire = torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
+    best = float("inf")
+    for step in range(1, steps + 2):
+        t0 = time.perf_counter()
+        fused_adamw_step_(
+            param, grad, m, v, step=step, lr=1e-6, beta1=0.9, beta2=0.999, eps=1e-8,
+            weight_decay=0.0, wire_out=wire,
+        )  # fmt: skip
+        if step > 1:
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _copy_bytes(n: int, case: dict[str, Any]) -> int:

@@ -238,6 +238,22 @@ def host_formats_lines(formats: dict[str, Any] | None) -> list[str]:
                     f"{r['bytes_per_param']:.2f} | {r['bytes_per_s'] / 1e9:.1f} | "
                     f"{r['share_of_dram_copy']:.2f} |"
                 )
+    fp32 = formats.get("fp32")
+    if fp32:  # runs since 2026-11-28 time ramflow's fp32 step too
+        out += [
+            "",
+            f"ramflow's fp32 step: {fp32['params_per_s'] / 1e9:.2f} G params/s. Each format's "
+            "rate over it (`_host_formats.OPTIMIZER_SPEED_BY_ISA`): "
+            + "; ".join(
+                f"{isa}: "
+                + ", ".join(
+                    f"{name} {rates[name]['x_fp32']:.2f}"
+                    for name in ("bf16", "lean", "kahan")
+                    if name in rates
+                )
+                for isa, rates in sets.items()
+            ),
+        ]
     return [*out, ""]
 
 

@@ -168,3 +168,25 @@ def test_state_staleness_reports_every_case(tmp_path: Path) -> None:
         assert 0.85 < first["v_ratio_p10"] <= first["v_ratio_p90"] < 1.15, first
         assert abs(first["update_ratio"] - 1) < 0.01, first
     assert "| 0.95 | decay | 12 |" in (tmp_path / "state_staleness.md").read_text()
+
+
+def test_cpu_optimizer_runner_rates_each_format_against_ramflows_fp32_step(
+    tmp_path: Path,
+) -> None:
+    """``cpu_optimizer_runner.py`` times ramflow's fp32 step in the same run as the lean
+    formats, so each format's rate over it (the planner's ``OPTIMIZER_SPEED_BY_ISA``) comes
+    from one measurement: ``x_fp32`` is the ratio of the two step times, and the report
+    prints it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_optimizer_runner.py"), "--out-dir",
+         str(tmp_path), "--params", str(256 * 256), "--steps", "1"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    formats = json.loads((tmp_path / "host_formats.json").read_text())["host_formats"]
+    fp32 = formats["fp32"]
+    assert fp32["params_per_s"] == pytest.approx(256 * 256 / fp32["step_s"])
+    for name in ("bf16", "lean", "kahan"):
+        assert formats[name]["x_fp32"] == pytest.approx(fp32["step_s"] / formats[name]["step_s"])
+    assert "Each format's rate over it" in (tmp_path / "host_formats.txt").read_text()

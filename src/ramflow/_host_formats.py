@@ -704,7 +704,10 @@ figures are those of the table code before the FP8 one, which is faster: the FP8
 rates on the same box, 2026-11-27 (``benchmarks/cpu_optimizer_runner.py``, 16 threads,
 copy rate 96.3 GB/s; benchmarks/results/2026-11-27-nvidia-h100-gpu-suite-cpuopt-muon),
 were AVX-512 bf16 7.78, lean 7.22, kahan 6.67, AVX2 6.19, 4.88, 5.07 G params/s; that run
-has no fp32 rate to divide by, so the ratios above stay the conservative ones."""
+has no fp32 rate to divide by, so the ratios above stay the conservative ones (a lean
+plan where the CPU step binds is pessimistic: 44-47% at 8k tokens of the 8B long-context
+run, 2026-11-28). ``cpu_optimizer_runner.py`` now times ramflow's fp32 step in the same run
+and prints each format's ``x_fp32``: the next box run replaces these."""
 
 
 def _cpu_lean_isa() -> str:
