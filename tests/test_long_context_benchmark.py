@@ -126,11 +126,22 @@ def test_a_lean_run_plans_with_its_own_cpu_rate() -> None:
     """``_rates`` with the run's own formats' CPU rate (lean, measured by the one-pass lean
     step) keeps it as it is for a lean plan; a rate of fp32's is converted by
     ``OPTIMIZER_SPEED``, whose lean ratio lagged the FP8 kernels (with it the 8k plan was
-    44-47% pessimistic on 2026-11-28)."""
-    import long_context
-    from ramflow._host_formats import optimizer_speed, rates_for
-
-    own = rates_for(long_context._rates({}, None, 5e9, "lean"), "lean")
-    assert own.cpu_optimizer_params_per_s == 5e9
-    converted = rates_for(long_context._rates({}, None, 5e9), "lean")
-    assert converted.cpu_optimizer_params_per_s == pytest.approx(5e9 * optimizer_speed("lean"))
+    44-47% pessimistic on 2026-11-28). In a subprocess: the script puts benchmarks/ first on
+    ``sys.path``, whose ``models`` is not the tests' own."""
+    code = (
+        "import sys; sys.argv = ['long_context.py']; import long_context as lc\n"
+        "from ramflow._host_formats import optimizer_speed, rates_for\n"
+        "own = rates_for(lc._rates({}, None, 5e9, 'lean'), 'lean')\n"
+        "conv = rates_for(lc._rates({}, None, 5e9), 'lean')\n"
+        "print(own.cpu_optimizer_params_per_s, conv.cpu_optimizer_params_per_s,"
+        " 5e9 * optimizer_speed('lean'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2] / "src")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env,
+        cwd=SCRIPT.parent, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    own, converted, expected = map(float, proc.stdout.split()[-3:])
+    assert own == 5e9
+    assert converted == pytest.approx(expected)
