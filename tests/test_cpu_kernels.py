@@ -24,6 +24,7 @@ import torch
 from torch.optim import adam as torch_adam
 
 from bit_compare import assert_bits_equal
+from lean_isa import LEAN_ISAS, use_lean_isa
 from ramflow import _cpu_kernels, _lean_kernels
 from ramflow._cpu_kernels import fused_adamw_step_
 
@@ -555,18 +556,6 @@ def test_a_build_killed_half_way_does_not_block_the_next_process(tmp_path):
 # ---- the lean kernels' 8-bit codes (_lean_kernels, [Note: 8-bit codes in one lookup]) -----
 
 
-def _use_lean_isa(isa: str, monkeypatch) -> None:
-    """Caps the native lean step at ``isa``; skips where this CPU or build cannot run it."""
-    if not _lean_kernels.lean_kernel_available():
-        pytest.skip("the native lean kernels are not available here")
-    monkeypatch.setenv("RAMFLOW_LEAN_ISA", isa)
-    if _lean_kernels.lean_isa() != isa:
-        pytest.skip(f"this CPU runs the lean step in {_lean_kernels.lean_isa()}, not {isa}")
-
-
-_LEAN_ISAS = ["avx512", "avx2", "scalar"]
-
-
 def _fp8_test_values() -> torch.Tensor:
     """fp32 values in [-448, 448] that decide E4M3 rounding: every pattern of the upper 12
     bits (sign, exponent, the 3 kept mantissa bits) with the lower 20 bits just below, at
@@ -584,13 +573,13 @@ def _fp8_test_values() -> torch.Tensor:
     return x[x.abs() <= 448]
 
 
-@pytest.mark.parametrize("isa", _LEAN_ISAS)
+@pytest.mark.parametrize("isa", LEAN_ISAS)
 def test_native_fp8_encoder_is_torchs_float8_e4m3fn_for_every_rounding_case(isa, monkeypatch):
     """The native E4M3 encoder (of the step's loop for ``isa``) gives the bits of torch's own
     conversion, ``.to(torch.float8_e4m3fn)`` (round to nearest even), on values that
     exercise every rounding case. Each block holds 448, so its scale is 2**0 and the codes
     are those of the values themselves."""
-    _use_lean_isa(isa, monkeypatch)
+    use_lean_isa(isa, monkeypatch)
     x = _fp8_test_values()
     blocks = torch.nn.functional.pad(x, (0, -x.numel() % 255)).view(-1, 255)
     x = torch.cat([blocks, torch.full((blocks.shape[0], 1), 448.0)], dim=1).flatten()
@@ -600,12 +589,12 @@ def test_native_fp8_encoder_is_torchs_float8_e4m3fn_for_every_rounding_case(isa,
     assert torch.equal(q, want), f"{int((q != want).sum())} codes differ"
 
 
-@pytest.mark.parametrize("isa", _LEAN_ISAS)
+@pytest.mark.parametrize("isa", LEAN_ISAS)
 def test_native_fp8_decoder_is_torchs_for_every_code(isa, monkeypatch):
     """Every one of the 256 codes (NaN included) decodes as torch's float8_e4m3fn to fp32
     does, times the block's scale; the second moment's are squared. Blocks with and without
     special codes (subnormal, zero, NaN), which the step decodes two ways."""
-    _use_lean_isa(isa, monkeypatch)
+    use_lean_isa(isa, monkeypatch)
     every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     # blocks with no subnormal, zero or NaN code take the step's shorter decoder
     normal = every[((every & 0x7F) >= 8) & ((every & 0x7F) != 0x7F)]
@@ -620,13 +609,13 @@ def test_native_fp8_decoder_is_torchs_for_every_code(isa, monkeypatch):
     assert want[512:1024].isfinite().all() and (want[512:1024] != 0).all()
 
 
-@pytest.mark.parametrize("isa", _LEAN_ISAS)
+@pytest.mark.parametrize("isa", LEAN_ISAS)
 @pytest.mark.parametrize("signed", [True, False])
 def test_native_quantizer_equals_quantize_blockwise(signed, isa, monkeypatch):
     """The native quantizer (scale from the block's absmax, then the codes) gives the PyTorch
     path's bits for blocks of every magnitude: absmax at and next to the scale's steps
     (1.75 * 2**k), subnormal, huge, zero, and with elements too small for a code."""
-    _use_lean_isa(isa, monkeypatch)
+    use_lean_isa(isa, monkeypatch)
     gen = torch.Generator().manual_seed(1)
     amaxes = [1.0, 1.75, 448.0, 3e-39, 1e-45, 3e38, 1e-20, 7e10, 0.0]
     amaxes += [float(torch.nextafter(torch.tensor(a), torch.tensor(a * 2))) for a in (1.75, 448.0)]
@@ -656,7 +645,7 @@ def test_native_quantizer_equals_quantize_blockwise(signed, isa, monkeypatch):
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("master", ["bf16-sr", "bf16-kahan", "fp32"])
 def test_lean_step_simd_equals_the_scalar_block(master, isa, monkeypatch):
-    _use_lean_isa(isa, monkeypatch)
+    use_lean_isa(isa, monkeypatch)
     gen = torch.Generator().manual_seed(2)
     n = 20 * 256 + 77
     p32 = torch.randn(n, generator=gen)
@@ -696,7 +685,7 @@ def test_lean_step_simd_equals_the_scalar_block_with_bf16_states(
     the short one (counter 0), the full hash where a block does not start on a multiple of
     256 (offset 3) and where the counter passes 2**32 (the last offset, which also has a
     block whose lanes cross it)."""
-    _use_lean_isa(isa, monkeypatch)
+    use_lean_isa(isa, monkeypatch)
     gen = torch.Generator().manual_seed(4)
     n = 40 * 256 + 77
     master0 = torch.randn(n, generator=gen).to(torch.bfloat16)
@@ -747,7 +736,7 @@ def test_lean_step_simd_equals_the_scalar_block_on_hard_blocks(isa, counter_offs
     normal range, NaN and infinity, zeros, fp32 subnormals, -0.0; over three steps, so the
     states decoded in steps 2 and 3 hold those codes too. With a rounding counter that
     passes 2**32 after five blocks, the later blocks' random bits take the high word."""
-    _use_lean_isa(isa, monkeypatch)
+    use_lean_isa(isa, monkeypatch)
     gen = torch.Generator().manual_seed(3)
     grads = [_hard_block_grads(gen) for _ in range(3)]
     n = grads[0].numel()

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from bit_compare import assert_bits_equal
+from lean_isa import use_lean_isa
 from ramflow import _lean_kernels
 from ramflow._lean_kernels import (
     QBLOCK,
@@ -25,14 +26,6 @@ from ramflow._lean_kernels import (
     quantize_blockwise,
     rounding_key,
 )
-
-
-def _use_lean_isa(isa: str, monkeypatch) -> None:
-    if not _lean_kernels.lean_kernel_available():
-        pytest.skip("the native lean kernels are not available here")
-    monkeypatch.setenv("RAMFLOW_LEAN_ISA", isa)
-    if _lean_kernels.lean_isa() != isa:
-        pytest.skip(f"this CPU runs the lean step in {_lean_kernels.lean_isa()}, not {isa}")
 
 
 def _hard_moments(gen: torch.Generator) -> torch.Tensor:
@@ -78,7 +71,7 @@ def test_native_stochastic_codes_are_the_pytorch_paths(isa, split, counter_offse
     """The native store of the step's loop for ``isa`` (AVX2: both loops) codes the moments
     as the PyTorch path does, bit for bit, on blocks that take every path of the encoders;
     with a counter past 2**32 the random bits take its high word."""
-    _use_lean_isa(isa, monkeypatch)
+    use_lean_isa(isa, monkeypatch)
     gen = torch.Generator().manual_seed(5)
     m = _hard_moments(gen)
     v = _hard_moments(gen).roll(1000).square()
@@ -221,7 +214,7 @@ def test_lean_step_codes_equal_the_pytorch_steps(isa, master, grad_dtype, monkey
     bits, the short hash of [Note: the rounding bits in fewer operations], or the full
     one; AVX2 in even and odd lanes for bf16 gradients and a bf16 master), here with a
     counter that passes 2**32 after two blocks."""
-    _use_lean_isa(isa, monkeypatch)
+    use_lean_isa(isa, monkeypatch)
     gen = torch.Generator().manual_seed(8)
     grads = [_hard_grads(gen).to(grad_dtype) for _ in range(3)]
     n = grads[0].numel()

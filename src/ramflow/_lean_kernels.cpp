@@ -555,6 +555,18 @@ RAMFLOW_AVX2 inline uint32_t max_lane_u32(__m256i x) {
 // and the rounding bits from x1 = K + T[t] of the note.
 constexpr uint32_t kHashC21 = kHashC2 * kHashC1;  // mod 2^32
 
+// The note's K of the block whose first element is index0 (below 2^32); T (bits_table, in
+// element order) is made again only where the low byte of the key's mix changes (table_q).
+inline uint32_t short_bits_base(int64_t index0, uint32_t key, uint32_t& table_q, uint32_t* bits_table) {
+  const uint32_t x0 = static_cast<uint32_t>(index0) ^ key;
+  const uint32_t y = x0 ^ (x0 >> 16);
+  if ((y & 0xFF) != table_q) {
+    table_q = y & 0xFF;
+    for (uint32_t t = 0; t < kQBlock; ++t) bits_table[t] = (t ^ table_q) * kHashC1;
+  }
+  return (y & ~0xFFu) * kHashC1;
+}
+
 // (their top 16 bits right)
 RAMFLOW_AVX2 inline __m256i sr_bits_from_x1(__m256i x1) {
   x1 = _mm256_xor_si256(x1, _mm256_srli_epi32(x1, 15));
@@ -623,15 +635,7 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
     // 8-bit states: the short rounding bits below 2^32, in element order
     const bool short_bits = kState == kStateQ8 && (static_cast<uint64_t>(index0) >> 32) == 0;
     __m256i bits_base = _mm256_setzero_si256();
-    if (short_bits) {
-      const uint32_t x0 = static_cast<uint32_t>(index0) ^ key;
-      const uint32_t y = x0 ^ (x0 >> 16);
-      if ((y & 0xFF) != table_q) {
-        table_q = y & 0xFF;
-        for (uint32_t t = 0; t < kQBlock; ++t) bits_table[t] = (t ^ table_q) * kHashC1;
-      }
-      bits_base = I8((y & ~0xFFu) * kHashC1);
-    }
+    if (short_bits) bits_base = I8(short_bits_base(index0, key, table_q, bits_table));
     __m256i idx = _mm256_add_epi32(I8(static_cast<uint32_t>(index0)), lane);
     const __m256i hi_word = I8(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
     Q8Block q{};  // zeros: unused unless the states are 8-bit

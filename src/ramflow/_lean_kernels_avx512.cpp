@@ -258,15 +258,7 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
     const bool short_bits = (kMaster == kMasterSR || kState == kStateQ8) &&
                             (static_cast<uint64_t>(index0) >> 32) == 0 && (index0 & (kQBlock - 1)) == 0;
     __m512i bits_base = _mm512_setzero_si512();
-    if (short_bits) {
-      const uint32_t x0 = static_cast<uint32_t>(index0) ^ key;
-      const uint32_t y = x0 ^ (x0 >> 16);
-      if ((y & 0xFF) != table_q) {
-        table_q = y & 0xFF;
-        for (uint32_t t = 0; t < kQBlock; ++t) bits_table[t] = (t ^ table_q) * kHashC1;  // element order
-      }
-      bits_base = I16((y & ~0xFFu) * kHashC1);
-    }
+    if (short_bits) bits_base = I16(short_bits_base(index0, key, table_q, bits_table));
     __m512i idx = _mm512_add_epi32(I16(static_cast<uint32_t>(index0)), lane);
     const __m512i hi_word = I16(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
     __m512 m_scale = _mm512_setzero_ps();
