@@ -9,6 +9,7 @@
 #           out of memory and the run goes on with activation offload (issue 32, point 4)
 #   muon    Muon's host passes and training step on the box (issue 33, point 3)
 #   lean    the lean CPU step vs the copy rate, and loading at 12-13B (issue 30, points 2, 5)
+#   cpuopt  the CPU step of each host format against the copy rate and the fp32 step (lean without the loads)
 #   scale   12-14B of two architectures at 8x2048 (issue 30, point 6)
 #   formats lean against fp32 in ramflow's training cases, the planner's device step (the
 #           plain loop) and the benchmark's (issue 30, point 3)
@@ -27,7 +28,7 @@
 # stage, so a call cut by its limit keeps what ran. Carry [".whl"] for `tests` and `dit`
 # (diffusers, importlib_metadata, lazy-importer, ramtorch; benchmarks/README.md).
 set -u
-PART=${1:?usage: one_gpu.sh tests|dit|long|train128k|oomoffload|muon|lean|scale|formats|formats-trainer|formats-cli|clip|accuracy-SEED}
+PART=${1:?usage: one_gpu.sh tests|dit|long|cpuopt|train128k|oomoffload|muon|lean|scale|formats|formats-trainer|formats-cli|clip|accuracy-SEED}
 export PYTHONUNBUFFERED=1
 R=/tmp/open-checks-$PART; mkdir -p "$R"
 pack() { tar -czf "$OUT/$PART.tgz" -C "$R" . ; }
@@ -66,6 +67,9 @@ oomoffload)
   timeout "$(left)" python3 benchmarks/long_context/oom_offload.py --out-dir "$R/oom" --cap-gib 60 > "$R/stdout.log" 2>&1 ;;
 muon)
   timeout "$(left)" python3 benchmarks/muon/muon_bench.py --out-dir "$R/muon" > "$R/stdout.log" 2>&1 ;;
+cpuopt)
+  # the CPU step of each host format against the copy rate and ramflow's fp32 step, alone
+  timeout 120 python3 benchmarks/cpu_optimizer_runner.py --out-dir "$R/cpuopt" > "$R/cpuopt.log" 2>&1 ;;
 lean)
   timeout 120 python3 benchmarks/cpu_optimizer_runner.py --out-dir "$R/cpuopt" > "$R/cpuopt.log" 2>&1; pack
   timeout "$(left)" python3 benchmarks/load/load_speed.py --out-dir "$R/load" --budget-s $(( $(left) - 30 )) > "$R/load.log" 2>&1 ;;
