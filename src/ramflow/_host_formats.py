@@ -691,23 +691,18 @@ def check_optimizer_formats(precision: HostPrecision, optimizer: Any) -> None:
 
 
 OPTIMIZER_SPEED_BY_ISA = {
-    "avx512": {"fp32": 1.0, "bf16": 1.64, "lean": 1.13, "kahan": 1.06},
-    "avx2": {"fp32": 1.0, "bf16": 1.32, "lean": 0.78, "kahan": 0.64},
+    "avx512": {"fp32": 1.0, "bf16": 1.87, "lean": 1.41, "kahan": 1.13},
+    "avx2": {"fp32": 1.0, "bf16": 1.75, "lean": 1.17, "kahan": 0.94},
 }
 """Each preset's CPU AdamW parameter rate over the fp32 one, by the instruction set its lean
-step runs (``_lean_kernels.lean_isa``), measured on the H100 box of 2026-11-26 with all 16
-threads in one run (``bench.py --cpu-optimizer``: ramflow's fp32 AdamW 4.89 G params/s; its
-``host_formats`` rates, AVX-512 bf16 8.04, lean 5.53, kahan 5.16, AVX2 6.47, 3.82, 3.13;
-benchmarks/results/2026-11-26-nvidia-h100-lean-avx512). The bf16 step moves fewer bytes;
-the 8-bit ones were bound by their lookups and arithmetic, not by DRAM. The lean and kahan
-figures are those of the table code before the FP8 one, which is faster: the FP8 code's
-rates on the same box, 2026-11-27 (``benchmarks/cpu_optimizer_runner.py``, 16 threads,
-copy rate 96.3 GB/s; benchmarks/results/2026-11-27-nvidia-h100-gpu-suite-cpuopt-muon),
-were AVX-512 bf16 7.78, lean 7.22, kahan 6.67, AVX2 6.19, 4.88, 5.07 G params/s; that run
-has no fp32 rate to divide by, so the ratios above stay the conservative ones (a lean
-plan where the CPU step binds is pessimistic: 44-47% at 8k tokens of the 8B long-context
-run, 2026-11-28). ``cpu_optimizer_runner.py`` now times ramflow's fp32 step in the same run
-and prints each format's ``x_fp32``: the next box run replaces these."""
+step runs (``_lean_kernels.lean_isa``): ``benchmarks/cpu_optimizer_runner.py`` on 16 threads
+of a 4 x H200 host alone, 2026-11-28, which times ramflow's fp32 AdamW (4.87 G params/s) and
+every format in one run (AVX-512 bf16 9.12, lean 6.88, kahan 5.49, AVX2 8.54, 5.72, 4.56;
+benchmarks/results/2026-11-28-nvidia-h200-x4-sr-seeds-gpu-suite/cpuopt-alone). The lean and
+kahan steps round their 8-bit states stochastically there, and are bound by their arithmetic,
+not by DRAM; the bf16 step moves fewer bytes. The earlier table (H100, 2026-11-26: lean 1.13,
+AVX2 0.78) was the table code's, and made a lean plan where the CPU step binds 44-47% too
+slow (8k tokens of the 8B long-context run, 2026-11-28)."""
 
 
 def _cpu_lean_isa() -> str:
