@@ -151,6 +151,82 @@ def test_stochastic_codes_are_unbiased(y, spacing, signed):
     assert abs(nearest.item() - target[0, 0].item()) > 20 * bound
 
 
+def _rounding_streams(n: int) -> dict[str, torch.Tensor]:
+    """The 16-bit u (n,) int64 of n elements' three roundings in one step: the master's
+    (the top of ``_sr_bits``), the first moment's and the second's (``_state_bits``)."""
+    h = _lean_kernels._sr_bits(rounding_key(11, 5), 0, n)
+    w = _lean_kernels._state_bits_of(h)
+    return {"master": h >> 16, "exp_avg": w >> 16, "exp_avg_sq": w & 0xFFFF}
+
+
+# Chi-square statistics of independent uniform cells pass these with a chance of about
+# 1e-8: 255 degrees of freedom (mean 255, standard deviation 22.6) and 511 (511, 32). A
+# stream that misses a 256th of its range, or leans on another by a few percent of a
+# cell, lands in the thousands.
+CHI2_255 = 400.0
+CHI2_511 = 750.0
+
+
+def _chi2(cells: torch.Tensor, num_cells: int) -> float:
+    counts = torch.bincount(cells, minlength=num_cells).double()
+    expected = cells.numel() / num_cells
+    return ((counts - expected) ** 2 / expected).sum().item()
+
+
+def test_rounding_streams_are_uniform_and_pairwise_independent():
+    """The master's, the first moment's and the second moment's 16 random bits of an element
+    ([Note: stochastic rounding of the 8-bit states]) over 2**20 elements: each uniform
+    (its top 8 bits, 256 cells); each pair uncorrelated, spread evenly over a 16 x 16 grid
+    of their top 4 bits, and with as many distinct pairs as independent ones would have.
+    That last one fails where one u is a function of another (at most 2**16 distinct pairs:
+    e.g. the low bits of a product of the other's bits), which the first two can miss. The
+    three together (two of them fix the third) spread evenly over an 8 x 8 x 8 grid of
+    their top 3 bits, which a third made as the sum or xor of the others' bits fails."""
+    n = 1 << 20
+    streams = _rounding_streams(n)
+    for name, u in streams.items():
+        assert 0 <= u.min().item() and u.max().item() < 1 << 16, name
+        assert _chi2(u >> 8, 256) < CHI2_255, name
+    names = list(streams)
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            u, w = streams[first], streams[second]
+            pair = f"{first} and {second}"
+            # independent: the correlation coefficient has standard deviation 1 / sqrt(n)
+            r = torch.corrcoef(torch.stack([u, w]).double())[0, 1].item()
+            assert abs(r) < 5 / math.sqrt(n), (pair, r)
+            assert _chi2((u >> 12) * 16 + (w >> 12), 256) < CHI2_255, pair
+            # n independent pairs in 2**32 collide about n**2 / 2**33 = 128 times
+            # (a Poisson count, standard deviation 11)
+            assert torch.unique(u * (1 << 16) + w).numel() > n - 1024, pair
+    top3 = [u >> 13 for u in streams.values()]
+    assert _chi2(top3[0] * 64 + top3[1] * 8 + top3[2], 512) < CHI2_511
+
+
+def test_state_bits_are_independent_of_the_masters_as_the_note_says():
+    """The note's exact claims, over all 2**16 values of the other half of h ^ h >> 16:
+    given the master's 16 bits, the second moment's u takes each value once; given the
+    second moment's u, the first moment's takes each value once as the master's bits
+    run through theirs; and given the master's bits, the first moment's u fills every
+    interval of [0, 2**16) to within 4 of its length (so its round-up probability is the
+    master-free one to within 2**-14)."""
+    every = torch.arange(1 << 16, dtype=torch.int64)
+
+    def state_bits(top: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        x = (top << 16) | low  # h ^ h >> 16; the master's bits are its top half
+        return _lean_kernels._state_bits_of(x ^ (x >> 16))
+
+    for a in (0, 1, 0x1234, 0x8000, 0xFFFF):
+        w = state_bits(torch.full_like(every, a), every)
+        assert torch.equal((w & 0xFFFF).sort().values, every), a
+        excess = torch.cumsum(torch.bincount(w >> 16, minlength=1 << 16) - 1, 0)
+        assert max(excess.max().item(), 0) - min(excess.min().item(), 0) <= 4, a
+    for b in (0, 1, 0x4321, 0xFFFF):
+        w = state_bits(every, torch.full_like(every, b))
+        assert (w & 0xFFFF).unique().numel() == 1, b
+        assert torch.equal((w >> 16).sort().values, every), b
+
+
 def _stale_ratios(beta2: float, shrinking: bool, *, n: int = 64 * QBLOCK, steps: int = 300):
     """AdamW with fp32 states and with 8-bit states side by side, the same gradients:
     g = s * N(0, 1) per element, s log-uniform over 3 decades, stationary or shrinking as

@@ -207,11 +207,20 @@ inline uint8_t fp8_encode_state(float y, bool second) {
 // result is a point of the grid (at most 448, since |y| <= 448 and 448 is one), which the
 // nearest-even encoder then codes exactly. The second moment keeps a positive y off code 0
 // (k = 0 becomes 1, as fp8_encode_state does). NaN and infinity are left as they are.
-// The 16 bits come from one more hash of the master's rounding bits of the element
-// (state_bits): the top half for the first moment, the bottom half for the second.
-constexpr uint32_t kStateSalt = 0x68E31DA4u;
+// The 16 bits come from the master's rounding bits h of the element by one multiply
+// (state_bits): w = (h ^ h >> 16) * kStateMul mod 2^32, the top half for the first moment,
+// the bottom half for the second (h ^ h >> 16 undoes hash32's last step). The Python note
+// says why the master's, the first moment's and the second's 16 bits are pairwise
+// independent.
+constexpr uint32_t kStateMul = 0x9E3779B9u;  // 2^32 over the golden ratio, odd
+// hash32's last multiply and kStateMul in one (mod 2^32): the SIMD loops have y, hash32's
+// value before its last multiply (hash32_8_pre), where h ^ h >> 16 = y * kHashC2, so
+// state_bits is y * kStateMulC2, one multiply as the master's bits y * kHashC2 are.
+constexpr uint32_t kStateMulC2 = kHashC2 * kStateMul;
 
-inline uint32_t state_bits(uint32_t key, int64_t index) { return hash32(sr_bits(key, index) ^ kStateSalt); }
+inline uint32_t state_bits_of(uint32_t h) { return (h ^ (h >> 16)) * kStateMul; }
+
+inline uint32_t state_bits(uint32_t key, int64_t index) { return state_bits_of(sr_bits(key, index)); }
 
 inline float fp8_stochastic(float y, uint32_t u16, bool second) {
   const uint32_t a = f2u(y) & 0x7FFFFFFFu;
@@ -327,8 +336,9 @@ void lean_block(const LeanArgs& a, int64_t begin, int64_t len) {
 // blocks], any other by the integer operations of [Note: FP8 conversions in bits], with
 // blends for the subnormal and NaN cases: no table, no gather, no division. The codes'
 // random bits (state_bits, [Note: stochastic rounding of the 8-bit states]) go to a third
-// 1 KiB array in the loop, one hash from the master's rounding bits (which the loop has
-// anyway for a stochastically rounded master; Kahan and fp32 masters compute them too). The codes of
+// 1 KiB array in the loop, one multiply from the master's rounding bits before their last
+// multiply (which the loop has anyway for a stochastically rounded master; Kahan and fp32
+// masters compute them too, less that last multiply). The codes of
 // four vectors are packed to bytes at once (two 32-to-16 packs, one 16-to-8, one permute
 // to undo the packs' interleaving of 128-bit lanes). The constants and
 // pointers are read into locals once per work item (the intrinsics' unaligned stores may
@@ -351,13 +361,22 @@ RAMFLOW_AVX2 inline __m256i hash32_8(__m256i x) {
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
-// hash32 with the top 16 bits right and the others not: its last x ^= x >> 16 leaves the
-// top half as it is, and the stochastic rounding reads only that (bits >> 16).
-RAMFLOW_AVX2 inline __m256i hash32_8_top(__m256i x) {
+// hash32 up to its last multiply (y): y * kHashC2 is hash32 less its last x ^= x >> 16,
+// which leaves the top half as it is (all the master's stochastic rounding reads, bits >>
+// 16), and y * kStateMulC2 is state_bits.
+RAMFLOW_AVX2 inline __m256i hash32_8_pre(__m256i x) {
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   x = _mm256_mullo_epi32(x, I8(kHashC1));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-  return _mm256_mullo_epi32(x, I8(kHashC2));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+}
+
+// hash32 with the top 16 bits right and the others not (see hash32_8_pre).
+RAMFLOW_AVX2 inline __m256i hash32_8_top(__m256i x) { return _mm256_mullo_epi32(hash32_8_pre(x), I8(kHashC2)); }
+
+// The low words of the rounding counter of 8 elements from `index` (mod 2^32). Built where
+// a loop needs them (the full hash's rare blocks), not stepped along in a register.
+RAMFLOW_AVX2 inline __m256i counter_lanes8(int64_t index) {
+  return _mm256_add_epi32(I8(static_cast<uint32_t>(index)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 // fp8_decode of 8 codes, one per 32-bit lane (zero-extended).
@@ -567,12 +586,11 @@ inline uint32_t short_bits_base(int64_t index0, uint32_t key, uint32_t& table_q,
   return (y & ~0xFFu) * kHashC1;
 }
 
-// (their top 16 bits right)
-RAMFLOW_AVX2 inline __m256i sr_bits_from_x1(__m256i x1) {
+// (up to the last multiply: y of hash32_8_pre)
+RAMFLOW_AVX2 inline __m256i sr_bits_pre_from_x1(__m256i x1) {
   x1 = _mm256_xor_si256(x1, _mm256_srli_epi32(x1, 15));
-  __m256i y = _mm256_mullo_epi32(x1, I8(kHashC21));
-  y = _mm256_xor_si256(y, _mm256_srli_epi32(y, 15));
-  return _mm256_mullo_epi32(y, I8(kHashC2));
+  const __m256i y = _mm256_mullo_epi32(x1, I8(kHashC21));
+  return _mm256_xor_si256(y, _mm256_srli_epi32(y, 15));
 }
 
 // One block of 8-bit states, as both AVX2 loops read it: each state's scale (the fast
@@ -617,7 +635,6 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
   const __m256 bc2_sqrt = _mm256_set1_ps(a.bc2_sqrt);
   const __m256 eps = _mm256_set1_ps(a.eps);
   const __m256 neg_step_size = _mm256_set1_ps(a.neg_step_size);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i top_halves = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
                                               2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
   alignas(32) float m_new[kQBlock];
@@ -627,17 +644,18 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
   uint32_t table_q = 0xFFFFFFFFu;  // none yet
   for (int64_t block = block_begin; block < block_end; ++block) {
     const int64_t begin = block * kQBlock;
-    // the rounding counter's lanes, stepped by 8: its low words wrap by themselves, and only
-    // a block that crosses a multiple of 2^32 (once per 16 G elements) reads them afresh
-    // (a block of 8-bit states starts on a multiple of kQBlock: never)
+    // the rounding counter's lanes (idx), stepped by 8: their low words wrap by themselves,
+    // and only a block that crosses a multiple of 2^32 (once per 16 G elements) reads them
+    // afresh. 8-bit states (whose blocks start on multiples of kQBlock: never crossing) take
+    // the short bits below 2^32 and build the lanes only for the full hash above.
     const int64_t index0 = counter_offset + begin;
     const bool crosses = static_cast<uint32_t>(index0) > 0xFFFFFFFFu - (kQBlock - 1);
     // 8-bit states: the short rounding bits below 2^32, in element order
     const bool short_bits = kState == kStateQ8 && (static_cast<uint64_t>(index0) >> 32) == 0;
     __m256i bits_base = _mm256_setzero_si256();
     if (short_bits) bits_base = I8(short_bits_base(index0, key, table_q, bits_table));
-    __m256i idx = _mm256_add_epi32(I8(static_cast<uint32_t>(index0)), lane);
     const __m256i hi_word = I8(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
+    __m256i idx = counter_lanes8(index0);
     Q8Block q{};  // zeros: unused unless the states are 8-bit
     if constexpr (kState == kStateQ8) q = q8_block(a, block);
     const __m256 m_scale = q.m_scale;
@@ -690,12 +708,14 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
         m_max = _mm256_max_epu32(m_max, _mm256_and_si256(_mm256_castps_si256(m), I8(0x7FFFFFFF)));
         s_max = _mm256_max_epu32(s_max, _mm256_castps_si256(sq));
       }
-      __m256i q8_bits = _mm256_setzero_si256();  // the rounding bits, top 16 right (as the master's)
-      if constexpr (kState == kStateQ8) {  // then hash32's last step and state_bits' hash
-        q8_bits = short_bits ? sr_bits_from_x1(_mm256_add_epi32(bits_base, _mm256_load_si256(reinterpret_cast<const __m256i*>(bits_table + j))))
-                             : hash32_8_top(_mm256_add_epi32(hash32_8(_mm256_xor_si256(idx, I8(key))), hi_word));
-        const __m256i full = _mm256_xor_si256(q8_bits, _mm256_srli_epi32(q8_bits, 16));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j), hash32_8(_mm256_xor_si256(full, I8(kStateSalt))));
+      // with 8-bit states: y of hash32_8_pre, then state_bits and the master's bits (top 16
+      // right) one multiply each
+      __m256i q8_bits = _mm256_setzero_si256();
+      if constexpr (kState == kStateQ8) {
+        const __m256i y = short_bits ? sr_bits_pre_from_x1(_mm256_add_epi32(bits_base, _mm256_load_si256(reinterpret_cast<const __m256i*>(bits_table + j))))
+                                     : hash32_8_pre(_mm256_add_epi32(hash32_8(_mm256_xor_si256(counter_lanes8(counter_offset + i), I8(key))), hi_word));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j), _mm256_mullo_epi32(y, I8(kStateMulC2)));
+        if constexpr (kMaster == kMasterSR) q8_bits = _mm256_mullo_epi32(y, I8(kHashC2));
       }
       if constexpr (kMaster == kMasterF32) {
         _mm256_storeu_ps(static_cast<float*>(master) + i, p);
@@ -718,7 +738,7 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
         } else {
           __m256i bits = q8_bits;  // with 8-bit states: computed above
           if constexpr (kState != kStateQ8) {
-            const __m256i h = hash32_8(_mm256_xor_si256(crosses ? _mm256_add_epi32(I8(lo), lane) : idx, I8(key)));
+            const __m256i h = hash32_8(_mm256_xor_si256(crosses ? counter_lanes8(index) : idx, I8(key)));
             const __m256i hi =
                 crosses ? I8(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32)) : hi_word;
             bits = hash32_8_top(_mm256_add_epi32(h, hi));
@@ -739,7 +759,7 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
         _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(master) + i), hi16);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(compensation + i), to_bf16_8(_mm256_sub_ps(p, hi)));
       }
-      idx = _mm256_add_epi32(idx, I8(8));
+      if constexpr (kState != kStateQ8) idx = _mm256_add_epi32(idx, I8(8));
     }
     if constexpr (kState == kStateQ8) {
       uint8_t* const qm = static_cast<uint8_t*>(exp_avg) + begin;

@@ -71,7 +71,7 @@ _MASTER_F32, _MASTER_SR, _MASTER_KAHAN = 0, 1, 2
 _STATE_F32, _STATE_BF16, _STATE_Q8 = 0, 1, 2
 _STATE_FORMAT = {torch.float32: _STATE_F32, torch.bfloat16: _STATE_BF16, torch.uint8: _STATE_Q8}
 _MASK32 = 0xFFFFFFFF
-_STATE_SALT = 0x68E31DA4  # [Note: stochastic rounding of the 8-bit states]
+_STATE_MUL = 0x9E3779B9  # [Note: stochastic rounding of the 8-bit states]
 
 
 # [Note: counter-based stochastic rounding]
@@ -243,10 +243,35 @@ def stochastic_round_bf16(
 #   code's variance, at most a quarter spacing squared (2**-8 of v in the normal range). A
 #   positive value is never code 0 (k = 0 becomes 1, as nearest even's code 0 became 1).
 #   NaN and infinity keep their code 0x7F.
-# * u: 16 random bits per state and element from one more hash of the master's rounding
-#   bits (same key and index, see [Note: counter-based stochastic rounding]): r =
-#   hash32(sr_bits ^ 0x68E31DA4), the first moment's u = (r >> 16) / 2**16, the second's
-#   (r & 0xFFFF) / 2**16; the result does not depend on threads or pieces.
+# * u: 16 random bits per state and element, from the master's rounding bits h (``_sr_bits``,
+#   same key and index: see [Note: counter-based stochastic rounding]) by one multiply: w =
+#   (h ^ h >> 16) * C mod 2**32 with C = 0x9E3779B9 (2**32 over the golden ratio), the
+#   first moment's u = (w >> 16) / 2**16, the second's (w & 0xFFFF) / 2**16; the result
+#   does not depend on threads or pieces. Over keys h is uniform (hash32 is a bijection),
+#   and so is h ^ h >> 16 = a * 2**16 + b, with a = h >> 16 the master's 16 bits and b
+#   independent of a. With C = c1 * 2**16 + c0:
+#   - the second moment's u is b * c0 mod 2**16, a bijection of b (c0 is odd): uniform, and
+#     independent of the master's a, exactly;
+#   - the first moment's is (a * c0 + g(b)) mod 2**16 with g(b) = (b * C mod 2**32) >> 16:
+#     given b, a bijection of a, so uniform and independent of the second's, exactly; given
+#     a, g(b) shifted, and g's 2**16 values fill every interval of [0, 2**16) to within 4
+#     of its length (b * C / 2**32 mod 1 is a golden-ratio Weyl sequence, whose points
+#     spread about as evenly as any), so given the master's bits the first moment still
+#     rounds up with its probability to within 2**-14.
+#   Three 16-bit numbers from 32 bits cannot be jointly independent (two of them fix the
+#   third); the multiply makes the third a mixing function of the two where a sum or an xor
+#   of the halves would not (with a and b both below 2**15, a ^ b always is too). A
+#   product's low 16 bits depend only on its input's low 16 bits: the second moment's u is
+#   b's image, and b is no other stream's u. 16 bits each, not 8: at beta2 = 0.999 the EMA
+#   moves a stored sqrt(v) by about 1/2000 of itself a step, 1/250 to 1/125 of its
+#   spacing; u in steps of 2**-8 would bias a rounding by up to 1/256 of a spacing, as
+#   much as that drift, where 2**-16 biases it by under 1% of it. (An earlier version
+#   hashed h once more, hash32(h ^ salt): two multiplies and 8 more operations per vector;
+#   docs/design-host.md has what that cost. tests/test_lean_state_rounding.py checks the
+#   three streams' independence.)
+# * The SIMD loops have y, hash32's value before its last multiply, with h ^ h >> 16 = y *
+#   C2 (hash32's last constant; h ^ h >> 16 undoes hash32's last step): w = y * (C2 * C mod
+#   2**32), one multiply from y, as the master's bits y * C2 are.
 # * The SIMD loops' fast encoder does it in its integer add: for a normal y, k rounds up
 #   exactly when the 20 dropped mantissa bits plus u * 2**20 carry, so it adds u16 * 2**4
 #   where nearest even adds 0x7FFFF plus the kept lsb (same op count); the other lanes take
@@ -295,11 +320,18 @@ def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, 
     return _quantize(x, signed=signed, u16=None)
 
 
+def _state_bits_of(h: torch.Tensor) -> torch.Tensor:
+    """The 8-bit states' 32 random bits (int64, in [0, 2**32)) of an element whose master
+    rounding bits (``_sr_bits``) are ``h`` (int64, in [0, 2**32), any shape): ``(h ^ h >>
+    16) * _STATE_MUL`` mod 2**32, the first moment's u in the top 16, the second's in the
+    bottom 16. See [Note: stochastic rounding of the 8-bit states]."""
+    return _mul32(h ^ (h >> 16), _STATE_MUL)
+
+
 def _state_bits(key: int, counter_offset: int, n: int, device: torch.device | None) -> torch.Tensor:
     """The 32 random bits (n,) int64 of the 8-bit states' rounding of elements
-    counter_offset .. counter_offset + n - 1: one more hash of the master's (``_sr_bits``).
-    See [Note: stochastic rounding of the 8-bit states]."""
-    return _hash32(_sr_bits(key, counter_offset, n, device) ^ _STATE_SALT)
+    counter_offset .. counter_offset + n - 1, from the master's (``_state_bits_of``)."""
+    return _state_bits_of(_sr_bits(key, counter_offset, n, device))
 
 
 def _fp8_stochastic(y: torch.Tensor, u16: torch.Tensor, *, second: bool) -> torch.Tensor:

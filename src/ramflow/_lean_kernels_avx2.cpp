@@ -146,9 +146,10 @@ RAMFLOW_AVX2 inline float encode_split(const float* x, uint32_t amax_bits, uint8
 //   T[t] = ((y & 0xFF) ^ t) * C1: a block's constant plus a 1 KiB table, which changes with
 //   bits 16-23 of b only (once per 256 blocks) and is kept in the split order.
 // So x1 = K + T[t], x1 ^= x1 >> 15, y = x1 * (C2 * C1), y ^= y >> 15, bits = y * C2.
-// With 8-bit states every loop takes it for the codes' bits (state_bits hashes these once
-// more), whatever the master: their blocks start on multiples of 256.
-// (kHashC21 and sr_bits_from_x1 are in _lean_kernels.cpp, whose loop uses them too)
+// With 8-bit states every loop takes it for the codes' bits (state_bits: y * (C2 *
+// kStateMul) in place of bits = y * C2), whatever the master: their blocks start on
+// multiples of 256.
+// (kHashC21 and sr_bits_pre_from_x1 are in _lean_kernels.cpp, whose loop uses them too)
 
 // T of the note for the low byte q of y, in split order: entry g * 16 + l (l < 8) is lane
 // l of the even vector of group g (t = 16 g + 2 l), entry g * 16 + 8 + l the odd one's.
@@ -201,7 +202,7 @@ RAMFLOW_AVX2 void lean_blocks_avx2_split(const LeanArgs& a, int64_t block_begin,
   alignas(32) float s_new[kQBlock];  // sqrt(v)
   alignas(32) uint32_t bits_table[kQBlock];  // [Note: the rounding bits in fewer operations]
   alignas(32) uint32_t st_bits[kQBlock];  // [Note: stochastic rounding of the 8-bit states]
-  // the rounding bits: the master's, and the 8-bit states' from them (one more hash)
+  // the rounding bits: the master's, and the 8-bit states' from them (one multiply)
   constexpr bool kBits = kMaster == kMasterSR || kState == kStateQ8;
   uint32_t table_q = 0xFFFFFFFFu;  // none yet
   for (int64_t block = block_begin; block < block_end; ++block) {
@@ -223,7 +224,6 @@ RAMFLOW_AVX2 void lean_blocks_avx2_split(const LeanArgs& a, int64_t block_begin,
       }
       bits_base = I8((y & ~0xFFu) * kHashC1);
     }
-    __m256i idx = _mm256_add_epi32(I8(static_cast<uint32_t>(index0)), even_lanes);
     const __m256i hi_word = I8(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
     Q8Block q{};  // zeros: unused unless the states are 8-bit
     if constexpr (kState == kStateQ8) q = q8_block(a, block);
@@ -273,27 +273,32 @@ RAMFLOW_AVX2 void lean_blocks_avx2_split(const LeanArgs& a, int64_t block_begin,
         m_max = _mm256_max_epu32(m_max, _mm256_and_si256(_mm256_castps_si256(m.o), abs_mask));
         s_max = _mm256_max_epu32(s_max, _mm256_max_epu32(_mm256_castps_si256(sq.e), _mm256_castps_si256(sq.o)));
       }
-      // the rounding bits, their top 16 right (the master reads only those)
+      // the rounding bits: y of hash32_8_pre, then the master's (top 16 right) and
+      // state_bits one multiply each
       __m256i bits_e = _mm256_setzero_si256();
       __m256i bits_o = _mm256_setzero_si256();
       if constexpr (kBits) {
+        __m256i y_e;
+        __m256i y_o;
         if (short_bits) {
-          bits_e = sr_bits_from_x1(_mm256_add_epi32(bits_base, _mm256_load_si256(reinterpret_cast<const __m256i*>(bits_table + j))));
-          bits_o = sr_bits_from_x1(_mm256_add_epi32(bits_base, _mm256_load_si256(reinterpret_cast<const __m256i*>(bits_table + j + 8))));
+          y_e = sr_bits_pre_from_x1(_mm256_add_epi32(bits_base, _mm256_load_si256(reinterpret_cast<const __m256i*>(bits_table + j))));
+          y_o = sr_bits_pre_from_x1(_mm256_add_epi32(bits_base, _mm256_load_si256(reinterpret_cast<const __m256i*>(bits_table + j + 8))));
         } else {
+          // the counter's low words, built here rather than stepped along in a register
+          const __m256i idx = _mm256_add_epi32(I8(static_cast<uint32_t>(index0 + j)), even_lanes);
           const __m256i x = _mm256_xor_si256(idx, key);
           const __m256i x_o = _mm256_xor_si256(_mm256_add_epi32(idx, I8(1)), key);
-          bits_e = hash32_8_top(_mm256_add_epi32(hash32_8(x), hi_word));
-          bits_o = hash32_8_top(_mm256_add_epi32(hash32_8(x_o), hi_word));
+          y_e = hash32_8_pre(_mm256_add_epi32(hash32_8(x), hi_word));
+          y_o = hash32_8_pre(_mm256_add_epi32(hash32_8(x_o), hi_word));
         }
-        idx = _mm256_add_epi32(idx, I8(16));
-      }
-      if constexpr (kState == kStateQ8) {  // hash32's last step, then state_bits' hash
-        const __m256i salt = I8(kStateSalt);
-        const __m256i st_e = hash32_8(_mm256_xor_si256(_mm256_xor_si256(bits_e, _mm256_srli_epi32(bits_e, 16)), salt));
-        const __m256i st_o = hash32_8(_mm256_xor_si256(_mm256_xor_si256(bits_o, _mm256_srli_epi32(bits_o, 16)), salt));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j), st_e);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j + 8), st_o);
+        if constexpr (kMaster == kMasterSR) {
+          bits_e = _mm256_mullo_epi32(y_e, I8(kHashC2));
+          bits_o = _mm256_mullo_epi32(y_o, I8(kHashC2));
+        }
+        if constexpr (kState == kStateQ8) {  // [Note: stochastic rounding of the 8-bit states]
+          _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j), _mm256_mullo_epi32(y_e, I8(kStateMulC2)));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j + 8), _mm256_mullo_epi32(y_o, I8(kStateMulC2)));
+        }
       }
       if constexpr (kMaster == kMasterSR) {
         store_bf16x16(master, i, bf16_stochastic_top(p.e, bits_e), bf16_stochastic_top(p.o, bits_o));

@@ -40,13 +40,15 @@ RAMFLOW_AVX512 inline __m512i hash32_16(__m512i x) {
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-// As hash32_8_top: hash32's top 16 bits, which are all the stochastic rounding reads.
-RAMFLOW_AVX512 inline __m512i hash32_16_top(__m512i x) {
+// As hash32_8_pre and hash32_8_top: hash32 up to its last multiply, and with the top 16
+// bits right, which are all the master's stochastic rounding reads.
+RAMFLOW_AVX512 inline __m512i hash32_16_pre(__m512i x) {
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
   x = _mm512_mullo_epi32(x, I16(kHashC1));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-  return _mm512_mullo_epi32(x, I16(kHashC2));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
 }
+
+RAMFLOW_AVX512 inline __m512i hash32_16_top(__m512i x) { return _mm512_mullo_epi32(hash32_16_pre(x), I16(kHashC2)); }
 
 // fp8_decode of the 16 codes at q.
 RAMFLOW_AVX512 inline __m512 fp8x16_to_f32(const uint8_t* q) {
@@ -207,12 +209,22 @@ RAMFLOW_AVX512 inline float encode_block16(const float* x, uint32_t amax_bits, u
   return f.scale;
 }
 
-// The rounding bits of [Note: the rounding bits in fewer operations] from x1 = K + T[t].
-RAMFLOW_AVX512 inline __m512i sr_bits_from_x1_16(__m512i x1) {
+// The rounding bits of [Note: the rounding bits in fewer operations] from x1 = K + T[t], up
+// to the last multiply (y of hash32_16_pre), and with the top 16 bits right.
+RAMFLOW_AVX512 inline __m512i sr_bits_pre_from_x1_16(__m512i x1) {
   x1 = _mm512_xor_si512(x1, _mm512_srli_epi32(x1, 15));
-  __m512i y = _mm512_mullo_epi32(x1, I16(kHashC21));
-  y = _mm512_xor_si512(y, _mm512_srli_epi32(y, 15));
-  return _mm512_mullo_epi32(y, I16(kHashC2));
+  const __m512i y = _mm512_mullo_epi32(x1, I16(kHashC21));
+  return _mm512_xor_si512(y, _mm512_srli_epi32(y, 15));
+}
+
+RAMFLOW_AVX512 inline __m512i sr_bits_from_x1_16(__m512i x1) {
+  return _mm512_mullo_epi32(sr_bits_pre_from_x1_16(x1), I16(kHashC2));
+}
+
+// As counter_lanes8, 16 lanes.
+RAMFLOW_AVX512 inline __m512i counter_lanes16(int64_t index) {
+  return _mm512_add_epi32(I16(static_cast<uint32_t>(index)),
+                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
 template <int kGrad, int kMaster, int kState>
@@ -239,7 +251,6 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
   const __m512 bc2_sqrt = _mm512_set1_ps(a.bc2_sqrt);
   const __m512 eps = _mm512_set1_ps(a.eps);
   const __m512 neg_step_size = _mm512_set1_ps(a.neg_step_size);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i key16 = I16(key);
   const __m512i top_halves = _mm512_setr_epi32(0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011,
                                                0x00170015, 0x001B0019, 0x001F001D, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -250,16 +261,15 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
   uint32_t table_q = 0xFFFFFFFFu;  // none yet
   for (int64_t block = block_begin; block < block_end; ++block) {
     const int64_t begin = block * kQBlock;
-    // as in lean_blocks_avx2: the counter's lanes stepped by 16, read afresh where a block
-    // crosses a multiple of 2^32 (a block of 8-bit states starts on a multiple of kQBlock:
-    // never)
+    // the counter's high word is the block's but where a block crosses a multiple of 2^32
+    // (a block of 8-bit states starts on a multiple of kQBlock: never); the lanes' low words
+    // are built where the full hash needs them, not stepped along in a register
     const int64_t index0 = counter_offset + begin;
     const bool crosses = static_cast<uint32_t>(index0) > 0xFFFFFFFFu - (kQBlock - 1);
     const bool short_bits = (kMaster == kMasterSR || kState == kStateQ8) &&
                             (static_cast<uint64_t>(index0) >> 32) == 0 && (index0 & (kQBlock - 1)) == 0;
     __m512i bits_base = _mm512_setzero_si512();
     if (short_bits) bits_base = I16(short_bits_base(index0, key, table_q, bits_table));
-    __m512i idx = _mm512_add_epi32(I16(static_cast<uint32_t>(index0)), lane);
     const __m512i hi_word = I16(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
     __m512 m_scale = _mm512_setzero_ps();
     __m512 v_scale = _mm512_setzero_ps();
@@ -319,12 +329,14 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
         m_max = _mm512_max_epu32(m_max, _mm512_and_si512(_mm512_castps_si512(m), I16(0x7FFFFFFF)));
         s_max = _mm512_max_epu32(s_max, _mm512_castps_si512(sq));
       }
-      __m512i q8_bits = _mm512_setzero_si512();  // the rounding bits, top 16 right (as the master's)
-      if constexpr (kState == kStateQ8) {  // then hash32's last step and state_bits' hash
-        q8_bits = short_bits ? sr_bits_from_x1_16(_mm512_add_epi32(bits_base, _mm512_load_si512(bits_table + j)))
-                             : hash32_16_top(_mm512_add_epi32(hash32_16(_mm512_xor_si512(idx, key16)), hi_word));
-        const __m512i full = _mm512_xor_si512(q8_bits, _mm512_srli_epi32(q8_bits, 16));
-        _mm512_store_si512(st_bits + j, hash32_16(_mm512_xor_si512(full, I16(kStateSalt))));
+      // with 8-bit states: y of hash32_16_pre, then state_bits and the master's bits (top
+      // 16 right) one multiply each
+      __m512i q8_bits = _mm512_setzero_si512();
+      if constexpr (kState == kStateQ8) {
+        const __m512i y = short_bits ? sr_bits_pre_from_x1_16(_mm512_add_epi32(bits_base, _mm512_load_si512(bits_table + j)))
+                                     : hash32_16_pre(_mm512_add_epi32(hash32_16(_mm512_xor_si512(counter_lanes16(counter_offset + i), key16)), hi_word));
+        _mm512_store_si512(st_bits + j, _mm512_mullo_epi32(y, I16(kStateMulC2)));
+        if constexpr (kMaster == kMasterSR) q8_bits = _mm512_mullo_epi32(y, I16(kHashC2));
       }
       if constexpr (kMaster == kMasterF32) {
         _mm512_storeu_ps(static_cast<float*>(master) + i, p);
@@ -350,7 +362,7 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
             if (short_bits) {
               bits = sr_bits_from_x1_16(_mm512_add_epi32(bits_base, _mm512_load_si512(bits_table + j)));
             } else {
-              const __m512i h = hash32_16(_mm512_xor_si512(crosses ? _mm512_add_epi32(I16(lo), lane) : idx, key16));
+              const __m512i h = hash32_16(_mm512_xor_si512(counter_lanes16(counter_offset + i), key16));
               const __m512i hi =
                   crosses ? I16(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32)) : hi_word;
               bits = hash32_16_top(_mm512_add_epi32(h, hi));
@@ -370,7 +382,6 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(master) + i), hi16);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(compensation + i), to_bf16_16(_mm512_sub_ps(p, hi)));
       }
-      idx = _mm512_add_epi32(idx, I16(16));
     }
     if constexpr (kState == kStateQ8) {
       uint8_t* const qm = static_cast<uint8_t*>(exp_avg) + begin;

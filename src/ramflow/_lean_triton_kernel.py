@@ -144,11 +144,11 @@ def lean_adamw_kernel(
         m_rcp = ((127 - me) << 23).to(tl.float32, bitcast=True)
         v_rcp = ((127 - ve) << 23).to(tl.float32, bitcast=True)
         # stochastic rounding of the codes: see [Note: stochastic rounding of the 8-bit
-        # states]; 32 bits per element, one hash of the master's rounding bits
+        # states]; 32 bits per element, the master's rounding bits h as (h ^ h >> 16) * C
         counter = idx + counter_offset
         k = key.to(tl.uint32)
         bits = _hash32(_hash32(counter.to(tl.uint32) ^ k) + (counter >> 32).to(tl.uint32))
-        bits = _hash32(bits ^ tl.full(bits.shape, 0x68E31DA4, tl.uint32))
+        bits = (bits ^ (bits >> 16)) * tl.full(bits.shape, 0x9E3779B9, tl.uint32)
         y_m = _fp8_stochastic(m * m_rcp[:, None], bits >> 16, False)
         y_v = _fp8_stochastic(sq * v_rcp[:, None], bits & 0xFFFF, True)
         mq = _fp8_encode(y_m, False)
