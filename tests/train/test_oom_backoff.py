@@ -171,9 +171,7 @@ def test_a_micro_batch_of_one_that_runs_out_of_memory_ends_the_run(
     config = TrainConfig.from_options(data=str(corpus_file), batch_size=2, **RUN)
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
         train(config, out=tmp_path / "run", progress=False)
-    events = _events(tmp_path / "run", "oom_backoff")
-    assert len(events) == 1, (events, seen)  # the allocator's figures at step 2, in bytes
-    (event,) = events
+    (event,) = _events(tmp_path / "run", "oom_backoff")
     assert (event["from_micro_batch"], event["micro_batch"]) == (2, 1)
     (on,) = _events(tmp_path / "run", "checkpointing_on")
     (offload,) = _events(tmp_path / "run", "checkpointing_offload")
