@@ -675,20 +675,24 @@ def test_lean_step_simd_equals_the_scalar_block(master, isa, monkeypatch):
 
 @pytest.mark.parametrize("counter_offset", [0, 3, (1 << 32) - 20 * 256 + 5])
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
-@pytest.mark.parametrize("master", ["bf16-sr", "bf16-kahan"])
+@pytest.mark.parametrize("master", ["bf16-sr", "bf16-kahan", "fp32"])
 def test_lean_step_simd_equals_the_scalar_block_with_bf16_states(
     master, isa, counter_offset, monkeypatch
 ):
-    """bf16 states over three steps of bf16 gradients, equal to the scalar block bit for
-    bit: the AVX2 loop in even and odd lanes ([Note: the lean step in even and odd lanes])
-    with its two ways to the rounding bits ([Note: the rounding bits in fewer operations]):
-    the short one (counter 0), the full hash where a block does not start on a multiple of
-    256 (offset 3) and where the counter passes 2**32 (the last offset, which also has a
-    block whose lanes cross it)."""
+    """bf16 states (rounded stochastically, [Note: stochastic rounding of the 8-bit
+    states]) over three steps of bf16 gradients, equal to the scalar block bit for bit: the
+    AVX2 loop in even and odd lanes ([Note: the lean step in even and odd lanes]) for a
+    bf16 master, the loop in element order for an fp32 one, with their two ways to the
+    rounding bits ([Note: the rounding bits in fewer operations]): the short one (counter
+    0), the full hash where a block does not start on a multiple of 256 (offset 3) and where
+    the counter passes 2**32 (the last offset, which also has a block whose lanes cross it:
+    the scalar block)."""
     use_lean_isa(isa, monkeypatch)
     gen = torch.Generator().manual_seed(4)
     n = 40 * 256 + 77
-    master0 = torch.randn(n, generator=gen).to(torch.bfloat16)
+    master0 = torch.randn(n, generator=gen)
+    if master != "fp32":
+        master0 = master0.to(torch.bfloat16)
     grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(3)]
     grads[1][[5, 300]] = torch.tensor([float("nan"), float("inf")], dtype=torch.bfloat16)
     results = []

@@ -35,6 +35,10 @@ CASES = [
     # on subnormal codes, zeros, NaN, infinity, -0.0, fp32 subnormals, codes of 0, a tail
     (12 * 256 + 77, "sr", torch.uint8, torch.bfloat16, None, 1.0, 0.0, (1 << 32) + 256),
     (12 * 256 + 77, "fp32", torch.uint8, torch.float32, torch.bfloat16, 1.0, 0.01, 0),
+    # bf16 states, rounded stochastically as the codes are: an fp32 master, and the hard
+    # gradients (NaN and infinite states) with a counter that passes 2**32
+    (3000, "fp32", torch.bfloat16, torch.float32, torch.bfloat16, 1.0, 0.01, (1 << 32) - 997),
+    (12 * 256 + 77, "sr", torch.bfloat16, torch.bfloat16, None, 1.0, 0.0, (1 << 32) + 5),
 ]
 HARD = 12 * 256 + 77  # the size of the cases with _hard_grads
 

@@ -9,9 +9,9 @@ Topollai & Choromanska 2026, arXiv 2603.16731). This script steps the same gradi
 through ``lean_adamw_step_`` twice, with fp32 states and with low-precision ones (fp32
 masters in both, so only the states differ), and reports per step the median ratio of the
 low-precision v to fp32's and the ratio of the mean update sizes. ``--states 8bit`` (the
-lean and kahan presets' states, the default) or ``bf16`` (the bf16 preset's, rounded to
-nearest: 8 significant bits, half a spacing 2**-9 to 2**-8 of v, so at beta2 = 0.999 a v that
-should fall by 0.1% a step stays).
+lean and kahan presets' states, the default) or ``bf16`` (the bf16 preset's: 8 significant
+bits, half a spacing 2**-9 to 2**-8 of v, so at beta2 = 0.999, rounded to nearest, a v that
+should fall by 0.1% a step stayed; both kinds are now rounded stochastically).
 
 Gradients: element i has scale s_i = 10**-U(0, 3) (a spread of magnitudes within each
 block), times N(0, 1) noise each step, times a global factor that is 1 (``flat``) or falls

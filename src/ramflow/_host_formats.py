@@ -292,10 +292,11 @@ class HostPrecision:
             ``"bf16-kahan"``: bf16 plus a bf16 compensation buffer holding what rounding
             dropped (compensated summation, as optimi and Collage do).
         optimizer_states: the AdamW states ``exp_avg``/``exp_avg_sq``. ``"fp32"`` (default),
-            ``"bf16"`` (rounded to nearest even), or ``"fp8"``: 8-bit FP8 E4M3 codes (of
-            ``exp_avg`` and of ``sqrt(exp_avg_sq)``) with one fp32 power-of-two scale per
-            block of 256 elements (Fishman et al. 2025; COAT, Xi et al. 2025). ``"int8"``,
-            the name of the 8-bit states before the FP8 code, is taken as ``"fp8"``.
+            ``"bf16"``, or ``"fp8"``: 8-bit FP8 E4M3 codes (of ``exp_avg`` and of
+            ``sqrt(exp_avg_sq)``) with one fp32 power-of-two scale per block of 256
+            elements (Fishman et al. 2025; COAT, Xi et al. 2025). bf16 and fp8 states are
+            written with stochastic rounding, with any master. ``"int8"``, the name of the
+            8-bit states before the FP8 code, is taken as ``"fp8"``.
         gradients: host gradients. ``"full"`` (default): a gradient buffer for the whole
             model in the master's dtype plus a staging buffer in the wire dtype; needed for
             gradient accumulation, clipping and ``keep_grads``. ``"ring"``: units are
@@ -347,7 +348,7 @@ class HostPrecision:
 
     @classmethod
     def bf16(cls) -> HostPrecision:
-        """bf16 masters with stochastic rounding, bf16 states, a gradient ring."""
+        """bf16 masters and bf16 states, both with stochastic rounding, a gradient ring."""
         return cls(master="bf16-sr", optimizer_states="bf16", gradients="ring")
 
     @classmethod

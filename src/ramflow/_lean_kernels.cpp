@@ -211,7 +211,8 @@ inline uint8_t fp8_encode_state(float y, bool second) {
 // (state_bits): w = (h ^ h >> 16) * kStateMul mod 2^32, the top half for the first moment,
 // the bottom half for the second (h ^ h >> 16 undoes hash32's last step). The Python note
 // says why the master's, the first moment's and the second's 16 bits are pairwise
-// independent.
+// independent. bf16 states round with the same 16 bits by bf16_stochastic (bf16_state_bits
+// puts them where it reads them), with any master.
 constexpr uint32_t kStateMul = 0x9E3779B9u;  // 2^32 over the golden ratio, odd
 // hash32's last multiply and kStateMul in one (mod 2^32): the SIMD loops have y, hash32's
 // value before its last multiply (hash32_8_pre), where h ^ h >> 16 = y * kHashC2, so
@@ -243,8 +244,13 @@ inline float load_state(const LeanArgs& a, const void* s, const float* scale, in
   }
 }
 
-// Writes x[0, len) as block `block` of the state s: bf16 (nearest even), fp32, or E4M3 codes
-// and the block's scale (x is sqrt(v) for the second moment's codes), the codes rounded
+// The bits of a bf16 state's stochastic rounding in bf16_stochastic's place (its top 16):
+// state_bits `w` as they are for the first moment, shifted up for the second (its u is the
+// bottom 16). See [Note: stochastic rounding of the 8-bit states].
+inline uint32_t bf16_state_bits(uint32_t w, bool second) { return second ? w << 16 : w; }
+
+// Writes x[0, len) as block `block` of the state s: fp32, bf16, or E4M3 codes and the
+// block's scale (x is sqrt(v) for the second moment's codes). bf16 and the codes round
 // stochastically with state_bits `bits` (the first moment its top 16, the second its bottom
 // 16; see [Note: stochastic rounding of the 8-bit states]) or, without, to nearest even.
 inline void store_state(const LeanArgs& a, void* s, float* scale, int64_t begin, int64_t len,
@@ -253,7 +259,14 @@ inline void store_state(const LeanArgs& a, void* s, float* scale, int64_t begin,
     std::memcpy(static_cast<float*>(s) + begin, x, len * sizeof(float));
   } else if (a.state_format == kStateBF16) {
     auto* out = static_cast<c10::BFloat16*>(s) + begin;
-    for (int64_t j = 0; j < len; ++j) out[j] = c10::BFloat16(x[j]);
+    if (bits == nullptr) {
+      for (int64_t j = 0; j < len; ++j) out[j] = c10::BFloat16(x[j]);
+    } else {
+      for (int64_t j = 0; j < len; ++j) {
+        const uint16_t b = bf16_stochastic(x[j], bf16_state_bits(bits[j], second));
+        std::memcpy(out + j, &b, 2);
+      }
+    }
   } else {
     float amax = 0.0f;
     for (int64_t j = 0; j < len; ++j) amax = std::max(amax, std::abs(x[j]));
@@ -316,12 +329,14 @@ void lean_block(const LeanArgs& a, int64_t begin, int64_t len) {
       a.compensation[i] = c10::BFloat16(p - bf16_to_float(hi));
     }
   }
-  uint32_t bits[kQBlock];  // [Note: stochastic rounding of the 8-bit states]
-  if (q8) {
+  // bf16 and 8-bit states round stochastically: [Note: stochastic rounding of the 8-bit states]
+  const bool state_sr = a.state_format != kStateF32;
+  uint32_t bits[kQBlock];
+  if (state_sr) {
     for (int64_t j = 0; j < len; ++j) bits[j] = state_bits(a.key, a.counter_offset + begin + j);
   }
-  store_state(a, a.exp_avg, a.exp_avg_scale, begin, len, m_new, false, q8 ? bits : nullptr);
-  store_state(a, a.exp_avg_sq, a.exp_avg_sq_scale, begin, len, v_new, true, q8 ? bits : nullptr);
+  store_state(a, a.exp_avg, a.exp_avg_scale, begin, len, m_new, false, state_sr ? bits : nullptr);
+  store_state(a, a.exp_avg_sq, a.exp_avg_sq_scale, begin, len, v_new, true, state_sr ? bits : nullptr);
 }
 
 #if RAMFLOW_X86
@@ -372,6 +387,24 @@ RAMFLOW_AVX2 inline __m256i hash32_8_pre(__m256i x) {
 
 // hash32 with the top 16 bits right and the others not (see hash32_8_pre).
 RAMFLOW_AVX2 inline __m256i hash32_8_top(__m256i x) { return _mm256_mullo_epi32(hash32_8_pre(x), I8(kHashC2)); }
+
+// bf16_stochastic of 8 lanes with their random bits (the top 16 of each lane read), in the
+// top half of each lane (the low half is not cleared); NaN gives 0x7FC0.
+RAMFLOW_AVX2 inline __m256i bf16_stochastic_top(__m256 p, __m256i bits) {
+  const __m256i r = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_srli_epi32(bits, 16));
+  return _mm256_blendv_epi8(r, I8(0x7FC00000u), _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q)));
+}
+
+// The top halves of the 8 lanes as 8 bf16 in order: one byte shuffle and one qword permute
+// (no shift, no pack); top_halves: the shuffle's control (top_halves8_control).
+RAMFLOW_AVX2 inline __m128i top_halves8(__m256i r, __m256i top_halves) {
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(r, top_halves), 0x08));
+}
+
+RAMFLOW_AVX2 inline __m256i top_halves8_control() {
+  return _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                          2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+}
 
 // The low words of the rounding counter of 8 elements from `index` (mod 2^32). Built where
 // a loop needs them (the full hash's rare blocks), not stepped along in a register.
@@ -635,8 +668,9 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
   const __m256 bc2_sqrt = _mm256_set1_ps(a.bc2_sqrt);
   const __m256 eps = _mm256_set1_ps(a.eps);
   const __m256 neg_step_size = _mm256_set1_ps(a.neg_step_size);
-  const __m256i top_halves = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
-                                              2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i top_halves = top_halves8_control();
+  // bf16 and 8-bit states round stochastically: [Note: stochastic rounding of the 8-bit states]
+  constexpr bool kStateSR = kState != kStateF32;
   alignas(32) float m_new[kQBlock];
   alignas(32) float s_new[kQBlock];  // sqrt(v)
   alignas(32) uint32_t st_bits[kQBlock];  // [Note: stochastic rounding of the 8-bit states]
@@ -646,12 +680,17 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
     const int64_t begin = block * kQBlock;
     // the rounding counter's lanes (idx), stepped by 8: their low words wrap by themselves,
     // and only a block that crosses a multiple of 2^32 (once per 16 G elements) reads them
-    // afresh. 8-bit states (whose blocks start on multiples of kQBlock: never crossing) take
-    // the short bits below 2^32 and build the lanes only for the full hash above.
+    // afresh. bf16 and 8-bit states take the short bits below 2^32 from a multiple of
+    // kQBlock (8-bit states' blocks always are: never crossing) and build the lanes only for
+    // the full hash otherwise; a block of bf16 states that crosses takes the scalar block.
     const int64_t index0 = counter_offset + begin;
     const bool crosses = static_cast<uint32_t>(index0) > 0xFFFFFFFFu - (kQBlock - 1);
-    // 8-bit states: the short rounding bits below 2^32, in element order
-    const bool short_bits = kState == kStateQ8 && (static_cast<uint64_t>(index0) >> 32) == 0;
+    if (kStateSR && crosses) {
+      lean_block(a, begin, kQBlock);
+      continue;
+    }
+    const bool short_bits =
+        kStateSR && (static_cast<uint64_t>(index0) >> 32) == 0 && (index0 & (kQBlock - 1)) == 0;
     __m256i bits_base = _mm256_setzero_si256();
     if (short_bits) bits_base = I8(short_bits_base(index0, key, table_q, bits_table));
     const __m256i hi_word = I8(static_cast<uint32_t>(static_cast<uint64_t>(index0) >> 32));
@@ -699,23 +738,28 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
       if constexpr (kState == kStateF32) {
         _mm256_storeu_ps(static_cast<float*>(exp_avg) + i, m);
         _mm256_storeu_ps(static_cast<float*>(exp_avg_sq) + i, v);
-      } else if constexpr (kState == kStateBF16) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(exp_avg) + i), to_bf16_8(m));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(exp_avg_sq) + i), to_bf16_8(v));
-      } else {
+      } else if constexpr (kState == kStateQ8) {
         _mm256_store_ps(m_new + j, m);
         _mm256_store_ps(s_new + j, sq);
         m_max = _mm256_max_epu32(m_max, _mm256_and_si256(_mm256_castps_si256(m), I8(0x7FFFFFFF)));
         s_max = _mm256_max_epu32(s_max, _mm256_castps_si256(sq));
       }
-      // with 8-bit states: y of hash32_8_pre, then state_bits and the master's bits (top 16
-      // right) one multiply each
-      __m256i q8_bits = _mm256_setzero_si256();
-      if constexpr (kState == kStateQ8) {
+      // with bf16 or 8-bit states: y of hash32_8_pre, then state_bits and the master's bits
+      // (top 16 right) one multiply each; bf16 states are stored here, 8-bit ones' bits kept
+      __m256i state_sr_bits = _mm256_setzero_si256();  // the master's bits, from y
+      if constexpr (kStateSR) {
         const __m256i y = short_bits ? sr_bits_pre_from_x1(_mm256_add_epi32(bits_base, _mm256_load_si256(reinterpret_cast<const __m256i*>(bits_table + j))))
                                      : hash32_8_pre(_mm256_add_epi32(hash32_8(_mm256_xor_si256(counter_lanes8(counter_offset + i), I8(key))), hi_word));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j), _mm256_mullo_epi32(y, I8(kStateMulC2)));
-        if constexpr (kMaster == kMasterSR) q8_bits = _mm256_mullo_epi32(y, I8(kHashC2));
+        const __m256i w = _mm256_mullo_epi32(y, I8(kStateMulC2));  // state_bits
+        if constexpr (kState == kStateQ8) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j), w);
+        } else {  // the first moment's u is w's top 16, the second's its bottom 16
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(exp_avg) + i),
+                           top_halves8(bf16_stochastic_top(m, w), top_halves));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(exp_avg_sq) + i),
+                           top_halves8(bf16_stochastic_top(v, _mm256_slli_epi32(w, 16)), top_halves));
+        }
+        if constexpr (kMaster == kMasterSR) state_sr_bits = _mm256_mullo_epi32(y, I8(kHashC2));
       }
       if constexpr (kMaster == kMasterF32) {
         _mm256_storeu_ps(static_cast<float*>(master) + i, p);
@@ -736,21 +780,15 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
           for (int l = 0; l < 8; ++l) bs[l] = bf16_stochastic(ps[l], sr_bits(key, index + l));
           b16 = _mm_load_si128(reinterpret_cast<const __m128i*>(bs));
         } else {
-          __m256i bits = q8_bits;  // with 8-bit states: computed above
-          if constexpr (kState != kStateQ8) {
+          __m256i bits = state_sr_bits;  // with bf16 or 8-bit states: computed above
+          if constexpr (!kStateSR) {
             const __m256i h = hash32_8(_mm256_xor_si256(crosses ? counter_lanes8(index) : idx, I8(key)));
             const __m256i hi =
                 crosses ? I8(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32)) : hi_word;
             bits = hash32_8_top(_mm256_add_epi32(h, hi));
           }
-          const __m256i u = _mm256_castps_si256(p);
-          // the bf16 is the top half of u + bits / 2^16 (0x7FC0 for NaN): one byte shuffle
-          // and one qword permute gather the 8 top halves, no shift and no pack
-          __m256i r = _mm256_add_epi32(u, _mm256_srli_epi32(bits, 16));
-          const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
-          r = _mm256_blendv_epi8(r, I8(0x7FC00000u), nan);
-          r = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(r, top_halves), 0x08);
-          b16 = _mm256_castsi256_si128(r);
+          // the bf16 is the top half of p's bits + bits / 2^16 (0x7FC0 for NaN)
+          b16 = top_halves8(bf16_stochastic_top(p, bits), top_halves);
         }
         _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(master) + i), b16);
       } else {
@@ -759,7 +797,7 @@ RAMFLOW_AVX2 void lean_blocks_avx2(const LeanArgs& a, int64_t block_begin, int64
         _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(master) + i), hi16);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(compensation + i), to_bf16_8(_mm256_sub_ps(p, hi)));
       }
-      if constexpr (kState != kStateQ8) idx = _mm256_add_epi32(idx, I8(8));
+      if constexpr (!kStateSR) idx = _mm256_add_epi32(idx, I8(8));
     }
     if constexpr (kState == kStateQ8) {
       uint8_t* const qm = static_cast<uint8_t*>(exp_avg) + begin;

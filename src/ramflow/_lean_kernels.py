@@ -130,11 +130,18 @@ def _sr_bits(
     return _hash32((_hash32((index & _MASK32) ^ key) + (index >> 32)) & _MASK32)
 
 
-def _round_bf16_torch(x: torch.Tensor, key: int, counter_offset: int) -> torch.Tensor:
+def _bf16_stochastic(x: torch.Tensor, u16: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` rounded to bf16 stochastically with 16 random bits ``u16`` (int64 in [0,
+    2**16), same shape) each, as the native ``bf16_stochastic``: up with probability (the
+    dropped bits) / 2**16; NaN becomes 0x7FC0, infinity stays (its dropped bits are 0)."""
     u = x.contiguous().view(torch.int32).to(torch.int64) & _MASK32
-    b = ((u + (_sr_bits(key, counter_offset, x.numel(), x.device) >> 16)) >> 16) & 0xFFFF
+    b = ((u + u16) >> 16) & 0xFFFF
     b = torch.where(torch.isnan(x), 0x7FC0, b)
     return torch.where(b >= 0x8000, b - 0x10000, b).to(torch.int16).view(torch.bfloat16)
+
+
+def _round_bf16_torch(x: torch.Tensor, key: int, counter_offset: int) -> torch.Tensor:
+    return _bf16_stochastic(x, _sr_bits(key, counter_offset, x.numel(), x.device) >> 16)
 
 
 def round_to_bf16_native(x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -276,8 +283,20 @@ def stochastic_round_bf16(
 #   exactly when the 20 dropped mantissa bits plus u * 2**20 carry, so it adds u16 * 2**4
 #   where nearest even adds 0x7FFFF plus the kept lsb (same op count); the other lanes take
 #   the formula above (``_lean_kernels.cpp``: fp8_stochastic, fp8x8_stochastic).
+# * bf16 states (the bf16 preset's, with any master) round stochastically too, with the
+#   same u: the first moment's the top 16 of w, the second's the bottom 16, each in place of
+#   the master's 16 bits in bf16_stochastic (up with probability dropped bits / 2**16; NaN
+#   made 0x7FC0, infinity kept). bf16 keeps 8 significant bits, half a spacing 2**-9 to
+#   2**-8 of v, while at beta2 = 0.999 the EMA moves v by 1/1000 of it a step: rounded to
+#   nearest, a v that should fall stayed (with shrinking gradients 2.0x fp32's after 1000
+#   steps, updates 0.71x; docs/host-precision.md has the figures before and after). Every
+#   lean step has the key and counter, whatever the master, so every master with bf16
+#   states rounds them so. The loops that take the short rounding bits for 8-bit states
+#   take them for bf16 states where a block starts on a multiple of 256 below 2**32, the
+#   full hash elsewhere, and the scalar block where a block's counters cross 2**32.
 # ``quantize_blockwise`` (conversions, checkpoints, legacy states) still rounds to nearest
-# even; the codes' format does not change, so old checkpoints load as before.
+# even; the codes' format does not change, nor do bf16 states' (bf16 tensors), so old
+# checkpoints load as before.
 
 
 def _scale_exponents(absmax: torch.Tensor) -> torch.Tensor:
@@ -562,12 +581,18 @@ def _store_state(
     s: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor, *, signed: bool,
     bits: torch.Tensor | None,
 ):  # fmt: skip
-    if s.dtype == torch.uint8:  # [Note: stochastic rounding of the 8-bit states]
-        q, sc = _quantize(x, signed=signed, u16=(bits >> 16) if signed else (bits & 0xFFFF))
+    if bits is None:  # fp32
+        s.copy_(x)
+        return
+    # [Note: stochastic rounding of the 8-bit states]: the first moment's u is the top 16
+    # of the state bits, the second's the bottom 16, for 8-bit and bf16 states alike
+    u16 = (bits >> 16) if signed else (bits & 0xFFFF)
+    if s.dtype == torch.uint8:
+        q, sc = _quantize(x, signed=signed, u16=u16)
         s.copy_(q)
         scale.copy_(sc)
     else:
-        s.copy_(x)
+        s.copy_(_bf16_stochastic(x, u16))
 
 
 @torch.no_grad()
@@ -594,8 +619,8 @@ def _step_torch(
     bc2_sqrt = c["bc2_sqrt"] if v.device.type == "cpu" else v.new_tensor(c["bc2_sqrt"])
     denom = v.double().sqrt().float() / bc2_sqrt + c["eps"]
     p = p + (m * c["neg_step_size"]) / denom
-    bits = None
-    if exp_avg.dtype == torch.uint8:
+    bits = None  # bf16 and 8-bit states round stochastically
+    if exp_avg.dtype != torch.float32:
         bits = _state_bits(key, counter_offset, m.numel(), m.device)
     _store_state(exp_avg.view(-1), m_scale, m, signed=True, bits=bits)
     _store_state(exp_avg_sq.view(-1), v_scale, v, signed=False, bits=bits)
@@ -660,12 +685,11 @@ def lean_adamw_step_(
       with stochastic rounding keyed by (``seed``, ``step``) and the element's counter
       ``counter_offset + i`` (see [Note: counter-based stochastic rounding]). bf16 with
       ``compensation`` (bf16): Kahan-compensated, no randomness.
-    * ``exp_avg``/``exp_avg_sq`` fp32 or bf16 (stored rounded to nearest even), or uint8
-      E4M3 codes of 8-bit block-wise states with ``exp_avg_scale``/``exp_avg_sq_scale`` fp32
-      (ceil(n / 256),), one power of two per block of 256 elements (see
-      ``quantize_blockwise``), the codes rounded stochastically with the master's key and
-      counter (see [Note: stochastic rounding of the 8-bit states]). Both states have one
-      format.
+    * ``exp_avg``/``exp_avg_sq`` fp32, bf16, or uint8 E4M3 codes of 8-bit block-wise
+      states with ``exp_avg_scale``/``exp_avg_sq_scale`` fp32 (ceil(n / 256),), one power of
+      two per block of 256 elements (see ``quantize_blockwise``). bf16 values and the codes
+      are rounded stochastically with the master's key and counter (see [Note: stochastic
+      rounding of the 8-bit states]), whatever the master. Both states have one format.
 
     Args:
         master: (n,) master weights, any shape, updated in place.

@@ -54,11 +54,6 @@ RAMFLOW_AVX2 inline __m256i bf16_nearest_top(__m256 x) {
   return _mm256_blendv_epi8(r, I8(0x7FC00000u), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
 }
 
-// bf16_stochastic of 8 lanes with their random bits, in the top half of each lane.
-RAMFLOW_AVX2 inline __m256i bf16_stochastic_top(__m256 p, __m256i bits) {
-  const __m256i r = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_srli_epi32(bits, 16));
-  return _mm256_blendv_epi8(r, I8(0x7FC00000u), _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q)));
-}
 
 // The 16 codes at q, each sign-extended to 16 bits: word k holds codes 2k and 2k+1.
 RAMFLOW_AVX2 inline __m256i fp8x16_words(const uint8_t* q) {
@@ -146,9 +141,9 @@ RAMFLOW_AVX2 inline float encode_split(const float* x, uint32_t amax_bits, uint8
 //   T[t] = ((y & 0xFF) ^ t) * C1: a block's constant plus a 1 KiB table, which changes with
 //   bits 16-23 of b only (once per 256 blocks) and is kept in the split order.
 // So x1 = K + T[t], x1 ^= x1 >> 15, y = x1 * (C2 * C1), y ^= y >> 15, bits = y * C2.
-// With 8-bit states every loop takes it for the codes' bits (state_bits: y * (C2 *
-// kStateMul) in place of bits = y * C2), whatever the master: their blocks start on
-// multiples of 256.
+// With 8-bit or bf16 states every loop takes it for the states' bits (state_bits: y * (C2 *
+// kStateMul) in place of bits = y * C2), whatever the master, where a block starts on a
+// multiple of 256 (8-bit states' blocks always do).
 // (kHashC21 and sr_bits_pre_from_x1 are in _lean_kernels.cpp, whose loop uses them too)
 
 // T of the note for the low byte q of y, in split order: entry g * 16 + l (l < 8) is lane
@@ -202,8 +197,9 @@ RAMFLOW_AVX2 void lean_blocks_avx2_split(const LeanArgs& a, int64_t block_begin,
   alignas(32) float s_new[kQBlock];  // sqrt(v)
   alignas(32) uint32_t bits_table[kQBlock];  // [Note: the rounding bits in fewer operations]
   alignas(32) uint32_t st_bits[kQBlock];  // [Note: stochastic rounding of the 8-bit states]
-  // the rounding bits: the master's, and the 8-bit states' from them (one multiply)
-  constexpr bool kBits = kMaster == kMasterSR || kState == kStateQ8;
+  // the rounding bits: the master's, and the states' from them (one multiply); bf16 and
+  // 8-bit states round stochastically ([Note: stochastic rounding of the 8-bit states])
+  constexpr bool kBits = kMaster == kMasterSR || kState != kStateF32;
   uint32_t table_q = 0xFFFFFFFFu;  // none yet
   for (int64_t block = block_begin; block < block_end; ++block) {
     const int64_t begin = block * kQBlock;
@@ -261,10 +257,7 @@ RAMFLOW_AVX2 void lean_blocks_avx2_split(const LeanArgs& a, int64_t block_begin,
       Split8 sq;
       p.e = adam8(k, g.e, p.e, m.e, v.e, sq.e);
       p.o = adam8(k, g.o, p.o, m.o, v.o, sq.o);
-      if constexpr (kState == kStateBF16) {
-        store_bf16x16(exp_avg, i, bf16_nearest_top(m.e), bf16_nearest_top(m.o));
-        store_bf16x16(exp_avg_sq, i, bf16_nearest_top(v.e), bf16_nearest_top(v.o));
-      } else {
+      if constexpr (kState == kStateQ8) {
         _mm256_store_ps(m_new + j, m.e);
         _mm256_store_ps(m_new + j + 8, m.o);
         _mm256_store_ps(s_new + j, sq.e);
@@ -295,9 +288,16 @@ RAMFLOW_AVX2 void lean_blocks_avx2_split(const LeanArgs& a, int64_t block_begin,
           bits_e = _mm256_mullo_epi32(y_e, I8(kHashC2));
           bits_o = _mm256_mullo_epi32(y_o, I8(kHashC2));
         }
-        if constexpr (kState == kStateQ8) {  // [Note: stochastic rounding of the 8-bit states]
-          _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j), _mm256_mullo_epi32(y_e, I8(kStateMulC2)));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j + 8), _mm256_mullo_epi32(y_o, I8(kStateMulC2)));
+        // state_bits: [Note: stochastic rounding of the 8-bit states]
+        const __m256i w_e = _mm256_mullo_epi32(y_e, I8(kStateMulC2));
+        const __m256i w_o = _mm256_mullo_epi32(y_o, I8(kStateMulC2));
+        if constexpr (kState == kStateQ8) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j), w_e);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(st_bits + j + 8), w_o);
+        } else {  // bf16: the first moment's u is w's top 16, the second's its bottom 16
+          store_bf16x16(exp_avg, i, bf16_stochastic_top(m.e, w_e), bf16_stochastic_top(m.o, w_o));
+          store_bf16x16(exp_avg_sq, i, bf16_stochastic_top(v.e, _mm256_slli_epi32(w_e, 16)),
+                        bf16_stochastic_top(v.o, _mm256_slli_epi32(w_o, 16)));
         }
       }
       if constexpr (kMaster == kMasterSR) {

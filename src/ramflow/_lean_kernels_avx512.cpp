@@ -221,6 +221,15 @@ RAMFLOW_AVX512 inline __m512i sr_bits_from_x1_16(__m512i x1) {
   return _mm512_mullo_epi32(sr_bits_pre_from_x1_16(x1), I16(kHashC2));
 }
 
+// bf16_stochastic of 16 lanes with their random bits (the top 16 of each lane read), as
+// 16 bf16 in order: the top half of p's bits + bits / 2^16 (0x7FC0 for NaN), gathered by one
+// word permute (a shift and a 32-to-16 pack cost a uop more); top_halves: its indices.
+RAMFLOW_AVX512 inline __m256i bf16x16_stochastic(__m512 p, __m512i bits, __m512i top_halves) {
+  __m512i r = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_srli_epi32(bits, 16));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), I16(0x7FC00000u));
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi16(top_halves, r));
+}
+
 // As counter_lanes8, 16 lanes.
 RAMFLOW_AVX512 inline __m512i counter_lanes16(int64_t index) {
   return _mm512_add_epi32(I16(static_cast<uint32_t>(index)),
@@ -258,15 +267,22 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
   alignas(64) float s_new[kQBlock];  // sqrt(v)
   alignas(64) uint32_t bits_table[kQBlock];  // [Note: the rounding bits in fewer operations]
   alignas(64) uint32_t st_bits[kQBlock];  // [Note: stochastic rounding of the 8-bit states]
+  // bf16 and 8-bit states round stochastically, with state_bits from the master's bits
+  constexpr bool kStateSR = kState != kStateF32;
   uint32_t table_q = 0xFFFFFFFFu;  // none yet
   for (int64_t block = block_begin; block < block_end; ++block) {
     const int64_t begin = block * kQBlock;
     // the counter's high word is the block's but where a block crosses a multiple of 2^32
-    // (a block of 8-bit states starts on a multiple of kQBlock: never); the lanes' low words
-    // are built where the full hash needs them, not stepped along in a register
+    // (a block of 8-bit states starts on a multiple of kQBlock: never; one of bf16 states
+    // takes the scalar block); the lanes' low words are built where the full hash needs
+    // them, not stepped along in a register
     const int64_t index0 = counter_offset + begin;
     const bool crosses = static_cast<uint32_t>(index0) > 0xFFFFFFFFu - (kQBlock - 1);
-    const bool short_bits = (kMaster == kMasterSR || kState == kStateQ8) &&
+    if (kStateSR && crosses) {
+      lean_block(a, begin, kQBlock);
+      continue;
+    }
+    const bool short_bits = (kMaster == kMasterSR || kStateSR) &&
                             (static_cast<uint64_t>(index0) >> 32) == 0 && (index0 & (kQBlock - 1)) == 0;
     __m512i bits_base = _mm512_setzero_si512();
     if (short_bits) bits_base = I16(short_bits_base(index0, key, table_q, bits_table));
@@ -320,23 +336,29 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
       if constexpr (kState == kStateF32) {
         _mm512_storeu_ps(static_cast<float*>(exp_avg) + i, m);
         _mm512_storeu_ps(static_cast<float*>(exp_avg_sq) + i, v);
-      } else if constexpr (kState == kStateBF16) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(exp_avg) + i), to_bf16_16(m));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(exp_avg_sq) + i), to_bf16_16(v));
-      } else {
+      } else if constexpr (kState == kStateQ8) {
         _mm512_store_ps(m_new + j, m);
         _mm512_store_ps(s_new + j, sq);
         m_max = _mm512_max_epu32(m_max, _mm512_and_si512(_mm512_castps_si512(m), I16(0x7FFFFFFF)));
         s_max = _mm512_max_epu32(s_max, _mm512_castps_si512(sq));
       }
-      // with 8-bit states: y of hash32_16_pre, then state_bits and the master's bits (top
-      // 16 right) one multiply each
-      __m512i q8_bits = _mm512_setzero_si512();
-      if constexpr (kState == kStateQ8) {
+      // with bf16 or 8-bit states: y of hash32_16_pre, then state_bits and the master's
+      // bits (top 16 right) one multiply each; bf16 states are stored here, 8-bit ones' bits
+      // kept for the encoder
+      __m512i state_sr_bits = _mm512_setzero_si512();  // the master's bits, from y
+      if constexpr (kStateSR) {
         const __m512i y = short_bits ? sr_bits_pre_from_x1_16(_mm512_add_epi32(bits_base, _mm512_load_si512(bits_table + j)))
                                      : hash32_16_pre(_mm512_add_epi32(hash32_16(_mm512_xor_si512(counter_lanes16(counter_offset + i), key16)), hi_word));
-        _mm512_store_si512(st_bits + j, _mm512_mullo_epi32(y, I16(kStateMulC2)));
-        if constexpr (kMaster == kMasterSR) q8_bits = _mm512_mullo_epi32(y, I16(kHashC2));
+        const __m512i w = _mm512_mullo_epi32(y, I16(kStateMulC2));  // state_bits
+        if constexpr (kState == kStateQ8) {
+          _mm512_store_si512(st_bits + j, w);
+        } else {  // the first moment's u is w's top 16, the second's its bottom 16
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(exp_avg) + i),
+                              bf16x16_stochastic(m, w, top_halves));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(exp_avg_sq) + i),
+                              bf16x16_stochastic(v, _mm512_slli_epi32(w, 16), top_halves));
+        }
+        if constexpr (kMaster == kMasterSR) state_sr_bits = _mm512_mullo_epi32(y, I16(kHashC2));
       }
       if constexpr (kMaster == kMasterF32) {
         _mm512_storeu_ps(static_cast<float*>(master) + i, p);
@@ -357,8 +379,8 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
           for (int l = 0; l < 16; ++l) bs[l] = bf16_stochastic(ps[l], sr_bits(key, index + l));
           b16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(bs));
         } else {
-          __m512i bits = q8_bits;  // with 8-bit states: computed above
-          if constexpr (kState != kStateQ8) {
+          __m512i bits = state_sr_bits;  // with bf16 or 8-bit states: computed above
+          if constexpr (!kStateSR) {
             if (short_bits) {
               bits = sr_bits_from_x1_16(_mm512_add_epi32(bits_base, _mm512_load_si512(bits_table + j)));
             } else {
@@ -368,12 +390,7 @@ RAMFLOW_AVX512 void lean_blocks_avx512(const LeanArgs& a, int64_t block_begin, i
               bits = hash32_16_top(_mm512_add_epi32(h, hi));
             }
           }
-          const __m512i u = _mm512_castps_si512(p);
-          // the bf16 is the top half of u + bits / 2^16 (0x7FC0 for NaN): one word permute
-          // gathers the 16 top halves (a shift and a 32-to-16 pack cost a uop more)
-          __m512i r = _mm512_add_epi32(u, _mm512_srli_epi32(bits, 16));
-          r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), I16(0x7FC00000u));
-          b16 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(top_halves, r));
+          b16 = bf16x16_stochastic(p, bits, top_halves);
         }
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(master) + i), b16);
       } else {

@@ -27,6 +27,17 @@ def _bf16_nearest(x):
 
 
 @triton.jit
+def _bf16_stochastic(x, u16):
+    # fp32 -> bf16 rounded stochastically with the 16 random bits u16 (uint32), as
+    # _lean_kernels.cpp's bf16_stochastic: up with probability (dropped bits) / 2**16, NaN
+    # to 0x7FC0
+    u = x.to(tl.uint32, bitcast=True)
+    b = ((u + u16) >> 16).to(tl.uint16)
+    b = tl.where(x != x, tl.full(b.shape, 0x7FC0, tl.uint16), b)
+    return b.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _fp8_decode(c):
     # E4M3 code (uint8) -> fp32, exact: see [Note: FP8 conversions in bits] in
     # _lean_kernels.cpp (a subnormal code is rebased by 121 and 2**-6 taken off; 0x7F NaN)
@@ -131,6 +142,14 @@ def lean_adamw_kernel(
     denom = tl.div_rn(sq, bc2_sqrt) + eps
     p = p + tl.div_rn(m * neg_step_size, denom)
 
+    if STATE != 0:
+        # bf16 and 8-bit states round stochastically: see [Note: stochastic rounding of the
+        # 8-bit states]; 32 bits per element, the master's rounding bits h as (h ^ h >> 16)
+        # * C, the first moment's u the top 16, the second's the bottom 16
+        counter = idx + counter_offset
+        k = key.to(tl.uint32)
+        h = _hash32(_hash32(counter.to(tl.uint32) ^ k) + (counter >> 32).to(tl.uint32))
+        state_bits = (h ^ (h >> 16)) * tl.full(h.shape, 0x9E3779B9, tl.uint32)
     if STATE == 2:
         m = tl.where(mask, m, 0.0)
         sq = tl.where(mask, sq, 0.0)
@@ -143,21 +162,15 @@ def lean_adamw_kernel(
         tl.store(v_scale_ptr + rows, ((ve + 127) << 23).to(tl.float32, bitcast=True), mask=row_mask)
         m_rcp = ((127 - me) << 23).to(tl.float32, bitcast=True)
         v_rcp = ((127 - ve) << 23).to(tl.float32, bitcast=True)
-        # stochastic rounding of the codes: see [Note: stochastic rounding of the 8-bit
-        # states]; 32 bits per element, the master's rounding bits h as (h ^ h >> 16) * C
-        counter = idx + counter_offset
-        k = key.to(tl.uint32)
-        bits = _hash32(_hash32(counter.to(tl.uint32) ^ k) + (counter >> 32).to(tl.uint32))
-        bits = (bits ^ (bits >> 16)) * tl.full(bits.shape, 0x9E3779B9, tl.uint32)
-        y_m = _fp8_stochastic(m * m_rcp[:, None], bits >> 16, False)
-        y_v = _fp8_stochastic(sq * v_rcp[:, None], bits & 0xFFFF, True)
+        y_m = _fp8_stochastic(m * m_rcp[:, None], state_bits >> 16, False)
+        y_v = _fp8_stochastic(sq * v_rcp[:, None], state_bits & 0xFFFF, True)
         mq = _fp8_encode(y_m, False)
         vq = _fp8_encode(y_v, True)
         tl.store(m_ptr + idx, mq, mask=mask)
         tl.store(v_ptr + idx, vq, mask=mask)
     elif STATE == 1:
-        tl.store(m_ptr + idx, _bf16_nearest(m), mask=mask)
-        tl.store(v_ptr + idx, _bf16_nearest(v), mask=mask)
+        tl.store(m_ptr + idx, _bf16_stochastic(m, state_bits >> 16), mask=mask)
+        tl.store(v_ptr + idx, _bf16_stochastic(v, state_bits & 0xFFFF), mask=mask)
     else:
         tl.store(m_ptr + idx, m, mask=mask)
         tl.store(v_ptr + idx, v, mask=mask)
@@ -173,10 +186,7 @@ def lean_adamw_kernel(
         counter = idx + counter_offset
         k = key.to(tl.uint32)
         bits = _hash32(_hash32(counter.to(tl.uint32) ^ k) + (counter >> 32).to(tl.uint32))
-        u = p.to(tl.uint32, bitcast=True)
-        b = ((u + (bits >> 16)) >> 16).to(tl.uint16)
-        b = tl.where(p != p, tl.full(b.shape, 0x7FC0, tl.uint16), b)
-        tl.store(master_ptr + idx, b.to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(master_ptr + idx, _bf16_stochastic(p, bits >> 16), mask=mask)
     else:
         hi = _bf16_nearest(p)
         tl.store(master_ptr + idx, hi, mask=mask)
