@@ -19,7 +19,7 @@ import torch
 
 from bit_compare import assert_bits_equal
 from lean_isa import use_lean_isa
-from ramflow import _lean_kernels
+from ramflow import _lean_kernels, _random_bits
 from ramflow._lean_kernels import (
     QBLOCK,
     dequantize_blockwise,
@@ -58,7 +58,7 @@ def _hard_moments(gen: torch.Generator) -> torch.Tensor:
 
 def _torch_codes(m: torch.Tensor, v: torch.Tensor, key: int, counter_offset: int):
     """The PyTorch path's stochastically rounded codes of m and v, as ``_step_torch``."""
-    bits = _lean_kernels._state_bits(key, counter_offset, m.numel(), None)
+    bits = _random_bits._state_bits(key, counter_offset, m.numel(), None)
     qm, ms = _lean_kernels._quantize(m, signed=True, u16=bits >> 16)
     qv, vs = _lean_kernels._quantize(v, signed=False, u16=bits & 0xFFFF)
     return qm, ms, qv, vs
@@ -132,7 +132,7 @@ def test_stochastic_codes_are_unbiased(y, spacing, signed):
     target = x.abs()[:, 1:] if signed else x[:, 1:].double().sqrt().float()
     errors = []
     for step in range(1, keys + 1):
-        bits = _lean_kernels._state_bits(rounding_key(3, step), 0, x.numel(), None)
+        bits = _random_bits._state_bits(rounding_key(3, step), 0, x.numel(), None)
         q, scale = _lean_kernels._quantize(
             x, signed=signed, u16=bits >> 16 if signed else bits & 0xFFFF
         )
@@ -174,12 +174,12 @@ def test_bf16_states_are_rounded_unbiased(x, spacing, signed):
     n_per_key, keys = 1 << 16, 16
     errors = []
     for step in range(1, keys + 1):
-        bits = _lean_kernels._state_bits(rounding_key(3, step), 0, n_per_key, None)
+        bits = _random_bits._state_bits(rounding_key(3, step), 0, n_per_key, None)
         u16 = bits >> 16 if signed else bits & 0xFFFF
         value = torch.full((n_per_key,), x)
         if signed:
             value[1::2] *= -1.0
-        got = _lean_kernels._bf16_stochastic(value, u16).double().abs()
+        got = _random_bits._bf16_stochastic(value, u16).double().abs()
         down = torch.tensor(x).view(torch.int32).bitwise_and(~0xFFFF).view(torch.float32)
         assert torch.isin(got, torch.tensor([down.item(), down.item() + spacing]).double()).all()
         errors.append(got - x)
@@ -194,15 +194,15 @@ def test_bf16_states_are_rounded_unbiased(x, spacing, signed):
     nearest = torch.tensor(x).to(torch.bfloat16).double().item()
     assert abs(nearest - x) > 20 * bound  # nearest even misses by far more
     special = torch.tensor([float("nan"), float("inf"), -float("inf")])
-    out = _lean_kernels._bf16_stochastic(special, torch.full((3,), 0xFFFF, dtype=torch.int64))
+    out = _random_bits._bf16_stochastic(special, torch.full((3,), 0xFFFF, dtype=torch.int64))
     assert out.view(torch.int16).tolist() == [0x7FC0, 0x7F80, -0x80]
 
 
 def _rounding_streams(n: int) -> dict[str, torch.Tensor]:
     """The 16-bit u (n,) int64 of n elements' three roundings in one step: the master's
     (the top of ``_sr_bits``), the first moment's and the second's (``_state_bits``)."""
-    h = _lean_kernels._sr_bits(rounding_key(11, 5), 0, n)
-    w = _lean_kernels._state_bits_of(h)
+    h = _random_bits._sr_bits(rounding_key(11, 5), 0, n)
+    w = _random_bits._state_bits_of(h)
     return {"master": h >> 16, "exp_avg": w >> 16, "exp_avg_sq": w & 0xFFFF}
 
 
@@ -261,7 +261,7 @@ def test_state_bits_are_independent_of_the_masters_as_the_note_says():
 
     def state_bits(top: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
         x = (top << 16) | low  # h ^ h >> 16; the master's bits are its top half
-        return _lean_kernels._state_bits_of(x ^ (x >> 16))
+        return _random_bits._state_bits_of(x ^ (x >> 16))
 
     for a in (0, 1, 0x1234, 0x8000, 0xFFFF):
         w = state_bits(torch.full_like(every, a), every)

@@ -2,7 +2,7 @@
 // _cpu_kernels.cpp (appended to it, see _cpu_kernels._read_source), whose helpers it uses
 // (grad_at, load_grad8, to_bf16_8, RAMFLOW_AVX2). AdamW over a bf16 master (stochastic
 // rounding or a bf16 Kahan compensation) or an fp32 one, and fp32, bf16 or 8-bit block-wise
-// states. See _lean_kernels.py, [Note: lean formats, one pass], [Note: counter-based
+// states. See _lean_kernels.py, [Note: lean formats, one pass], _random_bits.py, [Note: counter-based
 // stochastic rounding] and [Note: 8-bit states in FP8 with power-of-two block scales]. Every
 // loop does the operations of the PyTorch path there in the same order, so all give the same
 // bits (-ffp-contract=off keeps the compiler from fusing any of it).
