@@ -53,7 +53,7 @@ def test_each_rank_draws_the_units_it_owns_into_one_host_copy(tmp_path, backend)
     ref = _resident(options)
     assert sorted(drawn[0] + drawn[1]) == sorted(n for n, _ in ref.named_parameters())
     assert results[0]["memory"]["files"] == results[1]["memory"]["files"]
-    assert all(r["memory"]["private"] == 0 for r in results)
+    assert all(r["memory"]["private"] == 0 for r in results), [r["memory"] for r in results]
     for r in results:
         for k, v in ref.state_dict().items():
             assert torch.equal(r["state"][k], v), k
