@@ -700,8 +700,10 @@ step runs (``_lean_kernels.lean_isa``): ``benchmarks/cpu_optimizer_runner.py`` o
 of a 4 x H200 host alone, 2026-11-28, which times ramflow's fp32 AdamW (4.87 G params/s) and
 every format in one run (AVX-512 bf16 9.12, lean 6.88, kahan 5.49, AVX2 8.54, 5.72, 4.56;
 benchmarks/results/2026-11-28-nvidia-h200-x4-sr-seeds-gpu-suite/cpuopt-alone). The lean and
-kahan steps round their 8-bit states stochastically there, and are bound by their arithmetic,
-not by DRAM; the bf16 step moves fewer bytes. The earlier table (H100, 2026-11-26: lean 1.13,
+kahan steps round their 8-bit states stochastically there (with the second hash that one
+multiply has replaced since), and are bound by their arithmetic, not by DRAM; the bf16 step,
+which moves fewer bytes, still rounded its states to nearest (it hashes per element since):
+the next box run of the script replaces these ratios. The earlier table (H100, 2026-11-26: lean 1.13,
 AVX2 0.78) was the table code's, and made a lean plan where the CPU step binds 44-47% too
 slow (8k tokens of the 8B long-context run, 2026-11-28)."""
 
