@@ -692,20 +692,20 @@ def check_optimizer_formats(precision: HostPrecision, optimizer: Any) -> None:
 
 
 OPTIMIZER_SPEED_BY_ISA = {
-    "avx512": {"fp32": 1.0, "bf16": 1.87, "lean": 1.41, "kahan": 1.13},
-    "avx2": {"fp32": 1.0, "bf16": 1.75, "lean": 1.17, "kahan": 0.94},
+    "avx512": {"fp32": 1.0, "bf16": 2.09, "lean": 2.05, "kahan": 1.63},
+    "avx2": {"fp32": 1.0, "bf16": 2.05, "lean": 1.82, "kahan": 1.42},
 }
 """Each preset's CPU AdamW parameter rate over the fp32 one, by the instruction set its lean
 step runs (``_lean_kernels.lean_isa``): ``benchmarks/cpu_optimizer_runner.py`` on 16 threads
-of a 4 x H200 host alone, 2026-11-28, which times ramflow's fp32 AdamW (4.87 G params/s) and
-every format in one run (AVX-512 bf16 9.12, lean 6.88, kahan 5.49, AVX2 8.54, 5.72, 4.56;
-benchmarks/results/2026-11-28-nvidia-h200-x4-sr-seeds-gpu-suite/cpuopt-alone). The lean and
-kahan steps round their 8-bit states stochastically there (with the second hash that one
-multiply has replaced since), and are bound by their arithmetic, not by DRAM; the bf16 step,
-which moves fewer bytes, still rounded its states to nearest (it hashes per element since):
-the next box run of the script replaces these ratios. The earlier table (H100, 2026-11-26: lean 1.13,
-AVX2 0.78) was the table code's, and made a lean plan where the CPU step binds 44-47% too
-slow (8k tokens of the 8B long-context run, 2026-11-28)."""
+of a 4 x H200 host alone (the one-GPU box's share), twice, 2026-11-28, which times ramflow's
+fp32 AdamW (4.77 and 4.96 G params/s) and every format in one run; the mean of the two runs'
+rates (AVX-512 bf16 10.19, lean 9.98, kahan 7.95; AVX2 9.95, 8.85, 6.93;
+benchmarks/results/2026-11-28-nvidia-h200-x4-formats-long-cpuopt/cpuopt-16-cores-alone).
+Every step there rounds its bf16 or 8-bit states stochastically with the one-multiply bits
+([Note: stochastic rounding of the 8-bit states]) and is bound by its arithmetic, not by
+DRAM. Earlier tables lagged the kernels (H100, 2026-11-26: lean 1.13, AVX2 0.78, the table
+code's) and made a lean plan where the CPU step binds 44-47% too slow (8k tokens of the 8B
+long-context run)."""
 
 
 def _cpu_lean_isa() -> str:
