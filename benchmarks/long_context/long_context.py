@@ -165,6 +165,21 @@ class Plans:
         return self._cache[key]
 
 
+def train_step(model, opt, ids_BT: torch.Tensor) -> None:
+    """One training step of the offloaded LM on token ids (B, T) int64 on its device:
+    ``ramflow train``'s chunked loss (``lm_loss``) under bf16 autocast, backward, the
+    optimizer's step; on CUDA it returns after ``torch.cuda.synchronize``."""
+    from ramflow.train.loss import lm_loss
+
+    with torch.autocast(ids_BT.device.type, dtype=torch.bfloat16):
+        loss = lm_loss(model, ids_BT)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    if ids_BT.is_cuda:
+        torch.cuda.synchronize(ids_BT.device)
+
+
 def _write(out: Path, result: dict) -> None:
     (out / "long_context.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / "long_context.md").write_text(report.markdown(result))
@@ -330,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     import ramflow
     from harness import _commit
     from ramflow.memory import CheckpointOffload
-    from ramflow.train.loss import chunk_lm_head, lm_loss
+    from ramflow.train.loss import chunk_lm_head
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     cuda = device.type == "cuda"
@@ -388,13 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(seq: int) -> None:
         ids_BT = torch.randint(0, cfg.vocab_size, (1, seq), generator=gen).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = lm_loss(model, ids_BT)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if cuda:
-            torch.cuda.synchronize(device)
+        train_step(model, opt, ids_BT)
 
     def run(mode: str, seq: int) -> dict:
         plan = plans(mode, seq)

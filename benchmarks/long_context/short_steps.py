@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+from datetime import date
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
@@ -68,15 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("needs a CUDA GPU (the CPU smoke test of this model is long_context.py --tiny)")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    import os
-    from datetime import date
-
     from transformers import AutoModelForCausalLM
 
     import ramflow
     from harness import _commit
     from ramflow.memory import CheckpointOffload
-    from ramflow.train.loss import chunk_lm_head, lm_loss
+    from ramflow.train.loss import chunk_lm_head
 
     device = torch.device("cuda")
     cores = os.cpu_count()
@@ -111,12 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     def step() -> float:
         ids_BT = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=gen).to(device)
         t = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = lm_loss(model, ids_BT)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        torch.cuda.synchronize(device)
+        lc.train_step(model, opt, ids_BT)
         return time.perf_counter() - t
 
     step()  # kernels, allocator, the host worker, the first (deferred) optimizer step
