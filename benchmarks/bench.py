@@ -1,5 +1,5 @@
 """ramflow's benchmark harness: floors, ramflow, resident, peers, k of n resident, scaling, CPU
-optimizer, trace; each ramflow step also against its predicted time (``ramflow._predict``).
+optimizer, trace; each ramflow step also against its predicted time (``ramflow.planner.predict``).
 
 Run on the GPU box from the repository root, e.g.::
 

@@ -84,7 +84,7 @@ def _time_ramflow_training(
     ``optimizer_in_step_params_per_s``: the CPU optimizer's rate over the timed steps, from
     its engine's ``host_step_totals``."""
     import ramflow
-    from ramflow._registry import engine_of_model
+    from ramflow.units.registry import engine_of_model
 
     engine = engine_of_model(model)
     before = [(0, 0.0)]
@@ -111,7 +111,7 @@ def _optimizer_alone(engine, opt, repeats: int = 3) -> dict[str, Any]:
     and the weights stay as they are. Fastest of ``repeats``: the CPU optimizer floor of
     the case, measured when and where the case ran (a machine's DRAM rate drifts between
     processes: benchmarks/results/2026-11-22-nvidia-h200-refresh)."""
-    from ramflow._cpu_kernels import fused_adamw_step_
+    from ramflow.kernels.cpu_kernels import fused_adamw_step_
 
     units = [u for u in engine.units if u in opt._unit_state and u.staging is not None]
     if not units:
@@ -152,7 +152,7 @@ def _shape_fields(model) -> dict[str, Any]:
 
 def _unit_shapes(model) -> list:
     """ramflow's units of ``model`` as the step-time model sees them (before offloading)."""
-    from ramflow._costs import unit_shapes
+    from ramflow.planner.costs import unit_shapes
 
     return unit_shapes(model)
 
@@ -172,7 +172,7 @@ def _checkpointed_units(case: dict[str, Any], shapes: list) -> list[str]:
 def predict_inputs(
     case: dict[str, Any], shapes: list, plan, model, *, mode: str, batch: int
 ) -> dict[str, Any] | None:
-    """What ``report.py`` needs to predict this step (``ramflow._predict``) once the floors
+    """What ``report.py`` needs to predict this step (``ramflow.planner.predict``) once the floors
     are known: per unit its wire bytes, trainable parameters, matmul weights, attention
     layers, tied dependencies, and whether it is resident or checkpointed. None when the
     plan's units are not the ones found here."""

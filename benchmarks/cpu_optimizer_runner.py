@@ -134,7 +134,7 @@ TARGET_SHARE = 0.85  # of the host copy rate (issue 14 point 2, issue 30 point 2
 
 def _host_format_rates(n: int, case: dict[str, Any], dram: float) -> dict[str, Any]:
     """Each lean host format's CPU AdamW step over ``n`` parameters of flat buffers
-    (``_lean_kernels.lean_adamw_step_``, all threads, fastest of the case's steps after one
+    (``kernels.lean_kernels.lean_adamw_step_``, all threads, fastest of the case's steps after one
     untimed): params/s, bytes/s and their share of the DRAM copy rate (issue 14 and issue 30
     want ``TARGET_SHARE``). The copy rate is ``dst.copy_(src)`` with torch's threads (the
     step's) over as many bytes as the lean step reads and writes over ``n`` parameters
@@ -148,7 +148,7 @@ def _host_format_rates(n: int, case: dict[str, Any], dram: float) -> dict[str, A
     rate drifts between processes and within one (see
     benchmarks/results/2026-11-22-nvidia-h200-refresh), so it is measured again after the
     formats, and each share is taken against the larger of the two: the lower share."""
-    from ramflow._lean_kernels import lean_adamw_step_, lean_isa, quantize_blockwise
+    from ramflow.kernels.lean_kernels import lean_adamw_step_, lean_isa, quantize_blockwise
 
     isas = [lean_isa() or "torch"]
     if isas[0] == "avx512":
@@ -196,7 +196,7 @@ def _host_format_rates(n: int, case: dict[str, Any], dram: float) -> dict[str, A
     for rates in by_isa.values():
         for r in rates.values():
             r["params_per_s"] = n / r["step_s"]
-            r["x_fp32"] = fp32_s / r["step_s"]  # ``_host_formats.OPTIMIZER_SPEED_BY_ISA``'s
+            r["x_fp32"] = fp32_s / r["step_s"]  # ``planner.cpu_rates.OPTIMIZER_SPEED_BY_ISA``'s
             r["bytes_per_s"] = n * r["bytes_per_param"] / r["step_s"]
             r["share_of_dram_copy"] = r["bytes_per_s"] / copy
             r["meets_target"] = r["share_of_dram_copy"] >= TARGET_SHARE
@@ -216,12 +216,12 @@ FP32_BYTES = 4 + 2 * (4 + 8) + 2  # fp32 gradient read; master and states; the b
 
 
 def _fp32_step_s(n: int, steps: int) -> float:
-    """ramflow's fp32 AdamW step (``_cpu_kernels.fused_adamw_step_``: fp32 master, gradient
+    """ramflow's fp32 AdamW step (``kernels.cpu_kernels.fused_adamw_step_``: fp32 master, gradient
     and states, the bf16 wire copy written, as a deferred step of ``host_precision="fp32"``)
     over ``n`` parameters of flat buffers with all threads: the fastest of ``steps`` after
     one untimed, seconds. The lean formats' rates over it are the planner's
     ``OPTIMIZER_SPEED_BY_ISA`` (``x_fp32``), measured in the same run."""
-    from ramflow._cpu_kernels import fused_adamw_step_
+    from ramflow.kernels.cpu_kernels import fused_adamw_step_
 
     param, grad = torch.randn(n), torch.randn(n) * 1e-3
     m, v, wire = torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)

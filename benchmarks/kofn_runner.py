@@ -37,7 +37,7 @@ def _kofn_budgets(plan, shapes: list, fractions: list[float]) -> list[tuple[int,
     the units after the blocks (final norm, head) too. The budget is the least one that makes
     the engine keep exactly those: ramflow's bytes at each step of its rule, at their largest.
     """
-    from ramflow._plan import _ramflow_bytes
+    from ramflow.planner.plan import _ramflow_bytes
 
     names = list(plan.unit_names)
     blocks = [i for i, s in enumerate(shapes) if s.block]

@@ -248,7 +248,7 @@ def dram_copy_bandwidth(*, nbytes: int = GiB, repeats: int = 3) -> float:
 class CopyCounter:
     """Counts the bytes ramflow copies host-to-device and device-to-host.
 
-    It wraps ``ramflow._streams.CopyStreams.h2d`` and ``.d2h`` (a private module: if that
+    It wraps ``ramflow.transfer.streams.CopyStreams.h2d`` and ``.d2h`` (a private module: if that
     changes, ``installed`` is False and the counts stay None) and adds the source tensor's
     bytes on every call. Install before ``ramflow.offload`` and keep for the process.
     ``watch(model)`` after ``ramflow.offload`` also splits H2D into the refreshes of
@@ -264,7 +264,7 @@ class CopyCounter:
         self.installed = False
         self.split = False
         try:
-            from ramflow import _streams
+            from ramflow.transfer import streams as _streams
         except ImportError:
             return
         cls = getattr(_streams, "CopyStreams", None)
@@ -298,7 +298,7 @@ class CopyCounter:
         """Tell resident units' copies apart for ``model`` (offloaded); a no-op where the
         engine's private layout is not what this expects (``split`` stays False)."""
         try:
-            from ramflow._registry import engine_of_model
+            from ramflow.units.registry import engine_of_model
 
             units = engine_of_model(model).units
             # a resident unit's device storage stays allocated: its address names it

@@ -243,7 +243,7 @@ def host_formats_lines(formats: dict[str, Any] | None) -> list[str]:
         out += [
             "",
             f"ramflow's fp32 step: {fp32['params_per_s'] / 1e9:.2f} G params/s. Each format's "
-            "rate over it (`_host_formats.OPTIMIZER_SPEED_BY_ISA`): "
+            "rate over it (`planner.cpu_rates.OPTIMIZER_SPEED_BY_ISA`): "
             + "; ".join(
                 f"{isa}: "
                 + ", ".join(

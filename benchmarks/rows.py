@@ -11,7 +11,7 @@ the run (or in another run's floors, with ``bench.py --report``):
   process), else an AdamW step's 28 B per parameter at the fastest host-memory rate any AdamW
   reached in the run (``best_adamw_dram_rate``).
 
-Each ramflow step is also predicted by ``ramflow._predict`` (loaded from ``src/`` by path, so
+Each ramflow step is also predicted by ``ramflow.planner.predict`` (loaded from ``src/`` by path, so
 no torch here) from the units the case recorded and the rates this run measured
 (``measured_rates``, ``forward_efficiencies``, ``in_step_rated``).
 """
@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 GIB = 1 << 30
-PREDICT_PATH = Path(__file__).resolve().parent.parent / "src" / "ramflow" / "_predict.py"
+PREDICT_PATH = Path(__file__).resolve().parent.parent / "src" / "ramflow" / "planner/predict.py"
 
 PREDICT_TOLERANCE = 0.15  # point 4: predicted step time within 15% of the measured one
 
 
 def load_predict():
-    """``ramflow._predict`` loaded from its file (it and ``_predict_graph.py``, which it
+    """``ramflow.planner.predict`` loaded from its file (it and ``planner/task_graph.py``, which it
     imports, need only the standard library): as a module of a stand-in package whose path
     is ``src/ramflow``, so its relative import finds the sibling without running
     ``ramflow/__init__.py`` (which imports torch)."""
@@ -338,7 +338,7 @@ def _model_key(row: dict[str, Any]) -> tuple[str, Any, Any]:
 
 
 def _unit_flops(inputs: dict[str, Any], batch: int) -> list[float]:
-    """Forward FLOPs of each recorded unit for ``batch`` sequences (``_predict.forward_flops``)."""
+    """Forward FLOPs of each recorded unit for ``batch`` sequences (``planner.predict.forward_flops``)."""
     p = load_predict()
     return [
         p.forward_flops(
@@ -358,7 +358,7 @@ def forward_efficiencies(
     """Per model (and depth and sequence): its inference forward's efficiency, measured on the
     resident bf16 inference step with the most tokens: the step-time model's FLOP count over
     the model's units (from any ramflow row of that model) over step time x matmul rate. The
-    prediction gives it to ``_predict.forward_seconds`` (``infer_efficiency``), so the GPU time
+    prediction gives it to ``planner.predict.forward_seconds`` (``infer_efficiency``), so the GPU time
     of what the FLOP count does not see (norms, rotary embedding, activations, launch gaps) is
     this model's own, measured, not the reference model's calibration."""
     if not floors or not floors.get("matmul_flops_per_s"):

@@ -131,7 +131,7 @@ def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
     # in every host format (the lean formats' device step is one Triton kernel; without it,
     # PyTorch ops made the 4x2048 step slower: 1452 against 980 ms on the H100,
     # benchmarks/results/2026-11-23-nvidia-h100-lean-device-step)
-    from ramflow._lean_triton import available as lean_kernel_on
+    from ramflow.kernels.lean_triton import available as lean_kernel_on
 
     device_optimizer: bool | None = True
     if case.get("device_optimizer") == "auto":

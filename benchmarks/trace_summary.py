@@ -35,9 +35,9 @@ class HostSpans:
     exist. If none does, no spans are recorded and the summary says so."""
 
     METHODS = (
-        ("ramflow._stepper", "Stepper", "step_unit", "optimizer"),
-        ("ramflow._stepper", "Stepper", "step_staged", "optimizer"),
-        ("ramflow._gradients", "GradientPath", "land", "landing"),
+        ("ramflow.engine.stepper", "Stepper", "step_unit", "optimizer"),
+        ("ramflow.engine.stepper", "Stepper", "step_staged", "optimizer"),
+        ("ramflow.engine.gradients", "GradientPath", "land", "landing"),
     )
 
     def __init__(self) -> None:

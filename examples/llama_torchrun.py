@@ -57,9 +57,9 @@ import ramflow
 from ramflow.train.data import build_corpus, epoch_order_seed, find_documents
 from ramflow.train.initialization import SeededInit
 from ramflow.train.loss import chunk_lm_head, lm_loss
+from ramflow.train.lr_schedule import warmup_cosine
 from ramflow.train.presets import get_preset
 from ramflow.train.ranks import NUMA_BINDINGS, bind_to_gpu_node
-from ramflow.train.schedule import warmup_cosine
 from ramflow.train.tokenizer import ByteTokenizer
 
 # --size: the ramflow preset whose shape (Meta's config.json for the Llama ones) and

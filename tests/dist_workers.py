@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 import ramflow
 from models import MLPStack
-from ramflow._dist import STORE_FILE
-from ramflow._registry import engine_of_model
+from ramflow.distributed.zero import STORE_FILE
+from ramflow.units.registry import engine_of_model
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -110,7 +110,7 @@ def _device(rank: int, options: dict) -> torch.device:
 
 def _store_bytes() -> dict[str, int]:
     """Resident bytes of this process's mappings of the shared host store's files (named
-    as ``ramflow._dist.STORE_FILE``): rss, pss (rss divided among the processes sharing
+    as ``ramflow.distributed.zero.STORE_FILE``): rss, pss (rss divided among the processes sharing
     each page) and private."""
     rss = pss = private = 0
     files = []
@@ -137,10 +137,10 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
     units resident, on the CPU too); ``state_each_step``: keep ``model.state_dict()`` taken
     right after each ``opt.step()``; ``undo``: ``ramflow.undo`` right after the last step and
     return only the plain model's state and those; ``norm_piece``: the elements per piece
-    of a CPU norm (``ramflow._clip.NORM_PIECE``), small so that this model's gradients are
+    of a CPU norm (``ramflow.engine.clip.NORM_PIECE``), small so that this model's gradients are
     reduced in several."""
     if options.get("norm_piece"):
-        from ramflow import _clip
+        from ramflow.engine import clip as _clip
 
         _clip.NORM_PIECE = options["norm_piece"]
     device = _device(rank, options)
@@ -422,8 +422,8 @@ def first_step_private(rank: int, world_size: int, options: dict) -> dict:
     rank's private memory (``RssAnon`` after the step, its optimizer steps done, minus
     before it). ``lazy``: states and ring made inside the first step, as before they were
     made at set-up (the test's control)."""
-    from ramflow._engine import Engine
-    from ramflow._host_optimizer import HostOptimizer
+    from ramflow.engine.engine import Engine
+    from ramflow.optim.host_optimizer import HostOptimizer
 
     if options.get("lazy"):
         HostOptimizer._make_unit_states = lambda self, engine: None

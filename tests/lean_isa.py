@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ramflow import _lean_kernels
+from ramflow.kernels import lean_kernels as _lean_kernels
 
 LEAN_ISAS = ["avx512", "avx2", "scalar"]
 

@@ -1,5 +1,5 @@
 """The native kernels are built before the first step (see [Note: building before the first
-step] in ``ramflow._cpu_kernels``): by ``python -m ramflow.build_kernels`` (``make setup``),
+step] in ``ramflow.kernels.cpu_kernels``): by ``python -m ramflow.build_kernels`` (``make setup``),
 or in the background from ``ramflow.offload``; never at import, never inside a step.
 
 Each case runs a fresh Python on its own cache folder, with the real build (seconds on this
@@ -31,7 +31,7 @@ TRAIN = r"""
 import json, threading
 import torch
 import ramflow
-from ramflow import _cpu_kernels as k
+from ramflow.kernels import cpu_kernels as k
 
 calls = []
 real = k._compile

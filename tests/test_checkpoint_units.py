@@ -11,7 +11,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ramflow
 from models import MLPStack, tiny_llama
-from ramflow._registry import engine_of_model
 from ramflow.memory import (
     CheckpointAll,
     CheckpointEveryKth,
@@ -21,6 +20,7 @@ from ramflow.memory import (
     activation_report,
     apply_checkpointing,
 )
+from ramflow.units.registry import engine_of_model
 
 
 def _grads(model, x) -> list[torch.Tensor]:

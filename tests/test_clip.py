@@ -1,4 +1,4 @@
-"""Global-norm clipping of offloaded gradients (``ramflow._clip``): reading the norm alone
+"""Global-norm clipping of offloaded gradients (``ramflow.engine.clip``): reading the norm alone
 keeps the steps during backward, a real clip defers them, and both match PyTorch's
 ``clip_grad_norm_`` on a resident deepcopy.
 
@@ -50,7 +50,7 @@ def grads_present(model: torch.nn.Module) -> bool:
 
 # On CUDA the per-parameter norms of the device gradients are reduced in another order than
 # the CPU reduces the host gradients (see [Note: the norm from the device gradients] in
-# ramflow._grad_norms): fp32 rounding, a few ulps. On the CPU they are the same bits.
+# ramflow.engine.grad_norms): fp32 rounding, a few ulps. On the CPU they are the same bits.
 NORM_RTOL = 1e-5
 
 
@@ -189,7 +189,7 @@ def test_a_cpu_norm_upcasts_one_piece_at_a_time():
     reduction into a wider dtype copies first (see [Note: norms in pieces on the CPU]); its
     value is the fp64 norm's within fp64 rounding, and a tensor of one piece gives the
     whole reduction's bits."""
-    from ramflow._clip import NORM_PIECE, squared_norm
+    from ramflow.engine.clip import NORM_PIECE, squared_norm
 
     g = torch.randn(5 * NORM_PIECE + 3, generator=torch.Generator().manual_seed(0))
     g = g.to(torch.bfloat16)

@@ -1,5 +1,5 @@
-"""A real clip's coefficient applied by each unit's step (``ramflow._grad_scale``) and its
-norm read from the device gradients (``ramflow._grad_norms``), as ``clip_grad_norm_(...,
+"""A real clip's coefficient applied by each unit's step (``ramflow.engine.grad_scale``) and its
+norm read from the device gradients (``ramflow.engine.grad_norms``), as ``clip_grad_norm_(...,
 fold=True)`` (``ramflow train``) or ``RAMFLOW_CLIP_FOLD=1`` do: the same bits as scaling
 the host gradients in place first (the default, PyTorch's own clip), in every host format,
 on the host and the device step; ``p.grad`` as PyTorch leaves it once synchronized; writes
@@ -18,9 +18,10 @@ import torch
 import ramflow
 from bit_compare import assert_bits_equal
 from models import MLPStack, tiny_llama
-from ramflow import _clip, _lean_kernels
-from ramflow._cpu_kernels import fused_adamw_step_
-from ramflow._lean_kernels import QBLOCK, lean_adamw_step_, quantize_blockwise
+from ramflow.engine import clip as _clip
+from ramflow.kernels import lean_kernels as _lean_kernels
+from ramflow.kernels.cpu_kernels import fused_adamw_step_
+from ramflow.kernels.lean_kernels import QBLOCK, lean_adamw_step_, quantize_blockwise
 
 LR = 1e-3
 MAX_NORM = 0.05  # below the tiny models' gradient norms (about 1): every step clips

@@ -25,8 +25,9 @@ from torch.optim import adam as torch_adam
 
 from bit_compare import assert_bits_equal
 from lean_isa import LEAN_ISAS, use_lean_isa
-from ramflow import _cpu_kernels, _lean_kernels
-from ramflow._cpu_kernels import fused_adamw_step_
+from ramflow.kernels import cpu_kernels as _cpu_kernels
+from ramflow.kernels import lean_kernels as _lean_kernels
+from ramflow.kernels.cpu_kernels import fused_adamw_step_
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 
@@ -478,7 +479,7 @@ def test_kernel_source_is_package_data():
 
 
 LOAD_KERNEL = (
-    "from ramflow import _cpu_kernels as k; "
+    "from ramflow.kernels import cpu_kernels as k; "
     "ok = k.native_kernel_available(); print(ok, k._NATIVE.reason); raise SystemExit(not ok)"
 )
 

@@ -15,7 +15,7 @@ import torch
 
 import ramflow
 from models import MLPStack
-from ramflow._plan import DEVICE_STEP_BYTES_PER_PARAM, DEVICE_STEP_SCRATCH_BYTES
+from ramflow.planner.plan import DEVICE_STEP_BYTES_PER_PARAM, DEVICE_STEP_SCRATCH_BYTES
 from test_parity import max_rel, mlp_batches, mse, params_rel, ref_adamw
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import dist_workers as W
 import ramflow
-from ramflow._dist import STORE_FILE, create_store_file
+from ramflow.distributed.zero import STORE_FILE, create_store_file
 
 LR = 1e-2  # train_offload's and reference_run's AdamW
 
@@ -251,7 +251,7 @@ def test_zero_clipping_uses_the_global_norm(tmp_path, zero_stage, norm_piece):
     """ramflow.clip_grad_norm_ clips by the norm of all gradients, also when each rank
     holds only its share of them (ZeRO-2): the run still equals one process. ``norm_piece``
     64: each host gradient's norm is summed in pieces of 64 elements (see [Note: norms in
-    pieces on the CPU] in ``ramflow._clip``), as a large model's are."""
+    pieces on the CPU] in ``ramflow.engine.clip``), as a large model's are."""
     options = {"out": str(tmp_path), "zero_stage": zero_stage, "clip": 0.05}
     results = W.run(W.train_offload, 2, {**options, "norm_piece": norm_piece})
     _check_ok(results)
@@ -363,7 +363,7 @@ def test_store_file_is_created_exclusively(tmp_path):
 def test_shared_store_directory_must_be_memory_backed_on_a_gpu(tmp_path):
     """Linux does not page-lock a disk file's pages: a GPU run's shared host store must be
     on a tmpfs, and a directory elsewhere is refused up front with what to use instead."""
-    from ramflow._dist import check_shm_directory_pins, filesystem_type
+    from ramflow.distributed.zero import check_shm_directory_pins, filesystem_type
 
     mounts = tmp_path / "mounts"
     mounts.write_text(

@@ -1,7 +1,7 @@
 """The device optimizer under ZeRO (``offload(..., zero_stage=..., device_optimizer=True)``):
 each rank steps on its own device the resident units it owns, writes their weights back to
 the shared host store, and the others refresh from it or from the owner's device copy (see
-[Note: the device optimizer under ZeRO] in ``ramflow._stepper``). gloo on the CPU device,
+[Note: the device optimizer under ZeRO] in ``ramflow.engine.stepper``). gloo on the CPU device,
 where the device step runs too (CI); NCCL on two GPUs (the GPU box)."""
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def test_state_dict_and_undo_right_after_a_step_see_its_weights(
     weights after ``ramflow.undo`` right after the last step, equal one process's on every
     rank, bit for bit: both wait for this rank's worker, so for the barrier behind which
     every owner's write-back has landed, even though the next forward no longer waits for
-    it (see [Note: the step's sync] in ramflow._dist)."""
+    it (see [Note: the step's sync] in ramflow.distributed.zero)."""
     monkeypatch.setenv("RAMFLOW_REFRESH_BY_BROADCAST", "1")
     options = {**options, "state_each_step": True, "undo": True, "whole_batch": True}
     options["backend"] = backend
@@ -173,9 +173,9 @@ def test_the_planner_chooses_device_steps_per_rank_under_zero(monkeypatch):
     units it owns (never another rank's), with its CPU optimizer at its share of the host's
     rate, and the plan's reason says so. The CPU device refuses device steps before any
     prediction; with that refusal lifted, the choice is the one a GPU rank makes."""
-    from ramflow._engine import Engine
-    from ramflow._host_formats import HostPrecision
-    from ramflow._units import find_units
+    from ramflow.engine.engine import Engine
+    from ramflow.formats.host import HostPrecision
+    from ramflow.units.unit import find_units
 
     monkeypatch.setattr(Engine, "_device_optimizer_refusal", lambda self: None)
     model = W.reference_model(seed=0)

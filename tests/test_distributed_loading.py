@@ -2,7 +2,7 @@
 real processes (gloo on the CPU; NCCL on the GPU box). Each rank builds the model on the
 meta device; each fills the units it owns into its host's shared copy; a failure on one
 rank fails every rank and leaves nothing behind. See [Note: loading once per host] in
-``ramflow._dist``."""
+``ramflow.distributed.zero``."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import dist_workers as W
-from ramflow._dist import STORE_FILE
-from ramflow._loading import load_resident
+from ramflow.distributed.zero import STORE_FILE
+from ramflow.io.loading import load_resident
 from ramflow.train.initialization import SeededInit
 
 transformers = pytest.importorskip("transformers")

@@ -62,7 +62,7 @@ def test_readme_is_short_and_names_only_what_a_reader_can_open() -> None:
 
 
 def test_help_texts_name_no_file_outside_the_repository() -> None:
-    from ramflow.cli import build_parser
+    from ramflow.cli.main import build_parser
 
     parser = build_parser()
     subparsers = next(a for a in parser._actions if a.choices and "train" in a.choices)

@@ -1,6 +1,6 @@
 """Compressed frozen weights (``offload(frozen_format=...)``): the formats, parity with the
 plain model over the dequantized weights, LoRA training, loading from the meta device, and
-the errors. See [Note: compressed frozen weights] in ``ramflow._frozen_formats``."""
+the errors. See [Note: compressed frozen weights] in ``ramflow.formats.frozen``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch import nn
 
 import ramflow
 from models import LoRAStack, tiny_llama
-from ramflow._frozen_formats import (
+from ramflow.formats.frozen import (
     INT8_BLOCK,
     FrozenStore,
     int8_dequantize,
@@ -462,7 +462,7 @@ def test_gpu_dequantizes_on_the_copy_stream_as_the_cpu_does(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_copies_run_ahead_of_dequantize_without_a_race(fmt):
     """The copy of the next compressed unit does not wait for this unit's dequantize (two
-    streams, two staging buffers; see ramflow._streams): through a window of a few units
+    streams, two staging buffers; see ramflow.transfer.streams): through a window of a few units
     and a compute long enough that copies queue up, every pass and every input gradient
     equals the plain bf16 model's over the same dequantized weights."""
     if not torch.cuda.is_available():
@@ -500,8 +500,8 @@ def dequantize_mismatches(device: str) -> list[str]:
     dtype: codes from int8_quantize over magnitudes from 1e-30 to 1e30 (fp16 overflows and
     underflows at the ends), a zero block, and a block count that leaves part of the last
     program empty (returns what differed; empty: all bits equal). See [Note: one
-    dequantize kernel] in ramflow._frozen_formats."""
-    from ramflow import _frozen_formats as ff
+    dequantize kernel] in ramflow.formats.frozen."""
+    from ramflow.formats import frozen as ff
 
     gen = torch.Generator().manual_seed(0)
     blocks = ff._TRITON_ROWS * 3 + 5
@@ -552,7 +552,7 @@ def test_interpreted_dequantize_kernel_gives_the_pytorch_ops_bits():
 def test_compiled_dequantize_kernel_gives_the_pytorch_ops_bits_in_one_launch():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from ramflow import _frozen_formats as ff
+    from ramflow.formats import frozen as ff
 
     assert ff._triton_dequantize() is not None, "Triton is not importable"
     mismatches = dequantize_mismatches("cuda")

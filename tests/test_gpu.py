@@ -117,7 +117,7 @@ def test_pinning_an_empty_host_tensor_is_a_no_op():
     """The shared master of a unit that owns no element (a head tied to the embedding,
     under ZeRO) is empty: nothing to page-lock, where cudaHostRegister refuses zero bytes
     (``ramflow train --nproc-per-node 2`` of a tied Llama failed on it)."""
-    from ramflow._streams import pin_in_place, registered_bytes, unpin
+    from ramflow.transfer.streams import pin_in_place, registered_bytes, unpin
 
     before = registered_bytes()
     empty = torch.empty(0)

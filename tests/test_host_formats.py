@@ -14,9 +14,9 @@ import torch
 
 import ramflow
 from bit_compare import assert_bits_equal, bits
-from ramflow import _lean_kernels
-from ramflow._host_formats import check_optimizer_formats
-from ramflow._lean_kernels import (
+from ramflow.formats.host import check_optimizer_formats
+from ramflow.kernels import lean_kernels as _lean_kernels
+from ramflow.kernels.lean_kernels import (
     QBLOCK,
     dequantize_blockwise,
     lean_adamw_step_,
@@ -235,15 +235,15 @@ def test_lean_step_native_matches_torch_and_thread_counts(
 def test_the_plans_optimizer_rates_are_those_of_the_lean_step_that_runs(monkeypatch):
     """The planner rates the CPU optimizer by the instruction set it reads from the CPU's
     flags, without building the native code; it must be the one the lean step runs."""
-    from ramflow import _host_formats
+    from ramflow.planner import cpu_rates
 
     if not _lean_kernels.lean_kernel_available():
         pytest.skip("the native lean kernels are not available here")
     monkeypatch.delenv("RAMFLOW_LEAN_ISA", raising=False)
     # (a CPU without AVX2 is rated as an AVX2 one: its step runs the scalar loop)
-    assert (_host_formats._cpu_lean_isa() == "avx512") == (_lean_kernels.lean_isa() == "avx512")
+    assert (cpu_rates._cpu_lean_isa() == "avx512") == (_lean_kernels.lean_isa() == "avx512")
     monkeypatch.setenv("RAMFLOW_LEAN_ISA", "avx2")
-    assert _host_formats._cpu_lean_isa() == "avx2"
+    assert cpu_rates._cpu_lean_isa() == "avx2"
 
 
 def test_fp32_master_with_fp32_states_matches_torch_adamw_closely(impl):
@@ -442,7 +442,7 @@ def test_one_byte_model(preset):
 
 
 def test_format_objects_own_their_state_tensors():
-    from ramflow._host_formats import saved_state_shape
+    from ramflow.formats.host import saved_state_shape
 
     lean, kahan = HostPrecision.lean(), HostPrecision.kahan()
     assert lean.state_names == ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")

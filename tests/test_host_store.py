@@ -1,4 +1,4 @@
-"""The host store on its own (``ramflow._host_store``): layout, wire copies, staging."""
+"""The host store on its own (``ramflow.engine.host_store``): layout, wire copies, staging."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from ramflow._host_store import HostStore
-from ramflow._streams import CopyStreams
-from ramflow._units import _ALIGN, UnitSpec, _Unit
-from ramflow._window import DeviceWindow
-from ramflow._worker import HostWorker
+from ramflow.engine.host_store import HostStore
+from ramflow.engine.window import DeviceWindow
+from ramflow.engine.worker import HostWorker
+from ramflow.transfer.streams import CopyStreams
+from ramflow.units.unit import _ALIGN, Unit, UnitSpec
 
 CPU = torch.device("cpu")
 
@@ -22,7 +22,7 @@ def build(wire_dtype: torch.dtype):
     frozen.requires_grad_(False)
     owned = [trained.weight, trained.bias, frozen.weight, frozen.bias]
     before = [p.detach().clone() for p in owned]
-    (u,) = [_Unit(0, UnitSpec("u", [trained, frozen], owned=owned))]
+    (u,) = [Unit(0, UnitSpec("u", [trained, frozen], owned=owned))]
     window = DeviceWindow(
         device=CPU, wire_dtype=wire_dtype, streams=CopyStreams(CPU), worker=HostWorker(CPU)
     )
@@ -68,13 +68,13 @@ def test_staging_is_made_once_for_the_trainable_prefix():
 def test_pinned_buffers_take_their_own_pages_not_a_power_of_two():
     """The wire copies are page-locked over their own size, rounded to pages only: PyTorch's
     caching host allocator would round each 3.1 MiB wire copy up to 4 MiB (see [Note:
-    pinned memory of its own size] in ramflow._streams). They are unlocked by ``undo``."""
+    pinned memory of its own size] in ramflow.transfer.streams). They are unlocked by ``undo``."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import mmap
 
     import ramflow
-    from ramflow._streams import registered_bytes
+    from ramflow.transfer.streams import registered_bytes
 
     model = nn.Sequential(*[nn.Linear(1280, 1280, bias=False) for _ in range(6)])
     before, torch_before = registered_bytes(), torch.cuda.host_memory_stats()

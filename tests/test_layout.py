@@ -1,4 +1,9 @@
-"""The source layout of ``src/ramflow`` (issue 13): imports run one way, files stay short."""
+"""The package's folders are its architecture: each imports only the folders below it.
+
+``LAYERS`` is the order, bottom first; ``docs/design.md`` opens with the same list. A module
+may import modules of its own layer (no cycle among them) and of any layer below, never one
+above, not even for a type hint under ``TYPE_CHECKING`` or inside a function.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +14,40 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "ramflow"
-MAX_LINES = 800
+
+# Bottom first. A folder's name stands for every module in it; a root module is named whole.
+LAYERS: list[tuple[str, ...]] = [
+    ("ramflow.sizes", "ramflow._quiet"),
+    ("ramflow.kernels",),
+    ("ramflow.formats",),
+    ("ramflow.units",),
+    ("ramflow.io",),
+    ("ramflow.transfer",),
+    ("ramflow.planner",),
+    ("ramflow.activations",),
+    ("ramflow.engine",),
+    ("ramflow.layers",),
+    ("ramflow.optim",),
+    ("ramflow.distributed",),
+    ("ramflow.api", "ramflow.helpers"),
+    ("ramflow.memory",),
+    ("ramflow",),  # the package's __init__: the public surface
+    ("ramflow.compat",),
+    ("ramflow.train",),
+    ("ramflow.cli", "ramflow.__main__", "ramflow.build_kernels"),
+]
+MAX_ROOT_MODULES = 10
 
 
-def _module_name(path: Path, root: Path = SRC) -> str:
+def module_name(path: Path, root: Path = SRC) -> str:
     parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, known: set[str], root: Path = SRC) -> set[str]:
+def imports_of(path: Path, known: set[str], root: Path = SRC) -> set[str]:
     """The modules in ``known`` that ``path`` (under ``root``) imports, at any place in the
     file (imports under ``TYPE_CHECKING`` and inside functions included)."""
-    name = _module_name(path, root)
+    name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -41,25 +68,51 @@ def _imports(path: Path, known: set[str], root: Path = SRC) -> set[str]:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the ramflow modules it imports. A package's ``__init__`` is left out:
-    importing any submodule runs it, so it would close a trivial cycle with every
-    submodule it re-exports."""
-    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    packages = {_module_name(p) for p in PACKAGE.rglob("__init__.py")}
-    modules = set(files) - packages
-    return {m: _imports(files[m], modules) - {m} for m in modules}
+def import_graph(package: Path = PACKAGE, root: Path = SRC) -> dict[str, set[str]]:
+    """Module (packages' ``__init__`` included) -> the ramflow modules it imports."""
+    files = {module_name(p, root): p for p in package.rglob("*.py")}
+    known = set(files)
+    return {m: imports_of(files[m], known, root) - {m} for m in known}
+
+
+def layer_of(module: str, layers: list[tuple[str, ...]] = LAYERS) -> int:
+    """The index in ``layers`` of the longest name that is ``module`` or a folder above it
+    (the package itself, ``ramflow``, stands for its ``__init__`` alone)."""
+    best, best_len = -1, -1
+    for i, names in enumerate(layers):
+        for n in names:
+            inside = "." in n and module.startswith(n + ".")
+            if (module == n or inside) and len(n) > best_len:
+                best, best_len = i, len(n)
+    if best < 0:
+        raise LookupError(f"{module} is in no layer of tests/test_layout.py's LAYERS")
+    return best
+
+
+def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """Every import of a module by one in a lower layer, as 'importer -> imported'. A
+    package's ``__init__`` may import its own folder's modules (it re-exports them)."""
+    bad = []
+    for m, deps in graph.items():
+        for d in deps:
+            if layer_of(d, layers) > layer_of(m, layers):
+                bad.append(f"{m} -> {d}")
+    return sorted(bad)
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle as a list of modules (first repeated at the end), or None."""
+    """One import cycle as a list of modules (first repeated at the end), or None. A
+    package's ``__init__`` is left out: importing any submodule runs it, so it would close a
+    trivial cycle with every submodule it re-exports."""
+    packages = {m for m in graph if any(o.startswith(m + ".") for o in graph)}
+    g = {m: deps - packages for m, deps in graph.items() if m not in packages}
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
     def visit(m: str) -> list[str] | None:
         state[m] = 1
         path.append(m)
-        for n in sorted(graph.get(m, ())):
+        for n in sorted(g.get(m, ())):
             if state.get(n) == 1:
                 return path[path.index(n) :] + [n]
             if n not in state and (cycle := visit(n)):
@@ -68,45 +121,57 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[m] = 2
         return None
 
-    for m in sorted(graph):
+    for m in sorted(g):
         if m not in state and (cycle := visit(m)):
             return cycle
     return None
 
 
-def test_find_cycle_finds_a_type_only_cycle(tmp_path):
-    """The checker itself: an import under TYPE_CHECKING closes a cycle too."""
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
-    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+def _write(pkg: Path, name: str, text: str) -> None:
+    path = pkg.joinpath(*name.split(".")[1:]).with_suffix(".py")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for parent in [path.parent, *path.parent.parents]:
+        if parent == pkg.parent:
+            break
+        (parent / "__init__.py").touch()
+    path.write_text(text)
+
+
+def test_the_checker_sees_a_type_only_import_upward_and_a_cycle(tmp_path):
+    """The checker itself, on a made-up package: an import under TYPE_CHECKING or inside a
+    function counts; a cycle inside one layer is found."""
     pkg = tmp_path / "ramflow"
-    pkg.mkdir()
-    (pkg / "_low.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._high import X\n"
+    _write(
+        pkg,
+        "ramflow.low.a",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..high.b import X\n",
     )
-    (pkg / "_high.py").write_text("from ._low import Y\n")
-    known = {"ramflow._low", "ramflow._high"}
-    graph = {m: _imports(pkg / f"{m.split('.')[1]}.py", known, tmp_path) for m in known}
-    assert find_cycle(graph) == ["ramflow._high", "ramflow._low", "ramflow._high"]
+    _write(pkg, "ramflow.high.b", "X = 1\n")
+    _write(pkg, "ramflow.high.c", "from .d import Y\n")
+    _write(pkg, "ramflow.high.d", "from . import c\n")
+    layers = [("ramflow.low",), ("ramflow.high",), ("ramflow",)]
+    graph = import_graph(pkg, tmp_path)
+    assert upward_imports(graph, layers) == ["ramflow.low.a -> ramflow.high.b"]
+    assert find_cycle(graph) == ["ramflow.high.c", "ramflow.high.d", "ramflow.high.c"]
+    with pytest.raises(LookupError, match="ramflow.elsewhere"):
+        layer_of("ramflow.elsewhere", layers)
+
+
+def test_every_module_has_a_layer_and_imports_none_above_it():
+    graph = import_graph()
+    assert graph["ramflow.engine.engine"]  # the parser sees imports
+    bad = upward_imports(graph)
+    assert not bad, "imports of a higher layer (see LAYERS):\n" + "\n".join(bad)
 
 
 def test_no_import_cycle_in_ramflow():
-    graph = import_graph()
-    assert "ramflow._engine" in graph and graph["ramflow._engine"]  # the parser sees imports
-    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+    cycle = find_cycle(import_graph())
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
 
-@pytest.mark.parametrize("part", ["_window", "_host_store", "_stepper", "_gradients"])
-def test_engine_parts_import_no_upper_module(part):
-    """The parts below the engine never import the engine, the optimizers, the data-parallel
-    state or the layers (they name them through ``ramflow._interfaces``)."""
-    upper = {"ramflow._engine", "ramflow.optim", "ramflow._dist", "ramflow._linear", "ramflow.api"}
-    assert not import_graph()[f"ramflow.{part}"] & upper
-
-
-def test_no_source_file_over_the_limit():
-    long = {
-        str(p.relative_to(SRC)): n
-        for p in PACKAGE.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
-    }
-    assert not long, f"over {MAX_LINES} lines: {long}"
+def test_few_modules_at_the_root_and_every_folder_says_what_it_owns():
+    root = [p.name for p in PACKAGE.glob("*.py")]
+    assert len(root) <= MAX_ROOT_MODULES, sorted(root)
+    for init in PACKAGE.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and ("May import" in doc or init.parent.name in ("compat",)), init

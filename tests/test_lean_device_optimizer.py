@@ -16,8 +16,8 @@ import torch
 
 import ramflow
 from models import MLPStack
-from ramflow._host_formats import HostPrecision
-from ramflow._plan import LEAN_DEVICE_STEP_SCRATCH_BYTES
+from ramflow.formats.host import HostPrecision
+from ramflow.planner.plan import LEAN_DEVICE_STEP_SCRATCH_BYTES
 from test_parity import mlp_batches, mse
 
 FORMATS = ["lean", "kahan", "bf16"]
@@ -148,7 +148,7 @@ def test_offload_compiles_the_device_step_so_steps_compile_nothing(precision):
     """With units planned on the device, ``offload`` compiles the Triton kernel for every
     variant a step launches (see [Note: building before the first step]): training with
     clipping and two param groups (decay on and off) compiles no kernel."""
-    from ramflow._lean_triton import _kernel
+    from ramflow.kernels.lean_triton import _kernel
 
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)

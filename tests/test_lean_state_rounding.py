@@ -1,5 +1,5 @@
 """Stochastic rounding of the lean formats' 8-bit state codes and of bf16 states
-([Note: stochastic rounding of the 8-bit states] in ``ramflow._lean_kernels``).
+([Note: stochastic rounding of the 8-bit states] in ``ramflow.kernels.lean_kernels``).
 
 Three kinds of test: every implementation codes the same bits (the PyTorch path and the
 native store of each loop: scalar, AVX2 in element order and in even and odd lanes,
@@ -19,8 +19,9 @@ import torch
 
 from bit_compare import assert_bits_equal
 from lean_isa import use_lean_isa
-from ramflow import _lean_kernels, _random_bits
-from ramflow._lean_kernels import (
+from ramflow.kernels import lean_kernels as _lean_kernels
+from ramflow.kernels import random_bits as _random_bits
+from ramflow.kernels.lean_kernels import (
     QBLOCK,
     dequantize_blockwise,
     lean_adamw_step_,

@@ -17,10 +17,10 @@ from torch import nn
 
 import ramflow
 from models import MLPStack, tiny_llama
-from ramflow._host_store import RING_BUFFERS, choose_precision
-from ramflow._lean_kernels import lean_adamw_step_, quantize_blockwise
-from ramflow._registry import engine_of_model
-from ramflow._units import _Unit, find_units
+from ramflow.engine.host_store import RING_BUFFERS, choose_precision
+from ramflow.kernels.lean_kernels import lean_adamw_step_, quantize_blockwise
+from ramflow.units.registry import engine_of_model
+from ramflow.units.unit import Unit, find_units
 
 PRESETS = ["bf16", "lean", "kahan"]
 LR = 2e-3
@@ -466,7 +466,7 @@ def test_loading_another_formats_state_is_refused():
 def test_auto_picks_fp32_when_it_fits_else_lean_else_says_each_size():
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(64)])  # 1.07 G params
-    units = [_Unit(i, s) for i, s in enumerate(find_units(model, None))]
+    units = [Unit(i, s) for i, s in enumerate(find_units(model, None))]
     gib = 2**30
     precision, why = choose_precision(units, torch.bfloat16, 16 * gib)
     assert precision.name == "lean" and "fp32 would need" in why

@@ -1,4 +1,4 @@
-"""The fused Triton lean AdamW step (``_lean_triton``) against the PyTorch-ops step.
+"""The fused Triton lean AdamW step (``kernels.lean_triton``) against the PyTorch-ops step.
 
 Both implement [Note: lean formats, one pass] and must give the same bits (see [Note: the
 same bits on the GPU]): every master, compensation, state, block scale and wire copy, over
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ramflow import _lean_kernels as lk
+from ramflow.kernels import lean_kernels as lk
 
 # (n, master, states, grad dtype, wire, grad_scale, weight_decay, counter_offset)
 CASES = [
@@ -143,7 +143,7 @@ def test_interpreted_kernel_gives_the_pytorch_steps_bits():
 def test_compiled_kernel_gives_the_pytorch_steps_bits():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from ramflow import _lean_triton
+    from ramflow.kernels import lean_triton as _lean_triton
 
     assert _lean_triton.available(torch.device("cuda")), "Triton is not importable"
     assert mismatches("cuda") == []

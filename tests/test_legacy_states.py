@@ -1,4 +1,4 @@
-"""Optimizer states saved in the 8-bit format before the FP8 code (``_legacy_states``): the
+"""Optimizer states saved in the 8-bit format before the FP8 code (``formats.legacy_states``): the
 table-defined "dynamic" code with one absmax per block, as ``exp_avg_absmax`` and
 ``exp_avg_sq_absmax``. They load converted: decoded and coded again in the unit's format.
 
@@ -16,9 +16,9 @@ from torch import nn
 
 import ramflow
 from models import MLPStack
-from ramflow._host_formats import moments_to_plain, saved_state_shape
-from ramflow._lean_kernels import dequantize_blockwise, quantize_blockwise
-from ramflow._legacy_states import dequantize_dynamic, dynamic_code
+from ramflow.formats.host import moments_to_plain, saved_state_shape
+from ramflow.formats.legacy_states import dequantize_dynamic, dynamic_code
+from ramflow.kernels.lean_kernels import dequantize_blockwise, quantize_blockwise
 
 LR = 2e-3
 
@@ -135,7 +135,7 @@ def test_old_states_in_checkpoints_and_plain_optimizers():
 
 
 def test_an_absmax_without_codes_is_refused():
-    from ramflow._legacy_states import pop_legacy_moments
+    from ramflow.formats.legacy_states import pop_legacy_moments
 
     with pytest.raises(ValueError, match="exp_avg_absmax"):
         pop_legacy_moments({"exp_avg": torch.zeros(4), "exp_avg_absmax": torch.zeros(1)})

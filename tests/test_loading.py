@@ -1,5 +1,5 @@
 """``ramflow.offload(model, weights=...)``: a meta-device model read into the host store unit
-by unit (src/ramflow/_loading.py)."""
+by unit (src/ramflow/io/loading.py)."""
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def test_reader_gives_safe_opens_values_bit_for_bit(
     """The parallel reader writes what ``out.copy_(safe_open(...).get_tensor(key))`` (the
     path before it) writes, bit for bit, in pieces small enough that tensors span several
     pieces, waves and threads (sizes not multiples of the piece)."""
-    from ramflow import _loading
+    from ramflow.io import loading as _loading
 
     monkeypatch.setattr(_loading, "READ_PIECE_BYTES", 4096 + 64)
     g = torch.Generator().manual_seed(0)
@@ -177,7 +177,7 @@ def test_reader_gives_safe_opens_values_bit_for_bit(
 
 
 def test_a_file_cut_after_its_check_is_named(tmp_path):
-    from ramflow._loading import SafetensorsReader
+    from ramflow.io.loading import SafetensorsReader
 
     save_file({"a": torch.ones(1000)}, tmp_path / "w.safetensors")
     reader = SafetensorsReader(num_threads=2)
@@ -339,9 +339,9 @@ def _load_and_save(source: str, out: str | None, precision: str) -> dict[str, in
     import psutil
     import transformers
 
-    from ramflow import _loading
-    from ramflow.train.checkpoint import _save_sharded, _weights_to_save
+    from ramflow.io import loading as _loading
     from ramflow.train.initialization import CHUNK_ELEMENTS, SeededInit
+    from ramflow.train.run_checkpoint import _save_sharded, _weights_to_save
 
     def reset_peak() -> None:
         # ru_maxrss would carry the parent's peak over fork and exec; VmHWM is this
@@ -437,7 +437,7 @@ def test_masters_are_locked_after_the_fill_with_the_files_values(tmp_path, preci
     """On CUDA the buffers the DMA reads (lean's bf16 masters, fp32's bf16 wire copies)
     are page-locked after the fill (see [Note: filling the host store]) and hold the
     files' values; logits equal those of the model loaded on the CPU."""
-    from ramflow import _streams
+    from ramflow.transfer import streams as _streams
 
     ref = _reference("llama")
     ref.save_pretrained(tmp_path, max_shard_size="40KB")

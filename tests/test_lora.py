@@ -2,7 +2,7 @@
 
 Parity with plain PEFT on a deepcopy, for ``get_peft_model`` applied before and after
 ``ramflow.offload``: exact on the CPU (CI), marked ``gpu`` on CUDA. See [Note: adapters on
-the device] in ``ramflow._adapters``.
+the device] in ``ramflow.engine.adapters``.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def test_adapters_on_meta_device_get_their_values():
 def test_adapters_are_found_in_one_walk_of_the_model(monkeypatch):
     """The automatic rule looks the adapters up once per ``offload``, not once per
     parameter: a walk per parameter made offloading an 80-layer PEFT model take minutes."""
-    from ramflow import _adapters
+    from ramflow.engine import adapters as _adapters
 
     calls = []
     walk = _adapters._adapter_ids

@@ -1,5 +1,5 @@
 """``ramflow.helpers.fuse_lora``: PEFT's LoRA layers as one matmul plus an update written in
-its epilogue ([Note: fused LoRA] in ``ramflow._lora_fused``).
+its epilogue ([Note: fused LoRA] in ``ramflow.layers.lora_fused``).
 
 What could fail: the fused layer computing another function than PEFT's (scaling, bias,
 autocast dtypes, gradients of the adapters and of the input), a case PEFT handles
@@ -19,7 +19,7 @@ import ramflow
 from models import enable_hf_checkpointing, tiny_llama
 
 peft = pytest.importorskip("peft")
-from ramflow._lora_fused import _LoraLinear  # noqa: E402
+from ramflow.layers.lora_fused import _LoraLinear  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -318,7 +318,14 @@ def test_the_device_iteration_is_torchs_on_the_device_bit_for_bit():
     the host waits on) gives ``torch.optim.Muon``'s function on the device, bit for bit,
     for several matrices in flight (a missing wait between the streams reads a half-copied
     input or result), each read as soon as it is submitted or later."""
-    from ramflow._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _newton_schulz, _Orthogonalizer
+    from ramflow.optim.muon import (
+        DEFAULT_A,
+        DEFAULT_B,
+        DEFAULT_C,
+        EPS,
+        _newton_schulz,
+        _Orthogonalizer,
+    )
 
     device = torch.device("cuda")
     orth = _Orthogonalizer(device)

@@ -21,9 +21,9 @@ import torch
 import ramflow
 from bit_compare import assert_bits_equal
 from models import MLPStack
-from ramflow import _muon_kernels
-from ramflow._cpu_kernels import DECAY_PROBE_LR, DECAY_PROBE_WD
-from ramflow._muon_kernels import TORCH_CHUNK, muon_apply_, muon_blend_
+from ramflow.kernels import muon_kernels as _muon_kernels
+from ramflow.kernels.cpu_kernels import DECAY_PROBE_LR, DECAY_PROBE_WD
+from ramflow.kernels.muon_kernels import TORCH_CHUNK, muon_apply_, muon_blend_
 
 IMPLS = ["native", "torch"]
 
@@ -120,7 +120,7 @@ def test_offloaded_matrices_take_the_host_passes(monkeypatch):
     """An offloaded model's Muon matrices are blended and updated by the one-pass host
     passes, once per matrix per step, and the steps equal ``torch.optim.Muon``'s bit for
     bit (test_muon.py checks training runs in full)."""
-    from ramflow import _muon
+    from ramflow.optim import muon as _muon
 
     calls = {"blend": 0, "apply": 0}
 
@@ -190,8 +190,8 @@ def test_overlapping_buffers_are_refused():
 
 _DEFAULT_BUILD_CHECK = """
 import torch
-from ramflow import _muon_kernels as k
-from ramflow._muon_kernels import muon_apply_, muon_blend_
+from ramflow.kernels import muon_kernels as k
+from ramflow.kernels.muon_kernels import muon_apply_, muon_blend_
 assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
 assert k.muon_kernel_available() and not k._LIB.torch_fma, k._LIB.reason
 gen = torch.Generator().manual_seed(0)

@@ -189,7 +189,7 @@ def test_loading_an_empty_state_dict_restarts_the_moments(offload_kwargs):
 @pytest.mark.parametrize("offload_kwargs", [FP32, LEAN], ids=["fp32", "lean"])
 def test_a_second_optimizer_takes_the_states_the_first_never_used(offload_kwargs):
     """States are made when an optimizer is built (see [Note: states made before the
-    first step] in ``ramflow._host_optimizer``), with ``opt.state`` empty as PyTorch's; a
+    first step] in ``ramflow.optim.host_optimizer``), with ``opt.state`` empty as PyTorch's; a
     second optimizer built while the first holds states it never stepped takes those
     buffers rather than making a second set, and trains as a fresh optimizer does on a
     twin model. One that stepped keeps its own."""

@@ -309,7 +309,7 @@ def test_lion_on_lean_formats_rounds_as_the_lean_step(host_precision):
     and the master written as AdamW's lean step writes it (bf16-sr: the lean kernel's
     stochastic rounding keyed by the unit's seed, the step and the element's index in its
     unit; Kahan: with its compensation), bit for bit."""
-    from ramflow._lean_kernels import stochastic_round_bf16
+    from ramflow.kernels.lean_kernels import stochastic_round_bf16
 
     model, opt = lean_pair(host_precision, overlap=False)  # deferred steps keep p.grad
     engine = ramflow.api._engine(model)

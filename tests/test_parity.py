@@ -431,7 +431,9 @@ def test_resident_refresh_in_pieces_is_exact(device, monkeypatch):
     """A resident unit's step sends its new wire copy to the device in pieces as it goes
     ([Note: the refresh follows the step]): the same curve and weights, bit for bit, as one
     copy after the step, and after every step the device copy is the wire copy."""
-    from ramflow import _registry, _stepper, _window
+    from ramflow.engine import stepper as _stepper
+    from ramflow.engine import window as _window
+    from ramflow.units import registry as _registry
 
     torch.manual_seed(0)
     model = MLPStack(depth=4)
@@ -661,7 +663,7 @@ def test_param_groups_of_other_settings_step_flat_as_in_pytorch(device, keep_gra
     ramflow.offload(model, device=device, wire_dtype=torch.float32)
     opt = ramflow.optim.AdamW(groups(model), lr=1e-2, keep_grads=keep_grads)
     ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, fused=device.type == "cpu" or None)
-    engine = ramflow._registry.engine_of_model(model)
+    engine = ramflow.units.registry.engine_of_model(model)
     assert any(len(opt.flat_runs(u)) == 2 for u in engine.units)
     batches = mlp_batches(3, device)
     for step in range(6):
@@ -689,7 +691,7 @@ def test_inference_prefetches_the_next_forwards_first_units(device):
     model = MLPStack(depth=8)
     ref = copy.deepcopy(model).to(device)
     ramflow.offload(model, device=device, wire_dtype=torch.float32, prefetch_depth=1)
-    engine = ramflow._registry.engine_of_model(model)
+    engine = ramflow.units.registry.engine_of_model(model)
     x = mlp_batches(1, device)[0][0]
     with torch.no_grad():
         for _ in range(2):

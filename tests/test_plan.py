@@ -1,4 +1,4 @@
-"""The planner (``ramflow._plan.make_plan``): without timing inputs it only fits the budget;
+"""The planner (``ramflow.planner.plan.make_plan``): without timing inputs it only fits the budget;
 with them it picks residents, prefetch depth and checkpointing for the least predicted step."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from ramflow._plan import PlanTiming, auto_device_optimizer, make_plan, parse_bytes
-from ramflow._predict import Rates
+from ramflow.planner.plan import PlanTiming, auto_device_optimizer, make_plan
+from ramflow.planner.predict import Rates
+from ramflow.sizes import parse_bytes
 
 MB = 1_000_000
 N = 12

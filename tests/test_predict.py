@@ -1,4 +1,4 @@
-"""The step-time model (``ramflow._predict``): properties on synthetic units, and the H200 step
+"""The step-time model (``ramflow.planner.predict``): properties on synthetic units, and the H200 step
 times of 2026-11-22 (the earlier calibration run and the whole two-part suite) reproduced from
 the inputs recorded with them. Nothing is timed."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ramflow._predict import (
+from ramflow.planner.predict import (
     ATTENTION_BACKWARD_PER_FORWARD,
     RESOURCES,
     Rates,

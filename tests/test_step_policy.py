@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ramflow._step_policy import StepItem, StepPolicy
+from ramflow.engine.step_policy import StepItem, StepPolicy
 
 
 def _opt(*, overlap: bool = True, keep_grads: bool = True) -> SimpleNamespace:

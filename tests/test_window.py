@@ -1,15 +1,15 @@
-"""The device window on its own (``ramflow._window``): budget, eviction order and pins."""
+"""The device window on its own (``ramflow.engine.window``): budget, eviction order and pins."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ramflow._host_store import HostStore
-from ramflow._streams import CopyStreams
-from ramflow._units import _ALIGN, UnitSpec, _Unit
-from ramflow._window import DeviceWindow
-from ramflow._worker import HostWorker
+from ramflow.engine.host_store import HostStore
+from ramflow.engine.window import DeviceWindow
+from ramflow.engine.worker import HostWorker
+from ramflow.transfer.streams import CopyStreams
+from ramflow.units.unit import _ALIGN, Unit, UnitSpec
 
 CPU = torch.device("cpu")
 
@@ -26,7 +26,7 @@ def make_window(n: int, *, capacity_units: int):
         UnitSpec(f"l{i}", [m], slots=[(m, "weight"), (m, "bias")], owned=[m.weight, m.bias])
         for i, m in enumerate(layers)
     ]
-    units = [_Unit(i, s) for i, s in enumerate(specs)]
+    units = [Unit(i, s) for i, s in enumerate(specs)]
     window = DeviceWindow(
         device=CPU, wire_dtype=torch.float32, streams=CopyStreams(CPU), worker=HostWorker(CPU)
     )

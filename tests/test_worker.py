@@ -1,4 +1,4 @@
-"""The host worker on its own (``ramflow._worker``): the order it runs tasks in."""
+"""The host worker on its own (``ramflow.engine.worker``): the order it runs tasks in."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from ramflow._worker import LAND, STEP, HostWorker
+from ramflow.engine.worker import LAND, STEP, HostWorker
 
 
 def test_landings_first_then_steps_in_order_ready_tasks_before_waiting_ones():

@@ -144,7 +144,7 @@ def run_case(args: argparse.Namespace) -> dict:
     drain = None
     if args.case in ("ramflow", "ramflow-small"):
         import ramflow
-        from ramflow._plan import parse_bytes
+        from ramflow.sizes import parse_bytes
         from ramflow.train.initialization import SeededInit
 
         with torch.device("meta"):

@@ -26,7 +26,7 @@ import torch
 
 
 def _library(tree: str) -> str:
-    code = "from ramflow import _cpu_kernels as c; print(c._build())"
+    code = "from ramflow.kernels import cpu_kernels as c; print(c._build())"
     env = {**os.environ, "PYTHONPATH": tree}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if out.returncode:
@@ -44,7 +44,7 @@ def main() -> int:
     args = p.parse_args()
     libs = [_library(t) for t in args.trees]
     sys.path.insert(0, args.trees[-1])
-    from ramflow import _lean_kernels as lk
+    from ramflow.kernels import lean_kernels as lk
 
     n = args.params
     gen = torch.Generator().manual_seed(0)

@@ -17,7 +17,7 @@ only ramflow's own allocation, the activations come on top), median step time, t
 model TFLOP/s (6 x parameters x tokens per step / step time), the bf16 matmul rate measured
 in the same process (8192^3 ``torch.matmul`` for about a second) and MFU (model over matmul
 rate), the plan (``describe()``, host bytes per parameter) and ramflow's predicted step
-(``ramflow.train.estimate.estimate_memory(predict=True)`` with the measured matmul rate and
+(``ramflow.train.estimate.estimate_run_memory(predict=True)`` with the measured matmul rate and
 this box's pinned copy rates and the host format's CPU AdamW rate, measured in the same run;
 when it cannot, the reason). Writes
 ``scale-<shape>.json`` and ``.md`` into ``--out-dir``, rewritten after every stage and step,
@@ -53,7 +53,7 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 
 import os  # noqa: E402
 
-from ramflow.cli import default_allocator_settings  # noqa: E402
+from ramflow.cli.main import default_allocator_settings  # noqa: E402
 
 # the CUDA allocator `ramflow train` runs with (expandable segments unless the user set
 # PYTORCH_CUDA_ALLOC_CONF), set before torch allocates: the reserved peak then follows the
@@ -146,10 +146,10 @@ def predicted_step(
     """ramflow's estimate of this run's step time on a CUDA GPU (also planned on the CPU, for
     the smoke test: then with the default H200 rates and a 24 GiB budget), or why there is
     none. ``rates``: this box's (``measured_rates``); missing ones are the defaults."""
-    from ramflow._host_formats import optimizer_speed
-    from ramflow._plan import parse_bytes
-    from ramflow._predict import RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM, Rates
-    from ramflow.train.estimate import estimate_memory
+    from ramflow.planner.cpu_rates import optimizer_speed
+    from ramflow.planner.predict import RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM, Rates
+    from ramflow.sizes import parse_bytes
+    from ramflow.train.estimate import estimate_run_memory
 
     rates = rates or {}
     timing = Rates()
@@ -184,9 +184,9 @@ def predicted_step(
     try:
         # the estimate's budget is the whole device's; this run's caps ramflow alone: plan
         # with ramflow's budget plus the estimate's own activations
-        acts = estimate_memory(cfg, gpu_memory_bytes=None, **common).device_activation_bytes
+        acts = estimate_run_memory(cfg, gpu_memory_bytes=None, **common).device_activation_bytes
         ramflow_budget = parse_bytes(args.gpu_memory or "24GiB", what="--gpu-memory")
-        est = estimate_memory(
+        est = estimate_run_memory(
             cfg,
             gpu_memory_bytes=ramflow_budget + acts,
             predict=True,

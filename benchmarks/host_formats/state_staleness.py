@@ -1,7 +1,7 @@
 """Do low-precision AdamW states follow fp32's? A CPU simulation.
 
 Lean host formats store AdamW's moments as 8-bit FP8 E4M3 codes with a power-of-two scale
-per block of 256 (``ramflow._lean_kernels``). A code has 3 mantissa bits, so a stored value
+per block of 256 (``ramflow.kernels.lean_kernels``). A code has 3 mantissa bits, so a stored value
 moves only when the exponential moving average moves it by more than half a code's spacing:
 with ``beta2 = 0.95`` sqrt(v) may fall by at most 2.5% a step, less than half a spacing
 (1/32 to 1/16), and a stored v that is rounded to nearest never falls ("state staleness",
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ramflow._lean_kernels import dequantize_blockwise, lean_adamw_step_, quantize_blockwise
+from ramflow.kernels.lean_kernels import dequantize_blockwise, lean_adamw_step_, quantize_blockwise
 
 CASES = [(0.95, "flat"), (0.95, "decay"), (0.999, "flat"), (0.999, "decay")]
 REPORT_AT = (1, 10, 50, 100, 200, 300, 500, 1000)

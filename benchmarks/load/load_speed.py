@@ -195,7 +195,7 @@ def load_and_train(args: argparse.Namespace, shape: str, source: str, files: str
     import torch
 
     import ramflow
-    from ramflow import _host_store
+    from ramflow.engine import host_store as _host_store
     from ramflow.train.initialization import SeededInit
 
     device = torch.device(args.device)

@@ -6,7 +6,7 @@ store is built (``ramflow.offload(model, weights=init)``). This measures that fi
 the rest of ``offload``: a Llama-shaped model (``--hidden``, ``--intermediate``, 32000
 tokens, as many layers as make about ``--params`` elements) is built on the meta device,
 and each unit (the embedding, each layer, the final norm with the head) gets a fresh
-anonymous mapping of its own (``_streams.map_host``, as ``HostStore.build`` makes a master,
+anonymous mapping of its own (``transfer.streams.map_host``, as ``HostStore.build`` makes a master,
 so the fill pays the page faults), filled through ``MetaLoader.fill`` (the hook
 ``HostStore.build`` calls) and kept until the model is filled, as the store keeps them (so
 every unit's pages are new ones, not the last unit's again; it needs the model's bytes of
@@ -46,9 +46,11 @@ sys.path[:0] = [str(REPO / "src")]
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from ramflow import _lean_kernels, _loading, _streams  # noqa: E402
+from ramflow.io import loading as _loading  # noqa: E402
+from ramflow.kernels import lean_kernels as _lean_kernels  # noqa: E402
 from ramflow.train import initialization  # noqa: E402
 from ramflow.train.initialization import CHUNK_ELEMENTS, SeededInit  # noqa: E402
+from ramflow.transfer import streams as _streams  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 VOCAB = 32000

@@ -3,7 +3,7 @@
 Every rank builds the preset on the meta device and offloads it with ``zero_stage`` and
 the preset's seeded init (``SeededInit``) as ``weights=``, so each rank draws the units it
 owns into the host's one shared copy (see [Note: loading once per host] in
-``ramflow._dist``). A thread samples the host's memory in use every 20 ms; rank 0 prints
+``ramflow.distributed.zero``). A thread samples the host's memory in use every 20 ms; rank 0 prints
 one JSON line: the load time (from the first rank's start to the last rank's end), the
 peak memory in use over the baseline before loading, the store's bytes, and the excess
 per rank (what ramflow promises stays under 4 GiB).

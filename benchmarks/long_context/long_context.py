@@ -74,7 +74,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: the harness's modules
 sys.path[:0] = [str(BENCH), str(BENCH / "long_context"), str(BENCH.parent / "src")]
 
-from ramflow.cli import default_allocator_settings  # noqa: E402
+from ramflow.cli.main import default_allocator_settings  # noqa: E402
 
 # the CUDA allocator `ramflow train` runs with (expandable segments unless the user set
 # PYTORCH_CUDA_ALLOC_CONF), set before torch allocates; recorded in the meta
@@ -124,7 +124,7 @@ class Plans:
     streams every unit, as the run's does) and its predicted step at the measured rates. The
     host figure is the whole process's RAM (``MemoryEstimate.ram_needed_bytes``), whose
     pinned layer inputs ``ActivationProfile.offloaded_bytes(pinned=True)`` rounds up to a
-    power of two each (``_streams.caching_host_block_bytes``) as the caching host allocator
+    power of two each (``transfer.streams.caching_host_block_bytes``) as the caching host allocator
     takes them; ``pool_block_bytes`` x ``pool_blocks`` is that pool, which the run warms."""
 
     def __init__(self, cfg, rates, matmul: float | None, host_precision: str, device_type: str):
@@ -133,12 +133,12 @@ class Plans:
         self._cache: dict[tuple[str, int], dict] = {}
 
     def __call__(self, mode: str, seq: int) -> dict:
-        from ramflow._streams import caching_host_block_bytes
-        from ramflow.train.estimate import estimate_memory, predict_plan_step
+        from ramflow.train.estimate import estimate_run_memory, predict_plan_step
+        from ramflow.transfer.streams import caching_host_block_bytes
 
         key = (mode, seq)
         if key not in self._cache:
-            est = estimate_memory(
+            est = estimate_run_memory(
                 self.cfg, model_name="llama-8b", device_type="cuda", precision="bf16",
                 compute_dtype=torch.bfloat16, wire_dtype=torch.bfloat16, batch_size=1,
                 seq_len=seq, gpu_memory_bytes=None, checkpointing=mode,
@@ -189,9 +189,9 @@ def host_ram_available() -> int:
     """Bytes of RAM this process may hold: what the kernel calls available (MemAvailable,
     through psutil) plus what the process holds already (VmRSS), since a run's plan counts
     the whole process (host store, runtime) and not only what it adds. ``$RAMFLOW_HOST_RAM``,
-    where set, is taken as the whole budget (``ramflow._host_store.host_ram_available``)."""
-    from ramflow._host_store import HOST_RAM_ENV
-    from ramflow._host_store import host_ram_available as ramflow_available
+    where set, is taken as the whole budget (``ramflow.engine.host_store.host_ram_available``)."""
+    from ramflow.engine.host_store import HOST_RAM_ENV
+    from ramflow.engine.host_store import host_ram_available as ramflow_available
 
     if os.environ.get(HOST_RAM_ENV, "").strip():
         return ramflow_available()
@@ -240,15 +240,15 @@ def _rates(
     cpu_params_per_s: float | None,
     cpu_rate_format: str = "fp32",
 ):
-    """``ramflow._predict.Rates`` from the run's measured copy rates and CPU optimizer rate;
+    """``ramflow.planner.predict.Rates`` from the run's measured copy rates and CPU optimizer rate;
     the defaults (the H200 box's) for what was not measured. ``cpu_rate_format``: the host
     formats the rate is of: "fp32" (ramflow's AdamW from torch's fused one,
     ``rows.measured_rates``' rule; the plan converts it to the run's formats by
-    ``_host_formats.OPTIMIZER_SPEED``), or the run's own formats' one-pass rate
+    ``planner.cpu_rates.OPTIMIZER_SPEED``), or the run's own formats' one-pass rate
     (``cpu_optimizer_runner._host_format_rates``, as ``host_formats_scale.py`` measures it),
     taken as it is."""
-    from ramflow._host_formats import optimizer_speed
-    from ramflow._predict import RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM, Rates
+    from ramflow.planner.cpu_rates import optimizer_speed
+    from ramflow.planner.predict import RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM, Rates
 
     rates = Rates()
     if pinned.get("h2d"):
@@ -274,7 +274,7 @@ def _cpu_rate(host_precision: str) -> tuple[float, str]:
     their own one-pass step over 2**27 parameters with all threads (the constants that
     convert fp32's rate to theirs lag the kernels: on 2026-11-28 the plan at 8k tokens, where
     the CPU step binds, was 44-47% pessimistic with them)."""
-    from ramflow._predict import ramflow_adamw_rate
+    from ramflow.planner.predict import ramflow_adamw_rate
 
     if host_precision == "fp32":
         return ramflow_adamw_rate(measure.cpu_adamw_rate(1 << 27)), "fp32"

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
 
-    from ramflow.cli import default_allocator_settings
+    from ramflow.cli.main import default_allocator_settings
 
     default_allocator_settings(os.environ)  # as `ramflow train`: before CUDA starts
     import torch

@@ -295,7 +295,7 @@ def copy_event_timeline(model, args, device: str) -> dict[str, Any]:
     (each from the H2D stream reaching it to its end, so a wait for a staging buffer
     counts in it), the time the H2D stream stood idle between two copies (the next one
     not yet issued by the host), the rate inside the copies, and the first copy's start."""
-    from ramflow import _streams
+    from ramflow.transfer import streams as _streams
 
     original = _streams.CopyStreams.h2d_then
     records: list[tuple[Any, Any, int]] = []
@@ -650,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--compare-waits",
         action="store_true",
-        help="run inference again with spinning waits (ramflow._streams._BLOCKING = False)",
+        help="run inference again with spinning waits (ramflow.transfer.streams._BLOCKING = False)",
     )
     p.add_argument(
         "--trace",
@@ -711,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
             result["inference"] = inference(model, args, device, rate, probe)
             write()
             if args.compare_waits and device.startswith("cuda"):
-                from ramflow import _streams
+                from ramflow.transfer import streams as _streams
 
                 _streams._BLOCKING = False
                 try:

@@ -50,7 +50,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 sys.path.insert(0, str(SRC))
 
 import ramflow  # noqa: E402
-from ramflow._muon import _Orthogonalizer  # noqa: E402
+from ramflow.optim.muon import _Orthogonalizer  # noqa: E402
 
 # (name, rows, cols) of one Llama-3-8B layer's matrices (out_features, in_features)
 LLAMA_8B_LAYER = [
@@ -141,7 +141,7 @@ def part_layer(device: torch.device, shapes, *, repeat: int) -> dict:
     read at the end. The whole step and the device part need CUDA (the iteration of a
     whole layer on the CPU takes minutes): with ``--device cpu`` only the host parts run.
     """
-    from ramflow._muon_kernels import muon_apply_, muon_blend_, muon_kernel_available
+    from ramflow.kernels.muon_kernels import muon_apply_, muon_blend_, muon_kernel_available
 
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(r, c, generator=gen) * 0.02) for _, r, c in shapes]

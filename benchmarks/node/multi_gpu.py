@@ -19,7 +19,7 @@ step's host DRAM traffic (every rank's H2D and D2H plus the CPU optimizer's byte
 copy rate, and each rank's H2D by its link's rate, to say which resource binds.
 
 ``--device-optimizer on`` steps on each GPU the resident units its rank owns (under ZeRO:
-see [Note: the device optimizer under ZeRO] in ramflow/_stepper.py); ``auto`` (the default)
+see [Note: the device optimizer under ZeRO] in ramflow/engine/stepper.py); ``auto`` (the default)
 is ``offload``'s own choice (the planner's, per rank under ZeRO), ``off`` none:
 
     torchrun --nproc-per-node 2 benchmarks/node/multi_gpu.py --device-optimizer on --out r.jsonl
@@ -133,8 +133,8 @@ def _run(args: argparse.Namespace) -> None:
     import measure
     import ramflow
     from models import build_model, make_batch, model_shape
-    from ramflow._registry import engine_of_model
-    from ramflow._stepper import _STEP_STREAM
+    from ramflow.engine.stepper import _STEP_STREAM
+    from ramflow.units.registry import engine_of_model
     from runners import _train_step
 
     device = _init_process(args)
@@ -231,7 +231,7 @@ def _run(args: argparse.Namespace) -> None:
         "device_stepped_units": len(ramflow.get_plan(model).device_stepped),
         # per step: seconds the forward (and backward) waited for units not current yet,
         # and the worker's sync after opt.step() by phase (see [Note: the step's sync] in
-        # ramflow/_dist.py; it overlaps the next forward)
+        # ramflow/distributed/zero.py; it overlaps the next forward)
         "unit_wait_s": waits.get("units not current"),
         "sync_s": sync,
     }
@@ -249,7 +249,7 @@ def _run(args: argparse.Namespace) -> None:
             "zero_stage": zero,
             "host_precision": args.host_precision,
             # resident units reach the ranks that do not own them from the owner's device
-            # (see [Note: refresh by broadcast] in ramflow/_dist.py) or from the host; read
+            # (see [Note: refresh by broadcast] in ramflow/distributed/zero.py) or from the host; read
             # from the engine, which decided it (one GPU refreshes nothing)
             "refresh": "-"
             if engine.dist is None
@@ -257,7 +257,7 @@ def _run(args: argparse.Namespace) -> None:
             "device_optimizer": args.device_optimizer,
             "device_optimizer_reason": plan.device_optimizer_reason,
             # "0": device steps that wait for a reduction run on the compute stream (an A/B
-            # of [Note: the device optimizer under ZeRO] in ramflow/_stepper.py); read
+            # of [Note: the device optimizer under ZeRO] in ramflow/engine/stepper.py); read
             # from the engine's module, which decided it from RAMFLOW_DEVICE_STEP_STREAM
             "device_step_stream": "1" if _STEP_STREAM else "0",
             "checkpoint": args.checkpoint,
@@ -409,7 +409,7 @@ def _report_sync(rows: list[dict]) -> None:
         "on the step's path. Step stream: device steps after a reduction on a stream of "
         "their own (RAMFLOW_DEVICE_STEP_STREAM). Sync: the worker's phases after opt.step(), "
         "beside the next "
-        "forward (see [Note: the step's sync] in src/ramflow/_dist.py): issuing the "
+        "forward (see [Note: the step's sync] in src/ramflow/distributed/zero.py): issuing the "
         "broadcasts, waiting for this rank's write-backs, the barrier, the rest until every "
         "broadcast ended."
     )

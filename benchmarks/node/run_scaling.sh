@@ -8,7 +8,7 @@
 # it owns, "on" steps all of them on its GPU). STEPSTREAM="0 1" runs the multi-GPU device-
 # optimizer rows with and without a stream of their own for the device steps
 # (RAMFLOW_DEVICE_STEP_STREAM, on by default; [Note: the device optimizer under ZeRO] in
-# src/ramflow/_stepper.py).
+# src/ramflow/engine/stepper.py).
 # The second table of the report says where each rank's step waits ([Note: the step's sync]).
 # GPUS="1 4" runs those GPU counts only (default 1 2 4).
 # Usage: FLOORS=1 REFRESH="host broadcast" DEVOPT="auto on" bash benchmarks/node/run_scaling.sh "$OUT" fp32 lean
@@ -30,7 +30,7 @@ fi
 # ramflow's own budget; the model's checkpointed activations take the rest of 24 GiB
 # (about 3 GiB at 4x2048, 9 GiB at 16x2048; each row reports the peak it reached)
 # REFRESH="host broadcast" runs the multi-GPU rows both ways (RAMFLOW_REFRESH_BY_BROADCAST,
-# see [Note: refresh by broadcast] in src/ramflow/_dist.py); one GPU has nothing to refresh
+# see [Note: refresh by broadcast] in src/ramflow/distributed/zero.py); one GPU has nothing to refresh
 for fmt in "$@"; do
   for n in ${GPUS:-1 2 4}; do
     [ "$n" -le "$gpus" ] || continue

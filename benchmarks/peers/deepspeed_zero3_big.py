@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     path = out / f"deepspeed-{args.shape}{f'-rank{rank}' if rank else ''}.json"
-    from ramflow._plan import parse_bytes
+    from ramflow.sizes import parse_bytes
 
     reserve = parse_bytes(args.reserve, what="--reserve")
     result: dict = {

@@ -3,16 +3,16 @@
 Issue 16 left a 5% gap open: the 70B store streamed its int8 bytes at 47.8 GB/s, 0.87 of
 the pinned rate measured beside it with PyTorch's pinned memory (54.7 GB/s). ramflow maps
 its large host buffers itself and locks them with ``cudaHostRegister`` ([Note: pinned
-memory of its own size] in ``ramflow._streams``). This benchmark times, round by round in
+memory of its own size] in ``ramflow.transfer.streams``). This benchmark times, round by round in
 one process so that the link's drift falls on every kind alike:
 
 * ``cuda_host_alloc``: ``torch.empty(..., pin_memory=True)`` (PyTorch's caching host
   allocator, ``cudaHostAlloc``);
 * ``registered_4k``: an anonymous mapping of 4 KiB pages, locked in place
-  (``cudaHostRegister``), as ``ramflow._streams.alloc_pinned`` did before huge pages;
+  (``cudaHostRegister``), as ``ramflow.transfer.streams.alloc_pinned`` did before huge pages;
 * ``registered_thp``: the same mapping with ``MADV_HUGEPAGE`` (transparent 2 MiB pages),
   2 MiB-aligned, touched before it is locked;
-* ``ramflow``: ``ramflow._streams.alloc_pinned`` as it is at this commit.
+* ``ramflow``: ``ramflow.transfer.streams.alloc_pinned`` as it is at this commit.
 
 Each kind copies a ``--gib`` buffer to the GPU and back, as one copy and as pieces
 (``--piece-mib``, the way a streaming engine copies units), ``--rounds`` times after a
@@ -38,7 +38,7 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 import torch  # noqa: E402
 
 import harness  # noqa: E402
-from ramflow import _streams  # noqa: E402
+from ramflow.transfer import streams as _streams  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30

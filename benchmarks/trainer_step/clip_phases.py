@@ -9,7 +9,7 @@ zero_grad()``. Variants, each run once per host format, each in a process of its
 - ``noclip``: no clip call (the bare loop);
 - ``norm``: ``max_norm=inf`` (the ``Trainer``'s ``max_grad_norm=0``: the norm only);
 - ``clip``: ``max_norm=1.0`` (the ``Trainer``'s default): the norm from the device gradients,
-  the coefficient applied by each unit's step (``ramflow._grad_scale``);
+  the coefficient applied by each unit's step (``ramflow.engine.grad_scale``);
 - ``clip-inplace``: the same with ``RAMFLOW_CLIP_FOLD=0``: PyTorch's clip on the host
   gradients (a per-tensor norm, then a scale in place), as ramflow clipped before.
 
@@ -105,8 +105,8 @@ def run_variant(variant: str, case: dict[str, Any], budget: int | None) -> dict[
     """One variant in one host format, in this process (``RAMFLOW_CLIP_FOLD`` set by the
     parent); returns its record."""
     import ramflow
-    from ramflow import _clip
-    from ramflow._registry import engine_of_model
+    from ramflow.engine import clip as _clip
+    from ramflow.units.registry import engine_of_model
 
     max_norm, _ = VARIANTS[variant]
     device = runners.compute_device()

@@ -163,9 +163,9 @@ def run_variant(
 def _time_trainer(model, opt, ids, labels, device, case, max_grad_norm: float) -> dict[str, Any]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from ramflow._registry import engine_of_model
+    from ramflow.units.registry import engine_of_model
 
-    policy = engine_of_model(model).stepper.policy  # ramflow._step_policy.StepPolicy
+    policy = engine_of_model(model).stepper.policy  # ramflow.engine.step_policy.StepPolicy
     ends: list[float] = []
     in_backward: list[bool] = []
 

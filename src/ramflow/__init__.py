@@ -2,9 +2,6 @@
 
 # _quiet first: its filters must be in place before anything imports torchao
 from . import _quiet, distributed, helpers, memory, optim  # noqa: F401 (_quiet: its filters)
-from ._host_formats import HostPrecision
-from ._linear import Linear
-from ._plan import OffloadPlan, format_bytes, parse_bytes
 from .api import (
     accept_partial_step,
     adopt,
@@ -17,6 +14,10 @@ from .api import (
     synchronize,
     undo,
 )
+from .formats.host import HostPrecision
+from .layers.linear import Linear
+from .planner.plan import OffloadPlan
+from .sizes import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
 

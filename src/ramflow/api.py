@@ -9,10 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._adapters import choose_on_device
-from ._clip import clip_grad_norm_ as clip_grad_norm_  # public here
-from ._cpu_kernels import start_background_build
-from ._dist import (
+from .activations.checkpointing import CheckpointPolicyLike, checkpointing_choice
+from .distributed.zero import (
     DistributedState,
     agree_on_precision,
     check_shm_directory_pins,
@@ -22,15 +20,18 @@ from ._dist import (
     shared_host_store,
     shm_directory,
 )
-from ._engine import Engine
-from ._frozen_formats import check_frozen_format, parse_frozen_format
-from ._host_formats import HostPrecision
-from ._host_store import resolve_precision
-from ._loading import MetaLoader, Weights
-from ._plan import OffloadPlan, parse_bytes
-from ._registry import engine_of_model, engine_of_param
-from ._units import _Unit, find_units
-from .memory.checkpointing import CheckpointPolicyLike, checkpointing_choice
+from .engine.adapters import choose_on_device
+from .engine.clip import clip_grad_norm_ as clip_grad_norm_  # public here
+from .engine.engine import Engine
+from .engine.host_store import resolve_precision
+from .formats.frozen import check_frozen_format, parse_frozen_format
+from .formats.host import HostPrecision
+from .io.loading import MetaLoader, Weights
+from .kernels.cpu_kernels import start_background_build
+from .planner.plan import OffloadPlan
+from .sizes import parse_bytes
+from .units.registry import engine_of_model, engine_of_param
+from .units.unit import Unit, find_units
 
 
 def offload(
@@ -67,7 +68,7 @@ def offload(
         device: compute device; default ``cuda`` (current device) when available, else CPU.
         units: modules (or dotted names) to use as units instead of the automatic rule
             (repeated ``ModuleList``/``Sequential`` children; embeddings, final norm and
-            head on their own; see ``ramflow._units.find_units``).
+            head on their own; see ``ramflow.units.unit.find_units``).
         wire_dtype: dtype of the weights on the wire and on the device. By default it
             follows the master weights: bfloat16 with bf16 masters (``host_precision``
             other than fp32, on any device), else bfloat16 on CUDA and float32 on the CPU. float32 gives the resident model's results
@@ -95,7 +96,7 @@ def offload(
             down and keeps them. The ranks of a host share one host copy of the master
             weights and of the wire copy (shared memory, ``$RAMFLOW_SHM_DIR``, default
             /dev/shm); each rank streams over its own PCIe link. None: one process.
-            See [Note: data parallelism on the engine] in ``ramflow._dist``.
+            See [Note: data parallelism on the engine] in ``ramflow.distributed.zero``.
         device_optimizer: with ``gpu_memory``, what the budget leaves after the plan holds
             the master weights and AdamW states of resident units, first units first; those
             are stepped on the GPU (no gradient copy, no CPU step for them), which shortens
@@ -106,7 +107,7 @@ def offload(
             ``gpu_memory``, with trainable parameters on the device (LoRA) or with fp32
             masters (whose device step is not the CPU step's bits);
             ``get_plan(model).device_optimizer_reason`` says why (see [Note: the device
-            optimizer's default] in ``ramflow._plan``). True: every resident unit whose
+            optimizer's default] in ``ramflow.planner.plan``). True: every resident unit whose
             states fit. False: none. fp32 host formats: an fp32 master and states, 12 bytes per
             parameter, stepped by PyTorch's fused AdamW. Lean host formats: the unit's
             device copy is its bf16 master, so only its states in their format (about 2
@@ -118,7 +119,7 @@ def offload(
             ``zero_stage``, True steps on each rank's GPU the resident units that rank owns
             (only their states are on its device: 1/N of them per GPU), the others take
             the new weights from the shared host store or the owner's device (see [Note:
-            the device optimizer under ZeRO] in ``ramflow._stepper``).
+            the device optimizer under ZeRO] in ``ramflow.engine.stepper``).
         host_precision: how master weights, AdamW states and host gradients are kept in
             host RAM (``ramflow.HostPrecision``, or a preset's name): ``"fp32"`` (the
             default, None: fp32 masters, exact, about 20 bytes per trained parameter with a
@@ -141,7 +142,7 @@ def offload(
             are read (one tensor at a time, one file open at a time) and cast into its
             master as the host store builds it, so loading peaks at about the store plus
             one unit plus one file, never a full-precision copy of the model (see [Note:
-            loading without a full-precision peak] in ``ramflow._loading``). A tied
+            loading without a full-precision peak] in ``ramflow.io.loading``). A tied
             parameter is read under whichever of its names the files hold; a
             ``transformers`` model's checkpoint names are converted as its
             ``from_pretrained`` does, and its non-persistent buffers (rotary ``inv_freq``)
@@ -152,7 +153,7 @@ def offload(
             the units it owns straight into the shared masters, in parallel, so no rank
             holds a full model and the host peaks at the store plus one tensor's read per
             rank; every host reads the files itself. A failure on any rank raises on every
-            rank (see [Note: loading once per host] in ``ramflow._dist``). A function must
+            rank (see [Note: loading once per host] in ``ramflow.distributed.zero``). A function must
             then give the same values whichever rank calls it (a seeded init keyed by the
             name, as ``ramflow.train.initialization.SeededInit``).
         frozen_format: keep frozen matrices (``requires_grad=False``, two or more
@@ -165,7 +166,7 @@ def offload(
             (reading their values fails; ``state_dict()`` gives them dequantized,
             ``load_state_dict`` compresses them, ``undo`` gives them back dequantized).
             Loading with ``weights=`` compresses each one as it is read. See [Note:
-            compressed frozen weights] in ``ramflow._frozen_formats``.
+            compressed frozen weights] in ``ramflow.formats.frozen``.
         trainable_on_device: keep the trainable parameters on the device as ordinary
             device parameters, out of the units: adapters (LoRA) are stepped there by the
             optimizer (``ramflow.optim.AdamW`` runs PyTorch's fused AdamW on them; a torch
@@ -179,7 +180,7 @@ def offload(
             ``zero_stage`` or no trainable parameter). False: they stream with their units. Parameters added after ``offload``
             (``peft.get_peft_model`` on the offloaded model) are kept on the device from
             the next forward on. See [Note: adapters on the device] in
-            ``ramflow._adapters``.
+            ``ramflow.engine.adapters``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``wire_dtype`` is not floating point;
@@ -277,7 +278,7 @@ def offload(
         check_frozen_format(frozen_format, specs, zero_stage=zero_stage)
     precision, wire_dtype, precision_reason = resolve_precision(
         host_precision,
-        lambda: [_Unit(i, spec, frozen_format=frozen_format) for i, spec in enumerate(specs)],
+        lambda: [Unit(i, spec, frozen_format=frozen_format) for i, spec in enumerate(specs)],
         wire_dtype=wire_dtype,
         default_wire=default_wire,
     )
@@ -310,7 +311,7 @@ def offload(
             precision, precision_reason = agree_on_precision(
                 precision, precision_reason, auto=precision_reason is not None
             )
-            layout = [_Unit(i, spec) for i, spec in enumerate(specs)]
+            layout = [Unit(i, spec) for i, spec in enumerate(specs)]
             owners, local = shared_host_store(
                 specs,
                 wire_dtype=wire_dtype,
@@ -426,7 +427,7 @@ def adopt(model: nn.Module) -> None:
     """Take in parameters added to an offloaded model (``peft.get_peft_model`` after
     ``offload``) and units frozen since, now rather than at the next forward: the new
     parameters move to the device (see [Note: adapters on the device] in
-    ``ramflow._adapters``). Call it before loading an optimizer state for them, which
+    ``ramflow.engine.adapters``). Call it before loading an optimizer state for them, which
     PyTorch puts on its parameter's device. ``model``: the offloaded model or a module that
     wraps it (a ``PeftModel``).
 
@@ -457,7 +458,7 @@ def accept_partial_step(model: nn.Module) -> None:
     """Go on training from the weights that a failed backward pass left partly stepped.
 
     When a backward pass raises after ramflow had already stepped some units during it (see
-    [Note: a failed backward] in ``ramflow._engine``), the next forward and ``opt.step()``
+    [Note: a failed backward] in ``ramflow.engine.engine``), the next forward and ``opt.step()``
     raise ``RuntimeError`` until a checkpoint is loaded (``model.load_state_dict``) or this
     is called: the units stepped keep their new weights and optimizer states, the others
     are as before the failed pass. Raises ValueError if ``model`` is not offloaded."""
@@ -474,7 +475,7 @@ def set_activation_checkpointing(
     (``ramflow.memory.CheckpointOffload()``) after an out-of-memory error at a micro-batch
     of 1 (see [Note: a heavier checkpointing after an out-of-memory error] in
     ``ramflow.train.backoff``). A backward that raised is cleaned up first, as the next
-    forward would (see [Note: a failed backward] in ``ramflow._schedule``). With
+    forward would (see [Note: a failed backward] in ``ramflow.engine.schedule``). With
     ``zero_stage``, every rank must change it alike.
 
     Args:

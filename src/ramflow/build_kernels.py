@@ -1,7 +1,7 @@
 """Build ramflow's native CPU kernels into this machine's cache: ``python -m
 ramflow.build_kernels`` (``make setup`` runs it), so that no training step waits for a build.
 
-See [Note: building before the first step] in ``ramflow._cpu_kernels``. Where a CUDA device
+See [Note: building before the first step] in ``ramflow.kernels.cpu_kernels``. Where a CUDA device
 and Triton are present, the lean device step's kernel is compiled as well (Triton keeps it
 in its own per-machine cache). Exit status 0 also when native code is not used here (the
 reason is printed; steps then run PyTorch's path with the same results); 1 when the build
@@ -16,7 +16,7 @@ import time
 
 def main() -> int:
     """Build (or find) the kernels and say where they are; the exit status."""
-    from . import _cpu_kernels
+    from .kernels import cpu_kernels as _cpu_kernels
 
     start = time.perf_counter()
     if not _cpu_kernels._native_wanted():
@@ -43,8 +43,8 @@ def _warm_up_device_steps() -> str:
     returns the presets compiled ("" without CUDA or Triton)."""
     import torch
 
-    from ._host_formats import PRESETS, HostPrecision
-    from ._lean_kernels import warm_up_device_step
+    from .formats.host import PRESETS, HostPrecision
+    from .kernels.lean_kernels import warm_up_device_step
 
     if not torch.cuda.is_available():
         return ""

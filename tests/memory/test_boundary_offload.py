@@ -18,6 +18,7 @@ from torch import nn
 
 import ramflow
 from models import MLPStack, tiny_llama
+from ramflow.activations.boundary_offload import BoundaryOffloader
 from ramflow.memory import (
     CheckpointAll,
     CheckpointEveryKth,
@@ -26,7 +27,6 @@ from ramflow.memory import (
     SelectiveCheckpoint,
     apply_checkpointing,
 )
-from ramflow.memory.boundary_offload import BoundaryOffloader
 
 
 def grads_after_step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
@@ -170,7 +170,7 @@ def test_set_activation_checkpointing_switches_a_built_model_to_offload(monkeypa
     checkpointing switch (True) takes our offload wrapper after a step, computes what a
     model offloaded with ``CheckpointOffload()`` from the start computes, bit for bit, and
     can go back to no checkpointing (Hugging Face's flags off, no wrapper left)."""
-    from ramflow._registry import engine_of_model
+    from ramflow.units.registry import engine_of_model
 
     packs = count_packs(monkeypatch)
     torch.manual_seed(0)
@@ -201,7 +201,7 @@ def test_set_activation_checkpointing_after_a_failed_backward_and_its_errors():
     """A backward that raised is cleaned up by the switch (the next step is a whole one);
     inside a forward the switch is refused, and a choice that cannot apply leaves the
     previous checkpointing in place."""
-    from ramflow._registry import engine_of_model
+    from ramflow.units.registry import engine_of_model
 
     torch.manual_seed(0)
     base = MLPStack(dim=32, depth=4)
@@ -248,7 +248,7 @@ def test_set_activation_checkpointing_after_a_failed_backward_and_its_errors():
 def test_disabled_offloader_checkpoints_alone_and_can_be_enabled_again():
     """``BoundaryOffloader.enabled = False`` (the engine's, ``schedule.boundary_offloader``):
     nothing is packed and the step is checkpointing's; enabled again, the inputs move."""
-    from ramflow._registry import engine_of_model
+    from ramflow.units.registry import engine_of_model
 
     torch.manual_seed(0)
     base = MLPStack(dim=32, depth=4)

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ramflow
 from models import MLPStack, tiny_llama
+from ramflow.activations.checkpointing import resolve_over_units
 from ramflow.memory import (
     CheckpointAll,
     CheckpointEveryKth,
@@ -28,7 +29,6 @@ from ramflow.memory import (
     apply_checkpointing,
     find_blocks,
 )
-from ramflow.memory.checkpointing import resolve_over_units
 
 
 def backward_forward_calls(model: nn.Module, probes: list[nn.Module], x: torch.Tensor) -> list[int]:

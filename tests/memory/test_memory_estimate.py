@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import ramflow
-from ramflow._streams import caching_host_block_bytes
 from ramflow.memory import ActivationProfile, activation_report, estimate_memory, find_blocks
+from ramflow.transfer.streams import caching_host_block_bytes
 
 B, D, NUM_BLOCKS = 4, 32, 3
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ramflow.cli import ALLOC_CONF_DEFAULT, default_allocator_settings
+from ramflow.cli.main import ALLOC_CONF_DEFAULT, default_allocator_settings
 
 
 def test_unset_gets_expandable_segments() -> None:

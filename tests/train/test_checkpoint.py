@@ -11,8 +11,13 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from ramflow.train.checkpoint import LATEST_FILE, find_checkpoint, list_checkpoints, open_checkpoint
 from ramflow.train.report import read_log
+from ramflow.train.run_checkpoint import (
+    LATEST_FILE,
+    find_checkpoint,
+    list_checkpoints,
+    open_checkpoint,
+)
 
 
 def test_run_folder_resolves_to_its_latest_checkpoint(tmp_path: Path, trained_run: Path) -> None:

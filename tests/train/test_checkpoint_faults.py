@@ -2,7 +2,7 @@
 
 The processes are real and die for real (SIGKILL, SIGTERM); what is chosen is only the
 moment, through the test-only ``RAMFLOW_TEST_FAULT`` hook (see [Note: test faults] in
-``ramflow/train/checkpoint.py``), so that no test depends on timing. Processes come from a
+``ramflow/train/run_checkpoint.py``), so that no test depends on timing. Processes come from a
 ``forkserver`` that has imported torch and transformers once, so a trial costs a fork and
 a few tiny steps rather than a Python start-up.
 """
@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from ramflow import cli
 from ramflow.train import open_checkpoint
-from ramflow.train.checkpoint import list_checkpoints
 from ramflow.train.report import read_log
+from ramflow.train.run_checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.skipif(
     "forkserver" not in multiprocessing.get_all_start_methods(), reason="needs fork (POSIX)"

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import ramflow
-from ramflow._registry import engine_of_model
 from ramflow.train import TrainConfig, plan_run
 from ramflow.train.modeling import build_model, model_config
 from ramflow.train.tokenizer import ByteTokenizer
+from ramflow.units.registry import engine_of_model
 
 
 def _within(estimate: int, measured: int, tolerance: float = 0.10) -> bool:
@@ -274,13 +274,13 @@ def test_the_predicted_gpu_time_of_a_long_causal_sequence_counts_flash_attention
     training efficiency of the matmul rate; counted from the config here, not from the
     step model's helpers. (The full square at 2 + 1 + 1 forwards predicted 24.2 s where the
     H100 measured 17.0 s; this count gives 16.8 s.)"""
-    from ramflow._predict import TRAIN_MATMUL_EFFICIENCY
-    from ramflow.train.estimate import estimate_memory, predict_plan_step
+    from ramflow.planner.predict import TRAIN_MATMUL_EFFICIENCY
+    from ramflow.train.estimate import estimate_run_memory, predict_plan_step
     from ramflow.train.presets import get_preset
 
     cfg = get_preset("llama-8b").to_config()
     seq, rate = 65536, 677e12
-    est = estimate_memory(
+    est = estimate_run_memory(
         cfg, model_name="llama-8b", device_type="cuda", precision="bf16",
         compute_dtype=torch.bfloat16, wire_dtype=torch.bfloat16, batch_size=1, seq_len=seq,
         gpu_memory_bytes=None, checkpointing="on", host_precision="lean",

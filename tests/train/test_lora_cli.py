@@ -87,7 +87,7 @@ def test_fuse_lora_trains_as_peft_and_resumes_bit_for_bit(
 ) -> None:
     """``--fuse-lora`` (``ramflow.helpers.fuse_lora``): the run records it, its resume keeps
     it (bit for bit), and it trains as PEFT's layers do."""
-    from ramflow import _lora_fused
+    from ramflow.layers import lora_fused as _lora_fused
 
     settings = ["--steps", "6", "--eval-every", "3", "--save-every", "3", *LORA, *fast]
     fused, plain = tmp_path / "fused", tmp_path / "plain"

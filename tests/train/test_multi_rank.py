@@ -21,7 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ramflow.train.checkpoint import (
+from ramflow.train.data import BatchStream, validation_batches
+from ramflow.train.launch import rank_environment
+from ramflow.train.ranks import Ranks, bind_to_gpu_node, check_several_ranks
+from ramflow.train.report import read_log
+from ramflow.train.run_checkpoint import (
     Checkpoint,
     CheckpointError,
     check_num_ranks,
@@ -29,10 +33,6 @@ from ramflow.train.checkpoint import (
     rank_file,
     remove_stale_temporaries,
 )
-from ramflow.train.data import BatchStream, validation_batches
-from ramflow.train.launch import rank_environment
-from ramflow.train.ranks import Ranks, bind_to_gpu_node, check_several_ranks
-from ramflow.train.report import read_log
 from ramflow.train.scale import choose_zero_stage
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -64,7 +64,7 @@ LOSS_RTOL = 1e-4
 @pytest.fixture(scope="session")
 def shm_root():
     """A folder in /dev/shm for the runs' shared host stores (a GPU run needs a tmpfs, see
-    ``ramflow._dist.check_shm_directory_pins``), removed at the end."""
+    ``ramflow.distributed.zero.check_shm_directory_pins``), removed at the end."""
     root = Path(tempfile.mkdtemp(prefix="test-multi-rank-", dir="/dev/shm"))
     yield root
     shutil.rmtree(root, ignore_errors=True)
@@ -206,7 +206,7 @@ def test_two_ranks_with_the_device_optimizer_on_compute_what_host_steps_do(
     two_rank_run, corpus_file, tmp_path, shm_root
 ):
     """``--device-optimizer on`` on 2 ranks: each rank steps the units it owns on its device
-    (see [Note: the device optimizer under ZeRO] in ramflow._stepper) and the losses are the
+    (see [Note: the device optimizer under ZeRO] in ramflow.engine.stepper) and the losses are the
     host steps' (the two_rank_run: no --gpu-memory, so no device step). On the
     CPU the device step is the host kernel's arithmetic, so they are equal; on CUDA fp32
     masters step with PyTorch's fused CUDA AdamW, within float rounding of the host kernel,

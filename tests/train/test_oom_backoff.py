@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from ramflow._registry import engine_of_model
 from ramflow.train import TrainConfig, open_checkpoint, resume_config, train
 from ramflow.train import trainer as trainer_module
 from ramflow.train.backoff import RunCheckpointing, accumulate_step
@@ -26,6 +25,7 @@ from ramflow.train.data import BatchStream
 from ramflow.train.precision import resolve_compute
 from ramflow.train.presets import PRESETS
 from ramflow.train.report import QuietReport, read_log
+from ramflow.units.registry import engine_of_model
 
 RUN = dict(steps=4, seq_len=32, eval_every=0, eval_batches=1, device="cpu", seed=0)
 

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from ramflow._plan import parse_bytes
+from ramflow.sizes import parse_bytes
 from ramflow.train.estimate import size_string
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without CUDA")

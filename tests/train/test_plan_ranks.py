@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from ramflow._predict import Rates, StepPrediction
 from ramflow.memory.estimate import runtime_overhead_bytes
+from ramflow.planner.predict import Rates, StepPrediction
 from ramflow.train import TrainConfig, plan_run
 from ramflow.train.scale import plan_ranks, predict_ranks
 

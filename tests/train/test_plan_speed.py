@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from ramflow._host_formats import OPTIMIZER_SPEED, rates_for
-from ramflow._plan import make_plan
-from ramflow._predict import Rates
+from ramflow.planner.cpu_rates import OPTIMIZER_SPEED, rates_for
+from ramflow.planner.plan import make_plan
+from ramflow.planner.predict import Rates
 from ramflow.train import TrainConfig, plan_run
 
 

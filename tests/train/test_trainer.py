@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from ramflow.train import TrainConfig, open_checkpoint, train
+from ramflow.train.lr_schedule import warmup_cosine
 from ramflow.train.report import read_log
-from ramflow.train.schedule import warmup_cosine
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:

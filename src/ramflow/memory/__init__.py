@@ -12,13 +12,11 @@
   (``CheckpointOffload``: and keep their inputs in pinned host memory).
 - ``chunked_attention``, ``sdpa_backends_report``, ``use_sdpa``: attention's memory.
 
-This package sits below ``ramflow.train`` and never imports it.
+May import: ``api``, ``distributed``, ``optim`` and every folder below them; never
+``ramflow.train`` or the CLI, which use it.
 """
 
-from .activations import ActivationReport, ModuleActivations, activation_report
-from .attention import SDPAReport, chunked_attention, sdpa_backends_report, use_sdpa
-from .census import CensusGroup, TensorCensus, census_diff, tensor_census
-from .checkpointing import (
+from ..activations.checkpointing import (
     CheckpointAll,
     CheckpointEveryKth,
     CheckpointHandle,
@@ -31,6 +29,9 @@ from .checkpointing import (
     apply_checkpointing,
     find_blocks,
 )
+from ..activations.report import ActivationReport, ModuleActivations, activation_report
+from .attention import SDPAReport, chunked_attention, sdpa_backends_report, use_sdpa
+from .census import CensusGroup, TensorCensus, census_diff, tensor_census
 from .estimate import ActivationProfile, MemoryEstimate, estimate_memory
 from .fit import BatchFit, BatchTrial, fit_batch, smaller_micro_batch
 from .snapshot import memory_snapshot, plot_timeline

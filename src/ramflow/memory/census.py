@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._plan import format_bytes
+from ..sizes import format_bytes
 
 __all__ = ["CensusGroup", "TensorCensus", "census_diff", "tensor_census"]
 

@@ -7,7 +7,7 @@ and in host RAM (pinned and pageable), for a precision, optimizer, activation ch
 and offload choice. Parameters, gradients and optimizer states follow from the units that
 ``ramflow.offload`` would form: the estimate splits the model with the engine's own
 ``find_units`` and sizes (padding included) and asks the engine's planner
-(``ramflow._plan.make_plan``) for the plan. ``ramflow plan`` and ``ramflow train`` call this
+(``ramflow.planner.plan.make_plan``) for the plan. ``ramflow plan`` and ``ramflow train`` call this
 function (``ramflow.train.estimate`` measures a language model's activations on the meta
 device and adds a step-time prediction); this package never imports ``ramflow.train``.
 """
@@ -23,19 +23,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .._host_formats import HostPrecision
-from .._host_store import host_ram_available, resolve_precision
-from .._plan import (
-    OFFLOAD_BOUNDARIES_ON_DEVICE,
-    OffloadPlan,
-    format_bytes,
-    make_plan,
-    parse_bytes,
-)
-from .._predict import TRAIN_MATMUL_EFFICIENCY, Rates, StepPrediction
-from .._streams import caching_host_block_bytes
-from .._units import _Unit, find_units, plan_inputs
-from .activations import ActivationReport
+from ..activations.report import ActivationReport
+from ..engine.host_store import host_ram_available, resolve_precision
+from ..formats.host import HostPrecision
+from ..planner.plan import OFFLOAD_BOUNDARIES_ON_DEVICE, OffloadPlan, make_plan
+from ..planner.predict import TRAIN_MATMUL_EFFICIENCY, Rates, StepPrediction
+from ..sizes import format_bytes, parse_bytes
+from ..transfer.streams import caching_host_block_bytes
+from ..units.unit import Unit, find_units, plan_inputs
 
 __all__ = [
     "CHECKPOINTING_MODES",
@@ -141,7 +136,7 @@ class ActivationProfile:
         """Host bytes of the layers' inputs under activation offload; ``pinned``: as the
         pinned memory that holds them takes them (``BoundaryOffloader`` allocates each from
         PyTorch's caching host allocator, which rounds a block up to a power of two:
-        ``_streams.caching_host_block_bytes``)."""
+        ``transfer.streams.caching_host_block_bytes``)."""
         each = (
             caching_host_block_bytes(self.layer_input_bytes) if pinned else self.layer_input_bytes
         )
@@ -181,7 +176,7 @@ class MemoryEstimate:
         ram_available_bytes: RAM this machine has available now.
         disk_free_bytes: free bytes where checkpoints go (None when not asked).
         prediction: the predicted step time of ``plan`` as ``train`` runs it (GPU runs, when
-            asked; ``ramflow._predict``), from estimated inputs: ``timing_rates`` and
+            asked; ``ramflow.planner.predict``), from estimated inputs: ``timing_rates`` and
             ``matmul_flops_per_s``.
         timed_plan: the plan with the least predicted step time for the same budget
             (residents, prefetch depth, per-unit checkpointing; ``make_plan`` with timing).
@@ -462,7 +457,7 @@ def size_string(num_bytes: int) -> str:
 
 
 def _make_plan(
-    units: list[_Unit],
+    units: list[Unit],
     buffer_bytes: int,
     *,
     device_type: str,
@@ -480,9 +475,9 @@ def _make_plan(
     )
 
 
-def offload_units(model: nn.Module) -> tuple[list[_Unit], int]:
+def offload_units(model: nn.Module) -> tuple[list[Unit], int]:
     """The units ``ramflow.offload`` would form for ``model``, and its buffers' bytes."""
-    units = [_Unit(i, spec) for i, spec in enumerate(find_units(model))]
+    units = [Unit(i, spec) for i, spec in enumerate(find_units(model))]
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     return units, buffer_bytes
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._plan import format_bytes, parse_bytes
+from ..sizes import format_bytes, parse_bytes
 
 __all__ = ["BatchFit", "BatchTrial", "fit_batch", "micro_batch_candidates", "smaller_micro_batch"]
 

@@ -16,8 +16,8 @@ from typing import Any
 import psutil
 import torch
 
-from .._plan import format_bytes
-from .._streams import registered_bytes
+from ..sizes import format_bytes
+from ..transfer.streams import registered_bytes
 
 __all__ = ["MemoryTracker", "cuda_pinned_bytes"]
 
@@ -31,7 +31,7 @@ def cuda_pinned_bytes() -> int | None:
     (block sizes rounded up to a power of two, cached free blocks included). ramflow's host
     store (masters, wire copies, gradient staging, compressed weights) maps its buffers
     itself and page-locks exactly their pages with ``cudaHostRegister``, as it does shared
-    masters (see [Note: pinned memory of its own size] in ``ramflow._streams``): those
+    masters (see [Note: pinned memory of its own size] in ``ramflow.transfer.streams``): those
     bytes are added from ramflow's own count.
 
     Returns:

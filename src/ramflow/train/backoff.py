@@ -6,7 +6,7 @@ Legend: B = sequences per micro-batch, T = tokens per sequence.
 A step is ``grad_accum`` micro-batches of the global batch, read from the data position
 where the step began. When a forward or backward raises ``torch.OutOfMemoryError``, the
 loop drops what the step accumulated (``opt.zero_grad()``: after a failed backward that
-equals skipping it, see [Note: a failed backward] in ``_schedule.py``), rewinds the data to
+equals skipping it, see [Note: a failed backward] in ``engine/schedule.py``), rewinds the data to
 the step's start, halves the micro-batch and doubles the accumulation
 (``ramflow.memory.smaller_micro_batch``), logs an ``oom_backoff`` event and runs the step
 again: the global batch, the data order and the schedule are unchanged, so the losses

@@ -7,9 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .._host_formats import PRESETS
-from .._plan import parse_bytes
-from .checkpoint import Checkpoint, CheckpointError
+from ..formats.host import PRESETS
+from ..sizes import parse_bytes
 from .estimate import CHECKPOINTING_MODES
 from .generation import resolve_model_dir
 from .lora import check_frozen_format, parse_targets
@@ -17,6 +16,7 @@ from .modeling import read_config
 from .optimizers import OPTIMIZER_DEFAULTS, OPTIMIZERS
 from .precision import PRECISIONS
 from .presets import get_preset
+from .run_checkpoint import Checkpoint, CheckpointError
 
 # Settings a resumed run may change: they decide how long it runs, where, and how it uses
 # memory, not what a step computes.

@@ -33,20 +33,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .._costs import unit_costs, unit_shapes
-from .._host_formats import rates_for
-from .._plan import OffloadPlan, PlanTiming, make_plan
-from .._predict import DEFAULT_MATMUL_FLOPS_PER_S, Rates, StepPrediction, predict_step
-from .._units import _Unit, plan_inputs
 from ..memory.estimate import (
     CHECKPOINTING_MODES,
     RUNTIME_OVERHEAD_BYTES,
     ActivationProfile,
     MemoryEstimate,
+    estimate_memory,
     offload_units,
     size_string,
 )
-from ..memory.estimate import estimate_memory as estimate_model_memory
+from ..planner.costs import unit_costs, unit_shapes
+from ..planner.cpu_rates import rates_for
+from ..planner.plan import OffloadPlan, PlanTiming, make_plan
+from ..planner.predict import DEFAULT_MATMUL_FLOPS_PER_S, Rates, StepPrediction, predict_step
+from ..units.unit import Unit, plan_inputs
 from .loss import chunk_tokens_for
 from .modeling import meta_model
 
@@ -170,7 +170,7 @@ def measure_activations(
     return ActivationProfile(tuple(layer_bytes), n * hidden * size, other, workspace, True)
 
 
-def estimate_memory(
+def estimate_run_memory(
     config,
     *,
     model_name: str,
@@ -213,7 +213,7 @@ def estimate_memory(
         out_dir: where checkpoints go, to report its free disk space (None: not reported).
         predict: also predict the step time (CUDA runs; ``prediction``, ``timed_plan``).
         timing_rates: copy and CPU optimizer rates for the prediction (default: the H200
-            box's, ``ramflow._predict``).
+            box's, ``ramflow.planner.predict``).
         matmul_flops_per_s: the GPU's bf16 matmul rate, FLOP/s (default: the H200's).
         host_precision: the host formats (``ramflow.offload``'s ``host_precision``).
         full_gradients: the loop keeps a full host gradient buffer (see
@@ -235,7 +235,7 @@ def estimate_memory(
     acts = measure_activations(config, batch_size=batch_size, seq_len=seq_len, dtype=compute_dtype)
 
     def memory(checkpointing: str) -> MemoryEstimate:
-        return estimate_model_memory(
+        return estimate_memory(
             model,
             activations=acts,
             batch_size=batch_size,
@@ -303,7 +303,7 @@ def estimate_memory(
 # checkpointing alone fits, offload has the same recomputation, costs one D2H and one H2D of
 # each layer's input per step on the links that stream the weights, and frees those inputs'
 # device memory for ramflow's share; auto offloads only where the step-time model
-# (``_predict``, which counts those copies) predicts the plan with more units resident
+# (``planner.predict``, which counts those copies) predicts the plan with more units resident
 # faster by more than ``OFFLOAD_WINS_BY``, and says so in one line. With ``--batch-size
 # auto`` the same holds per global batch: offload is taken where it fits a larger
 # micro-batch whose global batch is predicted faster (``setup._estimate``): a global batch
@@ -329,8 +329,8 @@ def predict_plan_step(
 
     Args:
         config: the model's ``transformers`` config.
-        estimate: from ``estimate_memory``.
-        timing_rates, matmul_flops_per_s: as for ``estimate_memory`` (defaults: the H200
+        estimate: from ``estimate_run_memory``.
+        timing_rates, matmul_flops_per_s: as for ``estimate_run_memory`` (defaults: the H200
             box's).
         with_optimizer: False: a micro-step of gradient accumulation, whose gradients land
             but whose units are not stepped (the optimizer's rate taken as unbounded).
@@ -376,7 +376,7 @@ def _predict_speed(
     offload: bool,
     gpu_memory_bytes: int | None,
     ramflow_budget: int | None,
-    units: list[_Unit],
+    units: list[Unit],
     buffer_bytes: int,
     device_type: str,
     wire_dtype: torch.dtype,
@@ -471,7 +471,7 @@ __all__ = [
     "MemoryEstimate",
     "OFFLOAD_WINS_BY",
     "default_gpu_budget",
-    "estimate_memory",
+    "estimate_run_memory",
     "size_string",
     "measure_activations",
     "predict_plan_step",

@@ -23,10 +23,10 @@ from torch import nn
 
 import ramflow
 
-from .._plan import parse_bytes
-from .checkpoint import STATE_FILE, find_checkpoint, open_checkpoint
+from ..sizes import parse_bytes
 from .modeling import build_model, load_offloaded, read_config
 from .precision import ComputePolicy, resolve_compute
+from .run_checkpoint import STATE_FILE, find_checkpoint, open_checkpoint
 from .tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 
 

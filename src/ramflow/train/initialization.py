@@ -27,10 +27,10 @@ by one copy on the calling thread after each wave. ``write_many`` takes the whol
 layer is about 80 chunks), and ``num_threads`` persistent threads each take the next chunk,
 largest first. An fp32 output is drawn straight into its place; a bf16 one into the
 thread's own fp32 scratch, then rounded into its place by the same thread right after the
-draw, by ``_lean_kernels.round_to_bf16_native`` (a PyTorch ``copy_`` on each thread would
+draw, by ``kernels.lean_kernels.round_to_bf16_native`` (a PyTorch ``copy_`` on each thread would
 start an OpenMP team per thread; without the native library, PyTorch's ``copy_`` in pieces
 of its grain, which stay on the thread). So the threads also fault in the master's pages in
-parallel (see [Note: filling the host store] in ``ramflow._host_store``), and only a unit's
+parallel (see [Note: filling the host store] in ``ramflow.engine.host_store``), and only a unit's
 last round of chunks leaves threads idle. The values do not change: each chunk is still one
 ``normal_`` of its own generator, and the rounding is ``copy_``'s (nearest even). Measured
 by ``benchmarks/load/seeded_init_rate.py`` and ``benchmarks/load/load_speed.py``; figures
@@ -49,8 +49,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .. import _lean_kernels
-from .._loading import default_num_threads
+from ..io.loading import default_num_threads
+from ..kernels import lean_kernels as _lean_kernels
 
 # elements per generator. This is part of the values: changing it changes every preset's
 # initial weights (a run resumed from a seed, a LoRA base rebuilt from its seed)
@@ -72,7 +72,7 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 class SeededInit:
-    """``weights(name, out)`` for ``ramflow.offload`` (and ``_loading.load_resident``):
+    """``weights(name, out)`` for ``ramflow.offload`` (and ``io.loading.load_resident``):
     writes the seeded random initial value of parameter ``name`` into ``out``. See [Note:
     a seeded init that does not depend on who fills it].
 

@@ -17,7 +17,7 @@ Exit status: 0 when every rank finished; otherwise that of the first rank to fai
 time, to a tenth of a second; of two seen at once, one killed by a signal), the shell's ``128 + signal`` for a rank killed by a signal, so that the root cause,
 not its echo on the other ranks, is what a script sees. Once a rank has failed, the others
 get the process group's timeout (``--dist-timeout``) plus ``_GRACE_S`` to fail on their own
-(ramflow names the dead rank, see [Note: a rank that dies] in ``ramflow._dist``); ranks
+(ramflow names the dead rank, see [Note: a rank that dies] in ``ramflow.distributed.zero``); ranks
 still running then are killed.
 """
 

@@ -16,9 +16,8 @@ import torch
 
 import ramflow
 
-from .._plan import format_bytes
+from ..sizes import format_bytes
 from .backoff import RunCheckpointing, accumulate_step
-from .checkpoint import fault_point, save_checkpoint
 from .data import validation_batches
 from .flops import model_flops_utilisation, peak_flops
 from .loss import lm_loss
@@ -26,6 +25,7 @@ from .modeling import count_parameters
 from .precision import ComputePolicy
 from .ranks import Ranks
 from .report import format_duration, mean_tail, summary_table
+from .run_checkpoint import fault_point, save_checkpoint
 
 
 @dataclass(frozen=True)
@@ -67,9 +67,9 @@ class TrainResult:
 
 def steps_in_backward(model: torch.nn.Module) -> bool | None:
     """Whether the last ``opt.step()`` of ``model``'s optimizer found its units stepped during
-    backward (see [Note: when the step runs] in ``ramflow._stepper``); None for a model
+    backward (see [Note: when the step runs] in ``ramflow.engine.stepper``); None for a model
     ramflow does not offload."""
-    from .._registry import engine_of_model
+    from ..units.registry import engine_of_model
 
     engines = {id(e): e for e in map(engine_of_model, model.modules()) if e is not None}
     if not engines:

@@ -2,7 +2,7 @@
 
 The base (a preset's fresh weights or ``--model``'s) is frozen and offloaded first; PEFT's
 ``get_peft_model`` then adds the adapters, which ``ramflow.adopt`` moves to the device for
-good (see [Note: adapters on the device] in ``ramflow._adapters``). A LoRA run's
+good (see [Note: adapters on the device] in ``ramflow.engine.adapters``). A LoRA run's
 checkpoints hold the adapters in PEFT's own format (``adapter_config.json`` and
 ``adapter_model.safetensors``: ``peft.PeftModel.from_pretrained(base, checkpoint)`` loads
 them) and the base's ``config.json``, not the base's weights; resuming rebuilds the base

@@ -19,7 +19,7 @@ logits in backward (Liger Kernel's fused linear cross-entropy and torchtune's ch
 output loss make the same trade). The head's weight goes into the checkpoint as an
 argument, read inside the head's own forward call, so an offloaded model's recomputation
 finds the device weight that the head's backward has loaded (see [Note: parameters during
-backward] in ``ramflow._schedule``).
+backward] in ``ramflow.engine.schedule``).
 
 The sum over chunks runs in another order than one cross-entropy over all tokens, so the
 loss agrees with the model's own to fp32 rounding (relative 1e-6 on the tests' 4096

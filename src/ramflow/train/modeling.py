@@ -25,7 +25,7 @@ from torch import nn
 
 import ramflow
 
-from .._loading import (
+from ..io.loading import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     checkpoint_key_mapper,
@@ -270,10 +270,10 @@ def load_offloaded(
     """Read a checkpoint folder straight into ``ramflow.offload``'s host store, unit by unit.
 
     The model is built on the meta device and offloaded with ``weights=directory`` (see
-    [Note: loading without a full-precision peak] in ``ramflow._loading``): the host never
+    [Note: loading without a full-precision peak] in ``ramflow.io.loading``): the host never
     holds a full fp32 model beside the store; with ``zero_stage`` in ``offload_options``
     every rank reads the units it owns into its host's shared copy (see [Note: loading once
-    per host] in ``ramflow._dist``). A checkpoint that only ``transformers``' weight
+    per host] in ``ramflow.distributed.zero``). A checkpoint that only ``transformers``' weight
     conversion turns into the model's tensors (stacked experts) is loaded by ``load_model``
     first instead (on every rank, under ``zero_stage``).
 

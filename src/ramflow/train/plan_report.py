@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .._plan import OffloadPlan, _names, format_bytes
 from ..memory.estimate import MemoryEstimate, runtime_overhead_bytes, size_string
+from ..planner.plan import OffloadPlan, _names
+from ..sizes import format_bytes
 
 
 def _device(est: MemoryEstimate) -> str:

@@ -34,8 +34,8 @@ import torch
 
 import ramflow
 
-from .._plan import format_bytes, parse_bytes
 from ..memory import MemoryTracker, activation_report, memory_snapshot, plot_timeline
+from ..sizes import format_bytes, parse_bytes
 from .modeling import build_model, load_model, model_config
 from .precision import ComputePolicy, resolve_compute
 from .tokenizer import has_tokenizer, load_tokenizer

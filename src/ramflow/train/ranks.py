@@ -5,7 +5,7 @@ few collectives the training loop needs beside ramflow's own (ZeRO's gradient re
 ``torchrun --nproc-per-node N -m ramflow train ...`` (or ``ramflow train --nproc-per-node
 N``, see ``launch.py``) runs N copies of the same loop, one per GPU (``LOCAL_RANK``), over
 NCCL; on the CPU over gloo. The model is offloaded with ``zero_stage`` (see [Note: data
-parallelism on the engine] in ``ramflow._dist``): gradients are averaged over the ranks,
+parallelism on the engine] in ``ramflow.distributed.zero``): gradients are averaged over the ranks,
 each unit is stepped by one rank. Everything else is made to agree as follows.
 
 - **Data.** ``--batch-size`` is one rank's micro-batch B. Each micro-batch, every rank
@@ -227,7 +227,7 @@ class Ranks:
         timeout = datetime.timedelta(seconds=timeout_s)
         if created:
             dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timeout)
-        from .._dist import host_name
+        from ..distributed.zero import host_name
 
         # frozen for callers; filled once, here, before any collective of the loop
         object.__setattr__(self, "group", dist.new_group(backend="gloo", timeout=timeout))
@@ -253,11 +253,11 @@ class Ranks:
     def _explained(self, what: str) -> Iterator[None]:
         """A failed collective raises ramflow's error: which rank of this host died, if
         one did, and what to do (as the engine's, see [Note: a rank that dies] in
-        ``ramflow._dist``)."""
+        ``ramflow.distributed.zero``)."""
         try:
             yield
         except Exception as err:
-            from .._dist import _pid_alive, host_name
+            from ..distributed.zero import _pid_alive, host_name
 
             me = host_name()
             dead = [r for r, (h, pid) in enumerate(self.peers) if h == me and not _pid_alive(pid)]

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from .._plan import format_bytes
+from ..sizes import format_bytes
 
 LOG_FILE = "log.jsonl"
 PLOT_FILE = "loss.png"

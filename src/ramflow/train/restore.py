@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
-from .._host_formats import saved_state_shape
+from ..formats.host import saved_state_shape
 from ..optim import HostOptimizer
-from .checkpoint import (
+from .modeling import file_in
+from .run_checkpoint import (
     OPTIMIZER_FILE,
     OPTIMIZER_INDEX_FILE,
     RNG_FILE,
@@ -25,7 +26,6 @@ from .checkpoint import (
     num_ranks,
     rank_file,
 )
-from .modeling import file_in
 
 
 def _read_tensors(d: Path, filename: str, index_name: str) -> dict[str, torch.Tensor]:

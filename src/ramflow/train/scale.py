@@ -16,10 +16,10 @@ import math
 import os
 from dataclasses import dataclass
 
-from .._host_formats import HostPrecision
-from .._plan import format_bytes
-from .._predict import Rates, StepPrediction
+from ..formats.host import HostPrecision
 from ..memory.estimate import MemoryEstimate, runtime_overhead_bytes
+from ..planner.predict import Rates, StepPrediction
+from ..sizes import format_bytes
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def predict_ranks(
     """Predict N ranks' step on one host from one GPU's (see [Note: N ranks on one host]).
 
     Args:
-        one: the 1-GPU step prediction (``ramflow._predict.predict_step``) of one rank's
+        one: the 1-GPU step prediction (``ramflow.planner.predict.predict_step``) of one rank's
             micro-batch.
         num_ranks: N, at least 1.
         num_trainable: trained parameters (each stepped once per host per step).

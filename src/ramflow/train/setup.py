@@ -17,24 +17,24 @@ from typing import Any
 
 import torch
 
-from .._host_formats import HostPrecision
-from .._plan import format_bytes, parse_bytes
-from .._predict import Rates
+from ..formats.host import HostPrecision
 from ..memory.fit import BatchFit, fit_batch
-from .checkpoint import Checkpoint
+from ..planner.predict import Rates
+from ..sizes import format_bytes, parse_bytes
 from .config import TrainConfig
 from .data import Corpus, build_corpus, find_documents, stdlib_root
 from .estimate import (
     OFFLOAD_WINS_BY,
     MemoryEstimate,
     default_gpu_budget,
-    estimate_memory,
+    estimate_run_memory,
     predict_plan_step,
 )
 from .lora import DEFAULT_TARGETS, check_lora_targets, parse_targets
 from .modeling import check_weights, meta_model, model_config, read_config
 from .optimizers import OPTIMIZER_DEFAULTS
 from .precision import ComputePolicy, planned_compute, resolve_compute
+from .run_checkpoint import Checkpoint
 from .tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 
 
@@ -123,7 +123,7 @@ def _estimate(
         host_precision: str = config.host_precision,
         **extra: Any,
     ) -> MemoryEstimate:
-        return estimate_memory(
+        return estimate_run_memory(
             mconfig,
             model_name=config.model_name,
             device_type=device_type,
@@ -267,7 +267,7 @@ def plan_run(
         config: the run's settings.
         out_dir: where checkpoints would go, for the disk check.
         timing_rates: copy and CPU optimizer rates for the prediction (default: the H200
-            box's, see ``ramflow._predict``).
+            box's, see ``ramflow.planner.predict``).
         matmul_flops_per_s: the GPU's bf16 matmul rate, FLOP/s (default: the H200's).
         num_ranks: ranks of the run (``--nproc-per-node``): with several, a run without
             clipping or accumulation steps during backward and keeps no full host gradient

@@ -46,14 +46,6 @@ import ramflow
 
 from ..optim import muon_param_groups
 from .backoff import RunCheckpointing, checkpointing_policy, fit_micro_batch
-from .checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    check_num_ranks,
-    find_checkpoint,
-    open_checkpoint,
-    remove_stale_temporaries,
-)
 from .config import TrainConfig, resume_config
 from .data import BatchStream
 from .loop import TrainResult, evaluate, run_loop
@@ -65,6 +57,7 @@ from .lora import (
     parse_targets,
 )
 from .loss import chunk_lm_head
+from .lr_schedule import make_scheduler, warmup_cosine
 from .modeling import (
     build_offloaded,
     load_offloaded,
@@ -79,8 +72,15 @@ from .report import (
     check_loggers,
 )
 from .restore import load_optimizer_state, restore_rng_state
+from .run_checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    check_num_ranks,
+    find_checkpoint,
+    open_checkpoint,
+    remove_stale_temporaries,
+)
 from .scale import choose_zero_stage
-from .schedule import make_scheduler, warmup_cosine
 from .setup import PreparedRun, base_weights, prepare_run
 
 

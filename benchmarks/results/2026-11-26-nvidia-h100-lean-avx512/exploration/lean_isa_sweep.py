@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from ramflow import _lean_kernels as lean
-from ramflow._lean_kernels import QBLOCK, lean_adamw_step_, quantize_blockwise
+from ramflow.kernels import lean_kernels as lean
+from ramflow.kernels.lean_kernels import QBLOCK, lean_adamw_step_, quantize_blockwise
 
 
 def step_rate(n: int, threads: int, fmt: str, steps: int = 6) -> float:

@@ -14,8 +14,8 @@ sys.path.insert(0, "tests/train")
 sys.path.insert(0, "tests")
 import pytest, torch
 import ramflow
-from ramflow import _clip
-from ramflow._stepper import Stepper
+from ramflow.engine import clip as _clip
+from ramflow.engine.stepper import Stepper
 
 dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 paths = []

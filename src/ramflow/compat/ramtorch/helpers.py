@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..._linear import replace_linear
+from ...layers.linear import replace_linear
 from .linear import Linear
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import _linear
+from ...layers import linear as _linear
 
 
 class Linear(_linear.Linear):

@@ -1,0 +1,789 @@
+"""The schedule: the hooks that tell the engine what the model runs, and what follows.
+
+Owns the forward and backward hooks, the recorded forward order and the prefetches it
+predicts, each call's frame, the module slots (which parameters a module sees), the
+activation checkpointing wrappers, the end of a backward pass (and its clean-up when it
+raised), and the model's ``_apply``.
+
+[Note: pins and the schedule]
+A unit is pinned while something needs its device copy: a forward call (pre- to post-
+forward hook), a backward call (from the first gradient of its outputs to the gradients of
+its inputs, see ``_PostBackward``), or a recomputation under activation checkpointing. An
+unpinned unit stays cached in the window until room is needed (least recently used goes
+first). Forward prefetches the units that followed in the previous forward (module order on
+the first), backward the units that preceded in this forward, ``prefetch_depth`` ahead.
+A wrong guess costs bandwidth, never correctness: every use acquires and waits.
+
+[Note: parameters during backward]
+The module slots of a unit point at its device parameters only while one of its forward
+calls runs (pre- to post-forward hook, ``always_call``, so also when the forward raises).
+A recomputation during backward that does not call the unit's own forward (the user's
+``torch.utils.checkpoint`` inside the unit, or ours, which wraps ``forward``) swaps the
+unit in for the duration of each call of a module inside it that holds its parameters or
+has a submodule that does (forward hooks on those modules: a module may read a child's
+parameters without calling the child, as ``ramflow.helpers.fuse_lora``'s layers read their
+base layer's weight), and our wrapper swaps around its call. So outside a
+forward call, ``model.parameters()`` always yields the user's host parameters, even after
+a backward pass that raised halfway.
+
+[Note: checkpointed segments of units]
+``CheckpointSegments`` on an offloaded model checkpoints runs of units (children of one
+``nn.Sequential``) as one region each. In forward the region calls the units as modules, so
+their hooks load, pin and order them as usual. Its recomputation during backward starts at
+the segment's last unit, when only that one is pinned for backward: it acquires every unit
+of the segment, swaps their device parameters in, runs their ``forward`` directly (past the
+hooks, which would open calls that no backward closes) and releases them. The tensors it
+saves that view device parameters stay valid: each unit's own backward acquires it again
+before its gradients run (see [Note: units and views] in ``ramflow.units.unit``). A segment's
+units are on the device together while it recomputes.
+
+[Note: a failed backward]
+A backward pass ends with a callback queued from the root output's gradient hook; autograd
+runs it only when the pass succeeds. If the pass raises, the callback never runs, and the
+next call from the training loop into ramflow (a forward, ``opt.step``, ``opt.zero_grad``,
+``model.zero_grad``, clipping, ``synchronize``, ``state_dict``) sees it queued and cleans up
+(``_abort_backward``): it releases what the pass pinned, drops the device gradients of units
+whose backward had not finished, waits for the landings and steps already started, and
+undoes what they left: gradients that landed where there were none (the usual case, after
+``zero_grad``) are dropped again, exactly; gradients added to ones accumulated earlier
+cannot be taken out bit for bit, so ``opt.step()`` then raises until ``opt.zero_grad()``.
+Units already stepped during the pass (the eager overlap) cannot be rolled back without a
+copy of their states, so the next forward and ``opt.step()`` raise a RuntimeError naming
+them until a checkpoint is loaded or ``ramflow.accept_partial_step`` is called: never a
+silent partial step. A loop-pattern error (raised in backward or in ``opt.step``) sets a
+flag that ``opt.zero_grad()`` clears, restarting the step policy, optimizer states kept.
+
+[Note: moving and casting an offloaded model]
+Every module of an offloaded model has ``_apply`` (what ``.to``, ``.cuda``, ``.cpu``,
+``.half``, ``.float``, ``.to_empty``, ``share_memory`` ... call) routed to the engine through
+its instance ``__dict__``. The engine applies the conversion to a probe tensor to learn what
+it asks for: a move to the compute device, or a cast to the wire dtype, is what the model
+already is (only buffers are converted, and kept on the device), which is why Hugging Face's
+``Trainer``'s ``model.to(device)`` works; anything else (another device, another dtype, the
+meta device, ``to_empty``, shared memory) raises ValueError naming ``ramflow.undo`` and
+``offload``'s arguments, before anything changes. The masters stay fp32 in host RAM.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ..activations.boundary_offload import BoundaryOffloader
+from ..activations.checkpointing import (
+    CheckpointPlan,
+    CheckpointPolicyLike,
+    is_checkpoint_policy,
+    resolve_over_units,
+)
+from ..units.registry import weak_method
+from ..units.unit import Unit, check_host_parameters, slot_callers
+from .gradients import GradientPath
+from .hooks import ModuleCall, UnitHook, checkpointed_unit_forward, segmented_unit_forward
+from .stepper import Stepper
+from .window import DeviceWindow
+from .worker import HostWorker
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Frame:
+    """What one forward call of a unit has taken so far (see ``Schedule._pre_forward``)."""
+
+    __slots__ = ("acquired", "swapped", "call")
+
+    def __init__(self) -> None:
+        self.acquired = False
+        self.swapped = False
+        self.call: _Call | None = None
+
+
+class _Call:
+    """One forward call of a unit that autograd may run backward through."""
+
+    __slots__ = (
+        "deps",
+        "order",
+        "position",
+        "pre_backward_done",
+        "backward_task",
+        "bw_pinned",
+        "rc_pinned",
+    )
+
+    def __init__(self, deps: list[Unit], order: list[Unit] | None, position: int) -> None:
+        self.deps = deps
+        self.order = order
+        self.position = position
+        self.pre_backward_done = False
+        self.backward_task = -1  # the autograd graph task of its backward
+        self.bw_pinned = False
+        self.rc_pinned = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx, schedule: Schedule, call: _Call, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.schedule = schedule
+        ctx.call = call
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.schedule._post_backward(ctx.call)
+        return (None, None, *grads)
+
+
+class Schedule:
+    """The hooks of one engine and the order of its units' calls.
+
+    Args:
+        device: the compute device (inputs are moved there).
+        wire_dtype: the dtype the model computes in (inputs are cast to it).
+        prefetch_depth: how many units ahead forward and backward load.
+        layer_engine: True for the engine of ``ramflow.Linear`` layers (no root module).
+        units: the engine's unit list (shared; the engine appends to it).
+        worker: the host worker (its errors are raised at a forward).
+        window: the device window (pins and prefetches).
+        gradients: the gradient path (ends or undoes a backward pass).
+        stepper: the stepper (forward order, refused partial steps).
+    """
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        wire_dtype: torch.dtype,
+        prefetch_depth: int,
+        layer_engine: bool,
+        units: list[Unit],
+        worker: HostWorker,
+        window: DeviceWindow,
+        gradients: GradientPath,
+        stepper: Stepper,
+    ) -> None:
+        self.device = device
+        self.wire_dtype = wire_dtype
+        self.prefetch_depth = prefetch_depth
+        self._layer_engine = layer_engine
+        self.units = units
+        self.worker = worker
+        self._window = window
+        self._gradients = gradients
+        self._stepper = stepper
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._rest_units: list[Unit] = []
+        # per-forward and per-backward state
+        self._order: list[Unit] = []
+        self._in_order: set[Unit] = set()
+        self._prev_order: list[Unit] = []
+        self._outstanding: set[_Call] = set()
+        self._end_backward_queued_for = -1
+        self._root_active = 0
+        self._checkpointed: list[nn.Module] = []
+        # activation offload's offloader (``CheckpointOffload``), None without one
+        self.boundary_offloader: BoundaryOffloader | None = None
+        self._hf_checkpointing = False
+        # what checkpoint_units installed last (False: nothing)
+        self.checkpointing: bool | Iterable[str] | CheckpointPolicyLike = False
+
+    @property
+    def order(self) -> list[Unit]:
+        """The units in the order the current (or last) forward pass called them."""
+        return self._order
+
+    @property
+    def checkpointed(self) -> list[nn.Module]:
+        """The modules whose forward runs under our checkpoint wrapper."""
+        return self._checkpointed
+
+    # ------------------------------------------------------------------ set-up
+
+    def add_units(self, units: list[Unit]) -> None:
+        """Hooks on the modules of new ``units`` (the rest unit gets none: the root's
+        hooks load it)."""
+        self._rest_units = [u for u in self.units if u.rest]
+        for u in units:
+            if u.rest:
+                continue
+            for m in u.modules:
+                self._hooks.append(
+                    m.register_forward_pre_hook(
+                        UnitHook(self._pre_forward, u.index), with_kwargs=True
+                    )
+                )
+                self._hooks.append(
+                    m.register_forward_hook(
+                        UnitHook(self._post_forward, u.index), with_kwargs=True, always_call=True
+                    )
+                )
+            # See [Note: parameters during backward]
+            inner = slot_callers(u.modules, [m for m, _, _, _ in u.slots])
+            for m in inner:
+                self._hooks.append(
+                    m.register_forward_pre_hook(UnitHook(self._slot_pre_forward, u.index))
+                )
+                self._hooks.append(
+                    m.register_forward_hook(
+                        UnitHook(self._slot_post_forward, u.index), always_call=True
+                    )
+                )
+
+    def install_root_hooks(self, root: nn.Module) -> None:
+        """The root's forward hooks (a pass starts and ends there) and every module's
+        ``_apply``. See [Note: moving and casting an offloaded model]."""
+        self._hooks.append(
+            root.register_forward_pre_hook(
+                weak_method(self._root_pre_forward), with_kwargs=True, prepend=True
+            )
+        )
+        self._hooks.append(
+            root.register_forward_hook(
+                weak_method(self._root_post_forward), with_kwargs=True, always_call=True
+            )
+        )
+        for module in root.modules():
+            module.__dict__["_apply"] = ModuleCall(self._apply_to_model, module)
+
+    def checkpoint_units(
+        self, model: nn.Module, which: bool | Iterable[str] | CheckpointPolicyLike = True
+    ) -> None:
+        """Recompute activations in backward instead of keeping them
+        (``torch.utils.checkpoint``, non-reentrant; Chen et al. 2016): every block
+        (``which=True``), the units named in ``which`` (a plan's ``checkpointed``), or the
+        units a policy of ``ramflow.memory`` chooses (``resolve_over_units``), with its
+        options (a selective policy's ``context_fn``; segments).
+
+        A Hugging Face model gets its own switch (it also turns the KV cache off, which a
+        recomputation would otherwise extend twice); with names, the layers of the other
+        units have theirs turned off again. Other models (and named units that hold no
+        Hugging Face layer) get a wrapper inside the unit's forward, so the unit's hooks
+        still run once per call and the recomputation finds the unit pinned and its device
+        parameters in place. Segments wrap their ``nn.Sequential`` instead: see
+        [Note: checkpointed segments of units]. ``CheckpointOffload`` always takes the
+        wrapper (Hugging Face models included; train them with ``use_cache=False``): the
+        offload hooks must surround the checkpoint call.
+
+        Raises:
+            ValueError: ``which`` names a unit the model does not have, or the policy
+                cannot apply to this model (nothing changed).
+        """
+        self.checkpointing = which
+        names: set[str] | None = None
+        context_fn = None
+        offloader = None
+        if is_checkpoint_policy(which):
+            candidates = [
+                (u.name, u.modules[0])
+                for u in self.units
+                if not u.rest and len(u.modules) == 1 and u.modules[0] is not model
+            ]
+            plan = resolve_over_units(which, model, candidates)  # type: ignore[arg-type]
+            if plan.segments:
+                self._checkpoint_segments(model, plan, candidates)
+                return
+            if not plan.blocks:
+                return  # the policy chose nothing (e.g. already within its budget)
+            names, context_fn = set(plan.blocks), plan.context_fn
+            if plan.offload_prefetch:
+                # our wrapper, not Hugging Face's switch: the offload hooks go around
+                # the checkpoint call. See [Note: offloaded checkpoint boundaries]
+                offloader = BoundaryOffloader(prefetch=plan.offload_prefetch)
+                self.boundary_offloader = offloader
+        elif which is not True:
+            names = {which} if isinstance(which, str) else set(which)  # type: ignore[arg-type]
+            known = [u.name for u in self.units if not u.rest]
+            unknown = sorted(names - set(known))
+            if unknown:
+                raise ValueError(
+                    f"activation_checkpointing names units this model does not have: {unknown}. "
+                    f"Its units: {known}"
+                )
+        if offloader is None and getattr(model, "supports_gradient_checkpointing", False):
+            kwargs: dict[str, Any] = {"use_reentrant": False}
+            if context_fn is not None:
+                kwargs["context_fn"] = context_fn
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            self._hf_checkpointing = True
+            if names is None:
+                return
+            for u in self.units:
+                flagged = [
+                    m
+                    for root in u.modules
+                    if root is not model
+                    for m in root.modules()
+                    if getattr(m, "gradient_checkpointing", False) is True
+                ]
+                if u.name not in names:
+                    for m in flagged:
+                        m.gradient_checkpointing = False
+                elif flagged:
+                    names.discard(u.name)  # Hugging Face recomputes it
+        for u in self.units:
+            if u.rest or len(u.modules) != 1 or u.modules[0] is model:
+                continue
+            if names is not None and u.name not in names:
+                continue
+            module = u.modules[0]
+            if "forward" in module.__dict__:
+                continue  # already wrapped by someone else; leave it alone
+            # the wrapper lives in the module: it holds the module and the schedule weakly
+            forward = functools.partial(
+                checkpointed_unit_forward,
+                weakref.ref(module),
+                type(module).forward,
+                UnitHook(self._call_swapped, u.index),
+                context_fn,
+                offloader,
+            )
+            module.forward = forward
+            self._checkpointed.append(module)
+
+    def _checkpoint_segments(
+        self, model: nn.Module, plan: CheckpointPlan, candidates: list[tuple[str, nn.Module]]
+    ) -> None:
+        """Wrap the ``nn.Sequential`` whose children are the units of ``plan.segments``.
+        See [Note: checkpointed segments of units].
+
+        Raises:
+            ValueError: the ``nn.Sequential``'s forward is already replaced (nothing changed).
+        """
+        by_name = dict(candidates)
+        # resolve_over_units checked that the segments are runs of one nn.Sequential's children
+        parent = model.get_submodule(plan.segments[0][0].rpartition(".")[0])
+        assert isinstance(parent, nn.Sequential)
+        if "forward" in parent.__dict__:
+            raise ValueError(
+                f"activation_checkpointing: {type(parent).__name__}.forward is already "
+                "replaced (by apply_checkpointing?); undo that first"
+            )
+        position = {id(child): i for i, child in enumerate(parent)}
+        runs = []
+        for segment in plan.segments:
+            at = [position[id(by_name[name])] for name in segment]
+            runs.append((at[0], at[-1] + 1))
+        parent.forward = functools.partial(
+            segmented_unit_forward,
+            weakref.ref(parent),
+            functools.partial(weak_method(self._run_segment), weakref.ref(parent)),
+            tuple(sorted(runs)),
+        )
+        self._checkpointed.append(parent)
+
+    def _run_segment(self, parent_ref: weakref.ref, start: int, stop: int, input: Any) -> Any:
+        """The children ``start:stop`` of a checkpointed ``nn.Sequential``: as modules in
+        forward; in the recomputation with their units acquired and swapped in. See
+        [Note: checkpointed segments of units]."""
+        children = list(parent_ref())[start:stop]
+        if not _in_backward():
+            for child in children:
+                input = child(input)
+            return input
+        unit_of = {id(u.modules[0]): u for u in self.units if len(u.modules) == 1}
+        units = [unit_of[id(child)] for child in children]
+        deps = self._expand(units)
+        self._window.acquire(deps)
+        try:
+            for u in units:
+                self._swap(u, to_device=True)
+            try:
+                for child in children:
+                    input = child.forward(input)
+            finally:
+                for u in units:
+                    self._swap(u, to_device=False)
+        finally:
+            self._window.release(deps)
+        return input
+
+    def restore(self, model: nn.Module | None) -> None:
+        """Take off every hook, wrapper and routed ``_apply``; swap host parameters back
+        into every module slot (``remove``)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.uncheckpoint_units(model)
+        for module in model.modules() if model is not None else ():
+            module.__dict__.pop("_apply", None)
+        for u in self.units:
+            if u.swaps:
+                u.swaps = 1
+                self._swap(u, to_device=False)
+
+    @property
+    def in_pass(self) -> bool:
+        """Inside a forward or backward pass."""
+        return bool(self._root_active) or _in_backward()
+
+    def uncheckpoint_units(self, model: nn.Module | None) -> None:
+        """Take off what ``checkpoint_units`` installed: our wrappers, Hugging Face's
+        switch, the boundary offloader. Call it between passes (a graph built before keeps
+        unpacking through the offloader it saved with)."""
+        for module in self._checkpointed:
+            del module.forward
+        self._checkpointed.clear()
+        if self._hf_checkpointing:
+            assert model is not None
+            disable = (
+                getattr(model, "activation_checkpointing_disable", None)
+                or model.gradient_checkpointing_disable
+            )
+            disable()
+            self._hf_checkpointing = False
+        self.boundary_offloader = None
+        self.checkpointing = False
+
+    def _call_swapped(self, u: Unit, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` with ``u``'s module slots on the device parameters: the checkpoint
+        wrapper's recomputation calls the unit's own forward, not its hooks."""
+        self._swap(u, to_device=True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._swap(u, to_device=False)
+
+    # ------------------------------------------------------------------ predictions
+
+    @staticmethod
+    def _expand(units: Iterable[Unit]) -> list[Unit]:
+        out: list[Unit] = []
+        for u in units:
+            for d in u.deps:
+                if d not in out:
+                    out.append(d)
+        return out
+
+    def _forward_prediction(self, u: Unit, position: int) -> list[Unit]:
+        prev = self._prev_order
+        depth = self.prefetch_depth
+        if position < len(prev) and prev[position] is u:
+            nxt = prev[position + 1 : position + 1 + depth]
+        else:
+            nxt = [v for v in self.units[u.index + 1 :] if not v.resident and not v.rest][:depth]
+        return self._expand(nxt)
+
+    def _backward_prediction(self, order: list[Unit], position: int) -> list[Unit]:
+        lo = max(0, position - self.prefetch_depth)
+        return self._expand(reversed(order[lo:position]))
+
+    # ------------------------------------------------------------------ forward
+
+    def _swap(self, u: Unit, *, to_device: bool) -> None:
+        """Point the unit's module slots at the device parameters while a forward call or
+        a backward call of the unit is in flight (counted: they nest under checkpointing,
+        whose recomputation may call submodules directly, without the unit's hooks)."""
+        if to_device and u.swaps == 0:
+            check_host_parameters(u)
+        u.swaps += 1 if to_device else -1
+        assert u.swaps >= 0
+        if u.swaps == (1 if to_device else 0):
+            for module, name, host, dev in u.slots:
+                module._parameters[name] = dev if to_device else host
+
+    def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if _in_backward():
+            return args, kwargs
+        self.settle()
+        self.worker.raise_error()
+        self._stepper.raise_if_partial_step()
+        if self._order:
+            self._prev_order = self._order
+        self._order = []
+        self._in_order = set()
+        rest = self._rest_units
+        if rest:
+            self._window.acquire(rest)
+            for u in rest:
+                self._swap(u, to_device=True)
+        self._root_active += 1  # _root_post_forward undoes the above (also after an error)
+        cast = (
+            self.wire_dtype
+            if self.wire_dtype != torch.float32 and not torch.is_autocast_enabled(self.device.type)
+            else None
+        )
+
+        def move(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            if x.device != self.device:
+                x = x.to(self.device)
+            if cast is not None and x.is_floating_point() and x.dtype != cast:
+                x = x.to(cast)
+            return x
+
+        return pytree.tree_map(move, args), pytree.tree_map(move, kwargs)
+
+    def _root_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if _in_backward() or not self._root_active:
+            return
+        self._root_active -= 1
+        rest = self._rest_units
+        for u in rest:
+            self._swap(u, to_device=False)
+        self._window.release(rest)
+        if output is None:
+            return  # the forward raised
+        positions: dict[Unit, int] = {}
+        for i, u in enumerate(self._order):
+            positions.setdefault(u, i)
+        for u, i in positions.items():
+            self._stepper.note_position(u, i)
+        if not torch.is_grad_enabled():
+            # no backward follows: start loading the next forward's first units now, so
+            # back-to-back inference calls do not wait for the pipeline to fill
+            first = [u for u in self._order if not u.resident][: self.prefetch_depth]
+            self._window.prefetch(self._expand(first))
+        if torch.is_grad_enabled():
+            for t in pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._root_output_grad)
+
+    def _layer_pass(self, u: Unit) -> None:
+        """A layer engine has no root to mark a forward pass: a unit called again starts
+        the next one (and ends a backward pass that did not end on its own)."""
+        if self._gradients.pass_open:
+            self._end_backward()
+        if u in self._in_order:
+            self._prev_order = self._order
+            self._order = []
+            self._in_order = set()
+        if u not in self._in_order:
+            self._stepper.note_position(u, len(self._order))
+
+    def _pre_forward(self, u: Unit, module: nn.Module, args: tuple, kwargs: dict):
+        in_bw = _in_backward()
+        if not in_bw and self._layer_engine:
+            self.settle()
+            self._stepper.raise_if_partial_step()
+            self._layer_pass(u)
+        # what this call takes, undone by _post_forward also when something below raises
+        # (always_call): a failed forward leaves no pin and no swapped parameter behind
+        frame = _Frame()
+        u.call_stack.append(frame)
+        position = len(self._order)
+        if not in_bw:
+            self._order.append(u)
+            self._in_order.add(u)
+        with torch.profiler.record_function(f"ramflow.wait:{u.name}"):
+            self._window.acquire(u.deps)
+        frame.acquired = True
+        self._swap(u, to_device=True)
+        frame.swapped = True
+        if not in_bw:
+            self._window.prefetch(self._forward_prediction(u, position))
+        else:  # recomputation under checkpointing: backward goes on to earlier units
+            last = max((i for i, v in enumerate(self._order) if v is u), default=None)
+            if last is not None:
+                self._window.prefetch(self._backward_prediction(self._order, last))
+        if torch.is_grad_enabled():
+            call = _Call(u.deps, None if in_bw else self._order, position)
+            frame.call = call
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            idx = [
+                i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
+            ]
+            if idx:
+                wrapped = _PostBackward.apply(self, call, *[leaves[i] for i in idx])
+                for i, t in zip(idx, wrapped):
+                    leaves[i] = t
+                args, kwargs = pytree.tree_unflatten(leaves, spec)
+        return args, kwargs
+
+    def _post_forward(self, u: Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        if not u.call_stack:
+            return  # a hook before ours raised: our pre-forward never ran
+        frame = u.call_stack.pop()
+        if frame.swapped:
+            self._swap(u, to_device=False)
+        if not frame.acquired:
+            return
+        call = frame.call
+        if call is None or not _in_backward():
+            self._window.release(u.deps)
+            if call is not None:
+                tensors = [
+                    t
+                    for t in pytree.tree_leaves(output)
+                    if isinstance(t, torch.Tensor) and t.requires_grad
+                ]
+                hook = functools.partial(weak_method(self._pre_backward), call)
+                for t in tensors:
+                    t.register_hook(hook)
+            return
+        # Recomputation inside backward. Non-reentrant checkpointing: the original call
+        # holds backward pins, so this one can go. Reentrant: nothing else holds the unit
+        # until the nested backward through this recomputation reaches its inputs.
+        if all(d.backward_pins > 0 for d in u.deps):
+            self._window.release(u.deps)
+        else:
+            call.rc_pinned = True
+            self._outstanding.add(call)
+            self._gradients.open_pass()
+
+    def _slot_pre_forward(self, u: Unit, module: nn.Module, args: tuple) -> None:
+        """A module inside ``u`` called during backward (a recomputation that does not go
+        through the unit's own forward): its parameters are the device ones while it runs.
+        See [Note: parameters during backward]."""
+        swap = _in_backward() and u.pins > 0
+        u.slot_stack.append((module, swap))
+        if swap:
+            self._swap(u, to_device=True)
+
+    def _slot_post_forward(self, u: Unit, module: nn.Module, args: tuple, output: Any) -> None:
+        if u.slot_stack and u.slot_stack[-1][0] is module:
+            if u.slot_stack.pop()[1]:
+                self._swap(u, to_device=False)
+
+    # ------------------------------------------------------------------ backward
+
+    def _root_output_grad(self, grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._end_backward_queued_for != task:
+            self._end_backward_queued_for = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_backward(self, call: _Call, grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if call.pre_backward_done:
+            if task != call.backward_task:
+                raise RuntimeError(
+                    "a second backward pass ran through the graph of one forward of an "
+                    "offloaded model (backward(retain_graph=True), then backward again): "
+                    "ramflow frees each unit's device weights once its backward is done, so "
+                    "the graph cannot be run again. Run the forward again before each backward."
+                )
+            return  # another output of the same call, in the same pass
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "backward with create_graph=True (a double backward: gradient penalties, "
+                "Hessian-vector products) is not supported on an offloaded model: the graph "
+                "of the gradients would hold device weights that ramflow frees after each "
+                "unit's backward. Compute it on a resident model (ramflow.undo(model)), or "
+                "approximate the penalty without create_graph (finite differences)."
+            )
+        call.pre_backward_done = True
+        call.backward_task = task
+        self._gradients.open_pass()
+        if self._layer_engine:  # no root output to end the backward pass from
+            self._root_output_grad(grad)
+        with torch.profiler.record_function("ramflow.wait_backward"):
+            self._window.acquire(call.deps, backward=True)
+        call.bw_pinned = True
+        self._outstanding.add(call)
+        if call.order is not None:
+            self._window.prefetch(self._backward_prediction(call.order, call.position))
+
+    def _post_backward(self, call: _Call) -> None:
+        if call.bw_pinned:
+            call.bw_pinned = False
+            self._window.release(call.deps, backward=True)
+        if call.rc_pinned:
+            call.rc_pinned = False
+            self._window.release(call.deps)
+        self._outstanding.discard(call)
+
+    def _end_backward(self) -> None:
+        """End of a backward pass: release what it held, send leftover gradients, and wait
+        until every gradient has landed in the host gradients (so ``p.grad`` is complete)."""
+        for call in list(self._outstanding):
+            self._post_backward(call)
+        self._gradients.finish_pass()
+        self._stepper.end_pass()
+        self._end_backward_queued_for = -1
+
+    def settle(self) -> None:
+        """Called where the training loop enters ramflow outside backward (a forward, a
+        step, zero_grad, clipping, synchronize): finish the last backward pass. Its end
+        callback runs only when the pass succeeds, so one that was queued and never ran
+        means the pass raised. See [Note: a failed backward]."""
+        if _in_backward():
+            return
+        if self._end_backward_queued_for != -1:
+            self._abort_backward()
+        elif self._gradients.pass_open:  # a backward that did not reach the root's outputs
+            self._end_backward()
+
+    def _abort_backward(self) -> None:
+        """Clean up after a backward pass that raised. See [Note: a failed backward]."""
+        for call in list(self._outstanding):
+            self._post_backward(call)
+        error, stepped, partial_grads = self._gradients.abort_pass()
+        self._stepper.failed_pass(stepped=stepped, partial_grads=partial_grads)
+        self._end_backward_queued_for = -1
+        if error is not None:
+            raise RuntimeError(f"ramflow host worker failed: {error}") from error
+
+    # ------------------------------------------------------------------ the model's _apply
+
+    def _apply_to_model(self, module: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
+        """``module.to(...)``, ``.cuda()``, ``.half()`` and everything else that goes through
+        ``nn.Module._apply``. See [Note: moving and casting an offloaded model]."""
+        # on the compute device: a cast (``.float()``) keeps it there, a move does not
+        probe = torch.tensor([0.5, -1.25], dtype=torch.float32, device=self.device)
+        out = fn(probe)
+        what = f"{type(module).__name__}._apply({getattr(fn, '__name__', 'fn')})"
+        host_probe = torch.zeros(1)  # share_memory_() acts on host tensors only
+        fn(host_probe)
+        if host_probe.is_shared():
+            raise ValueError(
+                "share_memory() on an offloaded model would move its host store; ramflow keeps "
+                "one host copy per host already (zero_stage=... under torch.distributed). Call "
+                "share_memory() before ramflow.offload, or ramflow.undo(model) first."
+            )
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.is_meta
+            or not torch.equal(out.detach().to(self.device, torch.float32), probe)
+        ):
+            raise ValueError(
+                f"{what} would not keep the values of the parameters (to_empty, the meta device "
+                "or an unknown conversion); ramflow keeps them in host RAM. Call "
+                "ramflow.undo(model) first to get an ordinary module."
+            )
+        device, dtype = out.device, out.dtype
+        if dtype == torch.float32 and fn(probe.to(torch.bfloat16)).dtype == torch.bfloat16:
+            dtype = None  # a move that keeps dtypes (``.to(device)``, ``.cuda()``)
+        if device != self.device and not (device.type == self.device.type == "cpu"):
+            raise ValueError(
+                f"this model is offloaded by ramflow to compute on {self.device}; it cannot move "
+                f"to {device}. Its weights stay in host RAM whatever the compute device. For an "
+                "ordinary module on the CPU, call ramflow.undo(model); to compute on another "
+                "device, call ramflow.undo(model) and ramflow.offload(model, device=...)."
+            )
+        if dtype is not None and dtype != self.wire_dtype:
+            name = str(dtype).replace("torch.", "")
+            wire = str(self.wire_dtype).replace("torch.", "")
+            raise ValueError(
+                f"this model is offloaded by ramflow with master weights in host RAM that compute in "
+                f"{wire} (its wire dtype); casting it to {name} is not supported in place. "
+                + (
+                    f"Call ramflow.undo(model), then ramflow.offload(model, wire_dtype=torch.{name})."
+                    if dtype != torch.float64
+                    else "ramflow computes in float32, bfloat16 or float16: for float64, call "
+                    "ramflow.undo(model) and keep the model resident."
+                )
+            )
+        # device and dtype are what they already are: only the buffers follow (they live on
+        # the device, and a plain model casts its floating-point buffers too)
+        modules = module.modules() if recurse else [module]
+        for m in modules:
+            for name, buf in m._buffers.items():
+                if buf is not None:
+                    new = fn(buf)
+                    m._buffers[name] = new if new.device == self.device else new.to(self.device)
+        return module
