@@ -551,3 +551,51 @@ def _names_of(model: torch.nn.Module, unit) -> list[str]:
     for name, p in model.named_parameters():
         names.setdefault(id(p), name)
     return [names[id(p)] for p in unit.owned]
+
+
+def moe_reference(num_experts: int = 4, dim: int = 8, top_k: int = 2, tokens: int = 6):
+    """The tiny MoE layer both sides of the expert-parallel test use: a router and
+    ``num_experts`` linear experts, the same on every rank and in the single process."""
+    torch.manual_seed(123)
+    router = torch.nn.Linear(dim, num_experts, bias=False)
+    experts = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(num_experts))
+    return router, experts, top_k, tokens, dim
+
+
+def moe_tokens(rank: int, tokens: int, dim: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(tokens, dim, generator=g)
+
+
+def moe_forward(x, router, experts_apply, top_k):
+    """Router then experts: ``experts_apply(x, expert_TK)`` -> (T, K, D) outputs."""
+    probs = torch.softmax(router(x), dim=-1)
+    weight, expert = torch.topk(probs, top_k, dim=-1)
+    return weight, expert
+
+
+def expert_parallel(rank: int, world_size: int, options: dict) -> dict:
+    """One MoE layer with its experts split over the ranks: forward, then backward of a
+    fixed weighting of the outputs. Returns this rank's outputs and gradients."""
+    from ramflow.distributed.experts import ExpertPlacement, combine, dispatch
+
+    router, experts, top_k, tokens, dim = moe_reference(**options.get("moe", {}))
+    placement = ExpertPlacement(len(experts), world_size)
+    x = moe_tokens(rank, tokens, dim).requires_grad_(True)
+    weight, expert = moe_forward(x, router, None, top_k)
+    batch = dispatch(x, expert, placement)
+    mine = list(placement.experts_of(rank))
+    y = torch.zeros(batch.rows_ND.shape[0], dim)
+    for local, e in enumerate(mine):
+        sel = (batch.local_expert_N == local).nonzero().squeeze(1)
+        y = y.index_copy(0, sel, experts[e](batch.rows_ND[sel]))
+    out = combine(y, batch, weight)
+    g = torch.Generator().manual_seed(2000 + rank)
+    (out * torch.randn(out.shape, generator=g)).sum().backward()
+    return {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "router_grad": router.weight.grad,
+        "expert_grads": {e: experts[e].weight.grad for e in mine},
+        "recv_counts": batch.recv_counts,
+    }
