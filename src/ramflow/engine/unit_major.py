@@ -231,7 +231,7 @@ class UnitMajorStep:
         first_call: dict[int, int] = {}  # a unit's first call is the last that backward meets
         for r, c in enumerate(calls[0]):
             first_call.setdefault(id(c.unit), r)
-        for m, loss in enumerate(losses):
+        for loss in losses:
             loss.backward()
         self._done(calls, num_rounds - 1, first_call)
         for r in range(num_rounds - 1, 0, -1):
