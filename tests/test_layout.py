@@ -8,6 +8,8 @@ above, not even for a type hint under ``TYPE_CHECKING`` or inside a function.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,19 @@ def test_few_modules_at_the_root_and_every_folder_says_what_it_owns():
     for init in PACKAGE.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and ("May import" in doc or init.parent.name in ("compat",)), init
+
+
+def test_import_ramflow_loads_no_torch_until_a_name_is_used():
+    """``import ramflow`` (and so ``ramflow --help``) stays light: the public names load on
+    first use, and then resolve to the objects their modules define."""
+    code = (
+        "import sys, ramflow\n"
+        "assert 'torch' not in sys.modules, 'import ramflow imported torch'\n"
+        "from ramflow.api import offload\n"
+        "assert ramflow.offload is offload and 'offload' in dir(ramflow)\n"
+        "assert ramflow.optim.AdamW.__module__ == 'ramflow.optim.adamw'\n"
+        "try:\n    ramflow.no_such_name\nexcept AttributeError:\n    pass\n"
+        "else:\n    raise SystemExit('no AttributeError')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
