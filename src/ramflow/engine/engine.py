@@ -441,6 +441,8 @@ class Engine:
     def _adopt_hook(self, module: nn.Module, args: tuple) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward: the pass began with this structure
+        # accelerate may be imported since offload: See [Note: clipping through torch.nn.utils]
+        install_clip_route()
         self.adopt_changes()
 
     def adopt_changes(self) -> None:
