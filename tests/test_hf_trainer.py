@@ -330,6 +330,30 @@ def test_trainer_clipping_every_step_matches(device, tmp_path, accelerate_path):
     assert_close(logged(ours, "grad_norm"), ref_norms, device=device, atol=LOSS_ATOL_CUDA)
 
 
+def test_accelerate_imported_after_offload_is_routed_at_the_next_forward():
+    """An ``Accelerator.clip_grad_norm_`` that ramflow has not routed yet (accelerate
+    imported after ``offload``; here the route is taken off) is routed before the next
+    forward, and its norm after that pass is the plain model's."""
+    from accelerate import Accelerator
+
+    from ramflow.engine.clip import remove_clip_route
+
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    model = tiny_llama(tie=False)
+    ref = copy.deepcopy(model)
+    offloaded(model, device)
+    remove_clip_route()
+    unrouted = Accelerator.clip_grad_norm_
+    ids = lm_data(2)[0]["input_ids"][None]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert Accelerator.clip_grad_norm_ is not unrouted
+    norm = Accelerator(cpu=True).clip_grad_norm_(list(model.parameters()), float("inf"))
+    ref(input_ids=ids, labels=ids).loss.backward()
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+
+
 def word_tokenizer():
     """A tokenizer over the tiny model's 128 ids (``t0`` .. ``t127``), built with the
     ``tokenizers`` library: TRL's ``SFTTrainer`` needs one for its padding and EOS token."""
