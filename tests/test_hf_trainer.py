@@ -330,21 +330,19 @@ def test_trainer_clipping_every_step_matches(device, tmp_path, accelerate_path):
     assert_close(logged(ours, "grad_norm"), ref_norms, device=device, atol=LOSS_ATOL_CUDA)
 
 
-def test_accelerate_imported_after_offload_is_routed_at_the_next_forward():
+def test_accelerate_imported_after_offload_is_routed_at_the_next_forward(monkeypatch):
     """An ``Accelerator.clip_grad_norm_`` that ramflow has not routed yet (accelerate
-    imported after ``offload``; here the route is taken off) is routed before the next
-    forward, and its norm after that pass is the plain model's."""
+    imported after ``offload``; here accelerate's own function is put back) is routed
+    before the next forward, and its norm after that pass is the plain model's."""
     from accelerate import Accelerator
-
-    from ramflow.engine.clip import remove_clip_route
 
     device = torch.device("cpu")
     torch.manual_seed(0)
     model = tiny_llama(tie=False)
     ref = copy.deepcopy(model)
     offloaded(model, device)
-    remove_clip_route()
-    unrouted = Accelerator.clip_grad_norm_
+    unrouted = Accelerator.clip_grad_norm_._ramflow_route_of
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_", unrouted)
     ids = lm_data(2)[0]["input_ids"][None]
     model(input_ids=ids, labels=ids).loss.backward()
     assert Accelerator.clip_grad_norm_ is not unrouted

@@ -352,10 +352,18 @@ def _route_accelerate_clip(accelerate_clip: Any) -> Any:
 def install_clip_route() -> None:
     """Send ``torch.nn.utils.clip_grad_norm_`` and, once accelerate is imported,
     ``accelerate.Accelerator.clip_grad_norm_`` calls for offloaded parameters to
-    ``ramflow.clip_grad_norm_`` (idempotent and cheap: called before each forward). See
-    [Note: clipping through torch.nn.utils]."""
+    ``ramflow.clip_grad_norm_`` (idempotent; at each offload). See [Note: clipping through
+    torch.nn.utils]."""
     torch.nn.utils.clip_grad_norm_ = _routed_clip_grad_norm_
     _torch_clip_module.clip_grad_norm_ = _routed_clip_grad_norm_
+    route_accelerate_clip()
+
+
+def route_accelerate_clip() -> None:
+    """Route ``accelerate.Accelerator.clip_grad_norm_`` if accelerate is imported and its
+    clip is not routed yet (idempotent and cheap: called before each forward, so an import
+    after ``offload`` is seen before the first backward). See [Note: clipping through
+    torch.nn.utils]."""
     accelerator = getattr(sys.modules.get("accelerate.accelerator"), "Accelerator", None)
     current = getattr(accelerator, "clip_grad_norm_", None)
     if current is not None and not hasattr(current, "_ramflow_route_of"):
