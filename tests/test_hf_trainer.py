@@ -229,19 +229,35 @@ def test_accelerate_prepare_loop_matches_and_steps_during_backward(device):
         assert_close(final[name], value, device=device, atol=WEIGHT_ATOL_CUDA)
 
 
-def test_trainer_without_clipping_steps_during_backward(device, tmp_path):
-    """``max_grad_norm=0``: the Trainer (transformers 5) still reads the norm to log
-    ``grad_norm`` (``clip_grad_norm_`` with ``max_norm=inf``), which leaves the gradients
-    alone, so from the second step on ramflow steps each unit during backward (with
-    ``keep_grads=False`` such a step leaves ``p.grad`` None before ``optimizer.step()``, a
-    deferred one fills it), and the run equals a plain Trainer's."""
+@pytest.fixture(params=["get_total_norm", "torch_clip"])
+def accelerate_path(request, monkeypatch) -> str:
+    """Which of accelerate's own code paths ``Accelerator.clip_grad_norm_`` takes on one
+    process: accelerate 1.16 computes the norm from ``p.grad`` itself
+    (``torch.nn.utils.get_total_norm``, then ``clip_grads_with_norm_``) where
+    ``torch.distributed`` is available, and calls ``torch.nn.utils.clip_grad_norm_`` (what
+    earlier versions always did) where it is not; the second is selected by hiding
+    ``torch.distributed``. See [Note: clipping through torch.nn.utils] in ramflow.engine.clip."""
+    from accelerate import Accelerator
+
+    if not hasattr(Accelerator, "_clip_grad_norm_dtensor_aware"):
+        if request.param == "get_total_norm":
+            pytest.skip("this accelerate calls torch.nn.utils.clip_grad_norm_ only")
+    elif request.param == "torch_clip":
+        monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
+    return request.param
+
+
+def grad_norm_run(device, tmp_path, *, keep_grads: bool, **args):
+    """A plain Trainer and one on an offloaded model, 4 steps of one micro-batch each from
+    the same weights: both Trainers and whether ``p.grad`` of the offloaded model was
+    filled before each ``optimizer.step()``."""
     from transformers import TrainerCallback
 
     torch.manual_seed(0)
     model = tiny_llama(tie=False)
     ref = copy.deepcopy(model)
     data = lm_data()
-    args = dict(gradient_accumulation_steps=1, max_grad_norm=0.0, save_strategy="no")
+    args = dict(gradient_accumulation_steps=1, save_strategy="no", **args)
 
     offloaded(model, device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -255,7 +271,7 @@ def test_trainer_without_clipping_steps_during_backward(device, tmp_path):
         model=model,
         args=trainer_args(device, tmp_path / "ours", **args),
         train_dataset=data,
-        optimizers=(ramflow.optim.AdamW(model.parameters(), lr=LR, keep_grads=False), None),
+        optimizers=(ramflow.optim.AdamW(model.parameters(), lr=LR, keep_grads=keep_grads), None),
         callbacks=[BeforeStep()],
     )
     ours.train()
@@ -266,20 +282,74 @@ def test_trainer_without_clipping_steps_during_backward(device, tmp_path):
         optimizers=(plain_adamw(ref, device), None),
     )
     theirs.train()
-
-    assert grads_left == [True, False, False, False]  # the first step deferred, then eager
     assert_close(logged(ours, "loss"), logged(theirs, "loss"), device=device, atol=LOSS_ATOL_CUDA)
-    # the norms of steps during backward sum per unit, PyTorch's per tensor: fp32 rounding
-    # on the CPU; within bf16 rounding on CUDA (relative, on norms near 1)
-    torch.testing.assert_close(
-        logged(ours, "grad_norm"),
-        logged(theirs, "grad_norm"),
-        rtol=1e-5 if device.type == "cpu" else 2**-6,
-        atol=0,
-    )
     final = weights(model)
     for name, value in weights(ref).items():
         assert_close(final[name], value, device=device, atol=WEIGHT_ATOL_CUDA)
+    return ours, theirs, grads_left
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+def test_trainer_without_clipping_steps_during_backward(
+    device, tmp_path, accelerate_path, keep_grads
+):
+    """``max_grad_norm=0``: the Trainer (transformers 5) still reads the norm to log
+    ``grad_norm`` (``clip_grad_norm_`` with ``max_norm=inf``), which leaves the gradients
+    alone, so from the second step on ramflow steps each unit during backward, and the run
+    and every logged ``grad_norm`` equal a plain Trainer's, whichever path accelerate takes.
+    With ``keep_grads=False`` such a step leaves ``p.grad`` None before ``optimizer.step()``
+    (accelerate 1.16 read a norm of 0 from them); with ``keep_grads=True`` the step writes
+    ``p.grad`` on the worker while the Trainer goes on (a norm read from them depended on
+    timing)."""
+    ours, theirs, grads_left = grad_norm_run(
+        device, tmp_path, keep_grads=keep_grads, max_grad_norm=0.0
+    )
+    if not keep_grads:
+        assert grads_left == [True, False, False, False]  # the first step deferred, then eager
+    # the norms of steps during backward sum per unit, PyTorch's per tensor: fp32 rounding
+    # on the CPU; within bf16 rounding on CUDA (relative, on norms near 1)
+    ref_norms = logged(theirs, "grad_norm")
+    assert len(ref_norms) == MAX_STEPS
+    torch.testing.assert_close(
+        logged(ours, "grad_norm"),
+        ref_norms,
+        rtol=1e-5 if device.type == "cpu" else 2**-6,
+        atol=0,
+    )
+
+
+def test_trainer_clipping_every_step_matches(device, tmp_path, accelerate_path):
+    """``max_grad_norm=1.0`` (the Trainer's default) with one micro-batch per step: the clip
+    reaches ``ramflow.clip_grad_norm_`` whichever path accelerate takes, so every step is
+    deferred (the norm must be known first) and the logged ``grad_norm``, the losses and
+    the weights equal a plain Trainer's (the same bits on the CPU)."""
+    ours, theirs, grads_left = grad_norm_run(device, tmp_path, keep_grads=False, max_grad_norm=1.0)
+    assert grads_left == [True] * MAX_STEPS  # deferred: the gradients wait for the clip
+    ref_norms = logged(theirs, "grad_norm")
+    assert len(ref_norms) == MAX_STEPS and (ref_norms > 1.0).all()  # each step clips
+    assert_close(logged(ours, "grad_norm"), ref_norms, device=device, atol=LOSS_ATOL_CUDA)
+
+
+def test_accelerate_imported_after_offload_is_routed_at_the_next_forward(monkeypatch):
+    """An ``Accelerator.clip_grad_norm_`` that ramflow has not routed yet (accelerate
+    imported after ``offload``; here accelerate's own function is put back) is routed
+    before the next forward, and its norm after that pass is the plain model's."""
+    from accelerate import Accelerator
+
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    model = tiny_llama(tie=False)
+    ref = copy.deepcopy(model)
+    offloaded(model, device)
+    unrouted = Accelerator.clip_grad_norm_._ramflow_route_of
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_", unrouted)
+    ids = lm_data(2)[0]["input_ids"][None]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert Accelerator.clip_grad_norm_ is not unrouted
+    norm = Accelerator(cpu=True).clip_grad_norm_(list(model.parameters()), float("inf"))
+    ref(input_ids=ids, labels=ids).loss.backward()
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
 
 
 def word_tokenizer():

@@ -109,3 +109,24 @@ def test_log_to_tensorboard_writes_the_scalars(
     logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert logged == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in log]  # fp32 events
     assert [e.step for e in events.Scalars("val/loss")] == [0, 3]
+
+
+def test_a_three_step_run_warms_up_lowers_its_loss_and_names_the_steps_it_averages(
+    tmp_path: Path, corpus_file: Path
+) -> None:
+    """Three steps of the tiny preset from random weights on the CPU: the default warmup
+    is not 0, so step 1 takes less than the peak learning rate and the loss falls; the
+    summary's last training loss is the mean of the 3 steps there are, and says so."""
+    config = TrainConfig.from_options(
+        data=str(corpus_file), steps=3, seq_len=32, batch_size=2, eval_every=0, device="cpu"
+    )
+    assert config.warmup_steps >= 1
+    result = train(config, out=tmp_path / "run", progress=False)
+    steps = [r for r in read_log(tmp_path / "run" / "log.jsonl") if r["event"] == "step"]
+    losses = [r["loss"] for r in steps]
+    assert len(losses) == 3
+    assert steps[0]["lr"] < config.lr
+    assert losses[2] < losses[0]
+    assert result.last_loss == pytest.approx(sum(losses) / 3, rel=1e-12)
+    assert f"-> {result.last_loss:.4f} (mean of all 3 steps, 1 to 3)" in result.summary
+    assert "last 10" not in result.summary

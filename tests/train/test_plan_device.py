@@ -51,12 +51,21 @@ def test_without_cuda_the_plan_says_which_device_it_assumed(ramflow_cli, capsys)
         "  (this machine has no CUDA device: planned a CPU run; --device cuda"
     )
     assert "on cpu in fp32" in out.splitlines()[3]
+    # no "0 of 7 units stay on the device": a CPU has none, each unit is copied in RAM
+    assert out.splitlines()[5].startswith(
+        "  a CPU run has no device memory: each of the 7 units is copied from the host store "
+        "into a working slot in RAM before use ("
+    )
+    assert "stay on the device" not in out
 
 
 def test_device_cpu_keeps_a_cpu_plan(ramflow_cli, capsys) -> None:
     out = _plan_output(ramflow_cli, capsys, "--device", "cpu", "--gpu-memory", "2GiB")
     assert out.splitlines()[1] == "budget: 2.00 GiB of CPU memory"
     assert "on cpu in fp32" in out.splitlines()[2]
+    assert out.splitlines()[4] == (
+        "  a CPU run: all 7 units keep a working copy in RAM, none is copied per step"
+    )
     assert "no CUDA device" not in out  # the user named the device
     _no_raw_byte_counts(out)
 

@@ -2,19 +2,31 @@
 
 [Note: clipping through torch.nn.utils]
 Hugging Face's ``Trainer`` clips, and with ``max_grad_norm=0`` still reads the norm to log
-``grad_norm``, through accelerate's ``Accelerator.clip_grad_norm_``, which calls
-``torch.nn.utils.clip_grad_norm_`` (transformers 5, accelerate 1.x; with ``max_norm=inf``
-for the norm alone). PyTorch's function would scale the gradients by 1 in place (a change
-the step policy must assume is a clip) and read ``p.grad`` while steps run during backward
-write it. So the first offloaded model replaces ``torch.nn.utils.clip_grad_norm_`` (and
-``torch.nn.utils.clip_grad.clip_grad_norm_``) with a route: parameters of no offloaded
-model go to PyTorch's function unchanged; any offloaded parameter sends the call to
-``ramflow.clip_grad_norm_``, which returns what PyTorch's function returns (within fp32
-rounding on CUDA, see [Note: the norm from the device gradients] in ``ramflow.engine.grad_norms``)
-and clips the same gradients (in the step, see [Note: folding the clip into the step] in
-``ramflow.engine.grad_scale``). A module that bound the function by name before ramflow was
-imported (``from torch.nn.utils import clip_grad_norm_``) keeps PyTorch's: it still trains
-right, with every step deferred. ``remove_clip_route`` puts PyTorch's function back.
+``grad_norm``, through accelerate's ``Accelerator.clip_grad_norm_``. A loop that reads
+``p.grad`` itself is wrong on an offloaded model: a step during backward leaves ``p.grad``
+None (``keep_grads=False``) or writes it while the worker steps (the fused step), and
+PyTorch's function would scale the gradients by 1 in place (a change the step policy must
+assume is a clip). So both doors lead to ``ramflow.clip_grad_norm_``, which first settles
+the backward pass (every D2H landed) and returns what PyTorch's function returns (within
+fp32 rounding on CUDA, see [Note: the norm from the device gradients] in
+``ramflow.engine.grad_norms``) and clips the same gradients (in the step, see [Note:
+folding the clip into the step] in ``ramflow.engine.grad_scale``):
+- ``torch.nn.utils.clip_grad_norm_`` (and ``torch.nn.utils.clip_grad.clip_grad_norm_``)
+  is replaced by a route at the first offloaded model: parameters of no offloaded model go
+  to PyTorch's function unchanged. A module that bound the function by name before ramflow
+  was imported (``from torch.nn.utils import clip_grad_norm_``) keeps PyTorch's: it still
+  trains right, with every step deferred.
+- ``accelerate.Accelerator.clip_grad_norm_`` is replaced by a route too, once accelerate is
+  imported (checked at each offload and before each forward, so an import after
+  ``offload`` is seen before the first backward). accelerate 1.0 to 1.10 reached
+  ``torch.nn.utils.clip_grad_norm_``; later versions (1.16 at least) compute the norm from
+  ``p.grad`` with ``torch.nn.utils.get_total_norm`` and scale with
+  ``clip_grads_with_norm_``, which reads none of the above: eager passes logged a norm of 0
+  (``keep_grads=False``) or one read while the units still stepped. The route sends any
+  call with an offloaded parameter, after accelerate's ``unscale_gradients`` (as accelerate
+  does), to ``ramflow.clip_grad_norm_``, whatever accelerate would do for a single process
+  or DDP; FSDP, DeepSpeed and XLA keep accelerate's own clip.
+``remove_clip_route`` puts both functions back.
 
 [Note: norms in pieces on the CPU]
 A CPU reduction into a wider dtype than its input's (``g.double()``, ``vector_norm(g,
@@ -35,6 +47,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -315,14 +328,54 @@ def _routed_clip_grad_norm_(
     )
 
 
+# accelerate's distributed types whose clip is their own (sharded gradients): not routed
+_ACCELERATE_OWN_CLIP = ("FSDP", "DEEPSPEED", "XLA")
+
+
+def _route_accelerate_clip(accelerate_clip: Any) -> Any:
+    """``Accelerator.clip_grad_norm_`` that sends offloaded parameters to
+    ``ramflow.clip_grad_norm_``. See [Note: clipping through torch.nn.utils]."""
+
+    @functools.wraps(accelerate_clip)
+    def routed(accelerator: Any, parameters: Any, max_norm: float, norm_type: float = 2):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        offloaded = any(engine_of_param(p) is not None for p in params)
+        if not offloaded or accelerator.distributed_type in _ACCELERATE_OWN_CLIP:
+            return accelerate_clip(accelerator, params, max_norm, norm_type=norm_type)
+        accelerator.unscale_gradients()
+        return clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    routed._ramflow_route_of = accelerate_clip  # type: ignore[attr-defined]
+    return routed
+
+
 def install_clip_route() -> None:
-    """Send ``torch.nn.utils.clip_grad_norm_`` calls for offloaded parameters to
-    ``ramflow.clip_grad_norm_`` (idempotent). See [Note: clipping through torch.nn.utils]."""
+    """Send ``torch.nn.utils.clip_grad_norm_`` and, once accelerate is imported,
+    ``accelerate.Accelerator.clip_grad_norm_`` calls for offloaded parameters to
+    ``ramflow.clip_grad_norm_`` (idempotent; at each offload). See [Note: clipping through
+    torch.nn.utils]."""
     torch.nn.utils.clip_grad_norm_ = _routed_clip_grad_norm_
     _torch_clip_module.clip_grad_norm_ = _routed_clip_grad_norm_
+    route_accelerate_clip()
+
+
+def route_accelerate_clip() -> None:
+    """Route ``accelerate.Accelerator.clip_grad_norm_`` if accelerate is imported and its
+    clip is not routed yet (idempotent and cheap: called before each forward, so an import
+    after ``offload`` is seen before the first backward). See [Note: clipping through
+    torch.nn.utils]."""
+    accelerator = getattr(sys.modules.get("accelerate.accelerator"), "Accelerator", None)
+    current = getattr(accelerator, "clip_grad_norm_", None)
+    if current is not None and not hasattr(current, "_ramflow_route_of"):
+        accelerator.clip_grad_norm_ = _route_accelerate_clip(current)
 
 
 def remove_clip_route() -> None:
-    """Put PyTorch's ``torch.nn.utils.clip_grad_norm_`` back (``install_clip_route``'s undo)."""
+    """Put PyTorch's ``torch.nn.utils.clip_grad_norm_`` and accelerate's
+    ``Accelerator.clip_grad_norm_`` back (``install_clip_route``'s undo)."""
     torch.nn.utils.clip_grad_norm_ = _TORCH_CLIP_GRAD_NORM
     _torch_clip_module.clip_grad_norm_ = _TORCH_CLIP_GRAD_NORM
+    accelerator = getattr(sys.modules.get("accelerate.accelerator"), "Accelerator", None)
+    current = getattr(accelerator, "clip_grad_norm_", None)
+    if current is not None and hasattr(current, "_ramflow_route_of"):
+        accelerator.clip_grad_norm_ = current._ramflow_route_of

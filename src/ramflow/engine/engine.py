@@ -42,7 +42,7 @@ from .adapters import (
     guard_adapter_merges,
     materialize_meta_adapters,
 )
-from .clip import install_clip_route
+from .clip import install_clip_route, route_accelerate_clip
 from .grad_scale import fold_grad_scale
 from .gradients import GradientPath
 from .hooks import ModuleCall
@@ -441,6 +441,8 @@ class Engine:
     def _adopt_hook(self, module: nn.Module, args: tuple) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward: the pass began with this structure
+        # accelerate may be imported since offload: See [Note: clipping through torch.nn.utils]
+        route_accelerate_clip()
         self.adopt_changes()
 
     def adopt_changes(self) -> None:

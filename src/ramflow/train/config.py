@@ -62,7 +62,9 @@ class TrainConfig:
             fits and whose trial step does not run out of memory; default False.
         lr: peak learning rate.
         min_lr_ratio: the cosine decay ends at ``lr * min_lr_ratio``; in [0, 1].
-        warmup_steps: linear warmup steps.
+        warmup_steps: linear warmup steps, each below the peak learning rate (see
+            ``lr_schedule.warmup_cosine``); ``from_options`` never defaults it to 0, so a
+            model from random weights never takes the full learning rate at step 1.
         decay_steps: the cosine decay reaches ``lr * min_lr_ratio`` at this step and stays
             there; None: ``steps``. ``from_options`` sets it to ``steps``, so a resumed run
             with another ``steps`` keeps the first run's schedule unless it is given anew.
@@ -296,7 +298,7 @@ class TrainConfig:
         ``steps`` come from the preset (``tiny`` when neither preset nor model is given);
         a ``model`` folder gets B=4, T=min(2048, its context), lr=2e-5 and 100 steps.
         ``lr`` is scaled and ``weight_decay`` set per ``optimizer`` (``OPTIMIZER_DEFAULTS``).
-        ``decay_steps`` defaults to ``steps``, ``warmup_steps`` to a fifth of the steps (at most 200), ``eval_every`` to
+        ``decay_steps`` defaults to ``steps``, ``warmup_steps`` to a fifth of the steps (at least 1, at most 200), ``eval_every`` to
         a fifth.
 
         Raises:
@@ -345,7 +347,7 @@ class TrainConfig:
             given["batch_size"] *= given.pop("grad_accum")  # the global batch, fitted later
         steps = given["steps"]
         given.setdefault("decay_steps", steps)
-        given.setdefault("warmup_steps", min(200, steps // 5))
+        given.setdefault("warmup_steps", max(1, min(200, steps // 5)))
         given.setdefault("eval_every", max(1, steps // 5))
         return cls(**given)
 

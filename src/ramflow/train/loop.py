@@ -24,7 +24,7 @@ from .loss import lm_loss
 from .modeling import count_parameters
 from .precision import ComputePolicy
 from .ranks import Ranks
-from .report import format_duration, mean_tail, summary_table
+from .report import format_duration, loss_summary, summary_table
 from .run_checkpoint import fault_point, save_checkpoint
 
 
@@ -37,8 +37,8 @@ class TrainResult:
         checkpoint: the last checkpoint written (None if none).
         steps_done: optimizer steps done in total (the resumed ones included).
         interrupted: stopped early by Ctrl-C, SIGTERM or ``stop``.
-        first_loss / last_loss: training loss of the first step of this run and the mean
-            of its last ten steps.
+        first_loss / last_loss: training loss of the first step logged and the mean of the
+            last ten steps (of all when fewer; ``report.loss_summary``).
         val_loss: the last validation loss (None if none ran).
         elapsed_s: wall time of this process's loop (seconds).
         tokens_per_s: training tokens per second of this process (of all ranks, in a run
@@ -329,9 +329,7 @@ def run_loop(
     plot = report.write_plot(
         title=f"ramflow train: {config.model_name}, {tokens_per_step:,} tokens per step"
     )
-    all_losses = [r["loss"] for r in report.step_records()]
-    first_loss = all_losses[0] if all_losses else math.nan
-    last_loss = mean_tail(all_losses, 10)
+    first_loss, last_loss, loss_text = loss_summary(report.step_records())
     rows = [
         (
             "model",
@@ -356,10 +354,7 @@ def run_loop(
             + (f" over {ranks.world_size} ranks" if ranks.several else "")
             + f", epoch {batches.epoch:.2f})",
         ),
-        (
-            "training loss",
-            f"{first_loss:.4f} at step 1 -> {last_loss:.4f} (mean of the last 10 steps)",
-        ),
+        ("training loss", loss_text),
         ("validation loss", "-" if val_loss is None else f"{val_loss:.4f} (at step {val_step})"),
         ("time", f"{format_duration(elapsed)} ({tps:,.0f} tokens/s while training)"),
     ]

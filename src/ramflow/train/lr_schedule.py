@@ -17,8 +17,11 @@ def warmup_cosine(
 ) -> Callable[[int], float]:
     """The LR multiplier for step index ``s`` (0-based: the multiplier of step ``s + 1``).
 
-    Rises linearly from ``1 / warmup_steps`` to 1 over ``warmup_steps`` steps, then falls
-    along a half cosine to ``min_lr_ratio`` at ``total_steps``, and stays there.
+    Rises linearly over ``warmup_steps`` steps below the peak, ``1 / (warmup_steps + 1)``
+    at the first, so that the first step of a model from random weights never takes the
+    full learning rate when there is any warmup (with ``warmup_steps=1`` it takes half);
+    then 1 at step ``warmup_steps + 1``, falling along a half cosine to ``min_lr_ratio`` at
+    ``total_steps``, and staying there.
 
     Raises:
         ValueError: negative warmup, non-positive total, or a ratio outside [0, 1].
@@ -32,7 +35,7 @@ def warmup_cosine(
 
     def multiplier(s: int) -> float:
         if s < warmup_steps:
-            return (s + 1) / warmup_steps
+            return (s + 1) / (warmup_steps + 1)
         span = max(total_steps - warmup_steps, 1)
         progress = min((s - warmup_steps) / span, 1.0)
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -114,19 +114,34 @@ def plan_lines(est: MemoryEstimate, *, trained: str | None = None) -> list[str]:
         f"  micro-batch {est.batch_size} x {est.seq_len} tokens, activation checkpointing "
         f"{est.checkpointing_mode}"
         + (f" (auto: {est.checkpointing_reason})" if est.checkpointing_reason else ""),
-        f"  {_residency(plan)}",
+        f"  {_residency(plan, est.device_type)}",
         f"  host formats {est.host_precision}{per_param}{auto}",
     ]
 
 
-def _residency(plan: OffloadPlan) -> str:
+def _residency(plan: OffloadPlan, device_type: str) -> str:
+    """What stays on the device and what streams through it. On a CPU run there is no
+    device memory: the "device" copies are working slots in RAM, filled by synchronous
+    copies from the host store (``transfer.streams``), so the line says that instead."""
     n, k = len(plan.unit_names), len(plan.resident)
+    per_forward = format_bytes(plan.streamed_bytes_per_pass)
+    if device_type == "cpu":
+        if k == n:
+            return f"a CPU run: all {n} units keep a working copy in RAM, none is copied per step"
+        copied = (
+            f"each of the {n} units is"
+            if k == 0
+            else f"{k} of {n} units keep a working copy in RAM, the other {n - k} are"
+        )
+        return (
+            f"a CPU run has no device memory: {copied} copied from the host store into a "
+            f"working slot in RAM before use ({per_forward} per forward, synchronous copies)"
+        )
     if k == n:
         return f"all {n} units stay on the device"
     return (
         f"{k} of {n} units stay on the device, the rest stream through it "
-        f"({format_bytes(plan.streamed_bytes_per_pass)} per forward, prefetch depth "
-        f"{plan.prefetch_depth})"
+        f"({per_forward} per forward, prefetch depth {plan.prefetch_depth})"
     )
 
 
@@ -166,7 +181,7 @@ def _speed_lines(est: MemoryEstimate) -> list[str]:
         share = kwargs["gpu_memory"]
         lines += [
             f"fastest plan for the same budget: {best.prediction.step_s * 1e3:.0f} ms per step "
-            f"(bound by {best.prediction.bound}): {_residency(best)}; "
+            f"(bound by {best.prediction.bound}): {_residency(best, est.device_type)}; "
             f"{len(ckpt)} of {len(best.unit_names)} units checkpointed"
             + (
                 f", activations at their peak {format_bytes(best.activation_bytes)}"

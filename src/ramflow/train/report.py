@@ -399,6 +399,27 @@ def mean_tail(values: list[float], n: int) -> float:
     return sum(tail) / len(tail) if tail else math.nan
 
 
+# steps whose mean training loss the summary gives as the run's last
+SUMMARY_TAIL_STEPS = 10
+
+
+def loss_summary(steps: Sequence[dict[str, Any]]) -> tuple[float, float, str]:
+    """The summary's training loss from a run's ``step`` records (in order, each with
+    ``step`` and ``loss``): the first step's loss, the mean of the last
+    ``SUMMARY_TAIL_STEPS`` steps (of all the steps when there are fewer), and the summary's
+    text, which names the steps it averages. nan and ``"-"`` for no steps."""
+    if not steps:
+        return math.nan, math.nan, "-"
+    first, tail = steps[0], steps[-SUMMARY_TAIL_STEPS:]
+    mean = mean_tail([r["loss"] for r in tail], len(tail))
+    start = f"{first['loss']:.4f} at step {first['step']}"
+    if len(steps) == 1:
+        return first["loss"], mean, f"{start} (one step)"
+    which = f"all {len(tail)} steps" if len(tail) == len(steps) else f"the last {len(tail)} steps"
+    span = f"{tail[0]['step']} to {tail[-1]['step']}"
+    return first["loss"], mean, f"{start} -> {mean:.4f} (mean of {which}, {span})"
+
+
 __all__ = [
     "LOGGERS",
     "LOG_FILE",
@@ -407,6 +428,7 @@ __all__ = [
     "RunReport",
     "check_loggers",
     "format_duration",
+    "loss_summary",
     "mean_tail",
     "read_log",
     "summary_table",
