@@ -36,6 +36,8 @@ def test_plan_train_generate(
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "2 layers" in out
+    top_k, experts = 2, {"mixtral": 4, "gpt_oss": 4}.get(model_dir.name.rstrip("0123456789"), 8)
+    assert f"M active per token: {top_k} of {experts} experts" in out
 
     run = tmp_path / "run"
     rc = ramflow_cli("train", "--model", model_dir, "--data", corpus_file, "--steps", "2",

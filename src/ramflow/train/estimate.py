@@ -44,7 +44,7 @@ from ..memory.estimate import (
     offload_units,
     size_string,
 )
-from ..planner.costs import unit_costs, unit_shapes
+from ..planner.costs import attention_width, unit_costs, unit_shapes
 from ..planner.cpu_rates import rates_for
 from ..planner.plan import OffloadPlan, PlanTiming, make_plan
 from ..planner.predict import DEFAULT_MATMUL_FLOPS_PER_S, Rates, StepPrediction, predict_step
@@ -397,7 +397,7 @@ def predict_plan_step(
         shapes,
         batch=estimate.batch_size,
         seq=estimate.seq_len,
-        hidden=config.hidden_size,
+        hidden=attention_width(config),
         wire_itemsize=wire_size,
         matmul_flops_per_s=matmul_flops_per_s or DEFAULT_MATMUL_FLOPS_PER_S,
         resident=estimate.plan.resident,
@@ -444,12 +444,11 @@ def _predict_speed(
     whole budget, otherwise it keeps the run's policy (all blocks or none)."""
     shapes = unit_shapes(model)
     blocks = [s.name for s in shapes if s.block]
-    hidden = config.hidden_size
     costs = unit_costs(
         shapes,
         batch=batch_size,
         seq=seq_len,
-        hidden=hidden,
+        hidden=attention_width(config),
         wire_itemsize=wire_size,
         matmul_flops_per_s=matmul_flops_per_s,
         resident=plan.resident,
