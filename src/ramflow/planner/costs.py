@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
@@ -198,7 +198,9 @@ class ParameterCounts:
     routing: ExpertRouting | None = None
 
 
-def parameter_counts(model: nn.Module, *, routing: Any = "config") -> ParameterCounts:
+def parameter_counts(
+    model: nn.Module, *, routing: ExpertRouting | None | Literal["config"] = "config"
+) -> ParameterCounts:
     """``ParameterCounts`` of ``model`` (meta tensors are fine).
 
     Args:
@@ -237,7 +239,10 @@ def _attention_modules(module: nn.Module) -> int:
 
 
 def unit_shapes(
-    model: nn.Module, specs: Sequence[UnitSpec] | None = None, *, routing: Any = "config"
+    model: nn.Module,
+    specs: Sequence[UnitSpec] | None = None,
+    *,
+    routing: ExpertRouting | None | Literal["config"] = "config",
 ) -> list[UnitShape]:
     """The units of ``model`` (``find_units``' rule unless ``specs`` are given), in order.
 
