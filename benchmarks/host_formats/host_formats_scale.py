@@ -14,7 +14,8 @@ over V = 152k in fp32 would take 20 GB), so only one chunk's logits exist at a t
 Reports: peak host RSS (VmHWM) during loading and during training (reset in between through
 ``/proc/self/clear_refs``), peak GPU memory (allocated and reserved; ``--gpu-memory`` caps
 only ramflow's own allocation, the activations come on top), median step time, tokens/s,
-model TFLOP/s (6 x parameters x tokens per step / step time), the bf16 matmul rate measured
+model TFLOP/s (``ramflow.train.flops.model_flops_per_token``, the count of ramflow's MFU:
+active weights and causal attention, x tokens per step / step time), the bf16 matmul rate measured
 in the same process (8192^3 ``torch.matmul`` for about a second) and MFU (model over matmul
 rate), the plan (``describe()``, host bytes per parameter) and ramflow's predicted step
 (``ramflow.train.estimate.estimate_run_memory(predict=True)`` with the measured matmul rate and
@@ -243,7 +244,7 @@ def _markdown(r: dict) -> str:
         f"| load time | {_g(r.get('load_s'), 1, '.1f')} s |",
         f"| median step ({len(r['steps_s'])} timed) | {_g(s.get('median_step_s'), 1, '.3f')} s |",
         f"| tokens/s | {_g(s.get('tokens_per_s'), 1, ',.0f')} |",
-        f"| model TFLOP/s (6 N tokens / step) | {_g(s.get('model_flops_per_s'), 1e12, '.1f')} |",
+        f"| model TFLOP/s (weights and attention) | {_g(s.get('model_flops_per_s'), 1e12, '.1f')} |",
         f"| bf16 matmul rate, same run | {_g(r.get('matmul_flops_per_s'), 1e12, '.1f')} TFLOP/s |",
         f"| MFU vs that rate | {_g(s.get('mfu_vs_matmul'), 0.01, '.1f')}% |",
         f"| predicted step | {_g(r['prediction'].get('step_s'), 1, '.3f')} s "
@@ -300,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     import ramflow
+    from ramflow.train.flops import model_flops_per_token
     from ramflow.train.initialization import SeededInit
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -314,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     model.set_output_embeddings(head)
     n_params = sum(p.numel() for p in model.parameters())
     tokens = args.batch * args.seq
+    flops_per_token = model_flops_per_token(model, seq_len=args.seq)
     result: dict = {
         "meta": {
             "date": date.today().isoformat(),
@@ -396,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         result.setdefault(key, []).append(dt)
         result.setdefault("losses", []).append(loss)
         med = statistics.median(result["steps_s"]) if result["steps_s"] else None
-        flops = 6 * n_params * tokens / med if med else None
+        flops = flops_per_token * tokens / med if med else None
         pred = result["prediction"].get("step_s")
         result["summary"] = {
             "median_step_s": med,

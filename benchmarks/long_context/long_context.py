@@ -32,7 +32,8 @@ timed step reuses them as a training run's second step does, instead of paying
 ``cudaHostAlloc`` (16 GiB at 64k) inside the timer; the table says which step was timed, and
 the json counts the pinned blocks the timed step still created (``pinned_allocs_in_step``).
 
-Reported per run: step time, tokens/s, model TFLOP/s (6 x matmul parameters x tokens, plus
+Reported per run: step time, tokens/s, model TFLOP/s (``ramflow.train.flops.
+model_flops_per_token``, the count of ramflow's MFU: 6 x matmul parameters x tokens, plus
 attention: 6 x L x D x T per token for causal attention's two products, forward and backward;
 recomputation not counted), peak GPU memory (``max_memory_allocated``) against the plan's
 ``device_total_bytes``, peak host RSS (VmHWM, reset before each run) against the plan's
@@ -110,13 +111,6 @@ def model_config(tiny: bool, longest: int):
     cfg.max_position_embeddings = max(cfg.max_position_embeddings, longest)
     cfg.use_cache = False
     return cfg
-
-
-def model_flops(cfg, matmul_params: int, tokens: int, seq: int) -> float:
-    """Model FLOPs of one training step (no recomputation): 6 per matmul parameter and
-    token, plus causal attention's 6 x L x D x T per token (QK^T and PV, half the square)."""
-    attention = 6.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq
-    return tokens * (6.0 * matmul_params + attention)
 
 
 class Plans:
@@ -345,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     import ramflow
     from harness import _commit
     from ramflow.memory import CheckpointOffload
+    from ramflow.train.flops import model_flops_per_token
     from ramflow.train.loss import chunk_lm_head
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -364,9 +359,6 @@ def main(argv: list[str] | None = None) -> int:
         model = AutoModelForCausalLM.from_config(cfg)
     chunk_lm_head(model)
     n_params = sum(q.numel() for q in model.parameters())
-    matmul_params = sum(q.numel() for n, q in model.named_parameters() if q.dim() == 2) - (
-        model.get_input_embeddings().weight.numel()
-    )
     share = plans("offload", ladder[0])["ramflow_bytes"]
     result: dict = {
         "meta": {
@@ -453,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             record.update(fits=True, step_s=times[-1], steps_run=steps, first_step_s=times[0])
             record["tokens_per_s"] = seq / times[-1]
-            record["model_flops_per_s"] = model_flops(cfg, matmul_params, seq, seq) / times[-1]
+            flops = seq * model_flops_per_token(model, seq_len=seq)  # ramflow's MFU count
+            record["model_flops_per_s"] = flops / times[-1]
             ratios.append(times[-1] / plan["step_s"])
         if record["fits"] is False:
             opt.zero_grad(set_to_none=True)

@@ -36,12 +36,12 @@ def test_peak_of_known_devices(name: str, dtype: torch.dtype, tflops: float, lab
 def test_no_peak_on_the_cpu_or_an_unknown_device() -> None:
     assert peak_flops(torch.device("cpu"), torch.float32) is None
     assert peak_flops_of("Some Future GPU", torch.bfloat16) is None
-    assert model_flops_utilisation(num_parameters=10**9, tokens_per_s=1e4, peak=None) is None
+    assert model_flops_utilisation(flops_per_token=6e9, tokens_per_s=1e4, peak=None) is None
 
 
-def test_mfu_is_six_n_tokens_over_the_peak() -> None:
+def test_mfu_is_flops_per_token_times_tokens_over_the_peak() -> None:
     peak = peak_flops_of("NVIDIA H200", torch.bfloat16)
-    mfu = model_flops_utilisation(num_parameters=2_690_000_000, tokens_per_s=15_000.0, peak=peak)
+    mfu = model_flops_utilisation(flops_per_token=6 * 2.69e9, tokens_per_s=15_000.0, peak=peak)
     assert mfu == pytest.approx(6 * 2.69e9 * 15_000 / 989e12, rel=1e-12)  # float rounding only
 
 

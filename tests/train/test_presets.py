@@ -47,7 +47,10 @@ def test_tiny_takes_the_tokenizer_vocabulary() -> None:
         get_preset("anchor-2.7b").to_config(vocab_size=50000)
     with pytest.raises(ValueError, match="choose one of"):
         get_preset("gpt-5")
-    assert set(PRESETS) == {"tiny", "llama-1b", "llama-3b", "llama-8b", "llama-70b", "anchor-2.7b"}
+    assert set(PRESETS) == {
+        "tiny", "llama-1b", "llama-3b", "llama-8b", "llama-70b", "anchor-2.7b", "qwen3-30b-a3b",
+        "deepseek-v2-lite",
+    }  # fmt: skip
 
 
 def test_llama_70b_is_llama_3_1_70b() -> None:

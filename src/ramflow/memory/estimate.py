@@ -26,6 +26,7 @@ from torch import nn
 from ..activations.report import ActivationReport
 from ..engine.host_store import host_ram_available, resolve_precision
 from ..formats.host import HostPrecision
+from ..planner.costs import ParameterCounts, parameter_counts
 from ..planner.plan import OFFLOAD_BOUNDARIES_ON_DEVICE, OffloadPlan, make_plan
 from ..planner.predict import TRAIN_MATMUL_EFFICIENCY, Rates, StepPrediction
 from ..sizes import format_bytes, parse_bytes
@@ -197,6 +198,8 @@ class MemoryEstimate:
             host allocator takes it (``ActivationProfile.offloaded_bytes``).
         checkpointing_reason: why ``"auto"`` chose the checkpointing it did (None when not
             asked for auto).
+        parameter_counts: the parameters in total and those one token reads (a mixture of
+            experts': ``ramflow.planner.costs.parameter_counts``); None: not counted.
     """
 
     model_name: str
@@ -234,6 +237,20 @@ class MemoryEstimate:
     activation_offload: bool = False
     host_activation_pinned_bytes: int = 0
     checkpointing_reason: str | None = None
+    parameter_counts: ParameterCounts | None = None
+
+    def parameters_text(self) -> str:
+        """``"30,532.12 M parameters"``, with the active ones of a mixture of experts:
+        ``"(3,353.03 M active per token: 8 of 128 experts)"``."""
+        text = f"{self.num_parameters / 1e6:,.2f} M parameters"
+        counts = self.parameter_counts
+        if counts is None or counts.routing is None:
+            return text
+        r = counts.routing
+        return (
+            f"{text} ({counts.active / 1e6:,.2f} M active per token: {r.num_active} of "
+            f"{r.num_experts} experts)"
+        )
 
     @property
     def device_total_bytes(self) -> int:
@@ -349,8 +366,7 @@ class MemoryEstimate:
         act = self.activations
         ckpt = {"checkpointing": self.checkpointing, "offload": self.activation_offload}
         lines = [
-            f"model {self.model_name}: {self.num_parameters / 1e6:,.2f} M parameters, "
-            f"{len(act.layer_bytes)} layers",
+            f"model {self.model_name}: {self.parameters_text()}, {len(act.layer_bytes)} layers",
             f"device {self.device_type}, precision {self.precision} (weights on the device in "
             f"{self.wire_dtype}), budget {budget}",
             *([f"  ({self.device_note})"] if self.device_note else []),
@@ -658,6 +674,7 @@ def estimate_memory(
         host_precision=host.name,
         host_precision_reason=reason,
         full_gradients=full_gradients,
+        parameter_counts=parameter_counts(model),
         # AdamW's (two states): the figure is for it
         host_bytes_per_parameter=None
         if host.is_exact and optimizer_states != 2

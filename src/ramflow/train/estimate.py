@@ -13,7 +13,9 @@ pair adds up the bytes of every distinct storage autograd saves for backward (we
 excluded). Meta tensors have no fused attention kernel, so a ``TorchFunctionMode`` stands
 in for ``scaled_dot_product_attention`` with a function that saves what a fused (flash)
 kernel saves: q, k, v, the output and the fp32 log-sum-exp, never the (T, T) attention
-matrix. With activation checkpointing, each layer keeps only its input, and one layer's
+matrix. A mixture-of-experts layer's experts run grouped, whatever implementation the config
+names (see [Note: the experts on the meta device]). With activation checkpointing, each layer
+keeps only its input, and one layer's
 activations are rebuilt at a time in backward. The loss is ``ramflow train``'s, in chunks
 of C tokens (see [Note: the loss in chunks] in ``loss.py``): it keeps the final norm's
 output, and one chunk's logits (in the compute dtype and in fp32) and their fp32
@@ -42,7 +44,7 @@ from ..memory.estimate import (
     offload_units,
     size_string,
 )
-from ..planner.costs import unit_costs, unit_shapes
+from ..planner.costs import attention_width, unit_costs, unit_shapes
 from ..planner.cpu_rates import rates_for
 from ..planner.plan import OffloadPlan, PlanTiming, make_plan
 from ..planner.predict import DEFAULT_MATMUL_FLOPS_PER_S, Rates, StepPrediction, predict_step
@@ -69,13 +71,62 @@ class _FusedAttention(torch.autograd.Function):
         raise RuntimeError("the memory estimate runs forward only")
 
 
-class _FusedAttentionMode(TorchFunctionMode):
-    """See [Note: measuring activations on the meta device]."""
+# [Note: the experts on the meta device]
+# ``transformers`` runs a mixture-of-experts layer's experts by the implementation that
+# ``config._experts_implementation`` names: ``eager`` (a loop over the experts that the routing
+# hits, found with ``nonzero``: a data-dependent shape, which meta tensors cannot give),
+# ``grouped_mm`` (``F.grouped_mm``, whose meta function takes bf16 inputs only), ``batched_mm``
+# (each token-expert pair gathers its expert's weights), or a kernel. The meta pass sets every
+# experts module to ``grouped_mm`` (``set_experts_implementation``) and stands in for the grouped
+# matmul with ``_GroupedMatmul``, which saves what the kernel saves (its input and offsets; its
+# weight is a parameter), in any dtype. The grouped forward gathers the ``num_experts_per_tok``
+# copies of each token and runs every one through its expert, so the bytes it saves do not
+# depend on the routing (tests/train/test_moe_cli.py compares them with a real run's); ``eager``
+# saves the same activations expert by expert, and the indices of each. ``ramflow train`` runs
+# ``transformers``' default (``grouped_mm`` where it dispatches, ``eager`` otherwise); a
+# ``batched_mm`` run would also keep every pair's gathered weights, which this does not count.
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """Stands in for ``F.grouped_mm(a, b, offs=offs)`` with a 2-D ``a`` (S, K), a 3-D ``b``
+    (E, K, N) and ``offs`` (E,) int32: saves the three, as the kernel does, and returns an
+    empty (S, N) output of ``a``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(a, b, offs)
+        return a.new_empty((a.shape[0], b.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        raise RuntimeError("the memory estimate runs forward only")
+
+
+_GROUPED_MATMULS = tuple(
+    f
+    for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
+    if f is not None
+)
+
+
+class _MetaKernelsMode(TorchFunctionMode):
+    """See [Note: measuring activations on the meta device] and [Note: the experts on the
+    meta device]."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.scaled_dot_product_attention:
             return _FusedAttention.apply(*args[:3])
+        if func in _GROUPED_MATMULS and args[0].dim() == 2 and args[1].dim() == 3:
+            return _GroupedMatmul.apply(args[0], args[1], (kwargs or {}).get("offs"))
         return func(*args, **(kwargs or {}))
+
+
+def _run_experts_grouped(model: nn.Module) -> None:
+    """Sets ``model``'s experts (if it has any ``transformers`` can switch) to ``grouped_mm``.
+    See [Note: the experts on the meta device]."""
+    can_set = getattr(model, "_can_set_experts_implementation", None)
+    if can_set is not None and can_set():
+        model.set_experts_implementation("grouped_mm")
 
 
 def _decoder_parts(model: nn.Module):
@@ -111,6 +162,7 @@ def measure_activations(
     chunk = min(n, chunk_tokens_for(config.vocab_size))
     workspace = chunk * config.vocab_size * (size + 4 + 4)
     model = meta_model(config).to(dtype)
+    _run_experts_grouped(model)
     parts = _decoder_parts(model)
     if parts is None:
         # the MLP's width under the names configs give it (GPT-2: n_inner, None for 4 x
@@ -148,7 +200,7 @@ def measure_activations(
     with (
         torch.enable_grad(),
         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-        _FusedAttentionMode(),
+        _MetaKernelsMode(),
     ):
         h = embed(ids)  # (B, T, H)
         cos_sin = rotary(h, positions)
@@ -345,7 +397,7 @@ def predict_plan_step(
         shapes,
         batch=estimate.batch_size,
         seq=estimate.seq_len,
-        hidden=config.hidden_size,
+        hidden=attention_width(config),
         wire_itemsize=wire_size,
         matmul_flops_per_s=matmul_flops_per_s or DEFAULT_MATMUL_FLOPS_PER_S,
         resident=estimate.plan.resident,
@@ -392,12 +444,11 @@ def _predict_speed(
     whole budget, otherwise it keeps the run's policy (all blocks or none)."""
     shapes = unit_shapes(model)
     blocks = [s.name for s in shapes if s.block]
-    hidden = config.hidden_size
     costs = unit_costs(
         shapes,
         batch=batch_size,
         seq=seq_len,
-        hidden=hidden,
+        hidden=attention_width(config),
         wire_itemsize=wire_size,
         matmul_flops_per_s=matmul_flops_per_s,
         resident=plan.resident,

@@ -1,16 +1,24 @@
 """Model FLOP utilisation (MFU): the share of a device's peak that a training step uses.
 
-A training step of a dense model costs about ``6 * N`` FLOPs per token (``2 N`` forward,
-``4 N`` backward; Kaplan et al. 2020, "Scaling Laws for Neural Language Models"), with N the
-trained parameters. MFU is that rate over the device's peak (PaLM, Chowdhery et al. 2022):
+A training step costs, per token, 2 FLOPs per multiply-add of every weight a token's
+forward multiplies activations with, 2 more for the gradient of the activations, and 2 more
+for the gradient of the weight where it is trained (Kaplan et al. 2020, "Scaling Laws for
+Neural Language Models": ``6 N``), plus attention's score and value products, which grow
+with the sequence: ``6 x L x W x T`` for causal attention (``L`` attention layers of width
+``W`` summed over the query heads, ``T`` tokens per sequence; ``planner.predict.
+attention_flops``' half square, forward and backward). ``N`` is a mixture of experts'
+*active* weights: the experts a token is routed to, not all of them
+(``planner.costs.parameter_counts``). MFU is that rate over the device's peak (PaLM,
+Chowdhery et al. 2022, which also counts attention):
 
-    mfu = 6 * N * tokens_per_s / peak_flops_per_s
+    mfu = training_flops_per_token * tokens_per_s / peak_flops_per_s
 
-It counts neither attention's ``T``-dependent FLOPs nor the recomputation of activation
-checkpointing, so it reads the same for every memory plan. The peaks are the vendors'
-dense (no sparsity) tensor-core figures for 16-bit inputs, and the plain FP32 figures
-(no TF32, which PyTorch's default matmul precision does not use); a device that is not in
-the table, and the CPU, get no MFU.
+It does not count the recomputation of activation checkpointing, so it reads the same for
+every memory plan. At 128k tokens an 8B Llama's attention costs 2.3 times its weights'
+FLOPs, so leaving it out would read under a third of the true utilisation. The peaks are the
+vendors' dense (no sparsity) tensor-core figures for 16-bit inputs, and the plain FP32
+figures (no TF32, which PyTorch's default matmul precision does not use); a device that is
+not in the table, and the CPU, get no MFU.
 """
 
 from __future__ import annotations
@@ -18,6 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+from ..planner.costs import attention_width, parameter_counts
+from ..planner.predict import forward_flops
 
 # (substring of torch.cuda.get_device_name, name, dense 16-bit TFLOP/s, FP32 TFLOP/s);
 # the first match wins, so the more specific names come first
@@ -72,13 +84,72 @@ def peak_flops_of(device_name: str, dtype: torch.dtype) -> PeakFlops | None:
     return None
 
 
+def training_flops_per_token(
+    *,
+    matmul_params: int,
+    seq_len: int,
+    attention_layers: int,
+    attention_width: int,
+    trained_matmul_params: int | None = None,
+) -> float:
+    """FLOPs of one training step per token: ``4 x matmul_params + 2 x
+    trained_matmul_params`` for the weights (``6 N`` when all are trained) plus causal
+    attention's ``6 x attention_layers x attention_width x seq_len``. The one count behind
+    every MFU and model-FLOP rate that ramflow and its benchmarks print.
+
+    Args:
+        matmul_params: the weights one token's forward multiplies activations with (a
+            mixture of experts' active ones: ``ParameterCounts.active_matmul``).
+        seq_len: tokens per sequence (T).
+        attention_layers: attention layers (L), each causal.
+        attention_width: query heads x head width (``planner.costs.attention_width``).
+        trained_matmul_params: those of the weights that are trained; None: all of them.
+    """
+    trained = matmul_params if trained_matmul_params is None else trained_matmul_params
+    forward = forward_flops(
+        matmul_params,
+        batch=1,
+        seq=seq_len,
+        attention_layers=attention_layers,
+        hidden=attention_width,
+        causal=True,
+    )
+    # forward once, backward twice over (activation and weight gradients, attention's too),
+    # less the weight gradients of the frozen weights
+    return 3.0 * forward / seq_len - 2.0 * (matmul_params - trained)
+
+
+def model_flops_per_token(model: nn.Module, *, seq_len: int) -> float:
+    """``training_flops_per_token`` of a Hugging Face causal LM (its ``config`` gives the
+    layers, the attention width and the experts' routing) training on ``seq_len``-token
+    sequences; the weights as ``model`` holds them (meta tensors are fine; frozen ones count
+    4 FLOPs per token)."""
+    counts = parameter_counts(model)
+    config = model.config.get_text_config()
+    return training_flops_per_token(
+        matmul_params=counts.active_matmul,
+        trained_matmul_params=counts.active_trained_matmul,
+        seq_len=seq_len,
+        attention_layers=config.num_hidden_layers,
+        attention_width=attention_width(config),
+    )
+
+
 def model_flops_utilisation(
-    *, num_parameters: int, tokens_per_s: float, peak: PeakFlops | None
+    *, flops_per_token: float, tokens_per_s: float, peak: PeakFlops | None
 ) -> float | None:
-    """``6 * num_parameters * tokens_per_s / peak`` (a share, 0.42 for 42%), or None without a peak."""
+    """``flops_per_token * tokens_per_s / peak`` (a share, 0.42 for 42%), or None without a
+    peak. ``flops_per_token``: ``model_flops_per_token``."""
     if peak is None:
         return None
-    return 6.0 * num_parameters * tokens_per_s / peak.flops_per_s
+    return flops_per_token * tokens_per_s / peak.flops_per_s
 
 
-__all__ = ["PeakFlops", "model_flops_utilisation", "peak_flops", "peak_flops_of"]
+__all__ = [
+    "PeakFlops",
+    "model_flops_per_token",
+    "model_flops_utilisation",
+    "peak_flops",
+    "peak_flops_of",
+    "training_flops_per_token",
+]

@@ -19,7 +19,7 @@ import ramflow
 from ..sizes import format_bytes
 from .backoff import RunCheckpointing, accumulate_step
 from .data import validation_batches
-from .flops import model_flops_utilisation, peak_flops
+from .flops import model_flops_per_token, model_flops_utilisation, peak_flops
 from .loss import lm_loss
 from .modeling import count_parameters
 from .precision import ComputePolicy
@@ -159,6 +159,7 @@ def run_loop(
     interrupted = False
     num_trained = sum(p.numel() for p in params)
     peak = peak_flops(policy.device, policy.compute_dtype)
+    flops_per_token = model_flops_per_token(model, seq_len=config.seq_len)
     t_start = time.perf_counter()
 
     saved_step = -1
@@ -279,7 +280,9 @@ def run_loop(
             "tokens_per_s": tokens_per_step / dt,
             # each GPU's share of the tokens over its own peak: the MFU of all of them
             "mfu": model_flops_utilisation(
-                num_parameters=num_trained, tokens_per_s=config.tokens_per_step / dt, peak=peak
+                flops_per_token=flops_per_token,
+                tokens_per_s=config.tokens_per_step / dt,
+                peak=peak,
             ),
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(policy.device) if cuda else None,
             "host_rss_bytes": process.memory_info().rss,
@@ -322,7 +325,7 @@ def run_loop(
             "elapsed_s": elapsed,
             "tokens_per_s": tps,
             "mfu": model_flops_utilisation(
-                num_parameters=num_trained, tokens_per_s=tps / ranks.world_size, peak=peak
+                flops_per_token=flops_per_token, tokens_per_s=tps / ranks.world_size, peak=peak
             ),
         }
     )
@@ -359,13 +362,14 @@ def run_loop(
         ("time", f"{format_duration(elapsed)} ({tps:,.0f} tokens/s while training)"),
     ]
     mfu = model_flops_utilisation(
-        num_parameters=num_trained, tokens_per_s=tps / ranks.world_size, peak=peak
+        flops_per_token=flops_per_token, tokens_per_s=tps / ranks.world_size, peak=peak
     )
     if mfu is not None and peak is not None:
         rows.append(
             (
                 "MFU",
-                f"{mfu:.1%} (6 x {num_trained / 1e6:,.2f} M trained parameters x tokens/s, "
+                f"{mfu:.1%} ({flops_per_token / 1e9:,.2f} GFLOP per token x tokens/s: the "
+                f"active weights and causal attention at {config.seq_len} tokens, "
                 + (f"over {ranks.world_size} x " if ranks.several else "over the ")
                 + f"{peak.description})",
             )

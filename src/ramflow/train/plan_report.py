@@ -108,7 +108,7 @@ def plan_lines(est: MemoryEstimate, *, trained: str | None = None) -> list[str]:
             else f"{est.num_trainable / 1e6:,.2f} M trained"
         )
     return [
-        f"plan: {est.model_name}, {est.num_parameters / 1e6:,.2f} M parameters ({trained}), "
+        f"plan: {est.model_name}, {est.parameters_text()} ({trained}), "
         f"{len(est.activations.layer_bytes)} layers, on {est.device_type} in {est.precision} "
         f"(weights on the device in {est.wire_dtype})",
         f"  micro-batch {est.batch_size} x {est.seq_len} tokens, activation checkpointing "

@@ -1,21 +1,23 @@
-"""Named model presets: Llama-architecture shapes that ``ramflow train`` can build.
+"""Named model presets: shapes that ``ramflow train`` can build.
 
-Every preset is a Hugging Face ``LlamaConfig`` built from the numbers below, so the model
-is ``transformers``' own ``LlamaForCausalLM``. The public shapes are those of Meta's
-Llama 3.2-1B, Llama 3.2-3B, Llama 3.1-8B and Llama 3.1-70B ``config.json`` files;
-``anchor-2.7b`` is the benchmarks' reference model (benchmarks/reference_model.py); ``tiny``
-trains on a laptop CPU in minutes.
+Every preset is a Hugging Face config built from the numbers below, so the model is
+``transformers``' own class: ``LlamaConfig`` for the dense presets, the family's config
+(``architecture``) for the mixtures of experts. The public shapes are those of Meta's
+Llama 3.2-1B, Llama 3.2-3B, Llama 3.1-8B and Llama 3.1-70B, Qwen's Qwen3-30B-A3B and
+DeepSeek's DeepSeek-V2-Lite ``config.json`` files; ``anchor-2.7b`` is the benchmarks'
+reference model (benchmarks/reference_model.py); ``tiny`` trains on a laptop CPU in minutes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """The shape of one Llama-architecture model and the training defaults that suit it.
+    """The shape of one model and the training defaults that suit it.
 
     Attributes:
         name: the preset's name on the command line.
@@ -36,6 +38,8 @@ class ModelPreset:
         seq_len: default tokens per sequence.
         lr: default peak learning rate of AdamW.
         steps: default number of optimizer steps.
+        architecture: the ``transformers`` model type (``"llama"``: ``LlamaConfig``).
+        architecture_options: the family's further config keys (experts, latent attention).
     """
 
     name: str
@@ -57,13 +61,26 @@ class ModelPreset:
     seq_len: int = 2048
     lr: float = 1.5e-4
     steps: int = 100
+    architecture: str = "llama"
+    architecture_options: Mapping[str, Any] = field(default_factory=dict)
 
     def num_parameters(self, *, vocab_size: int | None = None) -> int:
-        """Parameter count of the model this preset builds (embedding counted once if tied)."""
+        """Parameter count of the model this preset builds (embedding counted once if tied).
+
+        Raises:
+            ValueError: the preset takes its vocabulary from the tokenizer and ``vocab_size``
+                is None; a preset of another architecture than Llama (count its meta model:
+                ``ramflow.planner.costs.parameter_counts``).
+        """
         vocab = self.vocab_size if self.vocab_size is not None else vocab_size
         if vocab is None:
             raise ValueError(
                 f"preset {self.name!r} takes its vocabulary size from the tokenizer; give vocab_size"
+            )
+        if self.architecture != "llama":
+            raise ValueError(
+                f"preset {self.name!r} is a {self.architecture} model; count its meta model's "
+                "parameters (ramflow.planner.costs.parameter_counts)"
             )
         head_dim = self.head_dim or self.hidden_size // self.num_heads
         attn = self.hidden_size * head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
@@ -105,7 +122,7 @@ class ModelPreset:
                 "embedding rows; use a tokenizer that fits, or a checkpoint folder (--model DIR) "
                 "with a config that matches your tokenizer"
             )
-        return LlamaConfig(
+        shape = dict(
             vocab_size=vocab,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -126,6 +143,13 @@ class ModelPreset:
             # have no padding), which long sequences need
             attn_implementation="sdpa",
         )
+        if self.architecture == "llama":
+            return LlamaConfig(**shape)
+        from transformers import AutoConfig
+
+        for key in ("attention_bias", "mlp_bias"):  # Llama's keys
+            shape.pop(key)
+        return AutoConfig.for_model(self.architecture, **shape, **self.architecture_options)
 
 
 _LLAMA3_ROPE_32 = {
@@ -227,6 +251,77 @@ PRESETS: dict[str, ModelPreset] = {
             vocab_size=32000,
             max_position_embeddings=2048,
             tie_word_embeddings=False,
+        ),
+        ModelPreset(
+            name="qwen3-30b-a3b",
+            description="the shape of Qwen3-30B-A3B (30.5 B parameters, 3.35 B active per "
+            "token: 8 of 128 experts in each of 48 layers)",
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_layers=48,
+            num_heads=32,
+            num_kv_heads=4,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            rms_norm_eps=1e-6,
+            batch_size=1,
+            lr=1e-5,
+            architecture="qwen3_moe",
+            architecture_options={
+                "moe_intermediate_size": 768,
+                "num_experts": 128,
+                "num_experts_per_tok": 8,
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            },
+        ),
+        ModelPreset(
+            name="deepseek-v2-lite",
+            description="the shape of DeepSeek-V2-Lite (15.7 B parameters, 2.66 B active per "
+            "token: 6 of 64 routed experts and 2 shared in 26 of 27 layers; latent attention)",
+            hidden_size=2048,
+            intermediate_size=10944,
+            num_layers=27,
+            num_heads=16,
+            num_kv_heads=16,
+            head_dim=192,  # qk_nope_head_dim + qk_rope_head_dim
+            vocab_size=102400,
+            max_position_embeddings=163840,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 40.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+            },
+            rms_norm_eps=1e-6,
+            batch_size=1,
+            lr=1e-5,
+            architecture="deepseek_v2",
+            architecture_options={
+                "moe_intermediate_size": 1408,
+                "n_routed_experts": 64,
+                "n_shared_experts": 2,
+                "num_experts_per_tok": 6,
+                "first_k_dense_replace": 1,
+                "kv_lora_rank": 512,
+                "q_lora_rank": None,
+                "qk_nope_head_dim": 128,
+                "qk_rope_head_dim": 64,
+                "v_head_dim": 128,
+                "topk_method": "greedy",
+                "n_group": 1,
+                "topk_group": 1,
+                "routed_scaling_factor": 1.0,
+            },
         ),
     )
 }

@@ -1,0 +1,110 @@
+"""``ramflow plan / train / generate --model DIR`` for mixtures of experts on the CPU (issue
+47), and the memory estimate's meta pass over the experts: it runs them grouped whatever
+implementation the config names, and saves what a real grouped run saves.
+
+The folders are tiny Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3 configs (``moe_models.py``)
+with random weights, written by ``save_pretrained``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_models import FAMILIES, moe_config, save_moe_folder
+from ramflow.train import open_checkpoint
+from ramflow.train.estimate import _MetaKernelsMode, _run_experts_grouped, measure_activations
+from ramflow.train.modeling import load_model, meta_model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_dir(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_moe_folder(family, tmp_path_factory.mktemp(family))
+
+
+def test_plan_train_generate(
+    model_dir: Path, tmp_path: Path, corpus_file: Path, ramflow_cli, fast, capsys
+) -> None:
+    rc = ramflow_cli("plan", "--model", model_dir, "--device", "cpu", "--seq-len", "32",
+                     "--batch-size", "2")  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "2 layers" in out
+    top_k, experts = 2, {"mixtral": 4, "gpt_oss": 4}.get(model_dir.name.rstrip("0123456789"), 8)
+    assert f"M active per token: {top_k} of {experts} experts" in out
+
+    run = tmp_path / "run"
+    rc = ramflow_cli("train", "--model", model_dir, "--data", corpus_file, "--steps", "2",
+                     "--eval-every", "2", *fast, "--out", run)  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    ids = torch.tensor([list(b"import os")])
+    with torch.no_grad():
+        trained = load_model(open_checkpoint(run).path).eval()(input_ids=ids).logits
+        start = load_model(model_dir).eval()(input_ids=ids).logits
+    assert torch.isfinite(trained).all()
+    assert not torch.equal(trained, start)  # it trained
+
+    rc = ramflow_cli("generate", "--model", run, "--prompt", "def ", "--max-new-tokens", "4",
+                     "--ignore-eos", "--device", "cpu")  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0 and "(4 new tokens)" in out
+
+
+def _experts(model: torch.nn.Module) -> torch.nn.Module:
+    return next(m for name, m in model.named_modules() if name.endswith("mlp.experts"))
+
+
+def _saved_bytes(experts: torch.nn.Module, *inputs: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves in ``experts(*inputs)``, its weights
+    excluded (the estimate's count)."""
+    params = {id(p) for p in experts.parameters()}
+    seen: set[int] = set()
+    keep: list[torch.Tensor] = []
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        base = t if t._base is None else t._base
+        storage = t.untyped_storage()
+        if id(t) not in params and id(base) not in params and storage._cdata not in seen:
+            seen.add(storage._cdata)
+            keep.append(t)
+            total += storage.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        experts(*inputs)
+    return total
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+def test_meta_pass_runs_the_experts_grouped(family: str, implementation: str) -> None:
+    config = moe_config(family)
+    config._experts_implementation = implementation  # what the folder's config may name
+    profile = measure_activations(config, batch_size=2, seq_len=16, dtype=torch.float32)
+    assert profile.measured and all(b > 0 for b in profile.layer_bytes)
+
+    # the experts' saved bytes on the meta device are a real grouped run's, on any routing
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    real = AutoModelForCausalLM.from_config(
+        moe_config(family), dtype=torch.float32, experts_implementation="grouped_mm"
+    )
+    experts = _experts(real)
+    tokens, top_k = 48, config.num_experts_per_tok
+    x = torch.randn(tokens, config.hidden_size, requires_grad=True)
+    routing = torch.stack([torch.randperm(experts.num_experts)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, requires_grad=True)
+    meta = meta_model(config)
+    _run_experts_grouped(meta)
+    with _MetaKernelsMode():
+        on_meta = _saved_bytes(_experts(meta), *(t.to("meta") for t in (x, routing, weights)))
+    assert on_meta == _saved_bytes(experts, x, routing, weights)
