@@ -506,6 +506,7 @@ def _train(
             seed=config.seed,
             rank=ranks.rank,
             num_ranks=ranks.world_size,
+            labels=corpus.train_labels,  # chat data's loss mask, else None
         )
         step, tokens_seen = 0, 0
         if ckpt is not None:
