@@ -30,6 +30,7 @@ from ramflow.train.chat_data import (
 )
 from ramflow.train.config import MAX_EVAL_BATCHES
 from ramflow.train.config_file import read_config_file
+from ramflow.train.generation import resolve_model_dir
 from ramflow.train.hub import resolve_hub_model
 from ramflow.train.loss import chunk_lm_head, lm_loss
 from ramflow.train.report import read_log
@@ -287,6 +288,7 @@ def test_hub_id_resolves_to_the_cached_snapshot(
     folder = resolve_hub_model("org/tiny-chat")
     assert folder.parent.parent == hub_cache / "models--org--tiny-chat"
     assert (folder / "config.json").is_file()
+    assert resolve_model_dir("org/tiny-chat") == folder  # generate's --model too
     with pytest.raises(FileNotFoundError, match=r"run `hf download org/missing` first"):
         resolve_hub_model("org/missing")
 
@@ -417,6 +419,7 @@ def test_report_to_mlflow_with_a_file_store(
 
     uri = (tmp_path / "mlruns").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for it
     assert ramflow_cli(*_tiny_run(tmp_path, corpus_file, fast, "mlflow")) == 0
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("ramflow")

@@ -78,7 +78,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         default=None,
         help="a local Hugging Face causal LM folder (config.json + safetensors; any architecture "
-        "transformers knows) instead of a preset",
+        "transformers knows), or a Hub id org/name from the local Hugging Face cache, instead "
+        "of a preset",
     )
     p.add_argument(
         "--tokenizer",
@@ -394,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         metavar="DIR",
         required=True,
-        help="run folder, checkpoint folder or Hugging Face model folder",
+        help="run folder, checkpoint folder, Hugging Face model folder or a Hub id org/name "
+        "from the local cache",
     )
     g.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     g.add_argument(

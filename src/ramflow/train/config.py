@@ -330,7 +330,7 @@ class TrainConfig:
             if given["preset"] is not None:
                 raise ValueError("give either --preset or --model DIR, not both")
             # a Hub id: its snapshot in the local cache; a run folder: its latest checkpoint
-            given["model"] = str(resolve_model_dir(resolve_hub_model(given["model"])))
+            given["model"] = str(resolve_model_dir(given["model"]))
             ctx = getattr(read_config(given["model"]), "max_position_embeddings", 2048)
             base = {"batch_size": 4, "seq_len": min(2048, ctx), "lr": 2e-5, "steps": 100}
         else:

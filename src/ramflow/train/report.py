@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -153,8 +153,8 @@ class RunReport:
             of the run, at least 1).
         log_to: experiment trackers beside ``log.jsonl`` (``--report-to``):
             ``"tensorboard"``, ``"wandb"``, ``"mlflow"`` (see ``ramflow.train.reporting``);
-            they get the ``start`` record's config, each step's figures and the
-            validation losses.
+            they get ``run_config``, each step's figures and the validation losses.
+        run_config: the run's settings for the trackers (``TrainConfig.to_dict()``).
 
     Raises:
         ValueError: an unknown ``log_to`` entry.
@@ -174,8 +174,11 @@ class RunReport:
         interactive: bool | None = None,
         line_every: int | None = None,
         log_to: Sequence[str] = (),
+        run_config: Mapping[str, Any] | None = None,
     ) -> None:
         self._trackers = open_trackers(log_to, run_dir)
+        for tracker in self._trackers:
+            tracker.log_config(run_config or {})
         self.run_dir = Path(run_dir)
         self.log_path = self.run_dir / LOG_FILE
         self.records: list[dict[str, Any]] = []
@@ -210,9 +213,6 @@ class RunReport:
         self.records.append(record)
         self._log.write(json.dumps(record) + "\n")
         self._log.flush()
-        if record.get("event") == "start" and isinstance(record.get("config"), dict):
-            for tracker in self._trackers:
-                tracker.log_config(record["config"])
 
     def step(self, record: dict[str, Any]) -> None:
         """Log a ``step`` record and advance the bar with its figures."""

@@ -1,12 +1,13 @@
 """Experiment trackers beside ``log.jsonl``: TensorBoard, Weights & Biases and MLflow
 (``ramflow train --report-to``, the name Hugging Face's ``TrainingArguments`` uses).
 
-Each tracker gets the run's settings once (the ``start`` record's ``config``) and each
+Each tracker gets the run's settings once (``TrainConfig.to_dict()``) and each
 step's figures (``train/loss``, ``train/lr``, ...) and validation losses (``val/loss``),
 keyed by optimizer step. Every package is optional and imported only when asked for; each
 works without a network: TensorBoard writes event files into the run folder, W&B runs
-with ``WANDB_MODE=offline`` (its files under the run folder), MLflow with a ``file:``
-tracking URI (``MLFLOW_TRACKING_URI``; default ``./mlruns``).
+with ``WANDB_MODE=offline`` (its files under the run folder), MLflow with a local store
+(``MLFLOW_TRACKING_URI``: ``sqlite:///mlflow.db``, or a ``file:`` URI, which MLflow 3
+takes only with ``MLFLOW_ALLOW_FILE_STORE=true``).
 """
 
 from __future__ import annotations
@@ -111,20 +112,29 @@ class WandbTracker:
 class MlflowTracker:
     """An MLflow run named after the run folder in experiment ``$MLFLOW_EXPERIMENT_NAME``
     (default ``ramflow``), through ``MlflowClient`` (no global active run is left behind);
-    the store is ``$MLFLOW_TRACKING_URI`` (``file:`` works offline; default ``./mlruns``)."""
+    the store is ``$MLFLOW_TRACKING_URI`` (MLflow's default without it).
+
+    Raises:
+        ValueError: MLflow refuses the store (its message, on one line).
+    """
 
     def __init__(self, run_dir: Path) -> None:
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
-        self._client = MlflowClient()
-        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "ramflow")
-        experiment = self._client.get_experiment_by_name(name)
-        experiment_id = (
-            experiment.experiment_id
-            if experiment is not None
-            else self._client.create_experiment(name)
-        )
-        self._run_id = self._client.create_run(experiment_id, run_name=run_dir.name).info.run_id
+        try:
+            self._client = MlflowClient()
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "ramflow")
+            experiment = self._client.get_experiment_by_name(name)
+            experiment_id = (
+                experiment.experiment_id
+                if experiment is not None
+                else self._client.create_experiment(name)
+            )
+            run = self._client.create_run(experiment_id, run_name=run_dir.name)
+        except MlflowException as err:
+            raise ValueError(f"--report-to mlflow: {' '.join(str(err).split())}") from err
+        self._run_id = run.info.run_id
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         for key, value in config.items():

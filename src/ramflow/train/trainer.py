@@ -317,6 +317,7 @@ def _train_ranks(
             keep_until=start_step if ckpt is not None else None,
             progress=progress,
             log_to=log_to,
+            run_config=config.to_dict(),  # for --report-to's trackers
         )
         if ranks.is_main
         else QuietReport(run_dir)
