@@ -55,7 +55,9 @@ IGNORE_INDEX = -100  # cross_entropy's ignore_index: no loss at this position
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 _SPLIT_SEED = 1234  # as data.py's: the held-out conversations do not depend on --seed
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_DATASETS_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
+# what datasets' save_to_disk writes: a Dataset's two files, or a DatasetDict's one
+_DATASET_FILES = ("dataset_info.json", "state.json")
+_DATASET_DICT_FILE = "dataset_dict.json"
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,9 @@ def is_chat_data(data: str | os.PathLike | None) -> bool:
         return False
     p = Path(data)
     if p.is_dir():
-        return any((p / name).is_file() for name in _DATASETS_FILES)
+        return (p / _DATASET_DICT_FILE).is_file() or all(
+            (p / name).is_file() for name in _DATASET_FILES
+        )
     if not (p.is_file() and p.suffix.lower() in (".jsonl", ".ndjson")):
         return False
     with p.open(encoding="utf-8", errors="replace") as f:

@@ -37,7 +37,8 @@ def resolve_hub_model(model: str | os.PathLike, *, revision: str | None = None) 
 
     Raises:
         FileNotFoundError: a Hub id that is not in the local cache (the message gives the
-            ``hf download`` command and the cache searched).
+            ``hf download`` command and the cache searched); a relative path ``a/b`` that
+            does not exist reads as one, and the message says it is no folder either.
         ValueError: a Hub id without the ``huggingface_hub`` package.
     """
     if not looks_like_hub_id(model):
@@ -59,8 +60,9 @@ def resolve_hub_model(model: str | os.PathLike, *, revision: str | None = None) 
         )
     except LocalEntryNotFoundError:
         raise FileNotFoundError(
-            f"--model {repo_id} is not in the Hugging Face cache ({cache}); ramflow does not "
-            f"download: run `hf download {repo_id}` first (or give a local model folder)"
+            f"--model {repo_id}: no such folder, and not in the Hugging Face cache ({cache}); "
+            f"ramflow does not download: run `hf download {repo_id}` first (or give a local "
+            "model folder)"
         ) from None
 
 
