@@ -599,7 +599,12 @@ def _with_config_file(argv: Sequence[str], path: str) -> list[str]:
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     flags = {
-        a.dest: Flag(max(a.option_strings, key=len), a.dest, a.nargs != 0, a.choices)
+        a.dest: Flag(
+            max(a.option_strings, key=len),
+            a.dest,
+            a.nargs != 0,
+            tuple(a.choices) if a.choices else None,
+        )
         for a in sub.choices["train"]._actions  # argparse keeps a parser's flags there
         if a.option_strings and a.dest != "help"
     }
