@@ -458,3 +458,52 @@ def test_report_to_tensorboard_gets_the_config(
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
     assert [e.step for e in events.Scalars("val/loss")] == [2]
     assert "config/text_summary" in events.Tags()["tensors"]
+
+
+# ---- the loss the trainer takes on chat data is the resident model's, masked
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_first_step_loss_is_the_resident_models_on_the_assistants_tokens(
+    device: str,
+    hub_cache: Path,
+    chat_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    ramflow_cli,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from ramflow.train.data import BatchStream
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache))
+    out = tmp_path / "run"
+    argv = ["train", "--model", "org/tiny-chat", "--data", str(chat_file), "--seq-len", "64"]
+    argv += ["--batch-size", "2", "--steps", "1", "--device", device, "--no-progress"]
+    assert ramflow_cli(*argv, "--keep-checkpoints", "0", "--out", str(out)) == 0
+    (first,) = [r["loss"] for r in read_log(out / "log.jsonl") if r["event"] == "step"]
+
+    snapshot = resolve_hub_model("org/tiny-chat")
+    corpus = build_chat_corpus(chat_file, HFTokenizer(snapshot), seq_len=64)
+    stream = BatchStream(
+        corpus.train_tokens, batch_size=2, seq_len=64, seed=0, labels=corpus.train_labels
+    )
+    ids, labels = stream.next_labeled_batch()
+    assert bool((labels == IGNORE_INDEX).any()) and bool((labels != IGNORE_INDEX).any())
+    model = AutoModelForCausalLM.from_pretrained(str(snapshot), dtype=torch.float32).to(device)
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        want = lm_loss(model, ids.to(device), labels.to(device)).item()
+    # the CPU computes in fp32 as the resident model does; the GPU with a bf16 wire
+    assert first == pytest.approx(want, rel=1e-5 if device == "cpu" else 2e-2)
