@@ -17,6 +17,7 @@ from typing import Any
 from ..formats.host import PRESETS
 from ..train.lora import FROZEN_FORMATS
 from ..train.ranks import NUMA_BINDINGS
+from ..train.reporting import TRACKERS
 
 _TRAIN_OPTIONS = (
     "preset",
@@ -77,7 +78,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         default=None,
         help="a local Hugging Face causal LM folder (config.json + safetensors; any architecture "
-        "transformers knows) instead of a preset",
+        "transformers knows), or a Hub id org/name from the local Hugging Face cache, instead "
+        "of a preset",
     )
     p.add_argument(
         "--tokenizer",
@@ -264,10 +266,17 @@ def build_parser() -> argparse.ArgumentParser:
         "Ctrl-C then loses the run)",
     )
     t.add_argument(
-        "--eval-every", type=int, default=None, help="validation every N steps (default: steps/5)"
+        "--eval-every",
+        type=int,
+        default=None,
+        help="validation every N steps, 0: only at the end (default: steps/5; 0 below 25 steps)",
     )
     t.add_argument(
-        "--eval-batches", type=int, default=None, help="micro-batches per validation (default 8)"
+        "--eval-batches",
+        type=int,
+        default=None,
+        help="micro-batches per validation (default: all validations within a quarter of "
+        "the training micro-batches, 1 to 8)",
     )
     t.add_argument(
         "--val-fraction",
@@ -359,11 +368,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--log-to",
+        "--report-to",
+        dest="log_to",
         action="append",
-        choices=["tensorboard"],
+        choices=list(TRACKERS),
         default=[],
-        help="also log to TensorBoard (run folder/tensorboard; needs the tensorboard package); "
-        "log.jsonl is always written",
+        help="also log to tensorboard (run folder/tensorboard), wandb (WANDB_MODE=offline "
+        "works) or mlflow (MLFLOW_TRACKING_URI, default ./mlruns); repeat for several; each "
+        "needs its package; log.jsonl is always written",
+    )
+    # fine-tuners' inputs (issue 49): see [Note: a config file is command-line flags]
+    t.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="read flags from a YAML or JSON file (keys as the flags, '-' or '_'; a run "
+        "folder's run.json replays that run); flags on the command line override it",
     )
 
     g = sub.add_parser(
@@ -375,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         metavar="DIR",
         required=True,
-        help="run folder, checkpoint folder or Hugging Face model folder",
+        help="run folder, checkpoint folder, Hugging Face model folder or a Hub id org/name "
+        "from the local cache",
     )
     g.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     g.add_argument(
@@ -570,9 +591,41 @@ def default_allocator_settings(environ: MutableMapping[str, str]) -> str | None:
     return ALLOC_CONF_DEFAULT
 
 
+def _with_config_file(argv: Sequence[str], path: str) -> list[str]:
+    """``argv`` with the flags of the ``--config`` file before the command line's own (which
+    override them), and ``--config`` taken out. See [Note: a config file is command-line
+    flags] in ``ramflow.train.config_file``."""
+    from ..train.config_file import Flag, config_argv, read_config_file
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    flags = {
+        a.dest: Flag(
+            max(a.option_strings, key=len),
+            a.dest,
+            a.nargs != 0,
+            tuple(a.choices) if a.choices else None,
+        )
+        for a in sub.choices["train"]._actions  # argparse keeps a parser's flags there
+        if a.option_strings and a.dest != "help"
+    }
+    words = config_argv(read_config_file(path), flags, where=path)
+    rest, skip = [], False
+    for w in argv[argv.index("train") + 1 :]:
+        if not skip and w == "--config":
+            skip = True
+        elif not skip and not w.startswith("--config="):
+            rest.append(w)
+        else:
+            skip = False
+    return ["train", *words, *rest]
+
+
 def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import os
 
+    if args.config is not None:
+        argv = _with_config_file(argv, args.config)
+        args = build_parser().parse_args(argv)
     # before anything initializes CUDA; the ranks a launcher starts inherit it
     default_allocator_settings(os.environ)
     from ..train import TrainConfig, open_checkpoint, resume_config, train
@@ -741,7 +794,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ramflow {args.command}: error: {err}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as err:
-        if err.name == "tensorboard":
+        if err.name in TRACKERS.values():  # --report-to's packages
             print(f"ramflow {args.command}: error: {err}", file=sys.stderr)
             return 2
         if err.name != "transformers":

@@ -228,12 +228,14 @@ def accumulate_step(
         loss_sum = torch.zeros((), dtype=torch.float32, device=policy.device)
         try:
             for micro in range(grad_accum):
-                x = batches.next_batch().to(policy.device)  # (B, T)
+                x, labels = batches.next_labeled_batch()  # (B, T); labels: chat data's
+                x = x.to(policy.device)
+                labels = labels.to(policy.device) if labels is not None else None
                 # non-final micro-batches only accumulate: see ramflow.optim.HostOptimizer.no_step
                 accumulate = opt.no_step() if micro < grad_accum - 1 else contextlib.nullcontext()
                 with accumulate:
                     with policy.autocast():
-                        loss = lm_loss(model, x)
+                        loss = lm_loss(model, x, labels)
                     scaler.scale(loss / grad_accum).backward()
                 loss_sum += loss.detach().float()
             return loss_sum
@@ -257,7 +259,7 @@ def accumulate_step(
                 ) from err
             reason = str(err).splitlines()[0] if str(err) else ""
         # out of the except block: the traceback, and the failed pass's tensors, are gone
-        x = loss = loss_sum = None
+        x = labels = loss = loss_sum = None
         opt.zero_grad(set_to_none=True)
         if policy.device.type == "cuda":
             torch.cuda.empty_cache()

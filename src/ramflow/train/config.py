@@ -11,6 +11,7 @@ from ..formats.host import PRESETS
 from ..sizes import parse_bytes
 from .estimate import CHECKPOINTING_MODES
 from .generation import resolve_model_dir
+from .hub import resolve_hub_model
 from .lora import check_frozen_format, parse_targets
 from .modeling import read_config
 from .optimizers import OPTIMIZER_DEFAULTS, OPTIMIZERS
@@ -46,7 +47,9 @@ class TrainConfig:
 
     Attributes:
         preset: name of a model preset (``ramflow.train.presets.PRESETS``), or None with ``model``.
-        model: a Hugging Face checkpoint folder to start from, or None with ``preset``.
+        model: a Hugging Face checkpoint folder to start from, or None with ``preset``;
+            ``from_options`` also takes a Hub id ``org/name`` from the local Hub cache
+            (``ramflow.train.hub``) and stores its snapshot folder.
         tokenizer: a local Hugging Face tokenizer folder; None: the model folder's own
             tokenizer if it has one, else the byte tokenizer.
         data: text file, folder or JSON lines; None: the Python standard library sources.
@@ -106,8 +109,12 @@ class TrainConfig:
         save_every: write a checkpoint every this many steps (0: only at the end and on Ctrl-C).
         keep_checkpoints: finished checkpoints kept on disk; 0: none is written (a benchmark
             or a smoke run on a disk too small for one: Ctrl-C and SIGTERM then lose the run).
-        eval_every: validation every this many steps (0: only at the end).
-        eval_batches: micro-batches of held-out text per validation.
+        eval_every: validation every this many steps and before the first (0: only at
+            the end). ``from_options`` sizes it to the run: a fifth of the steps, or 0 for
+            a run of fewer than ``PERIODIC_EVAL_MIN_STEPS`` (see [Note: validation sized
+            to the run]).
+        eval_batches: micro-batches of held-out text per validation; ``from_options``
+            sizes it to the run (at most 8).
         val_fraction: share of the corpus held out for validation, between 0 and 1.
         lora_rank: train LoRA adapters of this rank (PEFT) on a frozen base instead of
             every weight (``--lora``); None: a full fine-tune. See ``ramflow.train.lora``.
@@ -318,13 +325,14 @@ class TrainConfig:
             raise ValueError(
                 f"--batch-size {given['batch_size']!r}: give a number of sequences or 'auto'"
             )
+        if "tokenizer" in given:
+            given["tokenizer"] = str(resolve_hub_model(given["tokenizer"]))
         if "model" in given:
             given.setdefault("preset", None)
             if given["preset"] is not None:
                 raise ValueError("give either --preset or --model DIR, not both")
-            given["model"] = str(
-                resolve_model_dir(given["model"])
-            )  # a run folder: its latest checkpoint
+            # a Hub id: its snapshot in the local cache; a run folder: its latest checkpoint
+            given["model"] = str(resolve_model_dir(given["model"]))
             ctx = getattr(read_config(given["model"]), "max_position_embeddings", 2048)
             base = {"batch_size": 4, "seq_len": min(2048, ctx), "lr": 2e-5, "steps": 100}
         else:
@@ -348,7 +356,7 @@ class TrainConfig:
         steps = given["steps"]
         given.setdefault("decay_steps", steps)
         given.setdefault("warmup_steps", max(1, min(200, steps // 5)))
-        given.setdefault("eval_every", max(1, steps // 5))
+        _size_validation(given)
         return cls(**given)
 
     def to_dict(self) -> dict[str, Any]:
@@ -358,6 +366,33 @@ class TrainConfig:
     def model_name(self) -> str:
         """The preset, or the model folder, for messages."""
         return self.preset if self.preset is not None else str(self.model)
+
+
+# [Note: validation sized to the run]
+# A validation pass is a forward over eval_batches micro-batches, each as costly to stream
+# through the device as a training micro-batch's forward. With fixed defaults (8 batches,
+# at step 0 and every fifth of the run) a 5-step fine-tune validated six times, 48
+# micro-batches against 5 of training, and spent most of its time there. So a run of fewer
+# than PERIODIC_EVAL_MIN_STEPS validates once, at the end; and the default eval_batches
+# keeps all the validation passes of a run within VALIDATION_SHARE of its training
+# micro-batches (at least one batch each, at most MAX_EVAL_BATCHES). Given values are kept.
+PERIODIC_EVAL_MIN_STEPS = 25
+VALIDATION_SHARE = 0.25
+MAX_EVAL_BATCHES = 8
+
+
+def _size_validation(given: dict[str, Any]) -> None:
+    """Default ``eval_every`` and ``eval_batches`` in ``given`` from its ``steps`` and
+    ``grad_accum``. See [Note: validation sized to the run]."""
+    steps = given["steps"]
+    every = given.setdefault("eval_every", steps // 5 if steps >= PERIODIC_EVAL_MIN_STEPS else 0)
+    # before step 1, every `every` steps before the last, and at the end
+    passes = 1 + -(-steps // every) if every > 0 else 1
+    micro_batches = steps * given.get("grad_accum", 1)
+    given.setdefault(
+        "eval_batches",
+        min(MAX_EVAL_BATCHES, max(1, int(VALIDATION_SHARE * micro_batches / passes))),
+    )
 
 
 def _set_global_batch(given: dict[str, Any], global_batch: int) -> None:
@@ -441,4 +476,11 @@ def resume_config(checkpoint: Checkpoint, **options: Any) -> TrainConfig:
         ) from err
 
 
-__all__ = ["RESUMABLE_CHANGES", "TrainConfig", "resume_config"]
+__all__ = [
+    "MAX_EVAL_BATCHES",
+    "PERIODIC_EVAL_MIN_STEPS",
+    "RESUMABLE_CHANGES",
+    "VALIDATION_SHARE",
+    "TrainConfig",
+    "resume_config",
+]

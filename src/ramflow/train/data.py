@@ -184,6 +184,9 @@ class Corpus:
         num_documents: how many documents went in.
         source: a short description of where the text came from.
         fingerprint: sha256 of both token streams, to check a resumed run reads the same data.
+        train_labels / val_labels: (N_train,) / (N_val,) int32 targets beside the tokens,
+            -100 where no loss is taken (chat data: ``ramflow.train.chat_data``); None: the
+            tokens themselves (plain text).
     """
 
     train_tokens: torch.Tensor
@@ -191,6 +194,8 @@ class Corpus:
     num_documents: int
     source: str
     fingerprint: str
+    train_labels: torch.Tensor | None = None
+    val_labels: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -313,6 +318,7 @@ class BatchStream:
         rank: this rank, 0 to ``num_ranks - 1``.
         num_ranks: ranks that share each micro-batch of ``batch_size * num_ranks``
             sequences (see [Note: data position]).
+        labels: (N,) int32 targets beside ``tokens`` (``Corpus.train_labels``), or None.
     """
 
     def __init__(
@@ -325,6 +331,7 @@ class BatchStream:
         position: int = 0,
         rank: int = 0,
         num_ranks: int = 1,
+        labels: torch.Tensor | None = None,
     ) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ValueError(
@@ -340,6 +347,11 @@ class BatchStream:
                 f"the training stream ({tokens.numel()} tokens) is shorter than one sequence"
             )
         self._sequences = tokens[: self.num_sequences * seq_len].view(self.num_sequences, seq_len)
+        self._labels = (
+            labels[: self.num_sequences * seq_len].view(self.num_sequences, seq_len)
+            if labels is not None
+            else None
+        )
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
@@ -359,16 +371,26 @@ class BatchStream:
         """Passes over the training stream so far (fractional)."""
         return self.position / self.num_sequences
 
-    def next_batch(self) -> torch.Tensor:
-        """This rank's part of the next micro-batch: (B, T) int64 token ids; advances
-        ``position`` by B x ``num_ranks``."""
+    def _next_rows(self) -> list[int]:
         rows = []
         first = self.position + self.rank * self.batch_size
         for k in range(first, first + self.batch_size):
             epoch, i = divmod(k, self.num_sequences)
             rows.append(int(self._epoch_order(epoch)[i]))
         self.position += self.batch_size * self.num_ranks
-        return self._sequences[rows].long()
+        return rows
+
+    def next_batch(self) -> torch.Tensor:
+        """This rank's part of the next micro-batch: (B, T) int64 token ids; advances
+        ``position`` by B x ``num_ranks``."""
+        return self._sequences[self._next_rows()].long()
+
+    def next_labeled_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``next_batch``'s (B, T) int64 ids and their (B, T) int64 labels (-100: no
+        loss), or None for labels when the stream has none (the ids are the targets)."""
+        rows = self._next_rows()
+        labels = self._labels[rows].long() if self._labels is not None else None
+        return self._sequences[rows].long(), labels
 
 
 def validation_batches(

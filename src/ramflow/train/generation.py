@@ -24,6 +24,7 @@ from torch import nn
 import ramflow
 
 from ..sizes import parse_bytes
+from .hub import resolve_hub_model
 from .modeling import build_model, load_offloaded, read_config
 from .precision import ComputePolicy, resolve_compute
 from .run_checkpoint import STATE_FILE, find_checkpoint, open_checkpoint
@@ -232,14 +233,17 @@ def generate(
 
 def resolve_model_dir(path: str | os.PathLike) -> Path:
     """The model folder meant by ``path``: a run folder gives its latest checkpoint; a
-    checkpoint folder or a Hugging Face folder is itself. A ramflow checkpoint's model
-    files (config, weights, tokenizer) are checked against its manifest, as resuming does.
+    checkpoint folder or a Hugging Face folder is itself; a Hub id ``org/name`` its
+    snapshot in the local Hugging Face cache (``ramflow.train.hub``). A ramflow
+    checkpoint's model files (config, weights, tokenizer) are checked against its
+    manifest, as resuming does.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist or holds no model.
+        FileNotFoundError: ``path`` does not exist or holds no model; a Hub id not in the
+            cache (the message gives the ``hf download`` command).
         CheckpointError: a checkpoint's file is missing, truncated or altered.
     """
-    p = Path(path)
+    p = resolve_hub_model(path)
     if not p.exists():
         raise FileNotFoundError(f"--model {p}: no such folder")
     if (p / "config.json").is_file():

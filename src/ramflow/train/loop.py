@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 
 import psutil
@@ -96,27 +97,33 @@ def evaluate(
     seq_len: int,
     max_batches: int,
     ranks: Ranks | None = None,
+    labels: torch.Tensor | None = None,
 ) -> float:
     """Mean cross-entropy (nats per token) of ``model`` on held-out (N,) ``tokens``, over
     at most ``max_batches`` (B, T) batches; with ``ranks``, each rank computes its rows of
     every batch of B x ranks (see [Note: several ranks from the CLI] in ``ranks.py``) and
-    every rank returns the mean over all of them."""
+    every rank returns the mean over all of them. ``labels``: (N,) targets beside the
+    tokens (-100: none; ``Corpus.val_labels``), None: the tokens."""
     ranks = ranks if ranks is not None else Ranks()
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     try:
-        for batch in validation_batches(
-            tokens,
+        picked = dict(
             batch_size=batch_size,
             seq_len=seq_len,
             max_batches=max_batches,
             rank=ranks.rank,
             num_ranks=ranks.world_size,
+        )
+        for batch, target in zip(
+            validation_batches(tokens, **picked),
+            validation_batches(labels, **picked) if labels is not None else repeat(None),
         ):
             batch = batch.to(policy.device)
+            target = target.to(policy.device) if target is not None else None
             with policy.autocast():
-                loss = lm_loss(model, batch)
+                loss = lm_loss(model, batch, target)
             total += loss.float().item() * batch.shape[0]
             count += batch.shape[0]
     finally:
@@ -203,6 +210,9 @@ def run_loop(
                 "save_s": time.perf_counter() - t0,
             }
         )
+        say(
+            f"checkpoint of step {step_now} saved in {format_duration(time.perf_counter() - t0)}: {path}"
+        )
         saved_step = step_now
         return path
 
@@ -220,6 +230,7 @@ def run_loop(
             seq_len=config.seq_len,
             max_batches=-(-config.eval_batches * config.batch_size // batches.batch_size),
             ranks=ranks,
+            labels=corpus.val_labels,
         )
         report.eval(step_now, loss)
         say(f"step {step_now}: validation loss {loss:.4f}")

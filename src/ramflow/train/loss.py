@@ -35,7 +35,15 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DEFAULT_CHUNK_LOGIT_BYTES", "chunk_lm_head", "chunk_tokens_for", "lm_loss"]
+__all__ = [
+    "DEFAULT_CHUNK_LOGIT_BYTES",
+    "IGNORE_INDEX",
+    "chunk_lm_head",
+    "chunk_tokens_for",
+    "lm_loss",
+]
+
+IGNORE_INDEX = -100  # a label that takes no loss (cross_entropy's default ignore_index)
 
 # a chunk's fp32 logits: 256 MiB (512 tokens of Llama 3's vocabulary)
 DEFAULT_CHUNK_LOGIT_BYTES = 256 << 20
@@ -77,6 +85,8 @@ class _ChunkedHeadForward:
         # the weight as this forward call sees it: the device copy on an offloaded model
         weight, bias = self.head.weight, self.head.bias
         total = hidden_BTD.new_zeros((), dtype=torch.float32)
+        # the mean over the positions that have a target (cross_entropy's ignore_index:
+        # -100 marks none); plain text has a target everywhere
         for start in range(0, labels_N.numel(), self.chunk_tokens):
             part = slice(start, start + self.chunk_tokens)
             if torch.is_grad_enabled():
@@ -91,7 +101,7 @@ class _ChunkedHeadForward:
             else:
                 chunk = _chunk_loss_sum(hidden_ND[part], labels_N[part], weight, bias)
             total = total + chunk
-        return total / max(labels_N.numel(), 1)
+        return total / (labels_N != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def chunk_lm_head(model: nn.Module, *, chunk_tokens: int | None = None) -> None:
@@ -125,17 +135,23 @@ def chunk_lm_head(model: nn.Module, *, chunk_tokens: int | None = None) -> None:
     head.forward = _ChunkedHeadForward(head, chunk_tokens)
 
 
-def lm_loss(model: nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
+def lm_loss(
+    model: nn.Module, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean next-token cross-entropy of ``model`` on ``input_ids_BT`` ((B, T) integer ids,
-    any device; each sequence predicts its own next tokens, no padding): a 0-dim fp32
-    tensor on the model's compute device, with a graph for ``backward()``. After
-    ``chunk_lm_head(model)`` it is computed in chunks (See [Note: the loss in chunks]);
-    otherwise it is the model's own ``labels=`` loss."""
+    any device; each sequence predicts its own next tokens): a 0-dim fp32 tensor on the
+    model's compute device, with a graph for ``backward()``. ``labels_BT`` ((B, T) integer
+    ids, ``IGNORE_INDEX`` where no loss is taken: a prompt, padding; see
+    ``ramflow.train.chat_data``) are the targets, None: the ids themselves; the mean is
+    over the positions with a target. After ``chunk_lm_head(model)`` it is computed in
+    chunks (See [Note: the loss in chunks]); otherwise it is the model's own ``labels=``
+    loss."""
+    labels_BT = input_ids_BT if labels_BT is None else labels_BT
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     chunked = head.__dict__.get("forward") if head is not None else None
     if not isinstance(chunked, _ChunkedHeadForward):
-        return model(input_ids=input_ids_BT, labels=input_ids_BT, use_cache=False).loss
-    chunked.labels_BT = input_ids_BT
+        return model(input_ids=input_ids_BT, labels=labels_BT, use_cache=False).loss
+    chunked.labels_BT = labels_BT
     try:
         return model(input_ids=input_ids_BT, use_cache=False).logits
     finally:

@@ -21,16 +21,19 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from ..sizes import format_bytes
+from .reporting import TENSORBOARD_DIR, TRACKERS, open_trackers, step_metrics
+
+# the name trainer.py knows it by
+from .reporting import check_trackers as check_loggers
 
 LOG_FILE = "log.jsonl"
 PLOT_FILE = "loss.png"
-TENSORBOARD_DIR = "tensorboard"
-LOGGERS = ("tensorboard",)
+LOGGERS = tuple(TRACKERS)
 
 
 def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -148,13 +151,15 @@ class RunReport:
         interactive: use the tqdm bar (default: whether stderr is a terminal).
         line_every: steps between progress lines when not interactive (default: a twentieth
             of the run, at least 1).
-        log_to: extra loggers beside ``log.jsonl``: ``"tensorboard"`` writes TensorBoard
-            event files to ``run_dir/tensorboard`` with ``torch.utils.tensorboard``.
+        log_to: experiment trackers beside ``log.jsonl`` (``--report-to``):
+            ``"tensorboard"``, ``"wandb"``, ``"mlflow"`` (see ``ramflow.train.reporting``);
+            they get ``run_config``, each step's figures and the validation losses.
+        run_config: the run's settings for the trackers (``TrainConfig.to_dict()``).
 
     Raises:
         ValueError: an unknown ``log_to`` entry.
-        ModuleNotFoundError: ``log_to`` names TensorBoard and the ``tensorboard`` package is
-            absent (the message says ``pip install tensorboard``).
+        ModuleNotFoundError: ``log_to`` names a tracker whose package is absent (the
+            message says what to install).
     """
 
     def __init__(
@@ -169,9 +174,11 @@ class RunReport:
         interactive: bool | None = None,
         line_every: int | None = None,
         log_to: Sequence[str] = (),
+        run_config: Mapping[str, Any] | None = None,
     ) -> None:
-        check_loggers(log_to)
-        self._tb = _tensorboard_writer(Path(run_dir)) if "tensorboard" in log_to else None
+        self._trackers = open_trackers(log_to, run_dir)
+        for tracker in self._trackers:
+            tracker.log_config(run_config or {})
         self.run_dir = Path(run_dir)
         self.log_path = self.run_dir / LOG_FILE
         self.records: list[dict[str, Any]] = []
@@ -210,11 +217,8 @@ class RunReport:
     def step(self, record: dict[str, Any]) -> None:
         """Log a ``step`` record and advance the bar with its figures."""
         self.log({"event": "step", **record})
-        if self._tb is not None:
-            step = record["step"]
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
-                if record.get(key) is not None:
-                    self._tb.add_scalar(f"train/{key}", record[key], step)
+        for tracker in self._trackers:
+            tracker.log_metrics(step_metrics(record), record["step"])
         gpu = record.get("peak_gpu_bytes")
         mfu = record.get("mfu")
         figures = (
@@ -234,8 +238,8 @@ class RunReport:
     def eval(self, step: int, val_loss: float) -> None:
         """Log an ``eval`` record."""
         self.log({"event": "eval", "step": step, "val_loss": val_loss})
-        if self._tb is not None:
-            self._tb.add_scalar("val/loss", val_loss, step)
+        for tracker in self._trackers:
+            tracker.log_metrics({"val/loss": val_loss}, step)
 
     def message(self, text: str) -> None:
         """Print a line without breaking the bar."""
@@ -248,9 +252,9 @@ class RunReport:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
         self._log.close()
 
     def step_records(self) -> list[dict[str, Any]]:
@@ -345,44 +349,6 @@ class QuietReport:
 
     def write_plot(self, *, title: str) -> Path | None:
         return None
-
-
-def check_loggers(log_to: Sequence[str]) -> None:
-    """Refuse ``log_to`` entries that ``RunReport`` cannot serve, before anything is written.
-
-    Raises:
-        ValueError: an entry other than those of ``LOGGERS``.
-        ModuleNotFoundError: ``"tensorboard"`` without the ``tensorboard`` package.
-    """
-    unknown = [name for name in log_to if name not in LOGGERS]
-    if unknown:
-        raise ValueError(
-            f"--log-to {unknown[0]!r}: choose among {', '.join(LOGGERS)} "
-            "(log.jsonl is always written)"
-        )
-    if "tensorboard" in log_to:
-        _summary_writer_class()
-
-
-def _summary_writer_class():
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as err:
-        raise ModuleNotFoundError(
-            "--log-to tensorboard needs the tensorboard package; install it with: "
-            "pip install tensorboard",
-            name="tensorboard",
-        ) from err
-    return SummaryWriter
-
-
-def _tensorboard_writer(run_dir: Path):
-    """A ``SummaryWriter`` on ``run_dir/tensorboard`` (made before anything else of the run).
-
-    Raises:
-        ModuleNotFoundError: the ``tensorboard`` package is absent.
-    """
-    return _summary_writer_class()(log_dir=str(run_dir / TENSORBOARD_DIR))
 
 
 def summary_table(rows: list[tuple[str, str]]) -> str:

@@ -21,6 +21,7 @@ from ..formats.host import HostPrecision
 from ..memory.fit import BatchFit, fit_batch
 from ..planner.predict import Rates
 from ..sizes import format_bytes, parse_bytes
+from .chat_data import build_chat_corpus, is_chat_data
 from .config import TrainConfig
 from .data import Corpus, build_corpus, find_documents, stdlib_root
 from .estimate import (
@@ -419,19 +420,24 @@ def prepare_run(
     )
     saves = config.keep_checkpoints > 0
     _check_machine(estimate, corpus_bytes=0, saves=saves)  # before reading the data: fail fast
-    documents = find_documents(config.data)
-    source = (
-        f"Python {platform.python_version()} standard library ({stdlib_root()})"
-        if config.data is None
-        else str(config.data)
-    )
-    corpus = build_corpus(
-        documents,
-        tokenizer,
-        seq_len=config.seq_len,
-        val_fraction=config.val_fraction,
-        source=source,
-    )
+    if is_chat_data(config.data):  # conversations: see ramflow.train.chat_data
+        corpus = build_chat_corpus(
+            config.data, tokenizer, seq_len=config.seq_len, val_fraction=config.val_fraction
+        )
+    else:
+        documents = find_documents(config.data)
+        source = (
+            f"Python {platform.python_version()} standard library ({stdlib_root()})"
+            if config.data is None
+            else str(config.data)
+        )
+        corpus = build_corpus(
+            documents,
+            tokenizer,
+            seq_len=config.seq_len,
+            val_fraction=config.val_fraction,
+            source=source,
+        )
     _check_machine(estimate, corpus_bytes=corpus.num_tokens * 4, saves=saves)
     return PreparedRun(
         policy, tokenizer, mconfig, corpus, estimate, estimate.ramflow_budget_bytes, checkpoint, fit

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 BYTE_TOKENIZER_FILE = "ramflow_tokenizer.json"
 HF_TOKENIZER_FILE = "tokenizer.json"
@@ -160,6 +160,11 @@ class HFTokenizer:
         self.eos_id = self._tok.eos_token_id
         pad = self._tok.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos_id if self.eos_id is not None else 0)
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The ``transformers`` tokenizer read from the folder (its chat template, offsets)."""
+        return self._tok
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False, verbose=False)

@@ -317,6 +317,7 @@ def _train_ranks(
             keep_until=start_step if ckpt is not None else None,
             progress=progress,
             log_to=log_to,
+            run_config=config.to_dict(),  # for --report-to's trackers
         )
         if ranks.is_main
         else QuietReport(run_dir)
@@ -506,6 +507,7 @@ def _train(
             seed=config.seed,
             rank=ranks.rank,
             num_ranks=ranks.world_size,
+            labels=corpus.train_labels,  # chat data's loss mask, else None
         )
         step, tokens_seen = 0, 0
         if ckpt is not None:
