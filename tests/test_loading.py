@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import io
 import json
 import multiprocessing as mp
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import ramflow
+from ramflow.io import loading as _loading
 
 transformers = pytest.importorskip("transformers")
 
@@ -135,6 +138,31 @@ def test_weights_function(tmp_path):
     ramflow.offload(model, device="cpu", weights=weights)
     assert sorted(names) == sorted(n for n, _ in ref.named_parameters())
     assert torch.equal(model(_ids()).logits, ref(_ids()).logits)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_a_long_load_shows_its_progress_on_a_terminal(tmp_path, monkeypatch, terminal):
+    """The bar counts every parameter once (a tied one too) and is closed with the loader;
+    where stderr is no terminal nothing is written."""
+    ref = _reference("qwen2")
+    folder = _save(ref, tmp_path, sharded=True)
+    stderr = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setattr(_loading, "PROGRESS_DELAY_S", 0.0)
+    model = _meta("qwen2")
+    ramflow.offload(model, device="cpu", weights=folder)
+    if not terminal:
+        assert stderr.getvalue() == ""
+        return
+    n = sum(p.numel() for p in ref.parameters())
+    last = stderr.getvalue().split("\r")[-1]
+    assert "ramflow: loading weights: 100%" in last, last
+    assert f"{n / 1e3:.1f}k/{n / 1e3:.1f}k" in last, last
 
 
 @pytest.mark.parametrize("threads", [1, 3])

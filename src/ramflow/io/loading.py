@@ -28,6 +28,22 @@ thread would start an OpenMP team per thread, threads times too many). Nothing i
 so no page of a file counts in the process's RSS, and the page cache (or /dev/shm) feeds
 the threads at memory speed. ``safe_open`` still checks every file first, and reads the
 tensors of a dtype torch cannot hold in a buffer (none today) one at a time.
+
+[Note: how fast each source fills]
+Every source fills the masters on all the process's cores, and the time goes into the
+work itself (a profile of a 0.5B load shows no Python loop that counts): files are
+``preadv``'d as above; ``SeededInit`` draws a unit's chunks on ``default_num_threads()``
+threads (see [Note: drawing a unit's chunks at once] in ``ramflow.train.initialization``);
+a plain function ``weights(name, out)`` is called tensor after tensor on the calling
+thread, so it is as fast as its own ops: a copy from a state dict (``out.copy_(t)``) or a
+``fill_`` runs on PyTorch's intra-op threads, but CPU ``normal_`` and ``uniform_`` draw on
+one thread from one generator (a few hundred million values a second) and cannot be split without changing
+the values. A function that can work on many tensors at once gives itself a
+``write_many(items)`` (as ``SeededInit`` does). ``ramflow.offload`` does not call a plain
+function from several threads: one that draws from the global generator would then give
+values that depend on the threads' order. Loads that last show a tqdm bar of the
+parameters filled (``PROGRESS_DELAY_S``; only on a terminal, only on rank 0). Measured by
+``benchmarks/load/load_rate.py``.
 """
 
 from __future__ import annotations
@@ -54,6 +70,9 @@ WeightsFunction = Callable[[str, torch.Tensor], None]
 Weights = str | os.PathLike | WeightsFunction
 
 _SHOWN = 5  # problems named in an error message
+
+# a load still running after this many seconds shows its progress bar
+PROGRESS_DELAY_S = 3.0
 
 # bytes one reading thread reads at a time (and, for a cast, its scratch buffer's size):
 # large enough that a system call costs nothing beside the copy, small enough that 16
@@ -374,6 +393,10 @@ class MetaLoader:
         self._persistent = self._persistent_meta_buffers()  # first name -> meta buffer
         self._swapped: list[tuple[nn.Parameter, nn.Parameter]] = []
         self._reader = SafetensorsReader()
+        self._num_params = sum(
+            self._model.get_parameter(n[0]).numel() for n in self._names.values()
+        )
+        self._progress: Any = None  # the tqdm bar, made by the first fill
         if callable(weights):
             self._function = weights
             self._source = getattr(weights, "__name__", "the weights function")
@@ -512,17 +535,21 @@ class MetaLoader:
         """``HostStore.build``'s hook: write ``params``' values into ``views`` (contiguous
         CPU views of one unit's new master, in its dtype): read from the files in parallel
         (``SafetensorsReader``), or by the weights function: all at once through its
-        ``write_many`` where it has one (``SeededInit``), else one tensor after another."""
-        if self._function is not None:
+        ``write_many`` where it has one (``SeededInit``), else one tensor after another.
+        See [Note: how fast each source fills]."""
+        if self._progress is None:
+            self._progress = _progress_bar(self._num_params)
+        if self._function is None:
+            self._reader.read([(*self._source_of(p), view) for p, view in zip(params, views)])
+        else:
             items = [(self._names[id(p)][0], view) for p, view in zip(params, views)]
             write_many = getattr(self._function, "write_many", None)
             if write_many is not None:
                 write_many(items)
-                return
-            for name, view in items:
-                self._function(name, view)
-            return
-        self._reader.read([(*self._source_of(p), view) for p, view in zip(params, views)])
+            else:
+                for name, view in items:
+                    self._function(name, view)
+        self._progress.update(sum(p.numel() for p in params))
 
     def _source_of(self, p: torch.Tensor) -> tuple[Path, str]:
         for name in self._names[id(p)]:
@@ -538,8 +565,11 @@ class MetaLoader:
             self._reader.read([(*self._where[name], out)])
 
     def close(self) -> None:
-        """Close the files and stop the reading threads."""
+        """Close the files, stop the reading threads and the progress bar."""
         self._reader.close()
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
 
     def restore(self) -> None:
         """Give the model back as it came: its parameters and buffers on the meta device."""
@@ -549,6 +579,26 @@ class MetaLoader:
         self._swapped.clear()
         for module, name, buf in self._meta_buffers:
             module._buffers[name] = buf
+
+
+def _progress_bar(total: int) -> Any:
+    """A tqdm bar of the parameters filled, on stderr, drawn once the load has run
+    ``PROGRESS_DELAY_S`` (never where stderr is no terminal, nor on a rank but 0 of
+    ``$RANK``). Under ``torch.distributed`` a rank may fill only its share of the units,
+    so the bar gives the count and the rate without a total."""
+    from tqdm import tqdm
+
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return tqdm(
+        total=None if distributed and torch.distributed.get_world_size() > 1 else total,
+        desc="ramflow: loading weights",
+        unit="param",
+        unit_scale=True,
+        delay=PROGRESS_DELAY_S,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=not sys.stderr.isatty() or os.environ.get("RANK", "0") != "0",
+    )
 
 
 def load_resident(model: nn.Module, weights: Weights) -> nn.Module:
