@@ -140,6 +140,33 @@ def test_weights_function(tmp_path):
     assert torch.equal(model(_ids()).logits, ref(_ids()).logits)
 
 
+def test_checkpoint_names_are_the_models_or_converted_by_transformers(tmp_path):
+    """A checkpoint under the model's own names loads as it is; one under names that
+    transformers converts (GPT-NeoX's head saved as ``embed_out``) goes through its
+    conversion tables."""
+    config = transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    own = tmp_path / "own.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(own))
+    converted = _save(ref, tmp_path / "pretrained", sharded=False)
+    keys = set(load_file(str(converted / "model.safetensors")))
+    assert "embed_out.weight" in keys and "lm_head.weight" not in keys
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    mapper = _loading.checkpoint_key_mapper(meta, keys)
+    assert mapper("embed_out.weight") == ("lm_head.weight", False)
+    assert all(mapper(k)[0] in ref.state_dict() for k in keys)
+    for weights in (own, converted):
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        ramflow.offload(model, device="cpu", weights=weights)
+        assert torch.equal(model(_ids()).logits, ref(_ids()).logits)
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

@@ -30,20 +30,20 @@ the threads at memory speed. ``safe_open`` still checks every file first, and re
 tensors of a dtype torch cannot hold in a buffer (none today) one at a time.
 
 [Note: how fast each source fills]
-Every source fills the masters on all the process's cores, and the time goes into the
-work itself (a profile of a 0.5B load shows no Python loop that counts): files are
-``preadv``'d as above; ``SeededInit`` draws a unit's chunks on ``default_num_threads()``
-threads (see [Note: drawing a unit's chunks at once] in ``ramflow.train.initialization``);
-a plain function ``weights(name, out)`` is called tensor after tensor on the calling
+Files and the seeded init fill the masters on all the process's cores, and the time goes
+into the work itself (a profile of a 0.5B load shows no Python loop that counts): files
+are ``preadv``'d as above; ``SeededInit`` draws a unit's chunks on ``default_num_threads()``
+threads (see [Note: drawing a unit's chunks at once] in ``ramflow.train.initialization``).
+A plain function ``weights(name, out)`` is called tensor after tensor on the calling
 thread, so it is as fast as its own ops: a copy from a state dict (``out.copy_(t)``) or a
-``fill_`` runs on PyTorch's intra-op threads, but CPU ``normal_`` and ``uniform_`` draw on
-one thread from one generator (a few hundred million values a second) and cannot be split without changing
-the values. A function that can work on many tensors at once gives itself a
-``write_many(items)`` (as ``SeededInit`` does). ``ramflow.offload`` does not call a plain
-function from several threads: one that draws from the global generator would then give
-values that depend on the threads' order. Loads that last show a tqdm bar of the
-parameters filled (``PROGRESS_DELAY_S``; only on a terminal, only on rank 0). Measured by
-``benchmarks/load/load_rate.py``.
+``fill_`` runs on PyTorch's intra-op threads, but CPU ``normal_`` and ``uniform_`` draw
+on one thread from one generator (a few hundred million values a second), which cannot
+be split without changing the values. A function that can work on many tensors at once
+gives itself a ``write_many(items)`` (as ``SeededInit`` does). ``ramflow.offload`` never
+calls a plain function from several threads: one that draws from the global generator
+would then give values that depend on the threads' order. Loads that last show a tqdm
+bar of the parameters filled (after ``PROGRESS_DELAY_S``; only on a terminal, only on
+rank 0). Measured by ``benchmarks/load/load_rate.py``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ import os
 import struct
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -322,14 +322,33 @@ def _transformers_model(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
-def checkpoint_key_mapper(model: nn.Module) -> Callable[[str], tuple[str, bool]]:
+def checkpoint_key_mapper(
+    model: nn.Module, keys: Iterable[str] | None = None
+) -> Callable[[str], tuple[str, bool]]:
     """``key -> (model key, converted)`` for the tensor names of a checkpoint of ``model``:
     ``transformers`` renames some architectures' names on loading (GPT-NeoX's ``embed_out``
     is ``lm_head``); ``converted`` is True where several checkpoint tensors make one of the
     model's (stacked experts), whose shape the headers alone cannot check. For a model that
-    is not a ``transformers`` model, names are the model's."""
+    is not a ``transformers`` model, names are the model's.
+
+    Args:
+        model: the model (on any device, the meta device included).
+        keys: every tensor name of the checkpoint, where known. If each is one of the
+            model's names, they are kept as they are without building ``transformers``'
+            conversion tables (about a thousand regular expressions compiled: a second or
+            more of a load). Only all of them together say so: a renaming may target a
+            name that an older checkpoint uses for another tensor (``transformers``'
+            ``GroupWeightRename``), so one foreign key sends every key through the tables.
+    """
     if not _transformers_model(model):
         return lambda key: (key, False)
+    if keys is not None and set(keys) <= set(model.state_dict(keep_vars=True)):
+        return lambda key: (key, False)
+    return _transformers_key_mapper(model)
+
+
+def _transformers_key_mapper(model: nn.Module) -> Callable[[str], tuple[str, bool]]:
+    """``checkpoint_key_mapper`` by ``transformers``' conversion tables."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, rename_source_key
@@ -414,25 +433,27 @@ class MetaLoader:
 
     def _read_headers(self, files: list[Path]) -> None:
         """Map each model name to its file and key, and check names and shapes."""
-        to_model_key = checkpoint_key_mapper(self._model)
-        shapes: dict[str, tuple[int, ...]] = {}
-        converted: list[str] = []
+        tensors: list[tuple[Path, str, tuple[int, ...]]] = []  # (file, key, shape)
         for path in files:
             with open_safetensors(path) as f:
-                for key in f.keys():
-                    name, was_converted = to_model_key(key)
-                    if was_converted:
-                        converted.append(key)
-                        continue
-                    if name in self._where and self._where[name][0] != path:
-                        raise ValueError(
-                            f"{self._source}: {key!r} is in both {self._where[name][0]} and "
-                            f"{path}; a folder without an index must hold each tensor once "
-                            "(a stale shard beside newer ones?). Remove the extra files, or "
-                            "give weights= the index or the one file to load."
-                        )
-                    self._where[name] = (path, key)
-                    shapes[name] = tuple(f.get_slice(key).get_shape())
+                tensors += [(path, key, tuple(f.get_slice(key).get_shape())) for key in f.keys()]
+        to_model_key = checkpoint_key_mapper(self._model, [key for _, key, _ in tensors])
+        shapes: dict[str, tuple[int, ...]] = {}
+        converted: list[str] = []
+        for path, key, shape in tensors:
+            name, was_converted = to_model_key(key)
+            if was_converted:
+                converted.append(key)
+                continue
+            if name in self._where and self._where[name][0] != path:
+                raise ValueError(
+                    f"{self._source}: {key!r} is in both {self._where[name][0]} and "
+                    f"{path}; a folder without an index must hold each tensor once "
+                    "(a stale shard beside newer ones?). Remove the extra files, or "
+                    "give weights= the index or the one file to load."
+                )
+            self._where[name] = (path, key)
+            shapes[name] = shape
         if converted:
             raise ValueError(
                 f"{self._source}: tensors such as {', '.join(converted[:_SHOWN])} become the "
