@@ -126,7 +126,8 @@ def run_case(args: argparse.Namespace) -> dict[str, Any]:
     ramflow.offload(model, device="cpu", host_precision=args.host_precision, weights=weights)
     load_s, cpu_s = time.perf_counter() - t, _cpu_s() - cpu
     return {
-        "source": args.case, "parameters": n, "host_precision": args.host_precision,
+        "source": args.case if args.case != "safetensors" else f"safetensors ({args.file_dtype})",
+        "parameters": n, "host_precision": args.host_precision,
         "threads": args.threads, "load_s": load_s, "fill_s": fill_s[0], "cpu_s": cpu_s,
         "load_gb_per_s": 4 * n / load_s / 1e9, "fill_gb_per_s": 4 * n / fill_s[0] / 1e9,
     }  # fmt: skip
@@ -198,9 +199,8 @@ def main() -> int:
                 return 1
             r = json.loads(done.stdout.strip().splitlines()[-1])
             rows.append(r)
-            label = f"safetensors ({args.file_dtype})" if source == "safetensors" else source
             print(
-                f"| {label} | {r['parameters'] / 1e9:.2f} | {r['host_precision']} | {r['threads']} "
+                f"| {r['source']} | {r['parameters'] / 1e9:.2f} | {r['host_precision']} | {r['threads']} "
                 f"| {r['load_s']:.2f} | {r['fill_s']:.2f} | {r['load_gb_per_s']:.2f} "
                 f"| {r['fill_gb_per_s']:.2f} | {r['cpu_s']:.2f} |",
                 flush=True,
