@@ -11,7 +11,7 @@ caches of an earlier case), with ``--host-precision`` masters:
 - ``safetensors``: the same weights written first (untimed) as one ``--file-dtype``
   safetensors file into ``--files-dir`` (/dev/shm: the page cache's speed, not a disk's);
 - ``normal``: a plain weights function that calls ``out.normal_(0, 0.02)`` on the global
-  generator, tensor after tensor (what a user's own random init does; the issue's 0.17 GB/s).
+  generator, tensor after tensor (what a user's own random init does: one thread).
 
 Each case reports the seconds of the ``offload`` call and of the fill inside it (the
 ``MetaLoader.fill`` calls), and the GB/s of each. ``--threads`` sets
