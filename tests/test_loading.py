@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import io
 import json
 import multiprocessing as mp
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import ramflow
+from ramflow.io import loading as _loading
 
 transformers = pytest.importorskip("transformers")
 
@@ -135,6 +138,58 @@ def test_weights_function(tmp_path):
     ramflow.offload(model, device="cpu", weights=weights)
     assert sorted(names) == sorted(n for n, _ in ref.named_parameters())
     assert torch.equal(model(_ids()).logits, ref(_ids()).logits)
+
+
+def test_checkpoint_names_are_the_models_or_converted_by_transformers(tmp_path):
+    """A checkpoint under the model's own names loads as it is; one under names that
+    transformers converts (GPT-NeoX's head saved as ``embed_out``) goes through its
+    conversion tables."""
+    config = transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    own = tmp_path / "own.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(own))
+    converted = _save(ref, tmp_path / "pretrained", sharded=False)
+    keys = set(load_file(str(converted / "model.safetensors")))
+    assert "embed_out.weight" in keys and "lm_head.weight" not in keys
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    mapper = _loading.checkpoint_key_mapper(meta, keys)
+    assert mapper("embed_out.weight") == ("lm_head.weight", False)
+    assert all(mapper(k)[0] in ref.state_dict() for k in keys)
+    for weights in (own, converted):
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        ramflow.offload(model, device="cpu", weights=weights)
+        assert torch.equal(model(_ids()).logits, ref(_ids()).logits)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_a_long_load_shows_its_progress_on_a_terminal(tmp_path, monkeypatch, terminal):
+    """The bar counts every parameter once (a tied one too) and is closed with the loader;
+    where stderr is no terminal nothing is written."""
+    ref = _reference("qwen2")
+    folder = _save(ref, tmp_path, sharded=True)
+    stderr = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setattr(_loading, "PROGRESS_DELAY_S", 0.0)
+    model = _meta("qwen2")
+    ramflow.offload(model, device="cpu", weights=folder)
+    if not terminal:
+        assert stderr.getvalue() == ""
+        return
+    n = sum(p.numel() for p in ref.parameters())
+    last = stderr.getvalue().split("\r")[-1]
+    assert "ramflow: loading weights: 100%" in last, last
+    assert f"{n / 1e3:.1f}k/{n / 1e3:.1f}k" in last, last
 
 
 @pytest.mark.parametrize("threads", [1, 3])

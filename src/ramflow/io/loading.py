@@ -28,6 +28,22 @@ thread would start an OpenMP team per thread, threads times too many). Nothing i
 so no page of a file counts in the process's RSS, and the page cache (or /dev/shm) feeds
 the threads at memory speed. ``safe_open`` still checks every file first, and reads the
 tensors of a dtype torch cannot hold in a buffer (none today) one at a time.
+
+[Note: how fast each source fills]
+Files and the seeded init fill the masters on all the process's cores, and the time goes
+into the work itself (a profile of a 0.5B load shows no Python loop that counts): files
+are ``preadv``'d as above; ``SeededInit`` draws a unit's chunks on ``default_num_threads()``
+threads (see [Note: drawing a unit's chunks at once] in ``ramflow.train.initialization``).
+A plain function ``weights(name, out)`` is called tensor after tensor on the calling
+thread, so it is as fast as its own ops: a copy from a state dict (``out.copy_(t)``) or a
+``fill_`` runs on PyTorch's intra-op threads, but CPU ``normal_`` and ``uniform_`` draw
+on one thread from one generator (a few hundred million values a second), which cannot
+be split without changing the values. A function that can work on many tensors at once
+gives itself a ``write_many(items)`` (as ``SeededInit`` does). ``ramflow.offload`` never
+calls a plain function from several threads: one that draws from the global generator
+would then give values that depend on the threads' order. Loads that last show a tqdm
+bar of the parameters filled (after ``PROGRESS_DELAY_S``; only on a terminal, only on
+rank 0). Measured by ``benchmarks/load/load_rate.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +55,7 @@ import os
 import struct
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +70,9 @@ WeightsFunction = Callable[[str, torch.Tensor], None]
 Weights = str | os.PathLike | WeightsFunction
 
 _SHOWN = 5  # problems named in an error message
+
+# a load still running after this many seconds shows its progress bar
+PROGRESS_DELAY_S = 3.0
 
 # bytes one reading thread reads at a time (and, for a cast, its scratch buffer's size):
 # large enough that a system call costs nothing beside the copy, small enough that 16
@@ -303,14 +322,33 @@ def _transformers_model(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
-def checkpoint_key_mapper(model: nn.Module) -> Callable[[str], tuple[str, bool]]:
+def checkpoint_key_mapper(
+    model: nn.Module, keys: Iterable[str] | None = None
+) -> Callable[[str], tuple[str, bool]]:
     """``key -> (model key, converted)`` for the tensor names of a checkpoint of ``model``:
     ``transformers`` renames some architectures' names on loading (GPT-NeoX's ``embed_out``
     is ``lm_head``); ``converted`` is True where several checkpoint tensors make one of the
     model's (stacked experts), whose shape the headers alone cannot check. For a model that
-    is not a ``transformers`` model, names are the model's."""
+    is not a ``transformers`` model, names are the model's.
+
+    Args:
+        model: the model (on any device, the meta device included).
+        keys: every tensor name of the checkpoint, where known. If each is one of the
+            model's names, they are kept as they are without building ``transformers``'
+            conversion tables (about a thousand regular expressions compiled: a second or
+            more of a load). Only all of them together say so: a renaming may target a
+            name that an older checkpoint uses for another tensor (``transformers``'
+            ``GroupWeightRename``), so one foreign key sends every key through the tables.
+    """
     if not _transformers_model(model):
         return lambda key: (key, False)
+    if keys is not None and set(keys) <= set(model.state_dict(keep_vars=True)):
+        return lambda key: (key, False)
+    return _transformers_key_mapper(model)
+
+
+def _transformers_key_mapper(model: nn.Module) -> Callable[[str], tuple[str, bool]]:
+    """``checkpoint_key_mapper`` by ``transformers``' conversion tables."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, rename_source_key
@@ -374,6 +412,10 @@ class MetaLoader:
         self._persistent = self._persistent_meta_buffers()  # first name -> meta buffer
         self._swapped: list[tuple[nn.Parameter, nn.Parameter]] = []
         self._reader = SafetensorsReader()
+        self._num_params = sum(
+            self._model.get_parameter(n[0]).numel() for n in self._names.values()
+        )
+        self._progress: Any = None  # the tqdm bar, made by the first fill
         if callable(weights):
             self._function = weights
             self._source = getattr(weights, "__name__", "the weights function")
@@ -391,25 +433,27 @@ class MetaLoader:
 
     def _read_headers(self, files: list[Path]) -> None:
         """Map each model name to its file and key, and check names and shapes."""
-        to_model_key = checkpoint_key_mapper(self._model)
-        shapes: dict[str, tuple[int, ...]] = {}
-        converted: list[str] = []
+        tensors: list[tuple[Path, str, tuple[int, ...]]] = []  # (file, key, shape)
         for path in files:
             with open_safetensors(path) as f:
-                for key in f.keys():
-                    name, was_converted = to_model_key(key)
-                    if was_converted:
-                        converted.append(key)
-                        continue
-                    if name in self._where and self._where[name][0] != path:
-                        raise ValueError(
-                            f"{self._source}: {key!r} is in both {self._where[name][0]} and "
-                            f"{path}; a folder without an index must hold each tensor once "
-                            "(a stale shard beside newer ones?). Remove the extra files, or "
-                            "give weights= the index or the one file to load."
-                        )
-                    self._where[name] = (path, key)
-                    shapes[name] = tuple(f.get_slice(key).get_shape())
+                tensors += [(path, key, tuple(f.get_slice(key).get_shape())) for key in f.keys()]
+        to_model_key = checkpoint_key_mapper(self._model, [key for _, key, _ in tensors])
+        shapes: dict[str, tuple[int, ...]] = {}
+        converted: list[str] = []
+        for path, key, shape in tensors:
+            name, was_converted = to_model_key(key)
+            if was_converted:
+                converted.append(key)
+                continue
+            if name in self._where and self._where[name][0] != path:
+                raise ValueError(
+                    f"{self._source}: {key!r} is in both {self._where[name][0]} and "
+                    f"{path}; a folder without an index must hold each tensor once "
+                    "(a stale shard beside newer ones?). Remove the extra files, or "
+                    "give weights= the index or the one file to load."
+                )
+            self._where[name] = (path, key)
+            shapes[name] = shape
         if converted:
             raise ValueError(
                 f"{self._source}: tensors such as {', '.join(converted[:_SHOWN])} become the "
@@ -512,17 +556,21 @@ class MetaLoader:
         """``HostStore.build``'s hook: write ``params``' values into ``views`` (contiguous
         CPU views of one unit's new master, in its dtype): read from the files in parallel
         (``SafetensorsReader``), or by the weights function: all at once through its
-        ``write_many`` where it has one (``SeededInit``), else one tensor after another."""
-        if self._function is not None:
+        ``write_many`` where it has one (``SeededInit``), else one tensor after another.
+        See [Note: how fast each source fills]."""
+        if self._progress is None:
+            self._progress = _progress_bar(self._num_params)
+        if self._function is None:
+            self._reader.read([(*self._source_of(p), view) for p, view in zip(params, views)])
+        else:
             items = [(self._names[id(p)][0], view) for p, view in zip(params, views)]
             write_many = getattr(self._function, "write_many", None)
             if write_many is not None:
                 write_many(items)
-                return
-            for name, view in items:
-                self._function(name, view)
-            return
-        self._reader.read([(*self._source_of(p), view) for p, view in zip(params, views)])
+            else:
+                for name, view in items:
+                    self._function(name, view)
+        self._progress.update(sum(p.numel() for p in params))
 
     def _source_of(self, p: torch.Tensor) -> tuple[Path, str]:
         for name in self._names[id(p)]:
@@ -538,8 +586,11 @@ class MetaLoader:
             self._reader.read([(*self._where[name], out)])
 
     def close(self) -> None:
-        """Close the files and stop the reading threads."""
+        """Close the files, stop the reading threads and the progress bar."""
         self._reader.close()
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
 
     def restore(self) -> None:
         """Give the model back as it came: its parameters and buffers on the meta device."""
@@ -549,6 +600,26 @@ class MetaLoader:
         self._swapped.clear()
         for module, name, buf in self._meta_buffers:
             module._buffers[name] = buf
+
+
+def _progress_bar(total: int) -> Any:
+    """A tqdm bar of the parameters filled, on stderr, drawn once the load has run
+    ``PROGRESS_DELAY_S`` (never where stderr is no terminal, nor on a rank but 0 of
+    ``$RANK``). Under ``torch.distributed`` a rank may fill only its share of the units,
+    so the bar gives the count and the rate without a total."""
+    from tqdm import tqdm
+
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return tqdm(
+        total=None if distributed and torch.distributed.get_world_size() > 1 else total,
+        desc="ramflow: loading weights",
+        unit="param",
+        unit_scale=True,
+        delay=PROGRESS_DELAY_S,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=not sys.stderr.isatty() or os.environ.get("RANK", "0") != "0",
+    )
 
 
 def load_resident(model: nn.Module, weights: Weights) -> nn.Module:
