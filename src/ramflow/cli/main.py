@@ -2,7 +2,8 @@
 
 Thin by design: it parses options and calls ``ramflow.train``; the logic lives there.
 Exit status: 0 done, 1 the plan does not fit this machine, 2 a usage or input error
-(the message says what to change), 130 stopped by Ctrl-C and 143 by SIGTERM (after saving
+(the message says what to change; also a run refused by its disk, RAM or a run folder in
+use, a full disk during a save, and a training loss that became NaN or infinite), 130 stopped by Ctrl-C and 143 by SIGTERM (after saving
 a checkpoint).
 """
 
@@ -15,6 +16,7 @@ from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 from ..formats.host import PRESETS
+from ..train.loop import LossDiverged
 from ..train.lora import FROZEN_FORMATS
 from ..train.ranks import NUMA_BINDINGS
 
@@ -180,8 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a causal language model with ramflow. With no options: the tiny "
         "preset on the Python standard library's sources, on the CPU when there is no GPU. "
         "It starts with whether the run fits and why, the budget and the plan.",
-        epilog="exit status: 0 done; 2 a usage or input error, or a run that does not fit this "
-        "machine (one line on stderr says what to change; nothing is written); 130 / 143 "
+        epilog="exit status: 0 done; 2 a usage or input error, a run that does not fit this "
+        "machine, or a run folder in use by another run (one line on stderr says what to "
+        "change; nothing is written), or a run that stopped on a full disk or a training "
+        "loss that became NaN or infinite (its last checkpoint is kept); 130 / 143 "
         "stopped by Ctrl-C / SIGTERM, after saving a checkpoint",
     )
     _model_options(t)
@@ -573,6 +577,9 @@ def default_allocator_settings(environ: MutableMapping[str, str]) -> str | None:
 def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import os
 
+    from ..train.launch import follow_launcher
+
+    follow_launcher()  # a rank of --nproc-per-node dies with its launcher
     # before anything initializes CUDA; the ranks a launcher starts inherit it
     default_allocator_settings(os.environ)
     from ..train import TrainConfig, open_checkpoint, resume_config, train
@@ -736,8 +743,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         return handlers[args.command](args)
-    except (ValueError, MemoryError, OSError) as err:
-        # user mistakes and machine limits: a message that says what to change, no traceback
+    except (ValueError, MemoryError, OSError, LossDiverged) as err:
+        # user mistakes, machine limits and a diverging loss: a message that says what to
+        # change, no traceback
         print(f"ramflow {args.command}: error: {err}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as err:

@@ -19,10 +19,21 @@ not its echo on the other ranks, is what a script sees. Once a rank has failed, 
 get the process group's timeout (``--dist-timeout``) plus ``_GRACE_S`` to fail on their own
 (ramflow names the dead rank, see [Note: a rank that dies] in ``ramflow.distributed.zero``); ranks
 still running then are killed.
+
+[Note: ranks die with their launcher]
+A launcher killed with SIGKILL (or by the OOM killer) cannot pass anything on: its ranks
+would go on training and saving as orphans, holding the run folder's lock. So each rank
+asks the kernel, first thing, for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``,
+Linux; ``follow_launcher``): the ranks then do what a SIGTERM to the launcher makes them
+do, finish the step, save and exit 143. The launcher names itself in
+``RAMFLOW_LAUNCHER_PID``; a rank whose parent is already another process (the launcher
+died before the ``prctl``) sends itself the signal at once. Ranks that torchrun starts are
+left alone (its agent watches them).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -33,6 +44,8 @@ from dataclasses import dataclass
 
 _GRACE_S = 30.0  # beyond the process group's timeout, for a failing rank to write its error
 _POLL_S = 0.1
+LAUNCHER_PID_ENV = "RAMFLOW_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -78,7 +91,29 @@ def rank_environment(
         "LOCAL_WORLD_SIZE": str(nproc),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "OMP_NUM_THREADS": str(threads),
+        LAUNCHER_PID_ENV: str(os.getpid()),
     }
+
+
+def follow_launcher(environ: dict[str, str] | None = None) -> bool:
+    """In a rank that ``launch`` started: have the kernel send this process SIGTERM when
+    the launcher dies, however it dies. See [Note: ranks die with their launcher].
+    Returns whether it did (False outside such a rank, or off Linux).
+
+    Raises:
+        OSError: the kernel refused ``prctl``.
+    """
+    env = os.environ if environ is None else environ
+    launcher = env.get(LAUNCHER_PID_ENV)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    if os.getppid() != int(launcher):  # it died before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def launch(
@@ -181,4 +216,4 @@ def _wait(procs: list[subprocess.Popen], timeout_s: float) -> RankExit | None:
         time.sleep(_POLL_S)
 
 
-__all__ = ["RankExit", "launch", "rank_environment"]
+__all__ = ["LAUNCHER_PID_ENV", "RankExit", "follow_launcher", "launch", "rank_environment"]
