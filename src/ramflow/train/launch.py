@@ -23,29 +23,28 @@ still running then are killed.
 [Note: ranks die with their launcher]
 A launcher killed with SIGKILL (or by the OOM killer) cannot pass anything on: its ranks
 would go on training and saving as orphans, holding the run folder's lock. So each rank
-asks the kernel, first thing, for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``,
-Linux; ``follow_launcher``): the ranks then do what a SIGTERM to the launcher makes them
-do, finish the step, save and exit 143. The launcher names itself in
-``RAMFLOW_LAUNCHER_PID``; a rank whose parent is already another process (the launcher
-died before the ``prctl``) sends itself the signal at once. Ranks that torchrun starts are
-left alone (its agent watches them).
+watches its parent (``follow_launcher``, a daemon thread): once the launcher, named in
+``RAMFLOW_LAUNCHER_PID``, is no longer its parent, the rank sends itself SIGTERM, once,
+and does what a SIGTERM to the launcher makes it do: finish the step, save, exit 143.
+Not ``prctl(PR_SET_PDEATHSIG)``: with it, each rank of a killed launcher (a process of
+several threads) got the signal twice, and a second SIGTERM aborts the save. Ranks that torchrun starts are left alone (its agent watches them).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 _GRACE_S = 30.0  # beyond the process group's timeout, for a failing rank to write its error
 _POLL_S = 0.1
 LAUNCHER_PID_ENV = "RAMFLOW_LAUNCHER_PID"
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_WATCH_S = 0.5  # how often a rank looks whether its launcher is still its parent
 
 
 @dataclass(frozen=True)
@@ -95,24 +94,23 @@ def rank_environment(
     }
 
 
-def follow_launcher(environ: dict[str, str] | None = None) -> bool:
-    """In a rank that ``launch`` started: have the kernel send this process SIGTERM when
-    the launcher dies, however it dies. See [Note: ranks die with their launcher].
-    Returns whether it did (False outside such a rank, or off Linux).
-
-    Raises:
-        OSError: the kernel refused ``prctl``.
-    """
+def follow_launcher(environ: Mapping[str, str] | None = None) -> bool:
+    """In a rank that ``launch`` started: send this process SIGTERM, once, when the
+    launcher dies, however it dies (a daemon thread watches the parent PID every
+    ``_WATCH_S``). See [Note: ranks die with their launcher]. Returns whether it watches
+    (False outside such a rank)."""
     env = os.environ if environ is None else environ
     launcher = env.get(LAUNCHER_PID_ENV)
-    if launcher is None or not sys.platform.startswith("linux"):
+    if launcher is None:
         return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
-    if os.getppid() != int(launcher):  # it died before the prctl
+    parent = int(launcher)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_WATCH_S)
         os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="ramflow-launcher-watch", daemon=True).start()
     return True
 
 
