@@ -7,6 +7,7 @@ user namespace) and checks the one-line refusal and that nothing is lost.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -17,7 +18,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
+from torch import nn
 
+import ramflow
 from ramflow.train import TrainConfig, open_checkpoint
 from ramflow.train.report import read_log
 from ramflow.train.run_checkpoint import list_checkpoints, state_checksum
@@ -296,6 +300,65 @@ def test_data_that_is_not_utf8_is_refused_naming_the_file_and_byte(
 
 
 # ---------------------------------------------------------------- 7. a repeated module
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.linear(x).relu())
+
+
+class _Stack(nn.Module):
+    """A block applied twice: the same module at positions 1 and 2 of its list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = _Block()
+        self.layers = nn.ModuleList([_Block(), shared, shared, _Block()])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    "units",
+    [None, ["layers.0", "layers.1", "layers.2", "layers.3", "head"]],
+    ids=["found", "given by name"],
+)
+def test_a_module_repeated_in_a_module_list_shares_its_unit_and_trains_as_resident(
+    units: list[str] | None,
+) -> None:
+    """Its names (``layers.1``, ``layers.2``) are one unit, loaded by both calls; training
+    computes what the resident model computes (the same losses, bit for bit, in fp32). Given
+    by name, ``layers.2`` was refused as "no submodule" before."""
+    torch.manual_seed(0)
+    resident = _Stack()
+    model = ramflow.offload(copy.deepcopy(resident), device="cpu", units=units)
+    assert model.layers[1] is model.layers[2]
+    opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(resident.parameters(), lr=1e-2)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref = resident(x).square().mean()
+        ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert torch.equal(loss.detach(), ref.detach())
+    ramflow.undo(model)
+    # the host AdamW rounds its last bit unlike torch's, for any model: close, not equal
+    for (name, p), q in zip(model.named_parameters(), resident.parameters()):
+        torch.testing.assert_close(p, q, msg=name)
 
 
 # ---------------------------------------------------------------- 8. a diverging loss
