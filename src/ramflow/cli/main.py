@@ -612,6 +612,16 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.numa_binding is not None:
         run_options["numa_binding"] = args.numa_binding
     if args.resume is not None:
+        from pathlib import Path
+
+        from ..train.run_checkpoint import run_folder_of
+        from ..train.run_lock import RunLock
+
+        # a run saving into the folder is refused before its checkpoint is read (train
+        # takes the lock for the run itself): see [Note: the run folder's lock]
+        folder = Path(args.out) if args.out is not None else run_folder_of(args.resume)
+        if folder.is_dir():
+            RunLock(folder).acquire().release()
         ckpt = open_checkpoint(args.resume)
         config = resume_config(ckpt, **options)
         result = train(config, resume=ckpt, **run_options)
