@@ -24,7 +24,7 @@ from torch import nn
 import ramflow
 from ramflow.train import TrainConfig, open_checkpoint
 from ramflow.train.report import read_log
-from ramflow.train.run_checkpoint import list_checkpoints, state_checksum
+from ramflow.train.run_checkpoint import find_checkpoint, list_checkpoints, state_checksum
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 WAIT_S = 600  # generous: the machine may be shared; no assertion depends on it
@@ -145,7 +145,7 @@ def test_kill_9_of_the_launcher_stops_every_rank(corpus_file: Path, tmp_path: Pa
 
 
 def _edit_state(run: Path, edit, *, resign: bool = False) -> None:
-    state_file = open_checkpoint(run, verify=False).path / "trainer_state.json"
+    state_file = find_checkpoint(run) / "trainer_state.json"
     state = json.loads(state_file.read_text())
     edit(state)
     if resign:
@@ -172,6 +172,22 @@ def test_an_edited_trainer_state_is_refused_and_nothing_is_deleted(
     assert ramflow_cli("train", "--resume", run_copy, "--steps", "12", "--no-progress") == 2
     assert expect in _one_error_line(capsys.readouterr().err)
     assert _tree(run_copy) == before
+
+
+def test_a_model_loader_reads_an_unsigned_checkpoint_but_resuming_refuses_it(
+    run_copy: Path,
+) -> None:
+    """An earlier ramflow's checkpoint has no checksum: ``generate`` still reads its
+    weights (checked by the manifest), resuming does not trust its state."""
+    from ramflow.train import CheckpointError
+
+    _edit_state(run_copy, lambda s: s.pop("state_sha256"))
+    assert open_checkpoint(run_copy, model_only=True).step == 8
+    with pytest.raises(CheckpointError, match="has no state_sha256"):
+        open_checkpoint(run_copy)
+    _edit_state(run_copy, lambda s: s.update(state_sha256="0" * 64))
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        open_checkpoint(run_copy, model_only=True)
 
 
 # ---------------------------------------------------------------- 4. the disk

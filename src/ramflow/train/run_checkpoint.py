@@ -734,13 +734,17 @@ def open_checkpoint(
         path: checkpoint, run or ``checkpoints`` folder.
         verify: compare every file's size and sha256 with the manifest.
         model_only: verify only what a model loader reads (config, weights, tokenizer),
-            not the optimizer and RNG states (for ``generate``).
+            not the optimizer and RNG states (for ``generate``); a state without a
+            checksum (an earlier ramflow's) is accepted then, one whose checksum differs
+            is not.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         CheckpointError: no checkpoint; ``latest`` names something outside the folder;
-            unreadable or malformed ``trainer_state.json``; another format or version; a
-            manifest name outside the folder; a file missing, truncated or altered.
+            unreadable or malformed ``trainer_state.json``; its checksum missing or not
+            matching its content, or its step not its folder's; another format or
+            version; a manifest name outside the folder; a file missing, truncated or
+            altered.
     """
     d = find_checkpoint(path)
     state_file = d / STATE_FILE
@@ -766,7 +770,10 @@ def open_checkpoint(
             file_in(d, name, listed_in=state_file)
         except ValueError as err:
             raise CheckpointError(str(err)) from err
-    if state.get(STATE_CHECKSUM_KEY) != state_checksum(state):
+    # a model loader reads the weights, which the manifest checks, of an earlier ramflow's
+    # checkpoint too; resuming one needs its state trusted
+    unsigned_ok = model_only and STATE_CHECKSUM_KEY not in state
+    if not unsigned_ok and state.get(STATE_CHECKSUM_KEY) != state_checksum(state):
         why = (
             "has no state_sha256 checksum (an earlier ramflow wrote it, or it was edited)"
             if STATE_CHECKSUM_KEY not in state
