@@ -337,8 +337,19 @@ def _train_ranks(
         run_dir, cleaned = ranks.broadcast(
             ranks.together(make_run_dir if ranks.is_main else lambda: None)
         )
-        return _run(config, setup, run_dir, cleaned, ranks, progress, stop, on_step,
-                    handle_sigint, log_to, zero_stage)  # fmt: skip
+        return _run(
+            config,
+            setup,
+            run_dir,
+            cleaned,
+            ranks,
+            progress=progress,
+            stop=stop,
+            on_step=on_step,
+            handle_sigint=handle_sigint,
+            log_to=log_to,
+            zero_stage=zero_stage,
+        )
     finally:
         while held:
             held.pop().release()
@@ -362,6 +373,7 @@ def _run(
     run_dir: Path,
     cleaned: list[str],
     ranks: Ranks,
+    *,
     progress: bool,
     stop: threading.Event | None,
     on_step: Callable[[dict[str, Any]], None] | None,
