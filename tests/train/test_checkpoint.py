@@ -17,6 +17,7 @@ from ramflow.train.run_checkpoint import (
     find_checkpoint,
     list_checkpoints,
     open_checkpoint,
+    state_checksum,
 )
 
 
@@ -159,6 +160,7 @@ def test_index_entries_must_be_inside_the_model_folder(
         "bytes": index.stat().st_size,
         "sha256": hashlib.sha256(index.read_bytes()).hexdigest(),
     }
+    state["state_sha256"] = state_checksum(state)  # a state whose checksum agrees
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     rc = ramflow_cli("generate", "--model", ckpt, "--prompt", "x", "--max-new-tokens", "1")
     err = capsys.readouterr().err

@@ -10,6 +10,7 @@ import pytest
 
 from ramflow.train import open_checkpoint
 from ramflow.train.report import read_log
+from ramflow.train.run_checkpoint import state_checksum
 
 
 def _tree(path: Path) -> dict[str, int]:
@@ -315,6 +316,8 @@ def test_malformed_trainer_state_is_refused_before_anything_is_written(
     state_file = open_checkpoint(run_copy, verify=False).path / "trainer_state.json"
     state = json.loads(state_file.read_text())
     MALFORMED_STATES[damage](state)
+    # signed again: these are the checks of a state whose checksum agrees
+    state["state_sha256"] = state_checksum(state)
     state_file.write_text(json.dumps(state))
     before = _tree(run_copy)
     err = _fails(

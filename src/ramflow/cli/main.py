@@ -2,7 +2,8 @@
 
 Thin by design: it parses options and calls ``ramflow.train``; the logic lives there.
 Exit status: 0 done, 1 the plan does not fit this machine, 2 a usage or input error
-(the message says what to change), 130 stopped by Ctrl-C and 143 by SIGTERM (after saving
+(the message says what to change; also a run refused by its disk, RAM or a run folder in
+use, a full disk during a save, and a training loss that became NaN or infinite), 130 stopped by Ctrl-C and 143 by SIGTERM (after saving
 a checkpoint).
 """
 
@@ -15,6 +16,7 @@ from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 from ..formats.host import PRESETS
+from ..train.loop import LossDiverged
 from ..train.lora import FROZEN_FORMATS
 from ..train.ranks import NUMA_BINDINGS
 from ..train.reporting import TRACKERS
@@ -182,8 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a causal language model with ramflow. With no options: the tiny "
         "preset on the Python standard library's sources, on the CPU when there is no GPU. "
         "It starts with whether the run fits and why, the budget and the plan.",
-        epilog="exit status: 0 done; 2 a usage or input error, or a run that does not fit this "
-        "machine (one line on stderr says what to change; nothing is written); 130 / 143 "
+        epilog="exit status: 0 done; 2 a usage or input error, a run that does not fit this "
+        "machine, or a run folder in use by another run (one line on stderr says what to "
+        "change; nothing is written), or a run that stopped on a full disk or a training "
+        "loss that became NaN or infinite (its last checkpoint is kept); 130 / 143 "
         "stopped by Ctrl-C / SIGTERM, after saving a checkpoint",
     )
     _model_options(t)
@@ -626,6 +630,9 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.config is not None:
         argv = _with_config_file(argv, args.config)
         args = build_parser().parse_args(argv)
+    from ..train.launch import follow_launcher
+
+    follow_launcher()  # a rank of --nproc-per-node dies with its launcher
     # before anything initializes CUDA; the ranks a launcher starts inherit it
     default_allocator_settings(os.environ)
     from ..train import TrainConfig, open_checkpoint, resume_config, train
@@ -658,6 +665,16 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.numa_binding is not None:
         run_options["numa_binding"] = args.numa_binding
     if args.resume is not None:
+        from pathlib import Path
+
+        from ..train.run_checkpoint import run_folder_of
+        from ..train.run_lock import RunLock
+
+        # a run saving into the folder is refused before its checkpoint is read (train
+        # takes the lock for the run itself): see [Note: the run folder's lock]
+        folder = Path(args.out) if args.out is not None else run_folder_of(args.resume)
+        if folder.is_dir():
+            RunLock(folder).acquire().release()
         ckpt = open_checkpoint(args.resume)
         config = resume_config(ckpt, **options)
         result = train(config, resume=ckpt, **run_options)
@@ -789,8 +806,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         return handlers[args.command](args)
-    except (ValueError, MemoryError, OSError) as err:
-        # user mistakes and machine limits: a message that says what to change, no traceback
+    except (ValueError, MemoryError, OSError, LossDiverged) as err:
+        # user mistakes, machine limits and a diverging loss: a message that says what to
+        # change, no traceback
         print(f"ramflow {args.command}: error: {err}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as err:

@@ -19,6 +19,7 @@ one process with a micro-batch of B x N would take, and rank r keeps rows r*B:(r
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import sysconfig
@@ -104,9 +105,32 @@ def _walk_files(root: Path, suffixes: frozenset[str]) -> list[Path]:
     return out
 
 
-def _read_jsonl(path: Path) -> list[Document]:
+def _read_text(path: Path, *, strict: bool) -> str:
+    """The UTF-8 text of ``path``; ``strict``: refuse a file that is not UTF-8 text (a
+    NUL byte or an invalid sequence), naming the byte offset, rather than replacing its
+    bytes with U+FFFD, which would train on text that is not in the file."""
+    data = path.read_bytes()
+    if not strict:
+        return data.decode("utf-8", errors="replace")
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(
+            f"--data {path}: byte {nul} is a NUL byte, so this is a binary file, not text; "
+            "give UTF-8 text files (or move the file out of the --data folder)"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"--data {path} is not UTF-8 text: byte {err.start} (0x{data[err.start]:02x}) "
+            f"starts no UTF-8 character; convert the file to UTF-8 (e.g. iconv -f latin1 -t "
+            "utf-8) or move it out of the --data folder"
+        ) from None
+
+
+def _read_jsonl(path: Path, *, strict: bool) -> list[Document]:
     docs = []
-    with path.open(encoding="utf-8", errors="replace") as f:
+    with io.StringIO(_read_text(path, strict=strict), newline=None) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -123,10 +147,10 @@ def _read_jsonl(path: Path) -> list[Document]:
     return docs
 
 
-def _read_file(path: Path) -> list[Document]:
+def _read_file(path: Path, *, strict: bool) -> list[Document]:
     if path.suffix.lower() in JSONL_SUFFIXES:
-        return _read_jsonl(path)
-    text = path.read_text(encoding="utf-8", errors="replace")
+        return _read_jsonl(path, strict=strict)
+    text = _read_text(path, strict=strict)
     return [Document(str(path), text)] if text else []
 
 
@@ -145,8 +169,9 @@ def find_documents(data: str | os.PathLike | None) -> list[Document]:
 
     Raises:
         FileNotFoundError: ``data`` does not exist.
-        ValueError: no text was found (the message says where it looked), or a JSON line
-            is malformed.
+        ValueError: no text was found (the message says where it looked), a JSON line
+            is malformed, or a file of ``data`` is not UTF-8 text (the message names the
+            file and the byte offset: a NUL byte, or an invalid UTF-8 sequence).
     """
     if data is None:
         root = stdlib_root()
@@ -164,7 +189,9 @@ def find_documents(data: str | os.PathLike | None) -> list[Document]:
             where = f"file {root}"
     docs: list[Document] = []
     for f in files:
-        docs.extend(_read_file(f))
+        # the standard library holds a few files in other encodings on purpose (tests of
+        # encodings): they are read with U+FFFD, as ever, so the default corpus is unchanged
+        docs.extend(_read_file(f, strict=data is not None))
     if not docs:
         found = f"its {len(files)} text files are empty" if files else "it holds no text files"
         raise ValueError(

@@ -19,6 +19,15 @@ not its echo on the other ranks, is what a script sees. Once a rank has failed, 
 get the process group's timeout (``--dist-timeout``) plus ``_GRACE_S`` to fail on their own
 (ramflow names the dead rank, see [Note: a rank that dies] in ``ramflow.distributed.zero``); ranks
 still running then are killed.
+
+[Note: ranks die with their launcher]
+A launcher killed with SIGKILL (or by the OOM killer) cannot pass anything on: its ranks
+would go on training and saving as orphans, holding the run folder's lock. So each rank
+watches its parent (``follow_launcher``, a daemon thread): once the launcher, named in
+``RAMFLOW_LAUNCHER_PID``, is no longer its parent, the rank sends itself SIGTERM, once,
+and does what a SIGTERM to the launcher makes it do: finish the step, save, exit 143.
+Not ``prctl(PR_SET_PDEATHSIG)``: with it, each rank of a killed launcher (a process of
+several threads) got the signal twice, and a second SIGTERM aborts the save. Ranks that torchrun starts are left alone (its agent watches them).
 """
 
 from __future__ import annotations
@@ -27,12 +36,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 _GRACE_S = 30.0  # beyond the process group's timeout, for a failing rank to write its error
 _POLL_S = 0.1
+LAUNCHER_PID_ENV = "RAMFLOW_LAUNCHER_PID"
+_WATCH_S = 0.5  # how often a rank looks whether its launcher is still its parent
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,28 @@ def rank_environment(
         "LOCAL_WORLD_SIZE": str(nproc),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "OMP_NUM_THREADS": str(threads),
+        LAUNCHER_PID_ENV: str(os.getpid()),
     }
+
+
+def follow_launcher(environ: Mapping[str, str] | None = None) -> bool:
+    """In a rank that ``launch`` started: send this process SIGTERM, once, when the
+    launcher dies, however it dies (a daemon thread watches the parent PID every
+    ``_WATCH_S``). See [Note: ranks die with their launcher]. Returns whether it watches
+    (False outside such a rank)."""
+    env = os.environ if environ is None else environ
+    launcher = env.get(LAUNCHER_PID_ENV)
+    if launcher is None:
+        return False
+    parent = int(launcher)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_WATCH_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="ramflow-launcher-watch", daemon=True).start()
+    return True
 
 
 def launch(
@@ -181,4 +214,4 @@ def _wait(procs: list[subprocess.Popen], timeout_s: float) -> RankExit | None:
         time.sleep(_POLL_S)
 
 
-__all__ = ["RankExit", "launch", "rank_environment"]
+__all__ = ["LAUNCHER_PID_ENV", "RankExit", "follow_launcher", "launch", "rank_environment"]

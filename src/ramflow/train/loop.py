@@ -29,6 +29,11 @@ from .report import format_duration, loss_summary, summary_table
 from .run_checkpoint import fault_point, save_checkpoint
 
 
+class LossDiverged(FloatingPointError):
+    """The training loss became NaN or infinite (``ramflow train`` exits 2 with its
+    message: the step, the LR, what to change, and the checkpoint that is kept)."""
+
+
 @dataclass(frozen=True)
 class TrainResult:
     """What a run did.
@@ -130,6 +135,23 @@ def evaluate(
         model.train(was_training)
     total, count = ranks.sum([total, count])
     return total / max(count, 1)
+
+
+def _diverged(
+    loss: float, step: int, lr: float, policy: ComputePolicy, kept: Path | None
+) -> LossDiverged:
+    """The error of a loss that became NaN or infinite: one true line (a hint of fp32
+    only where the run is not in fp32 already; the checkpoint only where one exists)."""
+    fix = "lower --lr" + ("" if policy.precision == "fp32" else " or use --precision fp32")
+    where = (
+        f"the last checkpoint, {kept}, is kept (--resume it with a lower --lr)"
+        if kept is not None and kept.exists()
+        else "no checkpoint of this run was written"
+    )
+    return LossDiverged(
+        f"the training loss became {loss} at step {step} with a learning rate of {lr:g} "
+        f"({policy.precision}): {fix}; {where}"
+    )
 
 
 def run_loop(
@@ -275,10 +297,8 @@ def run_loop(
         dt = time.perf_counter() - t0
         train_time += dt
         if not math.isfinite(step_loss) and not policy.use_grad_scaler:
-            raise FloatingPointError(
-                f"the training loss became {step_loss} at step {step}; lower --lr or use --precision fp32 "
-                f"(the last checkpoint is kept in {run_dir / 'checkpoints'})"
-            )
+            resumed = setup.checkpoint.path if setup.checkpoint is not None else None
+            raise _diverged(step_loss, step, lr, policy, last_ckpt or resumed)
         record = {
             "step": step,
             "loss": step_loss,
@@ -416,4 +436,4 @@ def run_loop(
     )
 
 
-__all__ = ["TrainResult", "evaluate", "run_loop"]
+__all__ = ["LossDiverged", "TrainResult", "evaluate", "run_loop"]

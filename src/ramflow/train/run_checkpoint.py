@@ -11,8 +11,10 @@ A run folder keeps its checkpoints in ``checkpoints/step-NNNNNNNN/``:
 - ``rng.safetensors``: the torch CPU and CUDA generator states (uint8 tensors);
 - the tokenizer's files;
 - ``trainer_state.json``: step, data position, LR scheduler and GradScaler state, Python
-  ``random`` state, the training settings, the optimizer's param groups, and a manifest
-  with the size and sha256 of every other file.
+  ``random`` state, the training settings, the optimizer's param groups, a manifest
+  with the size and sha256 of every other file, and ``state_sha256``: the sha256 of the
+  file's own content without that field, as canonical JSON (``state_checksum``), so that
+  an edited step or data position is refused instead of resumed on other weights.
 
 A run of N > 1 ranks (see [Note: several ranks from the CLI] in ``ranks.py``) writes the
 weights once, from rank 0 (the ranks share one host copy of them), and each rank's
@@ -39,8 +41,9 @@ ranks, rank 0 makes the temporary folder, every rank writes its shard into it an
 rank 0 its manifest entries, and rank 0 alone writes the rest, renames and deletes; a kill
 of any rank (or all) before the rename leaves only the hidden temporary folder.
 
-Reading checks the manifest first, so a truncated or altered file is reported before
-anything is loaded; tensors are read with safetensors and metadata with ``json``: nothing
+Reading checks the state's checksum, that its step is the one its folder is named after,
+and the manifest first, so a truncated or altered file is reported before anything is
+loaded (or deleted); tensors are read with safetensors and metadata with ``json``: nothing
 is unpickled. Every name read from ``latest``, the manifest or an index must be a plain
 name inside its folder (no ``..``, no absolute path).
 
@@ -55,6 +58,7 @@ phase.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -82,6 +86,8 @@ OPTIMIZER_INDEX_FILE = "optimizer.safetensors.index.json"
 RNG_FILE = "rng.safetensors"
 LATEST_FILE = "latest"
 _STEP_PREFIX = "step-"
+_STEP_DIGITS = 8
+STATE_CHECKSUM_KEY = "state_sha256"
 _SECOND_SLOT = ".1"
 STATE_KEY_SEP = "::"
 # the moments of a save a test may stop at: see [Note: test faults]
@@ -133,6 +139,15 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def state_checksum(state: dict[str, Any]) -> str:
+    """The sha256 (hex) of a ``trainer_state.json`` content as canonical JSON (sorted keys,
+    no spaces, ASCII), without its own ``state_sha256`` field. See [Note: checkpoint
+    layout]."""
+    body = {k: v for k, v in state.items() if k != STATE_CHECKSUM_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 def fault_point(phase: str) -> None:
@@ -246,7 +261,7 @@ def _python_random_state() -> list[Any]:
 
 def step_dir_name(step: int) -> str:
     """``step-00000300`` for step 300."""
-    return f"{_STEP_PREFIX}{step:08d}"
+    return f"{_STEP_PREFIX}{step:0{_STEP_DIGITS}d}"
 
 
 def list_checkpoints(checkpoints_dir: Path) -> list[Path]:
@@ -448,6 +463,7 @@ def save_checkpoint(
                 ),
                 "files": files,
             }
+            payload[STATE_CHECKSUM_KEY] = state_checksum(payload)
             (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n")
             _fsync(tmp / STATE_FILE)
             _fsync(tmp)
@@ -457,9 +473,12 @@ def save_checkpoint(
 
         # the others wait while rank 0 writes the weights: see ranks.SAVE_TIMEOUT_S
         ranks.together(finish if ranks.is_main else lambda: None, slow=True)
-    except BaseException:
+    except BaseException as err:
         if ranks.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
+        failed = _write_failure(err, step, root)
+        if failed is not None:
+            raise failed from err
         raise
     if ranks.is_main:
         fault_point("renamed")
@@ -467,6 +486,43 @@ def save_checkpoint(
     # no rank goes on (and may save again) before the checkpoint is in place
     ranks.barrier(slow=True)
     return final
+
+
+def _write_failure(err: BaseException, step: int, root: Path) -> OSError | None:
+    """The one-line error of a save that could not write its files (safetensors reports a
+    full disk as a ``SafetensorError``, not an ``OSError``); None for other errors. The
+    temporary folder is gone by then and the last complete checkpoint is untouched."""
+    from safetensors import SafetensorError
+
+    if not isinstance(err, (OSError, SafetensorError)):
+        return None
+    text = str(err)
+    full = (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+        s in text for s in ("No space left", "os error 28", "Disk quota exceeded")
+    )
+    try:
+        latest = _read_latest(root)
+    except (CheckpointError, OSError):
+        latest = None
+    kept = (
+        f"the last complete checkpoint, {root / latest}, is kept"
+        if latest is not None
+        else "no complete checkpoint was written before"
+    )
+    if full:
+        out = OSError(
+            f"the disk is full: the checkpoint of step {step} could not be written into "
+            f"{root} (no space left on device) and the run stopped; {kept}. Free space or "
+            "move the run folder to a larger disk, then --resume it"
+        )
+        out.errno = errno.ENOSPC
+        return out
+    if isinstance(err, OSError):
+        return None  # its own message names the file and the cause
+    return OSError(
+        f"the checkpoint of step {step} could not be written into {root} ({text}); the run "
+        f"stopped; {kept}"
+    )
 
 
 def _write_rank_files(
@@ -556,6 +612,16 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     )
 
 
+def run_folder_of(path: str | os.PathLike) -> Path:
+    """The run folder whose checkpoint ``find_checkpoint(path)`` finds, worked out without
+    reading or changing anything (to lock it first: see [Note: the run folder's lock] in
+    ``run_lock.py``)."""
+    p = Path(path)
+    if (p / STATE_FILE).is_file() or p.name.startswith(_STEP_PREFIX):
+        return p.parent.parent
+    return p if (p / "checkpoints").is_dir() else p.parent
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -617,6 +683,15 @@ def _state_problem(state: dict[str, Any]) -> str | None:
     return None
 
 
+def _step_of_folder(name: str) -> int | None:
+    """The step a ``step-NNNNNNNN`` (or ``step-NNNNNNNN.1``) folder name gives, None for
+    another name (a checkpoint copied under a name of the user's)."""
+    digits = name.removeprefix(_STEP_PREFIX).removesuffix(_SECOND_SLOT)
+    if not name.startswith(_STEP_PREFIX) or not digits.isdigit():
+        return None
+    return int(digits)
+
+
 def _model_file(name: str) -> bool:
     """Whether a model loader reads the checkpoint file ``name`` (not optimizer or RNG state)."""
     return not name.startswith(("optimizer", RNG_FILE.partition(".")[0]))
@@ -659,13 +734,17 @@ def open_checkpoint(
         path: checkpoint, run or ``checkpoints`` folder.
         verify: compare every file's size and sha256 with the manifest.
         model_only: verify only what a model loader reads (config, weights, tokenizer),
-            not the optimizer and RNG states (for ``generate``).
+            not the optimizer and RNG states (for ``generate``); a state without a
+            checksum (an earlier ramflow's) is accepted then, one whose checksum differs
+            is not.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         CheckpointError: no checkpoint; ``latest`` names something outside the folder;
-            unreadable or malformed ``trainer_state.json``; another format or version; a
-            manifest name outside the folder; a file missing, truncated or altered.
+            unreadable or malformed ``trainer_state.json``; its checksum missing or not
+            matching its content, or its step not its folder's; another format or
+            version; a manifest name outside the folder; a file missing, truncated or
+            altered.
     """
     d = find_checkpoint(path)
     state_file = d / STATE_FILE
@@ -691,6 +770,25 @@ def open_checkpoint(
             file_in(d, name, listed_in=state_file)
         except ValueError as err:
             raise CheckpointError(str(err)) from err
+    # a model loader reads the weights, which the manifest checks, of an earlier ramflow's
+    # checkpoint too; resuming one needs its state trusted
+    unsigned_ok = model_only and STATE_CHECKSUM_KEY not in state
+    if not unsigned_ok and state.get(STATE_CHECKSUM_KEY) != state_checksum(state):
+        why = (
+            "has no state_sha256 checksum (an earlier ramflow wrote it, or it was edited)"
+            if STATE_CHECKSUM_KEY not in state
+            else "does not match its checksum: it was edited or damaged"
+        )
+        raise CheckpointError(
+            f"{state_file} {why}; nothing was changed. Resume from an earlier checkpoint "
+            "or start afresh (a checkpoint's step and data position are not to be edited)."
+        )
+    named = _step_of_folder(d.name)
+    if named is not None and named != state["step"]:
+        raise CheckpointError(
+            f"{state_file} says step {state['step']} but its folder {d.name} is step {named}; "
+            "nothing was changed. Resume from an earlier checkpoint or start afresh."
+        )
     if verify:
         for name, meta in state["files"].items():
             if model_only and not _model_file(name):
@@ -724,6 +822,8 @@ __all__ = [
     "open_checkpoint",
     "rank_file",
     "remove_stale_temporaries",
+    "run_folder_of",
     "save_checkpoint",
+    "state_checksum",
     "step_dir_name",
 ]

@@ -35,7 +35,8 @@ from .lora import DEFAULT_TARGETS, check_lora_targets, parse_targets
 from .modeling import check_weights, meta_model, model_config, read_config
 from .optimizers import OPTIMIZER_DEFAULTS
 from .precision import ComputePolicy, planned_compute, resolve_compute
-from .run_checkpoint import Checkpoint
+from .run_checkpoint import Checkpoint, list_checkpoints
+from .scale import RanksPlan, plan_ranks
 from .tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 
 
@@ -50,11 +51,13 @@ class PreparedRun:
         corpus: the tokenised training and validation text.
         estimate: the memory plan (``ramflow plan``'s figures), at the micro-batch the
             run starts with.
-        fit: with ``--batch-size auto``, the micro-batch the estimate chose (the trainer's
-            trial steps may lower it); None otherwise.
         ramflow_budget: what ``ramflow.offload`` may allocate on the device (the budget
             less the activations), bytes; None for no cap.
         checkpoint: the verified checkpoint to resume, or None.
+        fit: with ``--batch-size auto``, the micro-batch the estimate chose (the trainer's
+            trial steps may lower it); None otherwise.
+        host_ranks: with several ranks on this host, their RAM (``ramflow plan
+            --nproc-per-node``'s figures, which the run was checked against); None for one.
     """
 
     policy: ComputePolicy
@@ -65,6 +68,7 @@ class PreparedRun:
     ramflow_budget: int | None
     checkpoint: Checkpoint | None
     fit: BatchFit | None = None
+    host_ranks: RanksPlan | None = None
 
 
 def _tokenizer_and_config(
@@ -340,11 +344,80 @@ def plan_run(
     return dataclasses.replace(estimate, device_note=note)
 
 
-def _check_machine(estimate: MemoryEstimate, *, corpus_bytes: int, saves: bool = True) -> None:
-    """Refuse a run this machine's RAM or disk cannot hold (MemoryError / OSError);
-    ``saves``: the run writes checkpoints (the disk must hold one)."""
-    need = estimate.ram_needed_bytes + corpus_bytes
+def _checkpoints_written(config: TrainConfig, checkpoint: Checkpoint | None) -> int:
+    """How many checkpoints the run writes: one every ``--save-every`` steps before its
+    last, and one at the end (a resumed run with nothing left to do saves its step again)."""
+    if config.keep_checkpoints == 0:
+        return 0
+    start = checkpoint.step if checkpoint is not None else 0
+    every = config.save_every
+    periodic = max(0, (config.steps - 1) // every - start // every) if every else 0
+    return periodic + 1
+
+
+def _disk_problem(
+    estimate: MemoryEstimate,
+    config: TrainConfig,
+    checkpoint: Checkpoint | None,
+    out_dir: Path | None,
+) -> str | None:
+    """Why the disk cannot hold the checkpoints the run writes, or None. A save writes the
+    new checkpoint beside the ``--keep-checkpoints`` kept ones and deletes the oldest only
+    once it is in place ([Note: atomic checkpoints]), so up to ``keep + 1`` are on disk at
+    once; those of a resumed run already there take no more of the free space."""
+    written = _checkpoints_written(config, checkpoint)
+    if written == 0 or estimate.disk_free_bytes is None:
+        return None
+    same_folder = checkpoint is not None and (
+        out_dir is None or out_dir.resolve() == checkpoint.run_dir.resolve()
+    )
+    present = len(list_checkpoints(checkpoint.path.parent)) if same_folder else 0
+    keep = config.keep_checkpoints
+    new = max(0, min(present + written, keep + 1) - present)
+    if new * estimate.checkpoint_bytes <= estimate.disk_free_bytes:
+        return None
+    at_once = (
+        f"{new} more at once while saving (--keep-checkpoints {keep}, and the new one written "
+        "beside them before the oldest is deleted)"
+        if new > 1
+        else "one more"
+    )
+    return (
+        f"a checkpoint of this model takes {format_bytes(estimate.checkpoint_bytes)} and this "
+        f"run needs room for {at_once}, but only {format_bytes(estimate.disk_free_bytes)} is "
+        "free where the run folder goes; give --out on a larger disk, "
+        + ("--save-every 0 (save only at the end), " if new > 1 else "")
+        + "or --keep-checkpoints 0 to write none"
+    )
+
+
+def _check_machine(
+    estimate: MemoryEstimate,
+    *,
+    corpus_bytes: int,
+    disk_problem: str | None,
+    host_ranks: RanksPlan | None = None,
+) -> None:
+    """Refuse a run this machine's RAM (of every rank on this host, ``host_ranks``) or
+    disk (``disk_problem``, from ``_disk_problem``) cannot hold (MemoryError / OSError)."""
+    num_ranks = host_ranks.num_ranks if host_ranks is not None else 1
+    # every rank holds the corpus's tokens
+    corpus_all = corpus_bytes * num_ranks
+    need = (
+        host_ranks.ram_needed_bytes if host_ranks is not None else estimate.ram_needed_bytes
+    ) + corpus_all
     if need > estimate.ram_available_bytes:
+        if host_ranks is not None:
+            raise MemoryError(
+                f"this run of {num_ranks} ranks on this host needs about {format_bytes(need)} "
+                f"of RAM (host store and optimizer states once, {num_ranks} x "
+                f"{format_bytes(host_ranks.per_rank_bytes)} per rank"
+                + (f", corpus {format_bytes(corpus_all)}" if corpus_all else "")
+                + f") but only {format_bytes(estimate.ram_available_bytes)} is available. Use "
+                "fewer ranks (--nproc-per-node), a smaller model, batch or sequence, or free "
+                "memory; `ramflow plan --nproc-per-node "
+                f"{num_ranks}` shows where the bytes go."
+            )
         raise MemoryError(
             f"this run needs about {format_bytes(need)} of RAM (host store "
             f"{format_bytes(estimate.host_pinned_bytes + estimate.host_pageable_bytes)}"
@@ -358,12 +431,8 @@ def _check_machine(estimate: MemoryEstimate, *, corpus_bytes: int, saves: bool =
             "Use a smaller model, batch or sequence, or free memory; `ramflow plan` shows where "
             "the bytes go."
         )
-    if saves and not estimate.fits_disk:
-        raise OSError(
-            f"a checkpoint of this model takes {format_bytes(estimate.checkpoint_bytes)}, but only "
-            f"{format_bytes(estimate.disk_free_bytes or 0)} is free where the run folder goes; "
-            "give --out on a larger disk, or --keep-checkpoints 0 to write none"
-        )
+    if disk_problem is not None:
+        raise OSError(disk_problem)
 
 
 def prepare_run(
@@ -373,6 +442,8 @@ def prepare_run(
     *,
     device: str | None = None,
     several_ranks: bool = False,
+    num_local_ranks: int = 1,
+    zero_stage: int | None = None,
 ) -> PreparedRun:
     """Check everything that can be refused, in order of cost, before anything is written:
     device and precision, tokenizer and model config, the weights' shapes (file headers
@@ -383,6 +454,9 @@ def prepare_run(
         device: the device this process computes on, when it is not ``config.device``
             (one rank's GPU, ``Ranks.device``); None: ``config.device``.
         several_ranks: the run has several ranks (see ``plan_run``'s ``num_ranks``).
+        num_local_ranks: the ranks on this host: the RAM is checked for all of them, as
+            ``ramflow plan --nproc-per-node`` counts it (``scale.plan_ranks``).
+        zero_stage: the run's ZeRO stage with several ranks (None: the plan's choice).
 
     Raises:
         ValueError, FileNotFoundError, CheckpointError, MemoryError, OSError: see ``train``.
@@ -418,8 +492,14 @@ def prepare_run(
         out_dir=out_dir,
         several_ranks=several_ranks,
     )
-    saves = config.keep_checkpoints > 0
-    _check_machine(estimate, corpus_bytes=0, saves=saves)  # before reading the data: fail fast
+    host_ranks = (
+        plan_ranks(estimate, num_ranks=num_local_ranks, zero_stage=zero_stage)
+        if num_local_ranks > 1
+        else None
+    )
+    disk = _disk_problem(estimate, config, checkpoint, out_dir)
+    # before reading the data: fail fast
+    _check_machine(estimate, corpus_bytes=0, disk_problem=disk, host_ranks=host_ranks)
     if is_chat_data(config.data):  # conversations: see ramflow.train.chat_data
         corpus = build_chat_corpus(
             config.data, tokenizer, seq_len=config.seq_len, val_fraction=config.val_fraction
@@ -438,9 +518,19 @@ def prepare_run(
             val_fraction=config.val_fraction,
             source=source,
         )
-    _check_machine(estimate, corpus_bytes=corpus.num_tokens * 4, saves=saves)
+    _check_machine(
+        estimate, corpus_bytes=corpus.num_tokens * 4, disk_problem=disk, host_ranks=host_ranks
+    )
     return PreparedRun(
-        policy, tokenizer, mconfig, corpus, estimate, estimate.ramflow_budget_bytes, checkpoint, fit
+        policy,
+        tokenizer,
+        mconfig,
+        corpus,
+        estimate,
+        estimate.ramflow_budget_bytes,
+        checkpoint,
+        fit,
+        host_ranks,
     )
 
 

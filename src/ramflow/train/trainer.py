@@ -79,7 +79,9 @@ from .run_checkpoint import (
     find_checkpoint,
     open_checkpoint,
     remove_stale_temporaries,
+    run_folder_of,
 )
+from .run_lock import RunLock
 from .scale import choose_zero_stage
 from .setup import PreparedRun, base_weights, prepare_run
 
@@ -229,7 +231,12 @@ def train(
         FileNotFoundError: a path that does not exist.
         MemoryError: the machine's RAM cannot hold the run.
         FileExistsError: ``out`` holds another run (continue it with ``resume``).
-        OSError: the disk cannot hold two checkpoints.
+        RunFolderInUse: another live process holds the run folder's lock (see [Note: the
+            run folder's lock] in ``run_lock.py``).
+        OSError: the disk cannot hold the checkpoints the run writes (two at once while
+            saving, when it saves more than once); the disk filled up during a save (the
+            earlier checkpoint is kept).
+        LossDiverged: the training loss became NaN or infinite (the last checkpoint is kept).
         ModuleNotFoundError: ``log_to`` names TensorBoard, which is not installed.
         KeyboardInterrupt: a second Ctrl-C or SIGTERM (the last checkpoint stays).
         RankSetupError: another rank failed one of these checks (its message says which).
@@ -270,12 +277,27 @@ def _train_ranks(
     log_to: Sequence[str],
     zero_stage: int | None,
 ) -> TrainResult:
-    """``train`` on each rank (one process: the only one)."""
+    """``train`` on each rank (one process: the only one). Rank 0 holds the run folder's
+    lock from before the checkpoint is opened to the end (see [Note: the run folder's
+    lock] in ``run_lock.py``)."""
+    held: list[RunLock] = []  # rank 0's lock of the run folder, once taken
+
+    def lock(folder: Path) -> None:
+        if held and held[0].path.parent.resolve() == folder.resolve():
+            return
+        while held:
+            held.pop().release()
+        held.append(RunLock(folder).acquire())
 
     def check() -> tuple[Checkpoint | None, Path | None, PreparedRun]:
         check_loggers(log_to)
         if zero_stage not in (None, 1, 2):
             raise ValueError(f"--zero-stage must be 1 or 2, got {zero_stage}")
+        if ranks.is_main:
+            # before the checkpoint is read: another run may be saving into it
+            early = _run_folder(out, resume)
+            if early is not None and early.is_dir():
+                lock(early)
         ckpt = (
             resume if isinstance(resume, Checkpoint) or resume is None else open_checkpoint(resume)
         )
@@ -286,7 +308,13 @@ def _train_ranks(
         if ranks.is_main:
             _refuse_other_run(run_dir, ckpt)
         setup = prepare_run(
-            config, ckpt, run_dir, device=ranks.device(config.device), several_ranks=ranks.several
+            config,
+            ckpt,
+            run_dir,
+            device=ranks.device(config.device),
+            several_ranks=ranks.several,
+            num_local_ranks=ranks.local_world_size,
+            zero_stage=zero_stage,
         )
         check_several_ranks(
             world_size=ranks.world_size,
@@ -296,17 +324,65 @@ def _train_ranks(
         )
         return ckpt, run_dir, setup
 
-    ckpt, run_dir, setup = ranks.together(check)
+    try:
+        ckpt, run_dir, setup = ranks.together(check)
 
-    def make_run_dir() -> tuple[Path, list[str]]:
-        folder = run_dir if run_dir is not None else _new_run_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        # a save killed midway left hidden temporaries: see [Note: atomic checkpoints]
-        return folder, remove_stale_temporaries(folder / "checkpoints")
+        def make_run_dir() -> tuple[Path, list[str]]:
+            folder = run_dir if run_dir is not None else _new_run_dir()
+            folder.mkdir(parents=True, exist_ok=True)
+            lock(folder)
+            # a save killed midway left hidden temporaries: see [Note: atomic checkpoints]
+            return folder, remove_stale_temporaries(folder / "checkpoints")
 
-    run_dir, cleaned = ranks.broadcast(
-        ranks.together(make_run_dir if ranks.is_main else lambda: None)
-    )
+        run_dir, cleaned = ranks.broadcast(
+            ranks.together(make_run_dir if ranks.is_main else lambda: None)
+        )
+        return _run(
+            config,
+            setup,
+            run_dir,
+            cleaned,
+            ranks,
+            progress=progress,
+            stop=stop,
+            on_step=on_step,
+            handle_sigint=handle_sigint,
+            log_to=log_to,
+            zero_stage=zero_stage,
+        )
+    finally:
+        while held:
+            held.pop().release()
+
+
+def _run_folder(
+    out: str | os.PathLike | None, resume: str | os.PathLike | Checkpoint | None
+) -> Path | None:
+    """The run folder ``train`` will write, as far as it is known before the checkpoint is
+    opened (None: a new folder)."""
+    if out is not None:
+        return Path(out)
+    if isinstance(resume, Checkpoint):
+        return resume.run_dir
+    return run_folder_of(resume) if resume is not None else None
+
+
+def _run(
+    config: TrainConfig,
+    setup: PreparedRun,
+    run_dir: Path,
+    cleaned: list[str],
+    ranks: Ranks,
+    *,
+    progress: bool,
+    stop: threading.Event | None,
+    on_step: Callable[[dict[str, Any]], None] | None,
+    handle_sigint: bool,
+    log_to: Sequence[str],
+    zero_stage: int | None,
+) -> TrainResult:
+    """The run once its folder exists: the report, the signals, the loop."""
+    ckpt = setup.checkpoint
     stop = stop if stop is not None else threading.Event()
     start_step = ckpt.step if ckpt is not None else 0
     report = (
@@ -411,7 +487,7 @@ def _train(
             targets=parse_targets(config.lora_targets),
         )
         trained = f"{num / 1e6:,.2f} M trained: LoRA rank {config.lora_rank}, the base frozen"
-    for line in preamble_lines(est, trained=trained):
+    for line in preamble_lines(est, trained=trained, ranks=setup.host_ranks):
         say(line)
     if ranks.several:
         say(

@@ -157,9 +157,15 @@ def _given_units(
     model: nn.Module, given: Iterable[nn.Module | str]
 ) -> tuple[list[tuple[str, nn.Module]], list[nn.Module]]:
     names = {id(m): n for n, m in model.named_modules()}
-    by_name = dict(model.named_modules())
+    # every name, those of a module the model holds at several places included
+    by_name = dict(model.named_modules(remove_duplicate=False))
     units: list[tuple[str, nn.Module]] = []
+    given_keys: set[object] = set()
     for item in given:
+        key = item if isinstance(item, str) else id(item)
+        if key in given_keys:
+            raise ValueError("units: the same module is given twice")
+        given_keys.add(key)
         if isinstance(item, str):
             if item not in by_name:
                 raise ValueError(f"units: the model has no submodule named {item!r}")
@@ -175,10 +181,10 @@ def _given_units(
                 "itself (its owner calls its children), so ramflow could not see it run. Give "
                 f"its children instead (e.g. {name + '.0'!r}), or leave units out."
             )
+        if any(m is item for _, m in units):
+            continue  # one module under two names (nn.ModuleList([b, b])): one unit
         units.append((names[id(item)], item))
     ids = [id(m) for _, m in units]
-    if len(set(ids)) != len(ids):
-        raise ValueError("units: the same module is given twice")
     for name, module in units:
         inner = {id(m) for m in module.modules()} - {id(module)}
         for other_name, other in units:
@@ -218,6 +224,9 @@ def find_units(
 
     Tied or shared parameters (``lm_head.weight is embed_tokens.weight``) are owned by the
     first unit in module order that reads them; later units list them in ``slots`` only.
+    A module the model holds at several places (``nn.ModuleList([block, block])``, a
+    block applied twice) is one unit, loaded by each of its calls, whether found by the
+    rule or given under several of its names.
 
     Args:
         model: the module to split.
@@ -230,7 +239,8 @@ def find_units(
         The units in module order, the rest unit (if any) last.
 
     Raises:
-        ValueError: a given unit is not a submodule, is given twice, nests in another, or
+        ValueError: a given unit is not a submodule, is given twice (the same object or
+            name; the names of a module the model repeats are one unit), nests in another, or
             is a container without a forward (``nn.ModuleList``, ``nn.ModuleDict``); a
             parameter is not floating point.
     """
