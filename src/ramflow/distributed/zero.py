@@ -349,7 +349,7 @@ class DistributedState:
 # 4 GPUs with a 2.7 B model resident, 4.0 GB per rank and step, about the 100 ms by which a
 # 4-GPU step exceeded one GPU's (benchmarks/results/2026-11-27-nvidia-h200-x4-scaling). The
 # owner already refreshed its own copy during backward, right after its step (or stepped it
-# there, [Note: the device optimizer under ZeRO] in ``ramflow.engine.stepper``); by default
+# there, [Note: the device optimizer under ZeRO] in ``ramflow.engine.device_stepper``); by default
 # (``RAMFLOW_REFRESH_BY_BROADCAST=0``, read by ``ramflow.offload``, turns it off) the others
 # take it from there: the worker of every rank broadcasts each such unit, in unit order,
 # from its owner's device (NCCL over NVLink, on a stream and a process group of the

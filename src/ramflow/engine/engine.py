@@ -42,7 +42,9 @@ from .adapters import (
     guard_adapter_merges,
     materialize_meta_adapters,
 )
+from .checkpointer import ActivationCheckpointer
 from .clip import install_clip_route
+from .device_stepper import DeviceStepper
 from .grad_scale import fold_grad_scale
 from .gradients import GradientPath
 from .hooks import ModuleCall
@@ -145,13 +147,20 @@ class Engine:
         self.host = HostStore(
             device=device, wire_dtype=wire_dtype, window=self.window, precision=host_precision
         )
+        self.device_stepper = DeviceStepper(
+            device=device,
+            units=self.units,
+            window=self.window,
+            host=self.host,
+            streams=self.streams,
+        )
         self.stepper = Stepper(
             device=device,
             units=self.units,
             worker=self.worker,
             window=self.window,
             host=self.host,
-            streams=self.streams,
+            device_steps=self.device_stepper,
         )
         self.gradients = GradientPath(
             device=device,
@@ -162,6 +171,7 @@ class Engine:
             window=self.window,
             host=self.host,
             stepper=self.stepper,
+            device_steps=self.device_stepper,
         )
         self.schedule = Schedule(
             device=device,
@@ -174,6 +184,7 @@ class Engine:
             gradients=self.gradients,
             stepper=self.stepper,
         )
+        self.checkpointer = ActivationCheckpointer(units=self.units, window=self.window)
 
         install_optimizer_hooks()
         install_clip_route()
@@ -196,7 +207,7 @@ class Engine:
             guard_adapter_merges(model, weak_method(self.refresh_param))
             if activation_checkpointing:
                 try:
-                    self.schedule.checkpoint_units(model, activation_checkpointing)
+                    self.checkpointer.checkpoint_units(model, activation_checkpointing)
                 except ValueError:
                     self.remove()  # the model is given back as it was
                     raise
@@ -506,7 +517,7 @@ class Engine:
     def _freeze(self, u: Unit) -> None:
         """``u``'s trainable parameters were all frozen after ``offload``: it takes no
         gradients and no step from now on (engine idle: ``synchronize`` first)."""
-        self.stepper.drop_device_state(u)
+        self.device_stepper.drop_state(u)
         u.device_stepped = False
         for p, dp in zip(u.owned[: u.num_trainable], u.device_params):
             p.grad = None
@@ -565,7 +576,7 @@ class Engine:
             with torch.no_grad():
                 view.copy_(p.detach())
                 p.data = view
-        self.stepper.refresh_from_host(u)
+        self.device_stepper.refresh_from_host(u)
 
     def schedule_step(self, opt: StepOptimizer) -> None:
         """Called by ``opt.step()``: check or schedule the step of every unit it holds."""
@@ -600,7 +611,7 @@ class Engine:
     def accept_partial_step(self) -> None:
         """Go on from the weights a failed backward left partly stepped."""
         self.schedule.settle()
-        self.stepper.accept_partial_step()
+        self.stepper.policy.accept_partial_step()
 
     def host_step_totals(self) -> tuple[int, float]:
         """See ``Stepper.host_step_totals``."""
@@ -610,7 +621,7 @@ class Engine:
         """Every device-stepped unit's state back to the host (``load_state_dict``)."""
         self.synchronize()
         for u in self.units:
-            self.stepper.drop_device_state(u)
+            self.device_stepper.drop_state(u)
 
     # ------------------------------------------------------------------ host copies
 
@@ -632,8 +643,8 @@ class Engine:
         self.host.refresh_wire(u, written=written, received=received)
 
     def write_back_events(self) -> list[tuple[Unit, torch.cuda.Event]]:
-        """At ``opt.step()``, under ZeRO: see ``Stepper.write_back_events``."""
-        return self.stepper.write_back_events()
+        """At ``opt.step()``, under ZeRO: see ``DeviceStepper.write_back_events``."""
+        return self.device_stepper.write_back_events()
 
     def synchronize(self) -> None:
         """Wait for every pending gradient landing and optimizer step on the host; a clip's
@@ -641,18 +652,18 @@ class Engine:
         self.schedule.settle()
         self.worker.wait_idle()
         for u in self.units:
-            self.stepper.pull_device_state(u)
+            self.device_stepper.pull_state(u)
         self.stepper.apply_grad_scales()  # p.grad as PyTorch's clip leaves it
 
     def set_activation_checkpointing(
         self, which: bool | Iterable[str] | CheckpointPolicyLike
     ) -> None:
-        """Replace the model's activation checkpointing (``Schedule.checkpoint_units``'s
+        """Replace the model's activation checkpointing (``ActivationCheckpointer.checkpoint_units``'s
         ``which``; False: none) between passes (see ``ramflow.set_activation_checkpointing``);
         a failed backward is cleaned up first. Units, plan and window are unchanged.
 
         Raises:
-            ValueError: a layer engine (no model), or as ``Schedule.checkpoint_units`` (the
+            ValueError: a layer engine (no model), or as ``ActivationCheckpointer.checkpoint_units`` (the
                 previous checkpointing is back).
             RuntimeError: inside a forward or backward pass.
         """
@@ -666,28 +677,29 @@ class Engine:
                 "forward or backward"
             )
         schedule.settle()  # a failed backward's leftovers: see [Note: a failed backward]
-        previous = schedule.checkpointing
-        schedule.uncheckpoint_units(model)
+        checkpointer = self.checkpointer
+        previous = checkpointer.checkpointing
+        checkpointer.uncheckpoint_units(model)
         if which is False:
             return
         try:
-            schedule.checkpoint_units(model, which)
+            checkpointer.checkpoint_units(model, which)
         except ValueError:
-            schedule.uncheckpoint_units(model)
+            checkpointer.uncheckpoint_units(model)
             if previous is not False:
-                schedule.checkpoint_units(model, previous)
+                checkpointer.checkpoint_units(model, previous)
             raise
 
     def _after_load_state_dict(self, module: nn.Module, incompatible: Any) -> None:
         # a checkpoint was loaded: see [Note: a failed backward]
-        self.stepper.accept_partial_step()
+        self.stepper.policy.accept_partial_step()
         self.refresh_from_host()
 
     def refresh_from_host(self) -> None:
         """The host master weights changed outside ramflow: rewrite wire and device copies."""
         self.worker.wait_idle()
         for u in self.units:
-            self.stepper.refresh_from_host(u)
+            self.device_stepper.refresh_from_host(u)
 
     # ------------------------------------------------------------------ undo
 
@@ -702,6 +714,7 @@ class Engine:
         self._hooks.clear()
         self.gradients.remove_hooks()
         model = self.model
+        self.checkpointer.uncheckpoint_units(model)
         self.schedule.restore(model)
         for module in model.modules() if model is not None else ():
             module.__dict__.pop("zero_grad", None)
@@ -709,7 +722,7 @@ class Engine:
                 if isinstance(module.__dict__.get(name), GuardedMerge):
                     del module.__dict__[name]
         for u in self.units:
-            self.stepper.drop_device_state(u)
+            self.device_stepper.drop_state(u)
             if u.compressed:
                 for p in u.compressed:  # swap_tensors refuses a tensor weakly referenced
                     set_engine_of_param(p, None)
