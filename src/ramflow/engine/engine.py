@@ -189,9 +189,11 @@ class Engine:
         install_optimizer_hooks()
         install_clip_route()
         self._finalizer = weakref.finalize(
-            self, _release_engine, self.worker if self._owns_worker else None,
+            self,
+            _release_engine,
+            self.worker if self._owns_worker else None,
             self.host.pinned_in_place,
-        )  # fmt: skip
+        )
         try:
             self.add_units(specs, fill=fill)
         except BaseException:

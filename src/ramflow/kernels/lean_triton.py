@@ -58,15 +58,32 @@ def available(device: torch.device) -> bool:
 
 
 def lean_adamw_step(
-    master, grad, exp_avg, exp_avg_sq, compensation, m_scale, v_scale, wire_out,
-    *, master_format, state_format, key, counter_offset, grad_scale, apply_decay, c, block,
-) -> None:  # fmt: skip
+    master,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    compensation,
+    m_scale,
+    v_scale,
+    wire_out,
+    *,
+    master_format,
+    state_format,
+    key,
+    counter_offset,
+    grad_scale,
+    apply_decay,
+    c,
+    block,
+) -> None:
     """One lean step on CUDA tensors, checked by ``kernels.lean_kernels.lean_adamw_step_`` (the
     tensors and scalars of its ``_step_torch``; the formats: its ``_MASTER_*`` and
     ``_STATE_FORMAT`` codes; ``block``: the 8-bit block, ``QBLOCK``)."""
     dev = master.device
     dummy = master  # for the pointers a format does not read
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        # one row per group of the kernel's parameters (pointers, sizes, hyperparameters,
+        # constants), as its signature lays them out
         _kernel()[(-(-master.numel() // (_ROWS * block)),)](
             master, compensation if compensation is not None else dummy, grad,
             exp_avg, exp_avg_sq,
