@@ -46,9 +46,9 @@ of their owner. The owner's step waits for the unit's gradient reduction (``afte
 CUDA it runs on a stream of the steps' own (4 x H100, 2026-11-27: 3.90x one GPU at 4x2048
 tokens per GPU against 3.65x on the compute stream; ``RAMFLOW_DEVICE_STEP_STREAM=0`` steps
 there, to bisect a suspected race), which first waits for the compute stream: the backward
-goes on meanwhile, the gradient buffer is kept for that stream (``record_stream``, and the backward's throttle
-on buffers in flight counts it), and the unit's next use waits for ``device_step_event``
-(``DeviceWindow.acquire``), as do its broadcast and its write-back.
+goes on meanwhile, the gradient buffer is kept for that stream (``record_stream``, and the
+backward's throttle on buffers in flight counts it), and the unit's next use waits for
+``device_step_event`` (``DeviceWindow.acquire``), as do its broadcast and its write-back.
 The one-process device step leaves the host copies stale until ``synchronize``, but under
 ZeRO the host store is shared: other ranks read a unit's wire copy (a refresh from the
 host, a load of a unit they do not keep resident) and any rank's ``state_dict`` reads its
@@ -56,8 +56,8 @@ master. So right after each device step the owner copies the new weights (an fp3
 and the wire copy, or the bf16 master that is the wire copy; the states stay on the device
 until ``synchronize``) into the shared store on the D2H stream, behind the step
 (``_write_back``; the owner pins such a master even where a wire copy beside it is what
-others read), and the step's barrier waits for those copies (``ramflow.distributed.zero``, [Note: the
-step's sync]): after the barrier the host store is as after host steps. The next forward
+others read), and the step's barrier waits for those copies (``ramflow.distributed.zero``,
+[Note: the step's sync]): after the barrier the host store is as after host steps. The next forward
 does not wait for the write-backs or the barrier where it takes the units from their
 owners' devices ([Note: refresh by broadcast]). Race-free as the host step is (see "Data
 parallelism" in docs/design.md): the write-back follows the reduction, which every rank

@@ -48,6 +48,7 @@ from .device_stepper import DeviceStepper
 from .grad_scale import fold_grad_scale
 from .gradients import GradientPath
 from .hooks import ModuleCall
+from .host_stepper import HostStepper
 from .host_store import FillMaster, HostStore, optimizer_state_bytes
 from .interfaces import DataParallel, StepOptimizer
 from .plain_optim import install_optimizer_hooks
@@ -154,12 +155,14 @@ class Engine:
             host=self.host,
             streams=self.streams,
         )
+        self.host_stepper = HostStepper(worker=self.worker, window=self.window, host=self.host)
         self.stepper = Stepper(
             device=device,
             units=self.units,
             worker=self.worker,
             window=self.window,
             host=self.host,
+            host_steps=self.host_stepper,
             device_steps=self.device_stepper,
         )
         self.gradients = GradientPath(
@@ -171,6 +174,7 @@ class Engine:
             window=self.window,
             host=self.host,
             stepper=self.stepper,
+            host_steps=self.host_stepper,
             device_steps=self.device_stepper,
         )
         self.schedule = Schedule(
@@ -616,8 +620,8 @@ class Engine:
         self.stepper.policy.accept_partial_step()
 
     def host_step_totals(self) -> tuple[int, float]:
-        """See ``Stepper.host_step_totals``."""
-        return self.stepper.host_step_totals()
+        """See ``HostStepper.host_step_totals``."""
+        return self.host_stepper.host_step_totals()
 
     def drop_device_states(self) -> None:
         """Every device-stepped unit's state back to the host (``load_state_dict``)."""
@@ -660,13 +664,15 @@ class Engine:
     def set_activation_checkpointing(
         self, which: bool | Iterable[str] | CheckpointPolicyLike
     ) -> None:
-        """Replace the model's activation checkpointing (``ActivationCheckpointer.checkpoint_units``'s
-        ``which``; False: none) between passes (see ``ramflow.set_activation_checkpointing``);
-        a failed backward is cleaned up first. Units, plan and window are unchanged.
+        """Replace the model's activation checkpointing (``which`` of
+        ``ActivationCheckpointer.checkpoint_units``; False: none) between passes (see
+        ``ramflow.set_activation_checkpointing``); a failed backward is cleaned up first.
+        Units, plan and window are unchanged.
 
         Raises:
-            ValueError: a layer engine (no model), or as ``ActivationCheckpointer.checkpoint_units`` (the
-                previous checkpointing is back).
+            ValueError: a layer engine (no model), or as
+                ``ActivationCheckpointer.checkpoint_units`` (the previous checkpointing is
+                back).
             RuntimeError: inside a forward or backward pass.
         """
         model = self.model

@@ -20,7 +20,9 @@ from ..transfer.streams import CopyStreams
 from ..units.unit import Unit
 from .device_stepper import DeviceStepper
 from .hooks import UnitHook
+from .host_stepper import HostStepper
 from .host_store import HostStore
+from .step_policy import step_items
 from .stepper import Stepper
 from .window import DeviceWindow
 from .worker import LAND, STEP, HostWorker
@@ -38,6 +40,7 @@ class GradientPath:
         window: the device window (versions of units stepped as they land).
         host: the host store (staging buffers).
         stepper: decides and runs the steps that follow a landing.
+        host_steps: runs the steps on the worker that follow a landing.
         device_steps: steps device-stepped units as their gradients are complete.
     """
 
@@ -52,6 +55,7 @@ class GradientPath:
         window: DeviceWindow,
         host: HostStore,
         stepper: Stepper,
+        host_steps: HostStepper,
         device_steps: DeviceStepper,
     ) -> None:
         self.device = device
@@ -62,6 +66,7 @@ class GradientPath:
         self._window = window
         self._host = host
         self._stepper = stepper
+        self._host_steps = host_steps
         self._device_steps = device_steps
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._pass_open = False  # a backward pass has started and not ended
@@ -147,10 +152,10 @@ class GradientPath:
             ):
                 opt = optimizers[0]
                 hyper = opt._hyperparameters()
-                device_step = self._device_steps.step
-                if device_step(
+                on_side_stream = self._device_steps.step(
                     u, opt, hyper, u.device_grad, after=reduced, write_back=dist is not None
-                ):
+                )
+                if on_side_stream:
                     # its own stream holds the gradient buffer: count it in the throttle
                     self._grads_in_flight.append(u.device_step_event)
                 self._pass_stepped.append(u)
@@ -263,7 +268,7 @@ class GradientPath:
                 STEP,
                 stepper.priority(u),
                 functools.partial(
-                    stepper.step_staged,
+                    self._host_steps.step_staged,
                     u,
                     opt,
                     opt._hyperparameters(),
@@ -275,7 +280,7 @@ class GradientPath:
             self.worker.submit(
                 STEP,
                 stepper.priority(u),
-                functools.partial(stepper.step_unit, u, stepper.step_items(u, optimizers)),
+                functools.partial(self._host_steps.step_unit, u, step_items(u, optimizers)),
             )
 
     # ------------------------------------------------------------------ end of a pass
@@ -295,7 +300,7 @@ class GradientPath:
         for u in self.units:
             if u.device_step_pending:
                 u.device_step_pending = False
-                stepper.step_from_host(u, stepper.step_items(u, stepper.optimizers))
+                stepper.step_from_host(u, step_items(u, stepper.optimizers))
         self._device_steps.wait_host_grad_reads()
         self._pass_open = False
         self._pass_landed.clear()

@@ -1,11 +1,11 @@
-"""The stepper: when and where each unit is stepped, and the refresh that follows.
+"""The stepper: when and where each unit is stepped.
 
 Runs what the step policy decides (``engine.step_policy.StepPolicy``: eager during backward or
 deferred to ``opt.step()``, loop-pattern errors and their recovery, refused partial steps)
-and owns the optimizers attached to the engine, host steps on the worker (whole units in
-one flat pass, the refresh in pieces), and the data-parallel state (``DataParallel``).
-Units stepped on the GPU are the device stepper's (``engine.device_stepper``): the stepper
-decides which step goes there and hands it over.
+and owns the optimizers attached to the engine, the units' forward positions (the worker's
+priorities), the gradient norms and clip coefficients of a pass, and the data-parallel
+state (``DataParallel``). It hands each step to the part that runs it: the host stepper
+(``engine.host_stepper``, on the worker) or the device stepper (``engine.device_stepper``).
 
 [Note: when the step runs]
 The first optimizer step is applied by ``opt.step()`` (deferred). If that step saw exactly
@@ -15,46 +15,26 @@ its gradients have landed (eager, see [Note: optimizer overlap]). A loop that ch
 pattern afterwards gets a RuntimeError, never a silently wrong step. Deferred steps run on
 the worker too: ``opt.step()`` returns at once and each unit's next forward waits for that
 unit's step only.
-
-[Note: the refresh follows the step]
-A resident unit's device copy is refreshed by one H2D after its host step. The forward
-that needs the unit waits for that copy, so the copy of the last unit stepped before the
-next step's forward reaches it is on the critical path (8 ms for a 0.4 GB block at PCIe 5
-speed, and in a step bound by the CPU optimizer nothing else runs then). So the step of a
-resident unit runs in pieces (``REFRESH_PIECE_BYTES`` of wire copy each), and each piece's
-H2D is issued as soon as the kernel has written it: only the last piece's copy is left
-when the step ends. The pieces cover the trainable prefix; the frozen rest of the device
-copy is current when the unit was exactly one version behind (checked), and the last
-piece's event is the unit's load event (one stream, copies in order).
-Pieces cost the worker about 0.3 ms each on the GPU box (a kernel call and a copy issued
-from Python, which waits for the GIL while the training loop runs Python code): 4% of the
-optimizer's rate when every unit is cut (benchmarks/results/2026-11-22-nvidia-h200-refresh).
-So only a step that starts with nothing else queued on the worker is cut: the one whose
-refresh the next forward is waiting for.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 import weakref
 from collections.abc import Iterable
 
 import torch
 
-from ..units.unit import _ALIGN, Unit
+from ..units.unit import Unit
 from .device_stepper import DeviceStepper
 from .grad_norms import PassNorms
 from .grad_scale import apply_grad_scale, raise_if_written, scale_for_step
+from .host_stepper import HostStepper
 from .host_store import HostStore
 from .interfaces import DataParallel, StepOptimizer
-from .step_policy import StepItem, StepPolicy
+from .step_policy import StepItem, StepPolicy, step_items
 from .window import DeviceWindow
 from .worker import STEP, HostWorker
-
-# A resident unit's refresh is sent in pieces of this many wire bytes, each as soon as the
-# step has written it. See [Note: the refresh follows the step].
-REFRESH_PIECE_BYTES = 64 << 20
 
 
 class Stepper:
@@ -64,8 +44,9 @@ class Stepper:
         device: the compute device (the gradient norms are read there).
         units: the engine's unit list (shared; the engine appends to it).
         worker: the host worker that runs host steps.
-        window: the device window (versions of the device copies, pieces of the refresh).
-        host: the host store (wire copies).
+        window: the device window (a unit's host copies are rewritten).
+        host: the host store (its gradient format).
+        host_steps: the host stepper (the steps on the worker).
         device_steps: the device stepper (the steps of device-stepped units).
     """
 
@@ -77,6 +58,7 @@ class Stepper:
         worker: HostWorker,
         window: DeviceWindow,
         host: HostStore,
+        host_steps: HostStepper,
         device_steps: DeviceStepper,
     ) -> None:
         self.device = device
@@ -84,12 +66,11 @@ class Stepper:
         self.worker = worker
         self._window = window
         self._host = host
+        self._host_steps = host_steps
         self._device_steps = device_steps
         self.dist: DataParallel | None = None
         # forward position of each unit, the priority of its step on the worker
         self._positions: dict[Unit, int] = {}
-        # the worker's optimizer kernels so far: parameters stepped, seconds (host_step_totals)
-        self._host_steps = [0, 0.0]
         self._optimizers: list[weakref.ref[StepOptimizer]] = []
         # when units step, see [Note: when the step runs]; its recovery state, see [Note: a
         # failed backward] in ``ramflow.engine.schedule``
@@ -264,7 +245,7 @@ class Stepper:
         scale = scale_for_step(u, items[0].grads, flat=flat)
         if scale is None:
             apply_grad_scale(u)
-            items[:] = self.step_items(u, [item.optimizer for item in items])  # new versions
+            items[:] = step_items(u, [item.optimizer for item in items])  # new versions
             return 1.0
         return scale
 
@@ -279,7 +260,7 @@ class Stepper:
             for u in sorted(self.units, key=self.priority):
                 if not self.steps_here(u):
                     continue
-                items = self.step_items(u, [opt])
+                items = step_items(u, [opt])
                 if items:
                     self.step_from_host(u, items)
             self._device_steps.wait_host_grad_reads()
@@ -301,143 +282,7 @@ class Stepper:
                     return True
         return False
 
-    # ------------------------------------------------------------------ host steps
-
-    def step_items(self, u: Unit, optimizers: list[StepOptimizer]) -> list[StepItem]:
-        """What a step of ``u`` needs, captured now: per optimizer its hyperparameters, the
-        parameters it holds with their gradients (the user may zero_grad before the worker
-        gets to the step) and the gradients' version counters (see ``step_unit``)."""
-        items = []
-        for opt in optimizers:
-            params = [p for p in u.owned[: u.num_trainable] if p.grad is not None and opt._holds(p)]
-            if params:
-                grads = [p.grad for p in params]
-                versions = [g._version for g in grads]
-                items.append(StepItem(opt, opt._hyperparameters(), params, grads, versions))
-        return items
-
-    def step_unit(self, u: Unit, items: list[StepItem], *, grad_scale: float = 1.0) -> None:
-        """Worker: step ``u``'s master weights with each optimizer, then refresh its wire
-        copy (in the same pass when one optimizer steps the whole unit flat, which then
-        multiplies the gradients by ``grad_scale`` as it reads them: a clip's coefficient,
-        see [Note: folding the clip into the step] in ``ramflow.engine.grad_scale``)."""
-        self._host.before_host_write(u)
-        wire_written = False
-        pieces = None
-        start = time.perf_counter()
-        with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
-            if len(items) == 1 and self.whole_unit(u, items[0]):
-                pieces = self._refresh_pieces(u)
-                items[0].optimizer.flat_step(
-                    u,
-                    items[0].hyper,
-                    grad=u.host_grad,
-                    grad_scale=grad_scale,
-                    wire_out=self._host.wire_prefix(u),
-                    pieces=pieces,
-                    after_piece=functools.partial(self._window.send_piece, u) if pieces else None,
-                )
-                wire_written = True
-            else:
-                assert grad_scale == 1.0  # applied in place (``_take_grad_scale``)
-                for item in items:
-                    item.optimizer._step_params(item.params, item.grads, item.hyper)
-        self._count_host_step(sum(p.numel() for item in items for p in item.params), start)
-        self._host.refresh_wire(u, written=wire_written, sent=wire_written and bool(pieces))
-        self._check_grads_unwritten(u, items)
-
-    @staticmethod
-    def _check_grads_unwritten(u: Unit, items: list[StepItem]) -> None:
-        """Worker, after a host step: the gradients it read were not written in place
-        between ``step()`` and now (``p.grad.zero_()``, ``zero_grad(set_to_none=False)``
-        right after ``step()``), which would have stepped with what was written. Raised on
-        the worker, so at the loop's next ramflow call."""
-        for item in items:
-            written = [
-                p for p, g, v in zip(item.params, item.grads, item.versions) if g._version != v
-            ]
-            if written:
-                raise RuntimeError(
-                    f"the gradients of unit {u.name!r} were written in place (e.g. "
-                    "p.grad.zero_() or zero_grad(set_to_none=False)) while ramflow's CPU "
-                    "optimizer was still reading them for the step just taken, so that step "
-                    "may have used the new values. Use zero_grad() (set_to_none=True, "
-                    "PyTorch's default), or call ramflow.synchronize(model) before writing "
-                    "gradients in place; reload a checkpoint to undo this step."
-                )
-
-    def step_staged(
-        self,
-        u: Unit,
-        opt: StepOptimizer,
-        hyper: list[dict],
-        *,
-        accumulate: bool,
-        keep_grads: bool = True,
-    ) -> None:
-        """Worker: land and step ``u`` in one pass from the staged gradients. See
-        ``GradientPath.land``."""
-        self._host.before_host_write(u)
-        pieces = self._refresh_pieces(u)
-        start = time.perf_counter()
-        try:
-            with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
-                opt.flat_step(
-                    u,
-                    hyper,
-                    grad=u.staging,
-                    accumulate=u.host_grad if accumulate else None,
-                    grad_out=None if accumulate or not keep_grads else u.host_grad,
-                    wire_out=self._host.wire_prefix(u),
-                    pieces=pieces,
-                    after_piece=(functools.partial(self._window.send_piece, u) if pieces else None),
-                )
-        finally:
-            self._host.release_staging(u)
-        self._count_host_step(u.trainable_numel, start)
-        self._host.refresh_wire(u, written=True, sent=bool(pieces))
-
-    def _refresh_pieces(self, u: Unit) -> list[tuple[int, int]] | None:
-        """Worker, before a flat step of ``u``: the element ranges to step and send one by
-        one, or None to send the unit after its step as usual. See [Note: the refresh
-        follows the step]."""
-        if not u.resident or u.wire is u.master or self.worker.queued():
-            return None
-        # pieces start on multiples of _ALIGN: whole blocks of 8-bit states, and each piece
-        # rounds stochastically as the whole unit would (its counter offset)
-        step = max(_ALIGN, REFRESH_PIECE_BYTES // u.wire.element_size() // _ALIGN * _ALIGN)
-        n = u.trainable_numel
-        # the device copy lacks this step only, so the frozen rest needs no copy
-        if not self._window.one_version_behind(u) or n <= step:
-            return None
-        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
-
-    def _count_host_step(self, params: int, start: float) -> None:
-        self._host_steps[0] += params
-        self._host_steps[1] += time.perf_counter() - start
-
-    def host_step_totals(self) -> tuple[int, float]:
-        """(parameters stepped, seconds) of the worker's optimizer kernels since the engine
-        was made, summed over units: their rate is the CPU optimizer's rate inside the
-        training loop, beside the copies and the loop's own threads. Read between steps
-        (after ``synchronize``) for exact figures."""
-        return self._host_steps[0], self._host_steps[1]
-
-    def whole_unit(self, u: Unit, item: StepItem) -> bool:
-        """Whether ``item`` (see ``step_items``) steps all of ``u`` flat from the host
-        gradients as they landed."""
-        return item.optimizer.flat_runs(u) is not None and self.all_host_grads(u, item)
-
-    @staticmethod
-    def all_host_grads(u: Unit, item: StepItem) -> bool:
-        """Whether ``item`` (see ``step_items``) holds every trainable parameter of ``u``
-        with the host gradients as they landed (the unit's flat host gradient)."""
-        params, grads = item.params, item.grads
-        return (
-            u.host_grad is not None
-            and len(params) == u.num_trainable == len(u.host_grad_views)
-            and all(g is v for g, v in zip(grads, u.host_grad_views))
-        )
+    # ------------------------------------------------------------------ host or device
 
     def step_from_host(self, u: Unit, items: list[StepItem]) -> None:
         """Step ``u`` from its host gradients: on the device if it is stepped there and one
@@ -450,7 +295,7 @@ class Stepper:
             len(items) == 1
             and device.steppable(u, items[0].optimizer)
             and self.steps_here(u)
-            and self.all_host_grads(u, items[0])
+            and items[0].all_host_grads(u)
         ):
             assert u.host_grad is not None
             scale = self._take_grad_scale(u, items, flat=True)
@@ -463,11 +308,11 @@ class Stepper:
                 write_back=self.live_dist() is not None,
             )
             return
-        scale = self._take_grad_scale(
-            u, items, flat=len(items) == 1 and self.whole_unit(u, items[0])
-        )
+        scale = self._take_grad_scale(u, items, flat=len(items) == 1 and items[0].whole_unit(u))
         device.drop_state(u)
         self._window.begin_host_write([u])
         self.worker.submit(
-            STEP, self.priority(u), functools.partial(self.step_unit, u, items, grad_scale=scale)
+            STEP,
+            self.priority(u),
+            functools.partial(self._host_steps.step_unit, u, items, grad_scale=scale),
         )
