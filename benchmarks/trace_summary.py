@@ -30,13 +30,13 @@ ADDED_THREAD_NAME = "ramflow host worker (added)"
 
 class HostSpans:
     """Times ramflow's worker tasks (each unit's optimizer step and gradient landing) by
-    wrapping the worker tasks of ramflow's engine parts: ``Stepper.step_unit`` and
-    ``Stepper.step_staged`` (optimizer) and ``GradientPath.land`` (landing), whichever
+    wrapping the worker tasks of ramflow's engine parts: ``HostStepper.step_unit`` and
+    ``HostStepper.step_staged`` (optimizer) and ``GradientPath.land`` (landing), whichever
     exist. If none does, no spans are recorded and the summary says so."""
 
     METHODS = (
-        ("ramflow.engine.stepper", "Stepper", "step_unit", "optimizer"),
-        ("ramflow.engine.stepper", "Stepper", "step_staged", "optimizer"),
+        ("ramflow.engine.host_stepper", "HostStepper", "step_unit", "optimizer"),
+        ("ramflow.engine.host_stepper", "HostStepper", "step_staged", "optimizer"),
         ("ramflow.engine.gradients", "GradientPath", "land", "landing"),
     )
 

@@ -431,7 +431,7 @@ def test_resident_refresh_in_pieces_is_exact(device, monkeypatch):
     """A resident unit's step sends its new wire copy to the device in pieces as it goes
     ([Note: the refresh follows the step]): the same curve and weights, bit for bit, as one
     copy after the step, and after every step the device copy is the wire copy."""
-    from ramflow.engine import stepper as _stepper
+    from ramflow.engine import host_stepper as _host_stepper
     from ramflow.engine import window as _window
     from ramflow.units import registry as _registry
 
@@ -449,7 +449,7 @@ def test_resident_refresh_in_pieces_is_exact(device, monkeypatch):
     monkeypatch.setattr(_window.DeviceWindow, "send_piece", spy)
     curves, pieces = [], []
     for m, piece_bytes in ((model, 512), (twin, 1 << 62)):
-        monkeypatch.setattr(_stepper, "REFRESH_PIECE_BYTES", piece_bytes)
+        monkeypatch.setattr(_host_stepper, "REFRESH_PIECE_BYTES", piece_bytes)
         ramflow.offload(m, device=device, wire_dtype=torch.bfloat16, gpu_memory=1 << 30)
         engine = _registry.engine_of_param(next(m.parameters()))
         assert all(u.resident for u in engine.units)

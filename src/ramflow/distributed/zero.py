@@ -235,8 +235,11 @@ class DistributedState:
         with self.explained("opening the process groups' communicators"):
             dist.all_reduce(probe, group=self.group)
             if self.broadcast_group is not None and self.broadcast_group is not self.step_group:
-                dist.broadcast(probe, src=dist.get_global_rank(self.broadcast_group, 0),
-                               group=self.broadcast_group)  # fmt: skip
+                dist.broadcast(
+                    probe,
+                    src=dist.get_global_rank(self.broadcast_group, 0),
+                    group=self.broadcast_group,
+                )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -349,7 +352,7 @@ class DistributedState:
 # 4 GPUs with a 2.7 B model resident, 4.0 GB per rank and step, about the 100 ms by which a
 # 4-GPU step exceeded one GPU's (benchmarks/results/2026-11-27-nvidia-h200-x4-scaling). The
 # owner already refreshed its own copy during backward, right after its step (or stepped it
-# there, [Note: the device optimizer under ZeRO] in ``ramflow.engine.stepper``); by default
+# there, [Note: the device optimizer under ZeRO] in ``ramflow.engine.device_stepper``); by default
 # (``RAMFLOW_REFRESH_BY_BROADCAST=0``, read by ``ramflow.offload``, turns it off) the others
 # take it from there: the worker of every rank broadcasts each such unit, in unit order,
 # from its owner's device (NCCL over NVLink, on a stream and a process group of the
@@ -555,16 +558,31 @@ def shared_host_store(
         raise_if_any_failed("preparing the shared host store", error)
         if loading:
             masters, wires = _fill_shared(
-                specs, fill, created, base=base, numels=numels, offsets=offsets,
-                owners=owners, leader=leader, master_dtype=master_dtype,
+                specs,
+                fill,
+                created,
+                base=base,
+                numels=numels,
+                offsets=offsets,
+                owners=owners,
+                leader=leader,
+                master_dtype=master_dtype,
                 wire_dtype=wire_dtype if separate_wire else None,
-            )  # fmt: skip
+            )
         else:
             _copy_shared(
-                specs, created, masters, wires, group=group, base=base, numels=numels,
-                offsets=offsets, leader=leader, master_dtype=master_dtype,
+                specs,
+                created,
+                masters,
+                wires,
+                group=group,
+                base=base,
+                numels=numels,
+                offsets=offsets,
+                leader=leader,
+                master_dtype=master_dtype,
                 wire_dtype=wire_dtype if separate_wire else None,
-            )  # fmt: skip
+            )
         dist.barrier(group=group)  # every rank has mapped the files: the leader unlinks them
     for i, spec in enumerate(specs):
         spec.master = masters[i]

@@ -42,10 +42,13 @@ from .adapters import (
     guard_adapter_merges,
     materialize_meta_adapters,
 )
+from .checkpointer import ActivationCheckpointer
 from .clip import install_clip_route, route_accelerate_clip
+from .device_stepper import DeviceStepper
 from .grad_scale import fold_grad_scale
 from .gradients import GradientPath
 from .hooks import ModuleCall
+from .host_stepper import HostStepper
 from .host_store import FillMaster, HostStore, optimizer_state_bytes
 from .interfaces import DataParallel, StepOptimizer
 from .plain_optim import install_optimizer_hooks
@@ -145,13 +148,22 @@ class Engine:
         self.host = HostStore(
             device=device, wire_dtype=wire_dtype, window=self.window, precision=host_precision
         )
+        self.device_stepper = DeviceStepper(
+            device=device,
+            units=self.units,
+            window=self.window,
+            host=self.host,
+            streams=self.streams,
+        )
+        self.host_stepper = HostStepper(worker=self.worker, window=self.window, host=self.host)
         self.stepper = Stepper(
             device=device,
             units=self.units,
             worker=self.worker,
             window=self.window,
             host=self.host,
-            streams=self.streams,
+            host_steps=self.host_stepper,
+            device_steps=self.device_stepper,
         )
         self.gradients = GradientPath(
             device=device,
@@ -162,6 +174,8 @@ class Engine:
             window=self.window,
             host=self.host,
             stepper=self.stepper,
+            host_steps=self.host_stepper,
+            device_steps=self.device_stepper,
         )
         self.schedule = Schedule(
             device=device,
@@ -174,13 +188,16 @@ class Engine:
             gradients=self.gradients,
             stepper=self.stepper,
         )
+        self.checkpointer = ActivationCheckpointer(units=self.units, window=self.window)
 
         install_optimizer_hooks()
         install_clip_route()
         self._finalizer = weakref.finalize(
-            self, _release_engine, self.worker if self._owns_worker else None,
+            self,
+            _release_engine,
+            self.worker if self._owns_worker else None,
             self.host.pinned_in_place,
-        )  # fmt: skip
+        )
         try:
             self.add_units(specs, fill=fill)
         except BaseException:
@@ -196,7 +213,7 @@ class Engine:
             guard_adapter_merges(model, weak_method(self.refresh_param))
             if activation_checkpointing:
                 try:
-                    self.schedule.checkpoint_units(model, activation_checkpointing)
+                    self.checkpointer.checkpoint_units(model, activation_checkpointing)
                 except ValueError:
                     self.remove()  # the model is given back as it was
                     raise
@@ -508,7 +525,7 @@ class Engine:
     def _freeze(self, u: Unit) -> None:
         """``u``'s trainable parameters were all frozen after ``offload``: it takes no
         gradients and no step from now on (engine idle: ``synchronize`` first)."""
-        self.stepper.drop_device_state(u)
+        self.device_stepper.drop_state(u)
         u.device_stepped = False
         for p, dp in zip(u.owned[: u.num_trainable], u.device_params):
             p.grad = None
@@ -567,7 +584,7 @@ class Engine:
             with torch.no_grad():
                 view.copy_(p.detach())
                 p.data = view
-        self.stepper.refresh_from_host(u)
+        self.device_stepper.refresh_from_host(u)
 
     def schedule_step(self, opt: StepOptimizer) -> None:
         """Called by ``opt.step()``: check or schedule the step of every unit it holds."""
@@ -602,17 +619,17 @@ class Engine:
     def accept_partial_step(self) -> None:
         """Go on from the weights a failed backward left partly stepped."""
         self.schedule.settle()
-        self.stepper.accept_partial_step()
+        self.stepper.policy.accept_partial_step()
 
     def host_step_totals(self) -> tuple[int, float]:
-        """See ``Stepper.host_step_totals``."""
-        return self.stepper.host_step_totals()
+        """See ``HostStepper.host_step_totals``."""
+        return self.host_stepper.host_step_totals()
 
     def drop_device_states(self) -> None:
         """Every device-stepped unit's state back to the host (``load_state_dict``)."""
         self.synchronize()
         for u in self.units:
-            self.stepper.drop_device_state(u)
+            self.device_stepper.drop_state(u)
 
     # ------------------------------------------------------------------ host copies
 
@@ -634,8 +651,8 @@ class Engine:
         self.host.refresh_wire(u, written=written, received=received)
 
     def write_back_events(self) -> list[tuple[Unit, torch.cuda.Event]]:
-        """At ``opt.step()``, under ZeRO: see ``Stepper.write_back_events``."""
-        return self.stepper.write_back_events()
+        """At ``opt.step()``, under ZeRO: see ``DeviceStepper.write_back_events``."""
+        return self.device_stepper.write_back_events()
 
     def synchronize(self) -> None:
         """Wait for every pending gradient landing and optimizer step on the host; a clip's
@@ -643,19 +660,21 @@ class Engine:
         self.schedule.settle()
         self.worker.wait_idle()
         for u in self.units:
-            self.stepper.pull_device_state(u)
+            self.device_stepper.pull_state(u)
         self.stepper.apply_grad_scales()  # p.grad as PyTorch's clip leaves it
 
     def set_activation_checkpointing(
         self, which: bool | Iterable[str] | CheckpointPolicyLike
     ) -> None:
-        """Replace the model's activation checkpointing (``Schedule.checkpoint_units``'s
-        ``which``; False: none) between passes (see ``ramflow.set_activation_checkpointing``);
-        a failed backward is cleaned up first. Units, plan and window are unchanged.
+        """Replace the model's activation checkpointing (``which`` of
+        ``ActivationCheckpointer.checkpoint_units``; False: none) between passes (see
+        ``ramflow.set_activation_checkpointing``); a failed backward is cleaned up first.
+        Units, plan and window are unchanged.
 
         Raises:
-            ValueError: a layer engine (no model), or as ``Schedule.checkpoint_units`` (the
-                previous checkpointing is back).
+            ValueError: a layer engine (no model), or as
+                ``ActivationCheckpointer.checkpoint_units`` (the previous checkpointing is
+                back).
             RuntimeError: inside a forward or backward pass.
         """
         model = self.model
@@ -668,28 +687,29 @@ class Engine:
                 "forward or backward"
             )
         schedule.settle()  # a failed backward's leftovers: see [Note: a failed backward]
-        previous = schedule.checkpointing
-        schedule.uncheckpoint_units(model)
+        checkpointer = self.checkpointer
+        previous = checkpointer.checkpointing
+        checkpointer.uncheckpoint_units(model)
         if which is False:
             return
         try:
-            schedule.checkpoint_units(model, which)
+            checkpointer.checkpoint_units(model, which)
         except ValueError:
-            schedule.uncheckpoint_units(model)
+            checkpointer.uncheckpoint_units(model)
             if previous is not False:
-                schedule.checkpoint_units(model, previous)
+                checkpointer.checkpoint_units(model, previous)
             raise
 
     def _after_load_state_dict(self, module: nn.Module, incompatible: Any) -> None:
         # a checkpoint was loaded: see [Note: a failed backward]
-        self.stepper.accept_partial_step()
+        self.stepper.policy.accept_partial_step()
         self.refresh_from_host()
 
     def refresh_from_host(self) -> None:
         """The host master weights changed outside ramflow: rewrite wire and device copies."""
         self.worker.wait_idle()
         for u in self.units:
-            self.stepper.refresh_from_host(u)
+            self.device_stepper.refresh_from_host(u)
 
     # ------------------------------------------------------------------ undo
 
@@ -704,6 +724,7 @@ class Engine:
         self._hooks.clear()
         self.gradients.remove_hooks()
         model = self.model
+        self.checkpointer.uncheckpoint_units(model)
         self.schedule.restore(model)
         for module in model.modules() if model is not None else ():
             module.__dict__.pop("zero_grad", None)
@@ -711,7 +732,7 @@ class Engine:
                 if isinstance(module.__dict__.get(name), GuardedMerge):
                     del module.__dict__[name]
         for u in self.units:
-            self.stepper.drop_device_state(u)
+            self.device_stepper.drop_state(u)
             if u.compressed:
                 for p in u.compressed:  # swap_tensors refuses a tensor weakly referenced
                     set_engine_of_param(p, None)

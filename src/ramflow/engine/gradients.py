@@ -18,8 +18,11 @@ from torch import nn
 
 from ..transfer.streams import CopyStreams
 from ..units.unit import Unit
+from .device_stepper import DeviceStepper
 from .hooks import UnitHook
+from .host_stepper import HostStepper
 from .host_store import HostStore
+from .step_policy import step_items
 from .stepper import Stepper
 from .window import DeviceWindow
 from .worker import LAND, STEP, HostWorker
@@ -37,6 +40,8 @@ class GradientPath:
         window: the device window (versions of units stepped as they land).
         host: the host store (staging buffers).
         stepper: decides and runs the steps that follow a landing.
+        host_steps: runs the steps on the worker that follow a landing.
+        device_steps: steps device-stepped units as their gradients are complete.
     """
 
     def __init__(
@@ -50,6 +55,8 @@ class GradientPath:
         window: DeviceWindow,
         host: HostStore,
         stepper: Stepper,
+        host_steps: HostStepper,
+        device_steps: DeviceStepper,
     ) -> None:
         self.device = device
         self.wire_dtype = wire_dtype
@@ -59,6 +66,8 @@ class GradientPath:
         self._window = window
         self._host = host
         self._stepper = stepper
+        self._host_steps = host_steps
+        self._device_steps = device_steps
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._pass_open = False  # a backward pass has started and not ended
         self._landing: list[Future] = []
@@ -114,7 +123,7 @@ class GradientPath:
         stepper = self._stepper
         eager = stepper.decide_eager()
         if u.dispatched_this_backward and eager:
-            raise stepper.pattern(
+            raise stepper.policy.pattern(
                 f"unit {u.name!r} received gradients twice in one backward pass (a unit called "
                 "in two reentrant checkpoint regions), so its step cannot run during backward. "
                 "Construct the ramflow optimizer with overlap=False."
@@ -135,10 +144,18 @@ class GradientPath:
         if eager and u.device_stepped and stepper.steps_here(u):
             eager = False  # no host step follows: the gradients only land (if kept)
             params = u.owned[: u.num_trainable]
-            if stepper.device_steppable(u) and all(p.grad is None for p in params):
-                opt = stepper.optimizers[0]
+            optimizers = stepper.optimizers
+            if (
+                len(optimizers) == 1
+                and self._device_steps.steppable(u, optimizers[0])
+                and all(p.grad is None for p in params)
+            ):
+                opt = optimizers[0]
                 hyper = opt._hyperparameters()
-                if stepper.device_step(u, opt, hyper, u.device_grad, after=reduced):
+                on_side_stream = self._device_steps.step(
+                    u, opt, hyper, u.device_grad, after=reduced, write_back=dist is not None
+                )
+                if on_side_stream:
                     # its own stream holds the gradient buffer: count it in the throttle
                     self._grads_in_flight.append(u.device_step_event)
                 self._pass_stepped.append(u)
@@ -219,7 +236,7 @@ class GradientPath:
         elif u.host_grad is None:
             u.host_grad = self._host.host_gradients(u, pinned=u.device_stepped)
             u.host_grad_views = u.views(u.host_grad, trainable_only=True)
-        stepper.wait_host_grad_read(u)  # a device step's upload of the last ones
+        self._device_steps.wait_host_grad_read(u)  # a device step's upload of the last ones
         with torch.no_grad():
             if fused:
                 pass  # See the docstring: the step writes the gradients.
@@ -251,7 +268,7 @@ class GradientPath:
                 STEP,
                 stepper.priority(u),
                 functools.partial(
-                    stepper.step_staged,
+                    self._host_steps.step_staged,
                     u,
                     opt,
                     opt._hyperparameters(),
@@ -263,7 +280,7 @@ class GradientPath:
             self.worker.submit(
                 STEP,
                 stepper.priority(u),
-                functools.partial(stepper.step_unit, u, stepper.step_items(u, optimizers)),
+                functools.partial(self._host_steps.step_unit, u, step_items(u, optimizers)),
             )
 
     # ------------------------------------------------------------------ end of a pass
@@ -283,8 +300,8 @@ class GradientPath:
         for u in self.units:
             if u.device_step_pending:
                 u.device_step_pending = False
-                stepper.step_from_host(u, stepper.step_items(u, stepper.optimizers))
-        stepper.wait_host_grad_reads()
+                stepper.step_from_host(u, step_items(u, stepper.optimizers))
+        self._device_steps.wait_host_grad_reads()
         self._pass_open = False
         self._pass_landed.clear()
         self._pass_stepped.clear()

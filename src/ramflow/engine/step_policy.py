@@ -3,8 +3,8 @@
 ``StepPolicy`` holds what the stepper has learned about the loop (one backward per step, no
 clipping, settings unchanged between backward and ``step()``), decides each pass at its
 first unit, and raises the loop-pattern errors; the ``Stepper`` runs the steps it decides.
-``StepItem`` is what a step of one unit needs, captured when it is scheduled. See [Note:
-when the step runs] in ``engine.stepper``.
+``StepItem`` is what a step of one unit needs, captured when it is scheduled
+(``step_items``). See [Note: when the step runs] in ``engine.stepper``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..units.unit import Unit
 from .interfaces import StepOptimizer
 
 # the end of a loop-pattern error whose eager pass came from keep_grads=False's promise
@@ -42,6 +43,35 @@ class StepItem(NamedTuple):
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
     versions: list[int]
+
+    def all_host_grads(self, u: Unit) -> bool:
+        """Whether this item holds every trainable parameter of ``u`` with the host
+        gradients as they landed (the unit's flat host gradient)."""
+        return (
+            u.host_grad is not None
+            and len(self.params) == u.num_trainable == len(u.host_grad_views)
+            and all(g is v for g, v in zip(self.grads, u.host_grad_views))
+        )
+
+    def whole_unit(self, u: Unit) -> bool:
+        """Whether this item steps all of ``u`` flat from the host gradients as they
+        landed."""
+        return self.optimizer.flat_runs(u) is not None and self.all_host_grads(u)
+
+
+def step_items(u: Unit, optimizers: Sequence[StepOptimizer]) -> list[StepItem]:
+    """What a step of ``u`` needs, captured now: per optimizer of ``optimizers`` that holds
+    some of ``u``'s trainable parameters with gradients, its hyperparameters, those
+    parameters with their gradients (the user may zero_grad before the worker gets to the
+    step) and the gradients' version counters (see ``HostStepper.step_unit``)."""
+    items = []
+    for opt in optimizers:
+        params = [p for p in u.owned[: u.num_trainable] if p.grad is not None and opt._holds(p)]
+        if params:
+            grads = [p.grad for p in params]
+            versions = [g._version for g in grads]
+            items.append(StepItem(opt, opt._hyperparameters(), params, grads, versions))
+    return items
 
 
 def same_settings(a: list[dict], b: list[dict]) -> bool:
@@ -195,6 +225,11 @@ class StepPolicy:
                 "or call ramflow.accept_partial_step(model) to go on from these weights; "
                 "AdamW(..., overlap=False) never steps before backward has finished."
             )
+
+    def accept_partial_step(self) -> None:
+        """Go on from the weights a failed backward left partly stepped (also after a
+        checkpoint was loaded)."""
+        self.partial_step = []
 
     def zero_grad(self) -> None:
         """``opt.zero_grad()``; see ``Stepper.zero_grad``."""

@@ -186,7 +186,7 @@ class HostOptimizer(torch.optim.Optimizer):
         host, and the device memory planned for their states goes unused. Under the
         planner's choice (``device_optimizer=None``, the default) the same happens without
         a word: nothing the user asked for is ignored."""
-        if hasattr(self, "device_flat_step"):  # as the stepper asks (``device_steppable``)
+        if hasattr(self, "device_flat_step"):  # as the stepper asks (``DeviceStepper.steppable``)
             return
         if engine.device_optimizer is not True:
             return
