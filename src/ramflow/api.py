@@ -24,6 +24,7 @@ from .engine.adapters import choose_on_device
 from .engine.clip import clip_grad_norm_ as clip_grad_norm_  # public here
 from .engine.engine import Engine
 from .engine.host_store import resolve_precision
+from .engine.options import EngineOptions
 from .formats.frozen import check_frozen_format, parse_frozen_format
 from .formats.host import HostPrecision
 from .io.loading import MetaLoader, Weights
@@ -325,22 +326,25 @@ def offload(
         try:
             if loader is not None:
                 _fill_on_device(loader, on_device)
-            engine = Engine(
-                model,
-                specs,
+            options = EngineOptions(
                 device=device,
                 wire_dtype=wire_dtype,
                 gpu_memory_bytes=budget,
                 prefetch_depth=prefetch_depth,
                 activation_checkpointing=activation_checkpointing,
                 device_optimizer=device_optimizer,
-                fill=None if loader is None else loader.fill,
                 host_precision=precision,
                 host_precision_reason=precision_reason,
                 frozen_format=frozen_format,
-                on_device=on_device,
-                owners=owners,
+                owners=None if owners is None else tuple(owners),
                 rank=None if owners is None else dist.get_rank(),
+            )
+            engine = Engine(
+                model,
+                specs,
+                options,
+                fill=None if loader is None else loader.fill,
+                on_device=on_device,
             )
         except Exception as err:  # noqa: BLE001 - raised below, after the ranks agree
             error = err
@@ -359,13 +363,12 @@ def offload(
             loader.close()
     if owners is not None:
         single_host = len(local) == dist.get_world_size()
-        engine.dist = DistributedState(
-            zero_stage=zero_stage, average=True, reduce_to_owner=single_host
-        )
-        engine.dist.copies = dist.get_world_size() // len(local)  # hosts (equal ranks each)
+        state = DistributedState(zero_stage=zero_stage, average=True, reduce_to_owner=single_host)
+        state.copies = dist.get_world_size() // len(local)  # hosts (equal ranks each)
+        engine.stepper.dist = state
         if os.environ.get("RAMFLOW_REFRESH_BY_BROADCAST", "1").strip() != "0":
-            engine.dist.refresh_by_broadcast(engine)  # see [Note: refresh by broadcast]
-        engine.dist.open_communicators(engine.device)
+            state.refresh_by_broadcast(engine)  # see [Note: refresh by broadcast]
+        state.open_communicators(engine.device)
     engine.prepare_first_step()
     return model
 
@@ -432,10 +435,10 @@ def adopt(model: nn.Module) -> None:
     wraps it (a ``PeftModel``).
 
     Raises:
-        ValueError: ``model`` is not offloaded; as ``Engine.adopt_changes`` (a unit partly
+        ValueError: ``model`` is not offloaded; as ``ModelHooks.adopt_changes`` (``ramflow.engine.model_hooks``) (a unit partly
             frozen or made trainable after ``offload``, new parameters over ``gpu_memory``).
     """
-    _engine(model).adopt_changes()
+    _engine(model).hooks.adopt_changes()
 
 
 def synchronize(model: nn.Module) -> None:

@@ -151,9 +151,9 @@ class DistributedState:
         forward overlaps the tail of the steps, as on one GPU, and waits only at a unit
         that is not current yet."""
         others = [u for u in engine.units if not self.owns(u) and u.num_trainable]
-        engine.mark_stale(others)
+        engine.window.begin_host_write(others)
         # this step's device steps are all issued: the barrier waits for their write-backs
-        written = engine.write_back_events()
+        written = engine.stepper.write_back_events()
         sync = functools.partial(self._sync, engine, others, written)
         engine.worker.submit(STEP, _AFTER_ALL_STEPS, sync)
 
@@ -170,7 +170,7 @@ class DistributedState:
         late = []
         for u in others:  # in unit order: the next forward waits for each unit's own copy
             if u.index in received and _wire_shared(u):
-                engine.refresh_wire(u, written=True, received=(received[u.index],))
+                engine.host.refresh_wire(u, written=True, received=(received[u.index],))
             else:
                 late.append(u)
         clock = self.sync_seconds.add("broadcasts issued", clock)
@@ -192,9 +192,9 @@ class DistributedState:
                 event = received[u.index]
                 if event is not None:
                     self.wait_event(event, f"receiving unit {u.name!r} from rank {u.owner}")
-                engine.refresh_wire(u, written=_wire_shared(u), received=(event,))
+                engine.host.refresh_wire(u, written=_wire_shared(u), received=(event,))
             else:
-                engine.refresh_wire(u, written=_wire_shared(u))
+                engine.host.refresh_wire(u, written=_wire_shared(u))
         # every send and receive has ended before the worker goes on: its next tasks (host
         # steps and their refreshes) rewrite device copies that a broadcast may still read
         for u, event in sent:
