@@ -41,7 +41,7 @@ def load_predict():
         package = types.ModuleType(name)
         package.__path__ = [str(PREDICT_PATH.parent)]
         sys.modules[name] = package
-    return importlib.import_module(f"{name}._predict")
+    return importlib.import_module(f"{name}.predict")
 
 
 def _shape(result: dict[str, Any]) -> dict[str, Any] | None:

@@ -38,7 +38,9 @@ def test_only_the_named_units_are_wrapped_and_gradients_match() -> None:
     ramflow.offload(
         model, device="cpu", wire_dtype=torch.float32, activation_checkpointing=["blocks.1"]
     )
-    assert [m is model.blocks[1] for m in engine_of_model(model).schedule.checkpointed] == [True]
+    assert [m is model.blocks[1] for m in engine_of_model(model).checkpointer.checkpointed] == [
+        True
+    ]
     assert "forward" in model.blocks[1].__dict__ and "forward" not in model.blocks[0].__dict__
     got = _grads(model, x)
     ramflow.synchronize(model)
@@ -50,7 +52,7 @@ def test_only_the_named_units_are_wrapped_and_gradients_match() -> None:
 
 def test_an_empty_list_checkpoints_nothing() -> None:
     model = ramflow.offload(MLPStack(depth=2), device="cpu", activation_checkpointing=[])
-    assert engine_of_model(model).schedule.checkpointed == []
+    assert engine_of_model(model).checkpointer.checkpointed == []
     ramflow.undo(model)
 
 
@@ -70,7 +72,9 @@ def test_hugging_face_layers_follow_the_names() -> None:
     flags = [layer.gradient_checkpointing for layer in model.model.layers]
     assert flags == [False, True, False]
     # the head holds no Hugging Face layer: ramflow's wrapper recomputes it
-    assert [type(m).__name__ for m in engine_of_model(model).schedule.checkpointed] == ["Linear"]
+    assert [type(m).__name__ for m in engine_of_model(model).checkpointer.checkpointed] == [
+        "Linear"
+    ]
     ids = torch.randint(0, 128, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     ramflow.undo(model)
@@ -179,7 +183,7 @@ def test_a_policy_checkpoints_its_units_and_trains_as_on_the_plain_model(policy,
     assert ours == theirs
     assert_same_weights(model, plain)
 
-    wrapped = engine_of_model(model).schedule.checkpointed
+    wrapped = engine_of_model(model).checkpointer.checkpointed
     assert [m for m in wrapped] == [model.blocks[i] for i in expected]
     want = [1 if i in expected else 0 for i in range(6)]
     x = batches[0]
@@ -218,7 +222,7 @@ def test_segments_checkpoint_runs_of_units():
     (ours, theirs), plain = train_both(model, CheckpointSegments(3), batches, mlp_loss)
     assert ours == theirs
     assert_same_weights(model, plain)
-    assert engine_of_model(model).schedule.checkpointed == [model]  # the nn.Sequential
+    assert engine_of_model(model).checkpointer.checkpointed == [model]  # the nn.Sequential
     want = [1, 1, 1, 1, 0, 0, 0]
     x = batches[0]
     assert backward_calls([b[0] for b in model], lambda: mlp_loss(model, x)) == want
@@ -360,5 +364,5 @@ def test_other_values_are_refused_before_anything_changes():
     ramflow.offload(
         model, device="cpu", activation_checkpointing=(f"blocks.{i}" for i in range(1, 2))
     )
-    assert engine_of_model(model).schedule.checkpointed == [model.blocks[1]]
+    assert engine_of_model(model).checkpointer.checkpointed == [model.blocks[1]]
     ramflow.undo(model)

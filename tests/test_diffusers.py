@@ -130,7 +130,7 @@ def test_both_flux_stacks_are_the_repeated_blocks():
         "single_transformer_blocks.2",
     ]
     ramflow.offload(model, device="cpu", activation_checkpointing=CheckpointAll())
-    wrapped = ramflow.api._engine(model).schedule.checkpointed
+    wrapped = ramflow.api._engine(model).checkpointer.checkpointed
     assert len(wrapped) == 5
     assert all(m.__class__.__name__.startswith("Flux") for m in wrapped)
 

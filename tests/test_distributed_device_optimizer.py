@@ -1,7 +1,7 @@
 """The device optimizer under ZeRO (``offload(..., zero_stage=..., device_optimizer=True)``):
 each rank steps on its own device the resident units it owns, writes their weights back to
 the shared host store, and the others refresh from it or from the owner's device copy (see
-[Note: the device optimizer under ZeRO] in ``ramflow.engine.stepper``). gloo on the CPU device,
+[Note: the device optimizer under ZeRO] in ``ramflow.engine.device_stepper``). gloo on the CPU device,
 where the device step runs too (CI); NCCL on two GPUs (the GPU box)."""
 
 from __future__ import annotations

@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     result["load_s"] = time.perf_counter() - t0
     say(f"loaded in {result['load_s']:.1f} s\n{ramflow.get_plan(model).describe()}")
-    offloader = ramflow.api._engine(model).schedule.boundary_offloader
+    offloader = ramflow.api._engine(model).checkpointer.boundary_offloader
     opt = ramflow.optim.AdamW(model.parameters(), lr=1e-5, keep_grads=False)
     gen = torch.Generator().manual_seed(0)
     # measured over predicted step times so far: the budget scales predictions by the

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         weights=lc.random_init,
     )  # fmt: skip
     result["load_s"] = time.perf_counter() - t0
-    offloader = ramflow.api._engine(model).schedule.boundary_offloader
+    offloader = ramflow.api._engine(model).checkpointer.boundary_offloader
     opt = ramflow.optim.AdamW(model.parameters(), lr=1e-5, keep_grads=False)
     gen = torch.Generator().manual_seed(0)
 

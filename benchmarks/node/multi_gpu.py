@@ -19,7 +19,7 @@ step's host DRAM traffic (every rank's H2D and D2H plus the CPU optimizer's byte
 copy rate, and each rank's H2D by its link's rate, to say which resource binds.
 
 ``--device-optimizer on`` steps on each GPU the resident units its rank owns (under ZeRO:
-see [Note: the device optimizer under ZeRO] in ramflow/engine/stepper.py); ``auto`` (the default)
+see [Note: the device optimizer under ZeRO] in ramflow/engine/device_stepper.py); ``auto`` (the default)
 is ``offload``'s own choice (the planner's, per rank under ZeRO), ``off`` none:
 
     torchrun --nproc-per-node 2 benchmarks/node/multi_gpu.py --device-optimizer on --out r.jsonl
@@ -133,7 +133,7 @@ def _run(args: argparse.Namespace) -> None:
     import measure
     import ramflow
     from models import build_model, make_batch, model_shape
-    from ramflow.engine.stepper import _STEP_STREAM
+    from ramflow.engine.device_stepper import STEP_STREAM
     from ramflow.units.registry import engine_of_model
     from runners import _train_step
 
@@ -259,9 +259,9 @@ def _run(args: argparse.Namespace) -> None:
             "device_optimizer": args.device_optimizer,
             "device_optimizer_reason": plan.device_optimizer_reason,
             # "0": device steps that wait for a reduction run on the compute stream (an A/B
-            # of [Note: the device optimizer under ZeRO] in ramflow/engine/stepper.py); read
+            # of [Note: the device optimizer under ZeRO] in ramflow/engine/device_stepper.py); read
             # from the engine's module, which decided it from RAMFLOW_DEVICE_STEP_STREAM
-            "device_step_stream": "1" if _STEP_STREAM else "0",
+            "device_step_stream": "1" if STEP_STREAM else "0",
             "checkpoint": args.checkpoint,
             "meta": args.meta,
             "batch_per_gpu": args.batch,

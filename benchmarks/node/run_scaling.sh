@@ -8,7 +8,7 @@
 # it owns, "on" steps all of them on its GPU). STEPSTREAM="0 1" runs the multi-GPU device-
 # optimizer rows with and without a stream of their own for the device steps
 # (RAMFLOW_DEVICE_STEP_STREAM, on by default; [Note: the device optimizer under ZeRO] in
-# src/ramflow/engine/stepper.py).
+# src/ramflow/engine/device_stepper.py).
 # The second table of the report says where each rank's step waits ([Note: the step's sync]).
 # GPUS="1 4" runs those GPU counts only (default 1 2 4).
 # Usage: FLOORS=1 REFRESH="host broadcast" DEVOPT="auto on" bash benchmarks/node/run_scaling.sh "$OUT" fp32 lean

@@ -127,7 +127,7 @@ def run_variant(variant: str, case: dict[str, Any], budget: int | None) -> dict[
     clock.wrap(_clip, "_TORCH_CLIP_GRAD_NORM", "in place")
     clock.wrap(engine.gradients, "finish_pass", "finish")
     clock.wrap(engine.gradients, "land", "landing")
-    clock.wrap(engine.stepper, "wait_host_grad_reads", "uploads")
+    clock.wrap(engine.device_stepper, "wait_host_grad_reads", "uploads")
     rows: list[dict[str, float]] = []
     norm_sources: list[str] = []
     end = time.perf_counter()

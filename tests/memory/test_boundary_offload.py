@@ -182,15 +182,15 @@ def test_set_activation_checkpointing_switches_a_built_model_to_offload(monkeypa
     packs[0] = 0
     model = copy.deepcopy(base)
     ramflow.offload(model, device="cpu", activation_checkpointing=True)
-    schedule = engine_of_model(model).schedule
+    checkpointer = engine_of_model(model).checkpointer
     assert_bitwise(expected, _hf_step(model, ids))  # checkpointing alone: the same bits
-    assert packs[0] == 0 and schedule.boundary_offloader is None
+    assert packs[0] == 0 and checkpointer.boundary_offloader is None
     ramflow.set_activation_checkpointing(model, CheckpointOffload())
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     assert_bitwise(expected, _hf_step(model, ids))
-    assert packs[0] == 2 and schedule.boundary_offloader is not None  # one input per layer
+    assert packs[0] == 2 and checkpointer.boundary_offloader is not None  # one input per layer
     ramflow.set_activation_checkpointing(model, False)
-    assert schedule.boundary_offloader is None and not schedule.checkpointed
+    assert checkpointer.boundary_offloader is None and not checkpointer.checkpointed
     assert_bitwise(expected, _hf_step(model, ids))
     assert packs[0] == 2
     ramflow.undo(model)
@@ -234,7 +234,7 @@ def test_set_activation_checkpointing_after_a_failed_backward_and_its_errors():
     handle.remove()
     with pytest.raises(ValueError, match="CheckpointSegments"):
         ramflow.set_activation_checkpointing(model, CheckpointOffload(CheckpointSegments(2)))
-    assert engine_of_model(model).schedule.boundary_offloader is not None
+    assert engine_of_model(model).checkpointer.boundary_offloader is not None
     for p in model.parameters():
         p.grad = None
     assert_bitwise(expected, grads_after_step(model, x))
@@ -246,7 +246,7 @@ def test_set_activation_checkpointing_after_a_failed_backward_and_its_errors():
 
 
 def test_disabled_offloader_checkpoints_alone_and_can_be_enabled_again():
-    """``BoundaryOffloader.enabled = False`` (the engine's, ``schedule.boundary_offloader``):
+    """``BoundaryOffloader.enabled = False`` (the engine's, ``checkpointer.boundary_offloader``):
     nothing is packed and the step is checkpointing's; enabled again, the inputs move."""
     from ramflow.units.registry import engine_of_model
 
@@ -258,7 +258,7 @@ def test_disabled_offloader_checkpoints_alone_and_can_be_enabled_again():
     expected = grads_after_step(plain, x)
     model = copy.deepcopy(base)
     ramflow.offload(model, device="cpu", activation_checkpointing=CheckpointOffload())
-    offloader = engine_of_model(model).schedule.boundary_offloader
+    offloader = engine_of_model(model).checkpointer.boundary_offloader
     assert offloader is not None and offloader.enabled
     offloader.enabled = False
     for p in model.parameters():
@@ -270,7 +270,7 @@ def test_disabled_offloader_checkpoints_alone_and_can_be_enabled_again():
         p.grad = None
     assert_bitwise(expected, grads_after_step(model, x))
     assert offloader.stats.num_packed == 4
-    assert engine_of_model(plain).schedule.boundary_offloader is None
+    assert engine_of_model(plain).checkpointer.boundary_offloader is None
 
 
 def test_empty_saved_tensors_are_kept_not_offloaded():

@@ -206,7 +206,7 @@ def test_two_ranks_with_the_device_optimizer_on_compute_what_host_steps_do(
     two_rank_run, corpus_file, tmp_path, shm_root
 ):
     """``--device-optimizer on`` on 2 ranks: each rank steps the units it owns on its device
-    (see [Note: the device optimizer under ZeRO] in ramflow.engine.stepper) and the losses are the
+    (see [Note: the device optimizer under ZeRO] in ramflow.engine.device_stepper) and the losses are the
     host steps' (the two_rank_run: no --gpu-memory, so no device step). On the
     CPU the device step is the host kernel's arithmetic, so they are equal; on CUDA fp32
     masters step with PyTorch's fused CUDA AdamW, within float rounding of the host kernel,

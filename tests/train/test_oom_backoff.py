@@ -46,7 +46,7 @@ class OOMInjector:
     def _fails(self, model: torch.nn.Module, batch: int) -> bool:
         if not self.armed:
             return False
-        offloaded = engine_of_model(model).schedule.boundary_offloader is not None
+        offloaded = engine_of_model(model).checkpointer.boundary_offloader is not None
         return batch > self.limit or (self.until_offload and not offloaded)
 
     def _raise(self, *_: Any) -> None:

@@ -28,6 +28,7 @@ Gradients are unaffected; the batch-norm buffers differ from a run without check
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -423,6 +424,64 @@ def _segmented_forward(original: Callable, parent: nn.Sequential, num_segments: 
         return checkpoint_sequential(parent, num_segments, input, use_reentrant=False)
 
     return forward
+
+
+def checkpointed_unit_forward(
+    module_ref: weakref.ref,
+    forward: Callable[..., Any],
+    call_swapped: Callable[..., Any],
+    context_fn: Callable[[], Any] | None,
+    offloader: BoundaryOffloader | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """An offloaded unit's forward under ``torch.utils.checkpoint`` (non-reentrant, with a
+    policy's ``context_fn`` for selective checkpointing), installed in the unit's module by
+    ``ramflow.engine.checkpointer``: ``forward`` is the module class's own, and
+    ``call_swapped(forward, module, *args, **kwargs)`` runs it with the unit's device
+    parameters in its module slots (the recomputation does not pass the unit's hooks). With
+    ``offloader`` the unit's input goes to pinned host memory: see [Note: offloaded
+    checkpoint boundaries] in ``ramflow.activations.boundary_offload``."""
+    module = module_ref()
+    if not torch.is_grad_enabled():
+        return forward(module, *args, **kwargs)
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    if offloader is None:
+        return checkpoint(
+            call_swapped, forward, module, *args, use_reentrant=False, **extra, **kwargs
+        )
+    # call_swapped, forward and module are not tensors: only the unit's tensor inputs
+    # are saved through the offloader's hooks
+    with offloader.saving():
+        return checkpoint(
+            call_swapped, forward, module, *args, use_reentrant=False, **extra, **kwargs
+        )
+
+
+def segmented_unit_forward(
+    parent_ref: weakref.ref,
+    run_segment: Callable[..., Any],
+    segments: tuple[tuple[int, int], ...],
+    input: Any,
+) -> Any:
+    """An ``nn.Sequential``'s forward with the children ``start:stop`` of each segment run
+    as one checkpointed region (as ``torch.utils.checkpoint.checkpoint_sequential``), the
+    other children plainly; ``run_segment(start, stop, input)`` runs one segment (in the
+    recomputation with its units' device parameters in place). See [Note: checkpointed
+    segments of units] in ``ramflow.engine.checkpointer``."""
+    parent = parent_ref()
+    if not torch.is_grad_enabled():
+        return type(parent).forward(parent, input)
+    children = list(parent)
+    done = 0
+    for start, stop in segments:
+        for child in children[done:start]:
+            input = child(input)
+        input = checkpoint(run_segment, start, stop, input, use_reentrant=False)
+        done = stop
+    for child in children[done:]:
+        input = child(input)
+    return input
 
 
 class CheckpointHandle:

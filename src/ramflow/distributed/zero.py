@@ -153,7 +153,7 @@ class DistributedState:
         others = [u for u in engine.units if not self.owns(u) and u.num_trainable]
         engine.window.begin_host_write(others)
         # this step's device steps are all issued: the barrier waits for their write-backs
-        written = engine.stepper.write_back_events()
+        written = engine.device_stepper.write_back_events()
         sync = functools.partial(self._sync, engine, others, written)
         engine.worker.submit(STEP, _AFTER_ALL_STEPS, sync)
 
@@ -235,8 +235,11 @@ class DistributedState:
         with self.explained("opening the process groups' communicators"):
             dist.all_reduce(probe, group=self.group)
             if self.broadcast_group is not None and self.broadcast_group is not self.step_group:
-                dist.broadcast(probe, src=dist.get_global_rank(self.broadcast_group, 0),
-                               group=self.broadcast_group)  # fmt: skip
+                dist.broadcast(
+                    probe,
+                    src=dist.get_global_rank(self.broadcast_group, 0),
+                    group=self.broadcast_group,
+                )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -349,7 +352,7 @@ class DistributedState:
 # 4 GPUs with a 2.7 B model resident, 4.0 GB per rank and step (what that cost is in
 # docs/multi-gpu.md, "Measured"). The
 # owner already refreshed its own copy during backward, right after its step (or stepped it
-# there, [Note: the device optimizer under ZeRO] in ``ramflow.engine.stepper``); by default
+# there, [Note: the device optimizer under ZeRO] in ``ramflow.engine.device_stepper``); by default
 # (``RAMFLOW_REFRESH_BY_BROADCAST=0``, read by ``ramflow.offload``, turns it off) the others
 # take it from there: the worker of every rank broadcasts each such unit, in unit order,
 # from its owner's device (NCCL over NVLink, on a stream and a process group of the
@@ -554,16 +557,31 @@ def shared_host_store(
         raise_if_any_failed("preparing the shared host store", error)
         if loading:
             masters, wires = _fill_shared(
-                specs, fill, created, base=base, numels=numels, offsets=offsets,
-                owners=owners, leader=leader, master_dtype=master_dtype,
+                specs,
+                fill,
+                created,
+                base=base,
+                numels=numels,
+                offsets=offsets,
+                owners=owners,
+                leader=leader,
+                master_dtype=master_dtype,
                 wire_dtype=wire_dtype if separate_wire else None,
-            )  # fmt: skip
+            )
         else:
             _copy_shared(
-                specs, created, masters, wires, group=group, base=base, numels=numels,
-                offsets=offsets, leader=leader, master_dtype=master_dtype,
+                specs,
+                created,
+                masters,
+                wires,
+                group=group,
+                base=base,
+                numels=numels,
+                offsets=offsets,
+                leader=leader,
+                master_dtype=master_dtype,
                 wire_dtype=wire_dtype if separate_wire else None,
-            )  # fmt: skip
+            )
         dist.barrier(group=group)  # every rank has mapped the files: the leader unlinks them
     for i, spec in enumerate(specs):
         spec.master = masters[i]

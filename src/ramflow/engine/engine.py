@@ -35,7 +35,9 @@ from ..transfer.streams import CopyStreams, unpin
 from ..units.registry import live_engines, set_engine_of_model, set_engine_of_param
 from ..units.unit import Unit, UnitSpec, refuse_copy
 from .adapters import DeviceParameters, device_bytes, materialize_meta_adapters
+from .checkpointer import ActivationCheckpointer
 from .clip import install_clip_route
+from .device_stepper import DeviceStepper
 from .gradients import GradientPath
 from .host_store import FillMaster, HostStore, optimizer_state_bytes
 from .interfaces import StepOptimizer
@@ -145,13 +147,20 @@ class Engine:
             window=self.window,
             precision=options.host_precision,
         )
+        self.device_stepper = DeviceStepper(
+            device=device,
+            units=self.units,
+            window=self.window,
+            host=self.host,
+            streams=self.streams,
+        )
         self.stepper = Stepper(
             device=device,
             units=self.units,
             worker=self.worker,
             window=self.window,
             host=self.host,
-            streams=self.streams,
+            device_steps=self.device_stepper,
         )
         self.gradients = GradientPath(
             device=device,
@@ -162,6 +171,7 @@ class Engine:
             window=self.window,
             host=self.host,
             stepper=self.stepper,
+            device_steps=self.device_stepper,
         )
         self.schedule = Schedule(
             device=device,
@@ -174,14 +184,17 @@ class Engine:
             gradients=self.gradients,
             stepper=self.stepper,
         )
+        self.checkpointer = ActivationCheckpointer(units=self.units, window=self.window)
         self.hooks = ModelHooks(self)
 
         install_optimizer_hooks()
         install_clip_route()
         self._finalizer = weakref.finalize(
-            self, _release_engine, self.worker if self._owns_worker else None,
+            self,
+            _release_engine,
+            self.worker if self._owns_worker else None,
             self.host.pinned_in_place,
-        )  # fmt: skip
+        )
         try:
             self.add_units(specs, fill=fill)
         except BaseException:
@@ -197,7 +210,7 @@ class Engine:
             self.hooks.install_root(model)  # after the schedule's: its pre-hook runs first
             if options.activation_checkpointing:
                 try:
-                    self.schedule.checkpoint_units(model, options.activation_checkpointing)
+                    self.checkpointer.checkpoint_units(model, options.activation_checkpointing)
                 except ValueError:
                     self.remove()  # the model is given back as it was
                     raise
@@ -388,13 +401,13 @@ class Engine:
     def accept_partial_step(self) -> None:
         """Go on from the weights a failed backward left partly stepped."""
         self.schedule.settle()
-        self.stepper.accept_partial_step()
+        self.stepper.policy.accept_partial_step()
 
     def drop_device_states(self) -> None:
         """Every device-stepped unit's state back to the host (``load_state_dict``)."""
         self.synchronize()
         for u in self.units:
-            self.stepper.drop_device_state(u)
+            self.device_stepper.drop_state(u)
 
     def synchronize(self) -> None:
         """Wait for every pending gradient landing and optimizer step on the host; a clip's
@@ -402,18 +415,18 @@ class Engine:
         self.schedule.settle()
         self.worker.wait_idle()
         for u in self.units:
-            self.stepper.pull_device_state(u)
+            self.device_stepper.pull_state(u)
         self.stepper.apply_grad_scales()  # p.grad as PyTorch's clip leaves it
 
     def set_activation_checkpointing(
         self, which: bool | Iterable[str] | CheckpointPolicyLike
     ) -> None:
-        """Replace the model's activation checkpointing (``Schedule.checkpoint_units``'s
+        """Replace the model's activation checkpointing (``ActivationCheckpointer.checkpoint_units``'s
         ``which``; False: none) between passes (see ``ramflow.set_activation_checkpointing``);
         a failed backward is cleaned up first. Units, plan and window are unchanged.
 
         Raises:
-            ValueError: a layer engine (no model), or as ``Schedule.checkpoint_units`` (the
+            ValueError: a layer engine (no model), or as ``ActivationCheckpointer.checkpoint_units`` (the
                 previous checkpointing is back).
             RuntimeError: inside a forward or backward pass.
         """
@@ -427,23 +440,24 @@ class Engine:
                 "forward or backward"
             )
         schedule.settle()  # a failed backward's leftovers: see [Note: a failed backward]
-        previous = schedule.checkpointing
-        schedule.uncheckpoint_units(model)
+        checkpointer = self.checkpointer
+        previous = checkpointer.checkpointing
+        checkpointer.uncheckpoint_units(model)
         if which is False:
             return
         try:
-            schedule.checkpoint_units(model, which)
+            checkpointer.checkpoint_units(model, which)
         except ValueError:
-            schedule.uncheckpoint_units(model)
+            checkpointer.uncheckpoint_units(model)
             if previous is not False:
-                schedule.checkpoint_units(model, previous)
+                checkpointer.checkpoint_units(model, previous)
             raise
 
     def refresh_from_host(self) -> None:
         """The host master weights changed outside ramflow: rewrite wire and device copies."""
         self.worker.wait_idle()
         for u in self.units:
-            self.stepper.refresh_from_host(u)
+            self.device_stepper.refresh_from_host(u)
 
     # ------------------------------------------------------------------ undo
 
@@ -456,9 +470,10 @@ class Engine:
         model = self.model
         self.hooks.remove(model)
         self.gradients.remove_hooks()
+        self.checkpointer.uncheckpoint_units(model)
         self.schedule.restore(model)
         for u in self.units:
-            self.stepper.drop_device_state(u)
+            self.device_stepper.drop_state(u)
             if u.compressed:
                 for p in u.compressed:  # swap_tensors refuses a tensor weakly referenced
                     set_engine_of_param(p, None)

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..transfer.streams import CopyStreams
 from ..units.unit import Unit
+from .device_stepper import DeviceStepper
 from .hooks import UnitHook
 from .host_store import HostStore
 from .stepper import Stepper
@@ -37,6 +38,7 @@ class GradientPath:
         window: the device window (versions of units stepped as they land).
         host: the host store (staging buffers).
         stepper: decides and runs the steps that follow a landing.
+        device_steps: steps device-stepped units as their gradients are complete.
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class GradientPath:
         window: DeviceWindow,
         host: HostStore,
         stepper: Stepper,
+        device_steps: DeviceStepper,
     ) -> None:
         self.device = device
         self.wire_dtype = wire_dtype
@@ -59,6 +62,7 @@ class GradientPath:
         self._window = window
         self._host = host
         self._stepper = stepper
+        self._device_steps = device_steps
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._pass_open = False  # a backward pass has started and not ended
         self._landing: list[Future] = []
@@ -114,7 +118,7 @@ class GradientPath:
         stepper = self._stepper
         eager = stepper.decide_eager()
         if u.dispatched_this_backward and eager:
-            raise stepper.pattern(
+            raise stepper.policy.pattern(
                 f"unit {u.name!r} received gradients twice in one backward pass (a unit called "
                 "in two reentrant checkpoint regions), so its step cannot run during backward. "
                 "Construct the ramflow optimizer with overlap=False."
@@ -135,10 +139,18 @@ class GradientPath:
         if eager and u.device_stepped and stepper.steps_here(u):
             eager = False  # no host step follows: the gradients only land (if kept)
             params = u.owned[: u.num_trainable]
-            if stepper.device_steppable(u) and all(p.grad is None for p in params):
-                opt = stepper.optimizers[0]
+            optimizers = stepper.optimizers
+            if (
+                len(optimizers) == 1
+                and self._device_steps.steppable(u, optimizers[0])
+                and all(p.grad is None for p in params)
+            ):
+                opt = optimizers[0]
                 hyper = opt._hyperparameters()
-                if stepper.device_step(u, opt, hyper, u.device_grad, after=reduced):
+                device_step = self._device_steps.step
+                if device_step(
+                    u, opt, hyper, u.device_grad, after=reduced, write_back=dist is not None
+                ):
                     # its own stream holds the gradient buffer: count it in the throttle
                     self._grads_in_flight.append(u.device_step_event)
                 self._pass_stepped.append(u)
@@ -219,7 +231,7 @@ class GradientPath:
         elif u.host_grad is None:
             u.host_grad = self._host.host_gradients(u, pinned=u.device_stepped)
             u.host_grad_views = u.views(u.host_grad, trainable_only=True)
-        stepper.wait_host_grad_read(u)  # a device step's upload of the last ones
+        self._device_steps.wait_host_grad_read(u)  # a device step's upload of the last ones
         with torch.no_grad():
             if fused:
                 pass  # See the docstring: the step writes the gradients.
@@ -284,7 +296,7 @@ class GradientPath:
             if u.device_step_pending:
                 u.device_step_pending = False
                 stepper.step_from_host(u, stepper.step_items(u, stepper.optimizers))
-        stepper.wait_host_grad_reads()
+        self._device_steps.wait_host_grad_reads()
         self._pass_open = False
         self._pass_landed.clear()
         self._pass_stepped.clear()

@@ -26,6 +26,7 @@ from .adapters import (
     guard_adapter_merges,
     materialize_meta_adapters,
 )
+from .device_stepper import DeviceStepper
 from .hooks import ModuleCall
 from .host_store import HostStore
 from .schedule import Schedule
@@ -41,6 +42,7 @@ class Coordinator(Protocol):
     adapters: DeviceParameters
     host: HostStore
     stepper: Stepper
+    device_stepper: DeviceStepper
     schedule: Schedule
     worker: HostWorker
 
@@ -191,7 +193,7 @@ class ModelHooks:
     def _freeze(engine: Coordinator, u: Unit) -> None:
         """``u``'s trainable parameters were all frozen after ``offload``: it takes no
         gradients and no step from now on (engine idle: ``synchronize`` first)."""
-        engine.stepper.drop_device_state(u)
+        engine.device_stepper.drop_state(u)
         u.device_stepped = False
         for p, dp in zip(u.owned[: u.num_trainable], u.device_params):
             p.grad = None
@@ -222,7 +224,7 @@ class ModelHooks:
             with torch.no_grad():
                 view.copy_(p.detach())
                 p.data = view
-        engine.stepper.refresh_from_host(u)
+        engine.device_stepper.refresh_from_host(u)
 
     def _adopt_hook(self, module: nn.Module, args: tuple) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -235,7 +237,7 @@ class ModelHooks:
     def _after_load_state_dict(self, module: nn.Module, incompatible: Any) -> None:
         # a checkpoint was loaded: see [Note: a failed backward] in ramflow.engine.schedule
         engine = self._coordinator()
-        engine.stepper.accept_partial_step()
+        engine.stepper.policy.accept_partial_step()
         engine.refresh_from_host()
 
     def _module_zero_grad(self, module: nn.Module, set_to_none: bool = True) -> None:

@@ -1,9 +1,11 @@
 """The schedule: the hooks that tell the engine what the model runs, and what follows.
 
 Owns the forward and backward hooks, the recorded forward order and the prefetches it
-predicts, each call's frame, the module slots (which parameters a module sees), the
-activation checkpointing wrappers, the end of a backward pass (and its clean-up when it
-raised), and the model's ``_apply``.
+predicts, each call's frame, the module slots (which parameters a module sees, and the
+check that they are still the offloaded ones), the end of a backward pass (and its clean-up
+when it raised), and the routing of the model's ``_apply`` to ``engine.model_apply``.
+Activation checkpointing is ``engine.checkpointer``'s; its recomputation runs through
+these hooks.
 
 [Note: pins and the schedule]
 A unit is pinned while something needs its device copy: a forward call (pre- to post-
@@ -26,17 +28,6 @@ base layer's weight), and our wrapper swaps around its call. So outside a
 forward call, ``model.parameters()`` always yields the user's host parameters, even after
 a backward pass that raised halfway.
 
-[Note: checkpointed segments of units]
-``CheckpointSegments`` on an offloaded model checkpoints runs of units (children of one
-``nn.Sequential``) as one region each. In forward the region calls the units as modules, so
-their hooks load, pin and order them as usual. Its recomputation during backward starts at
-the segment's last unit, when only that one is pinned for backward: it acquires every unit
-of the segment, swaps their device parameters in, runs their ``forward`` directly (past the
-hooks, which would open calls that no backward closes) and releases them. The tensors it
-saves that view device parameters stay valid: each unit's own backward acquires it again
-before its gradients run (see [Note: units and views] in ``ramflow.units.unit``). A segment's
-units are on the device together while it recomputes.
-
 [Note: a failed backward]
 A backward pass ends with a callback queued from the root output's gradient hook; autograd
 runs it only when the pass succeeds. If the pass raises, the callback never runs, and the
@@ -52,48 +43,126 @@ copy of their states, so the next forward and ``opt.step()`` raise a RuntimeErro
 them until a checkpoint is loaded or ``ramflow.accept_partial_step`` is called: never a
 silent partial step. A loop-pattern error (raised in backward or in ``opt.step``) sets a
 flag that ``opt.zero_grad()`` clears, restarting the step policy, optimizer states kept.
-
-[Note: moving and casting an offloaded model]
-Every module of an offloaded model has ``_apply`` (what ``.to``, ``.cuda``, ``.cpu``,
-``.half``, ``.float``, ``.to_empty``, ``share_memory`` ... call) routed to the engine through
-its instance ``__dict__``. The engine applies the conversion to a probe tensor to learn what
-it asks for: a move to the compute device, or a cast to the wire dtype, is what the model
-already is (only buffers are converted, and kept on the device), which is why Hugging Face's
-``Trainer``'s ``model.to(device)`` works; anything else (another device, another dtype, the
-meta device, ``to_empty``, shared memory) raises ValueError naming ``ramflow.undo`` and
-``offload``'s arguments, before anything changes. The masters stay fp32 in host RAM.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..activations.boundary_offload import BoundaryOffloader
-from ..activations.checkpointing import (
-    CheckpointPlan,
-    CheckpointPolicyLike,
-    is_checkpoint_policy,
-    resolve_over_units,
-)
 from ..units.registry import weak_method
-from ..units.unit import Unit, check_host_parameters, slot_callers
+from ..units.unit import Unit
 from .gradients import GradientPath
-from .hooks import ModuleCall, UnitHook, checkpointed_unit_forward, segmented_unit_forward
+from .hooks import ModuleCall, UnitHook
+from .model_apply import ModelApply
 from .stepper import Stepper
 from .window import DeviceWindow
 from .worker import HostWorker
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (a recomputation under
+    activation checkpointing included)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def unit_deps(units: Iterable[Unit]) -> list[Unit]:
+    """The units whose device copies ``units`` read (each unit's ``deps``: itself and the
+    owners of parameters tied into it), each once, in order."""
+    out: list[Unit] = []
+    for u in units:
+        for d in u.deps:
+            if d not in out:
+                out.append(d)
+    return out
+
+
+def swap_parameters(u: Unit, *, to_device: bool) -> None:
+    """Point the unit's module slots at the device parameters while a forward call or
+    a backward call of the unit is in flight (counted: they nest under checkpointing,
+    whose recomputation may call submodules directly, without the unit's hooks). See
+    [Note: parameters during backward].
+
+    Raises:
+        RuntimeError: a slot or a parameter's data was replaced since ``offload``
+            (``check_host_parameters``).
+    """
+    if to_device and u.swaps == 0:
+        check_host_parameters(u)
+    u.swaps += 1 if to_device else -1
+    assert u.swaps >= 0
+    if u.swaps == (1 if to_device else 0):
+        for module, name, host, dev in u.slots:
+            module._parameters[name] = dev if to_device else host
+
+
+def slot_callers(roots: list[nn.Module], holders: list[nn.Module]) -> list[nn.Module]:
+    """The modules under the unit's ``roots`` (not the roots themselves) that hold one of
+    its parameters (``holders``) or contain a module that does, each once, in module
+    order. See [Note: parameters during backward]."""
+    holder_ids = {id(m) for m in holders}
+    root_ids = {id(r) for r in roots}
+    contains: dict[int, bool] = {}  # module id -> whether its subtree holds a parameter
+
+    def holds(m: nn.Module) -> bool:
+        key = id(m)
+        if key not in contains:
+            contains[key] = False  # a module reached again through itself adds nothing
+            below = [holds(c) for c in m.children()]  # every child, to fill the memo
+            contains[key] = key in holder_ids or any(below)
+        return contains[key]
+
+    found: dict[int, nn.Module] = {}
+    for root in roots:
+        holds(root)
+        for sub in root.modules():
+            if id(sub) not in root_ids and contains.get(id(sub)):
+                found.setdefault(id(sub), sub)
+    # every holder that is not a root, also one outside every root (a parameter tied into
+    # a module of another unit's subtree)
+    for m in holders:
+        if id(m) not in root_ids:
+            found.setdefault(id(m), m)
+    return list(found.values())
+
+
+def check_host_parameters(u: Unit) -> None:
+    """The unit's module slots still hold the parameters ramflow offloaded, and those
+    still view its host store: ``module.weight = nn.Parameter(t)``,
+    ``load_state_dict(..., assign=True)`` or ``p.data = t`` after ``offload`` would
+    otherwise be undone by the next swap (or ignored, the store keeping the old values),
+    silently.
+
+    Raises:
+        RuntimeError: a slot holds another tensor, or a parameter's data was replaced.
+    """
+    for module, name, host, _ in u.slots:
+        if module._parameters.get(name) is not host:
+            raise RuntimeError(
+                f"{type(module).__name__}.{name} (unit {u.name!r}) was replaced after "
+                "ramflow.offload (module.{0} = ..., or load_state_dict(..., assign=True)); "
+                "ramflow streams the parameter it offloaded and would put it back. Copy the "
+                "new values into it instead (with torch.no_grad(): module.{0}.copy_(t), or "
+                "load_state_dict without assign=True), or call ramflow.undo(model) first "
+                "and offload again.".format(name)
+            )
+    if u.master is None or u.num_kept == 0:
+        return
+    storage = u.master.untyped_storage().data_ptr()
+    for p in u.owned[: u.num_kept]:
+        if p.untyped_storage().data_ptr() != storage:
+            raise RuntimeError(
+                f"the data of a parameter of unit {u.name!r} (shape {tuple(p.shape)}) was "
+                "replaced after ramflow.offload (p.data = t); ramflow streams its own copy "
+                "and would keep training the old values. Copy the new values into the "
+                "parameter instead (with torch.no_grad(): p.copy_(t)), or call "
+                "ramflow.undo(model) first and offload again."
+            )
 
 
 class _Frame:
@@ -191,22 +260,13 @@ class Schedule:
         self._outstanding: set[_Call] = set()
         self._end_backward_queued_for = -1
         self._root_active = 0
-        self._checkpointed: list[nn.Module] = []
-        # activation offload's offloader (``CheckpointOffload``), None without one
-        self.boundary_offloader: BoundaryOffloader | None = None
-        self._hf_checkpointing = False
-        # what checkpoint_units installed last (False: nothing)
-        self.checkpointing: bool | Iterable[str] | CheckpointPolicyLike = False
+        # every module's ``_apply``, see [Note: moving and casting an offloaded model]
+        self._model_apply = ModelApply(device=device, wire_dtype=wire_dtype)
 
     @property
     def order(self) -> list[Unit]:
         """The units in the order the current (or last) forward pass called them."""
         return self._order
-
-    @property
-    def checkpointed(self) -> list[nn.Module]:
-        """The modules whose forward runs under our checkpoint wrapper."""
-        return self._checkpointed
 
     # ------------------------------------------------------------------ set-up
 
@@ -242,7 +302,8 @@ class Schedule:
 
     def install_root_hooks(self, root: nn.Module) -> None:
         """The root's forward hooks (a pass starts and ends there) and every module's
-        ``_apply``. See [Note: moving and casting an offloaded model]."""
+        ``_apply``. See [Note: moving and casting an offloaded model] in
+        ``ramflow.engine.model_apply``."""
         self._hooks.append(
             root.register_forward_pre_hook(
                 weak_method(self._root_pre_forward), with_kwargs=True, prepend=True
@@ -254,219 +315,27 @@ class Schedule:
             )
         )
         for module in root.modules():
-            module.__dict__["_apply"] = ModuleCall(self._apply_to_model, module)
-
-    def checkpoint_units(
-        self, model: nn.Module, which: bool | Iterable[str] | CheckpointPolicyLike = True
-    ) -> None:
-        """Recompute activations in backward instead of keeping them
-        (``torch.utils.checkpoint``, non-reentrant; Chen et al. 2016): every block
-        (``which=True``), the units named in ``which`` (a plan's ``checkpointed``), or the
-        units a policy of ``ramflow.memory`` chooses (``resolve_over_units``), with its
-        options (a selective policy's ``context_fn``; segments).
-
-        A Hugging Face model gets its own switch (it also turns the KV cache off, which a
-        recomputation would otherwise extend twice); with names, the layers of the other
-        units have theirs turned off again. Other models (and named units that hold no
-        Hugging Face layer) get a wrapper inside the unit's forward, so the unit's hooks
-        still run once per call and the recomputation finds the unit pinned and its device
-        parameters in place. Segments wrap their ``nn.Sequential`` instead: see
-        [Note: checkpointed segments of units]. ``CheckpointOffload`` always takes the
-        wrapper (Hugging Face models included; train them with ``use_cache=False``): the
-        offload hooks must surround the checkpoint call.
-
-        Raises:
-            ValueError: ``which`` names a unit the model does not have, or the policy
-                cannot apply to this model (nothing changed).
-        """
-        self.checkpointing = which
-        names: set[str] | None = None
-        context_fn = None
-        offloader = None
-        if is_checkpoint_policy(which):
-            candidates = [
-                (u.name, u.modules[0])
-                for u in self.units
-                if not u.rest and len(u.modules) == 1 and u.modules[0] is not model
-            ]
-            plan = resolve_over_units(which, model, candidates)  # type: ignore[arg-type]
-            if plan.segments:
-                self._checkpoint_segments(model, plan, candidates)
-                return
-            if not plan.blocks:
-                return  # the policy chose nothing (e.g. already within its budget)
-            names, context_fn = set(plan.blocks), plan.context_fn
-            if plan.offload_prefetch:
-                # our wrapper, not Hugging Face's switch: the offload hooks go around
-                # the checkpoint call. See [Note: offloaded checkpoint boundaries]
-                offloader = BoundaryOffloader(prefetch=plan.offload_prefetch)
-                self.boundary_offloader = offloader
-        elif which is not True:
-            names = {which} if isinstance(which, str) else set(which)  # type: ignore[arg-type]
-            known = [u.name for u in self.units if not u.rest]
-            unknown = sorted(names - set(known))
-            if unknown:
-                raise ValueError(
-                    f"activation_checkpointing names units this model does not have: {unknown}. "
-                    f"Its units: {known}"
-                )
-        if offloader is None and getattr(model, "supports_gradient_checkpointing", False):
-            kwargs: dict[str, Any] = {"use_reentrant": False}
-            if context_fn is not None:
-                kwargs["context_fn"] = context_fn
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            self._hf_checkpointing = True
-            if names is None:
-                return
-            for u in self.units:
-                flagged = [
-                    m
-                    for root in u.modules
-                    if root is not model
-                    for m in root.modules()
-                    if getattr(m, "gradient_checkpointing", False) is True
-                ]
-                if u.name not in names:
-                    for m in flagged:
-                        m.gradient_checkpointing = False
-                elif flagged:
-                    names.discard(u.name)  # Hugging Face recomputes it
-        for u in self.units:
-            if u.rest or len(u.modules) != 1 or u.modules[0] is model:
-                continue
-            if names is not None and u.name not in names:
-                continue
-            module = u.modules[0]
-            if "forward" in module.__dict__:
-                continue  # already wrapped by someone else; leave it alone
-            # the wrapper lives in the module: it holds the module and the schedule weakly
-            forward = functools.partial(
-                checkpointed_unit_forward,
-                weakref.ref(module),
-                type(module).forward,
-                UnitHook(self._call_swapped, u.index),
-                context_fn,
-                offloader,
-            )
-            module.forward = forward
-            self._checkpointed.append(module)
-
-    def _checkpoint_segments(
-        self, model: nn.Module, plan: CheckpointPlan, candidates: list[tuple[str, nn.Module]]
-    ) -> None:
-        """Wrap the ``nn.Sequential`` whose children are the units of ``plan.segments``.
-        See [Note: checkpointed segments of units].
-
-        Raises:
-            ValueError: the ``nn.Sequential``'s forward is already replaced (nothing changed).
-        """
-        by_name = dict(candidates)
-        # resolve_over_units checked that the segments are runs of one nn.Sequential's children
-        parent = model.get_submodule(plan.segments[0][0].rpartition(".")[0])
-        assert isinstance(parent, nn.Sequential)
-        if "forward" in parent.__dict__:
-            raise ValueError(
-                f"activation_checkpointing: {type(parent).__name__}.forward is already "
-                "replaced (by apply_checkpointing?); undo that first"
-            )
-        position = {id(child): i for i, child in enumerate(parent)}
-        runs = []
-        for segment in plan.segments:
-            at = [position[id(by_name[name])] for name in segment]
-            runs.append((at[0], at[-1] + 1))
-        parent.forward = functools.partial(
-            segmented_unit_forward,
-            weakref.ref(parent),
-            functools.partial(weak_method(self._run_segment), weakref.ref(parent)),
-            tuple(sorted(runs)),
-        )
-        self._checkpointed.append(parent)
-
-    def _run_segment(self, parent_ref: weakref.ref, start: int, stop: int, input: Any) -> Any:
-        """The children ``start:stop`` of a checkpointed ``nn.Sequential``: as modules in
-        forward; in the recomputation with their units acquired and swapped in. See
-        [Note: checkpointed segments of units]."""
-        children = list(parent_ref())[start:stop]
-        if not _in_backward():
-            for child in children:
-                input = child(input)
-            return input
-        unit_of = {id(u.modules[0]): u for u in self.units if len(u.modules) == 1}
-        units = [unit_of[id(child)] for child in children]
-        deps = self._expand(units)
-        self._window.acquire(deps)
-        try:
-            for u in units:
-                self._swap(u, to_device=True)
-            try:
-                for child in children:
-                    input = child.forward(input)
-            finally:
-                for u in units:
-                    self._swap(u, to_device=False)
-        finally:
-            self._window.release(deps)
-        return input
+            module.__dict__["_apply"] = ModuleCall(self._model_apply.apply, module)
 
     def restore(self, model: nn.Module | None) -> None:
-        """Take off every hook, wrapper and routed ``_apply``; swap host parameters back
-        into every module slot (``remove``)."""
+        """Take off every hook and routed ``_apply``; swap host parameters back into every
+        module slot (``remove``; the checkpointer takes off its wrappers)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self.uncheckpoint_units(model)
         for module in model.modules() if model is not None else ():
             module.__dict__.pop("_apply", None)
         for u in self.units:
             if u.swaps:
                 u.swaps = 1
-                self._swap(u, to_device=False)
+                swap_parameters(u, to_device=False)
 
     @property
     def in_pass(self) -> bool:
         """Inside a forward or backward pass."""
-        return bool(self._root_active) or _in_backward()
-
-    def uncheckpoint_units(self, model: nn.Module | None) -> None:
-        """Take off what ``checkpoint_units`` installed: our wrappers, Hugging Face's
-        switch, the boundary offloader. Call it between passes (a graph built before keeps
-        unpacking through the offloader it saved with)."""
-        for module in self._checkpointed:
-            del module.forward
-        self._checkpointed.clear()
-        if self._hf_checkpointing:
-            assert model is not None
-            disable = (
-                getattr(model, "activation_checkpointing_disable", None)
-                or model.gradient_checkpointing_disable
-            )
-            disable()
-            self._hf_checkpointing = False
-        self.boundary_offloader = None
-        self.checkpointing = False
-
-    def _call_swapped(self, u: Unit, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn`` with ``u``'s module slots on the device parameters: the checkpoint
-        wrapper's recomputation calls the unit's own forward, not its hooks."""
-        self._swap(u, to_device=True)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self._swap(u, to_device=False)
+        return bool(self._root_active) or in_backward()
 
     # ------------------------------------------------------------------ predictions
-
-    @staticmethod
-    def _expand(units: Iterable[Unit]) -> list[Unit]:
-        out: list[Unit] = []
-        for u in units:
-            for d in u.deps:
-                if d not in out:
-                    out.append(d)
-        return out
 
     def _forward_prediction(self, u: Unit, position: int) -> list[Unit]:
         prev = self._prev_order
@@ -475,32 +344,20 @@ class Schedule:
             nxt = prev[position + 1 : position + 1 + depth]
         else:
             nxt = [v for v in self.units[u.index + 1 :] if not v.resident and not v.rest][:depth]
-        return self._expand(nxt)
+        return unit_deps(nxt)
 
     def _backward_prediction(self, order: list[Unit], position: int) -> list[Unit]:
         lo = max(0, position - self.prefetch_depth)
-        return self._expand(reversed(order[lo:position]))
+        return unit_deps(reversed(order[lo:position]))
 
     # ------------------------------------------------------------------ forward
 
-    def _swap(self, u: Unit, *, to_device: bool) -> None:
-        """Point the unit's module slots at the device parameters while a forward call or
-        a backward call of the unit is in flight (counted: they nest under checkpointing,
-        whose recomputation may call submodules directly, without the unit's hooks)."""
-        if to_device and u.swaps == 0:
-            check_host_parameters(u)
-        u.swaps += 1 if to_device else -1
-        assert u.swaps >= 0
-        if u.swaps == (1 if to_device else 0):
-            for module, name, host, dev in u.slots:
-                module._parameters[name] = dev if to_device else host
-
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if _in_backward():
+        if in_backward():
             return args, kwargs
         self.settle()
         self.worker.raise_error()
-        self._stepper.raise_if_partial_step()
+        self._stepper.policy.raise_if_partial_step()
         if self._order:
             self._prev_order = self._order
         self._order = []
@@ -509,7 +366,7 @@ class Schedule:
         if rest:
             self._window.acquire(rest)
             for u in rest:
-                self._swap(u, to_device=True)
+                swap_parameters(u, to_device=True)
         self._root_active += 1  # _root_post_forward undoes the above (also after an error)
         cast = (
             self.wire_dtype
@@ -529,12 +386,12 @@ class Schedule:
         return pytree.tree_map(move, args), pytree.tree_map(move, kwargs)
 
     def _root_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if _in_backward() or not self._root_active:
+        if in_backward() or not self._root_active:
             return
         self._root_active -= 1
         rest = self._rest_units
         for u in rest:
-            self._swap(u, to_device=False)
+            swap_parameters(u, to_device=False)
         self._window.release(rest)
         if output is None:
             return  # the forward raised
@@ -547,7 +404,7 @@ class Schedule:
             # no backward follows: start loading the next forward's first units now, so
             # back-to-back inference calls do not wait for the pipeline to fill
             first = [u for u in self._order if not u.resident][: self.prefetch_depth]
-            self._window.prefetch(self._expand(first))
+            self._window.prefetch(unit_deps(first))
         if torch.is_grad_enabled():
             for t in pytree.tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -566,10 +423,10 @@ class Schedule:
             self._stepper.note_position(u, len(self._order))
 
     def _pre_forward(self, u: Unit, module: nn.Module, args: tuple, kwargs: dict):
-        in_bw = _in_backward()
+        in_bw = in_backward()
         if not in_bw and self._layer_engine:
             self.settle()
-            self._stepper.raise_if_partial_step()
+            self._stepper.policy.raise_if_partial_step()
             self._layer_pass(u)
         # what this call takes, undone by _post_forward also when something below raises
         # (always_call): a failed forward leaves no pin and no swapped parameter behind
@@ -582,7 +439,7 @@ class Schedule:
         with torch.profiler.record_function(f"ramflow.wait:{u.name}"):
             self._window.acquire(u.deps)
         frame.acquired = True
-        self._swap(u, to_device=True)
+        swap_parameters(u, to_device=True)
         frame.swapped = True
         if not in_bw:
             self._window.prefetch(self._forward_prediction(u, position))
@@ -609,11 +466,11 @@ class Schedule:
             return  # a hook before ours raised: our pre-forward never ran
         frame = u.call_stack.pop()
         if frame.swapped:
-            self._swap(u, to_device=False)
+            swap_parameters(u, to_device=False)
         if not frame.acquired:
             return
         call = frame.call
-        if call is None or not _in_backward():
+        if call is None or not in_backward():
             self._window.release(u.deps)
             if call is not None:
                 tensors = [
@@ -639,15 +496,15 @@ class Schedule:
         """A module inside ``u`` called during backward (a recomputation that does not go
         through the unit's own forward): its parameters are the device ones while it runs.
         See [Note: parameters during backward]."""
-        swap = _in_backward() and u.pins > 0
+        swap = in_backward() and u.pins > 0
         u.slot_stack.append((module, swap))
         if swap:
-            self._swap(u, to_device=True)
+            swap_parameters(u, to_device=True)
 
     def _slot_post_forward(self, u: Unit, module: nn.Module, args: tuple, output: Any) -> None:
         if u.slot_stack and u.slot_stack[-1][0] is module:
             if u.slot_stack.pop()[1]:
-                self._swap(u, to_device=False)
+                swap_parameters(u, to_device=False)
 
     # ------------------------------------------------------------------ backward
 
@@ -711,7 +568,7 @@ class Schedule:
         step, zero_grad, clipping, synchronize): finish the last backward pass. Its end
         callback runs only when the pass succeeds, so one that was queued and never ran
         means the pass raised. See [Note: a failed backward]."""
-        if _in_backward():
+        if in_backward():
             return
         if self._end_backward_queued_for != -1:
             self._abort_backward()
@@ -727,63 +584,3 @@ class Schedule:
         self._end_backward_queued_for = -1
         if error is not None:
             raise RuntimeError(f"ramflow host worker failed: {error}") from error
-
-    # ------------------------------------------------------------------ the model's _apply
-
-    def _apply_to_model(self, module: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
-        """``module.to(...)``, ``.cuda()``, ``.half()`` and everything else that goes through
-        ``nn.Module._apply``. See [Note: moving and casting an offloaded model]."""
-        # on the compute device: a cast (``.float()``) keeps it there, a move does not
-        probe = torch.tensor([0.5, -1.25], dtype=torch.float32, device=self.device)
-        out = fn(probe)
-        what = f"{type(module).__name__}._apply({getattr(fn, '__name__', 'fn')})"
-        host_probe = torch.zeros(1)  # share_memory_() acts on host tensors only
-        fn(host_probe)
-        if host_probe.is_shared():
-            raise ValueError(
-                "share_memory() on an offloaded model would move its host store; ramflow keeps "
-                "one host copy per host already (zero_stage=... under torch.distributed). Call "
-                "share_memory() before ramflow.offload, or ramflow.undo(model) first."
-            )
-        if (
-            not isinstance(out, torch.Tensor)
-            or out.is_meta
-            or not torch.equal(out.detach().to(self.device, torch.float32), probe)
-        ):
-            raise ValueError(
-                f"{what} would not keep the values of the parameters (to_empty, the meta device "
-                "or an unknown conversion); ramflow keeps them in host RAM. Call "
-                "ramflow.undo(model) first to get an ordinary module."
-            )
-        device, dtype = out.device, out.dtype
-        if dtype == torch.float32 and fn(probe.to(torch.bfloat16)).dtype == torch.bfloat16:
-            dtype = None  # a move that keeps dtypes (``.to(device)``, ``.cuda()``)
-        if device != self.device and not (device.type == self.device.type == "cpu"):
-            raise ValueError(
-                f"this model is offloaded by ramflow to compute on {self.device}; it cannot move "
-                f"to {device}. Its weights stay in host RAM whatever the compute device. For an "
-                "ordinary module on the CPU, call ramflow.undo(model); to compute on another "
-                "device, call ramflow.undo(model) and ramflow.offload(model, device=...)."
-            )
-        if dtype is not None and dtype != self.wire_dtype:
-            name = str(dtype).replace("torch.", "")
-            wire = str(self.wire_dtype).replace("torch.", "")
-            raise ValueError(
-                f"this model is offloaded by ramflow with master weights in host RAM that compute in "
-                f"{wire} (its wire dtype); casting it to {name} is not supported in place. "
-                + (
-                    f"Call ramflow.undo(model), then ramflow.offload(model, wire_dtype=torch.{name})."
-                    if dtype != torch.float64
-                    else "ramflow computes in float32, bfloat16 or float16: for float64, call "
-                    "ramflow.undo(model) and keep the model resident."
-                )
-            )
-        # device and dtype are what they already are: only the buffers follow (they live on
-        # the device, and a plain model casts its floating-point buffers too)
-        modules = module.modules() if recurse else [module]
-        for m in modules:
-            for name, buf in m._buffers.items():
-                if buf is not None:
-                    new = fn(buf)
-                    m._buffers[name] = new if new.device == self.device else new.to(self.device)
-        return module

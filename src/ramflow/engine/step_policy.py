@@ -196,6 +196,11 @@ class StepPolicy:
                 "AdamW(..., overlap=False) never steps before backward has finished."
             )
 
+    def accept_partial_step(self) -> None:
+        """Go on from the weights a failed backward left partly stepped (also after a
+        checkpoint was loaded)."""
+        self.partial_step = []
+
     def zero_grad(self) -> None:
         """``opt.zero_grad()``; see ``Stepper.zero_grad``."""
         if self.last_eager and not self.pattern_error:

@@ -239,10 +239,16 @@ def _dequantize_triton(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Ten
     grid = (-(-num_blocks // _TRITON_ROWS),)
     with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
         _triton_dequantize()[grid](
-            codes, absmax, out, num_blocks,
-            OUT=_TRITON_OUT[out.dtype], QBLOCK=INT8_BLOCK, ROWS=_TRITON_ROWS,
-            num_warps=4, enable_fp_fusion=False,
-        )  # fmt: skip
+            codes,
+            absmax,
+            out,
+            num_blocks,
+            OUT=_TRITON_OUT[out.dtype],
+            QBLOCK=INT8_BLOCK,
+            ROWS=_TRITON_ROWS,
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
 
 
 class FrozenStore:

@@ -636,8 +636,9 @@ def upgrade_legacy_state(precision: HostPrecision, state: dict) -> dict:
     decoded = pop_legacy_moments(out)
     fmt = precision.state_format
     for name, value in decoded.items():
-        views = {k: fmt.new(k, value.numel()) for k in (name, name + fmt.SCALE)
-                 if k in fmt.state_names}  # fmt: skip
+        views = {
+            k: fmt.new(k, value.numel()) for k in (name, name + fmt.SCALE) if k in fmt.state_names
+        }
         fmt.encode(name, value, views)
         views[name] = views[name].view(out[name].shape)
         out.update(views)

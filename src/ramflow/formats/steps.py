@@ -93,12 +93,22 @@ class ExactAdamW:
                 s = settings[index]
                 for a, b in cut_at_tails(c, d, tails):
                     fused_adamw_step_(
-                        master[a:b], grad[a:b], m[a:b], v[a:b], step=step, lr=s.lr,
-                        beta1=s.beta1, beta2=s.beta2, eps=s.eps,
-                        weight_decay=s.weight_decay, grad_scale=grad_scale,
-                        accumulate=_cut(accumulate, a, b), grad_out=_cut(grad_out, a, b),
-                        wire_out=_cut(wire_out, a, b), num_threads=threads,
-                    )  # fmt: skip
+                        master[a:b],
+                        grad[a:b],
+                        m[a:b],
+                        v[a:b],
+                        step=step,
+                        lr=s.lr,
+                        beta1=s.beta1,
+                        beta2=s.beta2,
+                        eps=s.eps,
+                        weight_decay=s.weight_decay,
+                        grad_scale=grad_scale,
+                        accumulate=_cut(accumulate, a, b),
+                        grad_out=_cut(grad_out, a, b),
+                        wire_out=_cut(wire_out, a, b),
+                        num_threads=threads,
+                    )
             if after_piece is not None:
                 after_piece(lo, hi)
 
@@ -132,10 +142,20 @@ class ExactAdamW:
                 if grad_scale != 1.0:
                     g = g * grad_scale  # an fp32 value: the fp32 product, as a host clip's
                 torch._fused_adamw_(
-                    [master[lo:hi]], [g], [m[lo:hi]], [v[lo:hi]], [], [step_t], lr=s.lr,
-                    beta1=s.beta1, beta2=s.beta2, weight_decay=s.weight_decay, eps=s.eps,
-                    amsgrad=False, maximize=False,
-                )  # fmt: skip
+                    [master[lo:hi]],
+                    [g],
+                    [m[lo:hi]],
+                    [v[lo:hi]],
+                    [],
+                    [step_t],
+                    lr=s.lr,
+                    beta1=s.beta1,
+                    beta2=s.beta2,
+                    weight_decay=s.weight_decay,
+                    eps=s.eps,
+                    amsgrad=False,
+                    maximize=False,
+                )
                 weights_out[lo:hi].copy_(master[lo:hi])
 
 
@@ -166,12 +186,24 @@ class LeanAdamW:
         # this piece of each state (the state tensors' names are the kernel's arguments)
         st = {name: fmt.state_view(name, states[name], lo, hi) for name in fmt.state_names}
         lean_adamw_step_(
-            master[lo:hi], grad, st.pop("exp_avg"), st.pop("exp_avg_sq"), step=step,
-            lr=settings.lr, beta1=settings.beta1, beta2=settings.beta2, eps=settings.eps,
-            weight_decay=settings.weight_decay, grad_scale=grad_scale,
-            compensation=st.pop(MasterFormat.COMPENSATION, None), **st, wire_out=wire_out,
-            seed=seed, counter_offset=lo, num_threads=threads,
-        )  # fmt: skip
+            master[lo:hi],
+            grad,
+            st.pop("exp_avg"),
+            st.pop("exp_avg_sq"),
+            step=step,
+            lr=settings.lr,
+            beta1=settings.beta1,
+            beta2=settings.beta2,
+            eps=settings.eps,
+            weight_decay=settings.weight_decay,
+            grad_scale=grad_scale,
+            compensation=st.pop(MasterFormat.COMPENSATION, None),
+            **st,
+            wire_out=wire_out,
+            seed=seed,
+            counter_offset=lo,
+            num_threads=threads,
+        )
 
     def host_step(
         self,
@@ -205,10 +237,19 @@ class LeanAdamW:
         for lo, hi in pieces:
             for index, a, b in cut_at_runs(lo, hi, runs):
                 self.piece(
-                    fmt, master, grad[a:b], states, a, b, settings=settings[index], step=step,
-                    wire_out=_cut(wire_out, a, b), seed=seed, threads=threads,
+                    fmt,
+                    master,
+                    grad[a:b],
+                    states,
+                    a,
+                    b,
+                    settings=settings[index],
+                    step=step,
+                    wire_out=_cut(wire_out, a, b),
+                    seed=seed,
+                    threads=threads,
                     grad_scale=grad_scale,
-                )  # fmt: skip
+                )
             if after_piece is not None:
                 after_piece(lo, hi)
 
@@ -242,10 +283,19 @@ class LeanAdamW:
                 hi = min(end, lo + piece)
                 g = grad[lo:hi].to(weights_out.device, non_blocking=True)
                 self.piece(
-                    fmt, master, g, state, lo, hi, settings=settings[index], step=step,
-                    wire_out=weights_out[lo:hi] if own_master else None, seed=seed,
-                    threads=threads, grad_scale=grad_scale,
-                )  # fmt: skip
+                    fmt,
+                    master,
+                    g,
+                    state,
+                    lo,
+                    hi,
+                    settings=settings[index],
+                    step=step,
+                    wire_out=weights_out[lo:hi] if own_master else None,
+                    seed=seed,
+                    threads=threads,
+                    grad_scale=grad_scale,
+                )
 
 
 EXACT = ExactAdamW()

@@ -60,7 +60,8 @@ _SHOWN = 5  # problems named in an error message
 # threads' scratch stays a quarter of a GiB
 READ_PIECE_BYTES = 16 << 20
 
-# safetensors' dtype names ("Format" in its README) as torch dtypes
+# safetensors' dtype names ("Format" in its README) as torch dtypes, a table: one row per
+# kind (floats, integers, bytes and bool, fp8)
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -175,11 +176,14 @@ def safetensors_ranges(path: Path) -> dict[str, tuple[torch.dtype | None, int, i
         header = json.loads(f.read(size))
     begin = 8 + size
     return {
-        key: (SAFETENSORS_DTYPES.get(entry["dtype"]), begin + entry["data_offsets"][0],
-              begin + entry["data_offsets"][1])
+        key: (
+            SAFETENSORS_DTYPES.get(entry["dtype"]),
+            begin + entry["data_offsets"][0],
+            begin + entry["data_offsets"][1],
+        )
         for key, entry in header.items()
         if key != "__metadata__"
-    }  # fmt: skip
+    }
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

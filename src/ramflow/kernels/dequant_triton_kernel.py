@@ -10,9 +10,14 @@ from .lean_triton_kernel import _bf16_nearest
 
 @triton.jit(do_not_specialize=["num_blocks"])
 def int8_dequantize_kernel(
-    codes_ptr, absmax_ptr, out_ptr, num_blocks,
-    OUT: tl.constexpr, QBLOCK: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
+    codes_ptr,
+    absmax_ptr,
+    out_ptr,
+    num_blocks,
+    OUT: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     # ROWS quantization blocks of QBLOCK elements per program: codes (ROWS, QBLOCK) int8,
     # one bf16 absmax per row; out = code * (absmax / 127), the division correctly rounded
     # and once per block, the product rounded once to OUT (0 fp32, 1 bf16, 2 fp16)

@@ -327,8 +327,9 @@ def _quantize_blockwise_native(
     n = x.numel()
     q = torch.empty(n, dtype=torch.uint8)
     scale = torch.empty(-(-n // QBLOCK), dtype=torch.float32)
-    rc = lib.ramflow_fp8_quantize_blocks(x.data_ptr(), n, int(not signed), q.data_ptr(),
-                                         scale.data_ptr())  # fmt: skip
+    rc = lib.ramflow_fp8_quantize_blocks(
+        x.data_ptr(), n, int(not signed), q.data_ptr(), scale.data_ptr()
+    )
     assert rc == 0, rc
     return q, scale
 
@@ -350,9 +351,17 @@ def _quantize_stochastic_native(
     qm, qv = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
     ms, vs = (torch.empty(-(-n // QBLOCK), dtype=torch.float32) for _ in range(2))
     rc = lib.ramflow_fp8_stochastic_blocks(
-        m.data_ptr(), v.data_ptr(), n, key, counter_offset, int(split), qm.data_ptr(),
-        qv.data_ptr(), ms.data_ptr(), vs.data_ptr(),
-    )  # fmt: skip
+        m.data_ptr(),
+        v.data_ptr(),
+        n,
+        key,
+        counter_offset,
+        int(split),
+        qm.data_ptr(),
+        qv.data_ptr(),
+        ms.data_ptr(),
+        vs.data_ptr(),
+    )
     assert rc == 0, rc
     return qm, ms, qv, vs
 
@@ -368,8 +377,9 @@ def _dequantize_blockwise_native(
     q = q.reshape(-1).contiguous()
     scale = scale.reshape(-1).to(torch.float32).contiguous()
     out = torch.empty(q.numel(), dtype=torch.float32)
-    rc = lib.ramflow_fp8_dequantize_blocks(q.data_ptr(), q.numel(), int(not signed),
-                                           scale.data_ptr(), out.data_ptr())  # fmt: skip
+    rc = lib.ramflow_fp8_dequantize_blocks(
+        q.data_ptr(), q.numel(), int(not signed), scale.data_ptr(), out.data_ptr()
+    )
     assert rc == 0, rc
     return out
 
@@ -442,17 +452,33 @@ class _LeanLibrary(KernelLibrary):
         ]
         lib.ramflow_bf16_stochastic_round.restype = ctypes.c_int
         lib.ramflow_fp8_quantize_blocks.argtypes = [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
-        ]  # fmt: skip
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int32,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
         lib.ramflow_fp8_quantize_blocks.restype = ctypes.c_int
         lib.ramflow_fp8_stochastic_blocks.argtypes = [
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int64,
-            ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ]  # fmt: skip
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_uint32,
+            ctypes.c_int64,
+            ctypes.c_int32,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
         lib.ramflow_fp8_stochastic_blocks.restype = ctypes.c_int
         lib.ramflow_fp8_dequantize_blocks.argtypes = [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
-        ]  # fmt: skip
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int32,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
         lib.ramflow_fp8_dequantize_blocks.restype = ctypes.c_int
         lib.ramflow_lean_isa.argtypes = []
         lib.ramflow_lean_isa.restype = ctypes.c_int
@@ -500,9 +526,13 @@ def _load_state(s: torch.Tensor, scale: torch.Tensor | None, *, signed: bool) ->
 
 
 def _store_state(
-    s: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor, *, signed: bool,
+    s: torch.Tensor,
+    scale: torch.Tensor | None,
+    x: torch.Tensor,
+    *,
+    signed: bool,
     bits: torch.Tensor | None,
-):  # fmt: skip
+):
     if bits is None:  # fp32
         s.copy_(x)
         return
@@ -519,9 +549,21 @@ def _store_state(
 
 @torch.no_grad()
 def _step_torch(
-    master, grad, exp_avg, exp_avg_sq, compensation, m_scale, v_scale, wire_out,
-    *, key, counter_offset, grad_scale, apply_decay, c,
-) -> None:  # fmt: skip
+    master,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    compensation,
+    m_scale,
+    v_scale,
+    wire_out,
+    *,
+    key,
+    counter_offset,
+    grad_scale,
+    apply_decay,
+    c,
+) -> None:
     g = grad.view(-1).to(torch.float32)
     if grad_scale != 1.0:
         g = g * _f32(grad_scale)
@@ -565,16 +607,40 @@ def _master_format(master: torch.Tensor, compensation: torch.Tensor | None) -> i
 
 
 def _step_triton(
-    master, grad, exp_avg, exp_avg_sq, compensation, m_scale, v_scale, wire_out,
-    *, key, counter_offset, grad_scale, apply_decay, c,
-) -> None:  # fmt: skip
+    master,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    compensation,
+    m_scale,
+    v_scale,
+    wire_out,
+    *,
+    key,
+    counter_offset,
+    grad_scale,
+    apply_decay,
+    c,
+) -> None:
     """``_step_torch``'s step as one Triton kernel (CUDA tensors; the same bits)."""
     _lean_triton.lean_adamw_step(
-        master, grad, exp_avg, exp_avg_sq, compensation, m_scale, v_scale, wire_out,
+        master,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        compensation,
+        m_scale,
+        v_scale,
+        wire_out,
         master_format=_master_format(master, compensation),
-        state_format=_STATE_FORMAT[exp_avg.dtype], key=key, counter_offset=counter_offset,
-        grad_scale=_f32(grad_scale), apply_decay=apply_decay, c=c, block=QBLOCK,
-    )  # fmt: skip
+        state_format=_STATE_FORMAT[exp_avg.dtype],
+        key=key,
+        counter_offset=counter_offset,
+        grad_scale=_f32(grad_scale),
+        apply_decay=apply_decay,
+        c=c,
+        block=QBLOCK,
+    )
 
 
 def lean_adamw_step_(
@@ -704,10 +770,20 @@ def lean_adamw_step_(
     if lib is None:
         step = _step_triton if _lean_triton.available(master.device) else _step_torch
         step(
-            master, grad, exp_avg, exp_avg_sq, compensation, exp_avg_scale,
-            exp_avg_sq_scale, wire_out, key=key, counter_offset=counter_offset,
-            grad_scale=grad_scale, apply_decay=apply_decay, c=c,
-        )  # fmt: skip
+            master,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            compensation,
+            exp_avg_scale,
+            exp_avg_sq_scale,
+            wire_out,
+            key=key,
+            counter_offset=counter_offset,
+            grad_scale=grad_scale,
+            apply_decay=apply_decay,
+            c=c,
+        )
         return
     ptr = _cpu_kernels._ptr
     master_format = _master_format(master, compensation)
@@ -764,10 +840,20 @@ def warm_up_device_step(
     ):
         scales = [zeros(torch.float32, 2)[shift : shift + 1] for _ in range(2)]
         lean_adamw_step_(
-            zeros(master_dtype), zeros(torch.bfloat16), zeros(state_dtype), zeros(state_dtype),
-            step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay,
-            grad_scale=grad_scale, compensation=zeros(torch.bfloat16) if compensated else None,
+            zeros(master_dtype),
+            zeros(torch.bfloat16),
+            zeros(state_dtype),
+            zeros(state_dtype),
+            step=1,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=weight_decay,
+            grad_scale=grad_scale,
+            compensation=zeros(torch.bfloat16) if compensated else None,
             exp_avg_scale=scales[0] if quantized else None,
-            exp_avg_sq_scale=scales[1] if quantized else None, seed=seed,
-        )  # fmt: skip
+            exp_avg_sq_scale=scales[1] if quantized else None,
+            seed=seed,
+        )
     return True

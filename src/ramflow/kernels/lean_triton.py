@@ -2,7 +2,7 @@
 
 ``ramflow.offload(device_optimizer=True)`` steps the units the GPU budget leaves room for
 on the device, in their host format (see [Note: the optimizer on the device] in
-``engine.stepper``). The PyTorch-ops version of the lean step (``kernels.lean_kernels._step_torch``)
+``engine.device_stepper``). The PyTorch-ops version of the lean step (``kernels.lean_kernels._step_torch``)
 launches about 30 kernels per piece and made a device-stepped 4x2048 step slower than a
 host-stepped one (benchmarks/results/2026-11-23-nvidia-h100-lean-device-step). This kernel
 reads the gradient, master and states once and writes them once, like the CPU kernel.
@@ -58,15 +58,32 @@ def available(device: torch.device) -> bool:
 
 
 def lean_adamw_step(
-    master, grad, exp_avg, exp_avg_sq, compensation, m_scale, v_scale, wire_out,
-    *, master_format, state_format, key, counter_offset, grad_scale, apply_decay, c, block,
-) -> None:  # fmt: skip
+    master,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    compensation,
+    m_scale,
+    v_scale,
+    wire_out,
+    *,
+    master_format,
+    state_format,
+    key,
+    counter_offset,
+    grad_scale,
+    apply_decay,
+    c,
+    block,
+) -> None:
     """One lean step on CUDA tensors, checked by ``kernels.lean_kernels.lean_adamw_step_`` (the
     tensors and scalars of its ``_step_torch``; the formats: its ``_MASTER_*`` and
     ``_STATE_FORMAT`` codes; ``block``: the 8-bit block, ``QBLOCK``)."""
     dev = master.device
     dummy = master  # for the pointers a format does not read
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        # one row per group of the kernel's parameters (pointers, sizes, hyperparameters,
+        # constants), as its signature lays them out
         _kernel()[(-(-master.numel() // (_ROWS * block)),)](
             master, compensation if compensation is not None else dummy, grad,
             exp_avg, exp_avg_sq,

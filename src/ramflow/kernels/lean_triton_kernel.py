@@ -98,6 +98,8 @@ def _fp8_scale_exponent(amax):
 
 @triton.jit(do_not_specialize=["n", "counter_offset", "key"])
 def lean_adamw_kernel(
+    # one row per group (pointers, sizes, hyperparameters, constants); the launch in
+    # kernels.lean_triton passes the same rows
     master_ptr, comp_ptr, grad_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr,
     wire_ptr,
     n, counter_offset, key,

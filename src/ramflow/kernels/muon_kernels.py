@@ -264,9 +264,16 @@ def muon_blend_(
         _blend_torch(momentum, grad, out, float(momentum_coef), bool(nesterov))
     else:
         _blend_native(
-            lib, _LIB.torch_fma, momentum, grad, out, float(momentum_coef), bool(nesterov),
-            num_threads or 0, False,
-        )  # fmt: skip
+            lib,
+            _LIB.torch_fma,
+            momentum,
+            grad,
+            out,
+            float(momentum_coef),
+            bool(nesterov),
+            num_threads or 0,
+            False,
+        )
         torch.autograd.graph.increment_version(momentum)  # written in place, as by lerp_
 
 

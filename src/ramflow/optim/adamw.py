@@ -267,10 +267,18 @@ class AdamW(HostOptimizer):
         if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             g = g.float()
         LEAN.piece(
-            _format(unit), unit.master, g.contiguous(), flats, lo, lo + p.numel(),
-            settings=AdamWSettings.of(group), step=int(st["step"]) + 1, wire_out=None,
-            seed=unit.rounding_seed, threads=self.threads,
-        )  # fmt: skip
+            _format(unit),
+            unit.master,
+            g.contiguous(),
+            flats,
+            lo,
+            lo + p.numel(),
+            settings=AdamWSettings.of(group),
+            step=int(st["step"]) + 1,
+            wire_out=None,
+            seed=unit.rounding_seed,
+            threads=self.threads,
+        )
         st["step"].add_(1)
 
 

@@ -295,9 +295,13 @@ class Muon(HostOptimizer):
             if _on_host(buf, torch.float32) and _on_host(g, torch.float32):
                 blend = orthogonalizer.blend_buffer(p.shape)
                 muon_blend_(
-                    buf, g, blend, momentum_coef=mu, nesterov=group["nesterov"],
+                    buf,
+                    g,
+                    blend,
+                    momentum_coef=mu,
+                    nesterov=group["nesterov"],
                     num_threads=self.threads,
-                )  # fmt: skip
+                )
             else:
                 if g.dtype != buf.dtype:
                     g = g.to(buf.dtype)
@@ -318,9 +322,13 @@ class Muon(HostOptimizer):
         orthogonal = job.result()
         if _on_host(p, torch.float32) and _on_host(orthogonal, torch.bfloat16):
             muon_apply_(
-                p, orthogonal, lr=lr, weight_decay=wd, adjusted_lr=adjusted,
+                p,
+                orthogonal,
+                lr=lr,
+                weight_decay=wd,
+                adjusted_lr=adjusted,
                 num_threads=self.threads,
-            )  # fmt: skip
+            )
             return
         p.mul_(1 - lr * wd)
         p.add_(orthogonal.to(p.device), alpha=-adjusted)

@@ -62,7 +62,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .task_graph import RESOURCES, _critical, _Graph, _Task  # noqa: F401 (RESOURCES: re-exported)
+from .task_graph import RESOURCES, Task, TaskGraph, critical_path  # noqa: F401 (RESOURCES: re-exported)
 
 # ----------------------------------------------------------------------------- constants
 # Calibrated against the H200 run of 2026-11-22 (benchmarks/results/2026-11-22-nvidia-h200-*):
@@ -525,7 +525,7 @@ def predict_step(
     streamed = [i for i in range(n) if loads[i] > 0]
     streamed_set = set(streamed)
     cached = _turnaround_cached(units, window_bytes_of(units, prefetch_depth))
-    g = _Graph()
+    g = TaskGraph()
     if mode == "infer":
         # Two forwards back to back: at the end of a forward without grad the engine
         # prefetches the next one's first units, so their loads overlap the tail of the
@@ -554,7 +554,7 @@ def predict_step(
             "PCIe D2H": 0.0,
             "CPU optimizer": 0.0,
         }
-        critical = _critical(fwd[-1], first[-1].end)
+        critical = critical_path(fwd[-1], first[-1].end)
         return StepPrediction(
             mode="infer",
             step_s=span,
@@ -582,11 +582,11 @@ def predict_step(
     d2h_fwd = d2h_bwd if streamed else rates.d2h_bytes_per_s
     copies_on_cpu = rates.copies_on_host_dram_s(h2d_stream + refresh + d2h_bytes + 2 * offload)
     copies_per_param = copies_on_cpu / trainable if trainable else 0.0
-    prev_opt: list[_Task | None] | None = None
-    barrier: _Task | None = None
-    ends: list[_Task] = []
-    fwd_ends: list[_Task] = []
-    opts: list[list[_Task | None]] = []
+    prev_opt: list[Task | None] | None = None
+    barrier: Task | None = None
+    ends: list[Task] = []
+    fwd_ends: list[Task] = []
+    opts: list[list[Task | None]] = []
     for s in range(steps):
         fwd = _forward(
             g, units, loads, slots, (h2d_fwd, h2d_bwd), prev_opt=prev_opt, start=barrier, s=s
@@ -602,14 +602,14 @@ def predict_step(
             for i, u in enumerate(units)
             if u.offload_bytes
         }
-        fetched: dict[int, _Task] = {}
+        fetched: dict[int, Task] = {}
         offloaded_order = [i for i in reversed(range(n)) if i in packed]
-        bwd: list[_Task | None] = [None] * n
-        d2h: list[_Task | None] = [None] * n
-        opt: list[_Task | None] = [None] * n
+        bwd: list[Task | None] = [None] * n
+        d2h: list[Task | None] = [None] * n
+        opt: list[Task | None] = [None] * n
         backward_order = list(reversed(range(n)))
         streamed_order = [i for i in backward_order if i in streamed_set]
-        trainable_done: list[_Task] = []
+        trainable_done: list[Task] = []
         prev = fwd[-1]
         for j in backward_order:
             u = units[j]
@@ -688,7 +688,7 @@ def predict_step(
         "PCIe D2H": d2h_bytes / d2h_bwd + offload / d2h_fwd,
         "CPU optimizer": sum(_optimizer_s(u, rates, copies_per_param) for u in units),
     }
-    critical = _critical(ends[-1], t0)
+    critical = critical_path(ends[-1], t0)
     return StepPrediction(
         mode="train",
         step_s=t1 - t0,
@@ -711,18 +711,18 @@ def predict_step(
 
 
 def _forward(
-    g: _Graph,
+    g: TaskGraph,
     units: Sequence[UnitCost],
     loads: Sequence[int],
     slots: int,
     h2d_rates: tuple[float, float],
     *,
-    prev_opt: list[_Task | None] | None,
-    start: _Task | None,
+    prev_opt: list[Task | None] | None,
+    start: Task | None,
     s: int,
-    after: _Task | None = None,
-    slot_gates: Sequence[_Task] = (),
-) -> list[_Task]:
+    after: Task | None = None,
+    slot_gates: Sequence[Task] = (),
+) -> list[Task]:
     """Add one forward pass's tasks; returns the forward compute tasks in order.
 
     ``loads``: H2D bytes each unit's forward loads first (0: none). ``h2d_rates``: (loads,
@@ -734,14 +734,14 @@ def _forward(
     n = len(units)
     streamed = [i for i in range(n) if loads[i] > 0]
     h2d_rate, refresh_rate = h2d_rates
-    fwd: list[_Task] = []
-    load_tasks: dict[int, _Task] = {}
-    refreshes: dict[int, _Task] = {}
+    fwd: list[Task] = []
+    load_tasks: dict[int, Task] = {}
+    refreshes: dict[int, Task] = {}
     position = {i: k for k, i in enumerate(streamed)}
     prev = start if after is None else after
     for i in range(n):
         u = units[i]
-        deps: list[_Task | None] = [prev]
+        deps: list[Task | None] = [prev]
         if i in position:
             k = position[i]
             if k >= slots:

@@ -13,7 +13,11 @@ import itertools
 RESOURCES = ("GPU compute", "PCIe H2D", "PCIe D2H", "CPU optimizer")
 
 
-class _Task:
+class Task:
+    """One task of the graph: ``duration`` seconds on ``resource`` (None: a marker), after
+    its ``deps``; ``run`` fills in ``ready``, ``start``, ``end`` (seconds) and ``cause`` (the
+    task it waited for last). ``key`` orders the CPU's queue; ``tag`` names it in errors."""
+
     __slots__ = (
         "resource",
         "duration",
@@ -31,25 +35,28 @@ class _Task:
     def __init__(self, resource: str | None, duration: float, key: float, tag: str) -> None:
         self.resource = resource  # None: a marker that takes no time on any resource
         self.duration = duration
-        self.deps: list[_Task] = []
-        self.succ: list[_Task] = []
+        self.deps: list[Task] = []
+        self.succ: list[Task] = []
         self.key = key
         self.pending = 0
         self.ready = 0.0
         self.start = 0.0
         self.end = 0.0
-        self.cause: _Task | None = None
+        self.cause: Task | None = None
         self.tag = tag
 
 
-class _Graph:
+class TaskGraph:
+    """The tasks of one simulated run, in creation order (the GPU's order)."""
+
     def __init__(self) -> None:
-        self.tasks: list[_Task] = []
+        self.tasks: list[Task] = []
 
     def add(
         self, resource: str | None, duration: float, deps=(), *, key: float = 0.0, tag: str = ""
-    ) -> _Task:
-        t = _Task(resource, max(0.0, duration), key, tag)
+    ) -> Task:
+        """A new task after ``deps`` (None entries are skipped); negative durations count as 0."""
+        t = Task(resource, max(0.0, duration), key, tag)
         for d in deps:
             if d is not None and d not in t.deps:
                 t.deps.append(d)
@@ -65,12 +72,12 @@ class _Graph:
         order = {t: i for i, t in enumerate(self.tasks)}
         seq = itertools.count()
         queues: dict[str, list] = {}
-        busy: dict[str, _Task | None] = {}
-        last: dict[str, _Task | None] = {}
+        busy: dict[str, Task | None] = {}
+        last: dict[str, Task | None] = {}
         events: list = []
         now = 0.0
 
-        def make_ready(t: _Task, at: float) -> None:
+        def make_ready(t: Task, at: float) -> None:
             t.ready = at
             if t.deps:
                 t.cause = max(t.deps, key=lambda d: d.end)
@@ -117,11 +124,11 @@ class _Graph:
             raise RuntimeError(f"step-time model: tasks never became ready: {stuck[:5]}")
 
 
-def _critical(end: _Task, since: float) -> dict[str, float]:
+def critical_path(end: Task, since: float) -> dict[str, float]:
     """Walk the chain of causes back from ``end`` to time ``since``; the time each resource
     spent on it (a wait with no task behind it counts as the resource that was waited for)."""
     out = dict.fromkeys(RESOURCES, 0.0)
-    t: _Task | None = end
+    t: Task | None = end
     while t is not None and t.end > since:
         if t.resource is not None:
             out[t.resource] += t.end - max(t.start, since)

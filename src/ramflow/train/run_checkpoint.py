@@ -86,8 +86,16 @@ _SECOND_SLOT = ".1"
 STATE_KEY_SEP = "::"
 # the moments of a save a test may stop at: see [Note: test faults]
 SAVE_PHASES = (
-    "begin", "weights", "optimizer", "files", "state", "renamed", "latest", "deleting", "done",
-)  # fmt: skip
+    "begin",
+    "weights",
+    "optimizer",
+    "files",
+    "state",
+    "renamed",
+    "latest",
+    "deleting",
+    "done",
+)
 _FAULT_ENV = "RAMFLOW_TEST_FAULT"
 _fault_hits: Counter[str] = Counter()  # test-only; see [Note: test faults]
 
@@ -578,10 +586,11 @@ def _state_problem(state: dict[str, Any]) -> str | None:
             and isinstance(v.get("param_names"), list)
             and isinstance(v.get("scalars"), dict)
             and isinstance(v.get("param_groups"), list)
-            and all(isinstance(g, dict) and isinstance(g.get("params"), list)
-                    for g in v["param_groups"])
+            and all(
+                isinstance(g, dict) and isinstance(g.get("params"), list) for g in v["param_groups"]
+            )
         ),
-    }  # fmt: skip
+    }
     for key, ok in kinds.items():
         if key not in state:
             return f"{key} is missing"

@@ -287,7 +287,7 @@ class Unit:
     One record per unit; each group of fields below is written by one part of the engine
     only (the others read it): the layout by the constructor, the host store by
     ``engine.host_store``, the device side by ``engine.window``, the gradients by ``engine.gradients``, the
-    calls by ``engine.schedule`` and the device step by ``engine.stepper``. See docs/design.md.
+    calls by ``engine.schedule`` and the device step by ``engine.device_stepper``. See docs/design.md.
     """
 
     def __deepcopy__(self, memo: dict) -> Unit:
@@ -376,13 +376,13 @@ class Unit:
         self.call_stack: list[Any] = []
         self.slot_stack: list[tuple[nn.Module, bool]] = []
         self.swaps = 0
-        # stepped on the device (``engine.stepper``, see [Note: the optimizer on the device])
+        # stepped on the device (``engine.device_stepper``, see [Note: the optimizer on the device])
         self.device_stepped = False
         self.device_state: dict[str, torch.Tensor] | None = None
         self.device_step_event: torch.cuda.Event | None = None
         self.host_stale = False  # the device state is newer than the host's copies
         # under ZeRO the weights of each device step are written back to the shared host
-        # store at once (see [Note: the device optimizer under ZeRO] in ``engine.stepper``):
+        # store at once (see [Note: the device optimizer under ZeRO] in ``engine.device_stepper``):
         # whether they were, and the event that ends the copies (None on the CPU)
         self.weights_written = False
         self.write_back_event: torch.cuda.Event | None = None
@@ -457,67 +457,3 @@ def plan_inputs(units: list[Unit], wire_dtype: torch.dtype) -> dict[str, Any]:
         "unit_grad_bytes": [u.trainable_numel * wire_size for u in units],
         "always_resident": [u.rest for u in units],
     }
-
-
-def slot_callers(roots: list[nn.Module], holders: list[nn.Module]) -> list[nn.Module]:
-    """The modules under the unit's ``roots`` (not the roots themselves) that hold one of
-    its parameters (``holders``) or contain a module that does, each once, in module
-    order. See [Note: parameters during backward] in ``ramflow.engine.schedule``."""
-    holder_ids = {id(m) for m in holders}
-    root_ids = {id(r) for r in roots}
-    contains: dict[int, bool] = {}  # module id -> whether its subtree holds a parameter
-
-    def holds(m: nn.Module) -> bool:
-        key = id(m)
-        if key not in contains:
-            contains[key] = False  # a module reached again through itself adds nothing
-            below = [holds(c) for c in m.children()]  # every child, to fill the memo
-            contains[key] = key in holder_ids or any(below)
-        return contains[key]
-
-    found: dict[int, nn.Module] = {}
-    for root in roots:
-        holds(root)
-        for sub in root.modules():
-            if id(sub) not in root_ids and contains.get(id(sub)):
-                found.setdefault(id(sub), sub)
-    # every holder that is not a root, also one outside every root (a parameter tied into
-    # a module of another unit's subtree)
-    for m in holders:
-        if id(m) not in root_ids:
-            found.setdefault(id(m), m)
-    return list(found.values())
-
-
-def check_host_parameters(u: Unit) -> None:
-    """The unit's module slots still hold the parameters ramflow offloaded, and those
-    still view its host store: ``module.weight = nn.Parameter(t)``,
-    ``load_state_dict(..., assign=True)`` or ``p.data = t`` after ``offload`` would
-    otherwise be undone by the next swap (or ignored, the store keeping the old values),
-    silently.
-
-    Raises:
-        RuntimeError: a slot holds another tensor, or a parameter's data was replaced.
-    """
-    for module, name, host, _ in u.slots:
-        if module._parameters.get(name) is not host:
-            raise RuntimeError(
-                f"{type(module).__name__}.{name} (unit {u.name!r}) was replaced after "
-                "ramflow.offload (module.{0} = ..., or load_state_dict(..., assign=True)); "
-                "ramflow streams the parameter it offloaded and would put it back. Copy the "
-                "new values into it instead (with torch.no_grad(): module.{0}.copy_(t), or "
-                "load_state_dict without assign=True), or call ramflow.undo(model) first "
-                "and offload again.".format(name)
-            )
-    if u.master is None or u.num_kept == 0:
-        return
-    storage = u.master.untyped_storage().data_ptr()
-    for p in u.owned[: u.num_kept]:
-        if p.untyped_storage().data_ptr() != storage:
-            raise RuntimeError(
-                f"the data of a parameter of unit {u.name!r} (shape {tuple(p.shape)}) was "
-                "replaced after ramflow.offload (p.data = t); ramflow streams its own copy "
-                "and would keep training the old values. Copy the new values into the "
-                "parameter instead (with torch.no_grad(): p.copy_(t)), or call "
-                "ramflow.undo(model) first and offload again."
-            )
