@@ -95,9 +95,9 @@ def _time_ramflow_training(
         steps=case["steps"],
         drain=lambda: ramflow.synchronize(model),
         counter=counter,
-        on_timed_start=lambda: before.__setitem__(0, engine.host_step_totals()),
+        on_timed_start=lambda: before.__setitem__(0, engine.host_stepper.host_step_totals()),
     )
-    params, seconds = (a - b for a, b in zip(engine.host_step_totals(), before[0]))
+    params, seconds = (a - b for a, b in zip(engine.host_stepper.host_step_totals(), before[0]))
     res["optimizer_in_step_params_per_s"] = params / seconds if seconds > 0 else None
     res.update(_optimizer_alone(engine, opt))
     return res

@@ -217,7 +217,7 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
             )
             for u in resident
         ),
-        "broadcast_units": len(engine.dist.broadcast_units) if engine.dist else 0,
+        "broadcast_units": len(engine.stepper.dist.broadcast_units) if engine.stepper.dist else 0,
         "losses": losses,
         "norms": norms,
         "grads_left": grads_left,
@@ -227,7 +227,7 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
         "device_optimizer": (plan.device_stepped, plan.device_optimizer_reason),
         "unit_names": [u.name for u in engine.units if u.num_trainable],
         # parameters the CPU optimizer stepped over the run (flat steps count padding)
-        "host_steps": engine.host_step_totals()[0],
+        "host_steps": engine.host_stepper.host_step_totals()[0],
         # the optimizer states this rank holds: (parameters with states, their dtypes)
         "states": (
             sum(bool(st) for st in opt.state.values()),

@@ -105,7 +105,7 @@ def test_device_steps_match_resident(device, keep_grads):
     host_params = [p for u in host_units for p in u.owned[: u.num_trainable]]
     low = 6 * sum(p.numel() for p in host_params)
     high = 6 * sum(u.trainable_numel for u in host_units)  # flat steps count the padding
-    assert low <= engine.host_step_totals()[0] <= high
+    assert low <= engine.host_stepper.host_step_totals()[0] <= high
     # the states came back to the host with synchronize: compare them too
     theirs = ref_opt.state_dict()["state"]
     ours = opt.state_dict()["state"]
@@ -271,7 +271,9 @@ def test_units_in_two_param_groups_step_on_the_device(device):
     engine = ramflow.api._engine(model)
     assert all(u.device_state is not None for u in engine.units if u.name in stepped)
     host_units = [u for u in engine.units if u.name not in stepped]
-    assert engine.host_step_totals()[0] <= 6 * sum(u.trainable_numel for u in host_units)
+    assert engine.host_stepper.host_step_totals()[0] <= 6 * sum(
+        u.trainable_numel for u in host_units
+    )
 
 
 @pytest.mark.parametrize("precision", ["fp32", "lean"])

@@ -173,26 +173,27 @@ def test_the_planner_chooses_device_steps_per_rank_under_zero(monkeypatch):
     units it owns (never another rank's), with its CPU optimizer at its share of the host's
     rate, and the plan's reason says so. The CPU device refuses device steps before any
     prediction; with that refusal lifted, the choice is the one a GPU rank makes."""
+    from ramflow.engine import engine as engine_module
     from ramflow.engine.engine import Engine
+    from ramflow.engine.options import EngineOptions
     from ramflow.formats.host import HostPrecision
     from ramflow.units.unit import find_units
 
-    monkeypatch.setattr(Engine, "_device_optimizer_refusal", lambda self: None)
+    monkeypatch.setattr(engine_module, "device_optimizer_refusal", lambda **_: None)
     model = W.reference_model(seed=0)
     specs = find_units(model)
     owners = [i % 2 for i in range(len(specs))]
-    engine = Engine(
-        model,
-        specs,
+    options = EngineOptions(
         device=torch.device("cpu"),
         wire_dtype=torch.bfloat16,
         gpu_memory_bytes=1 << 30,  # every unit resident, with room for its device states
         prefetch_depth=2,
         device_optimizer=None,
         host_precision=HostPrecision.lean(),
-        owners=owners,
+        owners=tuple(owners),
         rank=1,
     )
+    engine = Engine(model, specs, options)
     try:
         plan = engine.plan
         mine = {u.name for u in engine.units if u.owner == 1}

@@ -139,7 +139,9 @@ def test_units_in_two_param_groups_step_on_the_device(device, precision):
     # the first step is deferred and stepped from the host's gradients on the device too:
     # the host stepped only the other units, each step
     host_units = [u for u in engine.units if u.name not in stepped]
-    assert engine.host_step_totals()[0] <= 6 * sum(u.trainable_numel for u in host_units)
+    assert engine.host_stepper.host_step_totals()[0] <= 6 * sum(
+        u.trainable_numel for u in host_units
+    )
 
 
 @pytest.mark.gpu

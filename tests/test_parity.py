@@ -302,7 +302,7 @@ def test_frozen_base_and_adapters(device):
     assert max_rel(ours, theirs) < 1e-6
     assert params_rel(model, ref) < 1e-5
     engine = ramflow.api._engine(model)
-    assert engine.optimizers == optimizers  # the optimizer that trained the model
+    assert engine.stepper.optimizers == optimizers  # the optimizer that trained the model
     (opt,) = optimizers
     assert all(p not in opt.state for p in frozen)
     assert all(p in opt.state for p in model.parameters() if p.requires_grad)

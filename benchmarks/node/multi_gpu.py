@@ -194,11 +194,13 @@ def _run(args: argparse.Namespace) -> None:
 
     def phases() -> tuple[dict[str, float], dict[str, float]]:
         """Seconds so far: the forward's waits for units, the worker's sync phases."""
-        sync = engine.dist.sync_seconds.snapshot() if engine.dist is not None else {}
+        sync = (
+            engine.stepper.dist.sync_seconds.snapshot() if engine.stepper.dist is not None else {}
+        )
         return engine.window.wait_seconds.snapshot(), sync
 
     def timed_start() -> None:
-        before[:] = [engine.host_step_totals(), *phases()]
+        before[:] = [engine.host_stepper.host_step_totals(), *phases()]
 
     res = measure.time_steps(
         _train_step(model, opt, ids, labels, device),
@@ -209,7 +211,7 @@ def _run(args: argparse.Namespace) -> None:
         counter=counter,
         on_timed_start=timed_start,
     )
-    params, seconds = (a - b for a, b in zip(engine.host_step_totals(), before[0]))
+    params, seconds = (a - b for a, b in zip(engine.host_stepper.host_step_totals(), before[0]))
     waits, sync = (
         {k: (v - old.get(k, 0.0)) / args.steps for k, v in now.items()}
         for now, old in zip(phases(), before[1:])
@@ -252,8 +254,8 @@ def _run(args: argparse.Namespace) -> None:
             # (see [Note: refresh by broadcast] in ramflow/distributed/zero.py) or from the host; read
             # from the engine, which decided it (one GPU refreshes nothing)
             "refresh": "-"
-            if engine.dist is None
-            else ("broadcast" if engine.dist.broadcast_units else "host"),
+            if engine.stepper.dist is None
+            else ("broadcast" if engine.stepper.dist.broadcast_units else "host"),
             "device_optimizer": args.device_optimizer,
             "device_optimizer_reason": plan.device_optimizer_reason,
             # "0": device steps that wait for a reduction run on the compute stream (an A/B

@@ -134,7 +134,7 @@ def run_variant(variant: str, case: dict[str, Any], budget: int | None) -> dict[
     for i in range(case["warmup"] + case["steps"]):
         clock.now = {}
         waits0 = engine.window.wait_seconds.totals.get("units not current", 0.0)
-        kernels0 = engine.host_step_totals()[1]
+        kernels0 = engine.host_stepper.host_step_totals()[1]
         t = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = loss_of(model, ids, labels)
@@ -157,7 +157,7 @@ def run_variant(variant: str, case: dict[str, Any], budget: int | None) -> dict[
             "forward waits",
             engine.window.wait_seconds.totals.get("units not current", 0.0) - waits0,
         )
-        clock.add("optimizer", engine.host_step_totals()[1] - kernels0)
+        clock.add("optimizer", engine.host_stepper.host_step_totals()[1] - kernels0)
         end = t
         if i >= case["warmup"]:
             rows.append(dict(clock.now))

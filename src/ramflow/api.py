@@ -24,6 +24,7 @@ from .engine.adapters import choose_on_device
 from .engine.clip import clip_grad_norm_ as clip_grad_norm_  # public here
 from .engine.engine import Engine
 from .engine.host_store import resolve_precision
+from .engine.options import EngineOptions
 from .formats.frozen import check_frozen_format, parse_frozen_format
 from .formats.host import HostPrecision
 from .io.loading import MetaLoader, Weights
@@ -50,161 +51,39 @@ def offload(
     frozen_format: str | None = None,
     trainable_on_device: bool | None = None,
 ) -> nn.Module:
-    """Keep ``model``'s weights in CPU RAM and stream them through the device per unit.
+    """Keep ``model``'s weights in CPU RAM and stream them through the device unit by unit.
 
     Returns the same module, ready for an ordinary loop (``model(x)``, ``loss.backward()``,
-    ``opt.step()`` with a ``ramflow.optim`` optimizer). Parameters keep their identity: each
-    becomes an fp32 view into its unit's flat master buffer on the host. Buffers move to
-    the device and stay there. Inputs on another device are moved to ``device``; with a
-    low-precision wire dtype and no autocast active, floating-point inputs are cast to it
-    (the model then computes in that dtype, as after ``model.to(wire_dtype)``).
+    ``opt.step()`` with a ``ramflow.optim`` optimizer); ``ramflow.undo`` gives it back.
+    Parameters keep their identity, as views into their unit's host master buffer; buffers
+    move to the device. docs/offload.md has the loop and, under "Options", each option at
+    length.
 
     Args:
         model: any ``nn.Module`` with floating-point parameters, on the CPU or a GPU.
-        gpu_memory: cap on what ramflow itself allocates on the device (window slots,
-            resident units, gradient buffers; activations are the caller's), in bytes or as a
-            string like ``"12GiB"``. Units that fit in what is left stay resident. None: no
-            unit is kept resident beyond the window.
-        device: compute device; default ``cuda`` (current device) when available, else CPU.
-        units: modules (or dotted names) to use as units instead of the automatic rule
-            (repeated ``ModuleList``/``Sequential`` children; embeddings, final norm and
-            head on their own; see ``ramflow.units.unit.find_units``).
-        wire_dtype: dtype of the weights on the wire and on the device. By default it
-            follows the master weights: bfloat16 with bf16 masters (``host_precision``
-            other than fp32, on any device), else bfloat16 on CUDA and float32 on the CPU. float32 gives the resident model's results
-            bit for bit; bfloat16 halves the PCIe bytes and rounds weights to bf16.
-        prefetch_depth: how many units ahead to load (>= 1; 2 is the default).
-        activation_checkpointing: recompute each unit's activations in backward instead of
-            keeping them (``torch.utils.checkpoint``, non-reentrant): activation memory falls
-            to about one unit's plus the unit boundaries, for about one more forward of
-            compute. The root and the rest unit are not wrapped. True: every unit (Hugging
-            Face models: every decoder layer, by their own switch); unit names (e.g.
-            ``OffloadPlan.checkpointed`` from ``ramflow plan``): only those units. A name
-            the model does not have raises ValueError. A policy of ``ramflow.memory``
-            (``CheckpointAll()``, ``CheckpointEveryKth(k)``, ``CheckpointToBudget(budget,
-            report=...)``, ``CheckpointSegments(n)``, ``SelectiveCheckpoint(...)``,
-            ``CheckpointOffload(...)``, which also keeps the chosen units' inputs in pinned
-            host memory, prefetched back in backward): the units it chooses among the units that are the model's repeated blocks (all
-            units where none is), as ``ramflow.memory.apply_checkpointing`` chooses on the
-            plain model, with its options; a policy that cannot apply to this model (no
-            unit to choose from, a report without its units, segments outside one
-            ``nn.Sequential``) raises ValueError.
-        zero_stage: data parallelism over the initialized torch.distributed process group
-            (launch with ``torchrun``; every rank calls ``offload`` on the same model). 1:
-            gradients are averaged over the ranks, each unit is stepped by one rank per host
-            (optimizer states sharded); 2: also only that rank copies the unit's gradients
-            down and keeps them. The ranks of a host share one host copy of the master
-            weights and of the wire copy (shared memory, ``$RAMFLOW_SHM_DIR``, default
-            /dev/shm); each rank streams over its own PCIe link. None: one process.
-            See [Note: data parallelism on the engine] in ``ramflow.distributed.zero``.
-        device_optimizer: with ``gpu_memory``, what the budget leaves after the plan holds
-            the master weights and AdamW states of resident units, first units first; those
-            are stepped on the GPU (no gradient copy, no CPU step for them), which shortens
-            a step bound by the CPU optimizer (partial optimizer offload, as DeepSpeed's
-            ZeRO-Offload++). None (the default): the planner chooses the units whose device
-            step shortens the predicted step (with ``zero_stage``: among the units this rank
-            steps, on its share of the host's cores), and none on the CPU, without
-            ``gpu_memory``, with trainable parameters on the device (LoRA) or with fp32
-            masters (whose device step is not the CPU step's bits);
-            ``get_plan(model).device_optimizer_reason`` says why (see [Note: the device
-            optimizer's default] in ``ramflow.planner.plan``). True: every resident unit whose
-            states fit. False: none. fp32 host formats: an fp32 master and states, 12 bytes per
-            parameter, stepped by PyTorch's fused AdamW. Lean host formats: the unit's
-            device copy is its bf16 master, so only its states in their format (about 2
-            bytes per parameter with 8-bit states) are added, stepped with the host
-            kernel's arithmetic (the same bits). Needs a ``ramflow.optim.AdamW``; other
-            steps of those units run on the host. The host copies are current after
-            ``ramflow.synchronize`` and in every ``state_dict``.
-            ``ramflow.get_plan(model).device_stepped`` names the units. With
-            ``zero_stage``, True steps on each rank's GPU the resident units that rank owns
-            (only their states are on its device: 1/N of them per GPU), the others take
-            the new weights from the shared host store or the owner's device (see [Note:
-            the device optimizer under ZeRO] in ``ramflow.engine.stepper``).
-        host_precision: how master weights, AdamW states and host gradients are kept in
-            host RAM (``ramflow.HostPrecision``, or a preset's name): ``"fp32"`` (the
-            default, None: fp32 masters, exact, about 20 bytes per trained parameter with a
-            bf16 wire), ``"bf16"`` (bf16 masters written with stochastic rounding, bf16
-            states, a gradient ring: 6), ``"lean"`` (as bf16 with 8-bit block-wise states:
-            about 4.03), ``"kahan"`` (bf16 masters with a Kahan compensation, 8-bit states:
-            about 6.03), or ``"auto"`` (fp32 when it and AdamW's states fit in 75% of the
-            available RAM, else lean; ``get_plan(model).host_precision_reason`` says why).
-            Non-fp32 masters are the wire copy: they need ``wire_dtype=torch.bfloat16``, and
-            the host parameters are bf16 views (so are their ``.grad``). Lean masters or
-            states step with ``ramflow.optim.AdamW`` only. See docs/design-host.md, "Host
-            formats".
-        weights: the values of a model built on the meta device (``with
-            torch.device("meta"): model = ...``; shapes only, no memory): a ``.safetensors``
-            file, a folder (its ``model.safetensors.index.json``, else
-            ``model.safetensors``, else its ``*.safetensors`` files), or an index file; or
-            a function ``weights(name, out)`` that writes the parameter ``name`` (as in
-            ``model.named_parameters()``; persistent meta buffers too) into ``out`` (a CPU
-            tensor of its shape), e.g. a random init for a benchmark. Each unit's tensors
-            are read (one tensor at a time, one file open at a time) and cast into its
-            master as the host store builds it, so loading peaks at about the store plus
-            one unit plus one file, never a full-precision copy of the model (see [Note:
-            loading without a full-precision peak] in ``ramflow.io.loading``). A tied
-            parameter is read under whichever of its names the files hold; a
-            ``transformers`` model's checkpoint names are converted as its
-            ``from_pretrained`` does, and its non-persistent buffers (rotary ``inv_freq``)
-            are recomputed by its ``_init_weights``. Files are checked from their headers
-            before anything is allocated; on any error the model stays on the meta device.
-            With ``zero_stage``, every rank builds the model on the meta device and the
-            host's shared copy is filled once: each rank reads (or, with a function, draws)
-            the units it owns straight into the shared masters, in parallel, so no rank
-            holds a full model and the host peaks at the store plus one tensor's read per
-            rank; every host reads the files itself. A failure on any rank raises on every
-            rank (see [Note: loading once per host] in ``ramflow.distributed.zero``). A function must
-            then give the same values whichever rank calls it (a seeded init keyed by the
-            name, as ``ramflow.train.initialization.SeededInit``).
-        frozen_format: keep frozen matrices (``requires_grad=False``, two or more
-            dimensions, not embeddings: a LoRA base) compressed in host RAM and over PCIe,
-            dequantized on the device into the wire dtype: ``"int8"`` (block-wise absmax,
-            64 elements per bf16 absmax: about 1.03 bytes per parameter) or ``"nf4"``
-            (QLoRA's 4-bit NormalFloat, Dettmers et al. 2023, through torchao: about 0.52).
-            None (default): in the wire dtype. Trainable parameters are never compressed.
-            The host parameters of compressed weights are meta tensors in the wire dtype
-            (reading their values fails; ``state_dict()`` gives them dequantized,
-            ``load_state_dict`` compresses them, ``undo`` gives them back dequantized).
-            Loading with ``weights=`` compresses each one as it is read. See [Note:
-            compressed frozen weights] in ``ramflow.formats.frozen``.
-        trainable_on_device: keep the trainable parameters on the device as ordinary
-            device parameters, out of the units: adapters (LoRA) are stepped there by the
-            optimizer (``ramflow.optim.AdamW`` runs PyTorch's fused AdamW on them; a torch
-            optimizer works too) with no host round trip, and the plan counts them with
-            their gradients and AdamW states (four times their bytes). None (the default):
-            PEFT's adapters (the parameters of its tuner layers' adapter containers, which
-            cast their input to their own dtype), when they are at most 10% of the
-            parameters (by elements) and, with ``gpu_memory``, take at most half of it;
-            other trainable parameters (a head) stream with their units; never with
-            ``zero_stage``. True: every trainable parameter, always (a ValueError with
-            ``zero_stage`` or no trainable parameter). False: they stream with their units. Parameters added after ``offload``
-            (``peft.get_peft_model`` on the offloaded model) are kept on the device from
-            the next forward on. See [Note: adapters on the device] in
-            ``ramflow.engine.adapters``.
+        gpu_memory: cap on ramflow's device memory, bytes or ``"12GiB"``; None: no cap.
+        device: compute device; default the current CUDA device, else the CPU.
+        units: modules (or dotted names) to use as units; default ``find_units``'s rule.
+        wire_dtype: dtype over PCIe and on the device; default bf16 on CUDA, fp32 on CPU.
+        prefetch_depth: how many units ahead to load (>= 1); default 2.
+        activation_checkpointing: True, unit names or a ``ramflow.memory`` policy; False.
+        zero_stage: ZeRO stage 1 or 2 over the process group; default None: one process.
+        device_optimizer: step resident units on the GPU: True, False, None (planner's).
+        host_precision: ``HostPrecision`` or ``"fp32"`` (default), ``"bf16"``, ``"lean"``...
+        weights: values for a meta-device model: safetensors path or ``weights(name, out)``.
+        frozen_format: compress frozen matrices: ``"int8"``, ``"nf4"``; default None.
+        trainable_on_device: keep trainable parameters (LoRA) on the device; None: PEFT's.
 
-    Raises:
-        TypeError: ``model`` is not an ``nn.Module``; ``wire_dtype`` is not floating point;
-            ``activation_checkpointing`` is none of the above.
-        ValueError: no parameters; parameters on the meta device without ``weights``, or
-            ``weights`` for parameters that hold data already; tensors missing from
-            ``weights`` or of another shape (the first few are named); already offloaded; ``gpu_memory`` too small (the message gives
-            the smallest budget that works).
+    Raises (every case: docs/offload.md, "Errors"):
+        TypeError: ``model``, ``wire_dtype``, ``device_optimizer`` or a checkpointing choice
+            of the wrong type.
+        ValueError: an option that does not apply to this model (the message says what to
+            change), or ``gpu_memory`` below the smallest budget that works (named).
         FileNotFoundError: ``weights`` names no safetensors weights.
         MemoryError: the host lacks the RAM or pinned memory for the host store.
-        RuntimeError: ``zero_stage`` without an initialized process group; with
-            ``zero_stage``, set-up or loading failed on another rank (the message names it
-            and its error; that rank raises its own).
-        ValueError: ``host_precision`` not a preset or a HostPrecision, or lean masters
-            with a wire dtype other than bf16 (the message names what works);
-            ``zero_stage`` on a GPU with ``$RAMFLOW_SHM_DIR`` on a filesystem that is not
-            memory-backed (tmpfs).
-        MemoryError: ``host_precision="auto"`` and not even the leanest fits (the message
-            gives each preset's size).
-        ValueError: ``frozen_format`` not a format, with ``zero_stage``, or for a model
-            with no frozen matrix to compress (every parameter trainable).
         ImportError: ``frozen_format="nf4"`` without torchao.
-        RuntimeError (later, at a forward with gradients or ``opt.step()``): a compressed
-            weight was made trainable (``requires_grad=True``) after ``offload``.
+        RuntimeError: ``zero_stage`` without a process group or failed on another rank;
+            later, a compressed weight made trainable.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"ramflow.offload expects an nn.Module, got {type(model).__name__}")
@@ -325,22 +204,25 @@ def offload(
         try:
             if loader is not None:
                 _fill_on_device(loader, on_device)
-            engine = Engine(
-                model,
-                specs,
+            options = EngineOptions(
                 device=device,
                 wire_dtype=wire_dtype,
                 gpu_memory_bytes=budget,
                 prefetch_depth=prefetch_depth,
                 activation_checkpointing=activation_checkpointing,
                 device_optimizer=device_optimizer,
-                fill=None if loader is None else loader.fill,
                 host_precision=precision,
                 host_precision_reason=precision_reason,
                 frozen_format=frozen_format,
-                on_device=on_device,
-                owners=owners,
+                owners=None if owners is None else tuple(owners),
                 rank=None if owners is None else dist.get_rank(),
+            )
+            engine = Engine(
+                model,
+                specs,
+                options,
+                fill=None if loader is None else loader.fill,
+                on_device=on_device,
             )
         except Exception as err:  # noqa: BLE001 - raised below, after the ranks agree
             error = err
@@ -359,13 +241,12 @@ def offload(
             loader.close()
     if owners is not None:
         single_host = len(local) == dist.get_world_size()
-        engine.dist = DistributedState(
-            zero_stage=zero_stage, average=True, reduce_to_owner=single_host
-        )
-        engine.dist.copies = dist.get_world_size() // len(local)  # hosts (equal ranks each)
+        state = DistributedState(zero_stage=zero_stage, average=True, reduce_to_owner=single_host)
+        state.copies = dist.get_world_size() // len(local)  # hosts (equal ranks each)
+        engine.stepper.dist = state
         if os.environ.get("RAMFLOW_REFRESH_BY_BROADCAST", "1").strip() != "0":
-            engine.dist.refresh_by_broadcast(engine)  # see [Note: refresh by broadcast]
-        engine.dist.open_communicators(engine.device)
+            state.refresh_by_broadcast(engine)  # see [Note: refresh by broadcast]
+        state.open_communicators(engine.device)
     engine.prepare_first_step()
     return model
 
@@ -432,10 +313,10 @@ def adopt(model: nn.Module) -> None:
     wraps it (a ``PeftModel``).
 
     Raises:
-        ValueError: ``model`` is not offloaded; as ``Engine.adopt_changes`` (a unit partly
+        ValueError: ``model`` is not offloaded; as ``ModelHooks.adopt_changes`` (``ramflow.engine.model_hooks``) (a unit partly
             frozen or made trainable after ``offload``, new parameters over ``gpu_memory``).
     """
-    _engine(model).adopt_changes()
+    _engine(model).hooks.adopt_changes()
 
 
 def synchronize(model: nn.Module) -> None:

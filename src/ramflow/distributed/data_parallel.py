@@ -152,10 +152,12 @@ def _install(keys: list[Any], owners: list[int], average: bool) -> None:
         if engine not in engines:
             engines.append(engine)
     for engine in engines:
-        if engine.dist is None:
-            engine.dist = DistributedState(zero_stage=1, average=average, reduce_to_owner=True)
+        if engine.stepper.dist is None:
+            engine.stepper.dist = DistributedState(
+                zero_stage=1, average=average, reduce_to_owner=True
+            )
         else:
-            engine.dist.average = average
+            engine.stepper.dist.average = average
 
 
 def shard_gradients(rank_param_groups: RankParamGroups, rank: int) -> list[Any]:
@@ -183,10 +185,10 @@ def shard_gradients(rank_param_groups: RankParamGroups, rank: int) -> list[Any]:
             for p in g["params"]:
                 engine = engine_of_param(p)
                 if engine is not None:
-                    if engine.dist is None:
+                    if engine.stepper.dist is None:
                         raise ValueError("call zero_param_groups before shard_gradients")
-                    engine.dist.zero_stage = 2
-                    engine.dist.reduce_to_owner = True
+                    engine.stepper.dist.zero_stage = 2
+                    engine.stepper.dist.reduce_to_owner = True
                     continue
                 sync = _SYNCED.get(p)
                 if sync is None:

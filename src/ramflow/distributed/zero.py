@@ -151,9 +151,9 @@ class DistributedState:
         forward overlaps the tail of the steps, as on one GPU, and waits only at a unit
         that is not current yet."""
         others = [u for u in engine.units if not self.owns(u) and u.num_trainable]
-        engine.mark_stale(others)
+        engine.window.begin_host_write(others)
         # this step's device steps are all issued: the barrier waits for their write-backs
-        written = engine.write_back_events()
+        written = engine.device_stepper.write_back_events()
         sync = functools.partial(self._sync, engine, others, written)
         engine.worker.submit(STEP, _AFTER_ALL_STEPS, sync)
 
@@ -170,7 +170,7 @@ class DistributedState:
         late = []
         for u in others:  # in unit order: the next forward waits for each unit's own copy
             if u.index in received and _wire_shared(u):
-                engine.refresh_wire(u, written=True, received=(received[u.index],))
+                engine.host.refresh_wire(u, written=True, received=(received[u.index],))
             else:
                 late.append(u)
         clock = self.sync_seconds.add("broadcasts issued", clock)
@@ -192,9 +192,9 @@ class DistributedState:
                 event = received[u.index]
                 if event is not None:
                     self.wait_event(event, f"receiving unit {u.name!r} from rank {u.owner}")
-                engine.refresh_wire(u, written=_wire_shared(u), received=(event,))
+                engine.host.refresh_wire(u, written=_wire_shared(u), received=(event,))
             else:
-                engine.refresh_wire(u, written=_wire_shared(u))
+                engine.host.refresh_wire(u, written=_wire_shared(u))
         # every send and receive has ended before the worker goes on: its next tasks (host
         # steps and their refreshes) rewrite device copies that a broadcast may still read
         for u, event in sent:
@@ -349,8 +349,8 @@ class DistributedState:
 # A unit every rank keeps resident is stepped by its owner alone, and every rank must then
 # refresh its device copy. From the host that costs each rank the units it does not own
 # (N-1 of N of the resident bytes) over its own PCIe link while the next forward waits: on
-# 4 GPUs with a 2.7 B model resident, 4.0 GB per rank and step, about the 100 ms by which a
-# 4-GPU step exceeded one GPU's (benchmarks/results/2026-11-27-nvidia-h200-x4-scaling). The
+# 4 GPUs with a 2.7 B model resident, 4.0 GB per rank and step (what that cost is in
+# docs/multi-gpu.md, "Measured"). The
 # owner already refreshed its own copy during backward, right after its step (or stepped it
 # there, [Note: the device optimizer under ZeRO] in ``ramflow.engine.device_stepper``); by default
 # (``RAMFLOW_REFRESH_BY_BROADCAST=0``, read by ``ramflow.offload``, turns it off) the others
@@ -360,9 +360,8 @@ class DistributedState:
 # for its backward's last use of the unit (``idle_events``), the owner's send for its step
 # or refresh (``device_step_event``, ``h2d_event``), and the receiver's next use waits for
 # the broadcast's event as for a load. The bytes are the owner's copy of the same shared
-# wire copy, so results are unchanged (tested on gloo and NCCL). On by default since it was
-# measured on 2 x H200 (lean, 4x2048 per GPU: 420 ms against 446 ms from the host;
-# benchmarks/results/2026-11-27-nvidia-h200-x2-nccl-refresh); the ranks must agree on the
+# wire copy, so results are unchanged (tested on gloo and NCCL). On by default: it is the
+# faster (docs/multi-gpu.md, "Measured", gives the run); the ranks must agree on the
 # variable (``refresh_by_broadcast`` is a collective).
 # [Note: the step's sync]
 # Behind this rank's steps, the worker (``_sync``): (1) issues the broadcasts of the

@@ -20,7 +20,7 @@ the device whatever their share; ``False`` streams them with their units.
 Parameters that appear after ``offload`` (``peft.get_peft_model`` on an offloaded model adds
 its adapters to modules inside units) are adopted the same way at the next forward, and a
 unit whose parameters were all frozen since (PEFT freezes the base) stops sending gradients.
-See ``Engine.adopt_changes``.
+See ``ModelHooks.adopt_changes`` in ``ramflow.engine.model_hooks``.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ class DeviceParameters:
 # adapter; under ``frozen_format`` the base weight is a stand-in on the meta device, where
 # the write is lost without an error. So each PEFT tuner layer of an offloaded model gets
 # instance ``merge``/``unmerge`` methods that call PEFT's and then give the unit the new
-# host weights (``Engine.refresh_param``), and that refuse a compressed base before PEFT
+# host weights (``ModelHooks.refresh_param``), and that refuse a compressed base before PEFT
 # writes anything.
 
 

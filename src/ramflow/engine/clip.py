@@ -56,6 +56,7 @@ import torch.distributed as dist
 import torch.nn.utils.clip_grad as _torch_clip_module
 
 from ..units.registry import engine_of_param
+from .grad_scale import fold_grad_scale
 
 _TORCH_CLIP_GRAD_NORM = _torch_clip_module.clip_grad_norm_
 
@@ -150,7 +151,11 @@ def clip_grad_norm_(
                 "be clipped; set error_if_nonfinite=False to go on"
             )
     if total is None:
-        sharded = [e.dist for e in engines if e.dist is not None and e.dist.zero_stage == 2]
+        sharded = [
+            e.stepper.dist
+            for e in engines
+            if e.stepper.dist is not None and e.stepper.dist.zero_stage == 2
+        ]
         if sharded:
             return _clip_sharded(params, max_norm, float(norm_type), sharded[0], error_if_nonfinite)
         if not norm_only and not (fold and engines):
@@ -189,7 +194,7 @@ def _scale(params: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> 
     ``_clip_grads_with_norm_`` does (an fp32 multiply, the same bits)."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # PyTorch's arithmetic
     value = float(coef)
-    units: dict[int, tuple[Any, Any, list[torch.Tensor]]] = {}
+    units: dict[int, tuple[Any, list[torch.Tensor]]] = {}
     in_place: list[torch.Tensor] = []
     for p in params:
         if p.grad is None:
@@ -199,12 +204,12 @@ def _scale(params: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> 
         if u is None:
             in_place.append(p.grad)
         else:
-            units.setdefault(id(u), (engine, u, []))[2].append(p)
-    for engine, u, given in units.values():
+            units.setdefault(id(u), (u, []))[1].append(p)
+    for u, given in units.values():
         if value == 1.0:  # x * 1 is x: nothing to apply
             continue
         whole = len({id(p) for p in given}) == u.num_trainable
-        if not (whole and engine.fold_grad_scale(u, value)):
+        if not (whole and fold_grad_scale(u, value)):
             in_place.extend(p.grad for p in given)
     for g in in_place:
         g.mul_(coef.to(g.device))
@@ -216,7 +221,7 @@ def _norm_from_device(params: list[torch.Tensor], engines: list[Any]) -> torch.T
     stacks its per-tensor norms), when every engine has them; None: read the host
     gradients. Under ZeRO-2 (each rank keeps its own units) ``params`` must hold all of
     the engine's trainable parameters, whose norms are summed over the ranks."""
-    found = [engine.pass_param_norms() for engine in engines]
+    found = [engine.stepper.pass_param_norms() for engine in engines]
     if any(norms is None for norms in found):
         return None
     where: dict[int, tuple[Any, torch.Tensor, int]] = {}  # id(p) -> (engine, norms, index)
@@ -224,7 +229,9 @@ def _norm_from_device(params: list[torch.Tensor], engines: list[Any]) -> torch.T
         for u, vec in norms.items():
             for k, p in enumerate(u.owned[: u.num_trainable]):
                 where[id(p)] = (engine, vec, k)
-    sharded = {id(e) for e in engines if e.dist is not None and e.dist.zero_stage == 2}
+    sharded = {
+        id(e) for e in engines if e.stepper.dist is not None and e.stepper.dist.zero_stage == 2
+    }
     for engine in engines:
         if id(engine) in sharded:
             given = {id(p) for p in params}
@@ -252,7 +259,7 @@ def _norm_from_device(params: list[torch.Tensor], engines: list[Any]) -> torch.T
                 if mine
                 else torch.zeros((), dtype=torch.float32, device=engine.device)
             )
-            parts.append(_sum_over_ranks(local, engine.dist))
+            parts.append(_sum_over_ranks(local, engine.stepper.dist))
     if not parts:
         return torch.zeros((), dtype=torch.float32, device=engines[0].device)
     first = parts[0].device

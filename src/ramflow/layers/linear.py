@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..engine.engine import Engine
+from ..engine.options import EngineOptions
 from ..engine.worker import HostWorker
 from ..transfer.streams import CopyStreams
 from ..units.unit import _ALIGN, UnitSpec
@@ -73,16 +74,10 @@ def layer_engine(device: torch.device, wire_dtype: torch.dtype) -> Engine:
             if worker is None:
                 worker, streams = HostWorker(device), CopyStreams(device)
                 _shared[(os.getpid(), device)] = (worker, streams)
-            engine = Engine(
-                None,
-                [],
-                device=device,
-                wire_dtype=wire_dtype,
-                gpu_memory_bytes=None,
-                prefetch_depth=LAYER_PREFETCH_DEPTH,
-                worker=worker,
-                streams=streams,
+            options = EngineOptions(
+                device=device, wire_dtype=wire_dtype, prefetch_depth=LAYER_PREFETCH_DEPTH
             )
+            engine = Engine(None, [], options, worker=worker, streams=streams)
             _engines[key] = engine
         return engine
 

@@ -91,7 +91,9 @@ class HostOptimizer(torch.optim.Optimizer):
         """Make the flat states of ``engine``'s units that this process steps and this
         optimizer holds parameters of, unless made already. See [Note: states made
         before the first step]."""
-        donors = [o for o in engine.optimizers if o is not self and isinstance(o, HostOptimizer)]
+        donors = [
+            o for o in engine.stepper.optimizers if o is not self and isinstance(o, HostOptimizer)
+        ]
         for u in engine.units:
             if u in self._unit_state or not u.num_trainable or not engine.stepper.steps_here(u):
                 continue
@@ -188,7 +190,7 @@ class HostOptimizer(torch.optim.Optimizer):
         a word: nothing the user asked for is ignored."""
         if hasattr(self, "device_flat_step"):  # as the stepper asks (``DeviceStepper.steppable``)
             return
-        if engine.device_optimizer is not True:
+        if engine.options.device_optimizer is not True:
             return
         planned = sum(u.device_stepped for u in engine.units)
         if planned:

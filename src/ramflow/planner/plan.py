@@ -225,7 +225,7 @@ def with_device_optimizer(
 # [Note: the device optimizer's default]
 # ``ramflow.offload(device_optimizer=None)`` (the default) lets the planner choose the units
 # stepped on the device (under ZeRO each rank among the units it owns, on its share of the
-# host's cores: ``Engine._with_device_optimizer``). It refuses where a device step cannot
+# host's cores: ``ramflow.planner.unit_plan.complete_plan``). It refuses where a device step cannot
 # apply or would change the run (a reason in the plan): no budget, the CPU as the device,
 # trainable parameters on the device (LoRA), fp32 masters (their device step is fused CUDA
 # AdamW, not the CPU kernel's bits: a run would depend on which units fit; ``True`` forces it).

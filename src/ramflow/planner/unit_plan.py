@@ -1,0 +1,194 @@
+"""The plan of an engine's units: residents and window for the budget, the host figures of
+its host formats, and the units stepped on the device.
+
+The engine (``ramflow.engine.engine``) calls ``plan_units`` when its units or the
+parameters it keeps on the device change, and ``complete_plan`` on the plan it keeps. Both
+are pure: they read the units and the formats, and change nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..formats.host import HostPrecision
+from ..transfer.streams import StagingBuffers
+from ..units.unit import Unit, plan_inputs
+from .cpu_rates import rates_for
+from .plan import OffloadPlan, auto_device_optimizer, make_plan, with_device_optimizer
+from .predict import Rates
+
+
+@dataclass(frozen=True)
+class DeviceOptimizerChoice:
+    """Which units an engine asks to step on the device (``ramflow.offload``'s
+    ``device_optimizer``).
+
+    Attributes:
+        forced: True: every resident unit whose states fit the budget; False (default):
+            none; None: the planner chooses (see [Note: the device optimizer's default] in
+            ``ramflow.planner.plan``).
+        reason: with ``forced=False``, why none (the plan's ``device_optimizer_reason``);
+            default None: ``"device_optimizer=False"``.
+        owners: under ZeRO, the owner rank of each unit, by unit index; default None: one
+            process, every unit is this process's.
+        rank: this process's rank under ZeRO; default None.
+    """
+
+    forced: bool | None = False
+    reason: str | None = None
+    owners: tuple[int, ...] | None = None
+    rank: int | None = None
+
+
+def plan_units(
+    units: list[Unit],
+    *,
+    device: torch.device,
+    wire_dtype: torch.dtype,
+    gpu_memory_bytes: int | None,
+    prefetch_depth: int,
+    fixed_bytes: int,
+) -> OffloadPlan:
+    """The device plan of ``units`` (in module order) under ``gpu_memory_bytes`` (None: no
+    cap), with ``fixed_bytes`` always on the device besides the units (buffers, adapters);
+    on CUDA the staging buffers of compressed weights (``ramflow.transfer.streams``) are
+    added. Host fields and device steps are left for ``complete_plan``.
+
+    Raises:
+        ValueError: the budget is too small (the message gives the smallest that works).
+    """
+    # compressed weights are staged on the device, two units' at most (ramflow.transfer.streams)
+    staging = 0
+    if device.type == "cuda":
+        largest = max((u.packed_bytes(wire_dtype) for u in units), default=0)
+        staging = StagingBuffers.COUNT * largest
+    return make_plan(
+        device=str(device),
+        **plan_inputs(units, wire_dtype),
+        fixed_bytes=fixed_bytes + staging,
+        gpu_memory_bytes=gpu_memory_bytes,
+        prefetch_depth=prefetch_depth,
+    )
+
+
+def device_optimizer_refusal(
+    *,
+    device: torch.device,
+    gpu_memory_bytes: int | None,
+    trainable_on_device: bool,
+    precision: HostPrecision,
+) -> str | None:
+    """Why ``device_optimizer=None`` steps no unit on the device before any prediction
+    (None: the planner predicts). ``trainable_on_device``: trainable parameters (LoRA
+    adapters) are kept on the device."""
+    if device.type != "cuda":
+        return "the device is the CPU"
+    if gpu_memory_bytes is None:
+        return "no gpu_memory budget"
+    if trainable_on_device:
+        return "trainable parameters are kept on the device (LoRA adapters step there)"
+    if precision.is_exact:
+        return (
+            "fp32 masters: their device step does not give the CPU step's bits, so the "
+            "run would depend on the plan (device_optimizer=True forces it)"
+        )
+    return None
+
+
+def complete_plan(
+    plan: OffloadPlan,
+    units: list[Unit],
+    *,
+    wire_dtype: torch.dtype,
+    precision: HostPrecision,
+    precision_reason: str | None,
+    host_bytes: int,
+    frozen_format: str | None,
+    device_optimizer: DeviceOptimizerChoice,
+    refusal: str | None,
+) -> OffloadPlan:
+    """``plan`` (of ``units``, from ``plan_units``) with its host figures under
+    ``precision`` (with ``precision_reason``, why these formats; ``host_bytes``: the host
+    store's and the optimizer states' bytes, as the engine's host store counts them) and
+    the units stepped on the device as ``device_optimizer`` asks, with the reason;
+    ``refusal`` (``device_optimizer_refusal``) answers ``forced=None`` before any
+    prediction."""
+    plan = dataclasses.replace(
+        plan,
+        host_precision=precision.name,
+        host_bytes_per_parameter=precision.bytes_per_parameter(
+            trainable=True, wire_dtype=wire_dtype
+        ),
+        host_bytes=host_bytes,
+        host_deferred_bytes=precision.host_bytes(units, wire_dtype).deferred_gradients,
+        host_precision_reason=precision_reason,
+        frozen_format=frozen_format,
+        unit_h2d_bytes=tuple(u.h2d_bytes(wire_dtype) for u in units),
+    )
+    return _with_device_optimizer(
+        plan,
+        units,
+        wire_dtype=wire_dtype,
+        precision=precision,
+        choice=device_optimizer,
+        refusal=refusal,
+    )
+
+
+def _with_device_optimizer(
+    plan: OffloadPlan,
+    units: list[Unit],
+    *,
+    wire_dtype: torch.dtype,
+    precision: HostPrecision,
+    choice: DeviceOptimizerChoice,
+    refusal: str | None,
+) -> OffloadPlan:
+    """``plan`` with the units stepped on the device: all that fit when forced (True),
+    none when refused (False), the planner's choice when None; with the reason."""
+    sizes = dict(
+        bytes_per_param=precision.device_step_bytes_per_parameter,
+        scratch_bytes=precision.device_step_scratch_bytes,
+    )
+    owners, rank = choice.owners, choice.rank
+    # under ZeRO only the units this rank owns (see [Note: the device optimizer under
+    # ZeRO] in ramflow.engine.stepper): a unit of no trainable elements is never chosen
+    numels = [u.trainable_numel if u.owner is None or u.owner == rank else 0 for u in units]
+    if choice.forced is True:
+        plan = with_device_optimizer(plan, numels, **sizes)
+        fits = "" if plan.device_stepped else ", but no unit's states fit the budget"
+        if owners is not None:
+            fits = f" (the units rank {rank} owns){fits}"
+        return dataclasses.replace(plan, device_optimizer_reason=f"device_optimizer=True{fits}")
+    if choice.forced is False:
+        why = choice.reason or "device_optimizer=False"
+        return dataclasses.replace(plan, device_optimizer_reason=why)
+    # see [Note: the device optimizer's default] in ramflow.planner.plan
+    if refusal is not None:
+        return dataclasses.replace(plan, device_optimizer_reason=f"none: {refusal}")
+    rates = rates_for(Rates(), precision.name)
+    if owners is not None:
+        # per rank: its own units, on its share of the host's cores (the ranks of a
+        # host split them), see [Note: the device optimizer under ZeRO] in ramflow.engine.stepper
+        ranks = len(set(owners))
+        rates = dataclasses.replace(
+            rates, cpu_optimizer_params_per_s=rates.cpu_optimizer_params_per_s / ranks
+        )
+    plan = auto_device_optimizer(
+        plan,
+        numels,
+        **sizes,
+        rates=rates,
+        grad_bytes_per_param=torch.empty((), dtype=wire_dtype).element_size(),
+    )
+    if owners is None:
+        return plan
+    why = (
+        f"{plan.device_optimizer_reason} (under ZeRO: among the units rank {rank} "
+        f"owns, its CPU optimizer at 1/{ranks} of the host's rate; the other ranks take "
+        "them from the shared host store or its device)"
+    )
+    return dataclasses.replace(plan, device_optimizer_reason=why)
