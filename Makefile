@@ -65,10 +65,14 @@ test-newest: $(TEST_STAMP)
 train: $(STAMP)
 	$(BIN)/ramflow train $(ARGS)
 
-# one line per test file (not -q's bare dots), so a 15-minute run shows where it is
+# Two pytest-xdist workers (TEST_WORKERS, one per core of CI's 2), each test file whole in
+# one worker so that a module's fixtures run once; each worker takes its share of the cores'
+# threads ([Note: threads per test worker] in tests/conftest.py). TEST_WORKERS=0 runs the
+# suite in this one process; PYTEST_ARGS adds pytest options.
+TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	@echo "make test: the whole suite takes about 12 minutes on 2 CPU cores; one line per test file"
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	@echo "make test: the whole suite takes about 20 minutes on 2 free CPU cores (2 workers)"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

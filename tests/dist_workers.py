@@ -2,8 +2,18 @@
 
 Each worker takes (rank, world_size, options) and writes what it measured to
 ``options["out"]/rank{rank}.pt``; an exception is written there too, as text, so that the
-test can assert on it. Processes are real (``spawn``), the process group is gloo on the
-CPU (CI) or NCCL on GPUs (the GPU box).
+test can assert on it. Processes are real (forked from a server that has imported torch
+and ramflow once), the process group is gloo on the CPU (CI) or NCCL on GPUs (the GPU box).
+
+[Note: ranks fork from a preloaded server]
+A spawned rank imports torch, ramflow and transformers before it runs a line of the test:
+about 4 CPU-seconds, most of a small distributed test's cost. The ranks are started
+through multiprocessing's ``forkserver`` instead, whose server imports this module (and
+with it torch and ramflow) once per test process (``tests/conftest.py`` sets its preload
+list); each rank is a fork of it, a fresh process with no CUDA context, threads or process
+group of the test's. The server's environment is the one of the moment it started, so
+each rank takes the test's environment at ``run`` (a ``monkeypatch.setenv`` before ``run``
+reaches the ranks, as it did with ``spawn``).
 """
 
 from __future__ import annotations
@@ -49,10 +59,14 @@ def run(fn, world_size: int, options: dict, *, timeout: float = 120.0) -> list[d
     each rank's result (a dict; ``{"error": text}`` for a rank that raised, ``{"exitcode":
     n}`` for one that died). Ranks still running after ``timeout`` seconds are killed and
     reported as ``{"timeout": True}``."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # See [Note: ranks fork from a preloaded server]
     out = options["out"]
     os.makedirs(out, exist_ok=True)
-    options = {**options, "init": f"file://{os.path.join(out, 'rendezvous')}"}
+    options = {
+        **options,
+        "init": f"file://{os.path.join(out, 'rendezvous')}",
+        "environ": dict(os.environ),
+    }
     procs = [
         ctx.Process(target=_entry, args=(fn, r, world_size, options)) for r in range(world_size)
     ]
@@ -77,6 +91,9 @@ def run(fn, world_size: int, options: dict, *, timeout: float = 120.0) -> list[d
 
 
 def _entry(fn, rank: int, world_size: int, options: dict) -> None:
+    # the test's environment now, not the server's from when it started
+    os.environ.clear()
+    os.environ.update(options["environ"])
     torch.set_num_threads(1)
     if "shm_dir" in options:  # where the shared host store puts its files
         os.environ["RAMFLOW_SHM_DIR"] = options["shm_dir"]

@@ -513,30 +513,16 @@ needs_compiler = pytest.mark.skipif(
 
 
 @needs_compiler
-def test_processes_starting_at_once_both_run_and_environments_keep_their_builds(tmp_path):
-    """Two processes that start at once on an empty cache both get the native kernel
-    (one builds, the other waits and loads it). A second environment (here another
-    compiler) builds its own library beside it and leaves the first one's untouched."""
-    procs = [_kernel_process(tmp_path), _kernel_process(tmp_path)]
-    for p in procs:
-        _finish(p)
-    cache = tmp_path / "ramflow"  # see [Note: the kernel's build cache]
-    first = sorted(cache.glob("*.so"))
-    assert len(first) == 1, sorted(cache.iterdir())
-    assert not list(cache.glob("*.build"))  # nothing half-built left
-    before = first[0].stat()
-    _finish(_kernel_process(tmp_path, CXX="g++"))
-    _finish(_kernel_process(tmp_path))  # the first environment again
-    libs = sorted(cache.glob("*.so"))
-    assert len(libs) == 2 and first[0] in libs
-    after = first[0].stat()
-    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+def test_a_killed_build_blocks_no_one_and_environments_keep_their_builds(tmp_path):
+    """Each step on one cache folder, in one test so that the folder is built cold twice
+    (about 10 CPU-seconds a build), not four times:
 
-
-@needs_compiler
-def test_a_build_killed_half_way_does_not_block_the_next_process(tmp_path):
-    """A process killed while its compiler runs (with the compiler) leaves no lock that
-    the next process waits on: the next one builds and runs."""
+    1. A process killed while its compiler runs (with the compiler) leaves no lock that
+       the next process waits on.
+    2. Two processes that then start at once both get the native kernel (one builds, the
+       other waits and loads it), and nothing half-built stays behind.
+    3. A second environment (here another compiler) builds its own library beside it and
+       leaves the first one's untouched."""
     proc = _kernel_process(tmp_path)
     compilers = {"ninja", "c++", "g++", "cc1plus", "as", "ld", "collect2"}
     deadline = time.monotonic() + 240
@@ -551,7 +537,23 @@ def test_a_build_killed_half_way_does_not_block_the_next_process(tmp_path):
         pytest.fail(f"the build ended before it could be killed: {proc.communicate()}")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert "True" in _finish(_kernel_process(tmp_path))
+    cache = tmp_path / "ramflow"  # see [Note: the kernel's build cache]
+    assert not list(cache.glob("*.so"))  # killed before its library existed
+
+    procs = [_kernel_process(tmp_path), _kernel_process(tmp_path)]
+    for p in procs:
+        assert "True" in _finish(p)
+    first = sorted(cache.glob("*.so"))
+    assert len(first) == 1, sorted(cache.iterdir())
+    assert not list(cache.glob("*.build"))  # nothing half-built left
+    before = first[0].stat()
+
+    _finish(_kernel_process(tmp_path, CXX="g++"))
+    _finish(_kernel_process(tmp_path))  # the first environment again
+    libs = sorted(cache.glob("*.so"))
+    assert len(libs) == 2 and first[0] in libs
+    after = first[0].stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
 
 
 # ---- the lean kernels' 8-bit codes (_lean_kernels, [Note: 8-bit codes in one lookup]) -----

@@ -39,8 +39,10 @@ SAVE_PHASES = (
 )  # fmt: skip
 
 
-def _main(argv: list[str], fault: str | None) -> None:
+def _main(argv: list[str], fault: str | None, environ: dict[str, str]) -> None:
     """The child process: ``ramflow ARGV`` with the fault hook set, exiting with its status."""
+    os.environ.clear()  # the test's environment, not the forkserver's from its start
+    os.environ.update(environ)
     if fault is not None:
         os.environ["RAMFLOW_TEST_FAULT"] = fault
     sys.exit(cli.main(argv))
@@ -49,14 +51,13 @@ def _main(argv: list[str], fault: str | None) -> None:
 @pytest.fixture(scope="module")
 def spawn():
     """Start ``ramflow ARGV`` (with ``fault``) as a child process; returns the Process."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(
-        ["torch", "transformers", "transformers.models.llama.modeling_llama", "ramflow.train"]
-    )
+    ctx = multiprocessing.get_context("forkserver")  # its preload: tests/conftest.py
     started = []
 
     def start(*argv: str | Path, fault: str | None = None) -> multiprocessing.Process:
-        proc = ctx.Process(target=_main, args=([str(a) for a in argv], fault), daemon=True)
+        proc = ctx.Process(
+            target=_main, args=([str(a) for a in argv], fault, dict(os.environ)), daemon=True
+        )
         proc.start()
         started.append(proc)
         return proc
