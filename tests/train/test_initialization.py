@@ -221,3 +221,30 @@ def test_write_many_checks_every_name_first():
     for std in (float("inf"), float("nan"), -1.0):
         with pytest.raises(ValueError, match="std must be"):
             SeededInit(model, seed=0, std=std)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+def test_mixtures_of_experts_follow_transformers_rules(family):
+    """The MoE presets (``ramflow train --preset deepseek-v2-lite``) start from the seeded
+    init too: each family's fused expert matrices, router and (gpt-oss) sinks get a rule,
+    the same that family's ``_init_weights`` applies: N(0, initializer_range), expert
+    biases zero. A module without a rule would raise ValueError here."""
+    from moe_models import moe_config
+
+    config = moe_config(family)
+    config.initializer_range = 0.05
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    init = SeededInit(model, seed=0)
+    params = dict(model.named_parameters())
+    experts = [n for n in params if ".experts." in n]
+    assert experts, "the family's experts are fused parameters of an Experts module"
+    for name, p in params.items():
+        out = torch.empty(p.shape)
+        init(name, out)
+        kind = type(model.get_submodule(name.rpartition(".")[0])).__name__
+        if kind.endswith("Experts") and name.endswith("bias"):
+            assert out.eq(0).all(), name
+        elif kind.endswith("Experts") or "Router" in kind or name.endswith("sinks"):
+            # thousands of draws at least: the sample's std within 10% of 0.05
+            assert abs(out.std().item() - 0.05) < 0.005 * (1 + 1e3 / out.numel()), name

@@ -149,6 +149,17 @@ class SeededInit:
             return _NORMAL, module.padding_idx
         if _is_norm(module) and pname in ("weight", "bias"):
             return (_ONES if pname == "weight" else _ZEROS), None
+        # mixture-of-experts blocks, as transformers' MoE families initialize them (Qwen3-MoE,
+        # Mixtral, gpt-oss, DeepSeek-V2/V3): the fused expert matrices normal and their
+        # biases zero; the router's weight (and gpt-oss' router bias) normal; gpt-oss'
+        # attention sinks normal
+        kind = type(module).__name__
+        if kind.endswith("Experts"):
+            return (_ZEROS if pname.endswith("bias") else _NORMAL), None
+        if "Router" in kind and pname in ("weight", "bias"):
+            return _NORMAL, None
+        if pname == "sinks":
+            return _NORMAL, None
         return None
 
     def chunk_seed(self, name: str, index: int) -> int:
