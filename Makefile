@@ -71,7 +71,7 @@ train: $(STAMP)
 # suite in this one process; PYTEST_ARGS adds pytest options.
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	@echo "make test: the whole suite takes about 20 minutes on 2 free CPU cores (2 workers)"
+	@echo "make test: the whole suite takes about 11 minutes on 2 free CPU cores (2 workers)"
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(TEST_STAMP)

@@ -57,7 +57,7 @@ import ramflow
 from ramflow.train.data import build_corpus, epoch_order_seed, find_documents
 from ramflow.train.initialization import SeededInit
 from ramflow.train.loss import chunk_lm_head, lm_loss
-from ramflow.train.lr_schedule import warmup_cosine
+from ramflow.train.lr_schedule import default_warmup_steps, warmup_cosine
 from ramflow.train.presets import get_preset
 from ramflow.train.ranks import NUMA_BINDINGS, bind_to_gpu_node
 from ramflow.train.tokenizer import ByteTokenizer
@@ -104,7 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, help="sequences per rank and step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--lr", type=float, help="peak learning rate")
-    p.add_argument("--warmup-steps", type=int, help="default: a fifth of --steps, at most 200")
+    p.add_argument(
+        "--warmup-steps", type=int, help="default: a fifth of --steps, at most 200, at least 1"
+    )
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--weight-decay", type=float, default=0.1, help="of matrices only")
     p.add_argument("--host-precision", default="lean", help="fp32, bf16, lean or kahan")
@@ -128,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
     if args.warmup_steps is None:
-        args.warmup_steps = min(200, args.steps // 5)
+        args.warmup_steps = default_warmup_steps(args.steps)
     return args
 
 

@@ -13,6 +13,7 @@ from .estimate import CHECKPOINTING_MODES
 from .generation import resolve_model_dir
 from .hub import resolve_hub_model
 from .lora import check_frozen_format, parse_targets
+from .lr_schedule import default_warmup_steps
 from .modeling import read_config
 from .optimizers import OPTIMIZER_DEFAULTS, OPTIMIZERS
 from .precision import PRECISIONS
@@ -355,7 +356,7 @@ class TrainConfig:
             given["batch_size"] *= given.pop("grad_accum")  # the global batch, fitted later
         steps = given["steps"]
         given.setdefault("decay_steps", steps)
-        given.setdefault("warmup_steps", max(1, min(200, steps // 5)))
+        given.setdefault("warmup_steps", default_warmup_steps(steps))
         _size_validation(given)
         return cls(**given)
 

@@ -12,6 +12,12 @@ from collections.abc import Callable
 import torch
 
 
+def default_warmup_steps(total_steps: int) -> int:
+    """Warmup steps when none are given: a fifth of the run, at most 200, and never 0 (a
+    model from random weights takes at most half the peak learning rate at step 1)."""
+    return max(1, min(200, total_steps // 5))
+
+
 def warmup_cosine(
     *, warmup_steps: int, total_steps: int, min_lr_ratio: float
 ) -> Callable[[int], float]:
