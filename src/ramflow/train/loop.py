@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
+from torch import nn
 
 import ramflow
 
@@ -154,24 +157,62 @@ def _diverged(
     )
 
 
-def run_loop(
-    config,
-    setup,
-    run_dir,
-    report,
-    stop,
-    on_step,
-    model,
-    opt,
-    sched,
-    scaler,
-    batches,
-    param_names,
-    step,
-    tokens_seen,
-    ranks,
-    checkpointing: RunCheckpointing,
-) -> TrainResult:
+@dataclass(frozen=True)
+class LoopRun:
+    """What a training loop runs within: the run's settings and where its output goes.
+
+    Attributes:
+        config: the run's ``TrainConfig``.
+        setup: what ``prepare_run`` built (policy, tokenizer, corpus, estimate).
+        run_dir: the run folder (``Path``).
+        report: progress, log and plot (``RunReport``).
+        stop: the Ctrl-C / SIGTERM flag the loop polls between steps.
+        on_step: called with each step's log record, or None.
+        ranks: this process's rank, world size and process group (``Ranks``).
+        checkpointing: the activation checkpointing in force and its back-off.
+    """
+
+    config: Any
+    setup: Any
+    run_dir: Path
+    report: Any
+    stop: Any
+    on_step: Callable[[dict], None] | None
+    ranks: Any
+    checkpointing: RunCheckpointing
+
+
+@dataclass(frozen=True)
+class LoopState:
+    """The training state a loop starts from (fresh, or as a resume restored it).
+
+    Attributes:
+        model: the offloaded (or resident) model.
+        opt: its optimizer; sched: its LR scheduler; scaler: a GradScaler or None.
+        batches: the resumable batch stream.
+        param_names: parameter -> name, for checkpoints.
+        step: steps done so far; tokens_seen: tokens trained on so far (every rank's).
+    """
+
+    model: nn.Module
+    opt: Any
+    sched: Any
+    scaler: Any
+    batches: Any
+    param_names: Any
+    step: int
+    tokens_seen: int
+
+
+def run_loop(run: LoopRun, state: LoopState) -> TrainResult:
+    """Train from ``state`` to ``run.config.steps``: steps, validation, checkpoints, the
+    summary. Returns the run's ``TrainResult``; raises ``LossDiverged`` on a loss that is
+    not finite, and stops early (saving a checkpoint) when ``run.stop`` is set."""
+    config, setup, run_dir, report = run.config, run.setup, run.run_dir, run.report
+    stop, on_step, ranks, checkpointing = run.stop, run.on_step, run.ranks, run.checkpointing
+    model, opt, sched, scaler = state.model, state.opt, state.sched, state.scaler
+    batches, param_names = state.batches, state.param_names
+    step, tokens_seen = state.step, state.tokens_seen
     policy, corpus = setup.policy, setup.corpus
     # every rank's tokens: see [Note: several ranks from the CLI] in ranks.py
     tokens_per_step = config.tokens_per_step * ranks.world_size

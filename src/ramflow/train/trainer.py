@@ -48,7 +48,7 @@ from ..optim import muon_param_groups
 from .backoff import RunCheckpointing, checkpointing_policy, fit_micro_batch
 from .config import TrainConfig, resume_config
 from .data import BatchStream
-from .loop import TrainResult, evaluate, run_loop
+from .loop import LoopRun, LoopState, TrainResult, evaluate, run_loop
 from .lora import (
     apply_lora,
     count_lora_parameters,
@@ -636,22 +636,8 @@ def _train(
                 }
             )
         return run_loop(
-            config,
-            setup,
-            run_dir,
-            report,
-            stop,
-            on_step,
-            model,
-            opt,
-            sched,
-            scaler,
-            batches,
-            param_names,
-            step,
-            tokens_seen,
-            ranks,
-            checkpointing,
+            LoopRun(config, setup, run_dir, report, stop, on_step, ranks, checkpointing),
+            LoopState(model, opt, sched, scaler, batches, param_names, step, tokens_seen),
         )
     finally:
         with contextlib.suppress(Exception):  # leave no optimizer step running at exit
