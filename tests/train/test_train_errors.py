@@ -368,3 +368,25 @@ def test_out_at_a_file_is_refused(tmp_path: Path, corpus_file: Path, ramflow_cli
         expect="is a file, not a folder",
     )  # fmt: skip
     assert out.read_text() == "mine"
+
+
+def test_a_misspelt_choice_is_one_line_with_the_closest_and_version_answers():
+    """argparse's usage errors are one line on stderr (no usage block) naming the closest
+    choice; ``--version`` prints the package's version."""
+    import subprocess
+    import sys
+
+    import ramflow
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "ramflow", "train", "--host-precision", "lena"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "did you mean 'lean'?" in lines[0], bad.stderr
+    version = subprocess.run(
+        [sys.executable, "-m", "ramflow", "--version"], capture_output=True, text=True
+    )
+    assert version.returncode == 0 and version.stdout.strip() == f"ramflow {ramflow.__version__}"

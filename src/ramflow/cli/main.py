@@ -10,10 +10,12 @@ a checkpoint).
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import signal
 import sys
 from collections.abc import MutableMapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from ..formats.host import PRESETS
 from ..train.loop import LossDiverged
@@ -168,12 +170,29 @@ def _shape_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse with usage errors on one line (no usage block), and the closest choice
+    suggested for a misspelt one: ``--host-precision lena`` -> did you mean 'lean'?"""
+
+    def error(self, message: str) -> NoReturn:
+        hint = ""
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if m:
+            choices = re.findall(r"'([^']*)'", m.group(2))
+            close = difflib.get_close_matches(m.group(1), choices, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint} (--help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from .. import __version__
+
+    parser = _OneLineErrors(
         prog="ramflow",
         description="Train and run models whose weights live in CPU RAM.",
         epilog=_EXIT_STATUS,
     )
+    parser.add_argument("--version", action="version", version=f"ramflow {__version__}")
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="{train,generate,plan,profile}"
     )
