@@ -246,5 +246,7 @@ def test_mixtures_of_experts_follow_transformers_rules(family):
         if kind.endswith("Experts") and name.endswith("bias"):
             assert out.eq(0).all(), name
         elif kind.endswith("Experts") or "Router" in kind or name.endswith("sinks"):
-            # thousands of draws at least: the sample's std within 10% of 0.05
+            # the sample's std within 10% of 0.05 for the large tensors; the bound widens
+            # as 1e3 / numel for small ones (a router of 512, gpt-oss' 4 sinks), whose
+            # sample std is too noisy for 10%
             assert abs(out.std().item() - 0.05) < 0.005 * (1 + 1e3 / out.numel()), name
