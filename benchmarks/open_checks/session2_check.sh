@@ -1,0 +1,34 @@
+#!/bin/bash
+# The GPU checks of the second 2026-12-07 session (issues 47, 48), on one GPU, as device calls:
+#   bash benchmarks/open_checks/session2_check.sh predict   the reference cases with the floors
+#       (the planner's prediction beside each measured step), fp32 twice (run-to-run loss), and
+#       the loading rate of a 14B shape (issue 48 point 5)
+#   bash benchmarks/open_checks/session2_check.sh tests     the GPU suite (pytest -m gpu)
+# Carry [".whl"]. Each part writes under $OUT.
+set -u
+PART=${1:?usage: session2_check.sh predict|tests}
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
+export PYTHONPATH=$PWD/src:/tmp/site
+commit=$(git log -1 --format=%h 2>/dev/null || echo unknown)
+{ echo "commit $commit"; nvidia-smi --query-gpu=name,memory.total --format=csv; nproc; free -g; python3 -c "import torch; print(torch.__version__)"; } > "$OUT/device-$PART.txt" 2>&1
+( time timeout 150 python3 -m ramflow.build_kernels ) >> "$OUT/device-$PART.txt" 2>&1
+case "$PART" in
+predict)
+  RAMFLOW_BENCH_COMMIT=$commit timeout 260 python3 benchmarks/bench.py --floors --ramflow \
+    --only train --host-precision lean --budget-s 230 --out-dir /tmp/bench-lean > "$OUT/bench.log" 2>&1
+  cp /tmp/bench-lean/*/*.json "$OUT/" 2>/dev/null
+  for i in 1 2; do
+    RAMFLOW_BENCH_COMMIT=$commit timeout 80 python3 benchmarks/bench.py --ramflow \
+      --only train.4x2048 --host-precision fp32 --budget-s 70 --out-dir /tmp/bench-fp32-$i >> "$OUT/bench.log" 2>&1
+    cp /tmp/bench-fp32-$i/*/*.json "$OUT/bench-fp32-run$i.json" 2>/dev/null
+  done
+  for hp in fp32 lean; do
+    timeout 150 python3 benchmarks/load/load_rate.py --params 1.4e10 --sources seeded,normal \
+      --host-precision $hp --threads 16 --out "$OUT/load-rate-14b-$hp.json" >> "$OUT/load-rate.txt" 2>&1
+    echo "rc=$? at ${SECONDS}s" >> "$OUT/load-rate.txt"
+  done ;;
+tests)
+  timeout 500 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rs --durations=15 > "$OUT/gpu-tests.txt" 2>&1
+  echo "rc=$? at ${SECONDS}s" >> "$OUT/gpu-tests.txt" ;;
+esac
