@@ -14,6 +14,11 @@ by the router] in ``ramflow.engine.expert_loading``.
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,9 +81,10 @@ def record_choices(model) -> dict[str, list[set[int]]]:
 
 
 def expert_bytes(model) -> int:
-    """Bytes of one expert of one layer, over its parameters, in the model's dtype."""
+    """Bytes of one expert of one layer, over its parameters, in the wire dtype."""
     m = next(m for m in model.modules() if is_experts_module(m))
-    return sum(p.numel() // m.num_experts * p.element_size() for p in m.parameters())
+    itemsize = engine_of_model(model).wire_dtype.itemsize
+    return sum(p.numel() // m.num_experts * itemsize for p in m.parameters())
 
 
 def prompt(device: torch.device, length: int = 5) -> torch.Tensor:
@@ -207,3 +213,26 @@ def test_lora_over_frozen_experts(device, family, checkpointing):
     assert 0 < routed_bytes < whole_bytes
     for model in models:
         ramflow.undo(model)
+
+
+def test_benchmark_smoke(tmp_path: Path) -> None:
+    """``benchmarks/moe/routed_experts.py --smoke``: both variants decode the same tokens,
+    and each decoded token moves exactly top-k experts per layer when routed (8 layers, 2
+    of 16 experts of 3 x 64 x 32 fp32 weights), every expert when not."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks/moe/routed_experts.py"), "--smoke",
+         "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "routed_experts.json").read_text())
+    assert result["same_tokens"]
+    whole, routed = result["variants"]
+    expert = 3 * 64 * 32 * 4
+    assert routed["expert_bytes_per_token"] == 8 * 2 * expert
+    assert whole["expert_bytes_per_token"] == 8 * 16 * expert
+    assert routed["h2d_bytes_per_token"] < whole["h2d_bytes_per_token"]
+    assert routed["decode_tokens_per_s"] > 0
+    assert "| routed |" in (tmp_path / "routed_experts.md").read_text()

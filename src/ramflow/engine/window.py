@@ -73,6 +73,8 @@ class DeviceWindow:
         self._staging = StagingBuffers()  # compressed units' copies land here first
         # seconds the computing thread waited in ``acquire`` for units not current yet
         self.wait_seconds = PhaseSeconds()
+        # bytes of weights copied H2D so far, loads and expert slices (benchmarks, tests)
+        self.bytes_loaded = 0
 
     # ------------------------------------------------------------------ set-up
 
@@ -223,16 +225,19 @@ class DeviceWindow:
             event = None
             for lo, hi in slices.rest:
                 event = self.streams.h2d(u.device_alias[lo:hi], u.wire[lo:hi])
+                self.bytes_loaded += (hi - lo) * u.wire.element_size()
             slices.forget()
             if self.poison_unloaded_experts:
                 self._poison(u)
         else:
             event = self.streams.h2d(u.device_alias[:k], u.wire) if k else None
+            self.bytes_loaded += k * u.wire.element_size()
             if slices is not None:
                 for g in slices.groups:
                     g.loaded.update(range(g.num_experts))
                     slices.expert_elements_loaded += g.num_experts * g.expert_numel()
         if u.frozen is not None:
+            self.bytes_loaded += u.frozen.host.numel() * u.frozen.host.element_size()
             # on the stream that waited for the H2D stream: this event also stands for the
             # kept elements' copy
             event = self.streams.h2d_then(
@@ -276,6 +281,7 @@ class DeviceWindow:
                 for lo, hi in group.runs(missing):
                     event = self.streams.h2d(u.device_alias[lo:hi], u.wire[lo:hi])
                     slices.expert_elements_loaded += hi - lo
+                    self.bytes_loaded += (hi - lo) * u.wire.element_size()
                 group.loaded.update(missing)
                 group.event = event
                 if event is not None:
