@@ -223,12 +223,12 @@ class DeviceWindow:
         if slices is not None and self._slices_experts(u):
             # See [Note: experts loaded by the router] in ramflow.engine.expert_loading
             event = None
+            if self.poison_unloaded_experts:
+                self._poison(u)  # before the copies: their event covers it
             for lo, hi in slices.rest:
                 event = self.streams.h2d(u.device_alias[lo:hi], u.wire[lo:hi])
                 self.bytes_loaded += (hi - lo) * u.wire.element_size()
             slices.forget()
-            if self.poison_unloaded_experts:
-                self._poison(u)
         else:
             event = self.streams.h2d(u.device_alias[:k], u.wire) if k else None
             self.bytes_loaded += k * u.wire.element_size()
@@ -255,8 +255,15 @@ class DeviceWindow:
     def _slices_experts(self, u: Unit) -> bool:
         """Whether a load of ``u`` leaves its experts to ``load_experts``: not for a unit
         kept on the device (its copy serves every later call, and a step on the device
-        reads and writes back every expert)."""
-        return self.routed_experts and not u.resident and not u.device_stepped
+        reads and writes back every expert), nor, where an experts module is trained, for
+        a load issued under grad, in backward or by the host worker (a training pass needs
+        every expert: loading them with the unit keeps them prefetched)."""
+        if not self.routed_experts or u.resident or u.device_stepped:
+            return False
+        if all(not g.trainable for g in u.expert_slices.groups):
+            return True
+        in_backward = torch._C._current_graph_task_id() != -1
+        return not torch.is_grad_enabled() and not in_backward
 
     def _poison(self, u: Unit) -> None:
         """Fill the experts of ``u``'s device copy with NaN (tests; lock held)."""
