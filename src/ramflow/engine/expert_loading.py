@@ -22,8 +22,11 @@ When only the chosen experts load (otherwise all of them do, as before):
   and checks that the logits are bit-identical, for each implementation;
 - and no gradient is asked of the experts: a forward without grad (``torch.no_grad``,
   ``torch.inference_mode``, ``generate``), or experts that are not trained (frozen experts
-  under LoRA). Trained experts under grad load whole: their backward writes every expert's
-  gradient and the optimizer steps them all.
+  under LoRA). Trained experts load whole with their unit (prefetched, as before) when the
+  load is issued under grad, in backward or by the host worker after a step
+  (``DeviceWindow._slices_experts``): their backward writes every expert's gradient and the
+  optimizer steps them all. A unit left in the window by a no-grad forward with some
+  experts only gets the rest from the pre-hook of the next forward under grad.
 A forward under grad that will be followed by a backward registers a hook on the experts'
 output; its gradient arrives before the experts' backward runs (the unit is pinned for
 backward by then, and possibly loaded again, without experts), and the hook loads the
