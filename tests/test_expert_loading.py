@@ -266,3 +266,39 @@ def test_trained_experts_with_inference_between_steps(device, family):
         assert torch.equal(pa.detach(), pb.detach())
     ramflow.undo(routed)
     ramflow.undo(whole)
+
+
+def test_implementation_that_reads_every_expert_loads_them_all():
+    """An experts implementation outside eager, batched_mm and grouped_mm may read every
+    expert (this one adds 0 x the sum of all weights, NaN where one is NaN): the routed
+    model loads every expert for it and matches."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward
+
+    def reads_all(self, hidden_states, top_k_index, top_k_weights):
+        out = batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return out + 0 * (self.gate_up_proj.sum() + self.down_proj.sum())
+
+    ALL_EXPERTS_FUNCTIONS["ramflow_test_reads_all"] = reads_all
+    try:
+        device = torch.device("cpu")
+        routed, whole = offloaded_pair("qwen3_moe", "ramflow_test_reads_all", device)
+        x = prompt(device, length=2)
+        with torch.no_grad():
+            a = routed(x).logits
+            b = whole(x).logits
+        assert not a.isnan().any()
+        assert torch.equal(a, b)
+        total = sum(m.num_experts for m in routed.modules() if is_experts_module(m))
+        assert engine_of_model(routed).routed_experts.expert_bytes_loaded() == total * expert_bytes(
+            routed
+        )
+        ramflow.undo(routed)
+        ramflow.undo(whole)
+    finally:
+        del ALL_EXPERTS_FUNCTIONS["ramflow_test_reads_all"]
+
+
+def test_routed_experts_must_be_a_bool():
+    model = build("qwen3_moe", "eager", torch.device("cpu"))
+    with pytest.raises(TypeError, match="routed_experts must be True or False"):
+        ramflow.offload(model, device="cpu", routed_experts="yes")
