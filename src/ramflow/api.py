@@ -50,6 +50,7 @@ def offload(
     weights: Weights | None = None,
     frozen_format: str | None = None,
     trainable_on_device: bool | None = None,
+    routed_experts: bool = True,
 ) -> nn.Module:
     """Keep ``model``'s weights in CPU RAM and stream them through the device unit by unit.
 
@@ -73,6 +74,8 @@ def offload(
         weights: values for a meta-device model: safetensors path or ``weights(name, out)``.
         frozen_format: compress frozen matrices: ``"int8"``, ``"nf4"``; default None.
         trainable_on_device: keep trainable parameters (LoRA) on the device; None: PEFT's.
+        routed_experts: load an MoE layer's routed experts by the router's choice where
+            the result is unchanged (no grad, frozen experts); False: every expert, always.
 
     Raises (every case: docs/offload.md, "Errors"):
         TypeError: ``model``, ``wire_dtype``, ``device_optimizer`` or a checkpointing choice
@@ -164,6 +167,8 @@ def offload(
     remove_stale_store_files(shm_directory())  # of ranks that died: see [Note: host store files]
     start_background_build()  # see [Note: building before the first step]
     owners = None
+    if not isinstance(routed_experts, bool):
+        raise TypeError(f"routed_experts must be True or False, got {routed_experts!r}")
     if device_optimizer not in (None, True, False):
         raise TypeError(f"device_optimizer must be None, True or False, got {device_optimizer!r}")
     if zero_stage is not None:
@@ -216,6 +221,7 @@ def offload(
                 frozen_format=frozen_format,
                 owners=None if owners is None else tuple(owners),
                 rank=None if owners is None else dist.get_rank(),
+                routed_experts=routed_experts,
             )
             engine = Engine(
                 model,

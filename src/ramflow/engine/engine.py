@@ -38,6 +38,7 @@ from .adapters import DeviceParameters, device_bytes, materialize_meta_adapters
 from .checkpointer import ActivationCheckpointer
 from .clip import install_clip_route
 from .device_stepper import DeviceStepper
+from .expert_loading import RoutedExperts
 from .gradients import GradientPath
 from .host_stepper import HostStepper
 from .host_store import FillMaster, HostStore, optimizer_state_bytes
@@ -140,8 +141,13 @@ class Engine:
         self._unit_of_param: dict[int, Unit] = {}
         # the parts, each given the peers it calls (no cycle: see docs/design.md)
         self.window = DeviceWindow(
-            device=device, wire_dtype=wire_dtype, streams=self.streams, worker=self.worker
+            device=device,
+            wire_dtype=wire_dtype,
+            streams=self.streams,
+            worker=self.worker,
+            routed_experts=options.routed_experts,
         )
+        self.routed_experts = RoutedExperts(window=self.window)
         self.host = HostStore(
             device=device,
             wire_dtype=wire_dtype,
@@ -262,6 +268,10 @@ class Engine:
             if u.resident:
                 self.window.load_resident(u)
         self.schedule.add_units(new)
+        if self.options.routed_experts:
+            self.routed_experts.add_units(new)
+        else:
+            self.routed_experts.count_units(new)
         self.hooks.install_compressed(new, specs)
         if self._layer_engine:  # a layer: its own state dict is the way in and out
             for u in new:
@@ -478,6 +488,7 @@ class Engine:
         self.gradients.remove_hooks()
         self.checkpointer.uncheckpoint_units(model)
         self.schedule.restore(model)
+        self.routed_experts.remove()
         for u in self.units:
             self.device_stepper.drop_state(u)
             if u.compressed:

@@ -38,6 +38,9 @@ class EngineOptions:
         owners: under ZeRO, each unit's owner rank, by unit index; default None: one
             process.
         rank: this process's rank under ZeRO; default None.
+        routed_experts: load a mixture-of-experts layer's routed experts by the router's
+            choice where the result is unchanged (see [Note: experts loaded by the router]
+            in ``ramflow.engine.expert_loading``); default True.
     """
 
     device: torch.device
@@ -52,3 +55,4 @@ class EngineOptions:
     frozen_format: str | None = None
     owners: tuple[int, ...] | None = None
     rank: int | None = None
+    routed_experts: bool = True

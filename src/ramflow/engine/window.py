@@ -16,6 +16,7 @@ all-gathers). Gradient buffers are limited the same way: a third waits for the o
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from ..transfer.streams import CopyStreams, StagingBuffers, record_event
+from ..units.experts import ExpertGroup, find_expert_slices
 from ..units.unit import Unit, UnitSpec
 from .phase_times import PhaseSeconds
 from .worker import HostWorker
@@ -42,6 +44,9 @@ class DeviceWindow:
         wire_dtype: dtype of the device copies.
         streams: the copy streams of ``device``.
         worker: the host worker, whose errors a waiting acquire raises.
+        routed_experts: units with routed experts load them by the router's choice where
+            that leaves the result unchanged (see [Note: experts loaded by the router] in
+            ``ramflow.engine.expert_loading``); False: every load copies every expert.
     """
 
     def __init__(
@@ -51,8 +56,13 @@ class DeviceWindow:
         wire_dtype: torch.dtype,
         streams: CopyStreams,
         worker: HostWorker,
+        routed_experts: bool = False,
     ) -> None:
         self.device = device
+        self.routed_experts = routed_experts
+        # tests: fill the experts a sliced load leaves out with NaN, so that a computation
+        # that read one would show it
+        self.poison_unloaded_experts = False
         self.wire_dtype = wire_dtype
         self.streams = streams
         self.worker = worker
@@ -63,6 +73,8 @@ class DeviceWindow:
         self._staging = StagingBuffers()  # compressed units' copies land here first
         # seconds the computing thread waited in ``acquire`` for units not current yet
         self.wait_seconds = PhaseSeconds()
+        # bytes of weights copied H2D so far, loads and expert slices (benchmarks, tests)
+        self.bytes_loaded = 0
 
     # ------------------------------------------------------------------ set-up
 
@@ -89,6 +101,15 @@ class DeviceWindow:
                 owner = owner_of[id(host)]
                 if owner is not u and owner not in u.other_deps:
                     u.other_deps.append(owner)
+            if not u.rest:  # counted also when loaded whole
+                u.expert_slices = find_expert_slices(
+                    u.modules,
+                    u.owned,
+                    u.offsets,
+                    u.num_kept,
+                    u.kept_numel,
+                    spec.slots,
+                )
 
     def set_capacity(self, window_bytes: int) -> None:
         """The plan's window: bytes of device storage that non-resident units may hold."""
@@ -198,8 +219,25 @@ class DeviceWindow:
             for stream in u.used_streams:
                 self.streams.h2d_stream.wait_stream(stream)
         k = u.kept_numel
-        event = self.streams.h2d(u.device_alias[:k], u.wire) if k else None
+        slices = u.expert_slices
+        if slices is not None and self._slices_experts(u):
+            # See [Note: experts loaded by the router] in ramflow.engine.expert_loading
+            event = None
+            if self.poison_unloaded_experts:
+                self._poison(u)  # before the copies: their event covers it
+            for lo, hi in slices.rest:
+                event = self.streams.h2d(u.device_alias[lo:hi], u.wire[lo:hi])
+                self.bytes_loaded += (hi - lo) * u.wire.element_size()
+            slices.forget()
+        else:
+            event = self.streams.h2d(u.device_alias[:k], u.wire) if k else None
+            self.bytes_loaded += k * u.wire.element_size()
+            if slices is not None:
+                for g in slices.groups:
+                    g.loaded.update(range(g.num_experts))
+                    slices.expert_elements_loaded += g.num_experts * g.expert_numel()
         if u.frozen is not None:
+            self.bytes_loaded += u.frozen.host.numel() * u.frozen.host.element_size()
             # on the stream that waited for the H2D stream: this event also stands for the
             # kept elements' copy
             event = self.streams.h2d_then(
@@ -213,6 +251,51 @@ class DeviceWindow:
         u.device_version = u.host_version
         u.load_requested = False
         u.h2d_issued.set()
+
+    def _slices_experts(self, u: Unit) -> bool:
+        """Whether a load of ``u`` leaves its experts to ``load_experts``: not for a unit
+        kept on the device (its copy serves every later call, and a step on the device
+        reads and writes back every expert), nor, where an experts module is trained, for
+        a load issued under grad, in backward or by the host worker (a training pass needs
+        every expert: loading them with the unit keeps them prefetched)."""
+        if not self.routed_experts or u.resident or u.device_stepped:
+            return False
+        if all(not g.trainable for g in u.expert_slices.groups):
+            return True
+        in_backward = torch._C._current_graph_task_id() != -1
+        return not torch.is_grad_enabled() and not in_backward
+
+    def _poison(self, u: Unit) -> None:
+        """Fill the experts of ``u``'s device copy with NaN (tests; lock held)."""
+        stream = self.streams.h2d_stream if self.streams.is_cuda else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for g in u.expert_slices.groups:
+                for lo, hi in g.runs(list(range(g.num_experts))):
+                    u.device_alias[lo:hi].fill_(float("nan"))
+
+    def load_experts(self, u: Unit, group: ExpertGroup, experts: list[int] | None) -> None:
+        """Copy the slices of ``experts`` (sorted expert ids of ``group``; None: all) that
+        ``u``'s device copy lacks, and make the calling thread's stream wait for them.
+        ``u`` is pinned (its load issued). See [Note: experts loaded by the router] in
+        ``ramflow.engine.expert_loading``."""
+        with self._lock:
+            assert u.pins > 0 and u.allocated
+            wanted = range(group.num_experts) if experts is None else experts
+            missing = sorted(set(wanted) - group.loaded)
+            if missing:
+                slices = u.expert_slices
+                event = None
+                for lo, hi in group.runs(missing):
+                    event = self.streams.h2d(u.device_alias[lo:hi], u.wire[lo:hi])
+                    slices.expert_elements_loaded += hi - lo
+                    self.bytes_loaded += (hi - lo) * u.wire.element_size()
+                group.loaded.update(missing)
+                group.event = event
+                if event is not None:
+                    u.wire_read_event = event  # a later step's host write waits for it
+        stream = self.streams.compute_stream()
+        if stream is not None and group.event is not None:
+            stream.wait_event(group.event)  # See [Note: copies and events]
 
     def send_piece(self, u: Unit, lo: int, hi: int) -> None:
         """Worker: copy the wire range ``[lo, hi)`` that the step has just written to the

@@ -373,6 +373,10 @@ class Unit:
         self.h2d_issued = threading.Event()
         self.h2d_issued.set()
         self.load_requested = False
+        # the routed experts a load may leave out, and which the device copy holds (an
+        # ``ExpertSlices``, None: loaded whole). See [Note: experts as slices of a unit] in
+        # ``ramflow.units.experts``
+        self.expert_slices: Any = None
         # gradients (``engine.gradients``)
         self.host_grad: torch.Tensor | None = None
         self.host_grad_views: list[torch.Tensor] = []
