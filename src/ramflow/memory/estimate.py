@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..activations.report import ActivationReport
+from ..choices import CHECKPOINTING_MODES
 from ..engine.host_store import host_ram_available, resolve_precision
 from ..formats.host import HostPrecision
 from ..planner.costs import ParameterCounts, parameter_counts
@@ -34,7 +35,6 @@ from ..transfer.streams import caching_host_block_bytes
 from ..units.unit import Unit, find_units, plan_inputs
 
 __all__ = [
-    "CHECKPOINTING_MODES",
     "CUDA_RUNTIME_OVERHEAD_BYTES",
     "RUNTIME_OVERHEAD_BYTES",
     "runtime_overhead_bytes",
@@ -54,9 +54,6 @@ def runtime_overhead_bytes(device_type: str) -> int:
     """Host RAM one process takes before its model: ``CUDA_RUNTIME_OVERHEAD_BYTES`` (3.5
     GiB) with a CUDA device, else ``RUNTIME_OVERHEAD_BYTES`` (1 GiB)."""
     return CUDA_RUNTIME_OVERHEAD_BYTES if device_type == "cuda" else RUNTIME_OVERHEAD_BYTES
-
-
-CHECKPOINTING_MODES = ("auto", "on", "off", "offload")
 
 
 class BudgetTooSmall(ValueError):

@@ -7,23 +7,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..formats.host import PRESETS
+from ..choices import CHECKPOINTING_MODES, COMPUTE_PRECISIONS, HOST_PRECISIONS
 from ..sizes import parse_bytes
-from .estimate import CHECKPOINTING_MODES
 from .generation import resolve_model_dir
 from .hub import resolve_hub_model
 from .lora import check_frozen_format, parse_targets
 from .lr_schedule import default_warmup_steps
 from .modeling import read_config
 from .optimizers import OPTIMIZER_DEFAULTS, OPTIMIZERS
-from .precision import PRECISIONS
 from .presets import get_preset
 from .run_checkpoint import Checkpoint, CheckpointError
 
 # Settings a resumed run may change: they decide how long it runs, where, and how it uses
 # memory, not what a step computes.
-HOST_PRECISIONS = (*PRESETS, "auto")
-
 RESUMABLE_CHANGES = frozenset(
     {
         "steps",
@@ -218,9 +214,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not (self.eps > 0 and math.isfinite(self.eps)):
             raise ValueError(f"eps must be a positive number, got {self.eps}")
-        if self.precision not in PRECISIONS:
+        if self.precision not in COMPUTE_PRECISIONS:
             raise ValueError(
-                f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}"
+                f"--precision {self.precision!r}: choose one of {', '.join(COMPUTE_PRECISIONS)}"
             )
         if self.host_precision not in HOST_PRECISIONS:
             raise ValueError(

@@ -24,9 +24,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..choices import DEVICE_OPTIMIZER
+
 # TrainConfig fields that no flag sets: a run.json holds them at these values
 _FIXED_FIELDS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
-_DEVICE_OPTIMIZER_FLAG = {None: None, True: "on", False: "off"}
+# --device-optimizer's choice for each TrainConfig value (auto is the flag left out)
+_DEVICE_OPTIMIZER_FLAG = {v: k for k, v in DEVICE_OPTIMIZER.items() if v is not None} | {None: None}
 
 
 class Flag(NamedTuple):

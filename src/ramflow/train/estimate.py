@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..choices import CHECKPOINTING_MODES
 from ..memory.estimate import (
-    CHECKPOINTING_MODES,
     RUNTIME_OVERHEAD_BYTES,
     ActivationProfile,
     MemoryEstimate,

@@ -44,6 +44,7 @@ import torch
 
 import ramflow
 
+from ..choices import DEFAULT_NUMA_BINDING
 from ..optim import muon_param_groups
 from .backoff import RunCheckpointing, checkpointing_policy, fit_micro_batch
 from .config import TrainConfig, resume_config
@@ -65,7 +66,7 @@ from .modeling import (
 )
 from .optimizers import make_optimizer
 from .plan_report import preamble_lines
-from .ranks import DEFAULT_NUMA_BINDING, DEFAULT_TIMEOUT_S, Ranks, check_several_ranks
+from .ranks import DEFAULT_TIMEOUT_S, Ranks, check_several_ranks
 from .report import (
     QuietReport,
     RunReport,
