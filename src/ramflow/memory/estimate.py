@@ -182,7 +182,7 @@ class MemoryEstimate:
         matmul_flops_per_s: the GPU bf16 matmul rate assumed, FLOP/s.
         device_note: why this device was planned, where the user named none (printed
             under the device line), or None.
-        host_precision: the host formats' name (``ramflow.HostPrecision``).
+        host_precision: the host formats (``ramflow.HostPrecision``; ``.name`` for display).
         host_precision_reason: why ``"auto"`` chose them (None when not asked for).
         full_gradients: the loop keeps a full host gradient buffer (counted in the host
             gradients), so its host steps wait for the end of backward.
@@ -227,7 +227,7 @@ class MemoryEstimate:
     timing_rates: Rates | None = None
     matmul_flops_per_s: float | None = None
     device_note: str | None = None
-    host_precision: str = "fp32"
+    host_precision: HostPrecision = HostPrecision.fp32()
     host_precision_reason: str | None = None
     full_gradients: bool = False
     host_bytes_per_parameter: float | None = None
@@ -375,7 +375,7 @@ class MemoryEstimate:
             self.table(),
             "",
             "ramflow plan: " + self.plan.describe().replace("\n", "\n  "),
-            f"host formats: {self.host_precision}"
+            f"host formats: {self.host_precision.name}"
             + (
                 f", {self.host_bytes_per_parameter:.2f} bytes per trained parameter"
                 if self.host_bytes_per_parameter is not None
@@ -668,7 +668,7 @@ def estimate_memory(
         + host.state_bytes(num_trainable, num_states=optimizer_states),
         ram_available_bytes=host_ram_available(),
         disk_free_bytes=disk_free,
-        host_precision=host.name,
+        host_precision=host,
         host_precision_reason=reason,
         full_gradients=full_gradients,
         parameter_counts=parameter_counts(model),

@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..choices import CHECKPOINTING_MODES, COMPUTE_PRECISIONS, HOST_PRECISIONS
+from ..choices import AUTO, CHECKPOINTING_MODES, COMPUTE_PRECISIONS, HOST_PRECISIONS
+from ..formats.host import HostPrecision
 from ..sizes import parse_bytes
 from .generation import resolve_model_dir
 from .hub import resolve_hub_model
@@ -84,10 +85,12 @@ class TrainConfig:
             layers' inputs in pinned host memory) or ``auto`` (the lightest that the plan
             fits in the device budget beside ramflow's smallest plan; at a micro-batch of
             1, an out-of-memory error takes the next heavier one, see ``backoff.py``).
-        host_precision: the host formats (``ramflow.offload``'s ``host_precision``):
-            ``fp32``, ``bf16``, ``lean``, ``kahan`` or ``auto``. Formats other than fp32
-            need a bf16 wire: on the CPU the weights are then kept and computed in bf16.
-            A resumed run keeps its format.
+        host_precision: the host formats (``ramflow.offload``'s ``host_precision``): a
+            ``HostPrecision``, or ``"auto"`` (decided once at set-up, for the plan and the
+            run: ``setup.host_formats``). A preset's name (``fp32``, ``bf16``, ``lean``,
+            ``kahan``) is parsed into its policy here, where it enters; ``to_dict`` writes
+            the name back. Formats other than fp32 need a bf16 wire: on the CPU the weights
+            are then kept and computed in bf16. A resumed run keeps its format.
         device_optimizer: step the optimizer of resident units on the device where
             ramflow's budget leaves room for their states (``ramflow.offload(...,
             device_optimizer=...)``): the same arithmetic as the host formats' CPU step,
@@ -145,7 +148,7 @@ class TrainConfig:
     clip_grad: float = 1.0
     precision: str = "auto"
     checkpointing: str = "auto"
-    host_precision: str = "fp32"
+    host_precision: HostPrecision | str = HostPrecision.fp32()
     device_optimizer: bool | None = None
     seed: int = 0
     device: str | None = None
@@ -218,11 +221,7 @@ class TrainConfig:
             raise ValueError(
                 f"--precision {self.precision!r}: choose one of {', '.join(COMPUTE_PRECISIONS)}"
             )
-        if self.host_precision not in HOST_PRECISIONS:
-            raise ValueError(
-                f"--host-precision {self.host_precision!r}: choose one of "
-                f"{', '.join(HOST_PRECISIONS)}"
-            )
+        object.__setattr__(self, "host_precision", _host_precision(self.host_precision))
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}"
@@ -232,7 +231,8 @@ class TrainConfig:
                 f"--optimizer {self.optimizer} has no device step: drop --device-optimizer, "
                 "or use --optimizer adamw, which steps on the device too"
             )
-        if self.optimizer in ("adafactor", "sgd", "muon") and self.host_precision != "fp32":
+        exact = isinstance(self.host_precision, HostPrecision) and self.host_precision.is_exact
+        if self.optimizer in ("adafactor", "sgd", "muon") and not exact:
             raise ValueError(
                 f"--optimizer {self.optimizer} steps fp32 master weights and states only: use "
                 "--host-precision fp32, or --optimizer adamw or lion, which step every host "
@@ -357,12 +357,41 @@ class TrainConfig:
         return cls(**given)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The settings as plain values (JSON, a checkpoint, the trackers): host formats by
+        their preset's name, or their fields where they are no preset."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        hp = self.host_precision
+        if isinstance(hp, HostPrecision):
+            preset = hp.name in HOST_PRECISIONS and HostPrecision.parse(hp.name) == hp
+            out["host_precision"] = hp.name if preset else dataclasses.asdict(hp)
+        return out
 
     @property
     def model_name(self) -> str:
         """The preset, or the model folder, for messages."""
         return self.preset if self.preset is not None else str(self.model)
+
+
+def _host_precision(value: Any) -> HostPrecision | str:
+    """``TrainConfig.host_precision`` as given: a policy, or ``"auto"``; a preset's name
+    (the command line's, a checkpoint's) or a policy's fields (``to_dict`` of one that is
+    no preset) become the policy.
+
+    Raises:
+        ValueError: a name that is no preset nor ``auto``.
+        TypeError: neither a policy, a name nor a mapping of its fields.
+    """
+    if isinstance(value, HostPrecision) or value == AUTO:
+        return value
+    if isinstance(value, str):
+        if value not in HOST_PRECISIONS:
+            raise ValueError(
+                f"--host-precision {value!r}: choose one of {', '.join(HOST_PRECISIONS)}"
+            )
+        return HostPrecision.parse(value)
+    if isinstance(value, dict):
+        return HostPrecision(**value)
+    raise TypeError(f"host_precision must be a HostPrecision or a preset's name, got {value!r}")
 
 
 # [Note: validation sized to the run]

@@ -36,6 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..choices import CHECKPOINTING_MODES
+from ..formats.host import HostPrecision
 from ..memory.estimate import (
     RUNTIME_OVERHEAD_BYTES,
     ActivationProfile,
@@ -240,7 +241,7 @@ def estimate_run_memory(
     predict: bool = False,
     timing_rates: Rates | None = None,
     matmul_flops_per_s: float | None = None,
-    host_precision: str = "fp32",
+    host_precision: HostPrecision | None = None,
     full_gradients: bool = False,
 ) -> MemoryEstimate:
     """Estimate a language model's training memory without allocating the model.
@@ -267,7 +268,7 @@ def estimate_run_memory(
         timing_rates: copy and CPU optimizer rates for the prediction (default: the H200
             box's, ``ramflow.planner.predict``).
         matmul_flops_per_s: the GPU's bf16 matmul rate, FLOP/s (default: the H200's).
-        host_precision: the host formats (``ramflow.offload``'s ``host_precision``).
+        host_precision: the host formats (``setup.host_formats``'s, auto decided); None: fp32.
         full_gradients: the loop keeps a full host gradient buffer (see
             ``ramflow.memory.estimate_memory``).
 
@@ -341,7 +342,7 @@ def estimate_run_memory(
         buffer_bytes=buffer_bytes,
         device_type=device_type,
         wire_dtype=wire_dtype,
-        rates=rates_for(timing_rates or Rates(), estimate.host_precision),
+        rates=rates_for(timing_rates or Rates(), estimate.host_precision.name),
         matmul_flops_per_s=matmul_flops_per_s or DEFAULT_MATMUL_FLOPS_PER_S,
         deferred_steps=full_gradients,
     )
@@ -388,7 +389,7 @@ def predict_plan_step(
             but whose units are not stepped (the optimizer's rate taken as unbounded).
     """
     model = meta_model(config)
-    rates = rates_for(timing_rates or Rates(), estimate.host_precision)
+    rates = rates_for(timing_rates or Rates(), estimate.host_precision.name)
     if not with_optimizer:
         rates = dataclasses.replace(rates, cpu_optimizer_params_per_s=math.inf)
     wire_size = getattr(torch, estimate.wire_dtype).itemsize

@@ -115,7 +115,7 @@ def plan_lines(est: MemoryEstimate, *, trained: str | None = None) -> list[str]:
         f"{est.checkpointing_mode}"
         + (f" (auto: {est.checkpointing_reason})" if est.checkpointing_reason else ""),
         f"  {_residency(plan, est.device_type)}",
-        f"  host formats {est.host_precision}{per_param}{auto}",
+        f"  host formats {est.host_precision.name}{per_param}{auto}",
     ]
 
 

@@ -17,7 +17,10 @@ from typing import Any
 
 import torch
 
+from ..choices import AUTO
+from ..engine.host_store import resolve_precision
 from ..formats.host import HostPrecision
+from ..memory.estimate import offload_units
 from ..memory.fit import BatchFit, fit_batch
 from ..planner.predict import Rates
 from ..sizes import format_bytes, parse_bytes
@@ -101,13 +104,14 @@ def _estimate(
     device_type: str,
     precision: str,
     compute_dtype: torch.dtype,
-    wire_dtype: torch.dtype,
+    host: HostFormats,
     budget: int | None,
     out_dir: Path | None,
     several_ranks: bool = False,
     **predict: Any,
 ) -> tuple[MemoryEstimate, BatchFit | None]:
-    """The run's estimate; with ``--batch-size auto``, at the largest micro-batch (and the
+    """The run's estimate under the host formats ``host`` (``host_formats``: auto is
+    decided there, once); with ``--batch-size auto``, at the largest micro-batch (and the
     lightest checkpointing) whose estimate fits the budget, and that fit."""
     ctx = getattr(mconfig, "max_position_embeddings", None)
     if ctx is not None and config.seq_len > ctx:
@@ -122,21 +126,14 @@ def _estimate(
             f"--seq-len {ctx} or less, or a model whose config allows longer sequences{longer}"
         )
 
-    def at(
-        batch_size: int,
-        checkpointing: str,
-        host_precision: str = config.host_precision,
-        **extra: Any,
-    ) -> MemoryEstimate:
-        return estimate_run_memory(
+    def at(batch_size: int, checkpointing: str, **extra: Any) -> MemoryEstimate:
+        est = estimate_run_memory(
             mconfig,
             model_name=config.model_name,
             device_type=device_type,
             precision=precision,
             compute_dtype=compute_dtype,
-            wire_dtype=HostPrecision.parse(host_precision).wire_for(None, default=wire_dtype)
-            if host_precision == "lean" and config.host_precision == "auto"
-            else wire_dtype,
+            wire_dtype=host.wire_dtype,
             batch_size=batch_size,
             seq_len=config.seq_len,
             gpu_memory_bytes=budget,
@@ -145,27 +142,12 @@ def _estimate(
             out_dir=(out_dir if out_dir is not None else Path("runs"))
             if config.keep_checkpoints > 0
             else None,
-            host_precision=host_precision,
+            host_precision=host.precision,
             optimizer_states=OPTIMIZER_DEFAULTS[config.optimizer].num_states,
             full_gradients=not config.steps_during_backward(several_ranks=several_ranks),
             **extra,
         )
-
-    if config.host_precision == "auto":
-        # when nothing fits, the plan of the leanest formats says by how much (``train``
-        # then refuses it with the same figures); auto's own error gives no plan
-        plain = at
-
-        def at(batch_size: int, checkpointing: str, **extra: Any) -> MemoryEstimate:
-            try:
-                return plain(batch_size, checkpointing, **extra)
-            except MemoryError:
-                est = plain(batch_size, checkpointing, host_precision="lean", **extra)
-                return dataclasses.replace(
-                    est,
-                    host_precision_reason="neither fp32 nor lean fits this machine's RAM; "
-                    "planned with lean, the leanest",
-                )
+        return dataclasses.replace(est, host_precision_reason=host.reason)
 
     if not config.auto_batch_size:
         return at(config.batch_size, config.checkpointing, **predict), None
@@ -243,13 +225,53 @@ def _offload_fit(
     )
 
 
-def host_wire(config: TrainConfig, device_type: str, wire: torch.dtype) -> torch.dtype:
-    """The wire dtype of a run: bf16 on the CPU when ``--host-precision`` keeps bf16 master
-    weights (they are the wire copy; a CUDA run's wire is bf16 already, an fp16 one is
-    refused by the estimate with what works)."""
-    if device_type != "cpu" or config.host_precision == "auto":
-        return wire
-    return HostPrecision.parse(config.host_precision).wire_for(None, default=wire)
+@dataclass(frozen=True)
+class HostFormats:
+    """A run's host formats, decided once at set-up for its plan and its run.
+
+    Attributes:
+        precision: the host formats (``auto`` decided).
+        wire_dtype: the dtype of the weights' device copies under them.
+        reason: why ``--host-precision auto`` chose them (None when they were given).
+    """
+
+    precision: HostPrecision
+    wire_dtype: torch.dtype
+    reason: str | None = None
+
+
+def host_formats(
+    config: TrainConfig, mconfig: Any, *, device_type: str, wire_dtype: torch.dtype
+) -> HostFormats:
+    """The run's host formats and wire dtype, from ``config.host_precision`` and the
+    device's wire dtype ``wire_dtype``: ``"auto"`` is decided here (``resolve_precision``
+    over the model's units on the meta device and this machine's RAM), once for both the
+    plan and the run. On the CPU the wire follows the master (bf16 masters are the wire
+    copy); a CUDA run's wire is the device's (an fp16 one under bf16 masters is refused with
+    what works). Where auto finds nothing that fits, the plan of the leanest formats says by
+    how much (``train`` then refuses it with the same figures).
+
+    Raises:
+        ValueError: masters that cannot serve the device's wire (``HostPrecision.check_wire``).
+    """
+    auto = config.host_precision == AUTO
+    try:
+        precision, wire, reason = resolve_precision(
+            config.host_precision,
+            lambda: offload_units(meta_model(mconfig))[0],
+            wire_dtype=wire_dtype if auto or device_type != "cpu" else None,
+            default_wire=wire_dtype,
+        )
+    except MemoryError:
+        if not auto:
+            raise
+        lean = HostPrecision.lean()
+        return HostFormats(
+            lean,
+            lean.wire_for(None, default=wire_dtype),
+            "neither fp32 nor lean fits this machine's RAM; planned with lean, the leanest",
+        )
+    return HostFormats(precision, wire, reason)
 
 
 def plan_run(
@@ -311,8 +333,8 @@ def plan_run(
     device_type, precision, compute, wire = planned_compute(
         device=device, precision=config.precision
     )
-    wire = host_wire(config, device_type, wire)
     _, mconfig = _tokenizer_and_config(config, None)
+    host = host_formats(config, mconfig, device_type=device_type, wire_dtype=wire)
     if config.gpu_memory is not None:
         budget = parse_bytes(config.gpu_memory, what="--gpu-memory")
     elif device_type == "cuda" and torch.cuda.is_available():
@@ -327,7 +349,7 @@ def plan_run(
         device_type=device_type,
         precision=precision,
         compute_dtype=compute,
-        wire_dtype=wire,
+        host=host,
         budget=budget,
         out_dir=Path(out_dir) if out_dir is not None else None,
         several_ranks=num_ranks > 1,
@@ -464,10 +486,11 @@ def prepare_run(
     policy = resolve_compute(
         device=device if device is not None else config.device, precision=config.precision
     )
-    policy = dataclasses.replace(
-        policy, wire_dtype=host_wire(config, policy.device.type, policy.wire_dtype)
-    )
     tokenizer, mconfig = _tokenizer_and_config(config, checkpoint)
+    host = host_formats(
+        config, mconfig, device_type=policy.device.type, wire_dtype=policy.wire_dtype
+    )
+    policy = dataclasses.replace(policy, wire_dtype=host.wire_dtype)
     weights_dir = base_weights(config, checkpoint)
     if config.lora_rank is not None:
         check_lora_targets(
@@ -487,7 +510,7 @@ def prepare_run(
         device_type=policy.device.type,
         precision=policy.precision,
         compute_dtype=policy.compute_dtype,
-        wire_dtype=policy.wire_dtype,
+        host=host,
         budget=budget,
         out_dir=out_dir,
         several_ranks=several_ranks,

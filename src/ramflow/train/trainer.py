@@ -511,7 +511,7 @@ def _train(
         device=policy.device,
         wire_dtype=policy.wire_dtype,
         activation_checkpointing=checkpointing_policy(checkpointing.mode),
-        host_precision=est.host_precision,  # "auto" was decided by the estimate
+        host_precision=est.host_precision,  # "auto" was decided at set-up (host_formats)
         # only AdamW has a device step: auto must not plan one for the others
         device_optimizer=config.device_optimizer if config.optimizer == "adamw" else False,
         zero_stage=zero_stage,
