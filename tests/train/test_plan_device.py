@@ -181,3 +181,32 @@ def test_auto_host_formats_are_decided_once_for_the_plan_and_the_run(
     assert result.steps_done == 1
     assert len(calls) == 1, "auto was decided more than once"
     assert plans and plans[0].host_precision == ramflow.HostPrecision.fp32()
+
+
+def test_the_device_budget_is_parsed_where_it_enters_and_resumes_from_either_name(
+    tmp_path,
+) -> None:
+    """``--gpu-memory`` becomes ``TrainConfig.device_budget_bytes`` (the whole device's
+    budget) once, in ``from_options``; run.json replays it as ``--gpu-memory``; a checkpoint
+    written before the rename (its config holds ``gpu_memory: "1GiB"``) resumes with the
+    same budget, and a resumed run may change it."""
+    from ramflow.train import TrainConfig
+    from ramflow.train.config import resume_config
+    from ramflow.train.config_file import run_config_options
+    from ramflow.train.run_checkpoint import Checkpoint
+
+    config = TrainConfig.from_options(gpu_memory="12GiB")
+    assert config.device_budget_bytes == 12 << 30
+    assert "gpu_memory" not in config.to_dict()
+    assert run_config_options(config.to_dict(), where="run.json")["gpu_memory"] == 12 << 30
+    with pytest.raises(ValueError, match="--gpu-memory: cannot read 'twelve'"):
+        TrainConfig.from_options(gpu_memory="twelve")
+    with pytest.raises(ValueError, match="--gpu-memory takes a size"):
+        TrainConfig(device_budget_bytes="12GiB")
+
+    old = {**TrainConfig.from_options().to_dict(), "gpu_memory": "1GiB"}
+    del old["device_budget_bytes"]
+    ckpt = Checkpoint(tmp_path / "step-00000001", 1, {"train_config": old})
+    assert resume_config(ckpt).device_budget_bytes == 1 << 30
+    assert resume_config(ckpt, gpu_memory="2GiB").device_budget_bytes == 2 << 30
+    assert ckpt.state["train_config"]["gpu_memory"] == "1GiB"  # the checkpoint's left as read

@@ -31,7 +31,7 @@ RESUMABLE_CHANGES = frozenset(
         "eval_every",
         "eval_batches",
         "device",
-        "gpu_memory",
+        "device_budget_bytes",
         "checkpointing",
     }
 )
@@ -104,8 +104,12 @@ class TrainConfig:
             already); False: none.
         seed: seeds the model's initialisation and the data order.
         device: ``cuda``, ``cuda:N`` or ``cpu``; None: CUDA when available.
-        gpu_memory: the device budget for the whole run (weights, gradients, activations),
-            e.g. ``"12GiB"``; None: 90% of the free memory of a CUDA device, no cap on the CPU.
+        device_budget_bytes: the whole device's budget for the run (weights, gradients,
+            activations), bytes; None: 90% of the free memory of a CUDA device, no cap on
+            the CPU. ``from_options`` reads it from ``gpu_memory`` (``--gpu-memory``, a size
+            such as ``"12GiB"``), parsed there once. ramflow's share of it, what the
+            activations leave, is the estimate's ``gpu_memory_bytes``, the ``gpu_memory``
+            that ``ramflow.offload`` gets.
         save_every: write a checkpoint every this many steps (0: only at the end and on Ctrl-C).
         keep_checkpoints: finished checkpoints kept on disk; 0: none is written (a benchmark
             or a smoke run on a disk too small for one: Ctrl-C and SIGTERM then lose the run).
@@ -152,7 +156,7 @@ class TrainConfig:
     device_optimizer: bool | None = None
     seed: int = 0
     device: str | None = None
-    gpu_memory: str | None = None
+    device_budget_bytes: int | None = None
     save_every: int = 500
     keep_checkpoints: int = 1
     eval_every: int = 30
@@ -242,8 +246,15 @@ class TrainConfig:
             raise ValueError(
                 f"--checkpointing {self.checkpointing!r}: choose one of {', '.join(CHECKPOINTING_MODES)}"
             )
-        if self.gpu_memory is not None:
-            parse_bytes(self.gpu_memory, what="--gpu-memory")
+        if self.device_budget_bytes is not None and (
+            isinstance(self.device_budget_bytes, bool)
+            or not isinstance(self.device_budget_bytes, int)
+            or self.device_budget_bytes < 0
+        ):
+            raise ValueError(
+                f"device_budget_bytes must be a number of bytes >= 0, got "
+                f"{self.device_budget_bytes!r}; --gpu-memory takes a size such as 12GiB"
+            )
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError(f"--lora must be a positive rank, got {self.lora_rank}")
         if self.lora_targets is not None:
@@ -309,9 +320,9 @@ class TrainConfig:
             ValueError: an unknown option or an invalid value (see the attributes).
         """
         unknown = set(options) - {f.name for f in dataclasses.fields(cls)} - {"global_batch"}
-        if unknown:
+        if unknown - {"gpu_memory"}:
             raise ValueError(f"unknown training options: {', '.join(sorted(unknown))}")
-        given = {k: v for k, v in options.items() if v is not None}
+        given = _device_budget({k: v for k, v in options.items() if v is not None})
         global_batch = given.pop("global_batch", None)
         if given.get("batch_size") == "auto":
             # the preset's (or the model folder's) batch fills it in below, as the global
@@ -370,6 +381,24 @@ class TrainConfig:
     def model_name(self) -> str:
         """The preset, or the model folder, for messages."""
         return self.preset if self.preset is not None else str(self.model)
+
+
+def _device_budget(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``gpu_memory`` (``--gpu-memory``'s size, as a user or an older
+    checkpoint gives it) parsed into ``device_budget_bytes``: where the value enters.
+
+    Raises:
+        ValueError: an unreadable size, or both names given.
+    """
+    if "gpu_memory" not in options:
+        return options
+    options = dict(options)
+    text = options.pop("gpu_memory")
+    if options.get("device_budget_bytes") is not None and text is not None:
+        raise ValueError("give the device budget once: gpu_memory or device_budget_bytes")
+    if text is not None:
+        options["device_budget_bytes"] = parse_bytes(text, what="--gpu-memory")
+    return options
 
 
 def _host_precision(value: Any) -> HostPrecision | str:
@@ -473,7 +502,9 @@ def resume_config(checkpoint: Checkpoint, **options: Any) -> TrainConfig:
     elif options.get("global_batch") is not None and options.get("batch_size") is not None:
         options = {**options, "grad_accum": options["global_batch"] // options["batch_size"]}
     options.pop("global_batch", None)
-    stored = dict(checkpoint.state["train_config"])
+    options = _device_budget(options)
+    # a checkpoint from before the budget was parsed where it enters holds --gpu-memory's text
+    stored = _device_budget(dict(checkpoint.state["train_config"]))
     if stored.get("decay_steps") is None:
         stored["decay_steps"] = stored.get("steps")
     for key, value in options.items():

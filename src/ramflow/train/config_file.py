@@ -124,6 +124,8 @@ def run_config_options(config: Mapping[str, Any], *, where: str) -> dict[str, An
         options["global_batch"] = options.pop("batch_size") * options.pop("grad_accum", 1)
         options["batch_size"] = "auto"
     options["device_optimizer"] = _DEVICE_OPTIMIZER_FLAG[options.get("device_optimizer")]
+    if "device_budget_bytes" in options:  # --gpu-memory takes a number of bytes too
+        options["gpu_memory"] = options.pop("device_budget_bytes")
     return {k: v for k, v in options.items() if v is not None}
 
 

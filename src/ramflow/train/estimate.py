@@ -233,7 +233,7 @@ def estimate_run_memory(
     wire_dtype: torch.dtype,
     batch_size: int,
     seq_len: int,
-    gpu_memory_bytes: int | None,
+    device_budget_bytes: int | None,
     checkpointing: str = "auto",
     prefetch_depth: int = 2,
     optimizer_states: int = 2,
@@ -258,7 +258,7 @@ def estimate_run_memory(
         compute_dtype: dtype of activations (autocast dtype, or float32).
         wire_dtype: dtype of the device copies of the weights.
         batch_size, seq_len: B and T of one micro-batch.
-        gpu_memory_bytes: the whole device budget (bytes), or None for no cap.
+        device_budget_bytes: the whole device's budget for the run (bytes), or None for no cap.
         checkpointing: ``"on"``, ``"off"``, or ``"auto"``: off when the activations fit in
             the budget beside ramflow's smallest plan, on otherwise (off without a budget).
         prefetch_depth: as for ``ramflow.offload``.
@@ -295,7 +295,7 @@ def estimate_run_memory(
             seq_len=seq_len,
             device_type=device_type,
             wire_dtype=wire_dtype,
-            gpu_memory=gpu_memory_bytes,
+            device_budget=device_budget_bytes,
             checkpointing=checkpointing,
             prefetch_depth=prefetch_depth,
             optimizer_states=optimizer_states,
@@ -336,8 +336,8 @@ def estimate_run_memory(
         checkpointing=checkpointing,
         ckpt=estimate.checkpointing,
         offload=estimate.activation_offload,
-        gpu_memory_bytes=gpu_memory_bytes,
-        ramflow_budget=estimate.ramflow_budget_bytes,
+        device_budget_bytes=device_budget_bytes,
+        gpu_memory_bytes=estimate.gpu_memory_bytes,
         units=units,
         buffer_bytes=buffer_bytes,
         device_type=device_type,
@@ -427,8 +427,8 @@ def _predict_speed(
     checkpointing: str,
     ckpt: bool,
     offload: bool,
+    device_budget_bytes: int | None,
     gpu_memory_bytes: int | None,
-    ramflow_budget: int | None,
     units: list[Unit],
     buffer_bytes: int,
     device_type: str,
@@ -492,7 +492,7 @@ def _predict_speed(
             # auto, and offload (whose activations the timing counts with only two inputs
             # on the device): the budget covers ramflow and the activations, the planner
             # splits it
-            gpu_memory_bytes=gpu_memory_bytes if auto or offload else ramflow_budget,
+            gpu_memory_bytes=device_budget_bytes if auto or offload else gpu_memory_bytes,
             timing=timing,
         )
     except ValueError:
@@ -505,7 +505,7 @@ def _predict_speed(
     }
 
 
-def default_gpu_budget(device: torch.device) -> int | None:
+def default_device_budget(device: torch.device) -> int | None:
     """The device budget when the user gives none: 90% of the free memory of a CUDA
     device (the rest for the CUDA context and allocator slack), no cap on the CPU."""
     if device.type != "cuda":
@@ -522,7 +522,7 @@ __all__ = [
     "ActivationProfile",
     "MemoryEstimate",
     "OFFLOAD_WINS_BY",
-    "default_gpu_budget",
+    "default_device_budget",
     "estimate_run_memory",
     "size_string",
     "measure_activations",

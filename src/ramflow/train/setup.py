@@ -23,14 +23,14 @@ from ..formats.host import HostPrecision
 from ..memory.estimate import offload_units
 from ..memory.fit import BatchFit, fit_batch
 from ..planner.predict import Rates
-from ..sizes import format_bytes, parse_bytes
+from ..sizes import format_bytes
 from .chat_data import build_chat_corpus, is_chat_data
 from .config import TrainConfig
 from .data import Corpus, build_corpus, find_documents, stdlib_root
 from .estimate import (
     OFFLOAD_WINS_BY,
     MemoryEstimate,
-    default_gpu_budget,
+    default_device_budget,
     estimate_run_memory,
     predict_plan_step,
 )
@@ -54,8 +54,8 @@ class PreparedRun:
         corpus: the tokenised training and validation text.
         estimate: the memory plan (``ramflow plan``'s figures), at the micro-batch the
             run starts with.
-        ramflow_budget: what ``ramflow.offload`` may allocate on the device (the budget
-            less the activations), bytes; None for no cap.
+        gpu_memory_bytes: ramflow's share of the device budget, what ``ramflow.offload``
+            gets as ``gpu_memory`` (the budget less the activations), bytes; None for no cap.
         checkpoint: the verified checkpoint to resume, or None.
         fit: with ``--batch-size auto``, the micro-batch the estimate chose (the trainer's
             trial steps may lower it); None otherwise.
@@ -68,7 +68,7 @@ class PreparedRun:
     model_config: Any
     corpus: Corpus
     estimate: MemoryEstimate
-    ramflow_budget: int | None
+    gpu_memory_bytes: int | None
     checkpoint: Checkpoint | None
     fit: BatchFit | None = None
     host_ranks: RanksPlan | None = None
@@ -105,7 +105,7 @@ def _estimate(
     precision: str,
     compute_dtype: torch.dtype,
     host: HostFormats,
-    budget: int | None,
+    device_budget_bytes: int | None,
     out_dir: Path | None,
     several_ranks: bool = False,
     **predict: Any,
@@ -136,7 +136,7 @@ def _estimate(
             wire_dtype=host.wire_dtype,
             batch_size=batch_size,
             seq_len=config.seq_len,
-            gpu_memory_bytes=budget,
+            device_budget_bytes=device_budget_bytes,
             checkpointing=checkpointing,
             # no checkpoint written (--keep-checkpoints 0): the disk is not asked
             out_dir=(out_dir if out_dir is not None else Path("runs"))
@@ -158,7 +158,7 @@ def _estimate(
     def fit_with(on: str, levels: tuple[bool, ...]) -> BatchFit:
         return fit_batch(
             global_batch=config.global_batch,
-            budget_bytes=budget,
+            device_budget_bytes=device_budget_bytes,
             estimate=lambda b, ckpt: at(b, on if ckpt else "off").device_total_bytes,
             checkpointing=levels,
         )
@@ -286,8 +286,8 @@ def plan_run(
     with its predicted step time on a GPU (``MemoryEstimate.prediction`` and ``timed_plan``).
 
     Unlike ``train``, the device need not be present: ``device="cuda"`` plans a GPU run
-    on a machine without one (with no budget unless ``gpu_memory`` is given). With no
-    device named, a ``gpu_memory`` budget also plans a GPU run: a budget is for a GPU. The
+    on a machine without one (with no budget unless ``device_budget_bytes`` is given). With no
+    device named, a ``device_budget_bytes`` budget also plans a GPU run: a budget is for a GPU. The
     estimate's ``device_note`` says which device was assumed and why.
 
     Args:
@@ -319,7 +319,7 @@ def plan_run(
             raise ValueError(f"{what} must be a positive finite number, got {value}")
     device, note = config.device, None
     if device is None and not torch.cuda.is_available():
-        if config.gpu_memory is not None:
+        if config.device_budget_bytes is not None:
             device = "cuda"
             note = (
                 "this machine has no CUDA device: planned a run on a CUDA GPU, for which "
@@ -335,14 +335,11 @@ def plan_run(
     )
     _, mconfig = _tokenizer_and_config(config, None)
     host = host_formats(config, mconfig, device_type=device_type, wire_dtype=wire)
-    if config.gpu_memory is not None:
-        budget = parse_bytes(config.gpu_memory, what="--gpu-memory")
-    elif device_type == "cuda" and torch.cuda.is_available():
-        budget = default_gpu_budget(
+    device_budget_bytes = config.device_budget_bytes
+    if device_budget_bytes is None and device_type == "cuda" and torch.cuda.is_available():
+        device_budget_bytes = default_device_budget(
             resolve_compute(device=device, precision=config.precision).device
         )
-    else:
-        budget = None
     estimate, fit = _estimate(
         config,
         mconfig,
@@ -350,7 +347,7 @@ def plan_run(
         precision=precision,
         compute_dtype=compute,
         host=host,
-        budget=budget,
+        device_budget_bytes=device_budget_bytes,
         out_dir=Path(out_dir) if out_dir is not None else None,
         several_ranks=num_ranks > 1,
         predict=True,
@@ -499,10 +496,10 @@ def prepare_run(
     if weights_dir is not None:
         # shapes from the file headers, before anything is written
         check_weights(weights_dir, mconfig)
-    budget = (
-        parse_bytes(config.gpu_memory, what="--gpu-memory")
-        if config.gpu_memory is not None
-        else default_gpu_budget(policy.device)
+    device_budget_bytes = (
+        config.device_budget_bytes
+        if config.device_budget_bytes is not None
+        else default_device_budget(policy.device)
     )
     estimate, fit = _estimate(
         config,
@@ -511,7 +508,7 @@ def prepare_run(
         precision=policy.precision,
         compute_dtype=policy.compute_dtype,
         host=host,
-        budget=budget,
+        device_budget_bytes=device_budget_bytes,
         out_dir=out_dir,
         several_ranks=several_ranks,
     )
@@ -550,7 +547,7 @@ def prepare_run(
         mconfig,
         corpus,
         estimate,
-        estimate.ramflow_budget_bytes,
+        estimate.gpu_memory_bytes,
         checkpoint,
         fit,
         host_ranks,

@@ -507,7 +507,7 @@ def _train(
 
     # ---- model, offload, optimizer, schedule
     offload_options = dict(
-        gpu_memory=setup.ramflow_budget,
+        gpu_memory=setup.gpu_memory_bytes,
         device=policy.device,
         wire_dtype=policy.wire_dtype,
         activation_checkpointing=checkpointing_policy(checkpointing.mode),
