@@ -150,7 +150,7 @@ def run_ramflow_train(case: dict[str, Any]) -> dict[str, Any]:
     on_device = sum(b for n, b in zip(plan.unit_names, plan.unit_bytes) if n in plan.device_stepped)
     out = {**res, **_shape_fields(model), **_plan_fields(plan), **budget_info}
     out.update(
-        host_precision=plan.host_precision,
+        host_precision=plan.host_precision.name,
         device_optimizer=case.get("device_optimizer", "on"),
         device_stepped_units=len(plan.device_stepped),
         host_bytes_per_parameter=plan.host_bytes_per_parameter,

@@ -54,12 +54,13 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ramflow
+from ramflow.choices import NUMA_BINDINGS
 from ramflow.train.data import build_corpus, epoch_order_seed, find_documents
 from ramflow.train.initialization import SeededInit
 from ramflow.train.loss import chunk_lm_head, lm_loss
 from ramflow.train.lr_schedule import default_warmup_steps, warmup_cosine
 from ramflow.train.presets import get_preset
-from ramflow.train.ranks import NUMA_BINDINGS, bind_to_gpu_node
+from ramflow.train.ranks import bind_to_gpu_node
 from ramflow.train.tokenizer import ByteTokenizer
 
 # --size: the ramflow preset whose shape (Meta's config.json for the Llama ones) and

@@ -240,7 +240,7 @@ def train_offload(rank: int, world_size: int, options: dict) -> dict:
         "grads_left": grads_left,
         "state": state if rank == 0 else None,
         "memory": memory,
-        "host_precision": (plan.host_precision, plan.host_precision_reason),
+        "host_precision": (plan.host_precision.name, plan.host_precision_reason),
         "device_optimizer": (plan.device_stepped, plan.device_optimizer_reason),
         "unit_names": [u.name for u in engine.units if u.num_trainable],
         # parameters the CPU optimizer stepped over the run (flat steps count padding)

@@ -19,7 +19,7 @@ PACKAGE = SRC / "ramflow"
 
 # Bottom first. A folder's name stands for every module in it; a root module is named whole.
 LAYERS: list[tuple[str, ...]] = [
-    ("ramflow.sizes", "ramflow._quiet"),
+    ("ramflow.sizes", "ramflow._quiet", "ramflow.choices"),
     ("ramflow.kernels",),
     ("ramflow.formats",),
     ("ramflow.units",),
@@ -189,6 +189,49 @@ def test_import_ramflow_loads_no_torch_until_a_name_is_used():
         "assert ramflow.offload is offload and 'offload' in dir(ramflow)\n"
         "assert ramflow.optim.AdamW.__module__ == 'ramflow.optim.adamw'\n"
         "try:\n    ramflow.no_such_name\nexcept AttributeError:\n    pass\n"
+        "else:\n    raise SystemExit('no AttributeError')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["train", "--help"], ["plan", "--help"], ["train", "--host-precision", "bogus"]],
+    ids=["help", "train-help", "plan-help", "usage-error"],
+)
+def test_the_command_answers_help_and_usage_errors_without_torch(argv):
+    """``ramflow --help``, a command's ``--help`` and a usage error answer before PyTorch
+    is imported: the parser reads only ``ramflow.choices`` and ``ramflow.train.presets``.
+    ``-X importtime`` lists every module the process imported."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ramflow", *argv],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == (2 if "bogus" in argv else 0), proc.stderr[-2000:]
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "ramflow.cli.main" in imported  # the listing is there to read
+    assert "torch" not in imported, sorted(m for m in imported if m.startswith("ramflow"))
+    if "bogus" in argv:
+        assert "invalid choice: 'bogus'" in proc.stderr
+
+
+def test_import_ramflow_train_loads_no_torch_until_a_name_is_used():
+    """``ramflow.train``'s public names load on first use too (its ``presets`` are read by
+    the command's parser), and then resolve to the objects their modules define."""
+    code = (
+        "import sys, ramflow.train\n"
+        "from ramflow.train.presets import PRESETS\n"
+        "assert 'torch' not in sys.modules, 'import ramflow.train imported torch'\n"
+        "from ramflow.train import TrainConfig\n"
+        "assert TrainConfig.__module__ == 'ramflow.train.config'\n"
+        "assert ramflow.train.PRESETS is PRESETS and 'train' in dir(ramflow.train)\n"
+        "try:\n    ramflow.train.no_such_name\nexcept AttributeError:\n    pass\n"
         "else:\n    raise SystemExit('no AttributeError')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

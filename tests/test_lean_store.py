@@ -250,7 +250,9 @@ def test_host_bytes_of_the_lean_formats(device):
             assert u.staging is None  # given back to the ring
     assert engine.host._ring_made <= RING_BUFFERS
     plan = ramflow.get_plan(model)
-    assert plan.host_precision == "lean" and plan.host_bytes_per_parameter <= 4.5
+    assert (
+        plan.host_precision == ramflow.HostPrecision.lean() and plan.host_bytes_per_parameter <= 4.5
+    )
     assert "4.03 bytes per trained parameter" in plan.describe()
     lean = ramflow.HostPrecision.lean()
     assert lean.bytes_per_parameter(trainable=False, wire_dtype=torch.bfloat16) <= 2

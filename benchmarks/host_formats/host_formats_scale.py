@@ -185,11 +185,11 @@ def predicted_step(
     try:
         # the estimate's budget is the whole device's; this run's caps ramflow alone: plan
         # with ramflow's budget plus the estimate's own activations
-        acts = estimate_run_memory(cfg, gpu_memory_bytes=None, **common).device_activation_bytes
-        ramflow_budget = parse_bytes(args.gpu_memory or "24GiB", what="--gpu-memory")
+        acts = estimate_run_memory(cfg, device_budget_bytes=None, **common).device_activation_bytes
+        gpu_memory_bytes = parse_bytes(args.gpu_memory or "24GiB", what="--gpu-memory")
         est = estimate_run_memory(
             cfg,
-            gpu_memory_bytes=ramflow_budget + acts,
+            device_budget_bytes=gpu_memory_bytes + acts,
             predict=True,
             matmul_flops_per_s=matmul,
             timing_rates=timing,

@@ -235,7 +235,7 @@ def load_and_train(args: argparse.Namespace, shape: str, source: str, files: str
     bound = int(plan.host_bytes * BOUND_SHARE + BOUND_FIXED)
     r: dict[str, Any] = {
         "shape": shape, "source": source, "parameters": n_params,
-        "host_precision": plan.host_precision, "load_s": load_s, "build_s": built_s[0],
+        "host_precision": plan.host_precision.name, "load_s": load_s, "build_s": built_s[0],
         "lock_s": locked_s[0], "gb_per_s": 2 * n_params / load_s / 1e9,
         "rss_before_bytes": rss_before, "load_peak_rss_bytes": measure.proc_status_bytes("VmHWM"),
         "load_rollup_at_peak": sampler.largest, "plan_host_bytes": plan.host_bytes,

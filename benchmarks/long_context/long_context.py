@@ -135,7 +135,7 @@ class Plans:
             est = estimate_run_memory(
                 self.cfg, model_name="llama-8b", device_type="cuda", precision="bf16",
                 compute_dtype=torch.bfloat16, wire_dtype=torch.bfloat16, batch_size=1,
-                seq_len=seq, gpu_memory_bytes=None, checkpointing=mode,
+                seq_len=seq, device_budget_bytes=None, checkpointing=mode,
                 host_precision=self.host_precision,
             )  # fmt: skip
             pred = predict_plan_step(

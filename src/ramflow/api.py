@@ -146,13 +146,13 @@ def offload(
         not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point
     ):
         raise TypeError(f"wire_dtype must be a floating-point torch.dtype, got {wire_dtype!r}")
-    budget = None if gpu_memory is None else parse_bytes(gpu_memory)
+    gpu_memory_bytes = None if gpu_memory is None else parse_bytes(gpu_memory)
     activation_checkpointing = checkpointing_choice(activation_checkpointing)
     frozen_format = parse_frozen_format(frozen_format)
     on_device = choose_on_device(
         model,
         trainable_on_device=trainable_on_device,
-        gpu_memory_bytes=budget,
+        gpu_memory_bytes=gpu_memory_bytes,
         zero_stage=zero_stage,
     )
     specs = find_units(model, units, skip=on_device)
@@ -212,7 +212,7 @@ def offload(
             options = EngineOptions(
                 device=device,
                 wire_dtype=wire_dtype,
-                gpu_memory_bytes=budget,
+                gpu_memory_bytes=gpu_memory_bytes,
                 prefetch_depth=prefetch_depth,
                 activation_checkpointing=activation_checkpointing,
                 device_optimizer=device_optimizer,

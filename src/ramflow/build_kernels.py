@@ -43,14 +43,15 @@ def _warm_up_device_steps() -> str:
     returns the presets compiled ("" without CUDA or Triton)."""
     import torch
 
-    from .formats.host import PRESETS, HostPrecision
+    from .choices import HOST_PRECISION_PRESETS
+    from .formats.host import HostPrecision
     from .kernels.lean_kernels import warm_up_device_step
 
     if not torch.cuda.is_available():
         return ""
     device = torch.device("cuda", torch.cuda.current_device())
     done = []
-    for name in PRESETS:
+    for name in HOST_PRECISION_PRESETS:
         precision = HostPrecision.parse(name)
         if not precision.is_exact and warm_up_device_step(
             device,

@@ -23,35 +23,37 @@ def test_estimate_picks_the_largest_micro_batch_without_checkpointing_first() ->
     def estimate(micro_batch: int, checkpointing: bool) -> int:
         return micro_batch * (10 if checkpointing else 40)  # bytes, linear in B
 
-    fit = fit_batch(global_batch=16, budget_bytes=170, estimate=estimate)
+    fit = fit_batch(global_batch=16, device_budget_bytes=170, estimate=estimate)
     assert (fit.micro_batch, fit.grad_accum, fit.checkpointing) == (4, 4, False)
     assert [t.micro_batch for t in fit.trials] == [16, 8, 4]
     # nothing fits plainly: checkpointing on, the largest micro-batch under it
-    fit = fit_batch(global_batch=16, budget_bytes=35, estimate=estimate)
+    fit = fit_batch(global_batch=16, device_budget_bytes=35, estimate=estimate)
     assert (fit.micro_batch, fit.grad_accum, fit.checkpointing) == (2, 8, True)
     assert "global batch 16" in fit.describe()
     with pytest.raises(ValueError, match="no micro-batch"):
-        fit_batch(global_batch=16, budget_bytes=5, estimate=estimate)
+        fit_batch(global_batch=16, device_budget_bytes=5, estimate=estimate)
 
 
 def test_budget_takes_size_strings_and_the_hint_fits_what_was_tried() -> None:
     def estimate(micro_batch: int, checkpointing: bool) -> int:
         return micro_batch * (256 if checkpointing else 1024)
 
-    fit = fit_batch(global_batch=8, budget_bytes="2KiB", estimate=estimate)
-    assert (fit.micro_batch, fit.checkpointing, fit.budget_bytes) == (2, False, 2048)
+    fit = fit_batch(global_batch=8, device_budget_bytes="2KiB", estimate=estimate)
+    assert (fit.micro_batch, fit.checkpointing, fit.device_budget_bytes) == (2, False, 2048)
     # checkpointed levels were tried and failed: no advice to turn checkpointing on
     with pytest.raises(ValueError, match="no micro-batch") as both:
-        fit_batch(global_batch=8, budget_bytes="100 B", estimate=estimate)
+        fit_batch(global_batch=8, device_budget_bytes="100 B", estimate=estimate)
     assert "--checkpointing on" not in str(both.value)
     with pytest.raises(ValueError, match="turn --checkpointing on"):
-        fit_batch(global_batch=8, budget_bytes=100, estimate=estimate, checkpointing=(False,))
-    with pytest.raises(ValueError, match="budget_bytes"):
-        fit_batch(global_batch=8, budget_bytes="lots", estimate=estimate)
+        fit_batch(
+            global_batch=8, device_budget_bytes=100, estimate=estimate, checkpointing=(False,)
+        )
+    with pytest.raises(ValueError, match="device_budget_bytes"):
+        fit_batch(global_batch=8, device_budget_bytes="lots", estimate=estimate)
     with pytest.raises(ValueError, match="negative"):
-        fit_batch(global_batch=8, budget_bytes=-1, estimate=estimate)
-    with pytest.raises(TypeError, match="budget_bytes"):
-        fit_batch(global_batch=8, budget_bytes=True, estimate=estimate)
+        fit_batch(global_batch=8, device_budget_bytes=-1, estimate=estimate)
+    with pytest.raises(TypeError, match="device_budget_bytes"):
+        fit_batch(global_batch=8, device_budget_bytes=True, estimate=estimate)
 
 
 def test_trial_steps_back_off_on_out_of_memory() -> None:

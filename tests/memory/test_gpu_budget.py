@@ -155,7 +155,7 @@ def test_the_fitter_stays_under_its_budget(build) -> None:
     with device_budget(budget):
         fit = fit_batch(
             global_batch=GLOBAL_BATCH,
-            budget_bytes=budget,
+            device_budget_bytes=budget,
             trial=lambda b, ckpt: micro_step(model, b, ckpt),
         )
         assert [t.outcome for t in fit.trials] == ["out of memory (trial)"] * 2 + ["fits"]

@@ -132,12 +132,12 @@ def test_a_budget_turns_checkpointing_on_and_a_smaller_one_is_refused() -> None:
     common = dict(activations=profile, batch_size=B, seq_len=1, wire_dtype=torch.float32)
     free = estimate_memory(meta, **common)
     need = free.device_total_bytes
-    est = estimate_memory(meta, gpu_memory=need - 1, **common)
+    est = estimate_memory(meta, device_budget=need - 1, **common)
     assert est.checkpointing
     assert est.device_activation_bytes == profile.peak_bytes(checkpointing=True)
     assert est.device_total_bytes <= need - 1
     with pytest.raises(ValueError, match="too small for this run"):
-        estimate_memory(meta, gpu_memory=1024, **common)
+        estimate_memory(meta, device_budget=1024, **common)
     with pytest.raises(ValueError, match="choose one of"):
         estimate_memory(meta, checkpointing="sometimes", **common)
 
@@ -154,11 +154,11 @@ def test_a_numeric_budget_is_checked_as_a_size_string_is() -> None:
     common = dict(activations=_profile(), batch_size=B, seq_len=1, wire_dtype=torch.float32)
     for bad in (-1, "-1"):
         with pytest.raises(ValueError, match="must not be negative"):
-            estimate_memory(Net(), gpu_memory=bad, **common)
-    with pytest.raises(TypeError, match="gpu_memory"):
-        estimate_memory(Net(), gpu_memory=True, **common)
-    est = estimate_memory(Net(), gpu_memory=float(1 << 30), **common)
-    assert est.gpu_memory_bytes == 1 << 30 and isinstance(est.gpu_memory_bytes, int)
+            estimate_memory(Net(), device_budget=bad, **common)
+    with pytest.raises(TypeError, match="device_budget"):
+        estimate_memory(Net(), device_budget=True, **common)
+    est = estimate_memory(Net(), device_budget=float(1 << 30), **common)
+    assert est.device_budget_bytes == 1 << 30 and isinstance(est.device_budget_bytes, int)
 
 
 # activation offload (CheckpointOffload, --checkpointing offload): planned figures, one
@@ -176,7 +176,7 @@ def _long_context_profile() -> ActivationProfile:
     )
 
 
-def _estimate(checkpointing: str, gpu_memory=None):
+def _estimate(checkpointing: str, device_budget=None):
     with torch.device("meta"):
         model = Net()
     return estimate_memory(
@@ -185,7 +185,7 @@ def _estimate(checkpointing: str, gpu_memory=None):
         batch_size=1,
         seq_len=4096,
         device_type="cuda",
-        gpu_memory=gpu_memory,
+        device_budget=device_budget,
         checkpointing=checkpointing,
     )
 
@@ -215,15 +215,15 @@ def test_auto_chooses_offload_only_where_checkpointing_every_layer_does_not_fit(
         (on_peak - 1, "offload"),
         (offload_peak, "offload"),
     ]:
-        est = _estimate("auto", gpu_memory=smallest + room)
+        est = _estimate("auto", device_budget=smallest + room)
         assert est.checkpointing_mode == mode, (room, mode)
         assert (est.checkpointing_reason is not None) == (mode == "offload")
-    est = _estimate("auto", gpu_memory=smallest + offload_peak)
+    est = _estimate("auto", device_budget=smallest + offload_peak)
     assert "offload\n  (auto: checkpointing every layer leaves" in est.describe()
     with pytest.raises(ValueError, match="too small for this run"):
-        _estimate("auto", gpu_memory=smallest + offload_peak - 1)
+        _estimate("auto", device_budget=smallest + offload_peak - 1)
     with pytest.raises(ValueError, match="or --checkpointing offload"):
-        _estimate("on", gpu_memory=smallest + on_peak - 1)
+        _estimate("on", device_budget=smallest + on_peak - 1)
 
 
 def test_offloaded_inputs_take_pinned_blocks_of_a_power_of_two() -> None:

@@ -283,7 +283,7 @@ def test_the_predicted_gpu_time_of_a_long_causal_sequence_counts_flash_attention
     est = estimate_run_memory(
         cfg, model_name="llama-8b", device_type="cuda", precision="bf16",
         compute_dtype=torch.bfloat16, wire_dtype=torch.bfloat16, batch_size=1, seq_len=seq,
-        gpu_memory_bytes=None, checkpointing="on", host_precision="lean",
+        device_budget_bytes=None, checkpointing="on", host_precision="lean",
     )  # fmt: skip
     pred = predict_plan_step(cfg, est, matmul_flops_per_s=rate)
     d, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim

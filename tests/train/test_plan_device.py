@@ -120,3 +120,93 @@ def test_auto_host_formats_that_do_not_fit_show_the_lean_plan(
     assert "host formats lean" in auto and "(auto: neither fp32 nor lean fits" in auto
     assert auto.splitlines()[0] == lean.splitlines()[0]  # the same bytes, the same verdict
     assert "DOES NOT FIT" in auto.splitlines()[0]
+
+
+def test_host_precision_is_parsed_where_it_enters_and_named_back_for_json() -> None:
+    """The command line's name becomes the policy in ``TrainConfig`` (once); ``to_dict``
+    (run.json, a checkpoint) writes the name, and the dict gives the same config again."""
+    from ramflow.formats.host import HostPrecision
+    from ramflow.train import TrainConfig
+
+    config = TrainConfig.from_options(host_precision="lean")
+    assert config.host_precision == HostPrecision.lean()
+    assert config.to_dict()["host_precision"] == "lean"
+    assert TrainConfig(**config.to_dict()) == config
+    assert TrainConfig.from_options(host_precision="auto").host_precision == "auto"
+    custom = HostPrecision(master="bf16-sr", optimizer_states="fp32", gradients="ring", seed=3)
+    config = TrainConfig.from_options(host_precision=custom)
+    assert TrainConfig(**config.to_dict()).host_precision == custom  # fields, seed kept
+    with pytest.raises(ValueError, match="--host-precision 'lena': choose one of"):
+        TrainConfig.from_options(host_precision="lena")
+
+
+def test_auto_host_formats_are_decided_once_for_the_plan_and_the_run(
+    tmp_path, corpus_file, monkeypatch
+) -> None:
+    """``--host-precision auto`` with ``--batch-size auto`` (an estimate per micro-batch
+    tried): the decision runs once, at set-up, and the run's offload gets its policy."""
+    import ramflow
+    import ramflow.engine.host_store as host_store
+    from ramflow.train import TrainConfig, train
+
+    calls = []
+    choose = host_store.choose_precision
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(host_store, "choose_precision", counted)
+    plans = []
+    offload = ramflow.offload
+
+    def offload_and_keep_plan(model, **options):
+        model = offload(model, **options)
+        plans.append(ramflow.get_plan(model))
+        return model
+
+    monkeypatch.setattr(ramflow, "offload", offload_and_keep_plan)
+    config = TrainConfig.from_options(
+        data=str(corpus_file),
+        steps=1,
+        host_precision="auto",
+        device="cpu",
+        seq_len=32,
+        batch_size="auto",
+        global_batch=4,
+        eval_batches=1,
+        keep_checkpoints=0,
+    )
+    result = train(config, out=tmp_path / "run", progress=False)
+    assert result.steps_done == 1
+    assert len(calls) == 1, "auto was decided more than once"
+    assert plans and plans[0].host_precision == ramflow.HostPrecision.fp32()
+
+
+def test_the_device_budget_is_parsed_where_it_enters_and_resumes_from_either_name(
+    tmp_path,
+) -> None:
+    """``--gpu-memory`` becomes ``TrainConfig.device_budget_bytes`` (the whole device's
+    budget) once, in ``from_options``; run.json replays it as ``--gpu-memory``; a checkpoint
+    written before the rename (its config holds ``gpu_memory: "1GiB"``) resumes with the
+    same budget, and a resumed run may change it."""
+    from ramflow.train import TrainConfig
+    from ramflow.train.config import resume_config
+    from ramflow.train.config_file import run_config_options
+    from ramflow.train.run_checkpoint import Checkpoint
+
+    config = TrainConfig.from_options(gpu_memory="12GiB")
+    assert config.device_budget_bytes == 12 << 30
+    assert "gpu_memory" not in config.to_dict()
+    assert run_config_options(config.to_dict(), where="run.json")["gpu_memory"] == 12 << 30
+    with pytest.raises(ValueError, match="--gpu-memory: cannot read 'twelve'"):
+        TrainConfig.from_options(gpu_memory="twelve")
+    with pytest.raises(ValueError, match="--gpu-memory takes a size"):
+        TrainConfig(device_budget_bytes="12GiB")
+
+    old = {**TrainConfig.from_options().to_dict(), "gpu_memory": "1GiB"}
+    del old["device_budget_bytes"]
+    ckpt = Checkpoint(tmp_path / "step-00000001", 1, {"train_config": old})
+    assert resume_config(ckpt).device_budget_bytes == 1 << 30
+    assert resume_config(ckpt, gpu_memory="2GiB").device_budget_bytes == 2 << 30
+    assert ckpt.state["train_config"]["gpu_memory"] == "1GiB"  # the checkpoint's left as read

@@ -70,7 +70,7 @@ def test_the_fastest_plan_fits_and_the_engine_can_follow_it() -> None:
     est = _plan(clip_grad=0.0, num_ranks=2, timing_rates=Rates.from_pcie(1e8))
     best = est.timed_plan
     assert best is not None and best.prediction is not None
-    assert best.planned_bytes + best.activation_bytes <= est.gpu_memory_bytes
+    assert best.planned_bytes + best.activation_bytes <= est.device_budget_bytes
     assert best.prediction.step_s <= est.prediction.step_s * 1.005
     assert best.resident  # the link binds, so the planner keeps units on the device
     kwargs = best.offload_kwargs()

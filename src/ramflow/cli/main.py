@@ -17,11 +17,18 @@ import sys
 from collections.abc import MutableMapping, Sequence
 from typing import Any, NoReturn
 
-from ..formats.host import PRESETS
-from ..train.loop import LossDiverged
-from ..train.lora import FROZEN_FORMATS
-from ..train.ranks import NUMA_BINDINGS
-from ..train.reporting import TRACKERS
+# The parser reads only modules without PyTorch (``choices``, ``train.presets``), so that
+# --help and a usage error answer at once; each command imports what it runs.
+from ..choices import (
+    CHECKPOINTING_MODES,
+    COMPUTE_PRECISIONS,
+    DEVICE_OPTIMIZER,
+    FROZEN_FORMATS,
+    HOST_PRECISIONS,
+    NUMA_BINDINGS,
+    TRACKERS,
+)
+from ..train.presets import PRESETS
 
 _TRAIN_OPTIONS = (
     "preset",
@@ -64,12 +71,8 @@ _EXIT_STATUS = (
     "stopped by Ctrl-C / SIGTERM, after saving a checkpoint"
 )
 
-_DEVICE_OPTIMIZER = {"auto": None, "on": True, "off": False}  # --device-optimizer
-
 
 def _model_options(p: argparse.ArgumentParser) -> None:
-    from ..train.presets import PRESETS
-
     p.add_argument(
         "--preset",
         choices=list(PRESETS),
@@ -96,7 +99,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--precision",
-        choices=["auto", "bf16", "fp16", "fp32"],
+        choices=COMPUTE_PRECISIONS,
         default=None,
         help="compute precision (default auto: bf16 on CUDA, fp32 on the CPU); fp16 uses a GradScaler",
     )
@@ -151,7 +154,7 @@ def _shape_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--checkpointing",
-        choices=["auto", "on", "off", "offload"],
+        choices=CHECKPOINTING_MODES,
         default=None,
         help="activation checkpointing; offload: on, with the layers' inputs in pinned host "
         "memory (default auto: on when activations would not fit the budget, offload when "
@@ -160,7 +163,7 @@ def _shape_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--host-precision",
-        choices=[*PRESETS, "auto"],
+        choices=HOST_PRECISIONS,
         default=None,
         help="how master weights, AdamW states and host gradients are kept in RAM: fp32 "
         "(default; exact, about 20 bytes per parameter), bf16 (bf16 masters with stochastic "
@@ -311,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-optimizer",
         nargs="?",
         const="on",
-        choices=tuple(_DEVICE_OPTIMIZER),
+        choices=tuple(DEVICE_OPTIMIZER),
         default=None,
         help="auto (default): the planner steps the optimizer of the resident units whose "
         "device step shortens the predicted step (lean host formats; never on the CPU, with "
@@ -455,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--precision",
-        choices=["auto", "bf16", "fp16", "fp32"],
+        choices=COMPUTE_PRECISIONS,
         default="auto",
         help="compute precision",
     )
@@ -673,7 +676,7 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             f"{os.environ.get('LOCAL_WORLD_SIZE')} ranks per host: leave it out under torchrun"
         )
     options: dict[str, Any] = {k: getattr(args, k) for k in _TRAIN_OPTIONS}
-    options["device_optimizer"] = _DEVICE_OPTIMIZER.get(args.device_optimizer)
+    options["device_optimizer"] = DEVICE_OPTIMIZER.get(args.device_optimizer)
     run_options: dict[str, Any] = {
         "out": args.out,
         "progress": not args.no_progress,
@@ -813,6 +816,14 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if fits(estimate, ranks) else 1
 
 
+def _answered_in_one_line() -> tuple[type[BaseException], ...]:
+    """User mistakes, machine limits and a diverging loss: a message that says what to
+    change, no traceback. ``LossDiverged`` is raised only by the training loop, so it is
+    named only once the loop's module is loaded: the parser imports no PyTorch."""
+    loop = sys.modules.get("ramflow.train.loop")
+    return (ValueError, MemoryError, OSError) + ((loop.LossDiverged,) if loop else ())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ramflow`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -825,9 +836,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         return handlers[args.command](args)
-    except (ValueError, MemoryError, OSError, LossDiverged) as err:
-        # user mistakes, machine limits and a diverging loss: a message that says what to
-        # change, no traceback
+    except _answered_in_one_line() as err:
         print(f"ramflow {args.command}: error: {err}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as err:

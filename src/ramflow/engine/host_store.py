@@ -40,8 +40,9 @@ from collections.abc import Callable
 import psutil
 import torch
 
+from ..choices import AUTO, HOST_PRECISION_PRESETS
 from ..formats.frozen import FrozenStore, give_back, meta_stand_in
-from ..formats.host import PRESETS, RING_BUFFERS, HostPrecision
+from ..formats.host import RING_BUFFERS, HostPrecision
 from ..sizes import format_bytes, parse_bytes
 from ..transfer.streams import alloc_host, alloc_pinned, map_host, pin_in_place, unpin
 from ..units.unit import Unit
@@ -130,9 +131,6 @@ def choose_precision(
     )
 
 
-AUTO = "auto"  # ``host_precision="auto"``: decided by ``resolve_precision``
-
-
 def resolve_precision(
     host_precision: HostPrecision | str | None,
     units: Callable[[], list[Unit]],
@@ -217,7 +215,7 @@ class HostStore:
         avail = host_ram_available()
         if need > avail:
             sizes = []
-            for name in PRESETS:
+            for name in HOST_PRECISION_PRESETS:
                 pr = HostPrecision.parse(name)
                 try:
                     pr.check_wire(self.wire_dtype)

@@ -46,7 +46,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-FROZEN_FORMATS = ("int8", "nf4")
+from ..choices import FROZEN_FORMATS
+
 INT8_BLOCK = 64
 NF4_BLOCK = 64
 NF4_SCALER_BLOCK = 256

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from ..choices import HOST_PRECISION_PRESETS
 from ..kernels.lean_kernels import QBLOCK, dequantize_blockwise, quantize_blockwise
 from .frozen import compressed_nbytes
 from .legacy_states import LEGACY_BLOCK, has_legacy_moments, is_legacy_name, pop_legacy_moments
@@ -228,7 +229,6 @@ GRADIENTS = {
 # the 8-bit states' name before the FP8 code; HostPrecision takes it as "fp8"
 LEGACY_8BIT_NAME = "int8"
 # the named policies (``HostPrecision.parse``; the classmethods of the same names)
-PRESETS = ("fp32", "bf16", "lean", "kahan")
 
 
 class StoredUnit(Protocol):
@@ -376,9 +376,9 @@ class HostPrecision:
             raise TypeError(
                 f"host_precision must be a HostPrecision or a preset's name, got {value!r}"
             )
-        if value not in PRESETS:
+        if value not in HOST_PRECISION_PRESETS:
             raise ValueError(
-                f"host_precision={value!r} is not a preset; use one of {_choices(PRESETS)} "
+                f"host_precision={value!r} is not a preset; use one of {_choices(HOST_PRECISION_PRESETS)} "
                 "or a ramflow.HostPrecision(master=..., optimizer_states=..., gradients=...)"
             )
         return getattr(cls, value)()
@@ -386,7 +386,7 @@ class HostPrecision:
     @property
     def name(self) -> str:
         """The preset's name when this policy is one (seed aside), else its fields."""
-        for preset in PRESETS:
+        for preset in HOST_PRECISION_PRESETS:
             p = getattr(HostPrecision, preset)()
             if (p.master, p.optimizer_states, p.gradients) == (
                 self.master,

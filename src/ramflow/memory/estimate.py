@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..activations.report import ActivationReport
+from ..choices import CHECKPOINTING_MODES
 from ..engine.host_store import host_ram_available, resolve_precision
 from ..formats.host import HostPrecision
 from ..planner.costs import ParameterCounts, parameter_counts
@@ -34,7 +35,6 @@ from ..transfer.streams import caching_host_block_bytes
 from ..units.unit import Unit, find_units, plan_inputs
 
 __all__ = [
-    "CHECKPOINTING_MODES",
     "CUDA_RUNTIME_OVERHEAD_BYTES",
     "RUNTIME_OVERHEAD_BYTES",
     "runtime_overhead_bytes",
@@ -54,9 +54,6 @@ def runtime_overhead_bytes(device_type: str) -> int:
     """Host RAM one process takes before its model: ``CUDA_RUNTIME_OVERHEAD_BYTES`` (3.5
     GiB) with a CUDA device, else ``RUNTIME_OVERHEAD_BYTES`` (1 GiB)."""
     return CUDA_RUNTIME_OVERHEAD_BYTES if device_type == "cuda" else RUNTIME_OVERHEAD_BYTES
-
-
-CHECKPOINTING_MODES = ("auto", "on", "off", "offload")
 
 
 class BudgetTooSmall(ValueError):
@@ -164,7 +161,7 @@ class MemoryEstimate:
         wire_dtype: dtype of the device copies of the weights.
         batch_size, seq_len: B and T of a micro-batch.
         checkpointing: activation checkpointing on.
-        gpu_memory_bytes: the device budget (None: no cap).
+        device_budget_bytes: the whole device's budget for the run (None: no cap).
         plan: the plan ``ramflow.offload`` would choose (window, resident units).
         activations: the measured profile.
         device_parameter_bytes: window slots + resident units + buffers on the device.
@@ -185,7 +182,7 @@ class MemoryEstimate:
         matmul_flops_per_s: the GPU bf16 matmul rate assumed, FLOP/s.
         device_note: why this device was planned, where the user named none (printed
             under the device line), or None.
-        host_precision: the host formats' name (``ramflow.HostPrecision``).
+        host_precision: the host formats (``ramflow.HostPrecision``; ``.name`` for display).
         host_precision_reason: why ``"auto"`` chose them (None when not asked for).
         full_gradients: the loop keeps a full host gradient buffer (counted in the host
             gradients), so its host steps wait for the end of backward.
@@ -211,7 +208,7 @@ class MemoryEstimate:
     batch_size: int
     seq_len: int
     checkpointing: bool
-    gpu_memory_bytes: int | None
+    device_budget_bytes: int | None
     plan: OffloadPlan
     activations: ActivationProfile
     device_parameter_bytes: int
@@ -230,7 +227,7 @@ class MemoryEstimate:
     timing_rates: Rates | None = None
     matmul_flops_per_s: float | None = None
     device_note: str | None = None
-    host_precision: str = "fp32"
+    host_precision: HostPrecision = HostPrecision.fp32()
     host_precision_reason: str | None = None
     full_gradients: bool = False
     host_bytes_per_parameter: float | None = None
@@ -266,12 +263,12 @@ class MemoryEstimate:
         return "on" if self.checkpointing else "off"
 
     @property
-    def ramflow_budget_bytes(self) -> int | None:
-        """What ``ramflow.offload`` may allocate on the device: the budget less the
-        activations (None: no cap)."""
-        if self.gpu_memory_bytes is None:
+    def gpu_memory_bytes(self) -> int | None:
+        """ramflow's share of the device budget: what ``ramflow.offload(gpu_memory=...)``
+        may allocate on the device, the budget less the activations (None: no cap)."""
+        if self.device_budget_bytes is None:
             return None
-        return self.gpu_memory_bytes - self.device_activation_bytes
+        return self.device_budget_bytes - self.device_activation_bytes
 
     @property
     def host_pinned_bytes(self) -> int:
@@ -362,7 +359,9 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         """Header, table, plan and verdicts: what ``ramflow plan`` prints."""
-        budget = "no cap" if self.gpu_memory_bytes is None else format_bytes(self.gpu_memory_bytes)
+        budget = (
+            "no cap" if self.device_budget_bytes is None else format_bytes(self.device_budget_bytes)
+        )
         act = self.activations
         ckpt = {"checkpointing": self.checkpointing, "offload": self.activation_offload}
         lines = [
@@ -378,7 +377,7 @@ class MemoryEstimate:
             self.table(),
             "",
             "ramflow plan: " + self.plan.describe().replace("\n", "\n  "),
-            f"host formats: {self.host_precision}"
+            f"host formats: {self.host_precision.name}"
             + (
                 f", {self.host_bytes_per_parameter:.2f} bytes per trained parameter"
                 if self.host_bytes_per_parameter is not None
@@ -506,7 +505,7 @@ def estimate_memory(
     seq_len: int,
     device_type: str = "cuda",
     wire_dtype: torch.dtype = torch.bfloat16,
-    gpu_memory: int | str | None = None,
+    device_budget: int | str | None = None,
     checkpointing: str | bool = "auto",
     prefetch_depth: int = 2,
     optimizer_states: int = 2,
@@ -520,7 +519,8 @@ def estimate_memory(
 
     The device budget covers everything on the device: ramflow's own share (window,
     resident units, gradient buffers) is what is left after the activations, and that
-    share goes to the planner. Host figures assume ``ramflow.offload`` and a
+    share (``MemoryEstimate.gpu_memory_bytes``, ``ramflow.offload``'s ``gpu_memory``) goes to
+    the planner. Host figures assume ``ramflow.offload`` and a
     ``ramflow.optim`` optimizer: fp32 master weights, wire copies (pinned on CUDA), fp32
     host gradients with their D2H staging, and ``optimizer_states`` fp32 tensors per
     trainable parameter.
@@ -534,7 +534,7 @@ def estimate_memory(
         batch_size, seq_len: the micro-batch's shape (B, T), for the report.
         device_type: ``"cuda"`` or ``"cpu"`` (on a CPU run the "device" is RAM too).
         wire_dtype: dtype of the device copies of the weights.
-        gpu_memory: the whole device budget, bytes or a size string (``"12GiB"``); None:
+        device_budget: the whole device's budget for the run, bytes or a size string (``"12GiB"``); None:
             no cap.
         checkpointing: ``"on"``/True, ``"off"``/False, ``"offload"`` (on, with the layers'
             inputs in pinned host memory: ``CheckpointOffload``), or ``"auto"``: off when
@@ -561,7 +561,7 @@ def estimate_memory(
             unreadable or negative budget; the budget is too small for the activations and
             ramflow's smallest plan (the message gives the figures and the smallest budget
             that works).
-        TypeError: ``gpu_memory`` is neither a number nor a string (a bool, say).
+        TypeError: ``device_budget`` is neither a number nor a string (a bool, say).
     """
     if isinstance(checkpointing, bool):
         checkpointing = "on" if checkpointing else "off"
@@ -580,7 +580,9 @@ def estimate_memory(
             f"device_type must be 'cuda' or 'cpu' (a device type: 'cuda' for any GPU index), "
             f"got {device_type!r}"
         )
-    gpu_memory_bytes = None if gpu_memory is None else parse_bytes(gpu_memory, what="gpu_memory")
+    device_budget_bytes = (
+        None if device_budget is None else parse_bytes(device_budget, what="device_budget")
+    )
     units, buffer_bytes = offload_units(model)
     acts = activations
     smallest = _make_plan(
@@ -593,13 +595,14 @@ def estimate_memory(
     ).min_gpu_memory_bytes
     ckpt_reason = None
     if checkpointing == "auto":
-        checkpointing, ckpt_reason = choose_checkpointing(acts, smallest, gpu_memory_bytes)
+        checkpointing, ckpt_reason = choose_checkpointing(acts, smallest, device_budget_bytes)
     ckpt, offload = checkpointing in ("on", "offload"), checkpointing == "offload"
     act_bytes = acts.peak_bytes(checkpointing=ckpt, offload=offload)
-    ramflow_budget = None
-    if gpu_memory_bytes is not None:
-        ramflow_budget = gpu_memory_bytes - act_bytes
-        if ramflow_budget < smallest:
+    # ramflow's share: what the activations leave of the device's budget
+    gpu_memory_bytes = None
+    if device_budget_bytes is not None:
+        gpu_memory_bytes = device_budget_bytes - act_bytes
+        if gpu_memory_bytes < smallest:
             need = smallest + act_bytes
             hint = (
                 ""
@@ -609,7 +612,7 @@ def estimate_memory(
                 else ", or --checkpointing on"
             )
             raise BudgetTooSmall(
-                f"--gpu-memory {format_bytes(gpu_memory_bytes)} is too small for this run: activations "
+                f"--gpu-memory {format_bytes(device_budget_bytes)} is too small for this run: activations "
                 f"of a {batch_size} x {seq_len} micro-batch need about {format_bytes(act_bytes)} and "
                 f"ramflow's smallest plan (streaming every unit) {format_bytes(smallest)}, together "
                 f"{format_bytes(need)}. Give --gpu-memory {format_bytes(need * 1.05)} or more, or a "
@@ -620,7 +623,7 @@ def estimate_memory(
         buffer_bytes,
         device_type=device_type,
         wire_dtype=wire_dtype,
-        gpu_memory_bytes=ramflow_budget,
+        gpu_memory_bytes=gpu_memory_bytes,
         prefetch_depth=prefetch_depth,
     )
 
@@ -653,7 +656,7 @@ def estimate_memory(
         batch_size=batch_size,
         seq_len=seq_len,
         checkpointing=ckpt,
-        gpu_memory_bytes=gpu_memory_bytes,
+        device_budget_bytes=device_budget_bytes,
         plan=plan,
         activations=acts,
         device_parameter_bytes=plan.window_bytes + plan.resident_bytes + plan.fixed_bytes,
@@ -671,7 +674,7 @@ def estimate_memory(
         + host.state_bytes(num_trainable, num_states=optimizer_states),
         ram_available_bytes=host_ram_available(),
         disk_free_bytes=disk_free,
-        host_precision=host.name,
+        host_precision=host,
         host_precision_reason=reason,
         full_gradients=full_gradients,
         parameter_counts=parameter_counts(model),
@@ -686,7 +689,7 @@ def estimate_memory(
 
 
 def choose_checkpointing(
-    acts: ActivationProfile, smallest_plan_bytes: int, gpu_memory_bytes: int | None
+    acts: ActivationProfile, smallest_plan_bytes: int, device_budget_bytes: int | None
 ) -> tuple[str, str | None]:
     """What ``--checkpointing auto`` runs, and why (one line for the plan, or None).
 
@@ -701,15 +704,15 @@ def choose_checkpointing(
     Args:
         acts: the micro-batch's activations.
         smallest_plan_bytes: ramflow's smallest plan on the device (every unit streamed).
-        gpu_memory_bytes: the whole device budget (None: no cap, checkpointing off).
+        device_budget_bytes: the whole device's budget (None: no cap, checkpointing off).
 
     Returns:
         ``("off" | "on" | "offload", reason)``; with none fitting, ``"offload"`` (the
         caller's error then gives the figures).
     """
-    if gpu_memory_bytes is None:
+    if device_budget_bytes is None:
         return "off", None
-    room = gpu_memory_bytes - smallest_plan_bytes
+    room = device_budget_bytes - smallest_plan_bytes
     if acts.peak_bytes(checkpointing=False) <= room:
         return "off", None
     if acts.peak_bytes(checkpointing=True) <= room:

@@ -56,7 +56,7 @@ class BatchFit:
         grad_accum: micro-batches per optimizer step.
         checkpointing: activation checkpointing on.
         global_batch: sequences per optimizer step, ``micro_batch * grad_accum``.
-        budget_bytes: the device budget it fitted to (None: no cap).
+        device_budget_bytes: the device budget it fitted to (None: no cap).
         trials: every candidate looked at, in order, the chosen one last.
     """
 
@@ -64,12 +64,14 @@ class BatchFit:
     grad_accum: int
     checkpointing: bool
     global_batch: int
-    budget_bytes: int | None
+    device_budget_bytes: int | None
     trials: tuple[BatchTrial, ...]
 
     def describe(self) -> str:
         """One line for the chosen fit, then one per candidate tried."""
-        budget = "no cap" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+        budget = (
+            "no cap" if self.device_budget_bytes is None else format_bytes(self.device_budget_bytes)
+        )
         lines = [
             f"micro-batch {self.micro_batch} x {self.grad_accum} accumulated = global batch "
             f"{self.global_batch}, activation checkpointing "
@@ -111,7 +113,7 @@ def smaller_micro_batch(micro_batch: int) -> int | None:
 def fit_batch(
     *,
     global_batch: int,
-    budget_bytes: int | str | None = None,
+    device_budget_bytes: int | str | None = None,
     estimate: Callable[[int, bool], int] | None = None,
     trial: Callable[[int, bool], None] | None = None,
     checkpointing: Sequence[bool] = (False, True),
@@ -124,7 +126,7 @@ def fit_batch(
 
     Args:
         global_batch: sequences per optimizer step; micro-batches are its divisors.
-        budget_bytes: the device budget the estimate is held to, bytes or a size string
+        device_budget_bytes: the device budget the estimate is held to, bytes or a size string
             (``"12GiB"``); None: no cap, the estimate rules nothing out.
         estimate: ``(micro_batch, checkpointing) -> device bytes``, e.g. from
             ``estimate_memory(...).device_total_bytes``; a ``ValueError`` from it counts
@@ -146,10 +148,10 @@ def fit_batch(
         ValueError: bad sizes (an unreadable or negative budget included), no levels, or
             nothing fits (not even a micro-batch of 1 under the heaviest checkpointing; the
             message lists the candidates tried).
-        TypeError: ``budget_bytes`` is neither a number nor a string.
+        TypeError: ``device_budget_bytes`` is neither a number nor a string.
     """
-    if budget_bytes is not None:
-        budget_bytes = parse_bytes(budget_bytes, what="budget_bytes")
+    if device_budget_bytes is not None:
+        device_budget_bytes = parse_bytes(device_budget_bytes, what="device_budget_bytes")
     if not checkpointing:
         raise ValueError("give at least one checkpointing level to try, e.g. (False, True)")
     candidates = micro_batch_candidates(global_batch, max_micro_batch=max_micro_batch)
@@ -163,7 +165,7 @@ def fit_batch(
                 except ValueError:
                     trials.append(BatchTrial(b, ckpt, None, "over budget (estimate)"))
                     continue
-                if budget_bytes is not None and need > budget_bytes:
+                if device_budget_bytes is not None and need > device_budget_bytes:
                     trials.append(BatchTrial(b, ckpt, need, "over budget (estimate)"))
                     continue
             if trial is not None:
@@ -180,14 +182,14 @@ def fit_batch(
                 grad_accum=global_batch // b,
                 checkpointing=ckpt,
                 global_batch=global_batch,
-                budget_bytes=budget_bytes,
+                device_budget_bytes=device_budget_bytes,
                 trials=tuple(trials),
             )
     tried = "; ".join(
         f"{t.micro_batch} ({'checkpointed' if t.checkpointing else 'plain'}): {t.outcome}"
         for t in trials
     )
-    budget = "" if budget_bytes is None else f" of {format_bytes(budget_bytes)}"
+    budget = "" if device_budget_bytes is None else f" of {format_bytes(device_budget_bytes)}"
     # checkpointing is worth suggesting only where no checkpointed level was tried
     hint = "" if any(checkpointing) else ", or turn --checkpointing on"
     raise ValueError(

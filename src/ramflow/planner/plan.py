@@ -19,6 +19,7 @@ from ..formats.host import (  # noqa: F401 (the device step's sizes, used here a
     DEVICE_STEP_SCRATCH_BYTES,
     LEAN_DEVICE_STEP_PIECE,
     LEAN_DEVICE_STEP_SCRATCH_BYTES,
+    HostPrecision,
 )
 from ..sizes import format_bytes
 from .predict import Rates, StepPrediction, UnitCost, predict_step
@@ -57,7 +58,7 @@ class OffloadPlan:
         device_optimizer_reason: why these units (or none) are stepped on the device: the
             choice of ``device_optimizer=None`` (the planner's, see ``auto_device_optimizer``)
             or the option given; None for plans made without the engine.
-        host_precision: the host formats' name (``ramflow.HostPrecision.name``).
+        host_precision: the host formats (``ramflow.HostPrecision``; ``.name`` for display).
         host_bytes_per_parameter: host bytes per trained parameter under them, AdamW's
             states included (the gradient ring's fixed buffers not).
         host_bytes: host bytes of the store (masters, wire copies, gradients) plus AdamW's
@@ -93,7 +94,7 @@ class OffloadPlan:
     # the host side: not compared (an engine's plan and ``ramflow plan``'s agree on the
     # device and differ in what they know of the host)
     device_optimizer_reason: str | None = field(default=None, compare=False)
-    host_precision: str = field(default="fp32", compare=False)
+    host_precision: HostPrecision = field(default=HostPrecision.fp32(), compare=False)
     host_bytes_per_parameter: float | None = field(default=None, compare=False)
     host_bytes: int | None = field(default=None, compare=False)
     host_deferred_bytes: int | None = field(default=None, compare=False)
@@ -152,7 +153,7 @@ class OffloadPlan:
         ]
         if self.host_bytes_per_parameter is not None:
             host = (
-                f"host formats: {self.host_precision}, "
+                f"host formats: {self.host_precision.name}, "
                 f"{self.host_bytes_per_parameter:.2f} bytes per trained parameter"
             )
             if self.host_bytes is not None:

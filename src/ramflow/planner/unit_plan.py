@@ -118,7 +118,7 @@ def complete_plan(
     prediction."""
     plan = dataclasses.replace(
         plan,
-        host_precision=precision.name,
+        host_precision=precision,
         host_bytes_per_parameter=precision.bytes_per_parameter(
             trainable=True, wire_dtype=wire_dtype
         ),

@@ -12,13 +12,33 @@ before a run), ``trainer`` (the loop), ``profile`` (``ramflow profile``) and ``g
 May import: the public surface (``ramflow``), ``compat`` and every folder below them.
 """
 
-from .config import TrainConfig, resume_config
-from .estimate import MemoryEstimate, estimate_run_memory
-from .generation import Generation, SamplingConfig, generate, load_for_generation
-from .presets import PRESETS, ModelPreset, get_preset
-from .run_checkpoint import Checkpoint, CheckpointError, open_checkpoint
-from .setup import plan_run
-from .trainer import TrainResult, train
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the names below resolve to, for type checkers and the layout test
+    from .config import TrainConfig, resume_config
+    from .estimate import MemoryEstimate, estimate_run_memory
+    from .generation import Generation, SamplingConfig, generate, load_for_generation
+    from .presets import PRESETS, ModelPreset, get_preset
+    from .run_checkpoint import Checkpoint, CheckpointError, open_checkpoint
+    from .setup import plan_run
+    from .trainer import TrainResult, train
+
+# public name -> its module. The names load on first use (PEP 562), as ``ramflow``'s do, so
+# that the command's parser can read ``presets`` (no PyTorch) before anything heavy loads.
+_WHERE = {
+    **dict.fromkeys(["TrainConfig", "resume_config"], "config"),
+    **dict.fromkeys(["MemoryEstimate", "estimate_run_memory"], "estimate"),
+    **dict.fromkeys(
+        ["Generation", "SamplingConfig", "generate", "load_for_generation"], "generation"
+    ),
+    **dict.fromkeys(["PRESETS", "ModelPreset", "get_preset"], "presets"),
+    **dict.fromkeys(["Checkpoint", "CheckpointError", "open_checkpoint"], "run_checkpoint"),
+    "plan_run": "setup",
+    **dict.fromkeys(["TrainResult", "train"], "trainer"),
+}
 
 __all__ = [
     "PRESETS",
@@ -39,3 +59,16 @@ __all__ = [
     "resume_config",
     "train",
 ]
+assert sorted(_WHERE) == sorted(__all__)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'ramflow.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})

@@ -332,7 +332,7 @@ def fit_micro_batch(
         try:
             fit = fit_batch(
                 global_batch=config.global_batch,
-                budget_bytes=None if setup.fit is None else setup.fit.budget_bytes,
+                device_budget_bytes=None if setup.fit is None else setup.fit.device_budget_bytes,
                 trial=trial,
                 checkpointing=(checkpointing.mode != "off",),
                 max_micro_batch=max_micro_batch,

@@ -7,23 +7,20 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..formats.host import PRESETS
+from ..choices import AUTO, CHECKPOINTING_MODES, COMPUTE_PRECISIONS, HOST_PRECISIONS
+from ..formats.host import HostPrecision
 from ..sizes import parse_bytes
-from .estimate import CHECKPOINTING_MODES
 from .generation import resolve_model_dir
 from .hub import resolve_hub_model
 from .lora import check_frozen_format, parse_targets
 from .lr_schedule import default_warmup_steps
 from .modeling import read_config
 from .optimizers import OPTIMIZER_DEFAULTS, OPTIMIZERS
-from .precision import PRECISIONS
 from .presets import get_preset
 from .run_checkpoint import Checkpoint, CheckpointError
 
 # Settings a resumed run may change: they decide how long it runs, where, and how it uses
 # memory, not what a step computes.
-HOST_PRECISIONS = (*PRESETS, "auto")
-
 RESUMABLE_CHANGES = frozenset(
     {
         "steps",
@@ -34,7 +31,7 @@ RESUMABLE_CHANGES = frozenset(
         "eval_every",
         "eval_batches",
         "device",
-        "gpu_memory",
+        "device_budget_bytes",
         "checkpointing",
     }
 )
@@ -88,10 +85,12 @@ class TrainConfig:
             layers' inputs in pinned host memory) or ``auto`` (the lightest that the plan
             fits in the device budget beside ramflow's smallest plan; at a micro-batch of
             1, an out-of-memory error takes the next heavier one, see ``backoff.py``).
-        host_precision: the host formats (``ramflow.offload``'s ``host_precision``):
-            ``fp32``, ``bf16``, ``lean``, ``kahan`` or ``auto``. Formats other than fp32
-            need a bf16 wire: on the CPU the weights are then kept and computed in bf16.
-            A resumed run keeps its format.
+        host_precision: the host formats (``ramflow.offload``'s ``host_precision``): a
+            ``HostPrecision``, or ``"auto"`` (decided once at set-up, for the plan and the
+            run: ``setup.host_formats``). A preset's name (``fp32``, ``bf16``, ``lean``,
+            ``kahan``) is parsed into its policy here, where it enters; ``to_dict`` writes
+            the name back. Formats other than fp32 need a bf16 wire: on the CPU the weights
+            are then kept and computed in bf16. A resumed run keeps its format.
         device_optimizer: step the optimizer of resident units on the device where
             ramflow's budget leaves room for their states (``ramflow.offload(...,
             device_optimizer=...)``): the same arithmetic as the host formats' CPU step,
@@ -105,8 +104,12 @@ class TrainConfig:
             already); False: none.
         seed: seeds the model's initialisation and the data order.
         device: ``cuda``, ``cuda:N`` or ``cpu``; None: CUDA when available.
-        gpu_memory: the device budget for the whole run (weights, gradients, activations),
-            e.g. ``"12GiB"``; None: 90% of the free memory of a CUDA device, no cap on the CPU.
+        device_budget_bytes: the whole device's budget for the run (weights, gradients,
+            activations), bytes; None: 90% of the free memory of a CUDA device, no cap on
+            the CPU. ``from_options`` reads it from ``gpu_memory`` (``--gpu-memory``, a size
+            such as ``"12GiB"``), parsed there once. ramflow's share of it, what the
+            activations leave, is the estimate's ``gpu_memory_bytes``, the ``gpu_memory``
+            that ``ramflow.offload`` gets.
         save_every: write a checkpoint every this many steps (0: only at the end and on Ctrl-C).
         keep_checkpoints: finished checkpoints kept on disk; 0: none is written (a benchmark
             or a smoke run on a disk too small for one: Ctrl-C and SIGTERM then lose the run).
@@ -149,11 +152,11 @@ class TrainConfig:
     clip_grad: float = 1.0
     precision: str = "auto"
     checkpointing: str = "auto"
-    host_precision: str = "fp32"
+    host_precision: HostPrecision | str = HostPrecision.fp32()
     device_optimizer: bool | None = None
     seed: int = 0
     device: str | None = None
-    gpu_memory: str | None = None
+    device_budget_bytes: int | None = None
     save_every: int = 500
     keep_checkpoints: int = 1
     eval_every: int = 30
@@ -218,15 +221,11 @@ class TrainConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not (self.eps > 0 and math.isfinite(self.eps)):
             raise ValueError(f"eps must be a positive number, got {self.eps}")
-        if self.precision not in PRECISIONS:
+        if self.precision not in COMPUTE_PRECISIONS:
             raise ValueError(
-                f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}"
+                f"--precision {self.precision!r}: choose one of {', '.join(COMPUTE_PRECISIONS)}"
             )
-        if self.host_precision not in HOST_PRECISIONS:
-            raise ValueError(
-                f"--host-precision {self.host_precision!r}: choose one of "
-                f"{', '.join(HOST_PRECISIONS)}"
-            )
+        object.__setattr__(self, "host_precision", _host_precision(self.host_precision))
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}"
@@ -236,7 +235,8 @@ class TrainConfig:
                 f"--optimizer {self.optimizer} has no device step: drop --device-optimizer, "
                 "or use --optimizer adamw, which steps on the device too"
             )
-        if self.optimizer in ("adafactor", "sgd", "muon") and self.host_precision != "fp32":
+        exact = isinstance(self.host_precision, HostPrecision) and self.host_precision.is_exact
+        if self.optimizer in ("adafactor", "sgd", "muon") and not exact:
             raise ValueError(
                 f"--optimizer {self.optimizer} steps fp32 master weights and states only: use "
                 "--host-precision fp32, or --optimizer adamw or lion, which step every host "
@@ -246,8 +246,15 @@ class TrainConfig:
             raise ValueError(
                 f"--checkpointing {self.checkpointing!r}: choose one of {', '.join(CHECKPOINTING_MODES)}"
             )
-        if self.gpu_memory is not None:
-            parse_bytes(self.gpu_memory, what="--gpu-memory")
+        if self.device_budget_bytes is not None and (
+            isinstance(self.device_budget_bytes, bool)
+            or not isinstance(self.device_budget_bytes, int)
+            or self.device_budget_bytes < 0
+        ):
+            raise ValueError(
+                f"device_budget_bytes must be a number of bytes >= 0, got "
+                f"{self.device_budget_bytes!r}; --gpu-memory takes a size such as 12GiB"
+            )
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError(f"--lora must be a positive rank, got {self.lora_rank}")
         if self.lora_targets is not None:
@@ -313,9 +320,9 @@ class TrainConfig:
             ValueError: an unknown option or an invalid value (see the attributes).
         """
         unknown = set(options) - {f.name for f in dataclasses.fields(cls)} - {"global_batch"}
-        if unknown:
+        if unknown - {"gpu_memory"}:
             raise ValueError(f"unknown training options: {', '.join(sorted(unknown))}")
-        given = {k: v for k, v in options.items() if v is not None}
+        given = _device_budget({k: v for k, v in options.items() if v is not None})
         global_batch = given.pop("global_batch", None)
         if given.get("batch_size") == "auto":
             # the preset's (or the model folder's) batch fills it in below, as the global
@@ -361,12 +368,59 @@ class TrainConfig:
         return cls(**given)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The settings as plain values (JSON, a checkpoint, the trackers): host formats by
+        their preset's name, or their fields where they are no preset."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        hp = self.host_precision
+        if isinstance(hp, HostPrecision):
+            preset = hp.name in HOST_PRECISIONS and HostPrecision.parse(hp.name) == hp
+            out["host_precision"] = hp.name if preset else dataclasses.asdict(hp)
+        return out
 
     @property
     def model_name(self) -> str:
         """The preset, or the model folder, for messages."""
         return self.preset if self.preset is not None else str(self.model)
+
+
+def _device_budget(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``gpu_memory`` (``--gpu-memory``'s size, as a user or an older
+    checkpoint gives it) parsed into ``device_budget_bytes``: where the value enters.
+
+    Raises:
+        ValueError: an unreadable size, or both names given.
+    """
+    if "gpu_memory" not in options:
+        return options
+    options = dict(options)
+    text = options.pop("gpu_memory")
+    if options.get("device_budget_bytes") is not None and text is not None:
+        raise ValueError("give the device budget once: gpu_memory or device_budget_bytes")
+    if text is not None:
+        options["device_budget_bytes"] = parse_bytes(text, what="--gpu-memory")
+    return options
+
+
+def _host_precision(value: Any) -> HostPrecision | str:
+    """``TrainConfig.host_precision`` as given: a policy, or ``"auto"``; a preset's name
+    (the command line's, a checkpoint's) or a policy's fields (``to_dict`` of one that is
+    no preset) become the policy.
+
+    Raises:
+        ValueError: a name that is no preset nor ``auto``.
+        TypeError: neither a policy, a name nor a mapping of its fields.
+    """
+    if isinstance(value, HostPrecision) or value == AUTO:
+        return value
+    if isinstance(value, str):
+        if value not in HOST_PRECISIONS:
+            raise ValueError(
+                f"--host-precision {value!r}: choose one of {', '.join(HOST_PRECISIONS)}"
+            )
+        return HostPrecision.parse(value)
+    if isinstance(value, dict):
+        return HostPrecision(**value)
+    raise TypeError(f"host_precision must be a HostPrecision or a preset's name, got {value!r}")
 
 
 # [Note: validation sized to the run]
@@ -448,7 +502,9 @@ def resume_config(checkpoint: Checkpoint, **options: Any) -> TrainConfig:
     elif options.get("global_batch") is not None and options.get("batch_size") is not None:
         options = {**options, "grad_accum": options["global_batch"] // options["batch_size"]}
     options.pop("global_batch", None)
-    stored = dict(checkpoint.state["train_config"])
+    options = _device_budget(options)
+    # a checkpoint from before the budget was parsed where it enters holds --gpu-memory's text
+    stored = _device_budget(dict(checkpoint.state["train_config"]))
     if stored.get("decay_steps") is None:
         stored["decay_steps"] = stored.get("steps")
     for key, value in options.items():

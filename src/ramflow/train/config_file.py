@@ -24,9 +24,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..choices import DEVICE_OPTIMIZER
+
 # TrainConfig fields that no flag sets: a run.json holds them at these values
 _FIXED_FIELDS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
-_DEVICE_OPTIMIZER_FLAG = {None: None, True: "on", False: "off"}
+# --device-optimizer's choice for each TrainConfig value (auto is the flag left out)
+_DEVICE_OPTIMIZER_FLAG = {v: k for k, v in DEVICE_OPTIMIZER.items() if v is not None} | {None: None}
 
 
 class Flag(NamedTuple):
@@ -121,6 +124,8 @@ def run_config_options(config: Mapping[str, Any], *, where: str) -> dict[str, An
         options["global_batch"] = options.pop("batch_size") * options.pop("grad_accum", 1)
         options["batch_size"] = "auto"
     options["device_optimizer"] = _DEVICE_OPTIMIZER_FLAG[options.get("device_optimizer")]
+    if "device_budget_bytes" in options:  # --gpu-memory takes a number of bytes too
+        options["gpu_memory"] = options.pop("device_budget_bytes")
     return {k: v for k, v in options.items() if v is not None}
 
 

@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..choices import CHECKPOINTING_MODES
+from ..formats.host import HostPrecision
 from ..memory.estimate import (
-    CHECKPOINTING_MODES,
     RUNTIME_OVERHEAD_BYTES,
     ActivationProfile,
     MemoryEstimate,
@@ -232,7 +233,7 @@ def estimate_run_memory(
     wire_dtype: torch.dtype,
     batch_size: int,
     seq_len: int,
-    gpu_memory_bytes: int | None,
+    device_budget_bytes: int | None,
     checkpointing: str = "auto",
     prefetch_depth: int = 2,
     optimizer_states: int = 2,
@@ -240,7 +241,7 @@ def estimate_run_memory(
     predict: bool = False,
     timing_rates: Rates | None = None,
     matmul_flops_per_s: float | None = None,
-    host_precision: str = "fp32",
+    host_precision: HostPrecision | None = None,
     full_gradients: bool = False,
 ) -> MemoryEstimate:
     """Estimate a language model's training memory without allocating the model.
@@ -257,7 +258,7 @@ def estimate_run_memory(
         compute_dtype: dtype of activations (autocast dtype, or float32).
         wire_dtype: dtype of the device copies of the weights.
         batch_size, seq_len: B and T of one micro-batch.
-        gpu_memory_bytes: the whole device budget (bytes), or None for no cap.
+        device_budget_bytes: the whole device's budget for the run (bytes), or None for no cap.
         checkpointing: ``"on"``, ``"off"``, or ``"auto"``: off when the activations fit in
             the budget beside ramflow's smallest plan, on otherwise (off without a budget).
         prefetch_depth: as for ``ramflow.offload``.
@@ -267,7 +268,7 @@ def estimate_run_memory(
         timing_rates: copy and CPU optimizer rates for the prediction (default: the H200
             box's, ``ramflow.planner.predict``).
         matmul_flops_per_s: the GPU's bf16 matmul rate, FLOP/s (default: the H200's).
-        host_precision: the host formats (``ramflow.offload``'s ``host_precision``).
+        host_precision: the host formats (``setup.host_formats``'s, auto decided); None: fp32.
         full_gradients: the loop keeps a full host gradient buffer (see
             ``ramflow.memory.estimate_memory``).
 
@@ -294,7 +295,7 @@ def estimate_run_memory(
             seq_len=seq_len,
             device_type=device_type,
             wire_dtype=wire_dtype,
-            gpu_memory=gpu_memory_bytes,
+            device_budget=device_budget_bytes,
             checkpointing=checkpointing,
             prefetch_depth=prefetch_depth,
             optimizer_states=optimizer_states,
@@ -335,13 +336,13 @@ def estimate_run_memory(
         checkpointing=checkpointing,
         ckpt=estimate.checkpointing,
         offload=estimate.activation_offload,
-        gpu_memory_bytes=gpu_memory_bytes,
-        ramflow_budget=estimate.ramflow_budget_bytes,
+        device_budget_bytes=device_budget_bytes,
+        gpu_memory_bytes=estimate.gpu_memory_bytes,
         units=units,
         buffer_bytes=buffer_bytes,
         device_type=device_type,
         wire_dtype=wire_dtype,
-        rates=rates_for(timing_rates or Rates(), estimate.host_precision),
+        rates=rates_for(timing_rates or Rates(), estimate.host_precision.name),
         matmul_flops_per_s=matmul_flops_per_s or DEFAULT_MATMUL_FLOPS_PER_S,
         deferred_steps=full_gradients,
     )
@@ -388,7 +389,7 @@ def predict_plan_step(
             but whose units are not stepped (the optimizer's rate taken as unbounded).
     """
     model = meta_model(config)
-    rates = rates_for(timing_rates or Rates(), estimate.host_precision)
+    rates = rates_for(timing_rates or Rates(), estimate.host_precision.name)
     if not with_optimizer:
         rates = dataclasses.replace(rates, cpu_optimizer_params_per_s=math.inf)
     wire_size = getattr(torch, estimate.wire_dtype).itemsize
@@ -426,8 +427,8 @@ def _predict_speed(
     checkpointing: str,
     ckpt: bool,
     offload: bool,
+    device_budget_bytes: int | None,
     gpu_memory_bytes: int | None,
-    ramflow_budget: int | None,
     units: list[Unit],
     buffer_bytes: int,
     device_type: str,
@@ -491,7 +492,7 @@ def _predict_speed(
             # auto, and offload (whose activations the timing counts with only two inputs
             # on the device): the budget covers ramflow and the activations, the planner
             # splits it
-            gpu_memory_bytes=gpu_memory_bytes if auto or offload else ramflow_budget,
+            gpu_memory_bytes=device_budget_bytes if auto or offload else gpu_memory_bytes,
             timing=timing,
         )
     except ValueError:
@@ -504,7 +505,7 @@ def _predict_speed(
     }
 
 
-def default_gpu_budget(device: torch.device) -> int | None:
+def default_device_budget(device: torch.device) -> int | None:
     """The device budget when the user gives none: 90% of the free memory of a CUDA
     device (the rest for the CUDA context and allocator slack), no cap on the CPU."""
     if device.type != "cuda":
@@ -521,7 +522,7 @@ __all__ = [
     "ActivationProfile",
     "MemoryEstimate",
     "OFFLOAD_WINS_BY",
-    "default_gpu_budget",
+    "default_device_budget",
     "estimate_run_memory",
     "size_string",
     "measure_activations",

@@ -337,8 +337,8 @@ def load_for_generation(
             f"the tokenizer has {tok.vocab_size} tokens but the model has {config.vocab_size} embedding "
             "rows; give the model's own tokenizer with --tokenizer DIR"
         )
-    budget = None if gpu_memory is None else parse_bytes(gpu_memory, what="--gpu-memory")
-    options = dict(gpu_memory=budget, device=policy.device, wire_dtype=policy.wire_dtype)
+    gpu_memory_bytes = None if gpu_memory is None else parse_bytes(gpu_memory, what="--gpu-memory")
+    options = dict(gpu_memory=gpu_memory_bytes, device=policy.device, wire_dtype=policy.wire_dtype)
     if weights_dir is None:
         model = build_model(config, seed=seed).requires_grad_(False)
         ramflow.offload(model, **options, **compressed)

@@ -21,11 +21,11 @@ from torch import nn
 import ramflow
 
 from .._quiet import quiet_peft_wrap
+from ..choices import FROZEN_FORMATS
 
 # attention and MLP projections of Llama-style models (Llama, Mistral, Qwen2, the presets)
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-FROZEN_FORMATS = ("int8", "nf4")
 
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -173,7 +173,6 @@ def attach_adapters(model: nn.Module, directory: str | os.PathLike) -> nn.Module
 __all__ = [
     "ADAPTER_CONFIG_FILE",
     "DEFAULT_TARGETS",
-    "FROZEN_FORMATS",
     "adapter_base",
     "apply_lora",
     "attach_adapters",

@@ -67,12 +67,12 @@ def verdict(est: MemoryEstimate, ranks: HostRanks | None = None) -> str:
     if problems:
         return f"{est.model_name}: DOES NOT FIT this machine: " + "; ".join(problems)
     per_gpu = "" if ranks is None else " per GPU"
-    if est.gpu_memory_bytes is None:
+    if est.device_budget_bytes is None:
         device = f"{_device(est)} {format_bytes(est.device_total_bytes)}{per_gpu}, no cap"
     else:
         device = (
             f"{_device(est)} {format_bytes(est.device_total_bytes)} of the "
-            f"{format_bytes(est.gpu_memory_bytes)} budget{per_gpu}"
+            f"{format_bytes(est.device_budget_bytes)} budget{per_gpu}"
         )
     ram = f"RAM {format_bytes(need)}{who} of {format_bytes(avail)} available"
     return f"{est.model_name}: fits this machine: {device}; {ram}"
@@ -81,8 +81,8 @@ def verdict(est: MemoryEstimate, ranks: HostRanks | None = None) -> str:
 def budget_lines(est: MemoryEstimate) -> list[str]:
     """The one budget: the device memory the run may use, and which device was assumed
     when the user named none."""
-    if est.gpu_memory_bytes is not None:
-        line = f"budget: {format_bytes(est.gpu_memory_bytes)} of {_device(est)} memory"
+    if est.device_budget_bytes is not None:
+        line = f"budget: {format_bytes(est.device_budget_bytes)} of {_device(est)} memory"
     elif est.device_type == "cpu":
         line = "budget: no cap (a CPU run: the device side is RAM)"
     else:
@@ -115,7 +115,7 @@ def plan_lines(est: MemoryEstimate, *, trained: str | None = None) -> list[str]:
         f"{est.checkpointing_mode}"
         + (f" (auto: {est.checkpointing_reason})" if est.checkpointing_reason else ""),
         f"  {_residency(plan, est.device_type)}",
-        f"  host formats {est.host_precision}{per_param}{auto}",
+        f"  host formats {est.host_precision.name}{per_param}{auto}",
     ]
 
 
@@ -153,7 +153,7 @@ def _share_line(est: MemoryEstimate) -> str:
     )
     if plan.device_stepped:
         parts += f" + optimizer on the device {format_bytes(plan.device_step_bytes)}"
-    share = est.ramflow_budget_bytes
+    share = est.gpu_memory_bytes
     of = (
         ""
         if share is None

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+from ..choices import COMPUTE_PRECISIONS
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -81,8 +82,10 @@ def resolve_compute(*, device: str | torch.device | None, precision: str) -> Com
     Raises:
         ValueError: unknown precision, or a device that ``resolve_device`` refuses.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if precision not in COMPUTE_PRECISIONS:
+        raise ValueError(
+            f"--precision {precision!r}: choose one of {', '.join(COMPUTE_PRECISIONS)}"
+        )
     dev = resolve_device(device)
     if precision == "auto":
         if dev.type == "cuda":
@@ -109,8 +112,10 @@ def planned_compute(
     Raises:
         ValueError: unknown precision or device name.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if precision not in COMPUTE_PRECISIONS:
+        raise ValueError(
+            f"--precision {precision!r}: choose one of {', '.join(COMPUTE_PRECISIONS)}"
+        )
     if device is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     else:
@@ -126,4 +131,4 @@ def planned_compute(
     return device_type, precision, dtype, dtype if device_type == "cuda" else torch.float32
 
 
-__all__ = ["PRECISIONS", "ComputePolicy", "planned_compute", "resolve_compute", "resolve_device"]
+__all__ = ["ComputePolicy", "planned_compute", "resolve_compute", "resolve_device"]

@@ -263,7 +263,9 @@ def profile_model(
     for flag, value in (("--steps", steps), ("--batch-size", batch_size), ("--seq-len", seq_len)):
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
-    budget = parse_bytes(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
+    gpu_memory_bytes = (
+        parse_bytes(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
+    )
     policy = resolve_compute(device=device, precision=precision)
     base, config = _build(
         preset if preset is not None or model is not None else "tiny",
@@ -298,7 +300,9 @@ def profile_model(
     for name in ("plain", "offloaded") if offload else ("plain",):
         model_copy = copy.deepcopy(base)
         variants.append(
-            _run_variant(name, model_copy, batches, policy=policy, gpu_memory=budget, out_dir=out)
+            _run_variant(
+                name, model_copy, batches, policy=policy, gpu_memory=gpu_memory_bytes, out_dir=out
+            )
         )
         del model_copy
         if policy.device.type == "cuda":

@@ -41,6 +41,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..choices import DEFAULT_NUMA_BINDING, NUMA_BINDINGS
+
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 600.0  # torch's default for NCCL
@@ -49,10 +51,6 @@ SAVE_TIMEOUT_S = 7200.0
 older checkpoints) when that is longer than the run's timeout: 280 GB of a 70B model's fp32
 weights take 4 minutes at 1.2 GB/s and much longer on a slow disk. A rank 0 that dies
 fails the wait at once (gloo's sockets close); only a hung one is waited for this long."""
-
-
-NUMA_BINDINGS = ("exclusive", "node", "socket", "core-complex", "none")
-DEFAULT_NUMA_BINDING = "exclusive"
 
 
 def bind_to_gpu_node(gpu_index: int, mode: str) -> frozenset[int] | None:
@@ -362,9 +360,7 @@ def check_several_ranks(*, world_size: int, precision: str, lora: bool, auto_bat
 
 
 __all__ = [
-    "DEFAULT_NUMA_BINDING",
     "DEFAULT_TIMEOUT_S",
-    "NUMA_BINDINGS",
     "SAVE_TIMEOUT_S",
     "RankSetupError",
     "Ranks",

@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..sizes import format_bytes
-from .reporting import TENSORBOARD_DIR, TRACKERS, open_trackers, step_metrics
+from .reporting import TENSORBOARD_DIR, open_trackers, step_metrics
 
 # the name trainer.py knows it by
 from .reporting import check_trackers as check_loggers
 
 LOG_FILE = "log.jsonl"
 PLOT_FILE = "loss.png"
-LOGGERS = tuple(TRACKERS)
 
 
 def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -387,7 +386,6 @@ def loss_summary(steps: Sequence[dict[str, Any]]) -> tuple[float, float, str]:
 
 
 __all__ = [
-    "LOGGERS",
     "LOG_FILE",
     "PLOT_FILE",
     "TENSORBOARD_DIR",

@@ -18,9 +18,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..choices import TRACKERS
+
 TENSORBOARD_DIR = "tensorboard"
 # tracker -> the package it needs (the name pip installs it by)
-TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 STEP_FIGURES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
 # MLflow refuses parameter values longer than this (characters)
 _MLFLOW_PARAM_CHARS = 500
@@ -173,7 +174,6 @@ def step_metrics(record: Mapping[str, Any]) -> dict[str, float]:
 __all__ = [
     "STEP_FIGURES",
     "TENSORBOARD_DIR",
-    "TRACKERS",
     "MlflowTracker",
     "TensorBoardTracker",
     "Tracker",

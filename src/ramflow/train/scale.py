@@ -16,7 +16,6 @@ import math
 import os
 from dataclasses import dataclass
 
-from ..formats.host import HostPrecision
 from ..memory.estimate import MemoryEstimate, runtime_overhead_bytes
 from ..planner.predict import Rates, StepPrediction
 from ..sizes import format_bytes
@@ -279,7 +278,7 @@ def plan_ranks(
     """
     zero = choose_zero_stage(num_ranks, zero_stage)
     e = estimate
-    ring = HostPrecision.parse(e.host_precision).gradient_format.ring
+    ring = e.host_precision.gradient_format.ring
     # the staging (a ring's, every rank's; ZeRO-2 without a ring: the owner's) and the full
     # gradient buffer a loop that clips or accumulates keeps (ZeRO-2: the owner's, once)
     staging_copies = num_ranks if ring or zero.stage == 1 else 1

@@ -17,17 +17,20 @@ from typing import Any
 
 import torch
 
+from ..choices import AUTO
+from ..engine.host_store import resolve_precision
 from ..formats.host import HostPrecision
+from ..memory.estimate import offload_units
 from ..memory.fit import BatchFit, fit_batch
 from ..planner.predict import Rates
-from ..sizes import format_bytes, parse_bytes
+from ..sizes import format_bytes
 from .chat_data import build_chat_corpus, is_chat_data
 from .config import TrainConfig
 from .data import Corpus, build_corpus, find_documents, stdlib_root
 from .estimate import (
     OFFLOAD_WINS_BY,
     MemoryEstimate,
-    default_gpu_budget,
+    default_device_budget,
     estimate_run_memory,
     predict_plan_step,
 )
@@ -51,8 +54,8 @@ class PreparedRun:
         corpus: the tokenised training and validation text.
         estimate: the memory plan (``ramflow plan``'s figures), at the micro-batch the
             run starts with.
-        ramflow_budget: what ``ramflow.offload`` may allocate on the device (the budget
-            less the activations), bytes; None for no cap.
+        gpu_memory_bytes: ramflow's share of the device budget, what ``ramflow.offload``
+            gets as ``gpu_memory`` (the budget less the activations), bytes; None for no cap.
         checkpoint: the verified checkpoint to resume, or None.
         fit: with ``--batch-size auto``, the micro-batch the estimate chose (the trainer's
             trial steps may lower it); None otherwise.
@@ -65,7 +68,7 @@ class PreparedRun:
     model_config: Any
     corpus: Corpus
     estimate: MemoryEstimate
-    ramflow_budget: int | None
+    gpu_memory_bytes: int | None
     checkpoint: Checkpoint | None
     fit: BatchFit | None = None
     host_ranks: RanksPlan | None = None
@@ -101,13 +104,14 @@ def _estimate(
     device_type: str,
     precision: str,
     compute_dtype: torch.dtype,
-    wire_dtype: torch.dtype,
-    budget: int | None,
+    host: HostFormats,
+    device_budget_bytes: int | None,
     out_dir: Path | None,
     several_ranks: bool = False,
     **predict: Any,
 ) -> tuple[MemoryEstimate, BatchFit | None]:
-    """The run's estimate; with ``--batch-size auto``, at the largest micro-batch (and the
+    """The run's estimate under the host formats ``host`` (``host_formats``: auto is
+    decided there, once); with ``--batch-size auto``, at the largest micro-batch (and the
     lightest checkpointing) whose estimate fits the budget, and that fit."""
     ctx = getattr(mconfig, "max_position_embeddings", None)
     if ctx is not None and config.seq_len > ctx:
@@ -122,50 +126,28 @@ def _estimate(
             f"--seq-len {ctx} or less, or a model whose config allows longer sequences{longer}"
         )
 
-    def at(
-        batch_size: int,
-        checkpointing: str,
-        host_precision: str = config.host_precision,
-        **extra: Any,
-    ) -> MemoryEstimate:
-        return estimate_run_memory(
+    def at(batch_size: int, checkpointing: str, **extra: Any) -> MemoryEstimate:
+        est = estimate_run_memory(
             mconfig,
             model_name=config.model_name,
             device_type=device_type,
             precision=precision,
             compute_dtype=compute_dtype,
-            wire_dtype=HostPrecision.parse(host_precision).wire_for(None, default=wire_dtype)
-            if host_precision == "lean" and config.host_precision == "auto"
-            else wire_dtype,
+            wire_dtype=host.wire_dtype,
             batch_size=batch_size,
             seq_len=config.seq_len,
-            gpu_memory_bytes=budget,
+            device_budget_bytes=device_budget_bytes,
             checkpointing=checkpointing,
             # no checkpoint written (--keep-checkpoints 0): the disk is not asked
             out_dir=(out_dir if out_dir is not None else Path("runs"))
             if config.keep_checkpoints > 0
             else None,
-            host_precision=host_precision,
+            host_precision=host.precision,
             optimizer_states=OPTIMIZER_DEFAULTS[config.optimizer].num_states,
             full_gradients=not config.steps_during_backward(several_ranks=several_ranks),
             **extra,
         )
-
-    if config.host_precision == "auto":
-        # when nothing fits, the plan of the leanest formats says by how much (``train``
-        # then refuses it with the same figures); auto's own error gives no plan
-        plain = at
-
-        def at(batch_size: int, checkpointing: str, **extra: Any) -> MemoryEstimate:
-            try:
-                return plain(batch_size, checkpointing, **extra)
-            except MemoryError:
-                est = plain(batch_size, checkpointing, host_precision="lean", **extra)
-                return dataclasses.replace(
-                    est,
-                    host_precision_reason="neither fp32 nor lean fits this machine's RAM; "
-                    "planned with lean, the leanest",
-                )
+        return dataclasses.replace(est, host_precision_reason=host.reason)
 
     if not config.auto_batch_size:
         return at(config.batch_size, config.checkpointing, **predict), None
@@ -176,7 +158,7 @@ def _estimate(
     def fit_with(on: str, levels: tuple[bool, ...]) -> BatchFit:
         return fit_batch(
             global_batch=config.global_batch,
-            budget_bytes=budget,
+            device_budget_bytes=device_budget_bytes,
             estimate=lambda b, ckpt: at(b, on if ckpt else "off").device_total_bytes,
             checkpointing=levels,
         )
@@ -243,13 +225,53 @@ def _offload_fit(
     )
 
 
-def host_wire(config: TrainConfig, device_type: str, wire: torch.dtype) -> torch.dtype:
-    """The wire dtype of a run: bf16 on the CPU when ``--host-precision`` keeps bf16 master
-    weights (they are the wire copy; a CUDA run's wire is bf16 already, an fp16 one is
-    refused by the estimate with what works)."""
-    if device_type != "cpu" or config.host_precision == "auto":
-        return wire
-    return HostPrecision.parse(config.host_precision).wire_for(None, default=wire)
+@dataclass(frozen=True)
+class HostFormats:
+    """A run's host formats, decided once at set-up for its plan and its run.
+
+    Attributes:
+        precision: the host formats (``auto`` decided).
+        wire_dtype: the dtype of the weights' device copies under them.
+        reason: why ``--host-precision auto`` chose them (None when they were given).
+    """
+
+    precision: HostPrecision
+    wire_dtype: torch.dtype
+    reason: str | None = None
+
+
+def host_formats(
+    config: TrainConfig, mconfig: Any, *, device_type: str, wire_dtype: torch.dtype
+) -> HostFormats:
+    """The run's host formats and wire dtype, from ``config.host_precision`` and the
+    device's wire dtype ``wire_dtype``: ``"auto"`` is decided here (``resolve_precision``
+    over the model's units on the meta device and this machine's RAM), once for both the
+    plan and the run. On the CPU the wire follows the master (bf16 masters are the wire
+    copy); a CUDA run's wire is the device's (an fp16 one under bf16 masters is refused with
+    what works). Where auto finds nothing that fits, the plan of the leanest formats says by
+    how much (``train`` then refuses it with the same figures).
+
+    Raises:
+        ValueError: masters that cannot serve the device's wire (``HostPrecision.check_wire``).
+    """
+    auto = config.host_precision == AUTO
+    try:
+        precision, wire, reason = resolve_precision(
+            config.host_precision,
+            lambda: offload_units(meta_model(mconfig))[0],
+            wire_dtype=wire_dtype if auto or device_type != "cpu" else None,
+            default_wire=wire_dtype,
+        )
+    except MemoryError:
+        if not auto:
+            raise
+        lean = HostPrecision.lean()
+        return HostFormats(
+            lean,
+            lean.wire_for(None, default=wire_dtype),
+            "neither fp32 nor lean fits this machine's RAM; planned with lean, the leanest",
+        )
+    return HostFormats(precision, wire, reason)
 
 
 def plan_run(
@@ -264,8 +286,8 @@ def plan_run(
     with its predicted step time on a GPU (``MemoryEstimate.prediction`` and ``timed_plan``).
 
     Unlike ``train``, the device need not be present: ``device="cuda"`` plans a GPU run
-    on a machine without one (with no budget unless ``gpu_memory`` is given). With no
-    device named, a ``gpu_memory`` budget also plans a GPU run: a budget is for a GPU. The
+    on a machine without one (with no budget unless ``device_budget_bytes`` is given). With no
+    device named, a ``device_budget_bytes`` budget also plans a GPU run: a budget is for a GPU. The
     estimate's ``device_note`` says which device was assumed and why.
 
     Args:
@@ -297,7 +319,7 @@ def plan_run(
             raise ValueError(f"{what} must be a positive finite number, got {value}")
     device, note = config.device, None
     if device is None and not torch.cuda.is_available():
-        if config.gpu_memory is not None:
+        if config.device_budget_bytes is not None:
             device = "cuda"
             note = (
                 "this machine has no CUDA device: planned a run on a CUDA GPU, for which "
@@ -311,24 +333,21 @@ def plan_run(
     device_type, precision, compute, wire = planned_compute(
         device=device, precision=config.precision
     )
-    wire = host_wire(config, device_type, wire)
     _, mconfig = _tokenizer_and_config(config, None)
-    if config.gpu_memory is not None:
-        budget = parse_bytes(config.gpu_memory, what="--gpu-memory")
-    elif device_type == "cuda" and torch.cuda.is_available():
-        budget = default_gpu_budget(
+    host = host_formats(config, mconfig, device_type=device_type, wire_dtype=wire)
+    device_budget_bytes = config.device_budget_bytes
+    if device_budget_bytes is None and device_type == "cuda" and torch.cuda.is_available():
+        device_budget_bytes = default_device_budget(
             resolve_compute(device=device, precision=config.precision).device
         )
-    else:
-        budget = None
     estimate, fit = _estimate(
         config,
         mconfig,
         device_type=device_type,
         precision=precision,
         compute_dtype=compute,
-        wire_dtype=wire,
-        budget=budget,
+        host=host,
+        device_budget_bytes=device_budget_bytes,
         out_dir=Path(out_dir) if out_dir is not None else None,
         several_ranks=num_ranks > 1,
         predict=True,
@@ -464,10 +483,11 @@ def prepare_run(
     policy = resolve_compute(
         device=device if device is not None else config.device, precision=config.precision
     )
-    policy = dataclasses.replace(
-        policy, wire_dtype=host_wire(config, policy.device.type, policy.wire_dtype)
-    )
     tokenizer, mconfig = _tokenizer_and_config(config, checkpoint)
+    host = host_formats(
+        config, mconfig, device_type=policy.device.type, wire_dtype=policy.wire_dtype
+    )
+    policy = dataclasses.replace(policy, wire_dtype=host.wire_dtype)
     weights_dir = base_weights(config, checkpoint)
     if config.lora_rank is not None:
         check_lora_targets(
@@ -476,10 +496,10 @@ def prepare_run(
     if weights_dir is not None:
         # shapes from the file headers, before anything is written
         check_weights(weights_dir, mconfig)
-    budget = (
-        parse_bytes(config.gpu_memory, what="--gpu-memory")
-        if config.gpu_memory is not None
-        else default_gpu_budget(policy.device)
+    device_budget_bytes = (
+        config.device_budget_bytes
+        if config.device_budget_bytes is not None
+        else default_device_budget(policy.device)
     )
     estimate, fit = _estimate(
         config,
@@ -487,8 +507,8 @@ def prepare_run(
         device_type=policy.device.type,
         precision=policy.precision,
         compute_dtype=policy.compute_dtype,
-        wire_dtype=policy.wire_dtype,
-        budget=budget,
+        host=host,
+        device_budget_bytes=device_budget_bytes,
         out_dir=out_dir,
         several_ranks=several_ranks,
     )
@@ -527,7 +547,7 @@ def prepare_run(
         mconfig,
         corpus,
         estimate,
-        estimate.ramflow_budget_bytes,
+        estimate.gpu_memory_bytes,
         checkpoint,
         fit,
         host_ranks,

@@ -44,6 +44,7 @@ import torch
 
 import ramflow
 
+from ..choices import DEFAULT_NUMA_BINDING
 from ..optim import muon_param_groups
 from .backoff import RunCheckpointing, checkpointing_policy, fit_micro_batch
 from .config import TrainConfig, resume_config
@@ -65,7 +66,7 @@ from .modeling import (
 )
 from .optimizers import make_optimizer
 from .plan_report import preamble_lines
-from .ranks import DEFAULT_NUMA_BINDING, DEFAULT_TIMEOUT_S, Ranks, check_several_ranks
+from .ranks import DEFAULT_TIMEOUT_S, Ranks, check_several_ranks
 from .report import (
     QuietReport,
     RunReport,
@@ -506,11 +507,11 @@ def _train(
 
     # ---- model, offload, optimizer, schedule
     offload_options = dict(
-        gpu_memory=setup.ramflow_budget,
+        gpu_memory=setup.gpu_memory_bytes,
         device=policy.device,
         wire_dtype=policy.wire_dtype,
         activation_checkpointing=checkpointing_policy(checkpointing.mode),
-        host_precision=est.host_precision,  # "auto" was decided by the estimate
+        host_precision=est.host_precision,  # "auto" was decided at set-up (host_formats)
         # only AdamW has a device step: auto must not plan one for the others
         device_optimizer=config.device_optimizer if config.optimizer == "adamw" else False,
         zero_stage=zero_stage,
