@@ -1,4 +1,4 @@
-"""Tiny mixture-of-experts configs of four families, with their parameter counts by hand.
+"""Tiny mixture-of-experts configs of five families, with their parameter counts by hand.
 
 Each family is built by ``transformers``' own classes (``AutoConfig.for_model``); the sizes
 are small enough that a CPU trains them in a second. ``HAND_COUNTS`` gives, from the numbers
@@ -43,6 +43,13 @@ FAMILIES = {
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16,
         q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=2,
         topk_group=1,
+    ),
+    # the fifth, for what the four lack: a shared expert (width 64) whose output a sigmoid
+    # gate (Linear(d, 1)) scales per token, routed weights not renormalised over the top 2
+    # (norm_topk_prob False), biased q/k/v projections; 8 routed experts of width 32
+    "qwen2_moe": dict(
+        intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        num_experts=8, num_experts_per_tok=2,
     ),
 }  # fmt: skip
 
@@ -108,6 +115,14 @@ def _hand_counts() -> dict[str, tuple[int, int]]:
     out["deepseek_v3"] = (
         embed_head + dense + sparse + 8 * expert,
         embed_head + dense + sparse + 2 * expert,
+    )
+    # qwen2_moe: biased q/k/v, router 8 x d, the shared expert (3 x d x 64) and its gate
+    # (1 x d), experts 3 x d x 32 each
+    expert = 3 * d * 32
+    layer = gqa + 64 + 32 + 32 + 8 * d + 3 * d * 64 + d + 2 * d
+    out["qwen2_moe"] = (
+        embed_head + n_layers * (layer + 8 * expert),
+        embed_head + n_layers * (layer + 2 * expert),
     )
     return out
 
