@@ -1,9 +1,10 @@
-"""``ramflow plan / train / generate --model DIR`` for mixtures of experts on the CPU (issue
-47), and the memory estimate's meta pass over the experts: it runs them grouped whatever
-implementation the config names, and saves what a real grouped run saves.
+"""``ramflow plan / train / generate --model DIR`` for mixtures of experts on the CPU and,
+marked ``gpu``, on CUDA (issue 47), and the memory estimate's meta pass over the experts: it
+runs them grouped whatever implementation the config names, and saves what a real grouped
+run saves.
 
-The folders are tiny Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3 configs (``moe_models.py``)
-with random weights, written by ``save_pretrained``."""
+The folders are tiny Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3 and Qwen2-MoE configs
+(``moe_models.py``) with random weights, written by ``save_pretrained``."""
 
 from __future__ import annotations
 
@@ -29,9 +30,16 @@ def model_dir(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_plan_train_generate(
-    model_dir: Path, tmp_path: Path, corpus_file: Path, ramflow_cli, fast, capsys
+    model_dir: Path,
+    device: torch.device,
+    tmp_path: Path,
+    corpus_file: Path,
+    ramflow_cli,
+    fast,
+    capsys,
 ) -> None:
-    rc = ramflow_cli("plan", "--model", model_dir, "--device", "cpu", "--seq-len", "32",
+    fast = [device.type if a == "cpu" else a for a in fast]  # --device cuda on the GPU
+    rc = ramflow_cli("plan", "--model", model_dir, "--device", device.type, "--seq-len", "32",
                      "--batch-size", "2")  # fmt: skip
     out, err = capsys.readouterr()
     assert rc == 0, err
@@ -52,7 +60,7 @@ def test_plan_train_generate(
     assert not torch.equal(trained, start)  # it trained
 
     rc = ramflow_cli("generate", "--model", run, "--prompt", "def ", "--max-new-tokens", "4",
-                     "--ignore-eos", "--device", "cpu")  # fmt: skip
+                     "--ignore-eos", "--device", device.type)  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0 and "(4 new tokens)" in out
 
