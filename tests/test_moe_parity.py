@@ -228,9 +228,11 @@ def test_peft_lora_on_attention_and_experts(family, initial, device, when):
         model = peft.get_peft_model(base, lora_config(family))
         ref = peft.get_peft_model(ref_base, lora_config(family))
         peft.set_peft_model_state_dict(ref, peft.get_peft_model_state_dict(model))
-    adapted = {n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad}
-    assert any(n.endswith("mlp.experts") for n in adapted), adapted  # the routed experts
-    assert any("attn" in n for n in adapted), adapted
+    # both stacked expert weights of every sparse layer (ParamWrappers nest), and attention
+    wrapped = [n for n, m in model.named_modules() if type(m).__name__ == "ParamWrapper"]
+    sparse = [n for n, _ in initial.named_modules() if n.endswith("mlp.experts")]
+    assert len(wrapped) == len(EXPERT_PARAMETERS) * len(sparse), wrapped
+    assert any("attn" in n and "lora_A" in n for n, _ in model.named_parameters())
 
     losses, aux = train_both(model, ref, device)
     assert_close(losses[0], losses[1], device=device, atol=LOSS_ATOL_CUDA)
