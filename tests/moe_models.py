@@ -61,15 +61,22 @@ def moe_config(family: str):
     return AutoConfig.for_model(family, **SHAPE, **FAMILIES[family])
 
 
+ROUTER_AUX_LOSS_COEF = 0.5  # large enough that the aux loss's gradient moves the routers
+
+
 def save_moe_folder(family: str, path: Path) -> Path:
     """A Hugging Face folder of ``family`` with seeded random fp32 weights and the byte
-    tokenizer's Hugging Face files, as ``ramflow train --model`` reads it."""
+    tokenizer's Hugging Face files, as ``ramflow train --model`` reads it. Its config asks
+    for the router's auxiliary loss (``output_router_logits``, ``ROUTER_AUX_LOSS_COEF``)."""
     from transformers import AutoModelForCausalLM
 
     from ramflow.train.tokenizer import BYTE_TOKENIZER_FILE, ByteTokenizer
 
+    config = moe_config(family)
+    config.output_router_logits = True
+    config.router_aux_loss_coef = ROUTER_AUX_LOSS_COEF
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(moe_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(path))
     ByteTokenizer().save(path)
     (path / BYTE_TOKENIZER_FILE).unlink()  # only the Hugging Face files: AutoTokenizer reads them
