@@ -1,4 +1,4 @@
-"""Tiny mixture-of-experts configs of four families, with their parameter counts by hand.
+"""Tiny mixture-of-experts configs of five families, with their parameter counts by hand.
 
 Each family is built by ``transformers``' own classes (``AutoConfig.for_model``); the sizes
 are small enough that a CPU trains them in a second. ``HAND_COUNTS`` gives, from the numbers
@@ -44,6 +44,13 @@ FAMILIES = {
         q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=2,
         topk_group=1,
     ),
+    # the fifth, for what the four lack: a shared expert (width 64) whose output a sigmoid
+    # gate (Linear(d, 1)) scales per token, routed weights not renormalised over the top 2
+    # (norm_topk_prob False), biased q/k/v projections; 8 routed experts of width 32
+    "qwen2_moe": dict(
+        intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        num_experts=8, num_experts_per_tok=2,
+    ),
 }  # fmt: skip
 
 
@@ -54,15 +61,22 @@ def moe_config(family: str):
     return AutoConfig.for_model(family, **SHAPE, **FAMILIES[family])
 
 
+ROUTER_AUX_LOSS_COEF = 0.5  # large enough that the aux loss's gradient moves the routers
+
+
 def save_moe_folder(family: str, path: Path) -> Path:
     """A Hugging Face folder of ``family`` with seeded random fp32 weights and the byte
-    tokenizer's Hugging Face files, as ``ramflow train --model`` reads it."""
+    tokenizer's Hugging Face files, as ``ramflow train --model`` reads it. Its config asks
+    for the router's auxiliary loss (``output_router_logits``, ``ROUTER_AUX_LOSS_COEF``)."""
     from transformers import AutoModelForCausalLM
 
     from ramflow.train.tokenizer import BYTE_TOKENIZER_FILE, ByteTokenizer
 
+    config = moe_config(family)
+    config.output_router_logits = True
+    config.router_aux_loss_coef = ROUTER_AUX_LOSS_COEF
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(moe_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(path))
     ByteTokenizer().save(path)
     (path / BYTE_TOKENIZER_FILE).unlink()  # only the Hugging Face files: AutoTokenizer reads them
@@ -108,6 +122,14 @@ def _hand_counts() -> dict[str, tuple[int, int]]:
     out["deepseek_v3"] = (
         embed_head + dense + sparse + 8 * expert,
         embed_head + dense + sparse + 2 * expert,
+    )
+    # qwen2_moe: biased q/k/v, router 8 x d, the shared expert (3 x d x 64) and its gate
+    # (1 x d), experts 3 x d x 32 each
+    expert = 3 * d * 32
+    layer = gqa + 64 + 32 + 32 + 8 * d + 3 * d * 64 + d + 2 * d
+    out["qwen2_moe"] = (
+        embed_head + n_layers * (layer + 8 * expert),
+        embed_head + n_layers * (layer + 2 * expert),
     )
     return out
 

@@ -130,3 +130,21 @@ def test_a_prefetch_waiting_for_a_step_may_be_evicted_and_loads_again():
     window.acquire([a])
     assert torch.equal(a.device_params[0], layers[0].weight)
     window.release([a])
+
+
+def test_a_write_to_one_device_parameter_leaves_the_others_version_alone():
+    """Each device parameter has its own version counter on the unit's shared storage, as
+    the resident model's separate parameters do: an in-place write to one (PEFT's
+    ``ParamWrapper`` ``set_``s a 3-D expert weight in every forward) must not invalidate
+    another that autograd saved for backward. See [Note: one version counter per device
+    parameter] in ``ramflow.engine.window``."""
+    window, units, _ = make_window(1, capacity_units=1)
+    window.acquire(units)
+    weight, bias = units[0].device_params
+    assert weight.untyped_storage().data_ptr() == bias.untyped_storage().data_ptr()
+    x = torch.randn(2, 8, requires_grad=True)
+    y = x @ weight.t()  # saves weight for x's gradient
+    with torch.no_grad():
+        bias.add_(1.0)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, weight.detach().sum(0).expand(2, 8))

@@ -170,3 +170,30 @@ def test_gpu_chunked_loss_in_bf16_stays_under_the_logits() -> None:
     logits_fp32 = tokens * vocab * 4
     assert peak_above_base(chunked_loss) - body < logits_fp32 // 4
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_chunked_loss_adds_the_routers_aux_loss(family: str) -> None:
+    """A mixture of experts with ``output_router_logits``: the chunked loss adds the router's
+    load-balancing loss (``router_aux_loss_coef`` x ``aux_loss``) as the model's ``labels=``
+    loss does, and trains the routers as it does (DeepSeek-V3 has no aux loss in
+    transformers: the loss is the cross-entropy alone on both sides)."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_models import moe_config
+
+    config = moe_config(family)
+    config.output_router_logits = True
+    config.router_aux_loss_coef = 0.5
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (2, 32))
+    expected = lm_loss(ref, ids)  # no chunking: the model's own labels= loss
+    expected.backward()
+    chunk_lm_head(model, chunk_tokens=7)
+    loss = lm_loss(model, ids)
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -1,9 +1,10 @@
-"""``ramflow plan / train / generate --model DIR`` for mixtures of experts on the CPU (issue
-47), and the memory estimate's meta pass over the experts: it runs them grouped whatever
-implementation the config names, and saves what a real grouped run saves.
+"""``ramflow plan / train / generate --model DIR`` for mixtures of experts on the CPU and,
+marked ``gpu``, on CUDA (issue 47), and the memory estimate's meta pass over the experts: it
+runs them grouped whatever implementation the config names, and saves what a real grouped
+run saves.
 
-The folders are tiny Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3 configs (``moe_models.py``)
-with random weights, written by ``save_pretrained``."""
+The folders are tiny Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3 and Qwen2-MoE configs
+(``moe_models.py``) with random weights, written by ``save_pretrained``."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import torch
 
 from moe_models import FAMILIES, moe_config, save_moe_folder
 from ramflow.train import open_checkpoint
+from ramflow.train.data import BatchStream, build_corpus, find_documents
 from ramflow.train.estimate import _MetaKernelsMode, _run_experts_grouped, measure_activations
 from ramflow.train.modeling import load_model, meta_model
+from ramflow.train.report import read_log
+from ramflow.train.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -29,9 +33,16 @@ def model_dir(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_plan_train_generate(
-    model_dir: Path, tmp_path: Path, corpus_file: Path, ramflow_cli, fast, capsys
+    model_dir: Path,
+    device: torch.device,
+    tmp_path: Path,
+    corpus_file: Path,
+    ramflow_cli,
+    fast,
+    capsys,
 ) -> None:
-    rc = ramflow_cli("plan", "--model", model_dir, "--device", "cpu", "--seq-len", "32",
+    fast = [device.type if a == "cpu" else a for a in fast]  # --device cuda on the GPU
+    rc = ramflow_cli("plan", "--model", model_dir, "--device", device.type, "--seq-len", "32",
                      "--batch-size", "2")  # fmt: skip
     out, err = capsys.readouterr()
     assert rc == 0, err
@@ -52,9 +63,41 @@ def test_plan_train_generate(
     assert not torch.equal(trained, start)  # it trained
 
     rc = ramflow_cli("generate", "--model", run, "--prompt", "def ", "--max-new-tokens", "4",
-                     "--ignore-eos", "--device", "cpu")  # fmt: skip
+                     "--ignore-eos", "--device", device.type)  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0 and "(4 new tokens)" in out
+
+
+def test_first_step_loss_is_the_resident_models(
+    model_dir: Path, device: torch.device, tmp_path: Path, corpus_file: Path, ramflow_cli, fast
+) -> None:
+    """The loss ``ramflow train`` logs for its first step is the resident model's
+    ``labels=`` loss on the same first batch, the router's auxiliary loss included (the
+    folder's config asks for it): on the CPU in fp32 to the chunked loss's fp32 rounding
+    (relative 1e-6, see tests/train/test_loss.py); on CUDA the CLI trains in bf16 from a
+    bf16 wire, the reference runs fp32 weights under bf16 autocast: 2e-2 relative, a few
+    bf16 epsilons (2**-8) over the two layers."""
+    from transformers import AutoModelForCausalLM
+
+    fast = [device.type if a == "cpu" else a for a in fast]
+    out = tmp_path / "run"
+    rc = ramflow_cli("train", "--model", model_dir, "--data", corpus_file, "--steps", "1",
+                     *fast, "--keep-checkpoints", "0", "--out", out)  # fmt: skip
+    assert rc == 0
+    (first,) = [r["loss"] for r in read_log(out / "log.jsonl") if r["event"] == "step"]
+
+    corpus = build_corpus(find_documents(corpus_file), load_tokenizer(model_dir), seq_len=32)
+    ids = BatchStream(corpus.train_tokens, batch_size=2, seq_len=32, seed=0).next_batch()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.to(device)
+    with (
+        torch.no_grad(),
+        torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"),
+    ):
+        ids = ids.to(device)
+        want = model(input_ids=ids, labels=ids)
+    assert want.aux_loss is not None or model.config.model_type == "deepseek_v3"
+    assert first == pytest.approx(want.loss.item(), rel=1e-6 if device.type == "cpu" else 2e-2)
 
 
 def _experts(model: torch.nn.Module) -> torch.nn.Module:

@@ -12,6 +12,15 @@ window. So releasing a unit's last pin records an event on each stream that used
 evicting waits for those events on the host before it frees the storage: the CPU never runs
 more than a window ahead of the GPU (FSDP1's ``limit_all_gathers`` does the same for its
 all-gathers). Gradient buffers are limited the same way: a third waits for the oldest D2H.
+
+[Note: one version counter per device parameter]
+A unit's device parameters share its flat storage but not its version counter: each is a
+tensor of its own on that storage (``set_``), not a view of the flat tensor. Views share
+their base's counter, so an in-place write to one parameter (PEFT's ``ParamWrapper``
+parametrizes a 3-D expert weight with ``set_`` in every forward) would bump every weight of
+the unit, and backward would refuse the router weight saved earlier in the same layer,
+where the resident model, whose parameters are separate tensors, trains. The H2D copies
+write through ``device_alias``, which has its own counter too, so a load bumps no parameter.
 """
 
 from __future__ import annotations
@@ -87,8 +96,12 @@ class DeviceWindow:
             u.device_alias = torch.empty(0, dtype=self.wire_dtype, device=self.device).set_(
                 u.device_flat.untyped_storage(), 0, (u.numel,)
             )
-            for view, p in zip(u.views(u.device_flat), u.owned):
-                u.device_params.append(nn.Parameter(view, requires_grad=p.requires_grad))
+            storage = u.device_flat.untyped_storage()
+            for offset, p in zip(u.offsets, u.owned):
+                # See [Note: one version counter per device parameter]
+                data = torch.empty(0, dtype=self.wire_dtype, device=self.device)
+                data.set_(storage, offset, p.shape)
+                u.device_params.append(nn.Parameter(data, requires_grad=p.requires_grad))
             u.device_flat.untyped_storage().resize_(0)
         device_param: dict[int, nn.Parameter] = {}
         for v in owner_of.values():

@@ -144,8 +144,10 @@ def lm_loss(
     ids, ``IGNORE_INDEX`` where no loss is taken: a prompt, padding; see
     ``ramflow.train.chat_data``) are the targets, None: the ids themselves; the mean is
     over the positions with a target. After ``chunk_lm_head(model)`` it is computed in
-    chunks (See [Note: the loss in chunks]); otherwise it is the model's own ``labels=``
-    loss."""
+    chunks (See [Note: the loss in chunks]), plus a mixture of experts' router auxiliary
+    loss (``router_aux_loss_coef`` times ``aux_loss``) where its config asks for it
+    (``output_router_logits``), as the model's own; otherwise it is the model's own
+    ``labels=`` loss."""
     labels_BT = input_ids_BT if labels_BT is None else labels_BT
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     chunked = head.__dict__.get("forward") if head is not None else None
@@ -153,6 +155,13 @@ def lm_loss(
         return model(input_ids=input_ids_BT, labels=labels_BT, use_cache=False).loss
     chunked.labels_BT = labels_BT
     try:
-        return model(input_ids=input_ids_BT, use_cache=False).logits
+        out = model(input_ids=input_ids_BT, use_cache=False)
     finally:
         chunked.labels_BT = None
+    loss = out.logits
+    aux = getattr(out, "aux_loss", None)
+    if aux is not None:
+        # a mixture of experts with output_router_logits: the router's load-balancing loss,
+        # which its labels= loss adds in the same way (transformers' MoE causal LMs)
+        loss = loss + model.config.router_aux_loss_coef * aux.to(loss.device)
+    return loss

@@ -10,11 +10,13 @@ Each unit owns one flat fp32 master buffer on the host (N,), one flat pinned wir
 the wire dtype (N,) (the master itself when the dtypes agree), and one flat device tensor
 (N,) whose storage is allocated while the unit is on the device and resized to zero while
 it is not. The module's host parameters are views into the master; the device parameters
-are views into the device tensor, created once. Autograd saves those device views for
-backward; because the storage object never changes (only its allocation), a reload before
-backward makes every saved view valid again (the trick of FSDP2's unsharded parameters).
-Copies into the device tensor go through a second tensor on the same storage with its own
-version counter, so that a reload does not trip autograd's in-place check.
+are tensors on the device tensor's storage, created once, each with its own version counter
+(see [Note: one version counter per device parameter] in ``ramflow.engine.window``).
+Autograd saves those device parameters for backward; because the storage object never
+changes (only its allocation), a reload before backward makes every saved one valid again
+(the trick of FSDP2's unsharded parameters). Copies into the device tensor go through a
+second tensor on the same storage with its own version counter, so that a reload does not
+trip autograd's in-place check.
 """
 
 from __future__ import annotations
