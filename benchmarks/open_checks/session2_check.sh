@@ -3,7 +3,8 @@
 #   bash benchmarks/open_checks/session2_check.sh predict   the reference cases with the floors
 #       (the planner's prediction beside each measured step), fp32 twice (run-to-run loss), and
 #       the loading rate of a 14B shape (issue 48 point 5)
-#   bash benchmarks/open_checks/session2_check.sh tests     the GPU suite (pytest -m gpu)
+#   bash benchmarks/open_checks/session2_check.sh tests [PATHS]  the GPU suite (pytest -m gpu)
+#   bash benchmarks/open_checks/session2_check.sh moe    routed experts' decode benchmark
 # Carry [".whl"]. Each part writes under $OUT.
 set -u
 PART=${1:?usage: session2_check.sh predict|tests}
@@ -28,7 +29,11 @@ predict)
       --host-precision $hp --threads 16 --out "$OUT/load-rate-14b-$hp.json" >> "$OUT/load-rate.txt" 2>&1
     echo "rc=$? at ${SECONDS}s" >> "$OUT/load-rate.txt"
   done ;;
+moe)
+  timeout 400 python3 benchmarks/moe/routed_experts.py --layers 8 --new-tokens 32 --out-dir "$OUT" > "$OUT/routed.txt" 2>&1
+  echo "rc=$? at ${SECONDS}s" >> "$OUT/routed.txt" ;;
 tests)
-  timeout 500 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rs --durations=15 > "$OUT/gpu-tests.txt" 2>&1
+  shift
+  timeout 500 python3 -m pytest -q -m gpu ${@:-tests} -p no:cacheprovider -rs --durations=15 > "$OUT/gpu-tests.txt" 2>&1
   echo "rc=$? at ${SECONDS}s" >> "$OUT/gpu-tests.txt" ;;
 esac
