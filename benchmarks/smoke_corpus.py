@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def smoke_corpus(out_dir: Path) -> Path:
-    """Write ``out_dir/smoke-corpus.txt`` (about 200 KB of Python source) and return its path."""
+    """Write ``out_dir/smoke-corpus.txt`` (about 500 KB of Python source) and return its path."""
     text = "".join(Path(m.__file__).read_text() for m in (argparse, json.decoder, json.encoder))
     path = out_dir / "smoke-corpus.txt"
     path.write_text(text * 4)
