@@ -323,3 +323,64 @@ def test_pickling_an_offloaded_model_says_what_to_do():
     torch.save(model.state_dict(), io.BytesIO())
     ramflow.undo(model)
     pickle.dumps(model)
+
+
+def test_a_model_holding_another_offloaded_model_is_refused():
+    inner = ramflow.offload(MLPStack(), device="cpu")
+    with pytest.raises(ValueError, match=r"^some parameters already belong to another offloaded"):
+        ramflow.offload(nn.Sequential(inner, nn.Linear(16, 16)), device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        (dict(device="meta"), ValueError, r"^device meta is not supported; use a CUDA device or"),
+        (dict(zero_stage=3), ValueError, r"^zero_stage must be 1, 2 or None, got 3$"),
+        (dict(device_optimizer="on"), TypeError, r"^device_optimizer must be None, True or False"),
+    ],
+)
+def test_settings_offload_cannot_take_are_refused_and_the_model_is_untouched(
+    options, error, message
+):
+    model = MLPStack()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(error, match=message):
+        ramflow.offload(model, **{"device": "cpu", **options})
+    assert not ramflow.is_offloaded(model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_units_that_are_not_the_models_modules_are_refused():
+    model = MLPStack()
+    for units, error, message in (
+        (
+            [model.blocks[0], model.blocks[0]],
+            ValueError,
+            r"^units: the same module is given twice$",
+        ),
+        (["blocks.0", "blocks.9"], ValueError, r"^units: the model has no submodule named 'blocks"),
+        ([model.blocks[0], 3], TypeError, r"^units: expected modules or module names, got int$"),
+        ([nn.Linear(2, 2)], ValueError, r"^units: Linear is not a submodule of the model$"),
+    ):
+        with pytest.raises(error, match=message):
+            ramflow.offload(model, device="cpu", units=units)
+        assert not ramflow.is_offloaded(model)
+
+
+def test_integer_parameters_are_refused():
+    model = MLPStack()
+    model.blocks[0].register_parameter(
+        "counts", nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    )
+    with pytest.raises(ValueError, match=r"^parameter 'counts' of .* is torch\.int64; ramflow"):
+        ramflow.offload(model, device="cpu")
+
+
+def test_functions_of_an_offloaded_model_refuse_other_objects():
+    with pytest.raises(TypeError, match=r"^expected an nn\.Module, got int$"):
+        ramflow.undo(3)
+    with pytest.raises(TypeError, match=r"^expected an nn\.Module, got str$"):
+        ramflow.synchronize("model")
+    with pytest.raises(ValueError, match=r"^this model has no parameters managed by ramflow"):
+        ramflow.refresh(MLPStack())

@@ -24,6 +24,7 @@ from ramflow.formats.frozen import (
     int8_dequantize,
     int8_quantize,
 )
+from triton_interpreter import interpreted_mismatches
 
 FORMATS = ["int8", "nf4"]
 
@@ -529,23 +530,7 @@ def dequantize_mismatches(device: str) -> list[str]:
 
 
 def test_interpreted_dequantize_kernel_gives_the_pytorch_ops_bits():
-    pytest.importorskip("triton", reason="Triton is installed by the dev extra on Linux x86-64")
-    import os
-    import subprocess
-
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import test_frozen_formats as t; "
-        "bad = t.dequantize_mismatches('cpu'); print('\\n'.join(bad)); sys.exit(1 if bad else 0)"
-    )
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
+    assert interpreted_mismatches("test_frozen_formats", "dequantize_mismatches") == []
 
 
 @pytest.mark.gpu

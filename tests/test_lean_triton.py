@@ -11,15 +11,11 @@ compiled for the device, where fused multiply-adds and approximate divisions wou
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from ramflow.kernels import lean_kernels as lk
+from triton_interpreter import interpreted_mismatches
 
 # (n, master, states, grad dtype, wire, grad_scale, weight_decay, counter_offset)
 CASES = [
@@ -123,20 +119,7 @@ def mismatches(device: str) -> list[str]:
 
 
 def test_interpreted_kernel_gives_the_pytorch_steps_bits():
-    pytest.importorskip("triton", reason="Triton is installed by the dev extra on Linux x86-64")
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import test_lean_triton as t; "
-        "bad = t.mismatches('cpu'); print('\\n'.join(bad)); sys.exit(1 if bad else 0)"
-    )
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
+    assert interpreted_mismatches("test_lean_triton", "mismatches") == []
 
 
 @pytest.mark.gpu

@@ -511,3 +511,28 @@ def test_masters_are_locked_after_the_fill_with_the_files_values(tmp_path, preci
         assert torch.equal(p.detach().cpu(), expected[name].to(master_dtype)), name
     ramflow.undo(model)
     assert _streams.registered_bytes() == before
+
+
+def test_a_folder_without_safetensors_weights_is_named(tmp_path):
+    """``weight_files``' refusals: each says which file or folder, and why."""
+    weight_files = _loading.weight_files
+    with pytest.raises(FileNotFoundError, match=r"absent does not exist$"):
+        weight_files(tmp_path / "absent")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(
+        FileNotFoundError, match=r"holds no safetensors weights \(only pickled \.bin"
+    ):
+        weight_files(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"\.bin is neither a \.safetensors file nor a "):
+        weight_files(tmp_path / "pytorch_model.bin")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "model-1.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match=r"the index lists weight files that are missing: "):
+        weight_files(tmp_path)
+    index.write_text(json.dumps({"weights": {}}))
+    with pytest.raises(ValueError, match=r"index\.json is not a valid safetensors index: "):
+        weight_files(index)
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"\x00" * 16)
+    with pytest.raises(ValueError, match=r"broken\.safetensors is not a readable safetensors file"):
+        _loading.open_safetensors(broken)

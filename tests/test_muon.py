@@ -233,6 +233,9 @@ def test_lean_host_formats_are_refused():
         (dict(weight_decay=-0.1), "weight_decay"),
         (dict(adjust_lr_fn="rms"), "adjust_lr_fn"),
         (dict(adamw_betas=(0.9, 1.0)), "adamw_betas"),
+        (dict(adamw_lr=-1.0), "adamw_lr"),
+        (dict(adamw_eps=-1e-8), "adamw_eps"),
+        (dict(lr=float("nan")), "learning rate"),
     ],
 )
 def test_out_of_range_settings_are_refused(bad, match):

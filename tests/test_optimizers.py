@@ -246,6 +246,16 @@ def test_lean_host_formats_are_refused_at_construction(name):
         (ramflow.optim.Adafactor, dict(beta2_decay=0.5), "beta2_decay"),
         (ramflow.optim.Adafactor, dict(d=0.5), "clipping threshold"),
         (ramflow.optim.Adafactor, dict(eps=(-1.0, 1e-3)), "eps1"),
+        (ramflow.optim.Adafactor, dict(eps=(None, -1e-3)), "eps2"),
+        (ramflow.optim.Adafactor, dict(lr=-1.0), "learning rate"),
+        (ramflow.optim.Adafactor, dict(weight_decay=-0.1), "weight_decay"),
+        (ramflow.optim.AdamW, dict(lr=-1.0), "learning rate"),
+        (ramflow.optim.AdamW, dict(eps=-1e-8), "epsilon"),
+        (ramflow.optim.AdamW, dict(betas=(0.9, 1.0)), "betas"),
+        (ramflow.optim.AdamW, dict(weight_decay=-0.1), "weight_decay"),
+        (ramflow.optim.SGD, dict(lr=-1.0), "learning rate"),
+        (ramflow.optim.SGD, dict(momentum=-0.9), "momentum -0.9 or weight_decay"),
+        (ramflow.optim.SGD, dict(nesterov=True), "Nesterov momentum requires a momentum"),
     ],
 )
 def test_out_of_range_settings_are_refused(cls, bad, match):

@@ -33,6 +33,7 @@ from ramflow.train.data import build_corpus, find_documents  # noqa: E402
 from ramflow.train.generation import load_for_generation  # noqa: E402
 from ramflow.train.report import read_log  # noqa: E402
 from ramflow.train.trainer import evaluate  # noqa: E402
+from smoke_corpus import smoke_corpus  # noqa: E402
 
 TARGETS = {"int8": 0.01, "nf4": 0.05}  # relative perplexity over bf16's
 LORA_TARGET = 0.01  # LoRA on an int8 base: relative validation loss over a bf16 base's
@@ -60,12 +61,19 @@ def ramflow_train(args: list[str], out: Path) -> dict[str, Any]:
 
 
 def frozen_perplexity(
-    run: Path, *, frozen_format: str | None, device: str | None, seq_len: int, batches: int
+    run: Path,
+    *,
+    data: Path | None,
+    frozen_format: str | None,
+    device: str | None,
+    seq_len: int,
+    batches: int,
 ) -> float:
-    """Validation perplexity of the run's last checkpoint, every weight frozen."""
+    """Validation perplexity of the run's last checkpoint, every weight frozen, on the
+    validation part of ``data`` (None: the standard library, ``ramflow train``'s default)."""
     model, tok, policy = load_for_generation(run, device=device, frozen_format=frozen_format)
     try:
-        corpus = build_corpus(find_documents(None), tok, seq_len=seq_len, val_fraction=0.01)
+        corpus = build_corpus(find_documents(data), tok, seq_len=seq_len, val_fraction=0.01)
         loss = evaluate(
             model, corpus.val_tokens, policy=policy, batch_size=4, seq_len=seq_len,
             max_batches=batches,
@@ -126,21 +134,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--device", default=None)
+    p.add_argument("--data", type=Path, default=None, help="corpus (default: the stdlib sources)")
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--run-root", type=Path, default=None, help="run folders (default: out-dir)")
     p.add_argument("--smoke", action="store_true", help="a CPU run of about a minute")
     args = p.parse_args(argv)
+    out = args.out_dir
+    runs = args.run_root or out
+    out.mkdir(parents=True, exist_ok=True)
     extra: list[str] = []
     if args.smoke:
         args.steps, args.seq_len, args.eval_batches, args.device = 6, 32, 2, "cpu"
         args.lora_rank = 4
+        args.data = args.data or smoke_corpus(out)
         extra = ["--batch-size", "2", "--eval-batches", "1"]
     device_flags = ["--device", args.device] if args.device else []
-    out = args.out_dir
-    runs = args.run_root or out
-    out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     common = ["--seq-len", str(args.seq_len), "--eval-every", str(args.steps), *extra]
+    common += ["--data", str(args.data)] if args.data else []
     base = ramflow_train(
         ["--preset", args.preset, "--steps", str(args.steps), *common, *device_flags],
         runs / "base",
@@ -153,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         name = fmt or "bf16"
         try:
             ppl = frozen_perplexity(
-                runs / "base", frozen_format=fmt, device=args.device, seq_len=args.seq_len,
-                batches=args.eval_batches,
+                runs / "base", data=args.data, frozen_format=fmt, device=args.device,
+                seq_len=args.seq_len, batches=args.eval_batches,
             )  # fmt: skip
         except (ValueError, ImportError) as err:  # e.g. NF4 without its library
             perplexity[name] = {"skipped": str(err).splitlines()[0][:200]}
@@ -184,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             "lora_rank": args.lora_rank,
             "seq_len": args.seq_len,
             "device": args.device or "default",
+            "data": str(args.data) if args.data else "stdlib",
             "smoke": args.smoke,
         },
         "base_run": base,

@@ -58,6 +58,10 @@ from datetime import date
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
+sys.path.insert(0, str(SRC.parent / "benchmarks"))  # smoke_corpus
+
+from smoke_corpus import smoke_corpus  # noqa: E402
+
 FORMATS = ("fp32", "bf16", "lean", "kahan")
 TARGET_RELATIVE = 0.01  # issue 14: final validation loss within 1% of fp32's on the GPU
 
@@ -78,17 +82,6 @@ def _read_log(path: Path) -> list[dict]:
 def _finished(run_dir: Path, steps: int) -> bool:
     ends = [r for r in _read_log(run_dir / "log.jsonl") if r.get("event") == "end"]
     return bool(ends) and ends[-1]["step"] >= steps and not ends[-1].get("interrupted")
-
-
-def _smoke_corpus(out_dir: Path) -> Path:
-    """A small text corpus (a few standard library modules) so that the smoke runs start fast."""
-    import argparse as some
-    import json as more
-
-    text = "".join(Path(m.__file__).read_text() for m in (some, more.decoder, more.encoder))
-    path = out_dir / "smoke-corpus.txt"
-    path.write_text(text * 4)
-    return path
 
 
 def _command(args: argparse.Namespace, fmt: str, run_dir: Path, data: Path | None) -> list[str]:
@@ -116,7 +109,7 @@ def _command(args: argparse.Namespace, fmt: str, run_dir: Path, data: Path | Non
 def _run_all(args: argparse.Namespace, out_dir: Path, run_root: Path) -> dict[str, dict]:
     """Start one training process per format, stop them at the budget, return their info."""
     t0 = time.monotonic()
-    data = _smoke_corpus(out_dir) if args.smoke else args.data
+    data = smoke_corpus(out_dir) if args.smoke else args.data
     formats = args.formats
     threads = args.threads or max(1, (os.cpu_count() or 1) // len(formats))
     env = dict(os.environ)

@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))  # the harness's modules
 
 import harness  # noqa: E402
+from smoke_corpus import smoke_corpus  # noqa: E402
 
 REFERENCE_FORMAT = "fp32"
 NEVER = 10**9  # --eval-every / --save-every: not before the end of the run
@@ -57,6 +58,8 @@ def run_command(args: argparse.Namespace, fmt: str, clip: float, out: Path) -> l
         cmd += ["--gpu-memory", args.gpu_memory]
     if args.device:
         cmd += ["--device", args.device]
+    if args.data:
+        cmd += ["--data", str(args.data)]
     return cmd
 
 
@@ -137,14 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="", help="the CLI's --device ('' for its default)")
     p.add_argument("--budget-s", type=float, default=480.0, help="no new run after this")
+    p.add_argument("--data", type=Path, default=None, help="corpus (default: the stdlib sources)")
     p.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, 64 tokens")
     args = p.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         args.preset, args.batch_size, args.seq_len = "tiny", 2, 64
         args.gpu_memory, args.device, args.steps, args.warmup = "", "cpu", 4, 1
+        args.data = args.data or smoke_corpus(args.out_dir)
     formats = [f for f in args.host_precision.split(",") if f]
     clips = [float(c) for c in args.clip_grad.split(",") if c]
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     import torch
 
     device = (

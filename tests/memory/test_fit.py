@@ -17,6 +17,12 @@ def test_candidates_divide_the_global_batch_and_back_off_keeps_dividing() -> Non
     assert micro_batch_candidates(12) == [12, 6, 4, 3, 2, 1]
     assert micro_batch_candidates(12, max_micro_batch=5) == [4, 3, 2, 1]
     assert [smaller_micro_batch(b) for b in (8, 6, 9, 7, 2, 1)] == [4, 3, 3, 1, 1, None]
+    with pytest.raises(ValueError, match=r"^the global batch must be at least 1 sequence, got 0"):
+        micro_batch_candidates(0)
+    with pytest.raises(ValueError, match=r"^max_micro_batch must be at least 1, got 0$"):
+        micro_batch_candidates(4, max_micro_batch=0)
+    with pytest.raises(ValueError, match=r"^give at least one checkpointing level to try"):
+        fit_batch(global_batch=4, estimate=lambda b, ckpt: b, checkpointing=())
 
 
 def test_estimate_picks_the_largest_micro_batch_without_checkpointing_first() -> None:

@@ -248,3 +248,43 @@ def test_offloaded_inputs_take_pinned_blocks_of_a_power_of_two() -> None:
     cpu = estimate_memory(model, device_type="cpu", **common)
     assert cuda.host_activation_pinned_bytes == 16 * mib
     assert cpu.host_activation_pinned_bytes == 12 * mib
+
+
+def test_a_report_built_by_hand_takes_the_most_numbered_rows_as_blocks() -> None:
+    """Without ``report.blocks`` (a report not made by ``activation_report``), the blocks
+    are the ``<prefix>.<int>`` rows under the prefix that has the most, in number order."""
+    from ramflow.activations.report import ActivationReport, ModuleActivations
+
+    def row(name: str, saved: int, inputs: int = 0) -> ModuleActivations:
+        return ModuleActivations(name, "Linear", saved, 1, inputs, None, None, 1)
+
+    rows = (
+        row("layers.10", 300, 7),
+        row("layers.2", 200, 5),
+        row("layers.9", 100, 6),
+        row("heads.0", 50),
+        row("heads.1", 50),
+        row("embed", 40),
+    )
+    report = ActivationReport(rows, total_saved_bytes=1000, device=torch.device("cpu"))
+    profile = ActivationProfile.from_report(report)
+    assert profile.layer_bytes == (200, 100, 300)  # layers.2, layers.9, layers.10
+    assert profile.layer_input_bytes == 7
+    assert profile.other_bytes == 1000 - 600
+
+
+def test_checkpointing_as_a_bool_and_impossible_shapes() -> None:
+    with torch.device("meta"):
+        meta = Net()
+    common = dict(activations=_profile(), seq_len=1, wire_dtype=torch.float32)
+    on = estimate_memory(meta, batch_size=B, checkpointing=True, **common)
+    assert on.checkpointing and on.device_activation_bytes == _profile().peak_bytes(
+        checkpointing=True
+    )
+    assert not estimate_memory(meta, batch_size=B, checkpointing=False, **common).checkpointing
+    with pytest.raises(
+        ValueError, match=r"^batch size and sequence length must be positive, got 0"
+    ):
+        estimate_memory(meta, batch_size=0, **common)
+    with pytest.raises(ValueError, match=r"^optimizer_states must be >= 0, got -1$"):
+        estimate_memory(meta, batch_size=B, optimizer_states=-1, **common)

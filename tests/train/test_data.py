@@ -94,3 +94,20 @@ def test_distributed_sampler_seeded_by_epoch_order_seed_gives_the_same_global_ba
             got = torch.cat(mine)
             assert sorted(got[:, 0].tolist()) == sorted(want[:, 0].tolist())
             assert not torch.equal(got, want)  # dealt in turn, not in blocks
+
+
+def test_inputs_that_make_no_batch_are_refused(tmp_path: Path) -> None:
+    lines = tmp_path / "docs.jsonl"
+    lines.write_text('{"text": "a"}\n\n{"text": \n')
+    with pytest.raises(ValueError, match=r"docs\.jsonl:3: not a JSON object \("):
+        find_documents(lines)
+    docs = [Document("a", "x" * 100)]
+    with pytest.raises(ValueError, match=r"^val_fraction must be between 0 and 1, got 1\.0$"):
+        build_corpus(docs, ByteTokenizer(), seq_len=8, val_fraction=1.0)
+    with pytest.raises(ValueError, match=r"^seq_len must be at least 2, got 1$"):
+        build_corpus(docs, ByteTokenizer(), seq_len=1)
+    tokens = torch.arange(64, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^batch_size and seq_len must be positive, got 0 and 8"):
+        BatchStream(tokens, batch_size=0, seq_len=8, seed=0)
+    with pytest.raises(ValueError, match=r"^the training stream \(64 tokens\) is shorter than one"):
+        BatchStream(tokens, batch_size=2, seq_len=65, seed=0)

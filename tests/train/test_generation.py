@@ -197,3 +197,16 @@ def test_sampling_settings_are_checked() -> None:
         generate(
             torch.nn.Linear(1, 1), ByteTokenizer(), [], sampling=SamplingConfig(), policy=policy
         )
+    with pytest.raises(ValueError, match=r"^--top-k must be >= 0 \(0 keeps all tokens\), got -1$"):
+        SamplingConfig(top_k=-1)
+
+
+def test_a_model_path_that_holds_no_model_is_named(tmp_path: Path) -> None:
+    from ramflow.train.generation import resolve_model_dir
+
+    with pytest.raises(FileNotFoundError, match=r"^--model .*absent: no such folder$"):
+        resolve_model_dir(tmp_path / "absent")
+    with pytest.raises(
+        FileNotFoundError, match=r"neither a model folder \(config\.json\) nor a run"
+    ):
+        resolve_model_dir(tmp_path)

@@ -136,3 +136,24 @@ def test_each_host_format_is_predicted_at_its_own_cpu_optimizer_rate() -> None:
     back = rates_for(lean, "fp32")
     assert back.cpu_optimizer_params_per_s == pytest.approx(rates.cpu_optimizer_params_per_s)
     assert rates_for(rates, "bf16-sr/int8/full") == lean
+
+
+def test_the_estimates_own_description_gives_the_fastest_plan_as_an_offload_call() -> None:
+    """``MemoryEstimate.describe()`` (what an API user prints) says the prediction, the
+    rates it assumed and the fastest plan as the ``ramflow.offload`` call that makes it."""
+    from ramflow.memory.estimate import size_string
+
+    est = _plan(clip_grad=0.0, num_ranks=2, timing_rates=Rates.from_pcie(1e8))
+    text = est.describe()
+    best = est.timed_plan
+    kwargs = best.offload_kwargs()
+    assert f"step time (predicted, estimated inputs): {est.prediction.describe()}" in text
+    assert "pinned PCIe 0.1 GB/s H2D" in text
+    assert (
+        f"fastest plan for this budget: {best.prediction.step_s * 1e3:.0f} ms per step, "
+        f"bound by {best.prediction.bound}"
+    ) in text
+    assert (
+        f"ramflow.offload(model, gpu_memory={size_string(kwargs['gpu_memory'])!r}, "
+        f"prefetch_depth={kwargs['prefetch_depth']}, activation_checkpointing="
+    ) in text

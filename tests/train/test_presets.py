@@ -47,6 +47,12 @@ def test_tiny_takes_the_tokenizer_vocabulary() -> None:
         get_preset("anchor-2.7b").to_config(vocab_size=50000)
     with pytest.raises(ValueError, match="choose one of"):
         get_preset("gpt-5")
+    with pytest.raises(ValueError, match=r"^preset 'tiny' takes its vocabulary size from the"):
+        get_preset("tiny").num_parameters()
+    with pytest.raises(ValueError, match=r"^preset 'tiny' needs the tokenizer's vocab_size$"):
+        get_preset("tiny").to_config()
+    with pytest.raises(ValueError, match=r"is a qwen3_moe model; count its meta model's param"):
+        get_preset("qwen3-30b-a3b").num_parameters()
     assert set(PRESETS) == {
         "tiny", "llama-1b", "llama-3b", "llama-8b", "llama-70b", "anchor-2.7b", "qwen3-30b-a3b",
         "deepseek-v2-lite",

@@ -99,3 +99,19 @@ def test_missing_tokenizer_folder(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no tokenizer"):
         load_tokenizer(tmp_path / "empty")
+
+
+def test_a_damaged_tokenizer_folder_is_named(tmp_path: Path) -> None:
+    spec = tmp_path / "ramflow_tokenizer.json"
+    spec.write_text("{")
+    with pytest.raises(ValueError, match=r"ramflow_tokenizer\.json is not valid JSON: "):
+        load_tokenizer(tmp_path)
+    spec.write_text('{"type": "byte", "vocab_size": 50000}')
+    with pytest.raises(ValueError, match=r"does not describe ramflow's byte tokenizer$"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"^tokenizer folder .*absent does not exist$"):
+        HFTokenizer(tmp_path / "absent")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"^cannot read a Hugging Face tokenizer from .*hf: "):
+        HFTokenizer(tmp_path / "hf")
