@@ -200,6 +200,10 @@ class MemoryEstimate:
             asked for auto).
         parameter_counts: the parameters in total and those one token reads (a mixture of
             experts': ``ramflow.planner.costs.parameter_counts``); None: not counted.
+        machine_fix: for a run this machine's RAM or disk cannot hold, the change that
+            fits, as a ready flag with its figures, computed by the same estimate
+            (``"--host-precision lean: RAM 12.40 GiB of 22.61 GiB available"``); None
+            where the run fits or no such change was found.
     """
 
     model_name: str
@@ -238,6 +242,7 @@ class MemoryEstimate:
     host_activation_pinned_bytes: int = 0
     checkpointing_reason: str | None = None
     parameter_counts: ParameterCounts | None = None
+    machine_fix: str | None = None
 
     def parameters_text(self) -> str:
         """``"30,532.12 M parameters"``, with the active ones of a mixture of experts:

@@ -65,7 +65,9 @@ def verdict(est: MemoryEstimate, ranks: HostRanks | None = None) -> str:
             f"{format_bytes(est.disk_free_bytes or 0)} is free where the run folder goes"
         )
     if problems:
-        return f"{est.model_name}: DOES NOT FIT this machine: " + "; ".join(problems)
+        # See [Note: a verdict names the change that fits] in ``setup.py``
+        fix = "" if est.machine_fix is None else f"; it fits with {est.machine_fix}"
+        return f"{est.model_name}: DOES NOT FIT this machine: " + "; ".join(problems) + fix
     per_gpu = "" if ranks is None else " per GPU"
     if est.gpu_memory_bytes is None:
         device = f"{_device(est)} {format_bytes(est.device_total_bytes)}{per_gpu}, no cap"

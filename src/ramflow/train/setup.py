@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from ..formats.host import HostPrecision
-from ..memory.fit import BatchFit, fit_batch
+from ..memory.estimate import BudgetTooSmall
+from ..memory.fit import BatchFit, fit_batch, micro_batch_candidates
 from ..planner.predict import Rates
 from ..sizes import format_bytes, parse_bytes
 from .chat_data import build_chat_corpus, is_chat_data
@@ -134,8 +135,9 @@ def _estimate(
             device_type=device_type,
             precision=precision,
             compute_dtype=compute_dtype,
+            # another format than the run's (auto's lean, or a verdict's alternative)
             wire_dtype=HostPrecision.parse(host_precision).wire_for(None, default=wire_dtype)
-            if host_precision == "lean" and config.host_precision == "auto"
+            if host_precision != config.host_precision
             else wire_dtype,
             batch_size=batch_size,
             seq_len=config.seq_len,
@@ -168,7 +170,11 @@ def _estimate(
                 )
 
     if not config.auto_batch_size:
-        return at(config.batch_size, config.checkpointing, **predict), None
+        try:
+            est = at(config.batch_size, config.checkpointing, **predict)
+        except BudgetTooSmall as err:
+            raise BudgetTooSmall(f"{err}{_device_fix(config, at, budget)}") from None
+        return _with_machine_fix(config, est, at), None
     levels = {"auto": (False, True), "off": (False,), "on": (True,), "offload": (True,)}
     # checkpointing on means offload where asked for it
     on = "offload" if config.checkpointing == "offload" else "on"
@@ -207,7 +213,70 @@ def _estimate(
     est = at(fit.micro_batch, on if fit.checkpointing else "off", **predict)
     if reason is not None:
         est = dataclasses.replace(est, checkpointing_reason=reason)
-    return est, fit
+    return _with_machine_fix(config, est, at), fit
+
+
+# [Note: a verdict names the change that fits]
+# A run refused for its size leaves the user to guess what to change, so every "does not
+# fit" says which one change fits, where there is one, as a flag to paste, with its figure
+# from the same estimate that gave the verdict (``plan`` and ``train`` print the same):
+# - the device budget (``BudgetTooSmall``): heavier activation checkpointing at the same
+#   micro-batch (on, then offload), else the largest smaller micro-batch, with the
+#   accumulation that keeps the global batch, under the lightest checkpointing that fits;
+# - RAM or disk: the lean host formats (bf16 masters, 8-bit states: about a fifth of fp32's
+#   host bytes, and a smaller checkpoint); where lean does not help and only the disk is
+#   short, writing no checkpoint (``--keep-checkpoints 0``). ``--host-precision auto`` took
+#   lean already, so it gets no alternative.
+
+
+def _device_fix(config: TrainConfig, at: Any, budget: int | None) -> str:
+    """The sentence that names what fits the device budget the run's micro-batch does not
+    (empty where nothing does). See [Note: a verdict names the change that fits]."""
+    heavier = {"off": ["on", "offload"], "on": ["offload"]}.get(config.checkpointing, [])
+    tried: list[tuple[int, str]] = [(config.batch_size, m) for m in heavier]
+    modes = [config.checkpointing, *heavier]
+    for b in micro_batch_candidates(config.global_batch, max_micro_batch=config.batch_size - 1):
+        tried += [(b, m) for m in modes]
+    for b, mode in tried:
+        try:
+            est = at(b, mode)
+        except BudgetTooSmall:
+            continue
+        flags = [] if b == config.batch_size else [f"--batch-size {b}"]
+        if b != config.batch_size:
+            flags.append(f"--grad-accum {config.global_batch // b}")
+        if mode != config.checkpointing:
+            flags.append(f"--checkpointing {mode}")
+        return (
+            f" It fits with {' '.join(flags)}: GPU {format_bytes(est.device_total_bytes)} of "
+            f"the {format_bytes(budget or 0)} budget"
+            + (
+                f", the same global batch of {config.global_batch}"
+                if b != config.batch_size
+                else ""
+            )
+            + "."
+        )
+    return ""
+
+
+def _with_machine_fix(config: TrainConfig, est: MemoryEstimate, at: Any) -> MemoryEstimate:
+    """``est`` with its ``machine_fix`` where this machine's RAM or disk cannot hold it.
+    See [Note: a verdict names the change that fits]."""
+    if est.fits_ram and est.fits_disk:
+        return est
+    fix = None
+    if config.host_precision not in ("lean", "auto"):
+        lean = at(est.batch_size, est.checkpointing_mode, host_precision="lean")
+        if lean.fits_ram and lean.fits_disk:
+            fix = (
+                f"--host-precision lean: RAM {format_bytes(lean.ram_needed_bytes)} of "
+                f"{format_bytes(lean.ram_available_bytes)} available"
+                + ("" if est.fits_disk else f", a checkpoint {format_bytes(lean.checkpoint_bytes)}")
+            )
+    if fix is None and est.fits_ram:
+        fix = "--keep-checkpoints 0 (no checkpoint written), or --out on a larger disk"
+    return dataclasses.replace(est, machine_fix=fix)
 
 
 def _offload_fit(
@@ -428,7 +497,13 @@ def _check_machine(
             )
             + (f", corpus {format_bytes(corpus_bytes)}" if corpus_bytes else "")
             + f", runtime) but only {format_bytes(estimate.ram_available_bytes)} is available. "
-            "Use a smaller model, batch or sequence, or free memory; `ramflow plan` shows where "
+            + (
+                f"It fits with {estimate.machine_fix}; else use"
+                # where one rank's store alone is over the RAM, the fix is a host format
+                if estimate.machine_fix is not None and not estimate.fits_ram
+                else "Use"
+            )
+            + " a smaller model, batch or sequence, or free memory; `ramflow plan` shows where "
             "the bytes go."
         )
     if disk_problem is not None:
