@@ -557,7 +557,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _model_options(pr)
     pr.add_argument("--out", metavar="DIR", required=True, help="output folder")
-    pr.add_argument("--steps", type=int, default=3, help="training steps per variant (default 3)")
+    pr.add_argument(
+        "--steps",
+        type=int,
+        default=5,
+        help="training steps per variant (default 5); the report gives the first step and "
+        "the steady step, the mean of the later ones",
+    )
     pr.add_argument(
         "--batch-size", type=int, default=2, help="sequences per micro-batch (default 2)"
     )
