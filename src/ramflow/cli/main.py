@@ -118,6 +118,25 @@ def _frozen_format_option(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def _lora_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lora",
+        dest="lora_rank",
+        type=int,
+        default=None,
+        metavar="RANK",
+        help="train LoRA adapters of this rank (PEFT) on the frozen base, kept on the device; "
+        "checkpoints hold the adapters in PEFT's format (PeftModel.from_pretrained loads them)",
+    )
+    p.add_argument(
+        "--lora-targets",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated linear modules that get adapters (default: q_proj,k_proj,v_proj,"
+        "o_proj,gate_proj,up_proj,down_proj)",
+    )
+
+
 def _batch_size(text: str) -> int | str:
     if text == "auto":
         return text
@@ -320,22 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
         "their states only; with several ranks, the units each rank owns, on its GPU); "
         "off: all on the CPU. Same arithmetic as the CPU step",
     )
-    t.add_argument(
-        "--lora",
-        dest="lora_rank",
-        type=int,
-        default=None,
-        metavar="RANK",
-        help="train LoRA adapters of this rank (PEFT) on the frozen base, kept on the device; "
-        "checkpoints hold the adapters in PEFT's format (PeftModel.from_pretrained loads them)",
-    )
-    t.add_argument(
-        "--lora-targets",
-        default=None,
-        metavar="NAMES",
-        help="comma-separated linear modules that get adapters (default: q_proj,k_proj,v_proj,"
-        "o_proj,gate_proj,up_proj,down_proj)",
-    )
+    _lora_options(t)
     t.add_argument(
         "--fuse-lora",
         action="store_true",
@@ -483,6 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--out", metavar="DIR", default=None, help="where checkpoints would go, for the disk check"
     )
+    _lora_options(pl)
+    _frozen_format_option(pl, "the frozen base's weights")
     pl.add_argument(
         "--clip-grad",
         type=float,
@@ -766,6 +772,9 @@ def _plan(args: argparse.Namespace) -> int:
             "host_precision",
             "clip_grad",
             "grad_accum",
+            "lora_rank",
+            "lora_targets",
+            "frozen_format",
         )
     }
     from ..planner.predict import DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S, Rates

@@ -100,10 +100,15 @@ def plan_lines(est: MemoryEstimate, *, trained: str | None = None) -> list[str]:
     auto = f" (auto: {est.host_precision_reason})" if est.host_precision_reason else ""
     per_param = (
         f", {est.host_bytes_per_parameter:.2f} bytes per trained parameter"
-        if est.host_bytes_per_parameter is not None
+        if est.host_bytes_per_parameter is not None and est.num_trainable
         else ""
     )
-    if trained is None:
+    if trained is None and est.num_adapter_parameters:
+        trained = (
+            f"{est.num_adapter_parameters / 1e6:,.2f} M trained: LoRA adapters on the "
+            "device, the base frozen"
+        )
+    elif trained is None:
         trained = (
             "all trained"
             if est.num_trainable == est.num_parameters

@@ -150,6 +150,9 @@ def _estimate(
             host_precision=host_precision,
             optimizer_states=OPTIMIZER_DEFAULTS[config.optimizer].num_states,
             full_gradients=not config.steps_during_backward(several_ranks=several_ranks),
+            lora_rank=config.lora_rank,
+            lora_targets=parse_targets(config.lora_targets),
+            frozen_format=config.frozen_format,
             **extra,
         )
 
