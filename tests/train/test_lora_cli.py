@@ -270,3 +270,30 @@ def test_plan_sizes_compressed_frozen_weights(ramflow_cli, capsys) -> None:
         assert cells[3] == "MiB"
     assert device["int8"] == device["nf4"] == device[None]
     assert pinned["nf4"] < pinned["int8"] < pinned[None]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("frozen_format", [None, "int8"])
+def test_a_lora_run_stays_within_the_plan_it_was_checked_against(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, frozen_format: str | None
+) -> None:
+    """On the GPU, a LoRA run's peak device memory stays within the plan's device total
+    (adapters included), with the budget set to that total: the plan is a promise."""
+    from ramflow.train import plan_run
+
+    fmt = {} if frozen_format is None else {"frozen_format": frozen_format}
+    shape = dict(preset="tiny", device="cuda", seq_len=256, batch_size=4, lora_rank=4, **fmt)
+    est = plan_run(TrainConfig.from_options(gpu_memory="4GiB", **shape))
+    budget = f"{est.device_total_bytes * 1.05 / 2**20:.2f}MiB"
+    out = tmp_path / "run"
+    argv = [
+        "train", "--data", corpus_file, "--preset", "tiny", "--device", "cuda", "--seq-len",
+        "256", "--batch-size", "4", "--lora", "4", "--steps", "3", "--eval-every", "0",
+        "--no-progress", "--gpu-memory", budget, "--out", out,
+    ]  # fmt: skip
+    if frozen_format is not None:
+        argv += ["--frozen-format", frozen_format]
+    assert ramflow_cli(*argv) == 0
+    peaks = [r["peak_gpu_bytes"] for r in read_log(out / "log.jsonl") if r["event"] == "step"]
+    assert max(peaks) <= est.device_total_bytes * 1.05, (max(peaks), est.device_total_bytes)

@@ -130,9 +130,13 @@ def test_auto_batch_under_a_ram_refusal_says_what_it_fitted(
     """``--batch-size auto`` fits the device budget only: under a RAM refusal its lines say
     "fits the device budget", never a bare "fits"."""
     _ram(monkeypatch, 16 << 20)
-    rc = ramflow_cli("plan", *TINY_GPU, "--gpu-memory", "1GiB", "--batch-size", "auto")
+    rc = ramflow_cli(
+        "plan", *TINY_GPU, "--gpu-memory", "1GiB", "--batch-size", "auto",
+        "--host-precision", "auto",
+    )  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 1 and "DOES NOT FIT this machine" in out.splitlines()[0]
+    assert "(auto: neither fp32 nor lean fits" in out
     tried = [line for line in out.splitlines() if "tried " in line]
     assert tried and "): fits the device budget" in tried[-1]
     assert not re.search(r"\): fits\)?$", out, re.M)
