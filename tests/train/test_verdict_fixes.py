@@ -140,3 +140,27 @@ def test_auto_batch_under_a_ram_refusal_says_what_it_fitted(
     tried = [line for line in out.splitlines() if "tried " in line]
     assert tried and "): fits the device budget" in tried[-1]
     assert not re.search(r"\): fits\)?$", out, re.M)
+
+
+def test_the_lean_hint_of_several_ranks_counts_all_of_them(
+    ramflow_cli, capsys, monkeypatch
+) -> None:
+    """``plan --nproc-per-node 2``: the alternative must fit the RAM of both ranks, and its
+    figure is theirs."""
+    from ramflow.train.scale import plan_ranks
+
+    def ranks_need(host_precision: str) -> int:
+        config = TrainConfig.from_options(
+            preset="tiny", device="cuda", gpu_memory="1GiB", host_precision=host_precision
+        )
+        return plan_ranks(plan_run(config, num_ranks=2), num_ranks=2).ram_needed_bytes
+
+    lean, fp32 = ranks_need("lean"), ranks_need("fp32")
+    _ram(monkeypatch, (lean + fp32) // 2)
+    plan = ("plan", "--preset", "tiny", "--gpu-memory", "1GiB", "--nproc-per-node", "2")
+    assert ramflow_cli(*plan) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    m = re.search(r"it fits with --host-precision lean: RAM ([\d.]+ [KMG]iB) \(2 ranks\) of", first)
+    assert m, first
+    assert ramflow_cli(*plan, "--host-precision", "lean") == 0
+    assert f"RAM {m.group(1)} (2 ranks) of" in capsys.readouterr().out.splitlines()[0]

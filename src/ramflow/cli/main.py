@@ -801,6 +801,7 @@ def _plan(args: argparse.Namespace) -> int:
             timing_rates=rates,
             matmul_flops_per_s=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
             num_ranks=args.nproc_per_node or 1,
+            zero_stage=args.zero_stage,
         )
     except BudgetTooSmall as err:  # a verdict, not a usage error: see the exit status
         print(f"{_model_label(args)}: DOES NOT FIT this budget: {err}")

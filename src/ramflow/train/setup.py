@@ -106,10 +106,13 @@ def _estimate(
     budget: int | None,
     out_dir: Path | None,
     several_ranks: bool = False,
+    local_ranks: tuple[int, int | None] = (1, None),
     **predict: Any,
 ) -> tuple[MemoryEstimate, BatchFit | None]:
     """The run's estimate; with ``--batch-size auto``, at the largest micro-batch (and the
-    lightest checkpointing) whose estimate fits the budget, and that fit."""
+    lightest checkpointing) whose estimate fits the budget, and that fit. ``local_ranks``:
+    the ranks on this host and their ZeRO stage, whose RAM the verdict's alternative must
+    fit (``_with_machine_fix``)."""
     ctx = getattr(mconfig, "max_position_embeddings", None)
     if ctx is not None and config.seq_len > ctx:
         longer = (
@@ -177,7 +180,7 @@ def _estimate(
             est = at(config.batch_size, config.checkpointing, **predict)
         except BudgetTooSmall as err:
             raise BudgetTooSmall(f"{err}{_device_fix(config, at, budget)}") from None
-        return _with_machine_fix(config, est, at), None
+        return _with_machine_fix(config, est, at, local_ranks), None
     levels = {"auto": (False, True), "off": (False,), "on": (True,), "offload": (True,)}
     # checkpointing on means offload where asked for it
     on = "offload" if config.checkpointing == "offload" else "on"
@@ -216,7 +219,7 @@ def _estimate(
     est = at(fit.micro_batch, on if fit.checkpointing else "off", **predict)
     if reason is not None:
         est = dataclasses.replace(est, checkpointing_reason=reason)
-    return _with_machine_fix(config, est, at), fit
+    return _with_machine_fix(config, est, at, local_ranks), fit
 
 
 # [Note: a verdict names the change that fits]
@@ -263,21 +266,38 @@ def _device_fix(config: TrainConfig, at: Any, budget: int | None) -> str:
     return ""
 
 
-def _with_machine_fix(config: TrainConfig, est: MemoryEstimate, at: Any) -> MemoryEstimate:
-    """``est`` with its ``machine_fix`` where this machine's RAM or disk cannot hold it.
-    See [Note: a verdict names the change that fits]."""
-    if est.fits_ram and est.fits_disk:
+def _with_machine_fix(
+    config: TrainConfig,
+    est: MemoryEstimate,
+    at: Any,
+    local_ranks: tuple[int, int | None] = (1, None),
+) -> MemoryEstimate:
+    """``est`` with its ``machine_fix`` where this machine's RAM (of ``local_ranks``'
+    ranks and ZeRO stage, as ``plan_ranks`` counts it) or disk cannot hold it. See [Note:
+    a verdict names the change that fits]."""
+    num_ranks, zero_stage = local_ranks
+
+    def ram(e: MemoryEstimate) -> tuple[int, bool]:
+        if num_ranks == 1:
+            return e.ram_needed_bytes, e.fits_ram
+        ranks = plan_ranks(e, num_ranks=num_ranks, zero_stage=zero_stage)
+        return ranks.ram_needed_bytes, ranks.fits_ram
+
+    fits_ram = ram(est)[1]
+    if fits_ram and est.fits_disk:
         return est
     fix = None
     if config.host_precision not in ("lean", "auto"):
         lean = at(est.batch_size, est.checkpointing_mode, host_precision="lean")
-        if lean.fits_ram and lean.fits_disk:
+        need, lean_fits_ram = ram(lean)
+        if lean_fits_ram and lean.fits_disk:
             fix = (
-                f"--host-precision lean: RAM {format_bytes(lean.ram_needed_bytes)} of "
-                f"{format_bytes(lean.ram_available_bytes)} available"
+                f"--host-precision lean: RAM {format_bytes(need)}"
+                + (f" ({num_ranks} ranks)" if num_ranks > 1 else "")
+                + f" of {format_bytes(lean.ram_available_bytes)} available"
                 + ("" if est.fits_disk else f", a checkpoint {format_bytes(lean.checkpoint_bytes)}")
             )
-    if fix is None and est.fits_ram:
+    if fix is None and fits_ram:
         fix = "--keep-checkpoints 0 (no checkpoint written), or --out on a larger disk"
     return dataclasses.replace(est, machine_fix=fix)
 
@@ -331,6 +351,7 @@ def plan_run(
     timing_rates: Rates | None = None,
     matmul_flops_per_s: float | None = None,
     num_ranks: int = 1,
+    zero_stage: int | None = None,
 ) -> MemoryEstimate:
     """The memory plan of a training run, without allocating the model (``ramflow plan``),
     with its predicted step time on a GPU (``MemoryEstimate.prediction`` and ``timed_plan``).
@@ -348,7 +369,9 @@ def plan_run(
         matmul_flops_per_s: the GPU's bf16 matmul rate, FLOP/s (default: the H200's).
         num_ranks: ranks of the run (``--nproc-per-node``): with several, a run without
             clipping or accumulation steps during backward and keeps no full host gradient
-            buffer (``TrainConfig.steps_during_backward``).
+            buffer (``TrainConfig.steps_during_backward``); the verdict's alternative
+            (``machine_fix``) fits the RAM of all of them.
+        zero_stage: their ZeRO stage (None: the plan's choice), for that RAM.
 
     Raises:
         ValueError, FileNotFoundError: as ``train``'s checks (settings, model, tokenizer,
@@ -403,6 +426,7 @@ def plan_run(
         budget=budget,
         out_dir=Path(out_dir) if out_dir is not None else None,
         several_ranks=num_ranks > 1,
+        local_ranks=(num_ranks, zero_stage),
         predict=True,
         timing_rates=timing_rates,
         matmul_flops_per_s=matmul_flops_per_s,
@@ -479,14 +503,23 @@ def _check_machine(
         host_ranks.ram_needed_bytes if host_ranks is not None else estimate.ram_needed_bytes
     ) + corpus_all
     if need > estimate.ram_available_bytes:
+        # the estimate's own RAM over the machine's: its fix is a host format (where its RAM
+        # fits, the fix is the disk's; see [Note: a verdict names the change that fits])
+        over = not (host_ranks.fits_ram if host_ranks is not None else estimate.fits_ram)
+        fix = (
+            f"It fits with {estimate.machine_fix}; else use"
+            if over and estimate.machine_fix is not None
+            else "Use"
+        )
         if host_ranks is not None:
             raise MemoryError(
                 f"this run of {num_ranks} ranks on this host needs about {format_bytes(need)} "
                 f"of RAM (host store and optimizer states once, {num_ranks} x "
                 f"{format_bytes(host_ranks.per_rank_bytes)} per rank"
                 + (f", corpus {format_bytes(corpus_all)}" if corpus_all else "")
-                + f") but only {format_bytes(estimate.ram_available_bytes)} is available. Use "
-                "fewer ranks (--nproc-per-node), a smaller model, batch or sequence, or free "
+                + f") but only {format_bytes(estimate.ram_available_bytes)} is available. "
+                + fix
+                + " fewer ranks (--nproc-per-node), a smaller model, batch or sequence, or free "
                 "memory; `ramflow plan --nproc-per-node "
                 f"{num_ranks}` shows where the bytes go."
             )
@@ -500,12 +533,7 @@ def _check_machine(
             )
             + (f", corpus {format_bytes(corpus_bytes)}" if corpus_bytes else "")
             + f", runtime) but only {format_bytes(estimate.ram_available_bytes)} is available. "
-            + (
-                f"It fits with {estimate.machine_fix}; else use"
-                # where one rank's store alone is over the RAM, the fix is a host format
-                if estimate.machine_fix is not None and not estimate.fits_ram
-                else "Use"
-            )
+            + fix
             + " a smaller model, batch or sequence, or free memory; `ramflow plan` shows where "
             "the bytes go."
         )
@@ -569,6 +597,7 @@ def prepare_run(
         budget=budget,
         out_dir=out_dir,
         several_ranks=several_ranks,
+        local_ranks=(num_local_ranks, zero_stage),
     )
     host_ranks = (
         plan_ranks(estimate, num_ranks=num_local_ranks, zero_stage=zero_stage)
