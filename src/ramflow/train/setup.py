@@ -248,20 +248,13 @@ def _device_fix(config: TrainConfig, at: Any, budget: int | None) -> str:
             est = at(b, mode)
         except BudgetTooSmall:
             continue
-        flags = [] if b == config.batch_size else [f"--batch-size {b}"]
-        if b != config.batch_size:
-            flags.append(f"--grad-accum {config.global_batch // b}")
-        if mode != config.checkpointing:
-            flags.append(f"--checkpointing {mode}")
+        smaller = b != config.batch_size
+        flags = [f"--batch-size {b}", f"--grad-accum {config.global_batch // b}"] * smaller
+        flags += [f"--checkpointing {mode}"] * (mode != config.checkpointing)
+        same = f", the same global batch of {config.global_batch}" if smaller else ""
         return (
             f" It fits with {' '.join(flags)}: GPU {format_bytes(est.device_total_bytes)} of "
-            f"the {format_bytes(budget or 0)} budget"
-            + (
-                f", the same global batch of {config.global_batch}"
-                if b != config.batch_size
-                else ""
-            )
-            + "."
+            f"the {format_bytes(budget or 0)} budget{same}."
         )
     return ""
 
