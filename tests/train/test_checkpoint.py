@@ -166,3 +166,20 @@ def test_index_entries_must_be_inside_the_model_folder(
     err = capsys.readouterr().err
     assert rc == 2, err
     assert "elsewhere" in err and "not a file name inside" in err and "Traceback" not in err
+
+
+def test_a_resumed_run_says_where_it_resumes_and_logs_it(
+    tmp_path: Path, trained_run: Path, ramflow_cli, capsys
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    capsys.readouterr()
+    assert ramflow_cli("train", "--resume", run, "--steps", "9", "--no-progress") == 0
+    out = capsys.readouterr().out
+    ckpt = run / "checkpoints" / "step-00000008"
+    assert f"resuming from step 8 of 9: {ckpt}" in out, out
+    records = read_log(run / "log.jsonl")
+    starts = [r["step"] for r in records if r["event"] == "start"]
+    assert starts == [0, 8]  # the first run's start, then the resumed one's
+    resume = next(r for r in records if r["event"] == "resume")
+    assert (resume["step"], resume["checkpoint"]) == (8, str(ckpt))

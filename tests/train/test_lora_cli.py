@@ -212,3 +212,88 @@ def test_lora_run_counts_only_the_adapters_as_trained(
     )
     plan = next(line for line in text.splitlines() if line.startswith("plan: "))
     assert f"({adapters / 1e6:,.2f} M trained: LoRA rank 4, the base frozen)" in plan
+
+
+def _ram_needed(first_line: str) -> str:
+    """The RAM figure of a verdict that fits: ``...; RAM 1.09 GiB of 19.98 GiB available``."""
+    return first_line.split("; RAM ", 1)[1].split(" of ", 1)[0]
+
+
+def test_plan_sizes_a_lora_run_as_train_runs_it(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, fast, capsys
+) -> None:
+    """``plan --lora R`` counts the base frozen (no host gradients or optimizer states) and
+    the adapters on the device, and its verdict is ``train --lora R``'s."""
+    from ramflow.memory.estimate import (
+        ADAPTER_CHECKPOINT_BYTES_PER_PARAMETER,
+        ADAPTER_DEVICE_BYTES_PER_PARAMETER,
+    )
+    from ramflow.sizes import format_bytes
+    from ramflow.train.lora import count_lora_parameters
+    from ramflow.train.modeling import meta_model, model_config
+    from ramflow.train.tokenizer import load_tokenizer
+
+    shape = ("--preset", "tiny", "--device", "cpu", "--seq-len", "32", "--batch-size", "2")
+    assert ramflow_cli("plan", *shape) == 0
+    full = capsys.readouterr().out
+    assert ramflow_cli("plan", *shape, "--lora", "4") == 0
+    lora = capsys.readouterr().out
+    config = model_config(preset="tiny", model_dir=None, tokenizer=load_tokenizer(None))
+    adapters = count_lora_parameters(meta_model(config), rank=4, targets=None)
+    assert f"({adapters / 1e6:,.2f} M trained: LoRA adapters on the device" in lora
+    table = {line.split("  ")[0]: line for line in lora.splitlines()}
+    assert format_bytes(adapters * ADAPTER_DEVICE_BYTES_PER_PARAMETER) in table["LoRA adapters"]
+    assert table["gradients"].split()[1:] == ["-"] * 4
+    assert table["optimizer states"].split()[2:] == ["-"] * 4
+    assert format_bytes(adapters * ADAPTER_CHECKPOINT_BYTES_PER_PARAMETER) in table["checkpoint"]
+    full_ram, lora_ram = (_ram_needed(t.splitlines()[0]) for t in (full, lora))
+    assert float(lora_ram.split()[0]) < float(full_ram.split()[0]), (lora_ram, full_ram)
+
+    out = tmp_path / "run"
+    argv = ("--steps", "1", "--eval-every", "0", "--lora", "4", *fast, "--out", out)
+    assert ramflow_cli("train", "--data", corpus_file, *argv) == 0
+    assert _ram_needed(capsys.readouterr().out.splitlines()[0]) == lora_ram
+
+
+def test_plan_sizes_compressed_frozen_weights(ramflow_cli, capsys) -> None:
+    """``--frozen-format int8 | nf4`` keeps the frozen base in fewer host bytes (int8 about
+    one byte a weight, nf4 about half of it) and changes nothing on the device."""
+    shape = ("plan", "--preset", "tiny", "--device", "cuda", "--gpu-memory", "1GiB", "--lora", "4")
+    pinned, device = {}, {}
+    for fmt in (None, "int8", "nf4"):
+        assert ramflow_cli(*shape, *(("--frozen-format", fmt) if fmt else ())) == 0
+        total = next(
+            line for line in capsys.readouterr().out.splitlines() if line.startswith("total")
+        )
+        cells = total.split()[1:]  # GPU, CPU pinned, CPU pageable, disk: "1.00 MiB" each
+        device[fmt], pinned[fmt] = cells[0:2], float(cells[2])
+        assert cells[3] == "MiB"
+    assert device["int8"] == device["nf4"] == device[None]
+    assert pinned["nf4"] < pinned["int8"] < pinned[None]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("frozen_format", [None, "int8"])
+def test_a_lora_run_stays_within_the_plan_it_was_checked_against(
+    tmp_path: Path, corpus_file: Path, ramflow_cli, frozen_format: str | None
+) -> None:
+    """On the GPU, a LoRA run's peak device memory stays within the plan's device total
+    (adapters included), with the budget set to that total: the plan is a promise."""
+    from ramflow.train import plan_run
+
+    fmt = {} if frozen_format is None else {"frozen_format": frozen_format}
+    shape = dict(preset="tiny", device="cuda", seq_len=256, batch_size=4, lora_rank=4, **fmt)
+    est = plan_run(TrainConfig.from_options(gpu_memory="4GiB", **shape))
+    budget = f"{est.device_total_bytes * 1.05 / 2**20:.2f}MiB"
+    out = tmp_path / "run"
+    argv = [
+        "train", "--data", corpus_file, "--preset", "tiny", "--device", "cuda", "--seq-len",
+        "256", "--batch-size", "4", "--lora", "4", "--steps", "3", "--eval-every", "0",
+        "--no-progress", "--gpu-memory", budget, "--out", out,
+    ]  # fmt: skip
+    if frozen_format is not None:
+        argv += ["--frozen-format", frozen_format]
+    assert ramflow_cli(*argv) == 0
+    peaks = [r["peak_gpu_bytes"] for r in read_log(out / "log.jsonl") if r["event"] == "step"]
+    assert max(peaks) <= est.device_total_bytes * 1.05, (max(peaks), est.device_total_bytes)

@@ -197,6 +197,8 @@ def test_two_ranks_compute_one_process_at_twice_the_batch(
     assert done.stdout.count("validation loss") == 4  # 3 evaluations + the summary row
     backend = "NCCL" if device == "cuda" else "gloo"
     assert f"2 ranks (2 on this host), ZeRO-2 over {backend}" in done.stdout
+    # the header counts every rank's tokens, as the log does: 2 ranks x B=2 x T=32
+    assert ": 6 steps of 128 tokens" in done.stdout and "(128 per step over 2 ranks" in done.stdout
     assert json.loads((out / "run.json").read_text())["num_ranks"] == 2
     assert _shm_files(shm) == []
 

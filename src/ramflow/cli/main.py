@@ -121,6 +121,25 @@ def _frozen_format_option(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def _lora_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lora",
+        dest="lora_rank",
+        type=int,
+        default=None,
+        metavar="RANK",
+        help="train LoRA adapters of this rank (PEFT) on the frozen base, kept on the device; "
+        "checkpoints hold the adapters in PEFT's format (PeftModel.from_pretrained loads them)",
+    )
+    p.add_argument(
+        "--lora-targets",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated linear modules that get adapters (default: q_proj,k_proj,v_proj,"
+        "o_proj,gate_proj,up_proj,down_proj)",
+    )
+
+
 def _batch_size(text: str) -> int | str:
     if text == "auto":
         return text
@@ -323,22 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
         "their states only; with several ranks, the units each rank owns, on its GPU); "
         "off: all on the CPU. Same arithmetic as the CPU step",
     )
-    t.add_argument(
-        "--lora",
-        dest="lora_rank",
-        type=int,
-        default=None,
-        metavar="RANK",
-        help="train LoRA adapters of this rank (PEFT) on the frozen base, kept on the device; "
-        "checkpoints hold the adapters in PEFT's format (PeftModel.from_pretrained loads them)",
-    )
-    t.add_argument(
-        "--lora-targets",
-        default=None,
-        metavar="NAMES",
-        help="comma-separated linear modules that get adapters (default: q_proj,k_proj,v_proj,"
-        "o_proj,gate_proj,up_proj,down_proj)",
-    )
+    _lora_options(t)
     t.add_argument(
         "--fuse-lora",
         action="store_true",
@@ -486,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--out", metavar="DIR", default=None, help="where checkpoints would go, for the disk check"
     )
+    _lora_options(pl)
+    _frozen_format_option(pl, "the frozen base's weights")
     pl.add_argument(
         "--clip-grad",
         type=float,
@@ -560,7 +566,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _model_options(pr)
     pr.add_argument("--out", metavar="DIR", required=True, help="output folder")
-    pr.add_argument("--steps", type=int, default=3, help="training steps per variant (default 3)")
+    pr.add_argument(
+        "--steps",
+        type=int,
+        default=5,
+        help="training steps per variant (default 5); the report gives the first step and "
+        "the steady step, the mean of the later ones",
+    )
     pr.add_argument(
         "--batch-size", type=int, default=2, help="sequences per micro-batch (default 2)"
     )
@@ -763,6 +775,9 @@ def _plan(args: argparse.Namespace) -> int:
             "host_precision",
             "clip_grad",
             "grad_accum",
+            "lora_rank",
+            "lora_targets",
+            "frozen_format",
         )
     }
     from ..planner.predict import DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S, Rates
@@ -789,6 +804,7 @@ def _plan(args: argparse.Namespace) -> int:
             timing_rates=rates,
             matmul_flops_per_s=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
             num_ranks=args.nproc_per_node or 1,
+            zero_stage=args.zero_stage,
         )
     except BudgetTooSmall as err:  # a verdict, not a usage error: see the exit status
         print(f"{_model_label(args)}: DOES NOT FIT this budget: {err}")

@@ -56,6 +56,15 @@ def runtime_overhead_bytes(device_type: str) -> int:
     return CUDA_RUNTIME_OVERHEAD_BYTES if device_type == "cuda" else RUNTIME_OVERHEAD_BYTES
 
 
+ADAPTER_DEVICE_BYTES_PER_PARAMETER = 16
+"""A LoRA adapter parameter on the device (PEFT keeps adapters in fp32): its weight, its
+gradient and AdamW's two states, 4 bytes each."""
+
+ADAPTER_CHECKPOINT_BYTES_PER_PARAMETER = 12
+"""A LoRA adapter parameter in a checkpoint, which holds only the adapters: its fp32
+weight and AdamW's two fp32 states."""
+
+
 class BudgetTooSmall(ValueError):
     """The device budget cannot hold the smallest plan and the activations together; the
     message gives the smallest budget that works. A ``ValueError``, so callers that treat
@@ -197,6 +206,13 @@ class MemoryEstimate:
             asked for auto).
         parameter_counts: the parameters in total and those one token reads (a mixture of
             experts': ``ramflow.planner.costs.parameter_counts``); None: not counted.
+        num_adapter_parameters: LoRA adapter parameters trained on the device beside the
+            frozen base (0: none); with their gradients and optimizer states they take
+            ``device_adapter_bytes`` of the budget, outside ramflow's share.
+        machine_fix: for a run this machine's RAM or disk cannot hold, the change that
+            fits, as a ready flag with its figures, computed by the same estimate
+            (``"--host-precision lean: RAM 12.40 GiB of 22.61 GiB available"``); None
+            where the run fits or no such change was found.
     """
 
     model_name: str
@@ -235,6 +251,8 @@ class MemoryEstimate:
     host_activation_pinned_bytes: int = 0
     checkpointing_reason: str | None = None
     parameter_counts: ParameterCounts | None = None
+    num_adapter_parameters: int = 0
+    machine_fix: str | None = None
 
     def parameters_text(self) -> str:
         """``"30,532.12 M parameters"``, with the active ones of a mixture of experts:
@@ -250,9 +268,17 @@ class MemoryEstimate:
         )
 
     @property
+    def device_adapter_bytes(self) -> int:
+        """The LoRA adapters' device bytes: weights, gradients and AdamW states."""
+        return self.num_adapter_parameters * ADAPTER_DEVICE_BYTES_PER_PARAMETER
+
+    @property
     def device_total_bytes(self) -> int:
         return (
-            self.device_parameter_bytes + self.device_gradient_bytes + self.device_activation_bytes
+            self.device_parameter_bytes
+            + self.device_gradient_bytes
+            + self.device_activation_bytes
+            + self.device_adapter_bytes
         )
 
     @property
@@ -265,10 +291,11 @@ class MemoryEstimate:
     @property
     def gpu_memory_bytes(self) -> int | None:
         """ramflow's share of the device budget: what ``ramflow.offload(gpu_memory=...)``
-        may allocate on the device, the budget less the activations (None: no cap)."""
+        may allocate on the device, the budget less the activations and the LoRA adapters
+        (None: no cap)."""
         if self.device_budget_bytes is None:
             return None
-        return self.device_budget_bytes - self.device_activation_bytes
+        return self.device_budget_bytes - self.device_activation_bytes - self.device_adapter_bytes
 
     @property
     def host_pinned_bytes(self) -> int:
@@ -323,6 +350,11 @@ class MemoryEstimate:
                 None,
             ),
             ("optimizer states", 0, 0, self.host_optimizer_bytes, None),
+            *(
+                [("LoRA adapters", self.device_adapter_bytes, 0, 0, None)]
+                if self.num_adapter_parameters
+                else []
+            ),
             (
                 "activations",
                 self.device_activation_bytes,
@@ -490,9 +522,10 @@ def _make_plan(
     )
 
 
-def offload_units(model: nn.Module) -> tuple[list[Unit], int]:
-    """The units ``ramflow.offload`` would form for ``model``, and its buffers' bytes."""
-    units = [Unit(i, spec) for i, spec in enumerate(find_units(model))]
+def offload_units(model: nn.Module, *, frozen_format: str | None = None) -> tuple[list[Unit], int]:
+    """The units ``ramflow.offload`` would form for ``model`` (its frozen weights kept
+    under ``frozen_format``), and its buffers' bytes."""
+    units = [Unit(i, spec, frozen_format=frozen_format) for i, spec in enumerate(find_units(model))]
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     return units, buffer_bytes
 
@@ -514,6 +547,8 @@ def estimate_memory(
     out_dir: str | os.PathLike | None = None,
     host_precision: HostPrecision | str | None = None,
     full_gradients: bool = False,
+    frozen_format: str | None = None,
+    num_adapter_parameters: int = 0,
 ) -> MemoryEstimate:
     """Estimate a training run's memory, per device and host, without running it.
 
@@ -552,6 +587,11 @@ def estimate_memory(
         full_gradients: the loop keeps a full host gradient buffer even under a gradient
             ring (it clips, accumulates, or steps only in ``opt.step()``): counted in the
             master's dtype (see ``HostPrecision.host_bytes``).
+        frozen_format: frozen weights kept compressed in host RAM (``"int8"``, ``"nf4"``;
+            ``ramflow.offload``'s ``frozen_format``); None: in the wire dtype.
+        num_adapter_parameters: LoRA adapter parameters trained on the device (the base
+            frozen): ``ADAPTER_DEVICE_BYTES_PER_PARAMETER`` each come out of the budget
+            before ramflow's share, and the checkpoint holds only them.
 
     Returns:
         A ``MemoryEstimate``; ``describe()`` prints it.
@@ -583,8 +623,9 @@ def estimate_memory(
     device_budget_bytes = (
         None if device_budget is None else parse_bytes(device_budget, what="device_budget")
     )
-    units, buffer_bytes = offload_units(model)
+    units, buffer_bytes = offload_units(model, frozen_format=frozen_format)
     acts = activations
+    adapter_bytes = num_adapter_parameters * ADAPTER_DEVICE_BYTES_PER_PARAMETER
     smallest = _make_plan(
         units,
         buffer_bytes,
@@ -595,15 +636,19 @@ def estimate_memory(
     ).min_gpu_memory_bytes
     ckpt_reason = None
     if checkpointing == "auto":
-        checkpointing, ckpt_reason = choose_checkpointing(acts, smallest, device_budget_bytes)
+        # the adapters take their room before the activations and ramflow
+        checkpointing, ckpt_reason = choose_checkpointing(
+            acts, smallest + adapter_bytes, device_budget_bytes
+        )
     ckpt, offload = checkpointing in ("on", "offload"), checkpointing == "offload"
     act_bytes = acts.peak_bytes(checkpointing=ckpt, offload=offload)
-    # ramflow's share: what the activations leave of the device's budget
+    # ramflow's share: what the activations and the adapters leave of the device's budget
     gpu_memory_bytes = None
     if device_budget_bytes is not None:
-        gpu_memory_bytes = device_budget_bytes - act_bytes
+        gpu_memory_bytes = device_budget_bytes - act_bytes - adapter_bytes
         if gpu_memory_bytes < smallest:
-            need = smallest + act_bytes
+            need = smallest + act_bytes + adapter_bytes
+            adapters = f", the LoRA adapters {format_bytes(adapter_bytes)}" if adapter_bytes else ""
             hint = (
                 ""
                 if offload
@@ -614,7 +659,7 @@ def estimate_memory(
             raise BudgetTooSmall(
                 f"--gpu-memory {format_bytes(device_budget_bytes)} is too small for this run: activations "
                 f"of a {batch_size} x {seq_len} micro-batch need about {format_bytes(act_bytes)} and "
-                f"ramflow's smallest plan (streaming every unit) {format_bytes(smallest)}, together "
+                f"ramflow's smallest plan (streaming every unit) {format_bytes(smallest)}{adapters}, together "
                 f"{format_bytes(need)}. Give --gpu-memory {format_bytes(need * 1.05)} or more, or a "
                 f"smaller --batch-size / --seq-len{hint}."
             )
@@ -662,15 +707,18 @@ def estimate_memory(
         device_parameter_bytes=plan.window_bytes + plan.resident_bytes + plan.fixed_bytes,
         device_gradient_bytes=plan.grad_bytes,
         device_activation_bytes=act_bytes,
+        # compressed frozen weights are loaded as the wire copies are: pinned on CUDA
         host_parameter_pinned_bytes=(parts.master if master_pinned else 0)
-        + (parts.wire if cuda else 0),
+        + (parts.wire + parts.compressed if cuda else 0),
         host_parameter_pageable_bytes=(0 if master_pinned else parts.master)
-        + (0 if cuda else parts.wire),
+        + (0 if cuda else parts.wire + parts.compressed),
         host_gradient_pinned_bytes=parts.staging if cuda else 0,
         host_gradient_pageable_bytes=parts.gradients + (0 if cuda else parts.staging),
         host_optimizer_bytes=parts.states,
-        # on disk: unpadded parameters and their states
-        checkpoint_bytes=num_parameters * host.master_dtype.itemsize
+        # on disk: unpadded parameters and their states; a LoRA run's adapters only
+        checkpoint_bytes=num_adapter_parameters * ADAPTER_CHECKPOINT_BYTES_PER_PARAMETER
+        if num_adapter_parameters
+        else num_parameters * host.master_dtype.itemsize
         + host.state_bytes(num_trainable, num_states=optimizer_states),
         ram_available_bytes=host_ram_available(),
         disk_free_bytes=disk_free,
@@ -685,6 +733,7 @@ def estimate_memory(
         activation_offload=offload,
         host_activation_pinned_bytes=acts.offloaded_bytes(pinned=cuda) if offload else 0,
         checkpointing_reason=ckpt_reason,
+        num_adapter_parameters=num_adapter_parameters,
     )
 
 

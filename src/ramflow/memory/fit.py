@@ -68,20 +68,22 @@ class BatchFit:
     trials: tuple[BatchTrial, ...]
 
     def describe(self) -> str:
-        """One line for the chosen fit, then one per candidate tried."""
+        """One line for the chosen fit, then one per candidate tried. A fit is to the
+        device budget only: the lines say so, since the RAM may still refuse the run."""
         budget = (
             "no cap" if self.device_budget_bytes is None else format_bytes(self.device_budget_bytes)
         )
         lines = [
             f"micro-batch {self.micro_batch} x {self.grad_accum} accumulated = global batch "
             f"{self.global_batch}, activation checkpointing "
-            f"{'on' if self.checkpointing else 'off'} (budget {budget})"
+            f"{'on' if self.checkpointing else 'off'} (device budget {budget})"
         ]
         for t in self.trials:
             est = "" if t.estimate_bytes is None else f", estimate {format_bytes(t.estimate_bytes)}"
+            outcome = "fits the device budget" if t.outcome == "fits" else t.outcome
             lines.append(
                 f"  tried {t.micro_batch} (checkpointing {'on' if t.checkpointing else 'off'}"
-                f"{est}): {t.outcome}"
+                f"{est}): {outcome}"
             )
         return "\n".join(lines)
 

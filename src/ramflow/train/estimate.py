@@ -50,6 +50,7 @@ from ..planner.cpu_rates import rates_for
 from ..planner.plan import OffloadPlan, PlanTiming, make_plan
 from ..planner.predict import DEFAULT_MATMUL_FLOPS_PER_S, Rates, StepPrediction, predict_step
 from ..units.unit import Unit, plan_inputs
+from .lora import count_lora_parameters
 from .loss import chunk_tokens_for
 from .modeling import meta_model
 
@@ -243,6 +244,9 @@ def estimate_run_memory(
     matmul_flops_per_s: float | None = None,
     host_precision: HostPrecision | None = None,
     full_gradients: bool = False,
+    lora_rank: int | None = None,
+    lora_targets: tuple[str, ...] | None = None,
+    frozen_format: str | None = None,
 ) -> MemoryEstimate:
     """Estimate a language model's training memory without allocating the model.
 
@@ -271,6 +275,10 @@ def estimate_run_memory(
         host_precision: the host formats (``setup.host_formats``'s, auto decided); None: fp32.
         full_gradients: the loop keeps a full host gradient buffer (see
             ``ramflow.memory.estimate_memory``).
+        lora_rank, lora_targets: a LoRA run (``--lora``, ``--lora-targets``; None: full
+            training): the base frozen in the host store, the adapters
+            (``count_lora_parameters``) trained on the device.
+        frozen_format: the frozen weights compressed in host RAM (``--frozen-format``).
 
     Raises:
         ValueError: ``checkpointing`` unknown; non-positive sizes; the budget is too small
@@ -285,6 +293,10 @@ def estimate_run_memory(
             f"--checkpointing {checkpointing!r}: choose one of {', '.join(CHECKPOINTING_MODES)}"
         )
     model = meta_model(config)
+    num_adapters = 0
+    if lora_rank is not None:
+        model.requires_grad_(False)  # the base, as ``train`` offloads it
+        num_adapters = count_lora_parameters(model, rank=lora_rank, targets=lora_targets)
     acts = measure_activations(config, batch_size=batch_size, seq_len=seq_len, dtype=compute_dtype)
 
     def memory(checkpointing: str) -> MemoryEstimate:
@@ -304,6 +316,8 @@ def estimate_run_memory(
             out_dir=out_dir,
             host_precision=host_precision,
             full_gradients=full_gradients,
+            frozen_format=frozen_format,
+            num_adapter_parameters=num_adapters,
         )
 
     estimate = memory(checkpointing)
@@ -324,7 +338,7 @@ def estimate_run_memory(
             )
     if not (predict and device_type == "cuda"):
         return estimate
-    units, buffer_bytes = offload_units(model)
+    units, buffer_bytes = offload_units(model, frozen_format=frozen_format)
     timing = _predict_speed(
         model,
         acts,

@@ -65,7 +65,9 @@ def verdict(est: MemoryEstimate, ranks: HostRanks | None = None) -> str:
             f"{format_bytes(est.disk_free_bytes or 0)} is free where the run folder goes"
         )
     if problems:
-        return f"{est.model_name}: DOES NOT FIT this machine: " + "; ".join(problems)
+        # See [Note: a verdict names the change that fits] in ``setup.py``
+        fix = "" if est.machine_fix is None else f"; it fits with {est.machine_fix}"
+        return f"{est.model_name}: DOES NOT FIT this machine: " + "; ".join(problems) + fix
     per_gpu = "" if ranks is None else " per GPU"
     if est.device_budget_bytes is None:
         device = f"{_device(est)} {format_bytes(est.device_total_bytes)}{per_gpu}, no cap"
@@ -98,10 +100,15 @@ def plan_lines(est: MemoryEstimate, *, trained: str | None = None) -> list[str]:
     auto = f" (auto: {est.host_precision_reason})" if est.host_precision_reason else ""
     per_param = (
         f", {est.host_bytes_per_parameter:.2f} bytes per trained parameter"
-        if est.host_bytes_per_parameter is not None
+        if est.host_bytes_per_parameter is not None and est.num_trainable
         else ""
     )
-    if trained is None:
+    if trained is None and est.num_adapter_parameters:
+        trained = (
+            f"{est.num_adapter_parameters / 1e6:,.2f} M trained: LoRA adapters on the "
+            "device, the base frozen"
+        )
+    elif trained is None:
         trained = (
             "all trained"
             if est.num_trainable == est.num_parameters

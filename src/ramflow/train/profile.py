@@ -16,7 +16,17 @@ forward, backward and optimizer step: "plain" is the model on the device with
 - ``snapshot-<variant>.pickle``: the CUDA allocator's history of the last step, for
   https://pytorch.org/memory_viz (CUDA only: on the CPU there is no allocator history,
   and ``summary.json`` says so);
-- ``summary.json``: per variant, peaks, losses and step times, and the activation total.
+- ``summary.json``: per variant, peaks, losses and step times (each step's, the first
+  step's and the steady state's), and the activation total.
+
+[Note: the steady step of a profile]
+The first step of a variant pays for what happens once: the caching allocator's first
+segments, CUDA's lazy kernel loading and cuBLAS's workspace, and for the offloaded model
+the host store's first copies; on the GPU box it took 2,995 ms where the later steps took
+about 100 ms, so a mean over three steps said 537 ms of a 100 ms step. The report gives
+the first step on its own and the steady step as the mean of the steps after the
+``WARMUP_STEPS`` dropped, also without the last step on CUDA, which records the
+allocator's history for the snapshot (stack traces at every allocation slow it).
 """
 
 from __future__ import annotations
@@ -44,6 +54,10 @@ __all__ = ["VariantProfile", "ProfileResult", "profile_model"]
 
 SNAPSHOT_NOTE_CPU = "no snapshot: the allocator history is CUDA's (the run was on the CPU)"
 
+WARMUP_STEPS = 1
+"""Steps at the start of a variant left out of its steady step. See [Note: the steady
+step of a profile]."""
+
 
 @dataclass(frozen=True)
 class VariantProfile:
@@ -70,6 +84,38 @@ class VariantProfile:
     peak_host_rss_bytes: int
     timeline: str | None
     snapshot: str | None
+
+    @property
+    def steady_steps(self) -> range:
+        """The steps (0-based) whose mean is the steady step: after ``WARMUP_STEPS``, and
+        before the last one where it recorded the allocator history (``snapshot``). See
+        [Note: the steady step of a profile]."""
+        return range(WARMUP_STEPS, len(self.step_s) - (self.snapshot is not None))
+
+    @property
+    def first_step_s(self) -> float | None:
+        """The first step's wall time, seconds (None: no step ran)."""
+        return self.step_s[0] if self.step_s else None
+
+    @property
+    def steady_step_s(self) -> float | None:
+        """The mean wall time of ``steady_steps``, seconds (None: too few steps ran)."""
+        times = [self.step_s[k] for k in self.steady_steps]
+        return sum(times) / len(times) if times else None
+
+    def timing(self) -> dict[str, Any]:
+        """The step times for ``summary.json``: each step's, the first's, the steady mean
+        and its steps (1-based, inclusive; None: too few steps)."""
+        steps = self.steady_steps
+        return {
+            "first_step_s": self.first_step_s,
+            "steady_step_s": self.steady_step_s,
+            "steady_steps": [steps.start + 1, steps.stop] if len(steps) else None,
+        }
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
 
 @dataclass(frozen=True)
@@ -109,10 +155,14 @@ class ProfileResult:
                 "last loss",
                 *(f"{v.losses[-1]:.4f}" if v.losses else "-" for v in self.variants),
             ),
+            ("first step", *(_ms(v.first_step_s) for v in self.variants)),
             (
-                "mean step",
+                "steady step",
                 *(
-                    f"{sum(v.step_s) / len(v.step_s) * 1e3:.0f} ms" if v.step_s else "-"
+                    f"{_ms(v.steady_step_s)} (steps {v.steady_steps.start + 1}-"
+                    f"{v.steady_steps.stop})"
+                    if v.steady_step_s is not None
+                    else "-"
                     for v in self.variants
                 ),
             ),
@@ -128,6 +178,16 @@ class ProfileResult:
                 for r in rows
             ),
         ]
+        # See [Note: the steady step of a profile]
+        cuda = any(v.snapshot is not None for v in self.variants)
+        steady = (
+            f"steady step: the mean after the first {WARMUP_STEPS} (warm-up: allocator, "
+            "kernels, first copies)"
+            + (", without the last (it records the snapshot)" if cuda else "")
+        )
+        if any(v.step_s and v.steady_step_s is None for v in self.variants):
+            steady += f"; give --steps {WARMUP_STEPS + 1 + cuda} or more for one"
+        lines.append(steady)
         if self.snapshot_note:
             lines.append(self.snapshot_note)
         lines.append(f"written to {self.out_dir}")
@@ -227,7 +287,7 @@ def profile_model(
     out_dir: str | os.PathLike,
     preset: str | None = None,
     model: str | os.PathLike | None = None,
-    steps: int = 3,
+    steps: int = 5,
     batch_size: int = 2,
     seq_len: int = 128,
     device: str | None = None,
@@ -326,7 +386,8 @@ def profile_model(
         "activation_bytes": activation_bytes,
         "activation_report": "activations.txt" if activation_bytes is not None else None,
         "snapshot_note": result.snapshot_note,
-        "variants": [asdict(v) for v in variants],
+        "warmup_steps": WARMUP_STEPS,
+        "variants": [asdict(v) | v.timing() for v in variants],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return result

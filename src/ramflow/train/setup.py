@@ -20,8 +20,8 @@ import torch
 from ..choices import AUTO
 from ..engine.host_store import resolve_precision
 from ..formats.host import HostPrecision
-from ..memory.estimate import offload_units
-from ..memory.fit import BatchFit, fit_batch
+from ..memory.estimate import BudgetTooSmall, offload_units
+from ..memory.fit import BatchFit, fit_batch, micro_batch_candidates
 from ..planner.predict import Rates
 from ..sizes import format_bytes
 from .chat_data import build_chat_corpus, is_chat_data
@@ -108,11 +108,14 @@ def _estimate(
     device_budget_bytes: int | None,
     out_dir: Path | None,
     several_ranks: bool = False,
+    local_ranks: tuple[int, int | None] = (1, None),
     **predict: Any,
 ) -> tuple[MemoryEstimate, BatchFit | None]:
     """The run's estimate under the host formats ``host`` (``host_formats``: auto is
     decided there, once); with ``--batch-size auto``, at the largest micro-batch (and the
-    lightest checkpointing) whose estimate fits the budget, and that fit."""
+    lightest checkpointing) whose estimate fits the budget, and that fit. ``local_ranks``:
+    the ranks on this host and their ZeRO stage, whose RAM the verdict's alternative must
+    fit (``_with_machine_fix``)."""
     ctx = getattr(mconfig, "max_position_embeddings", None)
     if ctx is not None and config.seq_len > ctx:
         longer = (
@@ -126,7 +129,11 @@ def _estimate(
             f"--seq-len {ctx} or less, or a model whose config allows longer sequences{longer}"
         )
 
-    def at(batch_size: int, checkpointing: str, **extra: Any) -> MemoryEstimate:
+    def at(
+        batch_size: int, checkpointing: str, host: HostFormats = host, **extra: Any
+    ) -> MemoryEstimate:
+        """The estimate at ``batch_size`` and ``checkpointing`` under ``host`` (the run's
+        host formats, or a verdict's alternative)."""
         est = estimate_run_memory(
             mconfig,
             model_name=config.model_name,
@@ -145,12 +152,19 @@ def _estimate(
             host_precision=host.precision,
             optimizer_states=OPTIMIZER_DEFAULTS[config.optimizer].num_states,
             full_gradients=not config.steps_during_backward(several_ranks=several_ranks),
+            lora_rank=config.lora_rank,
+            lora_targets=parse_targets(config.lora_targets),
+            frozen_format=config.frozen_format,
             **extra,
         )
         return dataclasses.replace(est, host_precision_reason=host.reason)
 
     if not config.auto_batch_size:
-        return at(config.batch_size, config.checkpointing, **predict), None
+        try:
+            est = at(config.batch_size, config.checkpointing, **predict)
+        except BudgetTooSmall as err:
+            raise BudgetTooSmall(f"{err}{_device_fix(config, at, device_budget_bytes)}") from None
+        return _with_machine_fix(config, est, at, host, local_ranks), None
     levels = {"auto": (False, True), "off": (False,), "on": (True,), "offload": (True,)}
     # checkpointing on means offload where asked for it
     on = "offload" if config.checkpointing == "offload" else "on"
@@ -189,7 +203,83 @@ def _estimate(
     est = at(fit.micro_batch, on if fit.checkpointing else "off", **predict)
     if reason is not None:
         est = dataclasses.replace(est, checkpointing_reason=reason)
-    return est, fit
+    return _with_machine_fix(config, est, at, host, local_ranks), fit
+
+
+# [Note: a verdict names the change that fits]
+# A run refused for its size leaves the user to guess what to change, so every "does not
+# fit" says which one change fits, where there is one, as a flag to paste, with its figure
+# from the same estimate that gave the verdict (``plan`` and ``train`` print the same):
+# - the device budget (``BudgetTooSmall``): heavier activation checkpointing at the same
+#   micro-batch (on, then offload), else the largest smaller micro-batch, with the
+#   accumulation that keeps the global batch, under the lightest checkpointing that fits;
+# - RAM or disk: the lean host formats (bf16 masters, 8-bit states: about a fifth of fp32's
+#   host bytes, and a smaller checkpoint); where lean does not help and only the disk is
+#   short, writing no checkpoint (``--keep-checkpoints 0``). ``--host-precision auto`` took
+#   lean already, so it gets no alternative.
+
+
+def _device_fix(config: TrainConfig, at: Any, budget: int | None) -> str:
+    """The sentence that names what fits the device budget the run's micro-batch does not
+    (empty where nothing does). See [Note: a verdict names the change that fits]."""
+    heavier = {"off": ["on", "offload"], "on": ["offload"]}.get(config.checkpointing, [])
+    tried: list[tuple[int, str]] = [(config.batch_size, m) for m in heavier]
+    modes = [config.checkpointing, *heavier]
+    for b in micro_batch_candidates(config.global_batch, max_micro_batch=config.batch_size - 1):
+        tried += [(b, m) for m in modes]
+    for b, mode in tried:
+        try:
+            est = at(b, mode)
+        except BudgetTooSmall:
+            continue
+        smaller = b != config.batch_size
+        flags = [f"--batch-size {b}", f"--grad-accum {config.global_batch // b}"] * smaller
+        flags += [f"--checkpointing {mode}"] * (mode != config.checkpointing)
+        same = f", the same global batch of {config.global_batch}" if smaller else ""
+        return (
+            f" It fits with {' '.join(flags)}: GPU {format_bytes(est.device_total_bytes)} of "
+            f"the {format_bytes(budget or 0)} budget{same}."
+        )
+    return ""
+
+
+def _with_machine_fix(
+    config: TrainConfig,
+    est: MemoryEstimate,
+    at: Any,
+    host: HostFormats,
+    local_ranks: tuple[int, int | None] = (1, None),
+) -> MemoryEstimate:
+    """``est`` (under the run's host formats ``host``) with its ``machine_fix`` where this machine's RAM (of ``local_ranks``'
+    ranks and ZeRO stage, as ``plan_ranks`` counts it) or disk cannot hold it. See [Note:
+    a verdict names the change that fits]."""
+    num_ranks, zero_stage = local_ranks
+
+    def ram(e: MemoryEstimate) -> tuple[int, bool]:
+        if num_ranks == 1:
+            return e.ram_needed_bytes, e.fits_ram
+        ranks = plan_ranks(e, num_ranks=num_ranks, zero_stage=zero_stage)
+        return ranks.ram_needed_bytes, ranks.fits_ram
+
+    fits_ram = ram(est)[1]
+    if fits_ram and est.fits_disk:
+        return est
+    fix = None
+    if config.host_precision != AUTO and config.host_precision.name != "lean":
+        precision = HostPrecision.lean()
+        formats = HostFormats(precision, precision.wire_for(None, default=host.wire_dtype))
+        lean = at(est.batch_size, est.checkpointing_mode, host=formats)
+        need, lean_fits_ram = ram(lean)
+        if lean_fits_ram and lean.fits_disk:
+            fix = (
+                f"--host-precision lean: RAM {format_bytes(need)}"
+                + (f" ({num_ranks} ranks)" if num_ranks > 1 else "")
+                + f" of {format_bytes(lean.ram_available_bytes)} available"
+                + ("" if est.fits_disk else f", a checkpoint {format_bytes(lean.checkpoint_bytes)}")
+            )
+    if fix is None and fits_ram:
+        fix = "--keep-checkpoints 0 (no checkpoint written), or --out on a larger disk"
+    return dataclasses.replace(est, machine_fix=fix)
 
 
 def _offload_fit(
@@ -281,6 +371,7 @@ def plan_run(
     timing_rates: Rates | None = None,
     matmul_flops_per_s: float | None = None,
     num_ranks: int = 1,
+    zero_stage: int | None = None,
 ) -> MemoryEstimate:
     """The memory plan of a training run, without allocating the model (``ramflow plan``),
     with its predicted step time on a GPU (``MemoryEstimate.prediction`` and ``timed_plan``).
@@ -298,7 +389,9 @@ def plan_run(
         matmul_flops_per_s: the GPU's bf16 matmul rate, FLOP/s (default: the H200's).
         num_ranks: ranks of the run (``--nproc-per-node``): with several, a run without
             clipping or accumulation steps during backward and keeps no full host gradient
-            buffer (``TrainConfig.steps_during_backward``).
+            buffer (``TrainConfig.steps_during_backward``); the verdict's alternative
+            (``machine_fix``) fits the RAM of all of them.
+        zero_stage: their ZeRO stage (None: the plan's choice), for that RAM.
 
     Raises:
         ValueError, FileNotFoundError: as ``train``'s checks (settings, model, tokenizer,
@@ -350,6 +443,7 @@ def plan_run(
         device_budget_bytes=device_budget_bytes,
         out_dir=Path(out_dir) if out_dir is not None else None,
         several_ranks=num_ranks > 1,
+        local_ranks=(num_ranks, zero_stage),
         predict=True,
         timing_rates=timing_rates,
         matmul_flops_per_s=matmul_flops_per_s,
@@ -426,14 +520,23 @@ def _check_machine(
         host_ranks.ram_needed_bytes if host_ranks is not None else estimate.ram_needed_bytes
     ) + corpus_all
     if need > estimate.ram_available_bytes:
+        # the estimate's own RAM over the machine's: its fix is a host format (where its RAM
+        # fits, the fix is the disk's; see [Note: a verdict names the change that fits])
+        over = not (host_ranks.fits_ram if host_ranks is not None else estimate.fits_ram)
+        fix = (
+            f"It fits with {estimate.machine_fix}; else use"
+            if over and estimate.machine_fix is not None
+            else "Use"
+        )
         if host_ranks is not None:
             raise MemoryError(
                 f"this run of {num_ranks} ranks on this host needs about {format_bytes(need)} "
                 f"of RAM (host store and optimizer states once, {num_ranks} x "
                 f"{format_bytes(host_ranks.per_rank_bytes)} per rank"
                 + (f", corpus {format_bytes(corpus_all)}" if corpus_all else "")
-                + f") but only {format_bytes(estimate.ram_available_bytes)} is available. Use "
-                "fewer ranks (--nproc-per-node), a smaller model, batch or sequence, or free "
+                + f") but only {format_bytes(estimate.ram_available_bytes)} is available. "
+                + fix
+                + " fewer ranks (--nproc-per-node), a smaller model, batch or sequence, or free "
                 "memory; `ramflow plan --nproc-per-node "
                 f"{num_ranks}` shows where the bytes go."
             )
@@ -447,7 +550,8 @@ def _check_machine(
             )
             + (f", corpus {format_bytes(corpus_bytes)}" if corpus_bytes else "")
             + f", runtime) but only {format_bytes(estimate.ram_available_bytes)} is available. "
-            "Use a smaller model, batch or sequence, or free memory; `ramflow plan` shows where "
+            + fix
+            + " a smaller model, batch or sequence, or free memory; `ramflow plan` shows where "
             "the bytes go."
         )
     if disk_problem is not None:
@@ -511,6 +615,7 @@ def prepare_run(
         device_budget_bytes=device_budget_bytes,
         out_dir=out_dir,
         several_ranks=several_ranks,
+        local_ranks=(num_local_ranks, zero_stage),
     )
     host_ranks = (
         plan_ranks(estimate, num_ranks=num_local_ranks, zero_stage=zero_stage)

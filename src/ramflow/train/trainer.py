@@ -503,7 +503,9 @@ def _train(
         f"and {corpus.val_tokens.numel():,} validation tokens ({setup.tokenizer.name} tokenizer)"
     )
     steps = f"{config.steps} step" + ("s" if config.steps != 1 else "")
-    say(f"run folder {run_dir}: {steps} of {config.tokens_per_step:,} tokens")
+    # every rank's tokens: see [Note: several ranks from the CLI] in ranks.py
+    tokens = config.tokens_per_step * ranks.world_size
+    say(f"run folder {run_dir}: {steps} of {tokens:,} tokens")
 
     # ---- model, offload, optimizer, schedule
     offload_options = dict(
@@ -609,6 +611,7 @@ def _train(
                 say(
                     "warning: the data differ from the checkpoint's; the data position may point elsewhere"
                 )
+            say(f"resuming from step {step} of {config.steps}: {ckpt.path}")
             report.log({"event": "resume", "step": step, "checkpoint": str(ckpt.path)})
         if config.auto_batch_size:
             fit_micro_batch(config, setup, report, model, opt, scaler, batches, checkpointing)
@@ -617,7 +620,7 @@ def _train(
             report.log(
                 {
                     "event": "start",
-                    "step": 0,
+                    "step": step,  # the checkpoint's, on a resumed run
                     "config": config.to_dict(),
                     "device": str(policy.device),
                     "num_ranks": ranks.world_size,
