@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
 import torch
@@ -63,6 +63,8 @@ class DeviceWindow:
         self._staging = StagingBuffers()  # compressed units' copies land here first
         # seconds the computing thread waited in ``acquire`` for units not current yet
         self.wait_seconds = PhaseSeconds()
+        # H2D copies of each unit's weights (by unit name) since the window was made
+        self.num_loads: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ set-up
 
@@ -198,6 +200,7 @@ class DeviceWindow:
             for stream in u.used_streams:
                 self.streams.h2d_stream.wait_stream(stream)
         k = u.kept_numel
+        self.num_loads[u.name] += 1
         event = self.streams.h2d(u.device_alias[:k], u.wire) if k else None
         if u.frozen is not None:
             # on the stream that waited for the H2D stream: this event also stands for the
