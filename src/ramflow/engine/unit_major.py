@@ -247,7 +247,18 @@ class UnitMajorStep:
                     f"micro-batch {m}; it must return a scalar loss tensor that requires grad "
                     "(reduce it, e.g. .mean(), and compute it with gradients enabled)"
                 )
-        self._backward(calls, losses)
+        try:
+            self._backward(calls, losses)
+        except RuntimeError as err:
+            if "backward through the graph a second time" not in str(err):
+                raise
+            raise RuntimeError(
+                "a tensor computed inside a unit call reaches the loss, or a later unit, "
+                "other than through the unit's outputs (an MoE's router logits recorded for "
+                "its auxiliary loss, a connection that skips a unit), so backward would run "
+                "through that unit before its turn: the unit-major order cannot run this "
+                "model. Accumulate with an ordinary loop (or turn output_router_logits off)."
+            ) from err
         return [loss.detach() for loss in losses]
 
     def _backward(self, calls: list[list[_Call]], losses: list[torch.Tensor]) -> None:
