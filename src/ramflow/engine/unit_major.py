@@ -230,6 +230,8 @@ class UnitMajorStep:
             for h in handles:
                 h.remove()
         for m, err in enumerate(errors):
+            if isinstance(err, torch.OutOfMemoryError):
+                raise err  # as it is: a training loop backs off on it
             if err is not None:
                 raise RuntimeError(f"micro-batch {m}'s forward raised: {err}") from err
         for m in range(1, num):
