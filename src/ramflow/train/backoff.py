@@ -62,7 +62,7 @@ from .data import BatchStream
 from .loss import lm_loss
 from .precision import ComputePolicy
 from .report import RunReport
-from .setup import PreparedRun
+from .setup import PreparedRun, runs_unit_major
 
 __all__ = [
     "CHECKPOINTING_LADDER",
@@ -200,15 +200,6 @@ class RunCheckpointing:
         )
 
 
-def unit_major_fits(model: torch.nn.Module, batches: BatchStream) -> bool:
-    """Whether a step's micro-batches can run unit-major (``ramflow.accumulate``, each
-    unit's weights loaded once per phase of the step): one rank (data parallelism is not
-    supported there yet), and no MoE router logits recorded for an auxiliary loss (they
-    leave the layers past their outputs)."""
-    config = getattr(model, "config", None)
-    return batches.num_ranks == 1 and not getattr(config, "output_router_logits", False)
-
-
 def _unit_major(
     model: torch.nn.Module,
     scaler: torch.amp.GradScaler,
@@ -248,7 +239,7 @@ def accumulate_step(
     checkpointing: RunCheckpointing,
 ) -> torch.Tensor:
     """Forward and backward of one step's micro-batches (the gradients accumulate; several
-    micro-batches on one rank run unit-major, ``unit_major_fits``), backing off on
+    micro-batches on one rank run unit-major, ``setup.runs_unit_major``), backing off on
     out-of-memory errors, and at a micro-batch of 1 under ``--checkpointing auto``
     going to a heavier checkpointing; returns the sum of the micro-batches' mean losses
     (fp32 scalar on the device). See [Note: backing off after an out-of-memory error] and
@@ -264,7 +255,10 @@ def accumulate_step(
         grad_accum = config.global_batch // batches.batch_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=policy.device)
         try:
-            if grad_accum > 1 and unit_major_fits(model, batches):
+            unit_major = runs_unit_major(
+                getattr(model, "config", None), several_ranks=batches.num_ranks > 1
+            )
+            if grad_accum > 1 and unit_major:
                 for loss in _unit_major(model, scaler, batches, policy, grad_accum):
                     loss_sum += loss
                 return loss_sum
