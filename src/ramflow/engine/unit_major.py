@@ -71,18 +71,24 @@ class _Call:
     leaves: list[torch.Tensor] = field(default_factory=list)
 
 
+class _Stopped(Exception):
+    """Another micro-batch's forward raised: this one stops at its next turn."""
+
+
 class _TurnTaker:
     """Lets one thread run at a time, the one waiting at the lowest (round, micro-batch).
 
     A thread waits at its start (round -1) and before each unit call (round c for its c-th
     call); the runnable thread is chosen only when every live thread waits, so the order
-    does not depend on the thread scheduler."""
+    does not depend on the thread scheduler. Once a thread ``fail``s, the others stop at
+    their next turn (``_Stopped``): nothing they would compute is used."""
 
     def __init__(self, num_threads: int) -> None:
         self._cond = threading.Condition()
         self._waiting: dict[int, int] = {}
         self._live = num_threads
         self._running: int | None = None
+        self._failed = False
 
     def _pick(self) -> None:
         if self._running is None and self._waiting and len(self._waiting) == self._live:
@@ -97,9 +103,12 @@ class _TurnTaker:
             self._waiting[m] = round_
             self._pick()
             self._cond.wait_for(lambda: self._running == m)
+            if self._failed:
+                raise _Stopped
 
-    def finish(self, m: int) -> None:
+    def finish(self, m: int, *, failed: bool = False) -> None:
         with self._cond:
+            self._failed = self._failed or failed
             if self._running == m:
                 self._running = None
             self._waiting.pop(m, None)
@@ -212,13 +221,15 @@ class UnitMajorStep:
                     for device_type, dtype in autocast:
                         stack.enter_context(torch.autocast(device_type, dtype=dtype))
                     losses[m] = forward(micro_batches[m])
+            except _Stopped:
+                pass  # an earlier micro-batch raised: its error is the one reported
             except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
                 errors[m] = err
             finally:
                 local.m = None
                 if self.on_thread is not None:
                     self.on_thread(None)
-                turns.finish(m)
+                turns.finish(m, failed=errors[m] is not None)
 
         threads = [threading.Thread(target=body, args=(m,), daemon=True) for m in range(num)]
         try:
