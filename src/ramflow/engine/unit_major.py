@@ -204,12 +204,14 @@ class UnitMajorStep:
             for u in self.units
         ]
 
-        # autocast is thread-local: the caller's carries into every micro-batch's thread
+        # autocast, the current CUDA device and stream are thread-local: the caller's carry
+        # into every micro-batch's thread
         autocast = [
             (d, torch.get_autocast_dtype(d))
             for d in ("cuda", "cpu")
             if torch.is_autocast_enabled(d)
         ]
+        stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
 
         def body(m: int) -> None:
             local.m = m
@@ -218,6 +220,9 @@ class UnitMajorStep:
             try:
                 turns.wait_turn(m, -1)
                 with contextlib.ExitStack() as stack:
+                    if stream is not None:
+                        stack.enter_context(torch.cuda.device(stream.device))
+                        stack.enter_context(torch.cuda.stream(stream))
                     for device_type, dtype in autocast:
                         stack.enter_context(torch.autocast(device_type, dtype=dtype))
                     losses[m] = forward(micro_batches[m])
