@@ -503,3 +503,19 @@ def test_activation_offload_shares_the_link_with_the_weights() -> None:
     # 12 inputs of 512 MiB each way: at least their H2D at the backward's 9 GB/s is added
     # (no overlap with the reloads, which already fill the link)
     assert times[2] - times[0] >= 0.9 * 12 * (1 << 29) / slow.duplex()[0]
+
+
+def test_unit_major_micro_batches_load_once_and_compute_m_times() -> None:
+    """A step of M micro-batches run unit-major (``ramflow.accumulate``) moves one
+    micro-batch's weights and gradients and computes M times; on a PCIe-bound model it
+    takes far less than M single-micro-batch steps, never less than its compute."""
+    units = _units()
+    one = predict_step(units, rates=RATES)
+    four = predict_step(units, rates=RATES, micro_batches=4)
+    assert four.h2d_bytes == one.h2d_bytes
+    assert four.d2h_bytes == one.d2h_bytes
+    assert four.busy_s["GPU compute"] == pytest.approx(4 * one.busy_s["GPU compute"])
+    assert four.step_s >= four.busy_s["GPU compute"]
+    assert four.step_s < 4 * one.step_s
+    with pytest.raises(ValueError, match="micro_batches"):
+        predict_step(units, rates=RATES, micro_batches=0)

@@ -44,6 +44,7 @@ _WHERE = {
     **dict.fromkeys(
         [
             "accept_partial_step",
+            "accumulate",
             "adopt",
             "clip_grad_norm_",
             "get_plan",
@@ -64,6 +65,7 @@ __all__ = [
     "Linear",
     "OffloadPlan",
     "accept_partial_step",
+    "accumulate",
     "adopt",
     "clip_grad_norm_",
     "distributed",

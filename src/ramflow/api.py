@@ -1,9 +1,11 @@
-"""The drop-in entry points: ``offload``, ``undo``, ``synchronize``, ``clip_grad_norm_``."""
+"""The drop-in entry points: ``offload``, ``undo``, ``synchronize``, ``clip_grad_norm_``,
+``accumulate``."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -339,6 +341,56 @@ def refresh(model: nn.Module) -> None:
     needed after ``load_state_dict`` or ``ramflow.optim`` steps. Raises as ``synchronize``."""
     for engine in _engines_of(model):
         engine.refresh_from_host()
+
+
+def accumulate(
+    model: nn.Module,
+    micro_batches: Sequence[Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+) -> list[torch.Tensor]:
+    """Forward and backward of one optimizer step's micro-batches, unit by unit: each
+    offloaded unit's weights cross PCIe once for forward and once for backward per step,
+    not once per micro-batch, and its gradient crosses D2H once, when complete.
+
+    The unit-major order of FlexGen (Sheng et al. 2023, "FlexGen: High-Throughput
+    Generative Inference of Large Language Models with a Single GPU", the zig-zag block
+    schedule) applied to training; see [Note: one weight pass per optimizer step] in
+    ``ramflow.engine.unit_major``. The gradients equal an ordinary accumulation loop's
+    (``loss_fn(b).backward()`` for each micro-batch) up to the order of summation. Then
+    call ``opt.step()`` and ``opt.zero_grad()`` as usual. Once the loop is known to step
+    after each call (the second step on; the first too with ``keep_grads=False`` under the
+    gradient ring of a lean ``host_precision``), each unit is stepped as its gradient
+    lands, and no full-model host gradient buffer is made. A loop that clips gets steps
+    at ``opt.step()`` from the full host gradients, as an ordinary loop does.
+
+    Example::
+
+        losses = ramflow.accumulate(model, batches, lambda b: model(**b).loss / len(batches))
+        opt.step()
+        opt.zero_grad()
+
+    Args:
+        model: the offloaded model (or a module wrapping it, a ``PeftModel``).
+        micro_batches: the M micro-batches of the step, anything ``loss_fn`` takes (tensors
+            on the host or the device), in the order their gradients sum.
+        loss_fn: maps one micro-batch to its scalar loss (any dtype, on the compute
+            device), computed by calling ``model``; scale it by 1/M for a mean over the
+            micro-batches, as an ordinary accumulation loop does. Called once per
+            micro-batch, each in a thread of its own (one runs at a time; the caller's
+            autocast carries over). Every micro-batch must make the same unit calls.
+
+    Returns:
+        The M losses ``loss_fn`` returned, detached, in micro-batch order.
+
+    Raises:
+        ValueError: ``model`` is not offloaded; no micro-batches; a loss is not a scalar
+            tensor that requires grad; gradients are disabled; data parallelism.
+        TypeError: no ramflow optimizer holds the model's parameters.
+        RuntimeError: a micro-batch's forward raised (named by its index; no gradient is
+            left); the micro-batches made different unit calls (an MoE whose experts are
+            units of their own: use an ordinary loop); inside a forward or backward.
+    """
+    return _engine(model).unit_major.run(loss_fn, micro_batches)
 
 
 def accept_partial_step(model: nn.Module) -> None:

@@ -243,20 +243,22 @@ def test_auto_keeps_the_inputs_on_the_device_where_offload_is_not_faster() -> No
 
 
 def test_batch_size_auto_offloads_where_a_larger_micro_batch_is_faster() -> None:
-    """llama-8b at 8192 tokens in 20 GiB, global batch 4: with the inputs on the device a
-    micro-batch of 2 fits (2 accumulated), offloaded one of 4, whose global batch the model
-    predicts faster (one pass of the streamed weights instead of two); auto takes it and
-    says so in one line."""
-    est = plan_run(
-        TrainConfig.from_options(
-            preset="llama-8b",
-            device="cuda",
-            gpu_memory="20GiB",
-            batch_size="auto",
-            seq_len=8192,
-            host_precision="lean",
-        )
+    """llama-8b at 8192 tokens in 20 GiB, global batch 4, two ranks: with the inputs on the
+    device a micro-batch of 2 fits (2 accumulated), offloaded one of 4, whose global batch
+    the model predicts faster (one pass of the streamed weights instead of two); auto takes
+    it and says so in one line. On one rank the 2 accumulated micro-batches run unit-major
+    (one pass of the weights too), and auto keeps the inputs on the device."""
+    config = TrainConfig.from_options(
+        preset="llama-8b",
+        device="cuda",
+        gpu_memory="20GiB",
+        batch_size="auto",
+        seq_len=8192,
+        host_precision="lean",
     )
+    one_rank = plan_run(config)
+    assert (one_rank.batch_size, one_rank.checkpointing_mode) == (2, "on")
+    est = plan_run(config, num_ranks=2)
     assert (est.batch_size, est.checkpointing_mode) == (4, "offload")
     reason = est.checkpointing_reason
     assert reason.startswith(

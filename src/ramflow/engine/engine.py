@@ -3,7 +3,8 @@
 An ``Engine`` builds its parts and hands each the peers it calls (docs/design.md has the
 picture): the host store (``engine.host``), the device window (``engine.window``), the
 stepper (``engine.stepper``), the gradient path (``engine.gradients``), the schedule
-(``engine.schedule``) and the hooks on the user's modules (``engine.hooks``,
+(``engine.schedule``), the unit-major step (``engine.unit_major``) and the hooks on the
+user's modules (``engine.hooks``,
 ``ramflow.engine.model_hooks``). It adds units and keeps their plan (made by
 ``ramflow.planner.unit_plan``). Callers outside (``ramflow.optim``, ``ramflow.api``,
 ``ramflow.distributed``, ``ramflow.layers.linear``) call a part directly for what one part
@@ -48,6 +49,7 @@ from .options import EngineOptions
 from .plain_optim import install_optimizer_hooks
 from .schedule import Schedule
 from .stepper import Stepper
+from .unit_major import UnitMajorAccumulation
 from .window import DeviceWindow
 from .worker import HostWorker
 
@@ -195,6 +197,9 @@ class Engine:
             stepper=self.stepper,
         )
         self.checkpointer = ActivationCheckpointer(units=self.units, window=self.window)
+        self.unit_major = UnitMajorAccumulation(
+            units=self.units, schedule=self.schedule, gradients=self.gradients, stepper=self.stepper
+        )
         self.hooks = ModelHooks(self)
 
         install_optimizer_hooks()

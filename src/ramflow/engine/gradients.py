@@ -74,6 +74,9 @@ class GradientPath:
         self._grads_in_flight: deque[torch.cuda.Event | None] = deque()
         self._pass_landed: list[tuple[Unit, bool]] = []  # (unit, gradients were fresh)
         self._pass_stepped: list[Unit] = []
+        # a unit-major step: gradients add up on the device until ``send_held``, see
+        # [Note: one weight pass per optimizer step] in ``ramflow.engine.unit_major``
+        self.hold = False
 
     def install_hooks(self, units: list[Unit]) -> None:
         """A post-accumulate hook on every trainable device parameter of ``units``."""
@@ -112,10 +115,20 @@ class GradientPath:
                 u.trainable_numel, dtype=self.wire_dtype, device=self.device
             )
         off = u.offsets[k]
-        u.device_grad[off : off + dparam.numel()].view(dparam.shape).copy_(dparam.grad)
+        into = u.device_grad[off : off + dparam.numel()].view(dparam.shape)
+        if self.hold:  # the micro-batches' gradients sum here, in micro-batch order
+            into.add_(dparam.grad)
+        else:
+            into.copy_(dparam.grad)
         dparam.grad = None
         u.fired += 1
-        if u.fired == u.num_trainable:
+        if u.fired == u.num_trainable and not self.hold:
+            self.dispatch(u)
+
+    def send_held(self, u: Unit) -> None:
+        """A unit-major step: ``u``'s gradients are complete (every micro-batch's backward
+        has passed every call that reads it): one D2H copy, and its step if eager."""
+        if u.fired:
             self.dispatch(u)
 
     def dispatch(self, u: Unit) -> None:
@@ -290,6 +303,7 @@ class GradientPath:
         every gradient has landed in the host gradients (so ``p.grad`` is complete), and
         step the device-stepped units whose gradients were accumulated on the host."""
         stepper = self._stepper
+        self.hold = False
         for u in self.units:
             if u.fired:
                 self.dispatch(u)
@@ -315,6 +329,7 @@ class GradientPath:
             the first error of a landing or a step (to raise after the clean-up), the units
             the pass stepped, and whether it added to gradients accumulated before it.
         """
+        self.hold = False
         for u in self.units:
             u.device_grad = None  # gradients of units whose backward had not finished
             u.fired = 0

@@ -48,6 +48,7 @@ flag that ``opt.zero_grad()`` clears, restarting the step policy, optimizer stat
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -260,6 +261,10 @@ class Schedule:
         self._outstanding: set[_Call] = set()
         self._end_backward_queued_for = -1
         self._root_active = 0
+        # a unit-major step (See [Note: one weight pass per optimizer step] in
+        # ``engine.unit_major``): its micro-batches' forwards run in threads of their own
+        self._unit_major = False
+        self._thread = threading.local()  # micro_batch (None outside), num_calls
         # every module's ``_apply``, see [Note: moving and casting an offloaded model]
         self._model_apply = ModelApply(device=device, wire_dtype=wire_dtype)
 
@@ -330,6 +335,36 @@ class Schedule:
                 u.swaps = 1
                 swap_parameters(u, to_device=False)
 
+    # ------------------------------------------------------------------ unit-major steps
+
+    def _records_order(self) -> bool:
+        """Whether this thread's forward is the one whose unit calls make the order (the
+        first micro-batch's in a unit-major step, any other forward's outside one)."""
+        return getattr(self._thread, "micro_batch", None) in (None, 0)
+
+    def begin_unit_major(self) -> None:
+        """A unit-major step starts: its forwards run in threads (``enter_micro_batch``),
+        and its backward is one pass that ``end_unit_major`` ends. See [Note: one weight
+        pass per optimizer step] in ``ramflow.engine.unit_major``."""
+        self.settle()
+        self._unit_major = True
+        self._gradients.hold = True
+
+    def enter_micro_batch(self, m: int | None) -> None:
+        """This thread runs micro-batch ``m``'s forward of a unit-major step (None: it
+        has ended)."""
+        self._thread.micro_batch = m
+
+    def end_unit_major(self, *, failed: bool) -> None:
+        """The unit-major step's backward has ended (``failed``: it raised, or a forward
+        did): end its pass, or clean it up as [Note: a failed backward] says."""
+        self._unit_major = False
+        self._gradients.hold = False
+        if failed:
+            self._abort_backward()
+        elif self._gradients.pass_open:
+            self._end_backward()
+
     @property
     def in_pass(self) -> bool:
         """Inside a forward or backward pass."""
@@ -358,10 +393,12 @@ class Schedule:
         self.settle()
         self.worker.raise_error()
         self._stepper.policy.raise_if_partial_step()
-        if self._order:
-            self._prev_order = self._order
-        self._order = []
-        self._in_order = set()
+        self._thread.num_calls = 0
+        if self._records_order():
+            if self._order:
+                self._prev_order = self._order
+            self._order = []
+            self._in_order = set()
         rest = self._rest_units
         if rest:
             self._window.acquire(rest)
@@ -405,7 +442,7 @@ class Schedule:
             # back-to-back inference calls do not wait for the pipeline to fill
             first = [u for u in self._order if not u.resident][: self.prefetch_depth]
             self._window.prefetch(unit_deps(first))
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self._unit_major:  # whose runner ends its pass
             for t in pytree.tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._root_output_grad)
@@ -432,10 +469,14 @@ class Schedule:
         # (always_call): a failed forward leaves no pin and no swapped parameter behind
         frame = _Frame()
         u.call_stack.append(frame)
-        position = len(self._order)
-        if not in_bw:
-            self._order.append(u)
-            self._in_order.add(u)
+        if in_bw:
+            position = len(self._order)
+        else:  # every micro-batch of a unit-major step makes the same calls: its own count
+            position = self._thread.num_calls if self._unit_major else len(self._order)
+            self._thread.num_calls = position + 1
+            if self._records_order():
+                self._order.append(u)
+                self._in_order.add(u)
         with torch.profiler.record_function(f"ramflow.wait:{u.name}"):
             self._window.acquire(u.deps)
         frame.acquired = True
@@ -516,6 +557,12 @@ class Schedule:
 
     def _pre_backward(self, call: _Call, grad: torch.Tensor) -> None:
         task = torch._C._current_graph_task_id()
+        if call.pre_backward_done and task != call.backward_task and self._unit_major:
+            # a unit-major step runs backward in several passes, and a call whose outputs
+            # feed both the next unit and the loss (an MoE router's logits) is reached by
+            # two of them: pinned again for the second
+            self._post_backward(call)
+            call.pre_backward_done = False
         if call.pre_backward_done:
             if task != call.backward_task:
                 raise RuntimeError(

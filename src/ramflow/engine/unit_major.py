@@ -1,10 +1,10 @@
 """The unit-major step order: every micro-batch passes a unit before the next unit runs.
 
-See [Note: one weight pass per optimizer step] below and "One weight pass per optimizer
-step" in docs/design.md. This module holds the order itself, on any model and any list of
-unit modules; the engine's part (loading each unit once per phase, stepping a unit when
-``on_unit_done`` says its gradient is complete, boundaries in pinned host memory) builds on
-it.
+``UnitMajorStep`` is the order itself, on any model and any list of unit modules;
+``UnitMajorAccumulation`` is the engine's part: each offloaded unit loads once for forward
+and once for backward per optimizer step, and its gradient crosses D2H once, when it is
+complete, and is stepped then. ``ramflow.accumulate`` calls it; "One weight pass per
+optimizer step" in docs/design.md has the design.
 
 [Note: one weight pass per optimizer step]
 With M micro-batches per optimizer step the ordinary loop runs micro-batch after
@@ -15,9 +15,11 @@ block schedule, Sheng et al. 2023, applied to training):
 - Forward: each micro-batch's forward runs in its own thread, and one token passes between
   the threads at every unit call: all M micro-batches make their c-th unit call, in
   micro-batch order, before any makes its (c+1)-th. One thread runs at a time, so the order
-  is deterministic. Each unit call is checkpointed (non-reentrant): it keeps only its
-  inputs, and each floating input that requires grad is swapped for a detached leaf, the
-  boundary between this call's graph and the one before it.
+  is deterministic. Each floating input of a unit call that requires grad is swapped for a
+  detached leaf, the boundary between this call's graph and the one before it. Activation
+  checkpointing is the model's own (the engine's, installed by ``offload``): a checkpointed
+  unit keeps only its inputs, and its recomputation runs inside the unit's backward, which
+  the engine loads and pins (``engine.schedule``).
 - Backward, on the caller's thread only: first ``loss_m.backward()`` for every m, which
   ends at the last unit call's leaves; then, for each earlier call c from the last,
   ``torch.autograd.backward(inputs of call c+1, their leaves' gradients)`` for every m, which
@@ -26,21 +28,25 @@ block schedule, Sheng et al. 2023, applied to training):
   its last call: ``on_unit_done(unit)`` is called then, once per unit.
   (Threads cannot wait for each other inside backward: on CUDA the autograd engine runs every
   backward's device work on one thread per device, so such a wait would deadlock.)
+- The engine (``UnitMajorAccumulation``): the schedule records the unit order from the first
+  micro-batch only (the others make the same calls), so prefetches predict the next unit,
+  not the same unit again; a unit stays in the window between its micro-batches (it was
+  used last), so it loads once per phase. The gradient path adds each micro-batch's
+  gradients into the unit's device gradient buffer (``GradientPath.hold``) and sends the
+  buffer D2H once, when every unit call that reads the unit is done; the step policy sees
+  the whole step as one backward pass, so an eager pass steps the unit as it lands and no
+  full-model host gradient buffer is made (with ``keep_grads=False`` under the gradient
+  ring, the first step included; a loop that clips gets deferred steps, as today).
 
 The result equals the ordinary accumulation up to the order of summation: each parameter's
-gradient sums the same M contributions, in micro-batch order.
-
-Not yet wired into the engine: here a unit call is checkpointed by wrapping the unit's
-``forward`` in ``torch.utils.checkpoint``, whose recompute calls the unwrapped ``forward``
-and so does not run the unit's own forward pre-hooks (the engine's H2D wait). The engine's
-checkpointing (``activations/``) loads units for their recompute, and is what the wiring
-must use; the boundaries then go to pinned host memory as ``CheckpointOffload`` sends them.
+gradient sums the same M contributions, in micro-batch order (bit for bit in fp32 where the
+ordinary loop also sums on the device; ramflow's ordinary loop sums in fp32 on the host,
+this order in the wire dtype on the device).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,7 +54,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+from ..units.unit import Unit
+from .gradients import GradientPath
+from .schedule import Schedule, in_backward
+from .stepper import Stepper
 
 
 @dataclass
@@ -61,18 +71,24 @@ class _Call:
     leaves: list[torch.Tensor] = field(default_factory=list)
 
 
+class _Stopped(Exception):
+    """Another micro-batch's forward raised: this one stops at its next turn."""
+
+
 class _TurnTaker:
     """Lets one thread run at a time, the one waiting at the lowest (round, micro-batch).
 
     A thread waits at its start (round -1) and before each unit call (round c for its c-th
     call); the runnable thread is chosen only when every live thread waits, so the order
-    does not depend on the thread scheduler."""
+    does not depend on the thread scheduler. Once a thread ``fail``s, the others stop at
+    their next turn (``_Stopped``): nothing they would compute is used."""
 
     def __init__(self, num_threads: int) -> None:
         self._cond = threading.Condition()
         self._waiting: dict[int, int] = {}
         self._live = num_threads
         self._running: int | None = None
+        self._failed = False
 
     def _pick(self) -> None:
         if self._running is None and self._waiting and len(self._waiting) == self._live:
@@ -87,9 +103,12 @@ class _TurnTaker:
             self._waiting[m] = round_
             self._pick()
             self._cond.wait_for(lambda: self._running == m)
+            if self._failed:
+                raise _Stopped
 
-    def finish(self, m: int) -> None:
+    def finish(self, m: int, *, failed: bool = False) -> None:
         with self._cond:
+            self._failed = self._failed or failed
             if self._running == m:
                 self._running = None
             self._waiting.pop(m, None)
@@ -123,6 +142,8 @@ class UnitMajorStep:
         on_unit_done: called with a unit once every micro-batch's backward has passed all
             of its calls (its parameter gradients are complete), in backward order, once per
             unit per ``run``.
+        on_thread: called in each micro-batch's thread with its index before its forward,
+            and with None after it.
 
     Raises:
         ValueError: at construction, when ``units`` is empty or holds a module twice.
@@ -132,6 +153,7 @@ class UnitMajorStep:
         self,
         units: Sequence[nn.Module],
         on_unit_done: Callable[[nn.Module], None] | None = None,
+        on_thread: Callable[[int | None], None] | None = None,
     ) -> None:
         if not units:
             raise ValueError("UnitMajorStep: give at least one unit module")
@@ -139,6 +161,7 @@ class UnitMajorStep:
             raise ValueError("UnitMajorStep: a unit module is listed twice; list each once")
         self.units = list(units)
         self.on_unit_done = on_unit_done
+        self.on_thread = on_thread
 
     def run(self, forward: Callable[[Any], torch.Tensor], micro_batches: Sequence[Any]) -> list:
         """Run ``forward(batch)`` for every micro-batch unit-major, then backward likewise.
@@ -154,8 +177,11 @@ class UnitMajorStep:
         Raises:
             RuntimeError: a micro-batch's forward raised (re-raised with its index; the
                 other micro-batches' graphs are dropped and no gradient is written), or the
-                micro-batches made different numbers of unit calls.
+                micro-batches made different unit calls.
+            ValueError: a loss is not a scalar tensor that requires grad.
         """
+        if not micro_batches:
+            raise ValueError("give at least one micro-batch")
         num = len(micro_batches)
         turns = _TurnTaker(num)
         calls: list[list[_Call]] = [[] for _ in range(num)]
@@ -173,35 +199,42 @@ class UnitMajorStep:
             calls[m].append(call)
             return _leafify(args, call), _leafify(kwargs, call)
 
-        originals = {}
-        for unit in self.units:
-            originals[unit] = unit.forward
-            unit.forward = functools.partial(checkpoint, originals[unit], use_reentrant=False)
         handles = [
             u.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
             for u in self.units
         ]
 
-        # autocast is thread-local: the caller's carries into every micro-batch's thread
+        # autocast, the current CUDA device and stream are thread-local: the caller's carry
+        # into every micro-batch's thread
         autocast = [
             (d, torch.get_autocast_dtype(d))
             for d in ("cuda", "cpu")
             if torch.is_autocast_enabled(d)
         ]
+        stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
 
         def body(m: int) -> None:
             local.m = m
+            if self.on_thread is not None:
+                self.on_thread(m)
             try:
                 turns.wait_turn(m, -1)
                 with contextlib.ExitStack() as stack:
+                    if stream is not None:
+                        stack.enter_context(torch.cuda.device(stream.device))
+                        stack.enter_context(torch.cuda.stream(stream))
                     for device_type, dtype in autocast:
                         stack.enter_context(torch.autocast(device_type, dtype=dtype))
                     losses[m] = forward(micro_batches[m])
+            except _Stopped:
+                pass  # an earlier micro-batch raised: its error is the one reported
             except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
                 errors[m] = err
             finally:
                 local.m = None
-                turns.finish(m)
+                if self.on_thread is not None:
+                    self.on_thread(None)
+                turns.finish(m, failed=errors[m] is not None)
 
         threads = [threading.Thread(target=body, args=(m,), daemon=True) for m in range(num)]
         try:
@@ -212,18 +245,38 @@ class UnitMajorStep:
         finally:
             for h in handles:
                 h.remove()
-            for unit, fwd in originals.items():
-                unit.forward = fwd
         for m, err in enumerate(errors):
+            if isinstance(err, torch.OutOfMemoryError):
+                raise err  # as it is: a training loop backs off on it
             if err is not None:
                 raise RuntimeError(f"micro-batch {m}'s forward raised: {err}") from err
-        rounds = {len(c) for c in calls}
-        if len(rounds) != 1:
+        for m in range(1, num):
+            if [c.unit for c in calls[m]] != [c.unit for c in calls[0]]:
+                raise RuntimeError(
+                    f"micro-batch {m} called other units than micro-batch 0 (or in another "
+                    "order); the unit-major order needs the same unit calls in every "
+                    "micro-batch: accumulate such a model with an ordinary loop"
+                )
+        for m, loss in enumerate(losses):
+            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+                raise ValueError(
+                    f"the loss function returned {type(loss).__name__} "
+                    f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''} for "
+                    f"micro-batch {m}; it must return a scalar loss tensor that requires grad "
+                    "(reduce it, e.g. .mean(), and compute it with gradients enabled)"
+                )
+        try:
+            self._backward(calls, losses)
+        except RuntimeError as err:
+            if "backward through the graph a second time" not in str(err):
+                raise
             raise RuntimeError(
-                "UnitMajorStep: the micro-batches made different numbers of unit calls "
-                f"({sorted(rounds)}); the unit-major order needs the same calls in each"
-            )
-        self._backward(calls, losses)
+                "a tensor computed inside a unit call reaches the loss, or a later unit, "
+                "other than through the unit's outputs (an MoE's router logits recorded for "
+                "its auxiliary loss, a connection that skips a unit), so backward would run "
+                "through that unit before its turn: the unit-major order cannot run this "
+                "model. Accumulate with an ordinary loop (or turn output_router_logits off)."
+            ) from err
         return [loss.detach() for loss in losses]
 
     def _backward(self, calls: list[list[_Call]], losses: list[torch.Tensor]) -> None:
@@ -255,3 +308,80 @@ class UnitMajorStep:
         unit = calls[0][r].unit
         if self.on_unit_done is not None and first_call[id(unit)] == r:
             self.on_unit_done(unit)
+
+
+class UnitMajorAccumulation:
+    """The unit-major step of one offloaded model: its micro-batches through
+    ``UnitMajorStep`` with each unit loaded once per phase and its gradient sent and stepped
+    once. See [Note: one weight pass per optimizer step].
+
+    Args:
+        units: the engine's unit list (shared; the engine appends to it).
+        schedule: the engine's schedule (the order, the pass).
+        gradients: the engine's gradient path (held gradients, sent when complete).
+        stepper: the engine's stepper (its optimizers and data-parallel state).
+    """
+
+    def __init__(
+        self, *, units: list[Unit], schedule: Schedule, gradients: GradientPath, stepper: Stepper
+    ) -> None:
+        self.units = units
+        self._schedule = schedule
+        self._gradients = gradients
+        self._stepper = stepper
+
+    def run(self, loss_fn: Callable[[Any], torch.Tensor], micro_batches: Sequence[Any]) -> list:
+        """Forward and backward of ``micro_batches`` unit-major; see ``ramflow.accumulate``.
+
+        Raises:
+            TypeError: no ramflow optimizer holds the model's parameters.
+            ValueError: no micro-batches; a loss that is not a scalar; gradients disabled;
+                several ranks (data parallel).
+            RuntimeError: as ``UnitMajorStep.run``; inside a forward or backward pass.
+        """
+        if not self._stepper.optimizers:
+            raise TypeError(
+                "ramflow.accumulate needs a ramflow optimizer (ramflow.optim.AdamW, ...) built "
+                "on the offloaded model's parameters before it is called: it steps each unit "
+                "as its gradient is complete"
+            )
+        if self._stepper.live_dist() is not None:
+            raise ValueError(
+                "ramflow.accumulate does not support data parallelism yet: accumulate with "
+                "an ordinary loop (the non-final micro-batches under opt.no_step())"
+            )
+        if not torch.is_grad_enabled():
+            raise ValueError("ramflow.accumulate trains: call it with gradients enabled")
+        if self._schedule.in_pass or in_backward():
+            raise RuntimeError("ramflow.accumulate cannot run inside a forward or backward pass")
+        if not micro_batches:
+            raise ValueError("ramflow.accumulate: give at least one micro-batch")
+        units = [u for u in self.units if not u.rest]
+        modules = [m for u in units for m in u.modules]
+        # a unit's gradient is complete once every module that reads it is done (a unit
+        # whose parameters are tied into another unit is read by that unit's modules too)
+        readers: dict[Unit, set[int]] = {u: set() for u in units}
+        for v in units:
+            for d in v.deps:
+                readers.setdefault(d, set()).update(id(m) for m in v.modules)
+        done: set[int] = set()
+        sent: set[Unit] = set()
+
+        def on_module_done(module: nn.Module) -> None:
+            done.add(id(module))
+            for u, reading in readers.items():
+                if u not in sent and reading <= done:
+                    sent.add(u)
+                    self._gradients.send_held(u)
+
+        step = UnitMajorStep(
+            modules, on_unit_done=on_module_done, on_thread=self._schedule.enter_micro_batch
+        )
+        self._schedule.begin_unit_major()
+        failed = True
+        try:
+            losses = step.run(loss_fn, micro_batches)
+            failed = False
+        finally:
+            self._schedule.end_unit_major(failed=failed)
+        return losses

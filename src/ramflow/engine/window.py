@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
 import torch
@@ -84,6 +84,8 @@ class DeviceWindow:
         self.wait_seconds = PhaseSeconds()
         # bytes of weights copied H2D so far, loads and expert slices (benchmarks, tests)
         self.bytes_loaded = 0
+        # H2D copies of each unit's weights (by unit name) since the window was made
+        self.num_loads: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ set-up
 
@@ -232,6 +234,7 @@ class DeviceWindow:
             for stream in u.used_streams:
                 self.streams.h2d_stream.wait_stream(stream)
         k = u.kept_numel
+        self.num_loads[u.name] += 1
         slices = u.expert_slices
         if slices is not None and self._slices_experts(u):
             # See [Note: experts loaded by the router] in ramflow.engine.expert_loading

@@ -60,7 +60,7 @@ the next forward's first unit, so it crosses once per forward, not twice).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .task_graph import RESOURCES, Task, TaskGraph, critical_path  # noqa: F401 (RESOURCES: re-exported)
 
@@ -491,6 +491,7 @@ def predict_step(
     grad_bytes_per_param: int = 2,
     steps: int = STEPS_SIMULATED,
     deferred_steps: bool = False,
+    micro_batches: int = 1,
 ) -> StepPrediction:
     """Predict one step. See [Note: the step as a pipeline].
 
@@ -504,10 +505,28 @@ def predict_step(
         deferred_steps: the host steps wait for the end of backward (a loop that clips or
             accumulates), then run in forward order beside the next forward; default: each
             unit steps as soon as its gradients land.
+        micro_batches: micro-batches per optimizer step, run unit-major
+            (``ramflow.accumulate``, see [Note: one weight pass per optimizer step] in
+            ``ramflow.engine.unit_major``): each unit's compute and activation offload
+            happen once per micro-batch, its loads, gradient copy and step once per step.
+            ``units`` give one micro-batch's costs.
 
     Raises:
-        ValueError: an unknown mode, a depth below 1, no units, a streamed device step.
+        ValueError: an unknown mode, a depth below 1, no units, a streamed device step,
+            fewer than one micro-batch.
     """
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    if micro_batches > 1:
+        units = [
+            replace(
+                u,
+                forward_s=u.forward_s * micro_batches,
+                attention_s=u.attention_s * micro_batches,
+                offload_bytes=u.offload_bytes * micro_batches,
+            )
+            for u in units
+        ]
     streamed_stepped = [u.name for u in units if u.device_stepped and not u.resident]
     if streamed_stepped:
         raise ValueError(f"units stepped on the device must be resident: {streamed_stepped}")

@@ -62,7 +62,7 @@ from .data import BatchStream
 from .loss import lm_loss
 from .precision import ComputePolicy
 from .report import RunReport
-from .setup import PreparedRun
+from .setup import PreparedRun, runs_unit_major
 
 __all__ = [
     "CHECKPOINTING_LADDER",
@@ -200,6 +200,33 @@ class RunCheckpointing:
         )
 
 
+def _unit_major(
+    model: torch.nn.Module,
+    scaler: torch.amp.GradScaler,
+    batches: BatchStream,
+    policy: ComputePolicy,
+    grad_accum: int,
+) -> list[torch.Tensor]:
+    """Forward and backward of one step's ``grad_accum`` micro-batches through
+    ``ramflow.accumulate`` (see [Note: one weight pass per optimizer step] in
+    ``ramflow.engine.unit_major``); returns their mean losses (fp32 scalars on the device),
+    in micro-batch order."""
+    micro_batches = [batches.next_labeled_batch() for _ in range(grad_accum)]  # (B, T) each
+    losses: list[torch.Tensor | None] = [None] * grad_accum
+
+    def loss_fn(item: tuple[int, tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+        m, (x, labels) = item
+        x = x.to(policy.device)
+        labels = labels.to(policy.device) if labels is not None else None
+        with policy.autocast():
+            loss = lm_loss(model, x, labels)
+        losses[m] = loss.detach().float()
+        return scaler.scale(loss / grad_accum)
+
+    ramflow.accumulate(model, list(enumerate(micro_batches)), loss_fn)
+    return losses  # type: ignore[return-value]
+
+
 def accumulate_step(
     config: TrainConfig,
     report: RunReport,
@@ -211,8 +238,9 @@ def accumulate_step(
     step: int,
     checkpointing: RunCheckpointing,
 ) -> torch.Tensor:
-    """Forward and backward of one step's micro-batches (the gradients accumulate), backing
-    off on out-of-memory errors, and at a micro-batch of 1 under ``--checkpointing auto``
+    """Forward and backward of one step's micro-batches (the gradients accumulate; several
+    micro-batches on one rank run unit-major, ``setup.runs_unit_major``), backing off on
+    out-of-memory errors, and at a micro-batch of 1 under ``--checkpointing auto``
     going to a heavier checkpointing; returns the sum of the micro-batches' mean losses
     (fp32 scalar on the device). See [Note: backing off after an out-of-memory error] and
     [Note: a heavier checkpointing after an out-of-memory error].
@@ -227,6 +255,13 @@ def accumulate_step(
         grad_accum = config.global_batch // batches.batch_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=policy.device)
         try:
+            unit_major = runs_unit_major(
+                getattr(model, "config", None), several_ranks=batches.num_ranks > 1
+            )
+            if grad_accum > 1 and unit_major:
+                for loss in _unit_major(model, scaler, batches, policy, grad_accum):
+                    loss_sum += loss
+                return loss_sum
             for micro in range(grad_accum):
                 x, labels = batches.next_labeled_batch()  # (B, T); labels: chat data's
                 x = x.to(policy.device)

@@ -374,8 +374,10 @@ def estimate_run_memory(
 # faster by more than ``OFFLOAD_WINS_BY``, and says so in one line. With ``--batch-size
 # auto`` the same holds per global batch: offload is taken where it fits a larger
 # micro-batch whose global batch is predicted faster (``setup._estimate``): a global batch
-# of ``k`` micro-batches is counted as ``k - 1`` micro-steps without the optimizer's work
-# and one with it (the optimizer steps once per global batch).
+# of ``k`` micro-batches run unit-major (one rank, ``setup.runs_unit_major``) is one step
+# that loads the weights once and computes ``k`` times; otherwise it is counted as ``k - 1``
+# micro-steps without the optimizer's work and one with it (the optimizer steps once per
+# global batch).
 
 OFFLOAD_WINS_BY = 0.02
 """The share of predicted step time by which offload must beat checkpointing alone for
@@ -390,6 +392,7 @@ def predict_plan_step(
     timing_rates: Rates | None = None,
     matmul_flops_per_s: float | None = None,
     with_optimizer: bool = True,
+    micro_batches: int = 1,
 ) -> StepPrediction:
     """The predicted training step of ``estimate``'s plan on a CUDA GPU, as ``train`` runs
     it (the run's checkpointing and activation offload), seconds in ``step_s``.
@@ -401,6 +404,8 @@ def predict_plan_step(
             box's).
         with_optimizer: False: a micro-step of gradient accumulation, whose gradients land
             but whose units are not stepped (the optimizer's rate taken as unbounded).
+        micro_batches: a step of this many micro-batches run unit-major (``predict_step``'s
+            ``micro_batches``), the whole global batch.
     """
     model = meta_model(config)
     rates = rates_for(timing_rates or Rates(), estimate.host_precision.name)
@@ -426,6 +431,7 @@ def predict_plan_step(
         prefetch_depth=estimate.plan.prefetch_depth,
         grad_bytes_per_param=wire_size,
         deferred_steps=estimate.full_gradients,
+        micro_batches=micro_batches,
     )
 
 

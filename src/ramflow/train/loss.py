@@ -28,6 +28,7 @@ tokens), not bit for bit.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -68,7 +69,17 @@ class _ChunkedHeadForward:
         self.head_forward = type(head).forward
         self.head = head
         self.chunk_tokens = chunk_tokens
-        self.labels_BT: torch.Tensor | None = None
+        # per thread: ramflow.accumulate runs each micro-batch's forward in its own thread
+        self._local = threading.local()
+
+    @property
+    def labels_BT(self) -> torch.Tensor | None:
+        """The labels of the forward running on this thread (None: return logits)."""
+        return getattr(self._local, "labels_BT", None)
+
+    @labels_BT.setter
+    def labels_BT(self, labels_BT: torch.Tensor | None) -> None:
+        self._local.labels_BT = labels_BT
 
     def __call__(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
         labels_BT = self.labels_BT

@@ -97,6 +97,14 @@ def base_weights(config: TrainConfig, checkpoint: Checkpoint | None) -> Path | s
     return config.model
 
 
+def runs_unit_major(model_config: Any, *, several_ranks: bool) -> bool:
+    """Whether ``train`` runs a step's micro-batches unit-major (``ramflow.accumulate``,
+    each unit's weights loaded once per phase of the step): on one rank (data parallelism
+    is not supported there yet), and without MoE router logits recorded for an auxiliary
+    loss (they leave the layers past their outputs, which it refuses)."""
+    return not several_ranks and not getattr(model_config, "output_router_logits", False)
+
+
 def _estimate(
     config: TrainConfig,
     mconfig: Any,
@@ -197,7 +205,8 @@ def _estimate(
         and fit.checkpointing
         and device_type == "cuda"
     ):
-        offloaded, why = _offload_fit(config, mconfig, fit, fit_with, at, predict)
+        unit_major = runs_unit_major(mconfig, several_ranks=several_ranks)
+        offloaded, why = _offload_fit(config, mconfig, fit, fit_with, at, predict, unit_major)
         if offloaded is not None:
             fit, on, reason = offloaded, "offload", why
     est = at(fit.micro_batch, on if fit.checkpointing else "off", **predict)
@@ -283,12 +292,19 @@ def _with_machine_fix(
 
 
 def _offload_fit(
-    config: TrainConfig, mconfig: Any, fit: BatchFit, fit_with: Any, at: Any, predict: dict
+    config: TrainConfig,
+    mconfig: Any,
+    fit: BatchFit,
+    fit_with: Any,
+    at: Any,
+    predict: dict,
+    unit_major: bool,
 ) -> tuple[BatchFit | None, str | None]:
     """``--batch-size auto --checkpointing auto`` where checkpointing every layer fits: the
     fit with the layers' inputs offloaded, and why, where it takes a larger micro-batch
-    whose global batch is predicted faster; else (None, None). See [Note: when auto
-    offloads the layers' inputs] in ``estimate.py``."""
+    whose global batch is predicted faster; else (None, None). ``unit_major``: the steps
+    run unit-major (``runs_unit_major``). See [Note: when auto offloads the layers'
+    inputs] in ``estimate.py``."""
     try:
         offloaded = fit_with("offload", (True,))
     except ValueError:
@@ -299,6 +315,8 @@ def _offload_fit(
 
     def global_batch_s(f: BatchFit, checkpointing: str) -> float:
         est = at(f.micro_batch, checkpointing)
+        if unit_major:  # one weight pass for the whole global batch
+            return predict_plan_step(mconfig, est, micro_batches=f.grad_accum, **speed).step_s
         last = predict_plan_step(mconfig, est, **speed).step_s
         if f.grad_accum == 1:
             return last
