@@ -37,6 +37,7 @@ SMALL_WINDOW = {
     "mixtral": 2_340_000,
     "gpt_oss": 834_000,
     "deepseek_v3": 1_410_000,
+    "qwen2_moe": 1_590_000,
 }
 
 
