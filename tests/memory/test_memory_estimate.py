@@ -10,7 +10,13 @@ import torch
 from torch import nn
 
 import ramflow
-from ramflow.memory import ActivationProfile, activation_report, estimate_memory, find_blocks
+from ramflow.memory import (
+    ActivationProfile,
+    RunDescription,
+    activation_report,
+    estimate_memory,
+    find_blocks,
+)
 from ramflow.transfer.streams import caching_host_block_bytes
 
 B, D, NUM_BLOCKS = 4, 32, 3
@@ -95,7 +101,7 @@ def test_figures_follow_the_shapes_and_match_the_real_plan() -> None:
         meta = Net()
     meta.head.weight.requires_grad_(False)
     est = estimate_memory(
-        meta, activations=profile, batch_size=B, seq_len=1, device_type="cpu",
+        meta, activations=profile, run=RunDescription(B, 1), device_type="cpu",
         wire_dtype=torch.float32,
     )  # fmt: skip
     numel = sum(p.numel() for p in meta.parameters())
@@ -129,7 +135,7 @@ def test_a_budget_turns_checkpointing_on_and_a_smaller_one_is_refused() -> None:
     profile = _profile()
     with torch.device("meta"):
         meta = Net()
-    common = dict(activations=profile, batch_size=B, seq_len=1, wire_dtype=torch.float32)
+    common = dict(activations=profile, run=RunDescription(B, 1), wire_dtype=torch.float32)
     free = estimate_memory(meta, **common)
     need = free.device_total_bytes
     est = estimate_memory(meta, gpu_memory=need - 1, **common)
@@ -146,12 +152,12 @@ def test_a_budget_turns_checkpointing_on_and_a_smaller_one_is_refused() -> None:
 def test_device_type_must_be_cuda_or_cpu(device_type: str) -> None:
     with pytest.raises(ValueError, match="device_type must be 'cuda' or 'cpu'"):
         estimate_memory(
-            Net(), activations=_profile(), batch_size=B, seq_len=1, device_type=device_type
+            Net(), activations=_profile(), run=RunDescription(B, 1), device_type=device_type
         )
 
 
 def test_a_numeric_budget_is_checked_as_a_size_string_is() -> None:
-    common = dict(activations=_profile(), batch_size=B, seq_len=1, wire_dtype=torch.float32)
+    common = dict(activations=_profile(), run=RunDescription(B, 1), wire_dtype=torch.float32)
     for bad in (-1, "-1"):
         with pytest.raises(ValueError, match="must not be negative"):
             estimate_memory(Net(), gpu_memory=bad, **common)
@@ -182,8 +188,7 @@ def _estimate(checkpointing: str, gpu_memory=None):
     return estimate_memory(
         model,
         activations=_long_context_profile(),
-        batch_size=1,
-        seq_len=4096,
+        run=RunDescription(1, 4096),
         device_type="cuda",
         gpu_memory=gpu_memory,
         checkpointing=checkpointing,
@@ -243,7 +248,7 @@ def test_offloaded_inputs_take_pinned_blocks_of_a_power_of_two() -> None:
     ]
     with torch.device("meta"):
         model = Net()
-    common = dict(activations=acts, batch_size=1, seq_len=4096, checkpointing="offload")
+    common = dict(activations=acts, run=RunDescription(1, 4096), checkpointing="offload")
     cuda = estimate_memory(model, device_type="cuda", **common)
     cpu = estimate_memory(model, device_type="cpu", **common)
     assert cuda.host_activation_pinned_bytes == 16 * mib

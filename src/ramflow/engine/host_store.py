@@ -1,6 +1,6 @@
 """The host store: each unit's master, its wire copy and its gradient staging buffer.
 
-Owns the host RAM check, the buffers' layout (``units.unit._ALIGN``), page-locking (pinned
+Owns the host RAM check, the buffers' layout (``units.unit.ALIGN``), page-locking (pinned
 allocation, or pinning a buffer a layer or another rank gave), the host formats
 (``HostPrecision``: an fp32 master beside its wire copy, or a bf16 master that is the wire
 copy; staging per unit, or a ring of a few staging buffers the units in flight borrow), and
@@ -298,7 +298,7 @@ class HostStore:
         u.rounding_seed = self.precision.unit_seed(u.index)
         if u.given_master is not None:
             # The layer (or the shared host store) laid the parameters out as this engine
-            # would (``_ALIGN``): its buffer is the master, shared memory included.
+            # would (``ALIGN``): its buffer is the master, shared memory included.
             u.master = u.given_master
             assert u.master.dtype == self.precision.master_dtype
             assert all(

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from ..units.unit import _ALIGN, UnitSpec, _repeated_blocks, find_units
+from ..units.unit import ALIGN, UnitSpec, find_units, repeated_block_modules
 from .predict import UnitCost, attention_flops, forward_flops, forward_seconds
 
 
@@ -228,7 +228,7 @@ def parameter_counts(
 
 
 def _padded(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+    return -(-n // ALIGN) * ALIGN
 
 
 def _attention_modules(module: nn.Module) -> int:
@@ -254,7 +254,7 @@ def unit_shapes(
     experts = _expert_modules(model, routing)
     share = routing.active_share if routing is not None else 1.0
     specs = list(find_units(model)) if specs is None else list(specs)
-    blocks = {id(m) for m in _repeated_blocks(model)}
+    blocks = {id(m) for m in repeated_block_modules(model)}
     owner = {id(p): k for k, s in enumerate(specs) for p in s.owned}
     shapes = []
     for k, spec in enumerate(specs):

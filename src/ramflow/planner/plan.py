@@ -171,12 +171,12 @@ class OffloadPlan:
             lines[2] = lines[2].replace(
                 " = ", f" + optimizer on the device {format_bytes(self.device_step_bytes)} = "
             )
-            lines.append(f"stepped on the device: {_names(self.device_stepped)}")
+            lines.append(f"stepped on the device: {join_names(self.device_stepped)}")
         if self.device_optimizer_reason:
             lines.append(f"optimizer on the device: {self.device_optimizer_reason}")
         if self.prediction is not None:
-            lines.append(f"resident units: {_names(self.resident)}")
-            lines.append(f"checkpointed units: {_names(self.checkpointed)}")
+            lines.append(f"resident units: {join_names(self.resident)}")
+            lines.append(f"checkpointed units: {join_names(self.checkpointed)}")
             if self.activation_bytes is not None:
                 lines.append(f"activations at their peak: {format_bytes(self.activation_bytes)}")
             lines.append(f"predicted step: {self.prediction.describe()}")
@@ -345,7 +345,7 @@ def auto_device_optimizer(
     )
 
 
-def _names(names: Sequence[str]) -> str:
+def join_names(names: Sequence[str]) -> str:
     """Unit names, runs of numbered blocks folded (``layers.0-11``)."""
     if not names:
         return "none"
@@ -488,8 +488,28 @@ def make_plan(
     With ``timing`` the planner instead searches for the least predicted step time; see
     [Note: the timed planner]; the smallest plan is then the one of the least depth tried.
 
+    Args:
+        device: the device type the plan is for (``"cuda"`` or ``"cpu"``), for the report.
+        wire_dtype: the name of the device copies' dtype (``"bfloat16"``), for the report.
+        unit_names: the units, in forward order.
+        unit_bytes: each unit's device bytes of parameters in the wire dtype (padded as the
+            host store lays them out), same order.
+        unit_grad_bytes: each unit's device gradient buffer, bytes, same order.
+        always_resident: per unit, True where it must stay on the device (tied or
+            user-pinned parameters).
+        fixed_bytes: device bytes the plan holds whatever it chooses (the model's buffers).
+        gpu_memory_bytes: ramflow's share of the device, bytes (the budget less activations);
+            None: no cap, every unit streams but the forced ones.
+        prefetch_depth: units loaded ahead of the running one (>= 1); the window holds
+            ``prefetch_depth + 2`` slots. With ``timing``, its ``prefetch_depths`` replace it.
+        timing: per-unit costs and rates for the timed planner; None: the greedy rule above.
+
+    Returns:
+        The ``OffloadPlan``: residents, window depth, checkpointed units and the predicted
+        bytes (``planned_bytes``, ``min_gpu_memory_bytes``).
+
     Raises:
-        ValueError: the budget is smaller than the smallest plan (largest unit times the
+        ValueError: ``prefetch_depth`` < 1; the budget is smaller than the smallest plan (largest unit times the
             window, gradient buffers and fixed bytes); the message gives that figure. With
             activation sizes in ``timing``: no depth and checkpointing policy fits.
     """

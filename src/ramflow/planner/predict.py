@@ -65,8 +65,9 @@ from dataclasses import dataclass, field
 from .task_graph import RESOURCES, Task, TaskGraph, critical_path  # noqa: F401 (RESOURCES: re-exported)
 
 # ----------------------------------------------------------------------------- constants
-# Calibrated against the H200 run of 2026-11-22 (benchmarks/results/2026-11-22-nvidia-h200-*):
-# see tests/test_predict.py, which reproduces those step times from their recorded inputs.
+# Calibrated against a measured run on the GPU box: docs/speed.md, "Step-time model
+# constants", gives the figures; tests/test_predict.py reproduces those step times from their
+# recorded inputs.
 
 BACKWARD_PER_FORWARD = 2.0
 """GPU time of a unit's backward over its forward (2 FLOPs of backward per FLOP of forward)."""
@@ -83,11 +84,11 @@ section 4, counts the backward as 2.5 forwards). The matmuls' backward stays at
 
 TRAIN_MATMUL_EFFICIENCY = 0.80
 """Share of the measured bf16 matmul rate that a training forward sustains (bf16 weights on
-the device, autocast, norms and activations in between). The 2026-11-22 H200 trace: 70 ms of
-forward kernels at 4x2048 on the reference model (45 TFLOP), against 790 TFLOP/s measured."""
+the device, autocast, norms and activations in between), from a trace of the reference
+model's forward (docs/speed.md, "Step-time model constants")."""
 
 INFER_MATMUL_EFFICIENCY = 0.75
-"""The same for an inference forward (resident bf16 1x2048 and 8x2048: 19.1 and 151.9 ms).
+"""The same for an inference forward (resident bf16 at 1x2048 and 8x2048).
 
 Both are the reference model's (plain PyTorch, width 4096). A model whose forward spends more
 of its time outside the matmuls (Hugging Face Llama 3.2 3B: unfused fp32 RMSNorm, rotary
@@ -98,23 +99,22 @@ step (``measured_efficiency``); its training forward then runs at that times
 
 RAMFLOW_ADAMW_PER_TORCH_FUSED = 0.855
 """ramflow's one-pass CPU AdamW rate over torch's fused CPU AdamW rate as the floors measure it
-(3.72 against 4.35 G params/s on the H200 box: one more output, the bf16 wire copy, and a
-whole model's states instead of a 268 M-parameter slice)."""
+(one more output, the bf16 wire copy, and a whole model's states instead of a 268 M-parameter
+slice)."""
 
 RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM = 30.0
 """Host DRAM bytes per parameter of ramflow's one-pass AdamW step as its rate is measured (the
 benchmark's CPU optimizer case): fp32 parameter, gradient and both states read, parameter and
 states written, bf16 wire copy written. The optimizer's DRAM rate is its parameter rate times
-this; PCIe copy bytes cost host DRAM time at that rate (the H200 run of 2026-11-22: the CPU-bound
-4x2048 steps grow with the bytes streamed, 2053 to 2179 ms over three steps from 10.8 to 14.7
-GB of copies per step)."""
+this; PCIe copy bytes cost host DRAM time at that rate (CPU-bound steps grow with the bytes
+streamed: docs/speed.md, "Step-time model constants")."""
 
 HOST_SECONDS_PER_UNIT = 0.002
 """Host worker time per unit and step besides the optimizer's arithmetic: landing the unit's
-gradients and the Python around its step (the H200 trace: 28.9 ms of landing over 15 units)."""
+gradients and the Python around its step (from a trace: docs/speed.md)."""
 
 BOTH_WAYS_PER_ONE_WAY = 1.83
-"""H2D and D2H at once, total, over one direction alone (101.2 over 55.3 GB/s on the H200 box):
+"""H2D and D2H at once, total, over one direction alone (the default rates' ratio):
 what ``Rates.from_pcie`` assumes when only a one-way rate is known."""
 
 DEFAULT_H2D_BYTES_PER_S = 55.3e9
@@ -123,10 +123,10 @@ DEFAULT_BOTH_BYTES_PER_S = 101.2e9
 DEFAULT_MATMUL_FLOPS_PER_S = 790e12
 DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S = 3.72e9
 DEFAULT_DEVICE_OPTIMIZER_PARAMS_PER_S = 50e9
-"""Rates measured on the H200 box of 2026-11-22 (PCIe 5.0 x16, 16 CPU threads), the defaults
-of ``ramflow plan``; give your machine's own (``--pcie-gbps``, ``--gpu-tflops``,
-``--cpu-adamw-gparams``). The device optimizer's rate is a floor, not measured: 30 bytes per
-parameter (fp32; lean moves about 10) at 1.5 TB/s, under half of an H100's memory bandwidth."""
+"""The defaults of ``ramflow plan``: one H200 box's rates (PCIe 5.0 x16, 16 CPU threads;
+docs/speed.md, "Step-time model constants"); give your machine's own
+(``--pcie-gbps``, ``--gpu-tflops``, ``--cpu-adamw-gparams``). The device optimizer's rate is
+a floor, not measured: 30 bytes per parameter (fp32; lean moves about 10) at 1.5 TB/s."""
 
 STEPS_SIMULATED = 3
 """Training steps simulated before the last one is read (the first starts with every wire
@@ -504,6 +504,10 @@ def predict_step(
         deferred_steps: the host steps wait for the end of backward (a loop that clips or
             accumulates), then run in forward order beside the next forward; default: each
             unit steps as soon as its gradients land.
+
+    Returns:
+        The ``StepPrediction`` of the last step simulated: ``step_s`` (seconds), each
+        resource's busy seconds (``busy_s``) and which one bounds the step (``bound``).
 
     Raises:
         ValueError: an unknown mode, a depth below 1, no units, a streamed device step.

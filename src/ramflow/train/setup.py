@@ -27,6 +27,8 @@ from .data import Corpus, build_corpus, find_documents, stdlib_root
 from .estimate import (
     OFFLOAD_WINS_BY,
     MemoryEstimate,
+    RunDescription,
+    SpeedInputs,
     default_gpu_budget,
     estimate_run_memory,
     predict_plan_step,
@@ -105,7 +107,7 @@ def _estimate(
     budget: int | None,
     out_dir: Path | None,
     several_ranks: bool = False,
-    **predict: Any,
+    speed: SpeedInputs | None = None,
 ) -> tuple[MemoryEstimate, BatchFit | None]:
     """The run's estimate; with ``--batch-size auto``, at the largest micro-batch (and the
     lightest checkpointing) whose estimate fits the budget, and that fit."""
@@ -130,21 +132,23 @@ def _estimate(
     ) -> MemoryEstimate:
         return estimate_run_memory(
             mconfig,
-            model_name=config.model_name,
+            run=RunDescription(
+                batch_size=batch_size,
+                seq_len=config.seq_len,
+                model_name=config.model_name,
+                precision=precision,
+                # no checkpoint written (--keep-checkpoints 0): the disk is not asked
+                out_dir=(out_dir if out_dir is not None else Path("runs"))
+                if config.keep_checkpoints > 0
+                else None,
+            ),
             device_type=device_type,
-            precision=precision,
             compute_dtype=compute_dtype,
             wire_dtype=HostPrecision.parse(host_precision).wire_for(None, default=wire_dtype)
             if host_precision == "lean" and config.host_precision == "auto"
             else wire_dtype,
-            batch_size=batch_size,
-            seq_len=config.seq_len,
             gpu_memory_bytes=budget,
             checkpointing=checkpointing,
-            # no checkpoint written (--keep-checkpoints 0): the disk is not asked
-            out_dir=(out_dir if out_dir is not None else Path("runs"))
-            if config.keep_checkpoints > 0
-            else None,
             host_precision=host_precision,
             optimizer_states=OPTIMIZER_DEFAULTS[config.optimizer].num_states,
             full_gradients=not config.steps_during_backward(several_ranks=several_ranks),
@@ -168,7 +172,7 @@ def _estimate(
                 )
 
     if not config.auto_batch_size:
-        return at(config.batch_size, config.checkpointing, **predict), None
+        return at(config.batch_size, config.checkpointing, speed=speed), None
     levels = {"auto": (False, True), "off": (False,), "on": (True,), "offload": (True,)}
     # checkpointing on means offload where asked for it
     on = "offload" if config.checkpointing == "offload" else "on"
@@ -201,17 +205,22 @@ def _estimate(
         and fit.checkpointing
         and device_type == "cuda"
     ):
-        offloaded, why = _offload_fit(config, mconfig, fit, fit_with, at, predict)
+        offloaded, why = _offload_fit(config, mconfig, fit, fit_with, at, speed)
         if offloaded is not None:
             fit, on, reason = offloaded, "offload", why
-    est = at(fit.micro_batch, on if fit.checkpointing else "off", **predict)
+    est = at(fit.micro_batch, on if fit.checkpointing else "off", speed=speed)
     if reason is not None:
         est = dataclasses.replace(est, checkpointing_reason=reason)
     return est, fit
 
 
 def _offload_fit(
-    config: TrainConfig, mconfig: Any, fit: BatchFit, fit_with: Any, at: Any, predict: dict
+    config: TrainConfig,
+    mconfig: Any,
+    fit: BatchFit,
+    fit_with: Any,
+    at: Any,
+    speed: SpeedInputs | None,
 ) -> tuple[BatchFit | None, str | None]:
     """``--batch-size auto --checkpointing auto`` where checkpointing every layer fits: the
     fit with the layers' inputs offloaded, and why, where it takes a larger micro-batch
@@ -223,14 +232,18 @@ def _offload_fit(
         return None, None
     if offloaded.micro_batch <= fit.micro_batch:
         return None, None
-    speed = {k: predict[k] for k in ("timing_rates", "matmul_flops_per_s") if k in predict}
+    figures = speed or SpeedInputs()
+    speed_kw = {
+        "timing_rates": figures.timing_rates,
+        "matmul_flops_per_s": figures.matmul_flops_per_s,
+    }
 
     def global_batch_s(f: BatchFit, checkpointing: str) -> float:
         est = at(f.micro_batch, checkpointing)
-        last = predict_plan_step(mconfig, est, **speed).step_s
+        last = predict_plan_step(mconfig, est, **speed_kw).step_s
         if f.grad_accum == 1:
             return last
-        micro = predict_plan_step(mconfig, est, with_optimizer=False, **speed).step_s
+        micro = predict_plan_step(mconfig, est, with_optimizer=False, **speed_kw).step_s
         return (f.grad_accum - 1) * micro + last
 
     on_s, off_s = global_batch_s(fit, "on"), global_batch_s(offloaded, "offload")
@@ -331,9 +344,7 @@ def plan_run(
         budget=budget,
         out_dir=Path(out_dir) if out_dir is not None else None,
         several_ranks=num_ranks > 1,
-        predict=True,
-        timing_rates=timing_rates,
-        matmul_flops_per_s=matmul_flops_per_s,
+        speed=SpeedInputs(timing_rates=timing_rates, matmul_flops_per_s=matmul_flops_per_s),
     )
     if fit is not None:
         note = (
