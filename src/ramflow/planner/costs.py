@@ -125,7 +125,14 @@ def attention_width(config: Any) -> int:
     ``hidden_size / num_attention_heads``); with multi-head latent attention (DeepSeek's
     ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``) the mean of the query-key and
     the value head widths, times the heads. ``planner.predict.attention_flops`` takes it as
-    its ``hidden``."""
+    its ``hidden``.
+
+    Args:
+        config: a ``transformers`` model config (read with ``getattr``).
+
+    Returns:
+        The width in elements (an int).
+    """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     if getattr(text, "qk_nope_head_dim", None) is not None and getattr(text, "v_head_dim", None):
@@ -207,6 +214,9 @@ def parameter_counts(
         model: any module; a Hugging Face model's ``config`` gives its routing.
         routing: an ``ExpertRouting``, None (count every expert), or ``"config"``:
             ``ExpertRouting.from_config(model.config)``.
+
+    Returns:
+        The ``ParameterCounts``: total and active (per token) parameters.
     """
     if routing == "config":
         routing = ExpertRouting.from_config(getattr(model, "config", None))
@@ -246,9 +256,16 @@ def unit_shapes(
 ) -> list[UnitShape]:
     """The units of ``model`` (``find_units``' rule unless ``specs`` are given), in order.
 
-    ``routing``: as for ``parameter_counts`` (default: the model's config's); the routed
-    experts' ``matmul_params`` are their active share. See [Note: mixtures of experts count
-    what a token reads]."""
+    Args:
+        model: any module (meta tensors are fine).
+        specs: the units' specs; None: ``find_units(model)``.
+        routing: as for ``parameter_counts`` (default: the model's config's); the routed
+            experts' ``matmul_params`` are their active share. See [Note: mixtures of
+            experts count what a token reads].
+
+    Returns:
+        One ``UnitShape`` per unit, in forward order.
+    """
     if routing == "config":
         routing = ExpertRouting.from_config(getattr(model, "config", None))
     experts = _expert_modules(model, routing)
@@ -315,6 +332,9 @@ def unit_costs(
             input that go to host memory and back every step (0: no offload).
         causal: the attention is causal (a decoder LM's): its products count half the
             square (``planner.predict.attention_flops``). Default False: the full square.
+
+    Returns:
+        One ``UnitCost`` per shape, same order (seconds and bytes per micro-batch).
     """
     out = []
     for s in shapes:

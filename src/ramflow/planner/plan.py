@@ -200,8 +200,16 @@ def with_device_optimizer(
     receive gradients are the first the next forward needs, so stepping them on the device
     takes the most off the CPU's critical path. No budget: the plan unchanged.
 
-    ``trainable_numel``: per unit (the plan's order), the elements of its trainable flat
-    buffer (alignment padding included)."""
+    Args:
+        plan: the engine's plan, without device steps.
+        trainable_numel: per unit (the plan's order), the elements of its trainable flat
+            buffer (alignment padding included).
+        bytes_per_param: device bytes per trainable parameter of a device step.
+        scratch_bytes: device bytes of one piece of the step's scratch.
+
+    Returns:
+        The ``OffloadPlan`` with ``device_stepped`` and ``device_step_bytes`` set.
+    """
     if plan.gpu_memory_bytes is None:
         return plan
     left = plan.gpu_memory_bytes - plan.planned_bytes - scratch_bytes
@@ -261,6 +269,9 @@ def auto_device_optimizer(
         rates: the machine's rates (``planner.cpu_rates.rates_for`` of the host formats).
         forward_s: per unit, its forward's GPU time in seconds; None: not known (left out).
         grad_bytes_per_param: gradient bytes per parameter on the wire.
+
+    Returns:
+        The ``OffloadPlan`` with the chosen ``device_stepped`` units and the reason.
     """
     if plan.gpu_memory_bytes is None:
         return replace(plan, device_optimizer_reason="none: no gpu_memory budget")
@@ -346,7 +357,14 @@ def auto_device_optimizer(
 
 
 def join_names(names: Sequence[str]) -> str:
-    """Unit names, runs of numbered blocks folded (``layers.0-11``)."""
+    """Unit names for a report, runs of numbered blocks folded (``layers.0-11``).
+
+    Args:
+        names: unit names, in order.
+
+    Returns:
+        One comma-separated string; ``"none"`` for no names.
+    """
     if not names:
         return "none"
     out: list[str] = []

@@ -142,7 +142,18 @@ def attention_flops(
     """FLOPs of attention's score and value products (Q K^T and the weighted sum of V) in one
     forward over ``batch`` sequences of ``seq`` tokens: 4 x seq^2 x hidden per attention layer
     and sequence for the full square, half of it when ``causal`` (a causal flash kernel skips
-    the blocks above the diagonal: FlashAttention-2, Dao 2023, counts causal FLOPs so)."""
+    the blocks above the diagonal: FlashAttention-2, Dao 2023, counts causal FLOPs so).
+
+    Args:
+        batch: sequences (B).
+        seq: tokens per sequence (T).
+        attention_layers: attention layers in the unit.
+        hidden: the width the products run over (``costs.attention_width``).
+        causal: count half the square.
+
+    Returns:
+        FLOPs (a float).
+    """
     square = 4.0 * attention_layers * batch * seq * seq * hidden
     return square / 2 if causal else square
 
@@ -163,6 +174,15 @@ def forward_flops(
     (the full square, or half of it when ``causal``). The calibrated efficiencies were
     measured at 2048 tokens, where the full square's extra half is 4% of a width-4096 layer's
     forward; at 128k tokens it would be 80% of it, so causal models pass ``causal=True``.
+
+    Args:
+        matmul_params: the unit's weights that multiply activations.
+        batch: sequences (B).
+        seq: tokens per sequence (T).
+        attention_layers, hidden, causal: as for ``attention_flops`` (0: no attention).
+
+    Returns:
+        FLOPs (a float).
     """
     tokens = batch * seq
     attention = attention_flops(
@@ -184,7 +204,17 @@ def forward_seconds(
     ``infer_efficiency``: this model's own inference forward rate over the matmul rate
     (``measured_efficiency`` of a resident inference step), in place of
     ``INFER_MATMUL_EFFICIENCY``; a training forward runs at that times
-    ``TRAIN_MATMUL_EFFICIENCY / INFER_MATMUL_EFFICIENCY``."""
+    ``TRAIN_MATMUL_EFFICIENCY / INFER_MATMUL_EFFICIENCY``.
+
+    Args:
+        flops: the forward's FLOPs (``forward_flops``).
+        matmul_flops_per_s: the GPU's dense bf16 matmul rate, FLOP/s.
+        mode: ``"train"`` or ``"infer"``.
+        infer_efficiency: see above; None: the calibrated one.
+
+    Returns:
+        Seconds.
+    """
     eff = TRAIN_MATMUL_EFFICIENCY if mode == "train" else INFER_MATMUL_EFFICIENCY
     if infer_efficiency is not None:
         eff *= infer_efficiency / INFER_MATMUL_EFFICIENCY
@@ -192,13 +222,28 @@ def forward_seconds(
 
 
 def measured_efficiency(flops: float, seconds: float, matmul_flops_per_s: float) -> float:
-    """A model's forward efficiency from a timed forward: its FLOPs (``forward_flops`` summed
-    over its units) over the time and the measured matmul rate."""
+    """A model's forward efficiency from a timed forward.
+
+    Args:
+        flops: its FLOPs (``forward_flops`` summed over its units).
+        seconds: the forward's measured time.
+        matmul_flops_per_s: the GPU's measured dense bf16 matmul rate, FLOP/s.
+
+    Returns:
+        ``flops / seconds / matmul_flops_per_s``: a share of the matmul rate.
+    """
     return flops / (seconds * matmul_flops_per_s)
 
 
 def ramflow_adamw_rate(torch_fused_params_per_s: float) -> float:
-    """ramflow's CPU AdamW rate (parameters/s) from torch's fused CPU AdamW rate."""
+    """ramflow's CPU AdamW rate from torch's fused CPU AdamW rate.
+
+    Args:
+        torch_fused_params_per_s: torch's fused CPU AdamW rate, parameters per second.
+
+    Returns:
+        ramflow's rate, parameters per second (``RAMFLOW_ADAMW_PER_TORCH_FUSED`` times it).
+    """
     return torch_fused_params_per_s * RAMFLOW_ADAMW_PER_TORCH_FUSED
 
 
@@ -430,7 +475,15 @@ def _turnaround_cached(units: Sequence[UnitCost], window_bytes: int) -> set[int]
 
 
 def window_bytes_of(units: Sequence[UnitCost], prefetch_depth: int) -> int:
-    """The plan's window: ``(prefetch_depth + 2) x`` the largest streamed unit."""
+    """The plan's device window.
+
+    Args:
+        units: every unit (resident ones are not streamed).
+        prefetch_depth: units loaded ahead of the running one.
+
+    Returns:
+        Bytes: ``(prefetch_depth + 2) x`` the largest streamed unit.
+    """
     streamed = [u.wire_bytes for u in units if not u.resident]
     return (prefetch_depth + 2) * max(streamed, default=0)
 
