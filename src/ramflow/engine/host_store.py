@@ -75,12 +75,29 @@ def store_bytes(units: list[Unit], precision: HostPrecision, wire_dtype: torch.d
     """Host bytes of ``units``' masters, wire copies and gradients under ``precision`` with
     a wire of ``wire_dtype`` (``HostPrecision.host_bytes``, the one byte model); the
     optimizer's states are not counted (see ``optimizer_state_bytes``). Buffers a layer or
-    another rank gave are not new."""
+    another rank gave are not new.
+
+    Args:
+        units: the engine's units.
+        precision: their host formats.
+        wire_dtype: the device copies' dtype.
+
+    Returns:
+        Bytes of host RAM.
+    """
     return precision.host_bytes(units, wire_dtype).store
 
 
 def optimizer_state_bytes(units: list[Unit], precision: HostPrecision) -> int:
-    """Host bytes of AdamW's states (and a Kahan master's compensation) for ``units``."""
+    """Host bytes of AdamW's states (and a Kahan master's compensation).
+
+    Args:
+        units: the engine's units.
+        precision: their host formats.
+
+    Returns:
+        Bytes of host RAM.
+    """
     return precision.host_bytes(units, torch.float32).states
 
 
