@@ -242,7 +242,7 @@ NOT_YET_DOCUMENTED = (
 DATED = re.compile(
     r"\b20\d\d-[01]\d(?:-[0-3]\d)?\b(?!-?\d)"  # 2026-11-22 or 2026-11 (not a range 2023-2024)
     r"|benchmarks/results"
-    r"|\b(?:[HAB]\d00|measured)\b[^.;]*?\d(?:\.\d+)?\s*(?:ms|GB/s|GiB/s|TFLOP/s|x\b)"
+    r"|\b(?:[HAB]\d00|[Mm]easured)\b[^.;]*?\d(?:\.\d+)?\s*(?:ms|GB/s|GiB/s|TFLOP/s|x\b)"
     r"|\d(?:\.\d+)?\s*(?:ms|GB/s|GiB/s|TFLOP/s)\b[^.;]*?\b[HAB]\d00\b"
 )
 LICENCE = re.compile(r"copyright|licen[cs]e|spdx", re.IGNORECASE)

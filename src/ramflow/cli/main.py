@@ -592,8 +592,8 @@ def _profile(args: argparse.Namespace) -> int:
 # [Note: expandable segments by default in ramflow train]
 # At long sequences the caching allocator's fixed segments strand memory: an 8B model at
 # 128k tokens with checkpointing alone ran out with gigabytes reserved but unallocated, within
-# its plan (docs/speed.md, "Expandable segments in ramflow train"). PyTorch's expandable segments
-# (CUDA virtual memory management) grow one segment instead, which is the remedy its own
+# its plan (docs/speed.md, "Expandable segments in ramflow train"). PyTorch's expandable
+# segments (CUDA virtual memory management) grow one segment instead, which is the remedy its own
 # message names; torchtitan's launcher sets it too. It cannot share memory through CUDA IPC,
 # which ramflow does not use (ranks share the host store, not device memory). So
 # ``ramflow train`` sets it in its process, and the ranks it launches inherit it, unless the

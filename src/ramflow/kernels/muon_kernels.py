@@ -4,9 +4,8 @@ the update of the master weights by the orthogonalized blend.
 ``torch.optim.Muon`` writes these as PyTorch ops (``buf.lerp_(g, 1 - mu)``; ``u =
 g.lerp(buf, mu)``; ``u.bfloat16()`` inside the iteration; ``p.mul_(1 - lr * wd)``;
 ``p.add_(O, alpha=-lr_adj)``). Over host tensors of a Llama-3-8B layer (218 M parameters)
-those took about six times as long as PyTorch's fused CPU AdamW (docs/speed.md,
-"Muon's host passes"):
-the out-of-place ``lerp`` and ``bfloat16()`` allocate a fresh fp32 and bf16 tensor per
+those took about six times as long as PyTorch's fused CPU AdamW (docs/speed.md, "Muon's
+host passes"): the out-of-place ``lerp`` and ``bfloat16()`` allocate a fresh fp32 and bf16 tensor per
 matrix (new pages: the kernel faults every one of them in), and ``add_`` of a bf16 tensor
 to an fp32 one first makes an fp32 copy of it (PyTorch's CPU TensorIterator promotes
 mixed-dtype inputs by a temporary), so each pass went over DRAM several times and
