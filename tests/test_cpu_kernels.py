@@ -64,9 +64,9 @@ def run(impl: str, param, grad, exp_avg, exp_avg_sq, **kwargs) -> None:
         _cpu_kernels._step_torch(param, grad, exp_avg, exp_avg_sq, **kwargs)
     elif impl == "native":
         if not _cpu_kernels.native_kernel_available():
-            pytest.skip(f"native kernel not available: {_cpu_kernels._NATIVE.reason}")
+            pytest.skip(f"native kernel not available: {_cpu_kernels.NATIVE.reason}")
         _cpu_kernels._step_native(
-            _cpu_kernels._NATIVE,
+            _cpu_kernels.NATIVE,
             param,
             grad,
             exp_avg,
@@ -238,7 +238,7 @@ def test_adamw_threads_reach_the_kernel_and_keep_the_result(monkeypatch):
     from models import MLPStack
 
     if not _cpu_kernels.native_kernel_available():
-        pytest.skip(f"native kernel not available: {_cpu_kernels._NATIVE.reason}")
+        pytest.skip(f"native kernel not available: {_cpu_kernels.NATIVE.reason}")
     seen = []
     real = _cpu_kernels._step_native
 
@@ -334,7 +334,7 @@ def test_any_shape_and_empty():
 def test_env_var_forces_torch_path(monkeypatch):
     monkeypatch.setenv("RAMFLOW_DISABLE_CPU_KERNELS", "1")
     loader = _cpu_kernels._NativeKernel()
-    monkeypatch.setattr(_cpu_kernels, "_NATIVE", loader)
+    monkeypatch.setattr(_cpu_kernels, "NATIVE", loader)
     assert not _cpu_kernels.native_kernel_available()
     assert "RAMFLOW_DISABLE_CPU_KERNELS" in loader.reason
     check_steps("public", 1003, mode="grad_out", wire_dtype=torch.bfloat16)
@@ -345,9 +345,9 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch):
         raise RuntimeError("no compiler here")
 
     monkeypatch.delenv("RAMFLOW_DISABLE_CPU_KERNELS", raising=False)
-    monkeypatch.setattr(_cpu_kernels, "_build", broken_build)
+    monkeypatch.setattr(_cpu_kernels, "build_library", broken_build)
     loader = _cpu_kernels._NativeKernel()
-    monkeypatch.setattr(_cpu_kernels, "_NATIVE", loader)
+    monkeypatch.setattr(_cpu_kernels, "NATIVE", loader)
     with pytest.warns(RuntimeWarning, match="could not be built.*no compiler here"):
         assert not _cpu_kernels.native_kernel_available()
     check_steps("public", 1003, mode="accumulate", wire_dtype=torch.float16)  # no second warning
@@ -355,8 +355,8 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch):
 
 def test_public_entry_uses_native_kernel_when_built():
     if not _cpu_kernels.native_kernel_available():
-        pytest.skip(f"native kernel not available: {_cpu_kernels._NATIVE.reason}")
-    assert _cpu_kernels._NATIVE.reason == ""
+        pytest.skip(f"native kernel not available: {_cpu_kernels.NATIVE.reason}")
+    assert _cpu_kernels.NATIVE.reason == ""
     check_steps("public", 4099, mode="grad_out", wire_dtype=torch.bfloat16)
 
 
@@ -480,14 +480,14 @@ def test_kernel_source_is_package_data():
 
 LOAD_KERNEL = (
     "from ramflow.kernels import cpu_kernels as k; "
-    "ok = k.native_kernel_available(); print(ok, k._NATIVE.reason); raise SystemExit(not ok)"
+    "ok = k.native_kernel_available(); print(ok, k.NATIVE.reason); raise SystemExit(not ok)"
 )
 
 
 def _kernel_process(cache: Path, **env: str) -> subprocess.Popen:
     """A fresh Python that builds (or loads) the kernel with ``cache`` as the extensions
     directory; it exits 0 once the native kernel runs."""
-    src = str(Path(_cpu_kernels.__file__).parents[1])
+    src = str(Path(_cpu_kernels.__file__).parents[2])
     full_env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(cache), "PYTHONPATH": src, **env}
     full_env.pop("RAMFLOW_DISABLE_CPU_KERNELS", None)
     return subprocess.Popen(

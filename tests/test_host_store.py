@@ -10,7 +10,7 @@ from ramflow.engine.host_store import HostStore
 from ramflow.engine.window import DeviceWindow
 from ramflow.engine.worker import HostWorker
 from ramflow.transfer.streams import CopyStreams
-from ramflow.units.unit import _ALIGN, Unit, UnitSpec
+from ramflow.units.unit import ALIGN, Unit, UnitSpec
 
 CPU = torch.device("cpu")
 
@@ -33,12 +33,12 @@ def build(wire_dtype: torch.dtype):
 
 def test_parameters_become_aligned_views_of_the_master_keeping_values():
     _, u, owned, before = build(torch.float32)
-    A = _ALIGN  # every parameter here is smaller than one alignment step
+    A = ALIGN  # every parameter here is smaller than one alignment step
     assert u.offsets == [0, A, 2 * A, 3 * A] and u.trainable_numel == 2 * A and u.numel == 4 * A
     assert u.master.dtype == torch.float32 and u.master.shape == (4 * A,)
     for p, off, b in zip(owned, u.offsets, before):
         assert p.data_ptr() == u.master[off:].data_ptr()
-        assert off % _ALIGN == 0 and torch.equal(p, b)
+        assert off % ALIGN == 0 and torch.equal(p, b)
     assert u.wire is u.master  # fp32 on the wire: one buffer
     assert torch.count_nonzero(u.master[15:64]) == 0  # padding stays defined
 

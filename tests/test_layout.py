@@ -8,6 +8,7 @@ above, not even for a type hint under ``TYPE_CHECKING`` or inside a function.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -236,3 +237,328 @@ def test_import_ramflow_train_loads_no_torch_until_a_name_is_used():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---------------------------------------------------------------- typed records, honest names
+#
+# Issue 46, points 5 and 6: values that travel together are a record, not a long signature;
+# a Protocol says what a caller may use, so it names no private member; a name one module
+# keeps private is not imported by another; the planner's and the engine's entry points say
+# what they take and give; dated figures live in docs/ and benchmarks/results/, not in src/.
+
+MAX_PARAMETERS = 12
+# "module.function": why it keeps more than MAX_PARAMETERS parameters.
+MANY_PARAMETERS: dict[str, str] = {
+    "ramflow.api.offload": "the model and twelve independent keyword-only options users "
+    "write by name; a record would break their keywords (docs/design.md, 'Records, not long "
+    "signatures')",
+}
+# the entry points whose docstrings must have Args (and Returns, where they return a value),
+# besides every public function of the folders in DOCUMENTED_FOLDERS
+DOCUMENTED = (
+    "ramflow.planner.plan.make_plan",
+    "ramflow.planner.predict.predict_step",
+    "ramflow.train.loop.run_loop",
+    "ramflow.engine.engine.Engine.__init__",
+)
+DOCUMENTED_FOLDERS = ("ramflow.planner", "ramflow.engine")
+# Public engine functions still without the sections: their files (clipping, the gradient
+# scale, the schedule, the step policy, the host formats' choice) were being changed by other
+# helpers when this rule came in; each is to get its sections and leave this list.
+NOT_YET_DOCUMENTED = (
+    "ramflow.engine.clip.squared_norm",
+    "ramflow.engine.clip.clip_grad_norm_",
+    "ramflow.engine.grad_scale.fold_grad_scale",
+    "ramflow.engine.grad_scale.scale_for_step",
+    "ramflow.engine.grad_scale.raise_if_written",
+    "ramflow.engine.grad_scale.apply_grad_scale",
+    "ramflow.engine.host_store.choose_precision",
+    "ramflow.engine.host_store.resolve_precision",
+    "ramflow.engine.schedule.unit_deps",
+    "ramflow.engine.schedule.swap_parameters",
+    "ramflow.engine.schedule.slot_callers",
+    "ramflow.engine.schedule.check_host_parameters",
+    "ramflow.engine.step_policy.step_items",
+    "ramflow.engine.step_policy.same_settings",
+)
+# A figure with a date, a results folder, or a timing on a named GPU or "measured".
+DATED = re.compile(
+    r"\b20\d\d-[01]\d(?:-[0-3]\d)?\b(?!-?\d)"  # 2026-11-22 or 2026-11 (not a range 2023-2024)
+    r"|benchmarks/results"
+    r"|\b(?:[HAB]\d00|[Mm]easured)\b[^.;]*?\d(?:\.\d+)?\s*(?:ms|GB/s|GiB/s|TFLOP/s|x\b)"
+    r"|\d(?:\.\d+)?\s*(?:ms|GB/s|GiB/s|TFLOP/s)\b[^.;]*?\b[HAB]\d00\b"
+)
+LICENCE = re.compile(r"copyright|licen[cs]e|spdx", re.IGNORECASE)
+
+
+def _sources(package: Path, root: Path):
+    """(module name, path, parsed tree) of every ``.py`` file under ``package``."""
+    for path in sorted(package.rglob("*.py")):
+        yield module_name(path, root), path, ast.parse(path.read_text(), filename=str(path))
+
+
+def _functions(tree: ast.AST, prefix: str):
+    """(qualified name, node) of every function in ``tree``, methods as ``Class.method``."""
+    stack: list[tuple[ast.AST, str]] = [(tree, prefix)]
+    while stack:
+        node, name = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                yield f"{name}.{child.name}", child
+                stack.append((child, f"{name}.{child.name}"))
+            elif isinstance(child, ast.ClassDef):
+                stack.append((child, f"{name}.{child.name}"))
+            else:
+                stack.append((child, name))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def long_signatures(package: Path = PACKAGE, root: Path = SRC) -> list[str]:
+    """Every function outside ``kernels/`` with more than ``MAX_PARAMETERS`` parameters
+    (``self``/``cls`` not counted; ``*args`` and ``**kwargs`` count one each), as
+    'module.function N'."""
+    out = []
+    for module, _, tree in _sources(package, root):
+        if module.split(".")[1:2] == ["kernels"]:
+            continue
+        for name, f in _functions(tree, module):
+            a = f.args
+            names = [x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]]
+            n = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+            n -= bool(names) and names[0] in ("self", "cls")
+            if n > MAX_PARAMETERS:
+                out.append(f"{name} {n}")
+    return sorted(out)
+
+
+def private_protocol_members(package: Path = PACKAGE, root: Path = SRC) -> list[str]:
+    """Every member (method, attribute, property) of a ``typing.Protocol`` whose name is
+    private, as 'module.Protocol.member'."""
+    out = []
+    for module, _, tree in _sources(package, root):
+        for cls in ast.walk(tree):
+            bases = [
+                b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")
+                for b in getattr(cls, "bases", [])
+            ]
+            if not isinstance(cls, ast.ClassDef) or "Protocol" not in bases:
+                continue
+            for item in cls.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    name = item.name
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    name = item.target.id
+                else:
+                    continue
+                if _private(name):
+                    out.append(f"{module}.{cls.name}.{name}")
+    return sorted(out)
+
+
+def private_imports(package: Path = PACKAGE, root: Path = SRC) -> list[str]:
+    """Every private name of one ramflow module that another takes: ``from m import _x``
+    or ``m._x`` on a module bound by an import, as 'importer: module._x'. A private module
+    (``ramflow._quiet``) may be imported; what it defines privately may not."""
+    files = {module_name(p, root) for p in package.rglob("*.py")}
+    out = []
+    for module, path, tree in _sources(package, root):
+        here = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        bound: dict[str, str] = {}  # local name -> ramflow module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = here.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    if f"{target}.{alias.name}" in files:
+                        bound[alias.asname or alias.name] = f"{target}.{alias.name}"
+                    elif target in files and target != module and _private(alias.name):
+                        out.append(f"{module}: {target}.{alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in files and alias.asname:
+                        bound[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and bound[node.value.id] != module
+                and _private(node.attr)
+            ):
+                out.append(f"{module}: {bound[node.value.id]}.{node.attr}")
+    return sorted(set(out))
+
+
+def missing_args_returns(
+    names: tuple[str, ...] = DOCUMENTED, package: Path = PACKAGE, root: Path = SRC
+) -> list[str]:
+    """Each of ``names`` ('module.function' or 'module.Class.method') whose docstring lacks
+    an ``Args:`` section, or a ``Returns:`` (or ``Yields:``) section where the function
+    returns a value, as 'name: what is missing'."""
+    trees = {m: tree for m, _, tree in _sources(package, root)}
+    out = []
+    for name in names:
+        module = max((m for m in trees if name.startswith(m + ".")), key=len)
+        found = dict(_functions(trees[module], module)).get(name)
+        if found is None:
+            out.append(f"{name}: not found")
+            continue
+        doc = ast.get_docstring(found) or ""
+        if found.name == "__init__":  # a class documents its constructor's arguments
+            cls = next(
+                c
+                for c in ast.walk(trees[module])
+                if isinstance(c, ast.ClassDef) and found in c.body
+            )
+            doc += "\n" + (ast.get_docstring(cls) or "")
+        returns = any(
+            isinstance(n, ast.Return)
+            and n.value is not None
+            and not (isinstance(n.value, ast.Constant) and n.value.value is None)
+            for n in ast.walk(found)
+            if not any(
+                n in ast.walk(inner)
+                for inner in found.body
+                if isinstance(inner, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            )
+        )
+        if not re.search(r"^\s*Args:\s*$", doc, re.MULTILINE):
+            out.append(f"{name}: Args")
+        if returns and not re.search(r"^\s*(Returns|Yields):", doc, re.MULTILINE):
+            out.append(f"{name}: Returns")
+    return out
+
+
+def dated_figures(package: Path = PACKAGE) -> list[str]:
+    """Every line of the package's sources (Python, C++) with a dated figure, a results
+    path or a timing on a named GPU, as 'path:line: text'; licence headers are left alone."""
+    out = []
+    for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if DATED.search(line) and not LICENCE.search(line):
+                out.append(f"{path.relative_to(package.parent)}:{i}: {line.strip()}")
+    return out
+
+
+def test_the_record_checkers_catch_what_they_forbid(tmp_path):
+    """The four checkers below, on a made-up package that breaks each rule once, and keeps
+    each rule once where a naive check would cry wolf."""
+    pkg = tmp_path / "ramflow"
+    many = ", ".join(f"a{i}" for i in range(MAX_PARAMETERS))
+    _write(
+        pkg,
+        "ramflow.engine.part",
+        "from typing import Protocol\n"
+        "class Opt(Protocol):\n    _depth: int\n    def _holds(self, p): ...\n    def step(self): ...\n"
+        f"class C:\n    def method(self, {many}): ...\n"
+        f"def wide({many}, *, b): ...\n"
+        "def _private_here(): ...\n"
+        "def use(): return _private_here()\n",
+    )
+    _write(pkg, "ramflow.kernels.k", f"def native({many}, b): ...\n_SECRET = 1\n")
+    _write(
+        pkg,
+        "ramflow.planner.plan",
+        "from ..kernels.k import _SECRET\nfrom ..kernels import k as _k\nfrom .. import _quiet\n"
+        "def make_plan(x):\n"
+        '    """Plan.\n\n    Args:\n        x: a thing.\n    """\n'
+        "    return x\n"
+        "def no_value(x):\n"
+        '    """Nothing back.\n\n    Args:\n        x: a thing.\n    """\n'
+        "    def inner():\n        return 1\n"
+        "    return None\n"
+        "def read():\n    return _k._SECRET + _k.native\n",
+    )
+    _write(pkg, "ramflow._quiet", "# Copyright 2023-2024 someone; licensed MIT\n")
+    _write(
+        pkg,
+        "ramflow.units.notes",
+        "# 4 x H100, 2026-11-27: 3.90x one GPU\n"
+        "# see benchmarks/results/some-run\n"
+        "# 70 ms on an H100\n"
+        "# measured at 12.5 GB/s\n"
+        "# the bytes autograd saves, measured; a ring of 2 units\n"
+        "# Copyright 2024-11 a licence line\n",
+    )
+    assert long_signatures(pkg, tmp_path) == [
+        "ramflow.engine.part.wide 13",
+    ]
+    assert private_protocol_members(pkg, tmp_path) == [
+        "ramflow.engine.part.Opt._depth",
+        "ramflow.engine.part.Opt._holds",
+    ]
+    assert private_imports(pkg, tmp_path) == [
+        "ramflow.planner.plan: ramflow.kernels.k._SECRET",
+    ]
+    names = (
+        "ramflow.planner.plan.make_plan",
+        "ramflow.planner.plan.no_value",
+        "ramflow.planner.plan.read",
+    )
+    assert missing_args_returns(names, pkg, tmp_path) == [
+        "ramflow.planner.plan.make_plan: Returns",
+        "ramflow.planner.plan.read: Args",
+        "ramflow.planner.plan.read: Returns",
+    ]
+    assert [line.split(": ", 1)[0] for line in dated_figures(pkg)] == [
+        f"ramflow/units/notes.py:{i}" for i in (1, 2, 3, 4)
+    ]
+
+
+def test_no_function_outside_kernels_takes_more_than_12_parameters():
+    """More than a handful of values travelling together is a record (a small frozen
+    dataclass); the kernels' entry points mirror their C signatures and are exempt."""
+    bad = [s for s in long_signatures() if s.split()[0] not in MANY_PARAMETERS]
+    assert not bad, "pass a frozen dataclass instead:\n" + "\n".join(bad)
+    stale = set(MANY_PARAMETERS) - {s.split()[0] for s in long_signatures()}
+    assert not stale, f"MANY_PARAMETERS lists functions that no longer need it: {stale}"
+
+
+def test_no_protocol_names_a_private_member():
+    bad = private_protocol_members()
+    assert not bad, "a Protocol is a public contract; make these public:\n" + "\n".join(bad)
+
+
+def test_no_module_takes_another_module_s_private_name():
+    bad = private_imports()
+    assert not bad, (
+        "make the name public inside the package, or move it where it is used:\n" + "\n".join(bad)
+    )
+
+
+def public_functions(folders: tuple[str, ...], package: Path = PACKAGE, root: Path = SRC):
+    """The public module-level functions (with parameters) of the modules under ``folders``."""
+    out = []
+    for module, _, tree in _sources(package, root):
+        if not any(module == f or module.startswith(f + ".") for f in folders):
+            continue
+        for node in tree.body:
+            if (
+                isinstance(node, ast.FunctionDef)
+                and not _private(node.name)
+                and (node.args.args or node.args.kwonlyargs or node.args.posonlyargs)
+            ):
+                out.append(f"{module}.{node.name}")
+    return tuple(out)
+
+
+def test_the_entry_points_document_their_arguments_and_results():
+    names = DOCUMENTED + public_functions(DOCUMENTED_FOLDERS)
+    assert "ramflow.planner.costs.unit_costs" in names
+    bad = missing_args_returns(tuple(n for n in names if n not in NOT_YET_DOCUMENTED))
+    assert not bad, "add the docstring sections:\n" + "\n".join(bad)
+    done = [n for n in NOT_YET_DOCUMENTED if not missing_args_returns((n,))]
+    assert not done, f"documented now: take them out of NOT_YET_DOCUMENTED: {done}"
+
+
+def test_no_dated_figure_in_the_sources():
+    """Dated measurements and results paths belong in docs/ and benchmarks/results/."""
+    bad = dated_figures()
+    assert not bad, "move these figures to docs/ or benchmarks/results/:\n" + "\n".join(bad)

@@ -59,7 +59,7 @@ def _hard_moments(gen: torch.Generator) -> torch.Tensor:
 
 def _torch_codes(m: torch.Tensor, v: torch.Tensor, key: int, counter_offset: int):
     """The PyTorch path's stochastically rounded codes of m and v, as ``_step_torch``."""
-    bits = _random_bits._state_bits(key, counter_offset, m.numel(), None)
+    bits = _random_bits.state_bits(key, counter_offset, m.numel(), None)
     qm, ms = _lean_kernels._quantize(m, signed=True, u16=bits >> 16)
     qv, vs = _lean_kernels._quantize(v, signed=False, u16=bits & 0xFFFF)
     return qm, ms, qv, vs
@@ -133,7 +133,7 @@ def test_stochastic_codes_are_unbiased(y, spacing, signed):
     target = x.abs()[:, 1:] if signed else x[:, 1:].double().sqrt().float()
     errors = []
     for step in range(1, keys + 1):
-        bits = _random_bits._state_bits(rounding_key(3, step), 0, x.numel(), None)
+        bits = _random_bits.state_bits(rounding_key(3, step), 0, x.numel(), None)
         q, scale = _lean_kernels._quantize(
             x, signed=signed, u16=bits >> 16 if signed else bits & 0xFFFF
         )
@@ -167,20 +167,20 @@ UNBIASED_BF16 = [
 @pytest.mark.parametrize("signed", [True, False])
 @pytest.mark.parametrize("x,spacing", UNBIASED_BF16)
 def test_bf16_states_are_rounded_unbiased(x, spacing, signed):
-    """bf16 states round as the bf16 master does (``_bf16_stochastic``) with the 8-bit
-    states' 16-bit u (the first moment the top 16 of ``_state_bits``, the second the bottom
+    """bf16 states round as the bf16 master does (``bf16_stochastic``) with the 8-bit
+    states' 16-bit u (the first moment the top 16 of ``state_bits``, the second the bottom
     16): the mean of a value's roundings over many elements and keys is the value, each
     rounding is one of its two bf16 neighbours, and NaN and infinity stay."""
     assert torch.tensor(x).item() == x  # exact in fp32
     n_per_key, keys = 1 << 16, 16
     errors = []
     for step in range(1, keys + 1):
-        bits = _random_bits._state_bits(rounding_key(3, step), 0, n_per_key, None)
+        bits = _random_bits.state_bits(rounding_key(3, step), 0, n_per_key, None)
         u16 = bits >> 16 if signed else bits & 0xFFFF
         value = torch.full((n_per_key,), x)
         if signed:
             value[1::2] *= -1.0
-        got = _random_bits._bf16_stochastic(value, u16).double().abs()
+        got = _random_bits.bf16_stochastic(value, u16).double().abs()
         down = torch.tensor(x).view(torch.int32).bitwise_and(~0xFFFF).view(torch.float32)
         assert torch.isin(got, torch.tensor([down.item(), down.item() + spacing]).double()).all()
         errors.append(got - x)
@@ -195,13 +195,13 @@ def test_bf16_states_are_rounded_unbiased(x, spacing, signed):
     nearest = torch.tensor(x).to(torch.bfloat16).double().item()
     assert abs(nearest - x) > 20 * bound  # nearest even misses by far more
     special = torch.tensor([float("nan"), float("inf"), -float("inf")])
-    out = _random_bits._bf16_stochastic(special, torch.full((3,), 0xFFFF, dtype=torch.int64))
+    out = _random_bits.bf16_stochastic(special, torch.full((3,), 0xFFFF, dtype=torch.int64))
     assert out.view(torch.int16).tolist() == [0x7FC0, 0x7F80, -0x80]
 
 
 def _rounding_streams(n: int) -> dict[str, torch.Tensor]:
     """The 16-bit u (n,) int64 of n elements' three roundings in one step: the master's
-    (the top of ``_sr_bits``), the first moment's and the second's (``_state_bits``)."""
+    (the top of ``_sr_bits``), the first moment's and the second's (``state_bits``)."""
     h = _random_bits._sr_bits(rounding_key(11, 5), 0, n)
     w = _random_bits._state_bits_of(h)
     return {"master": h >> 16, "exp_avg": w >> 16, "exp_avg_sq": w & 0xFFFF}

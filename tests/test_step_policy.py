@@ -13,13 +13,13 @@ def _opt(*, overlap: bool = True, keep_grads: bool = True) -> SimpleNamespace:
     return SimpleNamespace(
         overlap=overlap,
         keep_grads=keep_grads,
-        _no_step_depth=0,
-        _hyperparameters=lambda: [{"lr": 1e-3}],
+        no_step_depth=0,
+        hyperparameters=lambda: [{"lr": 1e-3}],
     )
 
 
 def _step(policy: StepPolicy, opt, *, modified: bool = False) -> bool:
-    needs = policy.check_step(opt._hyperparameters(), modified=modified)
+    needs = policy.check_step(opt.hyperparameters(), modified=modified)
     policy.after_step(opt, modified=modified)
     return needs
 
@@ -78,7 +78,7 @@ def test_a_clip_after_keep_grads_false_under_the_ring_names_the_promise():
     policy.begin_pass([opt], ring=True)
     policy.end_pass([opt])
     with pytest.raises(RuntimeError, match="keep_grads=True"):
-        policy.check_step(opt._hyperparameters(), modified=True)
+        policy.check_step(opt.hyperparameters(), modified=True)
     # a pass eager on a pattern seen keeps the message about that pattern
     policy, opt = StepPolicy(), _opt()
     for _ in range(2):

@@ -9,17 +9,17 @@ from ramflow.engine.host_store import HostStore
 from ramflow.engine.window import DeviceWindow
 from ramflow.engine.worker import HostWorker
 from ramflow.transfer.streams import CopyStreams
-from ramflow.units.unit import _ALIGN, Unit, UnitSpec
+from ramflow.units.unit import ALIGN, Unit, UnitSpec
 
 CPU = torch.device("cpu")
 
 
-UNIT_BYTES = 2 * _ALIGN * 4  # one Linear(8, 8) unit in fp32
+UNIT_BYTES = 2 * ALIGN * 4  # one Linear(8, 8) unit in fp32
 
 
 def make_window(n: int, *, capacity_units: int):
     """``n`` units of one Linear(8, 8) each (weight 64 and bias 8 elements, each padded to
-    ``_ALIGN``: ``UNIT_BYTES`` of fp32),
+    ``ALIGN``: ``UNIT_BYTES`` of fp32),
     host store built, device side built, a window of ``capacity_units`` units."""
     layers = [nn.Linear(8, 8) for _ in range(n)]
     specs = [
@@ -38,7 +38,7 @@ def make_window(n: int, *, capacity_units: int):
 
 def test_loads_copy_the_wire_and_count_against_the_budget():
     window, units, layers = make_window(3, capacity_units=2)
-    assert units[0].numel == 2 * _ALIGN and units[0].nbytes == UNIT_BYTES
+    assert units[0].numel == 2 * ALIGN and units[0].nbytes == UNIT_BYTES
     window.acquire([units[0]])
     assert units[0].allocated and window.used_bytes == UNIT_BYTES
     assert torch.equal(units[0].device_params[0], layers[0].weight)

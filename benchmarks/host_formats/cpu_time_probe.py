@@ -26,7 +26,7 @@ import torch
 
 
 def _library(tree: str) -> str:
-    code = "from ramflow.kernels import cpu_kernels as c; print(c._build())"
+    code = "from ramflow.kernels import cpu_kernels as c; print(c.build_library())"
     env = {**os.environ, "PYTHONPATH": tree}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if out.returncode:

@@ -18,7 +18,7 @@ model TFLOP/s (``ramflow.train.flops.model_flops_per_token``, the count of ramfl
 active weights and causal attention, x tokens per step / step time), the bf16 matmul rate measured
 in the same process (8192^3 ``torch.matmul`` for about a second) and MFU (model over matmul
 rate), the plan (``describe()``, host bytes per parameter) and ramflow's predicted step
-(``ramflow.train.estimate.estimate_run_memory(predict=True)`` with the measured matmul rate and
+(``ramflow.train.estimate.estimate_run_memory(speed=...)`` with the measured matmul rate and
 this box's pinned copy rates and the host format's CPU AdamW rate, measured in the same run;
 when it cannot, the reason). Writes
 ``scale-<shape>.json`` and ``.md`` into ``--out-dir``, rewritten after every stage and step,
@@ -150,7 +150,7 @@ def predicted_step(
     from ramflow.planner.cpu_rates import optimizer_speed
     from ramflow.planner.predict import RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM, Rates
     from ramflow.sizes import parse_bytes
-    from ramflow.train.estimate import estimate_run_memory
+    from ramflow.train.estimate import RunDescription, SpeedInputs, estimate_run_memory
 
     rates = rates or {}
     timing = Rates()
@@ -172,13 +172,10 @@ def predicted_step(
         )
 
     common = dict(
-        model_name=args.shape,
+        run=RunDescription(args.batch, args.seq, model_name=args.shape, precision="bf16"),
         device_type="cuda",
-        precision="bf16",
         compute_dtype=torch.bfloat16,
         wire_dtype=torch.bfloat16,
-        batch_size=args.batch,
-        seq_len=args.seq,
         checkpointing="on",
         host_precision=args.host_precision,
     )
@@ -190,9 +187,7 @@ def predicted_step(
         est = estimate_run_memory(
             cfg,
             device_budget_bytes=gpu_memory_bytes + acts,
-            predict=True,
-            matmul_flops_per_s=matmul,
-            timing_rates=timing,
+            speed=SpeedInputs(timing_rates=timing, matmul_flops_per_s=matmul),
             **common,
         )
     except Exception as e:  # noqa: BLE001 (the benchmark records why and goes on)

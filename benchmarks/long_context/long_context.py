@@ -127,15 +127,15 @@ class Plans:
         self._cache: dict[tuple[str, int], dict] = {}
 
     def __call__(self, mode: str, seq: int) -> dict:
-        from ramflow.train.estimate import estimate_run_memory, predict_plan_step
+        from ramflow.train.estimate import RunDescription, estimate_run_memory, predict_plan_step
         from ramflow.transfer.streams import caching_host_block_bytes
 
         key = (mode, seq)
         if key not in self._cache:
             est = estimate_run_memory(
-                self.cfg, model_name="llama-8b", device_type="cuda", precision="bf16",
-                compute_dtype=torch.bfloat16, wire_dtype=torch.bfloat16, batch_size=1,
-                seq_len=seq, device_budget_bytes=None, checkpointing=mode,
+                self.cfg, run=RunDescription(1, seq, model_name="llama-8b", precision="bf16"),
+                device_type="cuda", compute_dtype=torch.bfloat16, wire_dtype=torch.bfloat16,
+                device_budget_bytes=None, checkpointing=mode,
                 host_precision=self.host_precision,
             )  # fmt: skip
             pred = predict_plan_step(

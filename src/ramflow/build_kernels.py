@@ -19,18 +19,18 @@ def main() -> int:
     from .kernels import cpu_kernels as _cpu_kernels
 
     start = time.perf_counter()
-    if not _cpu_kernels._native_wanted():
+    if not _cpu_kernels.native_wanted():
         print("ramflow: native CPU kernels are not used here (disabled, or not x86-64)")
         return 0
     try:
-        path = _cpu_kernels._build()
+        path = _cpu_kernels.build_library()
     except Exception as err:  # noqa: BLE001 - reported, and steps fall back to PyTorch
         print(f"ramflow: building the CPU kernels failed: {type(err).__name__}: {err}")
         return 1
     available = _cpu_kernels.native_kernel_available()
     print(
         f"ramflow: CPU kernels in {path} ({time.perf_counter() - start:.1f} s)"
-        + ("" if available else f"; not used: {_cpu_kernels._NATIVE.reason}")
+        + ("" if available else f"; not used: {_cpu_kernels.NATIVE.reason}")
     )
     warmed = _warm_up_device_steps()
     if warmed:

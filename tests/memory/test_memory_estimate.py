@@ -10,7 +10,13 @@ import torch
 from torch import nn
 
 import ramflow
-from ramflow.memory import ActivationProfile, activation_report, estimate_memory, find_blocks
+from ramflow.memory import (
+    ActivationProfile,
+    RunDescription,
+    activation_report,
+    estimate_memory,
+    find_blocks,
+)
 from ramflow.transfer.streams import caching_host_block_bytes
 
 B, D, NUM_BLOCKS = 4, 32, 3
@@ -95,7 +101,7 @@ def test_figures_follow_the_shapes_and_match_the_real_plan() -> None:
         meta = Net()
     meta.head.weight.requires_grad_(False)
     est = estimate_memory(
-        meta, activations=profile, batch_size=B, seq_len=1, device_type="cpu",
+        meta, activations=profile, run=RunDescription(B, 1), device_type="cpu",
         wire_dtype=torch.float32,
     )  # fmt: skip
     numel = sum(p.numel() for p in meta.parameters())
@@ -129,7 +135,7 @@ def test_a_budget_turns_checkpointing_on_and_a_smaller_one_is_refused() -> None:
     profile = _profile()
     with torch.device("meta"):
         meta = Net()
-    common = dict(activations=profile, batch_size=B, seq_len=1, wire_dtype=torch.float32)
+    common = dict(activations=profile, run=RunDescription(B, 1), wire_dtype=torch.float32)
     free = estimate_memory(meta, **common)
     need = free.device_total_bytes
     est = estimate_memory(meta, device_budget=need - 1, **common)
@@ -146,12 +152,12 @@ def test_a_budget_turns_checkpointing_on_and_a_smaller_one_is_refused() -> None:
 def test_device_type_must_be_cuda_or_cpu(device_type: str) -> None:
     with pytest.raises(ValueError, match="device_type must be 'cuda' or 'cpu'"):
         estimate_memory(
-            Net(), activations=_profile(), batch_size=B, seq_len=1, device_type=device_type
+            Net(), activations=_profile(), run=RunDescription(B, 1), device_type=device_type
         )
 
 
 def test_a_numeric_budget_is_checked_as_a_size_string_is() -> None:
-    common = dict(activations=_profile(), batch_size=B, seq_len=1, wire_dtype=torch.float32)
+    common = dict(activations=_profile(), run=RunDescription(B, 1), wire_dtype=torch.float32)
     for bad in (-1, "-1"):
         with pytest.raises(ValueError, match="must not be negative"):
             estimate_memory(Net(), device_budget=bad, **common)
@@ -182,8 +188,7 @@ def _estimate(checkpointing: str, device_budget=None):
     return estimate_memory(
         model,
         activations=_long_context_profile(),
-        batch_size=1,
-        seq_len=4096,
+        run=RunDescription(1, 4096),
         device_type="cuda",
         device_budget=device_budget,
         checkpointing=checkpointing,
@@ -243,7 +248,7 @@ def test_offloaded_inputs_take_pinned_blocks_of_a_power_of_two() -> None:
     ]
     with torch.device("meta"):
         model = Net()
-    common = dict(activations=acts, batch_size=1, seq_len=4096, checkpointing="offload")
+    common = dict(activations=acts, run=RunDescription(1, 4096), checkpointing="offload")
     cuda = estimate_memory(model, device_type="cuda", **common)
     cpu = estimate_memory(model, device_type="cpu", **common)
     assert cuda.host_activation_pinned_bytes == 16 * mib
@@ -276,15 +281,15 @@ def test_a_report_built_by_hand_takes_the_most_numbered_rows_as_blocks() -> None
 def test_checkpointing_as_a_bool_and_impossible_shapes() -> None:
     with torch.device("meta"):
         meta = Net()
-    common = dict(activations=_profile(), seq_len=1, wire_dtype=torch.float32)
-    on = estimate_memory(meta, batch_size=B, checkpointing=True, **common)
+    common = dict(activations=_profile(), wire_dtype=torch.float32)
+    on = estimate_memory(meta, run=RunDescription(B, 1), checkpointing=True, **common)
     assert on.checkpointing and on.device_activation_bytes == _profile().peak_bytes(
         checkpointing=True
     )
-    assert not estimate_memory(meta, batch_size=B, checkpointing=False, **common).checkpointing
+    assert not estimate_memory(meta, run=RunDescription(B, 1), checkpointing=False, **common).checkpointing
     with pytest.raises(
         ValueError, match=r"^batch size and sequence length must be positive, got 0"
     ):
-        estimate_memory(meta, batch_size=0, **common)
+        estimate_memory(meta, run=RunDescription(0, 1), **common)
     with pytest.raises(ValueError, match=r"^optimizer_states must be >= 0, got -1$"):
-        estimate_memory(meta, batch_size=B, optimizer_states=-1, **common)
+        estimate_memory(meta, run=RunDescription(B, 1), optimizer_states=-1, **common)

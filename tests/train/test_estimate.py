@@ -277,14 +277,14 @@ def test_the_predicted_gpu_time_of_a_long_causal_sequence_counts_flash_attention
     step model's helpers. (The full square at 2 + 1 + 1 forwards predicted 24.2 s where the
     H100 measured 17.0 s; this count gives 16.8 s.)"""
     from ramflow.planner.predict import TRAIN_MATMUL_EFFICIENCY
-    from ramflow.train.estimate import estimate_run_memory, predict_plan_step
+    from ramflow.train.estimate import RunDescription, estimate_run_memory, predict_plan_step
     from ramflow.train.presets import get_preset
 
     cfg = get_preset("llama-8b").to_config()
     seq, rate = 65536, 677e12
     est = estimate_run_memory(
-        cfg, model_name="llama-8b", device_type="cuda", precision="bf16",
-        compute_dtype=torch.bfloat16, wire_dtype=torch.bfloat16, batch_size=1, seq_len=seq,
+        cfg, run=RunDescription(1, seq, model_name="llama-8b", precision="bf16"),
+        device_type="cuda", compute_dtype=torch.bfloat16, wire_dtype=torch.bfloat16,
         device_budget_bytes=None, checkpointing="on", host_precision="lean",
     )  # fmt: skip
     pred = predict_plan_step(cfg, est, matmul_flops_per_s=rate)

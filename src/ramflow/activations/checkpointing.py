@@ -43,7 +43,7 @@ from torch.utils.checkpoint import (
 )
 
 from ..sizes import format_bytes, parse_bytes
-from ..units.unit import _repeated_blocks
+from ..units.unit import repeated_block_modules
 from .boundary_offload import BoundaryOffloader
 from .report import ActivationReport
 
@@ -340,7 +340,7 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         ValueError: the model has no repeated blocks; pass ``blocks=`` to
             ``apply_checkpointing``.
     """
-    found = {id(m) for m in _repeated_blocks(model)}
+    found = {id(m) for m in repeated_block_modules(model)}
     if not found:
         raise ValueError(
             f"{type(model).__name__} has no repeated blocks (children of a ModuleList or "
@@ -649,7 +649,7 @@ def resolve_over_units(
             "no unit to checkpoint (the whole model is one unit); give offload(units=[...]) "
             "to split it"
         )
-    repeated = {id(m) for m in _repeated_blocks(model)}
+    repeated = {id(m) for m in repeated_block_modules(model)}
     blocks = [(name, m) for name, m in units if id(m) in repeated] or list(units)
     plan = _checked_plan(
         policy,

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..sizes import format_bytes
-from ..units.unit import _repeated_blocks
+from ..units.unit import repeated_block_modules
 
 __all__ = ["ActivationReport", "ModuleActivations", "activation_report"]
 
@@ -161,7 +161,7 @@ class _Meter:
         self.cuda = device.type == "cuda"
         self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self.modules = {id(m): m for m in model.modules()}
-        self.blocks = [id(m) for m in _repeated_blocks(model)]  # find_blocks' rule
+        self.blocks = [id(m) for m in repeated_block_modules(model)]  # find_blocks' rule
         self.fixed = {
             key
             for t in (*model.parameters(), *model.buffers())

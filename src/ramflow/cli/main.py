@@ -545,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="GB/S",
         help="with --nproc-per-node: host DRAM traffic, bytes read plus written per second "
-        "(default 192, twice an H200 box's 96 GB/s memory copy rate)",
+        "(default 192; docs/speed.md says why)",
     )
     pl.add_argument(
         "--host-cores",
@@ -606,10 +606,9 @@ def _profile(args: argparse.Namespace) -> int:
 
 # [Note: expandable segments by default in ramflow train]
 # At long sequences the caching allocator's fixed segments strand memory: an 8B model at
-# 128k tokens with checkpointing alone failed on an H100 asking for 3.5 GiB with 65.4 GiB
-# allocated and 10.7 GiB reserved but unallocated, where the plan said 67.1 GiB
-# (benchmarks/results/2026-11-27-nvidia-h100-long-context/). PyTorch's expandable segments
-# (CUDA virtual memory management) grow one segment instead, which is the remedy its own
+# 128k tokens with checkpointing alone ran out with gigabytes reserved but unallocated, within
+# its plan (docs/speed.md, "Expandable segments in ramflow train"). PyTorch's expandable
+# segments (CUDA virtual memory management) grow one segment instead, which is the remedy its own
 # message names; torchtitan's launcher sets it too. It cannot share memory through CUDA IPC,
 # which ramflow does not use (ranks share the host store, not device memory). So
 # ``ramflow train`` sets it in its process, and the ranks it launches inherit it, unless the

@@ -79,7 +79,7 @@ def check_shm_directory_pins(directory: str, *, mounts: str = "/proc/self/mounts
         )
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether ``pid`` is a running process of this PID namespace (a zombie is not)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -104,7 +104,7 @@ def remove_stale_store_files(directory: str) -> list[str]:
         return removed
     for name in names:
         m = STORE_FILE.fullmatch(name)
-        if m is None or m["host"] != host or _pid_alive(int(m["pid"])):
+        if m is None or m["host"] != host or pid_alive(int(m["pid"])):
             continue
         path = os.path.join(directory, name)
         try:
@@ -130,14 +130,14 @@ def create_store_file(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor
     return torch.from_file(path, shared=True, size=numel, dtype=dtype)
 
 
-class _CreatedFiles:
+class CreatedFiles:
     """The store files this process created; ``remove`` unlinks them (once, idempotent),
     also from ``atexit`` while set-up runs. See [Note: host store files]."""
 
     def __init__(self) -> None:
         self.paths: list[str] = []
 
-    def __enter__(self) -> _CreatedFiles:
+    def __enter__(self) -> CreatedFiles:
         atexit.register(self.remove)
         return self
 

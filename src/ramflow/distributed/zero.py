@@ -39,12 +39,12 @@ from ..transfer.streams import record_event
 from ..units.unit import Unit, UnitSpec
 from .store_files import (  # noqa: F401 - STORE_FILE and the checks are imported from here
     STORE_FILE,
-    _CreatedFiles,
-    _pid_alive,
+    CreatedFiles,
     check_shm_directory_pins,
     create_store_file,
     filesystem_type,
     host_name,
+    pid_alive,
     remove_stale_store_files,
     shm_directory,
 )
@@ -285,7 +285,7 @@ class DistributedState:
     def dead_ranks(self) -> list[int]:
         """The ranks of this host whose process is gone (a zombie counts as gone)."""
         me = host_name()
-        return [r for r, (host, pid) in enumerate(self.peers) if host == me and not _pid_alive(pid)]
+        return [r for r, (host, pid) in enumerate(self.peers) if host == me and not pid_alive(pid)]
 
     def failure(self, what: str, cause: BaseException | str) -> RuntimeError:
         """ramflow's error for a collective (or a wait on one) that failed: which rank died
@@ -546,7 +546,7 @@ def shared_host_store(
     need = sum(n * per_element for n in numels)
     masters: list[torch.Tensor] = []
     wires: list[torch.Tensor] = []
-    with _CreatedFiles() as created:
+    with CreatedFiles() as created:
         error: BaseException | None = None
         if me == leader:
             try:
@@ -624,7 +624,7 @@ def _map_store_files(
 
 def _copy_shared(
     specs: list[UnitSpec],
-    created: _CreatedFiles,
+    created: CreatedFiles,
     masters: list[torch.Tensor],
     wires: list[torch.Tensor],
     *,
@@ -685,7 +685,7 @@ def _copy_shared(
 def _fill_shared(
     specs: list[UnitSpec],
     fill: FillMaster,
-    created: _CreatedFiles,
+    created: CreatedFiles,
     *,
     base: str,
     numels: list[int],

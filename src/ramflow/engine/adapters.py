@@ -41,9 +41,15 @@ _DEVICE_COPIES = 4
 
 
 def device_bytes(params: Iterable[nn.Parameter]) -> int:
-    """Device bytes that ``params`` take when trained on the device: weights, gradients
-    (trainable ones) and AdamW's two states (four times the weights' bytes; frozen ones
-    once)."""
+    """Device bytes that ``params`` take when trained on the device.
+
+    Args:
+        params: parameters (any device; meta included: only shapes and dtypes are read).
+
+    Returns:
+        Bytes: weights, gradients (trainable ones) and AdamW's two states (four times the
+        weights' bytes; frozen ones once).
+    """
     total = 0
     for p in params:
         copies = _DEVICE_COPIES if p.requires_grad else 1
@@ -73,6 +79,17 @@ def choose_on_device(
 ) -> list[nn.Parameter]:
     """The parameters of ``model`` that ``ramflow.offload`` keeps on the device (see
     [Note: adapters on the device]): its trainable ones, or none.
+
+    Args:
+        model: the model being offloaded.
+        trainable_on_device: ``ramflow.offload``'s option: True keeps the trainable
+            parameters on the device, False none, None the model's adapters where they
+            are a small share of it and fit the budget.
+        gpu_memory_bytes: ramflow's share of the device, bytes; None: no cap.
+        zero_stage: ``ramflow.offload``'s ``zero_stage`` (None: one process).
+
+    Returns:
+        The parameters kept on the device (empty: none).
 
     Raises:
         ValueError: ``trainable_on_device=True`` with ``zero_stage`` (their gradients would
@@ -132,6 +149,14 @@ def materialize_meta_adapters(
     device). A PEFT LoRA layer's adapters are made on ``device`` in fp32 and
     initialized by the layer's own ``reset_lora_parameters`` with PEFT's default LoRA
     initialization (A as ``nn.Linear``'s Kaiming-uniform, B zero: Hu et al. 2021).
+
+    Args:
+        model: the offloaded model (its PEFT LoRA layers are searched for the adapters).
+        params: the parameters new since ``offload``.
+        device: where new adapters are made (fp32).
+
+    Returns:
+        ``params``, each meta adapter replaced by its new parameter.
 
     Raises:
         ValueError: a meta parameter that is not a PEFT LoRA adapter (its values are
@@ -221,7 +246,13 @@ class DeviceParameters:
 
 def guard_adapter_merges(model: nn.Module, refresh_param: Callable[[nn.Parameter], None]) -> None:
     """Wrap ``merge``/``unmerge`` of ``model``'s PEFT tuner layers (modules with a
-    ``base_layer``) once. See [Note: merging adapters into an offloaded base]."""
+    ``base_layer``) once. See [Note: merging adapters into an offloaded base].
+
+    Args:
+        model: the offloaded model.
+        refresh_param: called with each base weight a merge or unmerge changed, to write
+            it back to its host master.
+    """
     for module in model.modules():
         base = getattr(module, "base_layer", None)
         if not isinstance(base, nn.Module) or "merge" in module.__dict__:

@@ -43,9 +43,9 @@ With ``zero_stage`` each rank plans, and steps on its own GPU, the resident unit
 choose among them per rank, [Note: the device optimizer's default] in ``ramflow.planner.plan``),
 so each GPU holds the device states of its shard only; the other units keep the host step
 of their owner. The owner's step waits for the unit's gradient reduction (``after``). On
-CUDA it runs on a stream of the steps' own (4 x H100, 2026-11-27: 3.90x one GPU at 4x2048
-tokens per GPU against 3.65x on the compute stream; ``RAMFLOW_DEVICE_STEP_STREAM=0`` steps
-there, to bisect a suspected race), which first waits for the compute stream: the backward
+CUDA it runs on a stream of the steps' own (faster on 4 GPUs than on the compute stream:
+docs/speed.md, "Device steps on their own stream"; ``RAMFLOW_DEVICE_STEP_STREAM=0``
+steps there, to bisect a suspected race), which first waits for the compute stream: the backward
 goes on meanwhile, the gradient buffer is kept for that stream (``record_stream``, and the
 backward's throttle on buffers in flight counts it), and the unit's next use waits for
 ``device_step_event`` (``DeviceWindow.acquire``), as do its broadcast and its write-back.
@@ -86,9 +86,8 @@ from .interfaces import StepOptimizer
 from .window import DeviceWindow
 
 # "1" (the default): a device step that waits for a reduction runs on a stream of the steps'
-# own, so the backward does not stall for the collective's tail (the 4-GPU A/B is in
-# benchmarks/results/2026-11-27-nvidia-h100-x4-scaling-step-stream/, its NCCL tests in
-# benchmarks/results/2026-11-27-nvidia-h100-x4-scaling-final/); "0" steps on the current
+# own, so the backward does not stall for the collective's tail (docs/speed.md,
+# "Device steps on their own stream"); "0" steps on the current
 # stream, which then waits for the reduction (kept to bisect a suspected race)
 STEP_STREAM = os.environ.get("RAMFLOW_DEVICE_STEP_STREAM", "1") == "1"
 

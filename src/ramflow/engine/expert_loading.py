@@ -62,8 +62,19 @@ _INDEX_KEYWORDS = ("top_k_index", "router_indices", "topk_indices", "selected_ex
 
 def chosen_experts(args: tuple, kwargs: dict, num_experts: int) -> list[int] | None:
     """The sorted distinct expert ids of an experts module's call, read on the host (a
-    D2H copy and a sync with the compute stream on a GPU); None when the call carries no
-    integer index tensor where transformers puts it."""
+    D2H copy and a sync with the compute stream on a GPU).
+
+    Args:
+        args, kwargs: the experts module's call, as a forward pre-hook gets them;
+            transformers passes the router's top-k index, an integer tensor (tokens, k) on
+            the device, second or by keyword.
+        num_experts: the module's experts; ids outside ``[0, num_experts)`` (expert
+            parallelism's sentinels) are dropped.
+
+    Returns:
+        The chosen ids, ascending; None when the call carries no integer index tensor where
+        transformers puts it.
+    """
     index = args[_INDEX_POSITION] if len(args) > _INDEX_POSITION else None
     if index is None:
         index = next((kwargs[k] for k in _INDEX_KEYWORDS if k in kwargs), None)

@@ -164,7 +164,7 @@ class GradientPath:
                 and all(p.grad is None for p in params)
             ):
                 opt = optimizers[0]
-                hyper = opt._hyperparameters()
+                hyper = opt.hyperparameters()
                 on_side_stream = self._device_steps.step(
                     u, opt, hyper, u.device_grad, after=reduced, write_back=dist is not None
                 )
@@ -284,7 +284,7 @@ class GradientPath:
                     self._host_steps.step_staged,
                     u,
                     opt,
-                    opt._hyperparameters(),
+                    opt.hyperparameters(),
                     accumulate=ours,
                     keep_grads=not drop,
                 ),

@@ -17,9 +17,9 @@ H2D is issued as soon as the kernel has written it: only the last piece's copy i
 when the step ends. The pieces cover the trainable prefix; the frozen rest of the device
 copy is current when the unit was exactly one version behind (checked), and the last
 piece's event is the unit's load event (one stream, copies in order).
-Pieces cost the worker about 0.3 ms each on the GPU box (a kernel call and a copy issued
-from Python, which waits for the GIL while the training loop runs Python code): 4% of the
-optimizer's rate when every unit is cut (benchmarks/results/2026-11-22-nvidia-h200-refresh).
+Each piece costs the worker a kernel call and a copy issued from Python, which waits for the
+GIL while the training loop runs Python code: a few percent of the optimizer's rate when
+every unit is cut (docs/speed.md, "Refresh pieces").
 So only a step that starts with nothing else queued on the worker is cut: the one whose
 refresh the next forward is waiting for.
 """
@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from ..units.unit import _ALIGN, Unit
+from ..units.unit import ALIGN, Unit
 from .host_store import HostStore
 from .interfaces import StepOptimizer
 from .step_policy import StepItem
@@ -84,7 +84,7 @@ class HostStepper:
             else:
                 assert grad_scale == 1.0  # applied in place (``Stepper._take_grad_scale``)
                 for item in items:
-                    item.optimizer._step_params(item.params, item.grads, item.hyper)
+                    item.optimizer.step_params(item.params, item.grads, item.hyper)
         self._count_host_step(sum(p.numel() for item in items for p in item.params), start)
         self._host.refresh_wire(u, written=wire_written, sent=wire_written and bool(pieces))
         self._check_grads_unwritten(u, items)
@@ -146,9 +146,9 @@ class HostStepper:
         follows the step]."""
         if not u.resident or u.wire is u.master or self.worker.queued():
             return None
-        # pieces start on multiples of _ALIGN: whole blocks of 8-bit states, and each piece
+        # pieces start on multiples of ALIGN: whole blocks of 8-bit states, and each piece
         # rounds stochastically as the whole unit would (its counter offset)
-        step = max(_ALIGN, REFRESH_PIECE_BYTES // u.wire.element_size() // _ALIGN * _ALIGN)
+        step = max(ALIGN, REFRESH_PIECE_BYTES // u.wire.element_size() // ALIGN * ALIGN)
         n = u.trainable_numel
         # the device copy lacks this step only, so the frozen rest needs no copy
         if not self._window.one_version_behind(u) or n <= step:

@@ -1,6 +1,6 @@
 """The host store: each unit's master, its wire copy and its gradient staging buffer.
 
-Owns the host RAM check, the buffers' layout (``units.unit._ALIGN``), page-locking (pinned
+Owns the host RAM check, the buffers' layout (``units.unit.ALIGN``), page-locking (pinned
 allocation, or pinning a buffer a layer or another rank gave), the host formats
 (``HostPrecision``: an fp32 master beside its wire copy, or a bf16 master that is the wire
 copy; staging per unit, or a ring of a few staging buffers the units in flight borrow), and
@@ -76,12 +76,29 @@ def store_bytes(units: list[Unit], precision: HostPrecision, wire_dtype: torch.d
     """Host bytes of ``units``' masters, wire copies and gradients under ``precision`` with
     a wire of ``wire_dtype`` (``HostPrecision.host_bytes``, the one byte model); the
     optimizer's states are not counted (see ``optimizer_state_bytes``). Buffers a layer or
-    another rank gave are not new."""
+    another rank gave are not new.
+
+    Args:
+        units: the engine's units.
+        precision: their host formats.
+        wire_dtype: the device copies' dtype.
+
+    Returns:
+        Bytes of host RAM.
+    """
     return precision.host_bytes(units, wire_dtype).store
 
 
 def optimizer_state_bytes(units: list[Unit], precision: HostPrecision) -> int:
-    """Host bytes of AdamW's states (and a Kahan master's compensation) for ``units``."""
+    """Host bytes of AdamW's states (and a Kahan master's compensation).
+
+    Args:
+        units: the engine's units.
+        precision: their host formats.
+
+    Returns:
+        Bytes of host RAM.
+    """
     return precision.host_bytes(units, torch.float32).states
 
 
@@ -296,7 +313,7 @@ class HostStore:
         u.rounding_seed = self.precision.unit_seed(u.index)
         if u.given_master is not None:
             # The layer (or the shared host store) laid the parameters out as this engine
-            # would (``_ALIGN``): its buffer is the master, shared memory included.
+            # would (``ALIGN``): its buffer is the master, shared memory included.
             u.master = u.given_master
             assert u.master.dtype == self.precision.master_dtype
             assert all(

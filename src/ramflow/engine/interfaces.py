@@ -22,13 +22,13 @@ class StepOptimizer(Protocol):
 
     overlap: bool  # may step units during backward
     keep_grads: bool  # False: a fused step need not write ``p.grad``
-    _no_step_depth: int  # > 0 inside ``opt.no_step()``
+    no_step_depth: int  # > 0 inside ``opt.no_step()``
 
-    def _holds(self, p: torch.Tensor) -> bool: ...
+    def holds(self, p: torch.Tensor) -> bool: ...
 
-    def _hyperparameters(self) -> list[dict[str, Any]]: ...
+    def hyperparameters(self) -> list[dict[str, Any]]: ...
 
-    def _step_params(
+    def step_params(
         self, params: list[torch.Tensor], grads: list[torch.Tensor], hyper: list[dict[str, Any]]
     ) -> None: ...
 

@@ -32,7 +32,7 @@ class StepItem(NamedTuple):
 
     Attributes:
         optimizer: the ramflow optimizer that steps it.
-        hyper: its param groups' settings then (``_hyperparameters()``).
+        hyper: its param groups' settings then (``hyperparameters()``).
         params: the unit's trainable parameters it holds that have gradients.
         grads: their gradients (``p.grad``) then.
         versions: the gradients' version counters then (a write in place is an error).
@@ -66,16 +66,16 @@ def step_items(u: Unit, optimizers: Sequence[StepOptimizer]) -> list[StepItem]:
     step) and the gradients' version counters (see ``HostStepper.step_unit``)."""
     items = []
     for opt in optimizers:
-        params = [p for p in u.owned[: u.num_trainable] if p.grad is not None and opt._holds(p)]
+        params = [p for p in u.owned[: u.num_trainable] if p.grad is not None and opt.holds(p)]
         if params:
             grads = [p.grad for p in params]
             versions = [g._version for g in grads]
-            items.append(StepItem(opt, opt._hyperparameters(), params, grads, versions))
+            items.append(StepItem(opt, opt.hyperparameters(), params, grads, versions))
     return items
 
 
 def same_settings(a: list[dict], b: list[dict]) -> bool:
-    """Whether two copies of an optimizer's param-group settings (``_hyperparameters``)
+    """Whether two copies of an optimizer's param-group settings (``hyperparameters``)
     are equal; tensors (a tensor learning rate) compare by value."""
     if len(a) != len(b):
         return False
@@ -162,7 +162,7 @@ class StepPolicy:
         """The open pass's decision, made at its first dispatched unit. ``ring``: the host
         gradients are a ring (``GradientFormat.ring``)."""
         if self.eager_now is None:
-            no_step = any(opt._no_step_depth for opt in optimizers)
+            no_step = any(opt.no_step_depth for opt in optimizers)
             if self.last_eager and not no_step:
                 raise self.pattern(
                     "a second backward pass ran before opt.step(), but ramflow had already "
@@ -177,7 +177,7 @@ class StepPolicy:
                 and len(optimizers) == 1
             )
             self.eager_by_promise = self.eager_now and not self.allowed
-            self.eager_settings = optimizers[0]._hyperparameters() if self.eager_now else None
+            self.eager_settings = optimizers[0].hyperparameters() if self.eager_now else None
         return self.eager_now
 
     def _eager_from_the_start(self, optimizers: Sequence[StepOptimizer], *, ring: bool) -> bool:
@@ -198,11 +198,11 @@ class StepPolicy:
     def end_pass(self, optimizers: Sequence[StepOptimizer]) -> None:
         """A backward pass finished: count it."""
         if self.eager_now is not None:
-            if not any(opt._no_step_depth for opt in optimizers):
+            if not any(opt.no_step_depth for opt in optimizers):
                 self.final_backwards += 1
             self.last_eager = self.eager_now
             self.settings_at_backward = (
-                optimizers[0]._hyperparameters() if len(optimizers) == 1 else None
+                optimizers[0].hyperparameters() if len(optimizers) == 1 else None
             )
         self.eager_now = None
 

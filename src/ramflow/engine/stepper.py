@@ -254,7 +254,7 @@ class Stepper:
         every unit ``opt`` holds."""
         self.worker.raise_error()
         modified = self._grads_modified(opt)
-        if self.policy.check_step(opt._hyperparameters(), modified=modified):
+        if self.policy.check_step(opt.hyperparameters(), modified=modified):
             for u in self.units:  # before any unit is stepped
                 raise_if_written(u)
             for u in sorted(self.units, key=self.priority):
@@ -276,7 +276,7 @@ class Stepper:
             if not u.grad_versions:
                 continue
             for p, view, version in zip(params, u.host_grad_views, u.grad_versions):
-                if p.grad is None or not opt._holds(p):
+                if p.grad is None or not opt.holds(p):
                     continue
                 if p.grad is not view or p.grad._version != version:
                     return True

@@ -5,7 +5,7 @@ embedding's) can be kept on the host compressed instead of in the master's dtype
 copy moves the compressed bytes and the device dequantizes them into the unit's slot. See
 [Note: compressed frozen weights].
 
-Legend: n = a parameter's element count padded to ``units.unit._ALIGN`` (its slot in the unit's
+Legend: n = a parameter's element count padded to ``units.unit.ALIGN`` (its slot in the unit's
 flat layout), B = n / block.
 
 [Note: compressed frozen weights]
@@ -189,9 +189,9 @@ def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # [Note: one dequantize kernel]
 # On a GPU the int8 dequantize of every unit runs beside the model's kernels (on the
 # decompression stream). As PyTorch ops (an int8 tensor times a broadcast fp32 scale, into
-# bf16) it is PyTorch's generic strided elementwise kernel: 4.4 ms for a Llama-3.1-70B layer
-# on an H100 (0.88 G elements), the SMs taken from the LoRA step's matmuls for as long, and
-# the last layer's dequantize a tail no copy hides (2026-11-24 trace, lora_70b.py --trace).
+# bf16) it is PyTorch's generic strided elementwise kernel: milliseconds per 70B layer, the
+# SMs taken from the LoRA step's matmuls for as long, and the last layer's dequantize a tail
+# no copy hides (docs/speed.md, "One dequantize kernel").
 # Where Triton is importable, one kernel (``kernels.dequant_triton_kernel``) reads each code and
 # absmax once and writes each output once. Same arithmetic, same bits: the scale is
 # absmax / 127 correctly rounded in fp32 (``tl.div_rn``), the product one fp32 multiply
@@ -258,7 +258,7 @@ class FrozenStore:
     Args:
         fmt: ``"int8"`` or ``"nf4"``.
         params: the compressed parameters, in the unit's order.
-        numels: their padded element counts (``units.unit._ALIGN``).
+        numels: their padded element counts (``units.unit.ALIGN``).
         wire_dtype: the dtype they are dequantized into (NF4 is quantized from it).
         alloc: ``alloc(nbytes)``: a flat uint8 host tensor (pinned on a GPU).
     """

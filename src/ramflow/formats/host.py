@@ -43,7 +43,7 @@ LEAN_DEVICE_STEP_SCRATCH_BYTES = LEAN_DEVICE_STEP_PIECE * 96
 RING_BUFFERS = 4
 # a step cut in pieces (the refresh's, a device step's) starts each piece on a multiple of
 # this many elements: whole blocks of the 8-bit states, and a parameter's start
-# (``units.unit._ALIGN``), so each piece rounds and quantizes as the whole unit would
+# (``units.unit.ALIGN``), so each piece rounds and quantizes as the whole unit would
 STEP_ALIGN = QBLOCK
 
 # AdamW's moments, in every state format

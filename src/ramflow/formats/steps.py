@@ -12,6 +12,7 @@ sliced by ``HostPrecision.state_view``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -47,6 +48,36 @@ class AdamWSettings(NamedTuple):
         )
 
 
+@dataclass(frozen=True)
+class FlatStep:
+    """How one flat host step of a unit walks its buffers, and with which settings
+    (``optim.AdamW.flat_step`` makes one per unit and step).
+
+    Attributes:
+        pieces: ``(begin, end)`` element ranges of the unit's flat buffers, stepped in order.
+        runs: the param groups' ranges, ``(group index, begin, end)`` (``AdamW.flat_runs``).
+        settings: each param group's settings, by group index.
+        step: the step count after this step (1 on the first).
+        tails: each parameter's scalar tail (``kernels.cpu_kernels.odd_tails``); the exact
+            step calls its kernel on each one apart.
+        seed: the unit's rounding seed (stochastic rounding of the lean formats).
+        threads: the kernel's CPU threads; None: its default.
+        after_piece: called with ``(begin, end)`` once a piece is stepped; None: nothing.
+        grad_scale: multiplies the gradient as the kernel reads it (a clip's coefficient;
+            see ``Optimizer.flat_step``); 1.0: none.
+    """
+
+    pieces: Pieces
+    runs: Runs
+    settings: Sequence[AdamWSettings]
+    step: int
+    tails: Sequence[tuple[int, int]]
+    seed: int
+    threads: int | None
+    after_piece: Callable[[int, int], None] | None = None
+    grad_scale: float = 1.0
+
+
 def _cut(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
     return None if t is None else t[lo:hi]
 
@@ -68,49 +99,51 @@ class ExactAdamW:
         master: torch.Tensor,
         grad: torch.Tensor,
         states: dict[str, torch.Tensor],
+        walk: FlatStep,
         *,
-        pieces: Pieces,
-        runs: Runs,
-        settings: Sequence[AdamWSettings],
-        step: int,
         accumulate: torch.Tensor | None,
         grad_out: torch.Tensor | None,
         wire_out: torch.Tensor | None,
-        tails: list[tuple[int, int]],
-        seed: int,
-        threads: int | None,
-        after_piece: Callable[[int, int], None] | None,
-        grad_scale: float = 1.0,
     ) -> None:
-        """Step the flat ``master`` from ``grad`` piece by piece (see ``Optimizer.flat_step``),
-        each part of a piece with the settings of its run's param group (``runs``); each
-        parameter's scalar tail is a call of its own (``kernels.cpu_kernels.odd_tails``).
-        ``grad_scale`` multiplies the gradient as the kernel reads it (a clip's
-        coefficient; see ``Optimizer.flat_step``)."""
+        """Step the flat ``master`` from ``grad`` piece by piece as ``walk`` says (see
+        ``Optimizer.flat_step``), each part of a piece with the settings of its run's param
+        group; each parameter's scalar tail is a call of its own
+        (``kernels.cpu_kernels.odd_tails``).
+
+        Args:
+            fmt: the unit's host formats.
+            master: the unit's flat fp32 masters (host).
+            grad: its flat gradient, same length (host, fp32 or the wire dtype).
+            states: its flat states by name (``HostPrecision.state_names``).
+            walk: the pieces, runs and settings of this step.
+            accumulate: a host gradient the kernel adds ``grad`` to and steps from; None: none.
+            grad_out: where the kernel writes the gradient it read; None: nowhere.
+            wire_out: the unit's wire copy, written from the new masters; None: none.
+        """
         m, v = states["exp_avg"], states["exp_avg_sq"]
-        for lo, hi in pieces:
-            for index, c, d in cut_at_runs(lo, hi, runs):
-                s = settings[index]
-                for a, b in cut_at_tails(c, d, tails):
+        for lo, hi in walk.pieces:
+            for index, c, d in cut_at_runs(lo, hi, walk.runs):
+                s = walk.settings[index]
+                for a, b in cut_at_tails(c, d, walk.tails):
                     fused_adamw_step_(
                         master[a:b],
                         grad[a:b],
                         m[a:b],
                         v[a:b],
-                        step=step,
+                        step=walk.step,
                         lr=s.lr,
                         beta1=s.beta1,
                         beta2=s.beta2,
                         eps=s.eps,
                         weight_decay=s.weight_decay,
-                        grad_scale=grad_scale,
+                        grad_scale=walk.grad_scale,
                         accumulate=_cut(accumulate, a, b),
                         grad_out=_cut(grad_out, a, b),
                         wire_out=_cut(wire_out, a, b),
-                        num_threads=threads,
+                        num_threads=walk.threads,
                     )
-            if after_piece is not None:
-                after_piece(lo, hi)
+            if walk.after_piece is not None:
+                walk.after_piece(lo, hi)
 
     def device_step(
         self,
@@ -211,22 +244,14 @@ class LeanAdamW:
         master: torch.Tensor,
         grad: torch.Tensor,
         states: dict[str, torch.Tensor],
+        walk: FlatStep,
         *,
-        pieces: Pieces,
-        runs: Runs,
-        settings: Sequence[AdamWSettings],
-        step: int,
         accumulate: torch.Tensor | None,
         grad_out: torch.Tensor | None,
         wire_out: torch.Tensor | None,
-        tails: list[tuple[int, int]],
-        seed: int,
-        threads: int | None,
-        after_piece: Callable[[int, int], None] | None,
-        grad_scale: float = 1.0,
     ) -> None:
         """As ``ExactAdamW.host_step``; the kernel reads one gradient, the accumulated one."""
-        assert grad_scale == 1.0 or (accumulate is None and grad_out is None)
+        assert walk.grad_scale == 1.0 or (accumulate is None and grad_out is None)
         # Through ``.data``, as the native fp32 kernel writes them, so the gradients'
         # version counters (the loop pattern check) see no change by the user.
         if accumulate is not None:
@@ -234,8 +259,8 @@ class LeanAdamW:
             grad = accumulate
         elif grad_out is not None:
             grad_out.data.copy_(grad)
-        for lo, hi in pieces:
-            for index, a, b in cut_at_runs(lo, hi, runs):
+        for lo, hi in walk.pieces:
+            for index, a, b in cut_at_runs(lo, hi, walk.runs):
                 self.piece(
                     fmt,
                     master,
@@ -243,15 +268,15 @@ class LeanAdamW:
                     states,
                     a,
                     b,
-                    settings=settings[index],
-                    step=step,
+                    settings=walk.settings[index],
+                    step=walk.step,
                     wire_out=_cut(wire_out, a, b),
-                    seed=seed,
-                    threads=threads,
-                    grad_scale=grad_scale,
+                    seed=walk.seed,
+                    threads=walk.threads,
+                    grad_scale=walk.grad_scale,
                 )
-            if after_piece is not None:
-                after_piece(lo, hi)
+            if walk.after_piece is not None:
+                walk.after_piece(lo, hi)
 
     def device_step(
         self,

@@ -317,8 +317,8 @@ extern "C" int ramflow_fused_adamw_step(const Args* args) {
   // [Note: dynamic work sharing] Each thread takes kGrainBlocks blocks at a time from a
   // shared counter, so a thread that the OS deschedules (the training loop's own thread,
   // the CUDA driver's) holds up one chunk, not a sixteenth of the unit as with
-  // at::parallel_for's one range per thread (10-15% slower on the GPU box, alone and in a
-  // training step: benchmarks/results/2026-11-22-nvidia-h200-optimizer-threads).
+  // at::parallel_for's one range per thread (slower alone and in a training step:
+  // docs/speed.md, "CPU kernel work sharing and threads").
   const int threads = a.num_threads > 0 ? a.num_threads : at::get_num_threads();
   const int team = static_cast<int>(std::min<int64_t>(threads, (num_blocks + kGrainBlocks - 1) / kGrainBlocks));
   if (team <= 1) {

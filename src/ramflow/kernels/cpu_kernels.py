@@ -89,7 +89,7 @@ __all__ = ["fused_adamw_step_", "native_kernel_available"]
 # renames the library into place (atomic: a reader sees the whole file or none). Processes
 # that start at once all run: one builds, the others wait for the lock and load its file.
 
-_ENV_DISABLE = "RAMFLOW_DISABLE_CPU_KERNELS"
+ENV_DISABLE = "RAMFLOW_DISABLE_CPU_KERNELS"
 
 # The lanes of PyTorch's CPU AdamW vector loop. Its dispatch has no AVX512 entry for this
 # kernel (REGISTER_DISPATCH, not ALSO_REGISTER_AVX512_DISPATCH), so AVX512 CPUs run the
@@ -138,7 +138,7 @@ def cut_at_tails(lo: int, hi: int, tails: list[tuple[int, int]]) -> list[tuple[i
     return out
 
 
-_DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WIRE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -201,14 +201,14 @@ class _NativeKernel:
         return self.fn
 
     def _load(self) -> None:
-        if os.environ.get(_ENV_DISABLE, "") not in ("", "0"):
-            self.reason = f"{_ENV_DISABLE} is set"
+        if os.environ.get(ENV_DISABLE, "") not in ("", "0"):
+            self.reason = f"{ENV_DISABLE} is set"
             return
         if platform.machine().lower() not in ("x86_64", "amd64"):
             self._give_up(f"it is only verified on x86-64, not {platform.machine()}")
             return
         try:
-            lib = ctypes.CDLL(_build())
+            lib = ctypes.CDLL(build_library())
         except Exception as err:  # any build failure means: use PyTorch, do not crash
             self._give_up(f"it could not be built ({type(err).__name__}: {err})".strip())
             return
@@ -231,13 +231,13 @@ class _NativeKernel:
         warnings.warn(
             f"ramflow: the native CPU AdamW kernel is not used because {why}; stepping with "
             "PyTorch's fused AdamW in three passes instead (same results, slower). "
-            f"Set {_ENV_DISABLE}=1 to silence this.",
+            f"Set {ENV_DISABLE}=1 to silence this.",
             RuntimeWarning,
             stacklevel=4,
         )
 
 
-_NATIVE = _NativeKernel()
+NATIVE = _NativeKernel()
 
 
 # package data beside this module, compiled as one translation unit in this order (the lean
@@ -307,7 +307,7 @@ def cache_dir() -> str:
 # step take 114 s. So the library is built ahead: by ``make setup``
 # (``python -m ramflow.build_kernels``), and otherwise by ``ramflow.offload``, which starts
 # ``start_background_build`` when this environment's library is not in the cache yet: one
-# line on stderr, the build in a daemon thread while the model loads. ``_build`` (the
+# line on stderr, the build in a daemon thread while the model loads. ``build_library`` (the
 # loaders' first use, in the first step) joins that thread if it still runs and raises its
 # error if it failed, so a build is attempted once per process. Never at import: importing
 # ramflow stays cheap and starts nothing.
@@ -325,7 +325,7 @@ class _BackgroundBuild:
         """Start the build unless it ran already, the library is cached or native code
         is off here; return whether it started."""
         with self._lock:
-            if self._thread is not None or _NATIVE._loaded or not _native_wanted():
+            if self._thread is not None or NATIVE._loaded or not native_wanted():
                 return False
             if os.path.exists(_library()[0]):
                 return False
@@ -343,7 +343,7 @@ class _BackgroundBuild:
 
     def _run(self) -> None:
         try:
-            _build()
+            build_library()
         except BaseException as err:  # noqa: BLE001 - the loaders raise it and fall back
             self._error = err
 
@@ -372,8 +372,8 @@ def start_background_build() -> bool:
     return _BACKGROUND.start()
 
 
-def _native_wanted() -> bool:
-    return os.environ.get(_ENV_DISABLE, "") in ("", "0") and platform.machine().lower() in (
+def native_wanted() -> bool:
+    return os.environ.get(ENV_DISABLE, "") in ("", "0") and platform.machine().lower() in (
         "x86_64",
         "amd64",
     )
@@ -405,7 +405,7 @@ def _library() -> tuple[str, str, str, str]:
     return os.path.join(directory, f"{name}.so"), name, source, directory
 
 
-def _build() -> str:
+def build_library() -> str:
     """Find the kernel of this environment in the cache, or build it there; return its path.
 
     See [Note: the kernel's build cache] and [Note: building before the first step].
@@ -501,10 +501,10 @@ def native_kernel_available() -> bool:
     False means it runs the pure-PyTorch path; ``RAMFLOW_DISABLE_CPU_KERNELS=1``, a missing
     compiler, a failed build, a non-x86-64 CPU or a failed exactness probe lead there.
     """
-    return _NATIVE.get() is not None
+    return NATIVE.get() is not None
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
@@ -538,9 +538,9 @@ def _step_native(
         grad=grad.data_ptr(),
         exp_avg=exp_avg.data_ptr(),
         exp_avg_sq=exp_avg_sq.data_ptr(),
-        accumulate=_ptr(accumulate),
-        grad_out=_ptr(grad_out) if accumulate is None else None,
-        wire_out=_ptr(wire_out),
+        accumulate=ptr_of(accumulate),
+        grad_out=ptr_of(grad_out) if accumulate is None else None,
+        wire_out=ptr_of(wire_out),
         n=param.numel(),
         step=step,
         lr=lr,
@@ -549,8 +549,8 @@ def _step_native(
         eps=eps,
         weight_decay=weight_decay,
         grad_scale=grad_scale,
-        grad_dtype=_DTYPE_CODE[grad.dtype],
-        wire_dtype=0 if wire_out is None else _DTYPE_CODE[wire_out.dtype],
+        grad_dtype=DTYPE_CODE[grad.dtype],
+        wire_dtype=0 if wire_out is None else DTYPE_CODE[wire_out.dtype],
         torch_fma=int(native.torch_fma),
         torch_vec_width=_TORCH_VEC_WIDTH,
         streaming=streaming,
@@ -611,7 +611,7 @@ def _step_torch(
         wire_out.copy_(param.view(wire_out.shape))
 
 
-def _check_threads(num_threads: object) -> None:
+def check_threads(num_threads: object) -> None:
     """``num_threads`` must be None or an int >= 1 (ValueError, TypeError otherwise)."""
     if num_threads is None:
         return
@@ -621,7 +621,7 @@ def _check_threads(num_threads: object) -> None:
         raise ValueError(f"num_threads must be >= 1 (or None for torch's), got {num_threads}")
 
 
-def _check_tensor(
+def check_tensor(
     name: str,
     t: object,
     dtypes: tuple[torch.dtype, ...],
@@ -645,7 +645,7 @@ def _check_tensor(
         raise ValueError(f"{name} has {t.numel()} elements, param has {numel}; they must match")
 
 
-def _check_no_overlap(named: list[tuple[str, torch.Tensor]]) -> None:
+def check_no_overlap(named: list[tuple[str, torch.Tensor]]) -> None:
     spans = [
         (name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
         for name, t in named
@@ -719,18 +719,18 @@ def fused_adamw_step_(
             elements or overlaps another; both ``accumulate`` and ``grad_out`` are given;
             ``step`` < 1; ``num_threads`` is not None and < 1.
     """
-    _check_threads(num_threads)
+    check_threads(num_threads)
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"param must be a torch.Tensor, got {type(param).__name__}")
     n = param.numel()
     fp32 = (torch.float32,)
-    _check_tensor("param", param, fp32, n)
-    _check_tensor("grad", grad, _GRAD_DTYPES, n)
-    _check_tensor("exp_avg", exp_avg, fp32, n)
-    _check_tensor("exp_avg_sq", exp_avg_sq, fp32, n)
+    check_tensor("param", param, fp32, n)
+    check_tensor("grad", grad, _GRAD_DTYPES, n)
+    check_tensor("exp_avg", exp_avg, fp32, n)
+    check_tensor("exp_avg_sq", exp_avg_sq, fp32, n)
     written = [("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
     if accumulate is not None:
-        _check_tensor("accumulate", accumulate, fp32, n)
+        check_tensor("accumulate", accumulate, fp32, n)
         written.append(("accumulate", accumulate))
     if grad_out is not None:
         if accumulate is not None:
@@ -738,19 +738,19 @@ def fused_adamw_step_(
                 "pass accumulate or grad_out, not both: with accumulate, the gradient used is "
                 "written to accumulate"
             )
-        _check_tensor("grad_out", grad_out, fp32, n)
+        check_tensor("grad_out", grad_out, fp32, n)
         written.append(("grad_out", grad_out))
     if wire_out is not None:
-        _check_tensor("wire_out", wire_out, _WIRE_DTYPES, n)
+        check_tensor("wire_out", wire_out, _WIRE_DTYPES, n)
         written.append(("wire_out", wire_out))
-    _check_no_overlap(written)
+    check_no_overlap(written)
     grad_is_grad_out = (
         grad_out is not None
         and grad_out.data_ptr() == grad.data_ptr()
         and grad.dtype == torch.float32
     )
     if not grad_is_grad_out:
-        _check_no_overlap(written[:1] + [("grad", grad)] + written[1:])
+        check_no_overlap(written[:1] + [("grad", grad)] + written[1:])
     if isinstance(step, bool):
         raise TypeError("step must be an int, got bool")
     try:
@@ -773,7 +773,7 @@ def fused_adamw_step_(
     )
     if n == 0:
         return
-    if _NATIVE.get() is not None:
-        _step_native(_NATIVE, param, grad, exp_avg, exp_avg_sq, num_threads=num_threads, **hyper)
+    if NATIVE.get() is not None:
+        _step_native(NATIVE, param, grad, exp_avg, exp_avg_sq, num_threads=num_threads, **hyper)
     else:
         _step_torch(param, grad, exp_avg, exp_avg_sq, **hyper)

@@ -5,7 +5,7 @@ dequantize kernel] in ``formats.frozen``."""
 import triton
 import triton.language as tl
 
-from .lean_triton_kernel import _bf16_nearest
+from .lean_triton_kernel import bf16_nearest
 
 
 @triton.jit(do_not_specialize=["num_blocks"])
@@ -28,7 +28,7 @@ def int8_dequantize_kernel(
     ok = row_ok[:, None]
     x = tl.load(codes_ptr + offs, mask=ok, other=0).to(tl.float32) * scale[:, None]
     if OUT == 1:
-        tl.store(out_ptr + offs, _bf16_nearest(x), mask=ok)
+        tl.store(out_ptr + offs, bf16_nearest(x), mask=ok)
     elif OUT == 2:
         tl.store(out_ptr + offs, x.to(tl.float16), mask=ok)
     else:

@@ -52,14 +52,14 @@ import torch
 
 from . import cpu_kernels as _cpu_kernels
 from . import lean_triton as _lean_triton
-from .cpu_kernels import _check_no_overlap, _check_tensor, _check_threads
+from .cpu_kernels import check_no_overlap, check_tensor, check_threads
 from .library import KernelLibrary
 from .random_bits import (
-    _MASK32,
-    _bf16_stochastic,
-    _round_bf16_torch,
-    _state_bits,
+    MASK32,
+    bf16_stochastic,
+    round_bf16_torch,
     rounding_key,
+    state_bits,
 )
 
 __all__ = [
@@ -125,12 +125,12 @@ def stochastic_round_bf16(
     Returns: a new bf16 tensor of ``x``'s shape. NaN becomes 0x7FC0; values that round up
     past the largest bf16 become infinity.
     """
-    _check_threads(num_threads)
-    _check_tensor("x", x, (torch.float32,), x.numel() if isinstance(x, torch.Tensor) else 0)
+    check_threads(num_threads)
+    check_tensor("x", x, (torch.float32,), x.numel() if isinstance(x, torch.Tensor) else 0)
     key = rounding_key(seed, step)
     lib = _LEAN.get()
     if lib is None:
-        return _round_bf16_torch(x, key, counter_offset).view(x.shape)
+        return round_bf16_torch(x, key, counter_offset).view(x.shape)
     out = torch.empty(x.shape, dtype=torch.bfloat16)
     rc = lib.ramflow_bf16_stochastic_round(
         x.data_ptr(), out.data_ptr(), x.numel(), counter_offset, key, num_threads or 0
@@ -239,7 +239,7 @@ def _scale_exponents(absmax: torch.Tensor) -> torch.Tensor:
     """The block scales' exponents e (int64) of fp32 ``absmax`` (>= 0): the least e with
     absmax / 2**e <= 448 (448 = 1.75 * 2**8: exponent(absmax) - 8, plus 1 where the
     mantissa passes 1.75, which adding 0x1FFFFF carries into the exponent), at least -126."""
-    bits = absmax.contiguous().view(torch.int32).to(torch.int64) & _MASK32
+    bits = absmax.contiguous().view(torch.int32).to(torch.int64) & MASK32
     return (((bits + 0x1FFFFF) >> 23) - 135).clamp(min=-126)
 
 
@@ -544,7 +544,7 @@ def _store_state(
         s.copy_(q)
         scale.copy_(sc)
     else:
-        s.copy_(_bf16_stochastic(x, u16))
+        s.copy_(bf16_stochastic(x, u16))
 
 
 @torch.no_grad()
@@ -585,7 +585,7 @@ def _step_torch(
     p = p + (m * c["neg_step_size"]) / denom
     bits = None  # bf16 and 8-bit states round stochastically
     if exp_avg.dtype != torch.float32:
-        bits = _state_bits(key, counter_offset, m.numel(), m.device)
+        bits = state_bits(key, counter_offset, m.numel(), m.device)
     _store_state(exp_avg.view(-1), m_scale, m, signed=True, bits=bits)
     _store_state(exp_avg_sq.view(-1), v_scale, v, signed=False, bits=bits)
     if master.dtype == torch.float32:
@@ -593,7 +593,7 @@ def _step_torch(
         if wire_out is not None:
             wire_out.view(-1).copy_(p)
     elif compensation is None:
-        master.view(-1).copy_(_round_bf16_torch(p, key, counter_offset))
+        master.view(-1).copy_(round_bf16_torch(p, key, counter_offset))
     else:
         hi = p.to(torch.bfloat16)
         master.view(-1).copy_(hi)
@@ -706,16 +706,16 @@ def lean_adamw_step_(
             master they do not go with; ``step`` < 1; ``counter_offset`` < 0 or, with 8-bit
             states, not a multiple of 256.
     """
-    _check_threads(num_threads)
+    check_threads(num_threads)
     if not isinstance(master, torch.Tensor):
         raise TypeError(f"master must be a torch.Tensor, got {type(master).__name__}")
     n = master.numel()
     dev = master.device if master.device.type == "cuda" else None
-    _check_tensor("master", master, (torch.float32, torch.bfloat16), n, dev)
-    _check_tensor("grad", grad, (torch.float32, torch.bfloat16, torch.float16), n, dev)
+    check_tensor("master", master, (torch.float32, torch.bfloat16), n, dev)
+    check_tensor("grad", grad, (torch.float32, torch.bfloat16, torch.float16), n, dev)
     states = tuple(_STATE_FORMAT)
-    _check_tensor("exp_avg", exp_avg, states, n, dev)
-    _check_tensor("exp_avg_sq", exp_avg_sq, states, n, dev)
+    check_tensor("exp_avg", exp_avg, states, n, dev)
+    check_tensor("exp_avg_sq", exp_avg_sq, states, n, dev)
     if exp_avg.dtype != exp_avg_sq.dtype:
         raise ValueError(
             f"exp_avg is {exp_avg.dtype} and exp_avg_sq {exp_avg_sq.dtype}; give both states "
@@ -730,8 +730,8 @@ def lean_adamw_step_(
                 "8-bit states need exp_avg_scale and exp_avg_sq_scale, fp32 "
                 f"({num_blocks},): one per block of {QBLOCK}"
             )
-        _check_tensor("exp_avg_scale", exp_avg_scale, (torch.float32,), num_blocks, dev)
-        _check_tensor("exp_avg_sq_scale", exp_avg_sq_scale, (torch.float32,), num_blocks, dev)
+        check_tensor("exp_avg_scale", exp_avg_scale, (torch.float32,), num_blocks, dev)
+        check_tensor("exp_avg_sq_scale", exp_avg_sq_scale, (torch.float32,), num_blocks, dev)
         written += [("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)]
         if counter_offset % QBLOCK:
             raise ValueError(
@@ -743,16 +743,16 @@ def lean_adamw_step_(
     if compensation is not None:
         if master.dtype != torch.bfloat16:
             raise ValueError("compensation goes with a bf16 master; an fp32 master needs none")
-        _check_tensor("compensation", compensation, (torch.bfloat16,), n, dev)
+        check_tensor("compensation", compensation, (torch.bfloat16,), n, dev)
         written.append(("compensation", compensation))
     if wire_out is not None:
         if master.dtype != torch.float32:
             raise ValueError(
                 "wire_out goes with an fp32 master; a bf16 master is its own wire copy"
             )
-        _check_tensor("wire_out", wire_out, (torch.bfloat16, torch.float16), n, dev)
+        check_tensor("wire_out", wire_out, (torch.bfloat16, torch.float16), n, dev)
         written.append(("wire_out", wire_out))
-    _check_no_overlap(written + [("grad", grad)])
+    check_no_overlap(written + [("grad", grad)])
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int, got {type(step).__name__}")
     if step < 1:
@@ -785,7 +785,7 @@ def lean_adamw_step_(
             c=c,
         )
         return
-    ptr = _cpu_kernels._ptr
+    ptr = _cpu_kernels.ptr_of
     master_format = _master_format(master, compensation)
     args = _LeanArgs(
         master=master.data_ptr(),
@@ -804,8 +804,8 @@ def lean_adamw_step_(
         apply_scale=int(grad_scale != 1.0),
         master_format=master_format,
         state_format=_STATE_FORMAT[exp_avg.dtype],
-        grad_dtype=_cpu_kernels._DTYPE_CODE[grad.dtype],
-        wire_dtype=0 if wire_out is None else _cpu_kernels._DTYPE_CODE[wire_out.dtype],
+        grad_dtype=_cpu_kernels.DTYPE_CODE[grad.dtype],
+        wire_dtype=0 if wire_out is None else _cpu_kernels.DTYPE_CODE[wire_out.dtype],
         num_threads=num_threads or 0,
         **c,
     )

@@ -3,8 +3,8 @@
 ``ramflow.offload(device_optimizer=True)`` steps the units the GPU budget leaves room for
 on the device, in their host format (see [Note: the optimizer on the device] in
 ``engine.device_stepper``). The PyTorch-ops version of the lean step (``kernels.lean_kernels._step_torch``)
-launches about 30 kernels per piece and made a device-stepped 4x2048 step slower than a
-host-stepped one (benchmarks/results/2026-11-23-nvidia-h100-lean-device-step). This kernel
+launches about 30 kernels per piece and made a device-stepped step slower than a
+host-stepped one (docs/speed.md, "The lean step on the device"). This kernel
 reads the gradient, master and states once and writes them once, like the CPU kernel.
 
 [Note: the same bits on the GPU]

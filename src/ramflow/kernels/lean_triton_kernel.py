@@ -16,7 +16,7 @@ def _hash32(x):
 
 
 @triton.jit
-def _bf16_nearest(x):
+def bf16_nearest(x):
     # fp32 -> bf16 rounded to nearest even, in integer bits as c10::BFloat16 does (NaN to
     # 0x7FC0); written out so that the interpreter (TRITON_INTERPRET=1, the CPU tests) and
     # the GPU give the same bits
@@ -180,7 +180,7 @@ def lean_adamw_kernel(
     if MASTER == 0:
         tl.store(master_ptr + idx, p, mask=mask)
         if WIRE == 1:
-            tl.store(wire_ptr + idx, _bf16_nearest(p), mask=mask)
+            tl.store(wire_ptr + idx, bf16_nearest(p), mask=mask)
         elif WIRE == 2:
             tl.store(wire_ptr + idx, p.to(tl.float16), mask=mask)
     elif MASTER == 1:
@@ -190,6 +190,6 @@ def lean_adamw_kernel(
         bits = _hash32(_hash32(counter.to(tl.uint32) ^ k) + (counter >> 32).to(tl.uint32))
         tl.store(master_ptr + idx, _bf16_stochastic(p, bits >> 16), mask=mask)
     else:
-        hi = _bf16_nearest(p)
+        hi = bf16_nearest(p)
         tl.store(master_ptr + idx, hi, mask=mask)
-        tl.store(comp_ptr + idx, _bf16_nearest(p - hi.to(tl.float32)), mask=mask)
+        tl.store(comp_ptr + idx, bf16_nearest(p - hi.to(tl.float32)), mask=mask)

@@ -8,7 +8,7 @@ import os
 import platform
 import threading
 
-from .cpu_kernels import _ENV_DISABLE, _build
+from .cpu_kernels import ENV_DISABLE, build_library
 
 __all__ = ["KernelLibrary"]
 
@@ -36,14 +36,14 @@ class KernelLibrary:
         return self.lib
 
     def _load(self) -> ctypes.CDLL | None:
-        if os.environ.get(_ENV_DISABLE, "") not in ("", "0"):
-            self.reason = f"{_ENV_DISABLE} is set"
+        if os.environ.get(ENV_DISABLE, "") not in ("", "0"):
+            self.reason = f"{ENV_DISABLE} is set"
             return None
         if platform.machine().lower() not in ("x86_64", "amd64"):
             self.reason = f"it is only verified on x86-64, not {platform.machine()}"
             return None
         try:
-            lib = ctypes.CDLL(_build())
+            lib = ctypes.CDLL(build_library())
         except Exception as err:  # any build failure means: use PyTorch, do not crash
             self.reason = f"it could not be built ({type(err).__name__}: {err})"
             self._on_build_error(err)

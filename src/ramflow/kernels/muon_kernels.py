@@ -4,8 +4,8 @@ the update of the master weights by the orthogonalized blend.
 ``torch.optim.Muon`` writes these as PyTorch ops (``buf.lerp_(g, 1 - mu)``; ``u =
 g.lerp(buf, mu)``; ``u.bfloat16()`` inside the iteration; ``p.mul_(1 - lr * wd)``;
 ``p.add_(O, alpha=-lr_adj)``). Over host tensors of a Llama-3-8B layer (218 M parameters)
-those took 263 ms on the 16-core H100 box where PyTorch's fused CPU AdamW takes 44 ms:
-the out-of-place ``lerp`` and ``bfloat16()`` allocate a fresh fp32 and bf16 tensor per
+those took about six times as long as PyTorch's fused CPU AdamW (docs/speed.md, "Muon's
+host passes"): the out-of-place ``lerp`` and ``bfloat16()`` allocate a fresh fp32 and bf16 tensor per
 matrix (new pages: the kernel faults every one of them in), and ``add_`` of a bf16 tensor
 to an fp32 one first makes an fp32 copy of it (PyTorch's CPU TensorIterator promotes
 mixed-dtype inputs by a temporary), so each pass went over DRAM several times and
@@ -40,7 +40,7 @@ import warnings
 import torch
 
 from . import cpu_kernels as _cpu_kernels
-from .cpu_kernels import _check_no_overlap, _check_tensor, _check_threads
+from .cpu_kernels import check_no_overlap, check_tensor, check_threads
 from .library import KernelLibrary
 
 __all__ = ["muon_apply_", "muon_blend_", "muon_kernel_available"]
@@ -110,7 +110,7 @@ class _MuonLibrary(KernelLibrary):
         warnings.warn(
             f"ramflow: the native Muon host passes are not used because {self.reason}; "
             f"running PyTorch's ops in chunks instead (same results, slower). Set "
-            f"{_cpu_kernels._ENV_DISABLE}=1 to silence this.",
+            f"{_cpu_kernels.ENV_DISABLE}=1 to silence this.",
             RuntimeWarning,
             stacklevel=6,
         )
@@ -251,12 +251,12 @@ def muon_blend_(
         ValueError: a tensor is not on the CPU, not contiguous, has another number of
             elements or overlaps another; ``num_threads`` < 1.
     """
-    _check_threads(num_threads)
+    check_threads(num_threads)
     n = momentum.numel() if isinstance(momentum, torch.Tensor) else -1
-    _check_tensor("momentum", momentum, (torch.float32,), n)
-    _check_tensor("grad", grad, (torch.float32,), n)
-    _check_tensor("out", out, (torch.bfloat16,), n)
-    _check_no_overlap([("momentum", momentum), ("grad", grad), ("out", out)])
+    check_tensor("momentum", momentum, (torch.float32,), n)
+    check_tensor("grad", grad, (torch.float32,), n)
+    check_tensor("out", out, (torch.bfloat16,), n)
+    check_no_overlap([("momentum", momentum), ("grad", grad), ("out", out)])
     if n == 0:
         return
     lib = _LIB.get()
@@ -300,11 +300,11 @@ def muon_apply_(
     Raises:
         TypeError, ValueError: as ``muon_blend_`` does for its tensors.
     """
-    _check_threads(num_threads)
+    check_threads(num_threads)
     n = param.numel() if isinstance(param, torch.Tensor) else -1
-    _check_tensor("param", param, (torch.float32,), n)
-    _check_tensor("orthogonal", orthogonal, (torch.bfloat16,), n)
-    _check_no_overlap([("param", param), ("orthogonal", orthogonal)])
+    check_tensor("param", param, (torch.float32,), n)
+    check_tensor("orthogonal", orthogonal, (torch.bfloat16,), n)
+    check_no_overlap([("param", param), ("orthogonal", orthogonal)])
     if n == 0:
         return
     decay, alpha = 1 - lr * weight_decay, -adjusted_lr

@@ -1,6 +1,6 @@
 """Counter-based random bits for ramflow's stochastic rounding, and the PyTorch references of
-the roundings that read them: the bf16 master's and states' (``_bf16_stochastic``) and the
-8-bit states' bits (``_state_bits``). The native loops (``lean_kernels.cpp`` and its AVX2
+the roundings that read them: the bf16 master's and states' (``bf16_stochastic``) and the
+8-bit states' bits (``state_bits``). The native loops (``lean_kernels.cpp`` and its AVX2
 and AVX-512 files) and the Triton kernel (``kernels/lean_triton_kernel.py``) compute the same bits;
 ``kernels.lean_kernels`` says how each rounding uses them ([Note: stochastic rounding of the 8-bit
 states]).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-_MASK32 = 0xFFFFFFFF
+MASK32 = 0xFFFFFFFF
 _STATE_MUL = 0x9E3779B9  # [Note: stochastic rounding of the 8-bit states]
 
 
@@ -29,11 +29,11 @@ _STATE_MUL = 0x9E3779B9  # [Note: stochastic rounding of the 8-bit states]
 
 
 def _hash32_int(x: int) -> int:
-    x &= _MASK32
+    x &= MASK32
     x ^= x >> 16
-    x = (x * 0x7FEB352D) & _MASK32
+    x = (x * 0x7FEB352D) & MASK32
     x ^= x >> 15
-    x = (x * 0x846CA68B) & _MASK32
+    x = (x * 0x846CA68B) & MASK32
     x ^= x >> 16
     return x
 
@@ -44,14 +44,14 @@ def rounding_key(seed: int, step: int) -> int:
     hashed with the unit's index. See [Note: counter-based stochastic rounding]."""
     if seed < 0 or step < 0:
         raise ValueError(f"seed and step must be >= 0, got seed={seed}, step={step}")
-    lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
-    return _hash32_int(_hash32_int(_hash32_int(lo) ^ hi) + (step & _MASK32))
+    lo, hi = seed & MASK32, (seed >> 32) & MASK32
+    return _hash32_int(_hash32_int(_hash32_int(lo) ^ hi) + (step & MASK32))
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """(x * c) mod 2**32 for int64 x in [0, 2**32), without int64 overflow."""
     lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -67,21 +67,21 @@ def _sr_bits(
 ) -> torch.Tensor:
     """The 32 random bits (n,) int64 of elements counter_offset .. counter_offset + n - 1."""
     index = torch.arange(counter_offset, counter_offset + n, dtype=torch.int64, device=device)
-    return _hash32((_hash32((index & _MASK32) ^ key) + (index >> 32)) & _MASK32)
+    return _hash32((_hash32((index & MASK32) ^ key) + (index >> 32)) & MASK32)
 
 
-def _bf16_stochastic(x: torch.Tensor, u16: torch.Tensor) -> torch.Tensor:
+def bf16_stochastic(x: torch.Tensor, u16: torch.Tensor) -> torch.Tensor:
     """fp32 ``x`` rounded to bf16 stochastically with 16 random bits ``u16`` (int64 in [0,
     2**16), same shape) each, as the native ``bf16_stochastic``: up with probability (the
     dropped bits) / 2**16; NaN becomes 0x7FC0, infinity stays (its dropped bits are 0)."""
-    u = x.contiguous().view(torch.int32).to(torch.int64) & _MASK32
+    u = x.contiguous().view(torch.int32).to(torch.int64) & MASK32
     b = ((u + u16) >> 16) & 0xFFFF
     b = torch.where(torch.isnan(x), 0x7FC0, b)
     return torch.where(b >= 0x8000, b - 0x10000, b).to(torch.int16).view(torch.bfloat16)
 
 
-def _round_bf16_torch(x: torch.Tensor, key: int, counter_offset: int) -> torch.Tensor:
-    return _bf16_stochastic(x, _sr_bits(key, counter_offset, x.numel(), x.device) >> 16)
+def round_bf16_torch(x: torch.Tensor, key: int, counter_offset: int) -> torch.Tensor:
+    return bf16_stochastic(x, _sr_bits(key, counter_offset, x.numel(), x.device) >> 16)
 
 
 def _state_bits_of(h: torch.Tensor) -> torch.Tensor:
@@ -92,7 +92,7 @@ def _state_bits_of(h: torch.Tensor) -> torch.Tensor:
     return _mul32(h ^ (h >> 16), _STATE_MUL)
 
 
-def _state_bits(key: int, counter_offset: int, n: int, device: torch.device | None) -> torch.Tensor:
+def state_bits(key: int, counter_offset: int, n: int, device: torch.device | None) -> torch.Tensor:
     """The 32 random bits (n,) int64 of the 8-bit states' rounding of elements
     counter_offset .. counter_offset + n - 1, from the master's (``_state_bits_of``)."""
     return _state_bits_of(_sr_bits(key, counter_offset, n, device))

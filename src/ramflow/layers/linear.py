@@ -31,7 +31,7 @@ from ..engine.engine import Engine
 from ..engine.options import EngineOptions
 from ..engine.worker import HostWorker
 from ..transfer.streams import CopyStreams
-from ..units.unit import _ALIGN, UnitSpec
+from ..units.unit import ALIGN, UnitSpec
 
 # a Linear's parameters -> the layer, until the layer attaches to its engine
 PENDING: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -54,7 +54,7 @@ def _check_wire_dtype(dtype: torch.dtype) -> None:
 
 
 def _round_up(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+    return -(-n // ALIGN) * ALIGN
 
 
 def _default_device() -> torch.device:

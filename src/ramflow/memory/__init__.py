@@ -32,7 +32,7 @@ from ..activations.checkpointing import (
 from ..activations.report import ActivationReport, ModuleActivations, activation_report
 from .attention import SDPAReport, chunked_attention, sdpa_backends_report, use_sdpa
 from .census import CensusGroup, TensorCensus, census_diff, tensor_census
-from .estimate import ActivationProfile, MemoryEstimate, estimate_memory
+from .estimate import ActivationProfile, MemoryEstimate, RunDescription, estimate_memory
 from .fit import BatchFit, BatchTrial, fit_batch, smaller_micro_batch
 from .snapshot import memory_snapshot, plot_timeline
 from .tracker import MemoryTracker, cuda_pinned_bytes
@@ -62,6 +62,7 @@ __all__ = [
     "census_diff",
     "chunked_attention",
     "cuda_pinned_bytes",
+    "RunDescription",
     "estimate_memory",
     "find_blocks",
     "fit_batch",

@@ -40,6 +40,7 @@ __all__ = [
     "runtime_overhead_bytes",
     "ActivationProfile",
     "MemoryEstimate",
+    "RunDescription",
     "estimate_memory",
     "size_string",
 ]
@@ -154,6 +155,43 @@ class ActivationProfile:
         largest = max(self.layer_bytes, default=0)
         saved = self.saved_bytes(checkpointing=checkpointing, offload=offload)
         return saved + largest + self.logits_workspace_bytes
+
+
+@dataclass(frozen=True)
+class RunDescription:
+    """The run a memory estimate is for, as its report names it.
+
+    Attributes:
+        batch_size: sequences per micro-batch (B), > 0.
+        seq_len: tokens per sequence (T), > 0.
+        model_name: what the estimate is for (a preset or folder); None: the model's class
+            name.
+        precision: the compute precision the report names (``bf16``/``fp16``/``fp32``);
+            None: the wire dtype's name.
+        out_dir: where checkpoints go, to report its free disk space; None: not reported.
+    """
+
+    batch_size: int
+    seq_len: int
+    model_name: str | None = None
+    precision: str | None = None
+    out_dir: str | os.PathLike | None = None
+
+
+@dataclass(frozen=True)
+class FrozenBase:
+    """A LoRA run's frozen base and its adapters, as ``estimate_memory`` sizes them.
+
+    Attributes:
+        frozen_format: frozen weights kept compressed in host RAM (``"int8"``, ``"nf4"``;
+            ``ramflow.offload``'s ``frozen_format``); None: in the wire dtype.
+        num_adapter_parameters: LoRA adapter parameters trained on the device (the base
+            frozen): ``ADAPTER_DEVICE_BYTES_PER_PARAMETER`` each come out of the budget
+            before ramflow's share, and the checkpoint holds only them.
+    """
+
+    frozen_format: str | None = None
+    num_adapter_parameters: int = 0
 
 
 @dataclass(frozen=True)
@@ -534,21 +572,16 @@ def estimate_memory(
     model: nn.Module,
     *,
     activations: ActivationProfile,
-    batch_size: int,
-    seq_len: int,
+    run: RunDescription,
     device_type: str = "cuda",
     wire_dtype: torch.dtype = torch.bfloat16,
     device_budget: int | str | None = None,
     checkpointing: str | bool = "auto",
     prefetch_depth: int = 2,
     optimizer_states: int = 2,
-    precision: str | None = None,
-    model_name: str | None = None,
-    out_dir: str | os.PathLike | None = None,
     host_precision: HostPrecision | str | None = None,
     full_gradients: bool = False,
-    frozen_format: str | None = None,
-    num_adapter_parameters: int = 0,
+    frozen: FrozenBase | None = None,
 ) -> MemoryEstimate:
     """Estimate a training run's memory, per device and host, without running it.
 
@@ -566,7 +599,7 @@ def estimate_memory(
         activations: the activations of one micro-batch (``ActivationProfile``; from
             ``ActivationProfile.from_report`` for any model, or
             ``ramflow.train.estimate.measure_activations`` for a language model).
-        batch_size, seq_len: the micro-batch's shape (B, T), for the report.
+        run: the micro-batch's shape (B, T) and the report's names (``RunDescription``).
         device_type: ``"cuda"`` or ``"cpu"`` (on a CPU run the "device" is RAM too).
         wire_dtype: dtype of the device copies of the weights.
         device_budget: the whole device's budget for the run, bytes or a size string (``"12GiB"``); None:
@@ -578,20 +611,14 @@ def estimate_memory(
         prefetch_depth: as for ``ramflow.offload``.
         optimizer_states: fp32 state tensors per trainable parameter (2 for AdamW, 1 for
             SGD with momentum, 0 for none).
-        precision: for the report (default: the wire dtype's name).
-        model_name: for the report (default: the model's class name).
-        out_dir: where checkpoints go, to report its free disk space (None: not reported).
         host_precision: the host formats (as ``ramflow.offload``'s ``host_precision``,
             ``"auto"`` included: decided on this machine's available RAM); None: fp32. With
             formats other than fp32 the optimizer is taken to be AdamW.
         full_gradients: the loop keeps a full host gradient buffer even under a gradient
             ring (it clips, accumulates, or steps only in ``opt.step()``): counted in the
             master's dtype (see ``HostPrecision.host_bytes``).
-        frozen_format: frozen weights kept compressed in host RAM (``"int8"``, ``"nf4"``;
-            ``ramflow.offload``'s ``frozen_format``); None: in the wire dtype.
-        num_adapter_parameters: LoRA adapter parameters trained on the device (the base
-            frozen): ``ADAPTER_DEVICE_BYTES_PER_PARAMETER`` each come out of the budget
-            before ramflow's share, and the checkpoint holds only them.
+        frozen: a LoRA run's frozen base and its adapters (``FrozenBase``); None: no
+            adapters, frozen weights (if any) in the wire dtype.
 
     Returns:
         A ``MemoryEstimate``; ``describe()`` prints it.
@@ -609,6 +636,7 @@ def estimate_memory(
         raise ValueError(
             f"--checkpointing {checkpointing!r}: choose one of {', '.join(CHECKPOINTING_MODES)}"
         )
+    batch_size, seq_len = run.batch_size, run.seq_len
     if batch_size < 1 or seq_len < 1:
         raise ValueError(
             f"batch size and sequence length must be positive, got {batch_size} and {seq_len}"
@@ -623,6 +651,8 @@ def estimate_memory(
     device_budget_bytes = (
         None if device_budget is None else parse_bytes(device_budget, what="device_budget")
     )
+    frozen = frozen or FrozenBase()
+    frozen_format, num_adapter_parameters = frozen.frozen_format, frozen.num_adapter_parameters
     units, buffer_bytes = offload_units(model, frozen_format=frozen_format)
     acts = activations
     adapter_bytes = num_adapter_parameters * ADAPTER_DEVICE_BYTES_PER_PARAMETER
@@ -685,18 +715,18 @@ def estimate_memory(
     num_parameters = sum(p.numel() for p in distinct)
     num_trainable = sum(p.numel() for p in distinct if p.requires_grad)
     disk_free = None
-    if out_dir is not None:
-        probe = Path(out_dir)
+    if run.out_dir is not None:
+        probe = Path(run.out_dir)
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
         disk_free = shutil.disk_usage(probe).free
     wire_name = str(wire_dtype).replace("torch.", "")
     return MemoryEstimate(
-        model_name=model_name if model_name is not None else type(model).__name__,
+        model_name=run.model_name if run.model_name is not None else type(model).__name__,
         num_parameters=num_parameters,
         num_trainable=num_trainable,
         device_type=device_type,
-        precision=precision if precision is not None else wire_name,
+        precision=run.precision if run.precision is not None else wire_name,
         wire_dtype=wire_name,
         batch_size=batch_size,
         seq_len=seq_len,

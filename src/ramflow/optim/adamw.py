@@ -23,11 +23,11 @@ from torch.optim import sgd as _sgd
 
 from ..engine.engine import Engine
 from ..formats.host import moments_into, moments_to_plain
-from ..formats.steps import LEAN, AdamWSettings, adamw_for
-from ..kernels.cpu_kernels import _check_threads, odd_tails
+from ..formats.steps import LEAN, AdamWSettings, FlatStep, adamw_for
+from ..kernels.cpu_kernels import check_threads, odd_tails
 from ..units.registry import engine_of_param
 from ..units.unit import Unit
-from .host_optimizer import HostOptimizer, _format
+from .host_optimizer import HostOptimizer, format_of
 
 
 class AdamW(HostOptimizer):
@@ -51,7 +51,7 @@ class AdamW(HostOptimizer):
         threads: CPU threads of the step over the host masters (ramflow's native AdamW
             kernel), an int >= 1; None (the default) is ``torch.get_num_threads()``. The
             step is bound by DRAM, so leaving a core or two to a data loader costs little;
-            see benchmarks/results/2026-11-22-nvidia-h200-optimizer-threads. The result
+            see docs/speed.md, "CPU kernel work sharing and threads". The result
             does not depend on it.
 
     State per parameter: ``step`` (float32 scalar), ``exp_avg`` and ``exp_avg_sq`` (fp32, the
@@ -71,7 +71,7 @@ class AdamW(HostOptimizer):
         keep_grads: bool = True,
         threads: int | None = None,
     ) -> None:
-        _check_threads(threads)
+        check_threads(threads)
         self.threads = threads
         if lr < 0.0:
             raise ValueError(f"invalid learning rate: {lr}")
@@ -114,24 +114,26 @@ class AdamW(HostOptimizer):
         runs = self.flat_runs(unit)
         assert runs is not None
         params = unit.owned[: unit.num_trainable]
-        fmt = _format(unit)
+        fmt = format_of(unit)
         adamw_for(fmt).host_step(
             fmt,
             unit.master,
             grad,
             self._unit_states(unit),
-            pieces=pieces or [(0, unit.trainable_numel)],
-            runs=runs,
-            settings=[AdamWSettings.of(group) for group in hyper],
-            step=int(self.state[params[0]]["step"]) + 1,
+            FlatStep(
+                pieces=pieces or [(0, unit.trainable_numel)],
+                runs=runs,
+                settings=[AdamWSettings.of(group) for group in hyper],
+                step=int(self.state[params[0]]["step"]) + 1,
+                tails=odd_tails(unit.offsets, [p.numel() for p in params]),
+                seed=unit.rounding_seed,
+                threads=self.threads,
+                after_piece=after_piece,
+                grad_scale=grad_scale,
+            ),
             accumulate=accumulate,
             grad_out=grad_out,
             wire_out=wire_out,
-            tails=odd_tails(unit.offsets, [p.numel() for p in params]),
-            seed=unit.rounding_seed,
-            threads=self.threads,
-            after_piece=after_piece,
-            grad_scale=grad_scale,
         )
         for p in params:
             self.state[p]["step"].add_(1)
@@ -154,7 +156,7 @@ class AdamW(HostOptimizer):
         unit = engine.unit_of(p)
         if not st or unit is None or not any(q is p for q in unit.owned[: unit.num_trainable]):
             return  # no state, or a frozen parameter: never stepped by the unit
-        st.update(moments_into(_format(unit), st, self._flat_state(p, _state_names(unit))))
+        st.update(moments_into(format_of(unit), st, self._flat_state(p, _state_names(unit))))
 
     def _states_to_plain(self, p: torch.Tensor) -> None:
         """``p``'s engine was removed (``ramflow.undo``): its moments become plain tensors.
@@ -165,7 +167,7 @@ class AdamW(HostOptimizer):
 
     def _new_flats(self, unit: Unit, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """New flat states of ``unit`` in its host format (``HostPrecision.new_state``)."""
-        fmt = _format(unit)
+        fmt = format_of(unit)
         return {name: fmt.new_state(name, unit.trainable_numel) for name in names}
 
     def _unit_state_names(self, unit: Unit) -> tuple[str, ...]:
@@ -217,7 +219,7 @@ class AdamW(HostOptimizer):
         runs = self.flat_runs(unit)
         assert runs is not None
         params = unit.owned[: unit.num_trainable]
-        fmt = _format(unit)
+        fmt = format_of(unit)
         adamw_for(fmt).device_step(
             fmt,
             state,
@@ -252,7 +254,7 @@ class AdamW(HostOptimizer):
 
     def _lean_param_step(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
         """Step one managed parameter of a unit in a lean host format: its range of the
-        unit's flat buffers (it starts on a whole block, ``units.unit._ALIGN``), so the bits are
+        unit's flat buffers (it starts on a whole block, ``units.unit.ALIGN``), so the bits are
         those of a flat step of the unit. The wire copy follows in the unit's refresh."""
         unit = engine_of_param(p).unit_of(p)
         assert unit is not None
@@ -267,7 +269,7 @@ class AdamW(HostOptimizer):
         if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             g = g.float()
         LEAN.piece(
-            _format(unit),
+            format_of(unit),
             unit.master,
             g.contiguous(),
             flats,
@@ -284,7 +286,7 @@ class AdamW(HostOptimizer):
 
 def _exact(unit: Unit) -> bool:
     """Whether ``unit`` keeps fp32 masters and fp32 states (PyTorch's exact AdamW)."""
-    return _format(unit).is_exact
+    return format_of(unit).is_exact
 
 
 def _lean_param(p: torch.Tensor) -> bool:
@@ -298,7 +300,7 @@ def _lean_param(p: torch.Tensor) -> bool:
 
 def _state_names(unit: Unit) -> tuple[str, ...]:
     """Names of AdamW's per-parameter state tensors in ``unit``'s host format."""
-    return _format(unit).state_names
+    return format_of(unit).state_names
 
 
 class SGD(HostOptimizer):

@@ -38,7 +38,7 @@ class HostOptimizer(torch.optim.Optimizer):
     ) -> None:
         self.overlap = overlap
         self.keep_grads = keep_grads
-        self._no_step_depth = 0
+        self.no_step_depth = 0
         self._group_of: dict[int, int] = {}
         # See [Note: parameters that change hands]
         self._engines: list[Engine] = []
@@ -98,7 +98,7 @@ class HostOptimizer(torch.optim.Optimizer):
             if u in self._unit_state or not u.num_trainable or not engine.stepper.steps_here(u):
                 continue
             params = u.owned[: u.num_trainable]
-            if not any(self._holds(p) for p in params):
+            if not any(self.holds(p) for p in params):
                 continue
             names = self._unit_state_names(u)
             if not names:
@@ -231,17 +231,20 @@ class HostOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ used by the engine
 
-    def _holds(self, p: torch.Tensor) -> bool:
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is in one of this optimizer's param groups."""
         return id(p) in self._group_of
 
-    def _hyperparameters(self) -> list[dict[str, Any]]:
+    def hyperparameters(self) -> list[dict[str, Any]]:
         """A copy of every group's settings, taken when a step is scheduled, so that an LR
         scheduler stepping on the main thread never races the worker."""
         return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
 
-    def _step_params(
+    def step_params(
         self, params: list[torch.Tensor], grads: list[torch.Tensor], hyper: list[dict[str, Any]]
     ) -> None:
+        """Step ``params`` (host masters this optimizer holds) with ``grads`` (same shapes),
+        each with its group's settings in ``hyper`` (``hyperparameters()``, taken earlier)."""
         by_group: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for p, g in zip(params, grads):
             ps, gs = by_group.setdefault(self._group_of[id(p)], ([], []))
@@ -346,7 +349,7 @@ class HostOptimizer(torch.optim.Optimizer):
         name, so that a unit's optimizer states are contiguous like its masters. A buffer
         of ``unit.trainable_numel`` elements gives the parameter's shape; a per-block one
         (the scales of 8-bit states) gives the parameter's blocks, 1-D (parameters start on
-        whole blocks, ``units.unit._ALIGN``): ``HostPrecision.state_view``."""
+        whole blocks, ``units.unit.ALIGN``): ``HostPrecision.state_view``."""
         engine = engine_of_param(p)
         unit = engine.unit_of(p)
         assert unit is not None
@@ -364,7 +367,7 @@ class HostOptimizer(torch.optim.Optimizer):
             if flat.numel() == unit.trainable_numel:
                 out[n] = flat[off : off + p.numel()].view(p.shape)
             else:
-                out[n] = _format(unit).state_view(n, flat, off, off + p.numel())
+                out[n] = format_of(unit).state_view(n, flat, off, off + p.numel())
         return out
 
     def _new_flats(self, unit: Unit, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -403,7 +406,7 @@ class HostOptimizer(torch.optim.Optimizer):
             engine.schedule_step(self)
         params = [p for p in self._unmanaged if p.grad is not None]
         if params:
-            self._step_params(params, [p.grad for p in params], self._hyperparameters())
+            self.step_params(params, [p.grad for p in params], self.hyperparameters())
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -426,11 +429,11 @@ class HostOptimizer(torch.optim.Optimizer):
         """Backward passes inside only accumulate gradients: use it for the non-final
         micro-batches of gradient accumulation (like DDP's ``no_sync``), so that the final
         backward can still step each unit as soon as its gradients land."""
-        self._no_step_depth += 1
+        self.no_step_depth += 1
         try:
             yield
         finally:
-            self._no_step_depth -= 1
+            self.no_step_depth -= 1
 
     def state_dict(self) -> dict[str, Any]:
         """As ``torch.optim.Optimizer.state_dict``, once the steps in flight are done.
@@ -473,7 +476,7 @@ class HostOptimizer(torch.optim.Optimizer):
             if engine_of_param(p) is None:
                 continue
             raw = given.get(p, st)
-            upgraded = upgrade_legacy_state(_format(engine_of_param(p).unit_of(p)), raw)
+            upgraded = upgrade_legacy_state(format_of(engine_of_param(p).unit_of(p)), raw)
             if upgraded is not raw:  # 8-bit moments saved before the FP8 code: converted
                 st.clear()
                 st.update(upgraded)
@@ -495,6 +498,6 @@ class HostOptimizer(torch.optim.Optimizer):
             self._make_unit_states(engine)  # units the dict has no states for: zeros
 
 
-def _format(unit: Unit) -> HostPrecision:
+def format_of(unit: Unit) -> HostPrecision:
     """``unit``'s host formats (fp32 for a unit no store has built yet)."""
     return FP32 if unit.precision is None else unit.precision

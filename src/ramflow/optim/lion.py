@@ -22,7 +22,7 @@ step writes it: a bf16-sr master with ``stochastic_round_bf16``, the lean kernel
 counter-based rounding keyed by the unit's seed, the parameter's step count and each
 element's index in its unit; a bf16-kahan master with its bf16 compensation. The update
 itself is computed in fp32, in PyTorch ops over the parameter's range of the unit's flat
-buffers (each parameter starts a block, ``units.unit._ALIGN``, so its 8-bit blocks and its
+buffers (each parameter starts a block, ``units.unit.ALIGN``, so its 8-bit blocks and its
 rounding counters are the unit's own).
 """
 
@@ -37,7 +37,7 @@ from ..formats.host import OPTIMIZER_STATES, HostPrecision, StateFormat
 from ..kernels.lean_kernels import stochastic_round_bf16
 from ..units.registry import engine_of_param
 from ..units.unit import Unit
-from .host_optimizer import HostOptimizer, _format
+from .host_optimizer import HostOptimizer, format_of
 
 MOMENTUM = "exp_avg"  # AdamW's first moment's name: the host formats know how to keep it
 
@@ -118,7 +118,7 @@ class Lion(HostOptimizer):
     ) -> None:
         """One step of managed parameter ``p`` of a unit in a lean host format, over its
         range of the unit's flat buffers. See [Note: Lion on the lean host formats]."""
-        fmt = _format(unit)
+        fmt = format_of(unit)
         st = self.state[p]
         if not st:
             st["step"] = torch.zeros((), dtype=torch.float32)
@@ -153,7 +153,7 @@ class Lion(HostOptimizer):
 
     def _new_flats(self, unit: Unit, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """New flat states of ``unit`` in its host format (``HostPrecision.new_state``)."""
-        fmt = _format(unit)
+        fmt = format_of(unit)
         return {name: fmt.new_state(name, unit.trainable_numel) for name in names}
 
     def _states_to_unit(self, p: torch.Tensor, engine: Any) -> None:
@@ -163,7 +163,7 @@ class Lion(HostOptimizer):
         unit = engine.unit_of(p)
         if not st or unit is None or not any(q is p for q in unit.owned[: unit.num_trainable]):
             return
-        fmt = _format(unit)
+        fmt = format_of(unit)
         value = st[MOMENTUM].detach().to("cpu", torch.float32).reshape(-1)
         views = self._flat_state(p, _state_names(fmt))
         fmt.state_format.encode(MOMENTUM, value, views)
@@ -190,7 +190,7 @@ def _lean_unit(p: torch.Tensor) -> Unit | None:
     """``p``'s unit if ``p`` is a managed parameter kept in a lean host format, else None."""
     engine = engine_of_param(p)
     unit = None if engine is None else engine.unit_of(p)
-    return None if unit is None or _format(unit).is_exact else unit
+    return None if unit is None or format_of(unit).is_exact else unit
 
 
 def _state_names(fmt: HostPrecision) -> tuple[str, ...]:

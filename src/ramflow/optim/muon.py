@@ -56,7 +56,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..kernels.cpu_kernels import _check_threads
+from ..kernels.cpu_kernels import check_threads
 from ..kernels.muon_kernels import muon_apply_, muon_blend_
 from ..transfer.streams import record_event
 from ..units.registry import engine_of_param
@@ -196,7 +196,7 @@ class Muon(HostOptimizer):
         overlap: bool = True,
         threads: int | None = None,
     ) -> None:
-        _check_threads(threads)
+        check_threads(threads)
         self.threads = threads
         if _newton_schulz is None:
             raise ValueError(

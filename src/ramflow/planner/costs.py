@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from ..units.unit import _ALIGN, UnitSpec, _repeated_blocks, find_units
+from ..units.unit import ALIGN, UnitSpec, find_units, repeated_block_modules
 from .predict import UnitCost, attention_flops, forward_flops, forward_seconds
 
 
@@ -125,7 +125,14 @@ def attention_width(config: Any) -> int:
     ``hidden_size / num_attention_heads``); with multi-head latent attention (DeepSeek's
     ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``) the mean of the query-key and
     the value head widths, times the heads. ``planner.predict.attention_flops`` takes it as
-    its ``hidden``."""
+    its ``hidden``.
+
+    Args:
+        config: a ``transformers`` model config (read with ``getattr``).
+
+    Returns:
+        The width in elements (an int).
+    """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     if getattr(text, "qk_nope_head_dim", None) is not None and getattr(text, "v_head_dim", None):
@@ -207,6 +214,9 @@ def parameter_counts(
         model: any module; a Hugging Face model's ``config`` gives its routing.
         routing: an ``ExpertRouting``, None (count every expert), or ``"config"``:
             ``ExpertRouting.from_config(model.config)``.
+
+    Returns:
+        The ``ParameterCounts``: total and active (per token) parameters.
     """
     if routing == "config":
         routing = ExpertRouting.from_config(getattr(model, "config", None))
@@ -228,7 +238,7 @@ def parameter_counts(
 
 
 def _padded(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+    return -(-n // ALIGN) * ALIGN
 
 
 def _attention_modules(module: nn.Module) -> int:
@@ -246,15 +256,22 @@ def unit_shapes(
 ) -> list[UnitShape]:
     """The units of ``model`` (``find_units``' rule unless ``specs`` are given), in order.
 
-    ``routing``: as for ``parameter_counts`` (default: the model's config's); the routed
-    experts' ``matmul_params`` are their active share. See [Note: mixtures of experts count
-    what a token reads]."""
+    Args:
+        model: any module (meta tensors are fine).
+        specs: the units' specs; None: ``find_units(model)``.
+        routing: as for ``parameter_counts`` (default: the model's config's); the routed
+            experts' ``matmul_params`` are their active share. See [Note: mixtures of
+            experts count what a token reads].
+
+    Returns:
+        One ``UnitShape`` per unit, in forward order.
+    """
     if routing == "config":
         routing = ExpertRouting.from_config(getattr(model, "config", None))
     experts = _expert_modules(model, routing)
     share = routing.active_share if routing is not None else 1.0
     specs = list(find_units(model)) if specs is None else list(specs)
-    blocks = {id(m) for m in _repeated_blocks(model)}
+    blocks = {id(m) for m in repeated_block_modules(model)}
     owner = {id(p): k for k, s in enumerate(specs) for p in s.owned}
     shapes = []
     for k, spec in enumerate(specs):
@@ -315,6 +332,9 @@ def unit_costs(
             input that go to host memory and back every step (0: no offload).
         causal: the attention is causal (a decoder LM's): its products count half the
             square (``planner.predict.attention_flops``). Default False: the full square.
+
+    Returns:
+        One ``UnitCost`` per shape, same order (seconds and bytes per micro-batch).
     """
     out = []
     for s in shapes:

@@ -47,8 +47,15 @@ OPTIMIZER_SPEED = OPTIMIZER_SPEED_BY_ISA[_cpu_lean_isa()]
 
 
 def rated_as(name: str) -> str:
-    """The preset whose CPU optimizer rate stands for the host formats ``name``
-    (``HostPrecision.name``): itself, or the preset with the same optimizer states."""
+    """The preset whose CPU optimizer rate stands for some host formats.
+
+    Args:
+        name: the host formats' name (``HostPrecision.name``: a preset, or
+            ``master/states/gradients``).
+
+    Returns:
+        The preset's name: ``name`` itself, or the preset with the same optimizer states.
+    """
     if name in OPTIMIZER_SPEED:
         return name
     master, states = ([*name.split("/"), "", ""])[:2]
@@ -58,7 +65,14 @@ def rated_as(name: str) -> str:
 
 
 def optimizer_speed(name: str) -> float:
-    """``OPTIMIZER_SPEED`` of the preset that ``name`` is rated as."""
+    """The relative CPU optimizer speed of some host formats.
+
+    Args:
+        name: the host formats' name (``HostPrecision.name``).
+
+    Returns:
+        ``OPTIMIZER_SPEED`` of the preset that ``name`` is rated as (``rated_as``).
+    """
     return OPTIMIZER_SPEED[rated_as(name)]
 
 
@@ -68,8 +82,15 @@ def rates_for(rates: Any, name: str) -> Any:
     preset with the same optimizer states), converted from the formats the rate was measured
     with (``rates.host_precision``) by ``OPTIMIZER_SPEED``. The host DRAM rate the PCIe
     copies are charged at stays the machine's: the 8-bit steps are bound by their lookups,
-    not by DRAM, so it is not their parameter rate times their bytes. The same rates when
-    the formats rate alike."""
+    not by DRAM, so it is not their parameter rate times their bytes.
+
+    Args:
+        rates: the machine's ``planner.predict.Rates``.
+        name: the host formats' name (``HostPrecision.name``).
+
+    Returns:
+        A ``Rates``; ``rates`` itself when the formats rate alike.
+    """
     name = rated_as(name)
     if name == rated_as(rates.host_precision):
         return rates

@@ -172,12 +172,12 @@ class OffloadPlan:
             lines[2] = lines[2].replace(
                 " = ", f" + optimizer on the device {format_bytes(self.device_step_bytes)} = "
             )
-            lines.append(f"stepped on the device: {_names(self.device_stepped)}")
+            lines.append(f"stepped on the device: {join_names(self.device_stepped)}")
         if self.device_optimizer_reason:
             lines.append(f"optimizer on the device: {self.device_optimizer_reason}")
         if self.prediction is not None:
-            lines.append(f"resident units: {_names(self.resident)}")
-            lines.append(f"checkpointed units: {_names(self.checkpointed)}")
+            lines.append(f"resident units: {join_names(self.resident)}")
+            lines.append(f"checkpointed units: {join_names(self.checkpointed)}")
             if self.activation_bytes is not None:
                 lines.append(f"activations at their peak: {format_bytes(self.activation_bytes)}")
             lines.append(f"predicted step: {self.prediction.describe()}")
@@ -201,8 +201,16 @@ def with_device_optimizer(
     receive gradients are the first the next forward needs, so stepping them on the device
     takes the most off the CPU's critical path. No budget: the plan unchanged.
 
-    ``trainable_numel``: per unit (the plan's order), the elements of its trainable flat
-    buffer (alignment padding included)."""
+    Args:
+        plan: the engine's plan, without device steps.
+        trainable_numel: per unit (the plan's order), the elements of its trainable flat
+            buffer (alignment padding included).
+        bytes_per_param: device bytes per trainable parameter of a device step.
+        scratch_bytes: device bytes of one piece of the step's scratch.
+
+    Returns:
+        The ``OffloadPlan`` with ``device_stepped`` and ``device_step_bytes`` set.
+    """
     if plan.gpu_memory_bytes is None:
         return plan
     left = plan.gpu_memory_bytes - plan.planned_bytes - scratch_bytes
@@ -262,6 +270,9 @@ def auto_device_optimizer(
         rates: the machine's rates (``planner.cpu_rates.rates_for`` of the host formats).
         forward_s: per unit, its forward's GPU time in seconds; None: not known (left out).
         grad_bytes_per_param: gradient bytes per parameter on the wire.
+
+    Returns:
+        The ``OffloadPlan`` with the chosen ``device_stepped`` units and the reason.
     """
     if plan.gpu_memory_bytes is None:
         return replace(plan, device_optimizer_reason="none: no gpu_memory budget")
@@ -346,8 +357,15 @@ def auto_device_optimizer(
     )
 
 
-def _names(names: Sequence[str]) -> str:
-    """Unit names, runs of numbered blocks folded (``layers.0-11``)."""
+def join_names(names: Sequence[str]) -> str:
+    """Unit names for a report, runs of numbered blocks folded (``layers.0-11``).
+
+    Args:
+        names: unit names, in order.
+
+    Returns:
+        One comma-separated string; ``"none"`` for no names.
+    """
     if not names:
         return "none"
     out: list[str] = []
@@ -489,8 +507,28 @@ def make_plan(
     With ``timing`` the planner instead searches for the least predicted step time; see
     [Note: the timed planner]; the smallest plan is then the one of the least depth tried.
 
+    Args:
+        device: the device type the plan is for (``"cuda"`` or ``"cpu"``), for the report.
+        wire_dtype: the name of the device copies' dtype (``"bfloat16"``), for the report.
+        unit_names: the units, in forward order.
+        unit_bytes: each unit's device bytes of parameters in the wire dtype (padded as the
+            host store lays them out), same order.
+        unit_grad_bytes: each unit's device gradient buffer, bytes, same order.
+        always_resident: per unit, True where it must stay on the device (tied or
+            user-pinned parameters).
+        fixed_bytes: device bytes the plan holds whatever it chooses (the model's buffers).
+        gpu_memory_bytes: ramflow's share of the device, bytes (the budget less activations);
+            None: no cap, every unit streams but the forced ones.
+        prefetch_depth: units loaded ahead of the running one (>= 1); the window holds
+            ``prefetch_depth + 2`` slots. With ``timing``, its ``prefetch_depths`` replace it.
+        timing: per-unit costs and rates for the timed planner; None: the greedy rule above.
+
+    Returns:
+        The ``OffloadPlan``: residents, window depth, checkpointed units and the predicted
+        bytes (``planned_bytes``, ``min_gpu_memory_bytes``).
+
     Raises:
-        ValueError: the budget is smaller than the smallest plan (largest unit times the
+        ValueError: ``prefetch_depth`` < 1; the budget is smaller than the smallest plan (largest unit times the
             window, gradient buffers and fixed bytes); the message gives that figure. With
             activation sizes in ``timing``: no depth and checkpointing policy fits.
     """

@@ -65,8 +65,9 @@ from dataclasses import dataclass, field, replace
 from .task_graph import RESOURCES, Task, TaskGraph, critical_path  # noqa: F401 (RESOURCES: re-exported)
 
 # ----------------------------------------------------------------------------- constants
-# Calibrated against the H200 run of 2026-11-22 (benchmarks/results/2026-11-22-nvidia-h200-*):
-# see tests/test_predict.py, which reproduces those step times from their recorded inputs.
+# Calibrated against a measured run on the GPU box: docs/speed.md, "Step-time model
+# constants", gives the figures; tests/test_predict.py reproduces those step times from their
+# recorded inputs.
 
 BACKWARD_PER_FORWARD = 2.0
 """GPU time of a unit's backward over its forward (2 FLOPs of backward per FLOP of forward)."""
@@ -83,11 +84,11 @@ section 4, counts the backward as 2.5 forwards). The matmuls' backward stays at
 
 TRAIN_MATMUL_EFFICIENCY = 0.80
 """Share of the measured bf16 matmul rate that a training forward sustains (bf16 weights on
-the device, autocast, norms and activations in between). The 2026-11-22 H200 trace: 70 ms of
-forward kernels at 4x2048 on the reference model (45 TFLOP), against 790 TFLOP/s measured."""
+the device, autocast, norms and activations in between), from a trace of the reference
+model's forward (docs/speed.md, "Step-time model constants")."""
 
 INFER_MATMUL_EFFICIENCY = 0.75
-"""The same for an inference forward (resident bf16 1x2048 and 8x2048: 19.1 and 151.9 ms).
+"""The same for an inference forward (resident bf16 at 1x2048 and 8x2048).
 
 Both are the reference model's (plain PyTorch, width 4096). A model whose forward spends more
 of its time outside the matmuls (Hugging Face Llama 3.2 3B: unfused fp32 RMSNorm, rotary
@@ -98,23 +99,22 @@ step (``measured_efficiency``); its training forward then runs at that times
 
 RAMFLOW_ADAMW_PER_TORCH_FUSED = 0.855
 """ramflow's one-pass CPU AdamW rate over torch's fused CPU AdamW rate as the floors measure it
-(3.72 against 4.35 G params/s on the H200 box: one more output, the bf16 wire copy, and a
-whole model's states instead of a 268 M-parameter slice)."""
+(one more output, the bf16 wire copy, and a whole model's states instead of a 268 M-parameter
+slice)."""
 
 RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM = 30.0
 """Host DRAM bytes per parameter of ramflow's one-pass AdamW step as its rate is measured (the
 benchmark's CPU optimizer case): fp32 parameter, gradient and both states read, parameter and
 states written, bf16 wire copy written. The optimizer's DRAM rate is its parameter rate times
-this; PCIe copy bytes cost host DRAM time at that rate (the H200 run of 2026-11-22: the CPU-bound
-4x2048 steps grow with the bytes streamed, 2053 to 2179 ms over three steps from 10.8 to 14.7
-GB of copies per step)."""
+this; PCIe copy bytes cost host DRAM time at that rate (CPU-bound steps grow with the bytes
+streamed: docs/speed.md, "Step-time model constants")."""
 
 HOST_SECONDS_PER_UNIT = 0.002
 """Host worker time per unit and step besides the optimizer's arithmetic: landing the unit's
-gradients and the Python around its step (the H200 trace: 28.9 ms of landing over 15 units)."""
+gradients and the Python around its step (from a trace: docs/speed.md)."""
 
 BOTH_WAYS_PER_ONE_WAY = 1.83
-"""H2D and D2H at once, total, over one direction alone (101.2 over 55.3 GB/s on the H200 box):
+"""H2D and D2H at once, total, over one direction alone (the default rates' ratio):
 what ``Rates.from_pcie`` assumes when only a one-way rate is known."""
 
 DEFAULT_H2D_BYTES_PER_S = 55.3e9
@@ -123,10 +123,10 @@ DEFAULT_BOTH_BYTES_PER_S = 101.2e9
 DEFAULT_MATMUL_FLOPS_PER_S = 790e12
 DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S = 3.72e9
 DEFAULT_DEVICE_OPTIMIZER_PARAMS_PER_S = 50e9
-"""Rates measured on the H200 box of 2026-11-22 (PCIe 5.0 x16, 16 CPU threads), the defaults
-of ``ramflow plan``; give your machine's own (``--pcie-gbps``, ``--gpu-tflops``,
-``--cpu-adamw-gparams``). The device optimizer's rate is a floor, not measured: 30 bytes per
-parameter (fp32; lean moves about 10) at 1.5 TB/s, under half of an H100's memory bandwidth."""
+"""The defaults of ``ramflow plan``: one H200 box's rates (PCIe 5.0 x16, 16 CPU threads;
+docs/speed.md, "Step-time model constants"); give your machine's own
+(``--pcie-gbps``, ``--gpu-tflops``, ``--cpu-adamw-gparams``). The device optimizer's rate is
+a floor, not measured: 30 bytes per parameter (fp32; lean moves about 10) at 1.5 TB/s."""
 
 STEPS_SIMULATED = 3
 """Training steps simulated before the last one is read (the first starts with every wire
@@ -142,7 +142,18 @@ def attention_flops(
     """FLOPs of attention's score and value products (Q K^T and the weighted sum of V) in one
     forward over ``batch`` sequences of ``seq`` tokens: 4 x seq^2 x hidden per attention layer
     and sequence for the full square, half of it when ``causal`` (a causal flash kernel skips
-    the blocks above the diagonal: FlashAttention-2, Dao 2023, counts causal FLOPs so)."""
+    the blocks above the diagonal: FlashAttention-2, Dao 2023, counts causal FLOPs so).
+
+    Args:
+        batch: sequences (B).
+        seq: tokens per sequence (T).
+        attention_layers: attention layers in the unit.
+        hidden: the width the products run over (``costs.attention_width``).
+        causal: count half the square.
+
+    Returns:
+        FLOPs (a float).
+    """
     square = 4.0 * attention_layers * batch * seq * seq * hidden
     return square / 2 if causal else square
 
@@ -163,6 +174,15 @@ def forward_flops(
     (the full square, or half of it when ``causal``). The calibrated efficiencies were
     measured at 2048 tokens, where the full square's extra half is 4% of a width-4096 layer's
     forward; at 128k tokens it would be 80% of it, so causal models pass ``causal=True``.
+
+    Args:
+        matmul_params: the unit's weights that multiply activations.
+        batch: sequences (B).
+        seq: tokens per sequence (T).
+        attention_layers, hidden, causal: as for ``attention_flops`` (0: no attention).
+
+    Returns:
+        FLOPs (a float).
     """
     tokens = batch * seq
     attention = attention_flops(
@@ -184,7 +204,17 @@ def forward_seconds(
     ``infer_efficiency``: this model's own inference forward rate over the matmul rate
     (``measured_efficiency`` of a resident inference step), in place of
     ``INFER_MATMUL_EFFICIENCY``; a training forward runs at that times
-    ``TRAIN_MATMUL_EFFICIENCY / INFER_MATMUL_EFFICIENCY``."""
+    ``TRAIN_MATMUL_EFFICIENCY / INFER_MATMUL_EFFICIENCY``.
+
+    Args:
+        flops: the forward's FLOPs (``forward_flops``).
+        matmul_flops_per_s: the GPU's dense bf16 matmul rate, FLOP/s.
+        mode: ``"train"`` or ``"infer"``.
+        infer_efficiency: see above; None: the calibrated one.
+
+    Returns:
+        Seconds.
+    """
     eff = TRAIN_MATMUL_EFFICIENCY if mode == "train" else INFER_MATMUL_EFFICIENCY
     if infer_efficiency is not None:
         eff *= infer_efficiency / INFER_MATMUL_EFFICIENCY
@@ -192,13 +222,28 @@ def forward_seconds(
 
 
 def measured_efficiency(flops: float, seconds: float, matmul_flops_per_s: float) -> float:
-    """A model's forward efficiency from a timed forward: its FLOPs (``forward_flops`` summed
-    over its units) over the time and the measured matmul rate."""
+    """A model's forward efficiency from a timed forward.
+
+    Args:
+        flops: its FLOPs (``forward_flops`` summed over its units).
+        seconds: the forward's measured time.
+        matmul_flops_per_s: the GPU's measured dense bf16 matmul rate, FLOP/s.
+
+    Returns:
+        ``flops / seconds / matmul_flops_per_s``: a share of the matmul rate.
+    """
     return flops / (seconds * matmul_flops_per_s)
 
 
 def ramflow_adamw_rate(torch_fused_params_per_s: float) -> float:
-    """ramflow's CPU AdamW rate (parameters/s) from torch's fused CPU AdamW rate."""
+    """ramflow's CPU AdamW rate from torch's fused CPU AdamW rate.
+
+    Args:
+        torch_fused_params_per_s: torch's fused CPU AdamW rate, parameters per second.
+
+    Returns:
+        ramflow's rate, parameters per second (``RAMFLOW_ADAMW_PER_TORCH_FUSED`` times it).
+    """
     return torch_fused_params_per_s * RAMFLOW_ADAMW_PER_TORCH_FUSED
 
 
@@ -430,7 +475,15 @@ def _turnaround_cached(units: Sequence[UnitCost], window_bytes: int) -> set[int]
 
 
 def window_bytes_of(units: Sequence[UnitCost], prefetch_depth: int) -> int:
-    """The plan's window: ``(prefetch_depth + 2) x`` the largest streamed unit."""
+    """The plan's device window.
+
+    Args:
+        units: every unit (resident ones are not streamed).
+        prefetch_depth: units loaded ahead of the running one.
+
+    Returns:
+        Bytes: ``(prefetch_depth + 2) x`` the largest streamed unit.
+    """
     streamed = [u.wire_bytes for u in units if not u.resident]
     return (prefetch_depth + 2) * max(streamed, default=0)
 
@@ -510,6 +563,10 @@ def predict_step(
             ``ramflow.engine.unit_major``): each unit's compute and activation offload
             happen once per micro-batch, its loads, gradient copy and step once per step.
             ``units`` give one micro-batch's costs.
+
+    Returns:
+        The ``StepPrediction`` of the last step simulated: ``step_s`` (seconds), each
+        resource's busy seconds (``busy_s``) and which one bounds the step (``bound``).
 
     Raises:
         ValueError: an unknown mode, a depth below 1, no units, a streamed device step,

@@ -125,8 +125,16 @@ class TaskGraph:
 
 
 def critical_path(end: Task, since: float) -> dict[str, float]:
-    """Walk the chain of causes back from ``end`` to time ``since``; the time each resource
-    spent on it (a wait with no task behind it counts as the resource that was waited for)."""
+    """Walk the chain of causes back from ``end`` to time ``since``.
+
+    Args:
+        end: the last task of the step.
+        since: the step's start, seconds.
+
+    Returns:
+        Per resource, the seconds it spent on the chain (a wait with no task behind it counts
+        as the resource that was waited for).
+    """
     out = dict.fromkeys(RESOURCES, 0.0)
     t: Task | None = end
     while t is not None and t.end > since:

@@ -57,6 +57,17 @@ def plan_units(
     on CUDA the staging buffers of compressed weights (``ramflow.transfer.streams``) are
     added. Host fields and device steps are left for ``complete_plan``.
 
+    Args:
+        units: the engine's units, in module order.
+        device: the device the units run on.
+        wire_dtype: the device copies' dtype.
+        gpu_memory_bytes: ramflow's share of the device, bytes; None: no cap.
+        prefetch_depth: units loaded ahead of the running one.
+        fixed_bytes: device bytes besides the units.
+
+    Returns:
+        The device side of the ``OffloadPlan``.
+
     Raises:
         ValueError: the budget is too small (the message gives the smallest that works).
     """
@@ -81,9 +92,17 @@ def device_optimizer_refusal(
     trainable_on_device: bool,
     precision: HostPrecision,
 ) -> str | None:
-    """Why ``device_optimizer=None`` steps no unit on the device before any prediction
-    (None: the planner predicts). ``trainable_on_device``: trainable parameters (LoRA
-    adapters) are kept on the device."""
+    """Why ``device_optimizer=None`` steps no unit on the device before any prediction.
+
+    Args:
+        device: the engine's device.
+        gpu_memory_bytes: ramflow's share of the device, bytes; None: no cap.
+        trainable_on_device: trainable parameters (LoRA adapters) are kept on the device.
+        precision: the units' host formats.
+
+    Returns:
+        The reason, one line; None: the planner predicts.
+    """
     if device.type != "cuda":
         return "the device is the CPU"
     if gpu_memory_bytes is None:
@@ -115,7 +134,22 @@ def complete_plan(
     store's and the optimizer states' bytes, as the engine's host store counts them) and
     the units stepped on the device as ``device_optimizer`` asks, with the reason;
     ``refusal`` (``device_optimizer_refusal``) answers ``forced=None`` before any
-    prediction."""
+    prediction.
+
+    Args:
+        plan: from ``plan_units``.
+        units: the engine's units, the plan's order.
+        wire_dtype: the device copies' dtype.
+        precision: the host formats.
+        precision_reason: why ``"auto"`` chose these formats; None: not chosen by auto.
+        host_bytes: host store and optimizer state bytes.
+        frozen_format: how frozen weights are kept (``"int8"``, ``"nf4"``); None: as is.
+        device_optimizer: the user's choice of device steps.
+        refusal: from ``device_optimizer_refusal``.
+
+    Returns:
+        The finished ``OffloadPlan``.
+    """
     plan = dataclasses.replace(
         plan,
         host_precision=precision,

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -40,16 +39,18 @@ from ..formats.host import HostPrecision
 from ..memory.estimate import (
     RUNTIME_OVERHEAD_BYTES,
     ActivationProfile,
+    FrozenBase,
     MemoryEstimate,
+    RunDescription,
     estimate_memory,
     offload_units,
     size_string,
 )
 from ..planner.costs import attention_width, unit_costs, unit_shapes
 from ..planner.cpu_rates import rates_for
-from ..planner.plan import OffloadPlan, PlanTiming, make_plan
+from ..planner.plan import PlanTiming, make_plan
 from ..planner.predict import DEFAULT_MATMUL_FLOPS_PER_S, Rates, StepPrediction, predict_step
-from ..units.unit import Unit, plan_inputs
+from ..units.unit import plan_inputs
 from .lora import count_lora_parameters
 from .loss import chunk_tokens_for
 from .modeling import meta_model
@@ -224,29 +225,52 @@ def measure_activations(
     return ActivationProfile(tuple(layer_bytes), n * hidden * size, other, workspace, True)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraSizing:
+    """A LoRA run as ``estimate_run_memory`` sizes it: the base frozen in the host store,
+    the adapters (``count_lora_parameters``) trained on the device.
+
+    Attributes:
+        rank: the adapters' rank (``--lora``).
+        targets: the adapted modules' names (``--lora-targets``); None: the default.
+        frozen_format: the frozen weights compressed in host RAM (``--frozen-format``).
+    """
+
+    rank: int
+    targets: tuple[str, ...] | None = None
+    frozen_format: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedInputs:
+    """The machine's figures for a step-time prediction (``estimate_run_memory``'s
+    ``speed``; ``predict_plan_step`` takes the same two).
+
+    Attributes:
+        timing_rates: copy and CPU optimizer rates; None: ``planner.predict.Rates()``'s
+            defaults.
+        matmul_flops_per_s: the GPU's dense bf16 matmul rate, FLOP/s; None:
+            ``planner.predict.DEFAULT_MATMUL_FLOPS_PER_S``.
+    """
+
+    timing_rates: Rates | None = None
+    matmul_flops_per_s: float | None = None
+
+
 def estimate_run_memory(
     config,
     *,
-    model_name: str,
+    run: RunDescription,
     device_type: str,
-    precision: str,
     compute_dtype: torch.dtype,
     wire_dtype: torch.dtype,
-    batch_size: int,
-    seq_len: int,
     device_budget_bytes: int | None,
     checkpointing: str = "auto",
-    prefetch_depth: int = 2,
     optimizer_states: int = 2,
-    out_dir: str | os.PathLike | None = None,
-    predict: bool = False,
-    timing_rates: Rates | None = None,
-    matmul_flops_per_s: float | None = None,
     host_precision: HostPrecision | None = None,
     full_gradients: bool = False,
-    lora_rank: int | None = None,
-    lora_targets: tuple[str, ...] | None = None,
-    frozen_format: str | None = None,
+    speed: SpeedInputs | None = None,
+    lora: LoraSizing | None = None,
 ) -> MemoryEstimate:
     """Estimate a language model's training memory without allocating the model.
 
@@ -256,34 +280,32 @@ def estimate_run_memory(
 
     Args:
         config: the model's ``transformers`` config.
-        model_name: for the report.
+        run: the micro-batch's shape (B, T) and the report's names (``RunDescription``).
         device_type: ``"cuda"`` or ``"cpu"``.
-        precision: ``bf16``/``fp16``/``fp32``, for the report.
         compute_dtype: dtype of activations (autocast dtype, or float32).
         wire_dtype: dtype of the device copies of the weights.
-        batch_size, seq_len: B and T of one micro-batch.
         device_budget_bytes: the whole device's budget for the run (bytes), or None for no cap.
-        checkpointing: ``"on"``, ``"off"``, or ``"auto"``: off when the activations fit in
-            the budget beside ramflow's smallest plan, on otherwise (off without a budget).
-        prefetch_depth: as for ``ramflow.offload``.
+        checkpointing: ``"on"``, ``"off"``, ``"offload"`` or ``"auto"``: off when the
+            activations fit in the budget beside ramflow's smallest plan, on otherwise
+            (off without a budget).
         optimizer_states: fp32 state tensors per parameter (2 for AdamW).
-        out_dir: where checkpoints go, to report its free disk space (None: not reported).
-        predict: also predict the step time (CUDA runs; ``prediction``, ``timed_plan``).
-        timing_rates: copy and CPU optimizer rates for the prediction (default: the H200
-            box's, ``ramflow.planner.predict``).
-        matmul_flops_per_s: the GPU's bf16 matmul rate, FLOP/s (default: the H200's).
         host_precision: the host formats (``setup.host_formats``'s, auto decided); None: fp32.
         full_gradients: the loop keeps a full host gradient buffer (see
             ``ramflow.memory.estimate_memory``).
-        lora_rank, lora_targets: a LoRA run (``--lora``, ``--lora-targets``; None: full
-            training): the base frozen in the host store, the adapters
-            (``count_lora_parameters``) trained on the device.
-        frozen_format: the frozen weights compressed in host RAM (``--frozen-format``).
+        speed: predict the step time with these figures too (CUDA runs; ``prediction``,
+            ``timed_plan``); None: no prediction (``"auto"`` checkpointing still weighs
+            offload with the default figures).
+        lora: a LoRA run (``--lora``, ``--lora-targets``, ``--frozen-format``); None: full
+            training.
+
+    Returns:
+        A ``MemoryEstimate``; ``describe()`` prints it.
 
     Raises:
         ValueError: ``checkpointing`` unknown; non-positive sizes; the budget is too small
             for the activations and ramflow's smallest plan (the message gives the figures).
     """
+    batch_size, seq_len = run.batch_size, run.seq_len
     if batch_size < 1 or seq_len < 1:
         raise ValueError(
             f"batch size and sequence length must be positive, got {batch_size} and {seq_len}"
@@ -293,39 +315,40 @@ def estimate_run_memory(
             f"--checkpointing {checkpointing!r}: choose one of {', '.join(CHECKPOINTING_MODES)}"
         )
     model = meta_model(config)
-    num_adapters = 0
-    if lora_rank is not None:
+    frozen = None
+    if lora is not None:
         model.requires_grad_(False)  # the base, as ``train`` offloads it
-        num_adapters = count_lora_parameters(model, rank=lora_rank, targets=lora_targets)
+        frozen = FrozenBase(
+            lora.frozen_format,
+            count_lora_parameters(model, rank=lora.rank, targets=lora.targets),
+        )
     acts = measure_activations(config, batch_size=batch_size, seq_len=seq_len, dtype=compute_dtype)
 
     def memory(checkpointing: str) -> MemoryEstimate:
         return estimate_memory(
             model,
             activations=acts,
-            batch_size=batch_size,
-            seq_len=seq_len,
+            run=run,
             device_type=device_type,
             wire_dtype=wire_dtype,
             device_budget=device_budget_bytes,
             checkpointing=checkpointing,
-            prefetch_depth=prefetch_depth,
             optimizer_states=optimizer_states,
-            precision=precision,
-            model_name=model_name,
-            out_dir=out_dir,
             host_precision=host_precision,
             full_gradients=full_gradients,
-            frozen_format=frozen_format,
-            num_adapter_parameters=num_adapters,
+            frozen=frozen,
         )
 
     estimate = memory(checkpointing)
-    speed = {"timing_rates": timing_rates, "matmul_flops_per_s": matmul_flops_per_s}
+    figures = speed or SpeedInputs()
+    timing_rates, matmul_flops_per_s = figures.timing_rates, figures.matmul_flops_per_s
+    speed_kw = {"timing_rates": timing_rates, "matmul_flops_per_s": matmul_flops_per_s}
     if checkpointing == "auto" and device_type == "cuda" and estimate.checkpointing_mode == "on":
         # See [Note: when auto offloads the layers' inputs]
         offloaded = memory("offload")
-        on_s, off_s = (predict_plan_step(config, e, **speed).step_s for e in (estimate, offloaded))
+        on_s, off_s = (
+            predict_plan_step(config, e, **speed_kw).step_s for e in (estimate, offloaded)
+        )
         if off_s < on_s * (1 - OFFLOAD_WINS_BY):
             estimate = dataclasses.replace(
                 offloaded,
@@ -336,29 +359,18 @@ def estimate_run_memory(
                     "inputs on the device"
                 ),
             )
-    if not (predict and device_type == "cuda"):
+    if not (speed is not None and device_type == "cuda"):
         return estimate
-    units, buffer_bytes = offload_units(model, frozen_format=frozen_format)
     timing = _predict_speed(
         model,
         acts,
-        estimate.plan,
+        estimate,
         config=config,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        wire_size=torch.empty((), dtype=wire_dtype).element_size(),
         checkpointing=checkpointing,
-        ckpt=estimate.checkpointing,
-        offload=estimate.activation_offload,
-        device_budget_bytes=device_budget_bytes,
-        gpu_memory_bytes=estimate.gpu_memory_bytes,
-        units=units,
-        buffer_bytes=buffer_bytes,
-        device_type=device_type,
         wire_dtype=wire_dtype,
         rates=rates_for(timing_rates or Rates(), estimate.host_precision.name),
         matmul_flops_per_s=matmul_flops_per_s or DEFAULT_MATMUL_FLOPS_PER_S,
-        deferred_steps=full_gradients,
+        frozen_format=None if lora is None else lora.frozen_format,
     )
     return dataclasses.replace(estimate, **timing)
 
@@ -438,37 +450,32 @@ def predict_plan_step(
 def _predict_speed(
     model: nn.Module,
     acts: ActivationProfile,
-    plan: OffloadPlan,
+    estimate: MemoryEstimate,
     *,
     config,
-    batch_size: int,
-    seq_len: int,
-    wire_size: int,
     checkpointing: str,
-    ckpt: bool,
-    offload: bool,
-    device_budget_bytes: int | None,
-    gpu_memory_bytes: int | None,
-    units: list[Unit],
-    buffer_bytes: int,
-    device_type: str,
     wire_dtype: torch.dtype,
     rates: Rates,
     matmul_flops_per_s: float,
-    deferred_steps: bool = False,
+    frozen_format: str | None = None,
 ) -> dict:
-    """The step-time prediction of ``plan`` as ``train`` runs it, and the timed planner's
-    fastest plan for the same budget (``MemoryEstimate`` fields).
+    """The step-time prediction of ``estimate``'s plan as ``train`` runs it, and the timed
+    planner's fastest plan for the same budget (``MemoryEstimate`` fields). ``wire_dtype``
+    is the one the run asked for (the estimate's may be its host formats' own).
 
     Blocks are the decoder layers, in order, with ``acts.layer_bytes``; with
     ``checkpointing="auto"`` the timed planner chooses per-unit checkpointing within the
     whole budget, otherwise it keeps the run's policy (all blocks or none)."""
+    plan, ckpt, offload = estimate.plan, estimate.checkpointing, estimate.activation_offload
+    wire_size = torch.empty((), dtype=wire_dtype).element_size()
+    deferred_steps = estimate.full_gradients
+    units, buffer_bytes = offload_units(model, frozen_format=frozen_format)
     shapes = unit_shapes(model)
     blocks = [s.name for s in shapes if s.block]
     costs = unit_costs(
         shapes,
-        batch=batch_size,
-        seq=seq_len,
+        batch=estimate.batch_size,
+        seq=estimate.seq_len,
         hidden=attention_width(config),
         wire_itemsize=wire_size,
         matmul_flops_per_s=matmul_flops_per_s,
@@ -506,13 +513,15 @@ def _predict_speed(
     )
     try:
         timed = make_plan(
-            device=device_type,
+            device=estimate.device_type,
             **plan_inputs(units, wire_dtype),
             fixed_bytes=buffer_bytes,
             # auto, and offload (whose activations the timing counts with only two inputs
             # on the device): the budget covers ramflow and the activations, the planner
             # splits it
-            gpu_memory_bytes=device_budget_bytes if auto or offload else gpu_memory_bytes,
+            gpu_memory_bytes=estimate.device_budget_bytes
+            if auto or offload
+            else estimate.gpu_memory_bytes,
             timing=timing,
         )
     except ValueError:
@@ -542,6 +551,9 @@ __all__ = [
     "ActivationProfile",
     "MemoryEstimate",
     "OFFLOAD_WINS_BY",
+    "LoraSizing",
+    "RunDescription",
+    "SpeedInputs",
     "default_device_budget",
     "estimate_run_memory",
     "size_string",

@@ -56,7 +56,8 @@ class PeakFlops:
 
     Attributes:
         flops_per_s: dense peak in FLOP/s for the run's compute dtype.
-        description: which peak, for the report (``"H100 SXM dense bf16 peak, 989 TFLOP/s"``).
+        description: which peak, for the report (the GPU's name and the datasheet's dense
+            peak for the dtype).
     """
 
     flops_per_s: float

@@ -206,8 +206,18 @@ class LoopState:
 
 def run_loop(run: LoopRun, state: LoopState) -> TrainResult:
     """Train from ``state`` to ``run.config.steps``: steps, validation, checkpoints, the
-    summary. Returns the run's ``TrainResult``; raises ``LossDiverged`` on a loss that is
-    not finite, and stops early (saving a checkpoint) when ``run.stop`` is set."""
+    summary; stops early (saving a checkpoint) when ``run.stop`` is set.
+
+    Args:
+        run: what stays fixed for the run (config, set-up, run folder, report, ranks).
+        state: where it starts (model, optimizer, scheduler, scaler, batches, step count).
+
+    Returns:
+        The run's ``TrainResult`` (losses, tokens, times, the last checkpoint).
+
+    Raises:
+        LossDiverged: a training loss that is not finite.
+    """
     config, setup, run_dir, report = run.config, run.setup, run.run_dir, run.report
     stop, on_step, ranks, checkpointing = run.stop, run.on_step, run.ranks, run.checkpointing
     model, opt, sched, scaler = state.model, state.opt, state.sched, state.scaler

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from ..memory.estimate import MemoryEstimate, runtime_overhead_bytes, size_string
-from ..planner.plan import OffloadPlan, _names
+from ..planner.plan import OffloadPlan, join_names
 from ..sizes import format_bytes
 
 
@@ -195,7 +195,7 @@ def _speed_lines(est: MemoryEstimate) -> list[str]:
                 if best.activation_bytes is not None
                 else ""
             ),
-            f"  resident units: {_names(best.resident)}; checkpointed units: {_names(ckpt)}",
+            f"  resident units: {join_names(best.resident)}; checkpointed units: {join_names(ckpt)}",
             "  in Python (gpu_memory is ramflow's share, the activations not included): "
             "ramflow.offload(model, gpu_memory="
             + ("None" if share is None else repr(size_string(share)))

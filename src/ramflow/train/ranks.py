@@ -255,10 +255,10 @@ class Ranks:
         try:
             yield
         except Exception as err:
-            from ..distributed.zero import _pid_alive, host_name
+            from ..distributed.zero import host_name, pid_alive
 
             me = host_name()
-            dead = [r for r, (h, pid) in enumerate(self.peers) if h == me and not _pid_alive(pid)]
+            dead = [r for r, (h, pid) in enumerate(self.peers) if h == me and not pid_alive(pid)]
             who = (
                 ", ".join(f"rank {r} (PID {self.peers[r][1]})" for r in dead) + " on this host died"
                 if dead

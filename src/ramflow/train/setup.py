@@ -29,7 +29,10 @@ from .config import TrainConfig
 from .data import Corpus, build_corpus, find_documents, stdlib_root
 from .estimate import (
     OFFLOAD_WINS_BY,
+    LoraSizing,
     MemoryEstimate,
+    RunDescription,
+    SpeedInputs,
     default_device_budget,
     estimate_run_memory,
     predict_plan_step,
@@ -117,7 +120,7 @@ def _estimate(
     out_dir: Path | None,
     several_ranks: bool = False,
     local_ranks: tuple[int, int | None] = (1, None),
-    **predict: Any,
+    speed: SpeedInputs | None = None,
 ) -> tuple[MemoryEstimate, BatchFit | None]:
     """The run's estimate under the host formats ``host`` (``host_formats``: auto is
     decided there, once); with ``--batch-size auto``, at the largest micro-batch (and the
@@ -138,38 +141,45 @@ def _estimate(
         )
 
     def at(
-        batch_size: int, checkpointing: str, host: HostFormats = host, **extra: Any
+        batch_size: int,
+        checkpointing: str,
+        host: HostFormats = host,
+        speed: SpeedInputs | None = None,
     ) -> MemoryEstimate:
         """The estimate at ``batch_size`` and ``checkpointing`` under ``host`` (the run's
         host formats, or a verdict's alternative)."""
         est = estimate_run_memory(
             mconfig,
-            model_name=config.model_name,
+            run=RunDescription(
+                batch_size=batch_size,
+                seq_len=config.seq_len,
+                model_name=config.model_name,
+                precision=precision,
+                # no checkpoint written (--keep-checkpoints 0): the disk is not asked
+                out_dir=(out_dir if out_dir is not None else Path("runs"))
+                if config.keep_checkpoints > 0
+                else None,
+            ),
             device_type=device_type,
-            precision=precision,
             compute_dtype=compute_dtype,
             wire_dtype=host.wire_dtype,
-            batch_size=batch_size,
-            seq_len=config.seq_len,
             device_budget_bytes=device_budget_bytes,
             checkpointing=checkpointing,
-            # no checkpoint written (--keep-checkpoints 0): the disk is not asked
-            out_dir=(out_dir if out_dir is not None else Path("runs"))
-            if config.keep_checkpoints > 0
-            else None,
             host_precision=host.precision,
             optimizer_states=OPTIMIZER_DEFAULTS[config.optimizer].num_states,
             full_gradients=not config.steps_during_backward(several_ranks=several_ranks),
-            lora_rank=config.lora_rank,
-            lora_targets=parse_targets(config.lora_targets),
-            frozen_format=config.frozen_format,
-            **extra,
+            speed=speed,
+            lora=None
+            if config.lora_rank is None
+            else LoraSizing(
+                config.lora_rank, parse_targets(config.lora_targets), config.frozen_format
+            ),
         )
         return dataclasses.replace(est, host_precision_reason=host.reason)
 
     if not config.auto_batch_size:
         try:
-            est = at(config.batch_size, config.checkpointing, **predict)
+            est = at(config.batch_size, config.checkpointing, speed=speed)
         except BudgetTooSmall as err:
             raise BudgetTooSmall(f"{err}{_device_fix(config, at, device_budget_bytes)}") from None
         return _with_machine_fix(config, est, at, host, local_ranks), None
@@ -206,10 +216,10 @@ def _estimate(
         and device_type == "cuda"
     ):
         unit_major = runs_unit_major(mconfig, several_ranks=several_ranks)
-        offloaded, why = _offload_fit(config, mconfig, fit, fit_with, at, predict, unit_major)
+        offloaded, why = _offload_fit(config, mconfig, fit, fit_with, at, speed, unit_major)
         if offloaded is not None:
             fit, on, reason = offloaded, "offload", why
-    est = at(fit.micro_batch, on if fit.checkpointing else "off", **predict)
+    est = at(fit.micro_batch, on if fit.checkpointing else "off", speed=speed)
     if reason is not None:
         est = dataclasses.replace(est, checkpointing_reason=reason)
     return _with_machine_fix(config, est, at, host, local_ranks), fit
@@ -297,7 +307,7 @@ def _offload_fit(
     fit: BatchFit,
     fit_with: Any,
     at: Any,
-    predict: dict,
+    speed: SpeedInputs | None,
     unit_major: bool,
 ) -> tuple[BatchFit | None, str | None]:
     """``--batch-size auto --checkpointing auto`` where checkpointing every layer fits: the
@@ -311,16 +321,20 @@ def _offload_fit(
         return None, None
     if offloaded.micro_batch <= fit.micro_batch:
         return None, None
-    speed = {k: predict[k] for k in ("timing_rates", "matmul_flops_per_s") if k in predict}
+    figures = speed or SpeedInputs()
+    speed_kw = {
+        "timing_rates": figures.timing_rates,
+        "matmul_flops_per_s": figures.matmul_flops_per_s,
+    }
 
     def global_batch_s(f: BatchFit, checkpointing: str) -> float:
         est = at(f.micro_batch, checkpointing)
         if unit_major:  # one weight pass for the whole global batch
-            return predict_plan_step(mconfig, est, micro_batches=f.grad_accum, **speed).step_s
-        last = predict_plan_step(mconfig, est, **speed).step_s
+            return predict_plan_step(mconfig, est, micro_batches=f.grad_accum, **speed_kw).step_s
+        last = predict_plan_step(mconfig, est, **speed_kw).step_s
         if f.grad_accum == 1:
             return last
-        micro = predict_plan_step(mconfig, est, with_optimizer=False, **speed).step_s
+        micro = predict_plan_step(mconfig, est, with_optimizer=False, **speed_kw).step_s
         return (f.grad_accum - 1) * micro + last
 
     on_s, off_s = global_batch_s(fit, "on"), global_batch_s(offloaded, "offload")
@@ -462,9 +476,7 @@ def plan_run(
         out_dir=Path(out_dir) if out_dir is not None else None,
         several_ranks=num_ranks > 1,
         local_ranks=(num_ranks, zero_stage),
-        predict=True,
-        timing_rates=timing_rates,
-        matmul_flops_per_s=matmul_flops_per_s,
+        speed=SpeedInputs(timing_rates=timing_rates, matmul_flops_per_s=matmul_flops_per_s),
     )
     if fit is not None:
         note = (

@@ -36,7 +36,7 @@ from ..kernels.lean_kernels import QBLOCK
 # elements: every parameter's view starts on a multiple of the 8-bit optimizer states'
 # block (256), which keeps views 512-byte aligned in fp32 and puts each parameter on whole
 # blocks, so a parameter can be stepped on its own in every host format
-_ALIGN = QBLOCK
+ALIGN = QBLOCK
 
 
 @dataclass(eq=False)
@@ -78,7 +78,7 @@ def _declared_block_classes(model: nn.Module) -> set[str]:
     return {name for name in declared if isinstance(name, str)}
 
 
-def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
+def repeated_block_modules(model: nn.Module) -> list[nn.Module]:
     """Children of the ModuleList/Sequential whose repeated same-class children hold the
     most parameters (e.g. Hugging Face decoder layers). Empty if no container repeats.
 
@@ -124,7 +124,7 @@ def never_called(module: nn.Module) -> bool:
 
 
 def _auto_units(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[nn.Module]]:
-    blocks = {id(m) for m in _repeated_blocks(model)}
+    blocks = {id(m) for m in repeated_block_modules(model)}
     if not blocks:
         # No repeated structure: each top-level child that holds parameters is a unit.
         blocks = {id(c) for c in model.children() if any(True for _ in c.parameters())}
@@ -332,7 +332,7 @@ class Unit:
         self.kept_numel = 0
         for p in self.owned:
             self.offsets.append(n)
-            n += -(-p.numel() // _ALIGN) * _ALIGN
+            n += -(-p.numel() // ALIGN) * ALIGN
             if len(self.offsets) == self.num_trainable:
                 self.trainable_numel = n
             if len(self.offsets) == self.num_kept:
