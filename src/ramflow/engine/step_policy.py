@@ -22,7 +22,8 @@ _PROMISE = (
     ": the optimizer was built with keep_grads=False, a promise that the loop never reads "
     "or changes the gradients, so under the gradient ring of a host_precision other than "
     "fp32 every backward, the first included, steps each unit as its gradients land. To "
-    "clip or read the gradients, build it with keep_grads=True (the default) or overlap=False."
+    "clip, build it with clips=True (ramflow.optim.AdamW(..., keep_grads=False, clips=True)); "
+    "to read the gradients, with keep_grads=True (the default) or overlap=False."
 )
 
 
@@ -185,7 +186,8 @@ class StepPolicy:
         (``keep_grads=False``, a promise that the loop never reads them, so never clips),
         the first backward steps during backward too: no full host gradient buffer is ever
         made for a first, deferred step (it would be the largest host buffer of a lean
-        store). A loop that breaks the promise gets the loop-pattern errors."""
+        store). A loop that breaks the promise gets the loop-pattern errors; one that
+        clips says so (``clips=True``): its passes hold their gradients for the clip."""
         return (
             ring
             and not self.seen_step
@@ -193,6 +195,7 @@ class StepPolicy:
             and len(optimizers) == 1
             and optimizers[0].overlap
             and not optimizers[0].keep_grads
+            and not optimizers[0].clips
         )
 
     def end_pass(self, optimizers: Sequence[StepOptimizer]) -> None:

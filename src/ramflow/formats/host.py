@@ -581,6 +581,13 @@ class HostPrecision:
         return DEVICE_STEP_SCRATCH_BYTES if self.is_exact else LEAN_DEVICE_STEP_SCRATCH_BYTES
 
     @property
+    def compact_deferred(self) -> bool:
+        """Whether a step not applied during backward may hold its gradients in 8-bit
+        codes (``formats.deferred_grad``): under the gradient ring with masters that are not
+        exact (bf16-sr, bf16-kahan); fp32 masters keep them in fp32."""
+        return self.gradient_format.ring and not self.master_format.exact
+
+    @property
     def is_exact(self) -> bool:
         """Whether steps are bit-identical to torch's fused AdamW (fp32 masters and states)."""
         return self.master_format.exact and self.state_format.exact
