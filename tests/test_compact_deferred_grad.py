@@ -3,6 +3,7 @@ rounding, and a clipped loop whose steps hold their gradients in 8-bit codes."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import ramflow
 from models import MLPStack
+from ramflow.engine.host_store import RING_BUFFERS
 from ramflow.formats.deferred_grad import (
     COMPACT_GRAD_BYTES_PER_PARAM,
     PIECE,
@@ -17,6 +19,7 @@ from ramflow.formats.deferred_grad import (
     compact_nbytes,
 )
 from ramflow.kernels.lean_kernels import QBLOCK
+from ramflow.sizes import format_bytes
 from ramflow.units.registry import engine_of_model
 from test_lean_store import LR, KernelReference, batches, loss_of, offloaded
 
@@ -142,24 +145,49 @@ def test_keep_grads_false_without_clips_still_refuses_a_late_clip(device):
     opt.zero_grad()
 
 
-def test_accumulation_expands_the_held_gradient(device):
-    """A second backward before the step adds to the held gradient in the master's dtype
-    (p.grad again), and the step reads that."""
+@pytest.mark.parametrize("no_step", [False, True])
+def test_accumulation_adds_to_the_held_codes(device, no_step):
+    """Micro-batches before the step (under ``no_step`` or not) add to the held codes: no
+    buffer in the master's dtype, p.grad None; the held values are the sum of the
+    micro-batches' gradients within the codes' rounding, and training goes on."""
     torch.manual_seed(0)
-    model = MLPStack()
-    opt = offloaded(model, device, "lean", keep_grads=False, clips=True)
-    (x1, y1), (x2, y2) = batches(2, device)
-    loss_of(model, x1, y1).backward()
-    engine = engine_of_model(model)
+    base = MLPStack()
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    opt = offloaded(a, device, "lean", keep_grads=False, clips=True)
+    opt_b = offloaded(b, device, "lean", overlap=False)
+    engine = engine_of_model(a)
     trained = [u for u in engine.units if u.num_trainable]
-    assert all(u.compact_grad.held for u in trained)
-    loss_of(model, x2, y2).backward()
-    assert all(not u.compact_grad.held and u.host_grad is not None for u in trained)
-    assert all(p.grad is not None for p in model.parameters())
-    ramflow.clip_grad_norm_(model.parameters(), 0.05)
-    opt.step()
-    opt.zero_grad()
-    ramflow.synchronize(model)
+    for _ in range(2):
+        micro = batches(2, device)
+        with opt.no_step() if no_step else contextlib.nullcontext():
+            loss_of(a, *micro[0]).backward()
+        loss_of(a, *micro[1]).backward()
+        for x, y in micro:
+            loss_of(b, x, y).backward()
+        assert all(u.compact_grad.held and u.host_grad is None for u in trained)
+        assert all(p.grad is None for p in a.parameters())
+        for u in trained:
+            exact = torch.cat(
+                [
+                    q.grad.reshape(-1).float()
+                    for p, q in zip(a.parameters(), b.parameters())
+                    if engine.unit_of(p) is u
+                ]
+            )
+            held = torch.cat(
+                [
+                    u.compact_grad.values()[u.offsets[k] : u.offsets[k] + p.numel()]
+                    for k, p in enumerate(u.owned[: u.num_trainable])
+                ]
+            )
+            assert float((held - exact).abs().max()) <= 0.25 * float(exact.abs().max())
+        ramflow.clip_grad_norm_(a.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        opt_b.zero_grad()  # b only gives the micro-batches' exact sums
+        ramflow.synchronize(b)
+        b.load_state_dict(a.state_dict())
+    ramflow.synchronize(a)
 
 
 def test_the_clip_refuses_part_of_a_unit_and_other_norms(device):
@@ -195,3 +223,51 @@ def test_fp32_keeps_exact_deferred_gradients(device):
     ramflow.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     ramflow.synchronize(model)
+
+
+def allocated_host_bytes(engine, opt) -> int:
+    """What the host store and the optimizer really hold now: masters, separate wire
+    copies, the ring's staging buffers made so far, held gradients (codes or the master's
+    dtype) and the flat optimizer states."""
+    total = 0
+    for u in engine.units:
+        total += u.master.nbytes + (0 if u.wire is u.master else u.wire.nbytes)
+        if u.compact_grad is not None:
+            total += u.compact_grad.nbytes
+        if u.host_grad is not None:
+            total += u.host_grad.nbytes
+    host = engine.host
+    total += host._ring_made * host._ring_numel * host.wire_dtype.itemsize
+    total += sum(t.nbytes for state in opt._unit_state.values() for t in state.values())
+    return total
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+def test_the_plan_counts_every_host_byte_of_a_clipped_lean_step(device, keep_grads):
+    """Issue 48, point 2: after a clipped lean step's backward and clip (its peak: every
+    unit holds its gradient), what the store, the held gradients and the optimizer
+    allocate is ``get_plan(model).host_bytes`` less the ring buffers not made yet (a fixed
+    cost: at most RING_BUFFERS of the largest unit). The held gradients are 8-bit codes
+    where the optimizer keeps no p.grad, the master's dtype where it does; the plan says
+    which once the optimizer is built."""
+    torch.manual_seed(0)
+    model = MLPStack()
+    ramflow.offload(model, device=device, wire_dtype=torch.bfloat16, host_precision="lean")
+    engine = engine_of_model(model)
+    compact = sum(compact_nbytes(u.trainable_numel) for u in engine.units)
+    assert ramflow.get_plan(model).host_deferred_bytes == compact  # the lean recipe's
+    opt = ramflow.optim.AdamW(model.parameters(), lr=LR, keep_grads=keep_grads, clips=True)
+    plan = ramflow.get_plan(model)
+    trainable = sum(u.trainable_numel for u in engine.units)
+    assert plan.host_deferred_bytes == (trainable * 2 if keep_grads else compact)
+    for x, y in batches(2, device):
+        loss_of(model, x, y).backward()
+        ramflow.clip_grad_norm_(model.parameters(), 0.05)
+        held = allocated_host_bytes(engine, opt)
+        opt.step()
+        opt.zero_grad()
+    ramflow.synchronize(model)
+    host = engine.host
+    not_made = (RING_BUFFERS - host._ring_made) * host._ring_numel * 2
+    assert 0 <= plan.host_bytes - held <= not_made, (plan.host_bytes, held, not_made)
+    assert f"{format_bytes(plan.host_deferred_bytes)} of host gradients" in plan.describe()

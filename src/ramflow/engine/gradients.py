@@ -213,11 +213,16 @@ class GradientPath:
         params = u.owned[: u.num_trainable]
         staging = u.staging
         assert staging is not None
-        if u.compact_grad is not None and u.compact_grad.held:
-            self._expand_compact(u)  # a second backward before the step: accumulate
+        held = u.compact_grad is not None and u.compact_grad.held
+        if held and (eager or not self._holds_compact(u)):
+            self._expand_compact(u)  # accumulated from here in the master's dtype
+            held = False
         fresh = all(p.grad is None for p in params)
-        if fresh and not eager and self._holds_compact(u):
-            u.compact_grad.encode(staging)
+        if held or (fresh and not eager and self._holds_compact(u)):
+            if held:  # gradient accumulation: a second backward before the step
+                u.compact_grad.accumulate(staging)
+            else:
+                u.compact_grad.encode(staging)
             u.host_grad = None  # a full buffer of earlier steps is not needed any more
             u.host_grad_views = []
             u.grad_versions = []
@@ -299,9 +304,9 @@ class GradientPath:
         during backward: whether they are held in 8-bit codes until ``opt.step()``
         (making ``u.compact_grad`` at its first use). Where the host formats allow it
         (``HostPrecision.compact_deferred``), the one optimizer steps the whole unit flat
-        and keeps no gradients (``keep_grads=False``), outside ``no_step`` (accumulation
-        adds the next pass in the master's dtype), for a unit this process steps on the
-        host, without data parallelism. See [Note: the compact deferred gradient] in
+        and keeps no gradients (``keep_grads=False``), for a unit this process steps on
+        the host, without data parallelism. Later passes before the step (gradient
+        accumulation, under ``no_step`` or not) add to the codes. See [Note: the compact deferred gradient] in
         ``ramflow.formats.deferred_grad``."""
         stepper = self._stepper
         optimizers = stepper.optimizers
@@ -309,7 +314,6 @@ class GradientPath:
             self._host.precision.compact_deferred
             and len(optimizers) == 1
             and not optimizers[0].keep_grads
-            and not optimizers[0]._no_step_depth
             and optimizers[0].flat_runs(u) is not None
             and not u.device_stepped
             and stepper.live_dist() is None
@@ -321,8 +325,8 @@ class GradientPath:
 
     def _expand_compact(self, u: Unit) -> None:
         """Worker: ``u``'s held compact gradient becomes its host gradient in the master's
-        dtype (``p.grad``), which the landing then adds to: gradient accumulation without
-        ``no_step`` under a deferred step."""
+        dtype (``p.grad``), which the landing then adds to: a pass that steps during
+        backward, or a settings change since (another optimizer), cannot add to codes."""
         compact = u.compact_grad
         if u.host_grad is None:
             u.host_grad = self._host.host_gradients(u, pinned=False)

@@ -159,9 +159,13 @@ class StepPolicy:
             "learns the loop's pattern afresh (the optimizer's states are kept)."
         )
 
-    def begin_pass(self, optimizers: Sequence[StepOptimizer], *, ring: bool) -> bool:
+    def begin_pass(
+        self, optimizers: Sequence[StepOptimizer], *, ring: bool, holding: bool = False
+    ) -> bool:
         """The open pass's decision, made at its first dispatched unit. ``ring``: the host
-        gradients are a ring (``GradientFormat.ring``)."""
+        gradients are a ring (``GradientFormat.ring``); ``holding``: units hold gradients
+        in 8-bit codes from a pass under ``no_step``, which this pass adds to (never
+        during backward)."""
         if self.eager_now is None:
             no_step = any(opt._no_step_depth for opt in optimizers)
             if self.last_eager and not no_step:
@@ -174,6 +178,7 @@ class StepPolicy:
             self.eager_now = (
                 (self.allowed or self._eager_from_the_start(optimizers, ring=ring))
                 and not no_step
+                and not holding
                 and self.final_backwards == 0
                 and len(optimizers) == 1
             )

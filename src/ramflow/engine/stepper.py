@@ -121,7 +121,9 @@ class Stepper:
         first dispatched unit). See [Note: when the step runs]."""
         first = self.policy.eager_now is None
         eager = self.policy.begin_pass(
-            self.optimizers, ring=self._host.precision.gradient_format.ring
+            self.optimizers,
+            ring=self._host.precision.gradient_format.ring,
+            holding=first and self.holds_compact(),
         )
         if first:
             self.norms.begin_pass()

@@ -110,6 +110,36 @@ class CompactGradient:
         self.scale = None
 
     @torch.no_grad()
+    def accumulate(self, grad: torch.Tensor) -> None:
+        """Add ``grad`` (as for ``encode``) to the held gradient: each piece decoded, added
+        in fp32 and encoded again with stochastic rounding (unbiased, as ``encode``), so
+        gradient accumulation holds no buffer in the master's dtype.
+
+        Raises:
+            ValueError: ``grad`` has another number of elements.
+        """
+        n = self.numel
+        if grad.numel() != n:
+            raise ValueError(f"a gradient of {grad.numel()} elements for a buffer of {n}")
+        assert self.held, "accumulate onto a held gradient"
+        # clipped before this gradient came: PyTorch scaled p.grad in place, then added
+        factor = None if self.scale is None else torch.tensor(self.scale, dtype=torch.float32)
+        self.scale = None
+        key = rounding_key(self._seed, self.encodes)
+        self.encodes += 1
+        for lo in range(0, n, PIECE):
+            hi = min(n, lo + PIECE)
+            blocks = slice(lo // QBLOCK, -(-hi // QBLOCK))
+            total = dequantize_blockwise(self.codes[lo:hi], self.scales[blocks], signed=True)
+            if factor is not None:
+                total *= factor
+            total += grad[lo:hi].to(torch.float32)
+            u16 = _sr_bits(key, lo, hi - lo) >> 16
+            codes, scales = _quantize(total, signed=True, u16=u16)
+            self.codes[lo:hi] = codes
+            self.scales[blocks] = scales
+
+    @torch.no_grad()
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
         """The gradient's values written into ``out`` ((numel,) float tensor on the host, e.g.
         a staging buffer in the wire dtype; FP8 codes times a power of two are exact in
