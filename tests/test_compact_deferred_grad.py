@@ -271,3 +271,38 @@ def test_the_plan_counts_every_host_byte_of_a_clipped_lean_step(device, keep_gra
     not_made = (RING_BUFFERS - host._ring_made) * host._ring_numel * 2
     assert 0 <= plan.host_bytes - held <= not_made, (plan.host_bytes, held, not_made)
     assert f"{format_bytes(plan.host_deferred_bytes)} of host gradients" in plan.describe()
+
+
+@pytest.mark.parametrize("preset", ["lean", "fp32"])
+def test_ramflow_plans_header_is_its_tables_host_total(preset):
+    """Issue 48, point 2: ``ramflow plan``'s bytes per trained parameter is the table's host
+    total (parameters, gradients, optimizer states) over the trained parameters; with a
+    loop that holds a deferred step's gradients (``ramflow train`` on one process), lean
+    counts them in 8-bit codes beside the ring's staging, fp32 its full gradients."""
+    from ramflow.memory import ActivationProfile, activation_report, estimate_memory
+
+    model = MLPStack()
+    profile = ActivationProfile.from_report(activation_report(model, torch.randn(4, 16)))
+    est = estimate_memory(
+        model,
+        activations=profile,
+        batch_size=4,
+        seq_len=1,
+        device_type="cpu",
+        wire_dtype=torch.bfloat16,
+        host_precision=preset,
+        full_gradients=True,
+    )
+    host_total = est.host_pinned_bytes + est.host_pageable_bytes
+    assert est.host_bytes_per_parameter * est.num_trainable == pytest.approx(host_total)
+    assert f"{est.host_bytes_per_parameter:.2f} bytes per trained parameter" in est.describe()
+    twin = copy.deepcopy(model)
+    ramflow.offload(twin, device="cpu", wire_dtype=torch.bfloat16, host_precision=preset)
+    units = engine_of_model(twin).units
+    gradients = est.host_gradient_pinned_bytes + est.host_gradient_pageable_bytes
+    staging = RING_BUFFERS * max(u.trainable_numel for u in units) * 2
+    if preset == "lean":
+        assert gradients == sum(compact_nbytes(u.trainable_numel) for u in units) + staging
+    else:
+        trainable = sum(u.trainable_numel for u in units)
+        assert gradients == trainable * (4 + 2)  # fp32 gradients and bf16 staging

@@ -189,8 +189,10 @@ class MemoryEstimate:
         host_precision_reason: why ``"auto"`` chose them (None when not asked for).
         full_gradients: the loop keeps a full host gradient buffer (counted in the host
             gradients), so its host steps wait for the end of backward.
-        host_bytes_per_parameter: host bytes per trained parameter under them (AdamW's
-            states included).
+        host_bytes_per_parameter: host bytes per trained parameter: the table's host
+            total for parameters, gradients and optimizer states (a deferred step's
+            gradients and the ring's buffers included) over the trained parameters; None
+            for exact formats with other than AdamW's two states, or nothing trained.
         activation_offload: the checkpointed layers' inputs live in pinned host memory
             (``--checkpointing offload``, ``ramflow.memory.CheckpointOffload``).
         host_activation_pinned_bytes: those inputs' host bytes (0 without offload): on
@@ -550,8 +552,10 @@ def estimate_memory(
             ``"auto"`` included: decided on this machine's available RAM); None: fp32. With
             formats other than fp32 the optimizer is taken to be AdamW.
         full_gradients: the loop keeps a full host gradient buffer even under a gradient
-            ring (it clips, accumulates, or steps only in ``opt.step()``): counted in the
-            master's dtype (see ``HostPrecision.host_bytes``).
+            ring (it clips, accumulates, or steps only in ``opt.step()``): counted as a
+            deferred step's gradients, in 8-bit codes under masters that are not exact (the
+            loop's AdamW keeps no ``p.grad``, as ``ramflow train``'s), else in the master's
+            dtype (see ``HostPrecision.host_bytes``).
 
     Returns:
         A ``MemoryEstimate``; ``describe()`` prints it.
@@ -676,9 +680,10 @@ def estimate_memory(
         full_gradients=full_gradients,
         parameter_counts=parameter_counts(model),
         # AdamW's (two states): the figure is for it
+        # the table's host total per trained parameter, so the header says what it sums
         host_bytes_per_parameter=None
-        if host.is_exact and optimizer_states != 2
-        else host.bytes_per_parameter(trainable=True, wire_dtype=wire_dtype),
+        if (host.is_exact and optimizer_states != 2) or not num_trainable
+        else parts.total / num_trainable,
         activation_offload=offload,
         host_activation_pinned_bytes=acts.offloaded_bytes(pinned=cuda) if offload else 0,
         checkpointing_reason=ckpt_reason,
