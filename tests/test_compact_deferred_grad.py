@@ -38,8 +38,8 @@ def test_codes_are_unbiased_within_one_e4m3_spacing():
     c = CompactGradient(x.numel(), seed=5)
     total = torch.zeros_like(x)
     runs = 64
-    for _ in range(runs):
-        c.encode(x)
+    for step in range(runs):  # each step rounds with its own bits
+        c.encode(x, step=step)
         v = c.values()
         scale = c.scales.repeat_interleave(QBLOCK)[: x.numel()]
         spacing = torch.maximum(x.abs() * 2.0**-3, scale * 2.0**-9)
@@ -57,7 +57,7 @@ def test_a_bf16_gradient_decodes_exactly_into_bf16():
     of two are bf16 values, so nothing is rounded there."""
     x = torch.randn(4 * QBLOCK, generator=torch.Generator().manual_seed(1)).bfloat16()
     c = CompactGradient(x.numel(), seed=0)
-    c.encode(x)
+    c.encode(x, step=0)
     out = c.decode_into(torch.empty(x.numel(), dtype=torch.bfloat16))
     assert torch.equal(out.float(), c.values())
 
@@ -277,8 +277,9 @@ def test_the_plan_counts_every_host_byte_of_a_clipped_lean_step(device, keep_gra
 def test_ramflow_plans_header_is_its_tables_host_total(preset):
     """Issue 48, point 2: ``ramflow plan``'s bytes per trained parameter is the table's host
     total (parameters, gradients, optimizer states) over the trained parameters; with a
-    loop that holds a deferred step's gradients (``ramflow train`` on one process), lean
-    counts them in 8-bit codes beside the ring's staging, fp32 its full gradients."""
+    loop that holds a deferred step's gradients in p.grad (``ramflow train`` on one
+    process), lean counts them in bf16 beside the ring's staging, fp32 its full
+    gradients."""
     from ramflow.memory import ActivationProfile, activation_report, estimate_memory
 
     model = MLPStack()
@@ -301,8 +302,8 @@ def test_ramflow_plans_header_is_its_tables_host_total(preset):
     units = engine_of_model(twin).units
     gradients = est.host_gradient_pinned_bytes + est.host_gradient_pageable_bytes
     staging = RING_BUFFERS * max(u.trainable_numel for u in units) * 2
+    trainable = sum(u.trainable_numel for u in units)
     if preset == "lean":
-        assert gradients == sum(compact_nbytes(u.trainable_numel) for u in units) + staging
+        assert gradients == trainable * 2 + staging
     else:
-        trainable = sum(u.trainable_numel for u in units)
         assert gradients == trainable * (4 + 2)  # fp32 gradients and bf16 staging

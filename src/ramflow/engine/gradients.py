@@ -222,7 +222,9 @@ class GradientPath:
             if held:  # gradient accumulation: a second backward before the step
                 u.compact_grad.accumulate(staging)
             else:
-                u.compact_grad.encode(staging)
+                state = self._stepper.optimizers[0].state.get(params[0])
+                step = int(state["step"]) if state and "step" in state else 0
+                u.compact_grad.encode(staging, step=step)
             u.host_grad = None  # a full buffer of earlier steps is not needed any more
             u.host_grad_views = []
             u.grad_versions = []

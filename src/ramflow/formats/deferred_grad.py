@@ -11,8 +11,8 @@ approximate (``MasterFormat.exact`` False: bf16 with stochastic rounding or Kaha
 compensation), the gradient is held as the 8-bit states are held: per block of ``QBLOCK``
 (256) elements one fp32 power-of-two scale taken from the block's absmax and 256 FP8 E4M3
 codes, rounded stochastically with the counter-based random bits of the states
-(``kernels.random_bits``; key from the unit's rounding seed and a count of its encodes, so
-a run is reproducible). That is ``1 + 4 / 256`` bytes per parameter. The rounding is
+(``kernels.random_bits``; key from the unit's rounding seed, its optimizer step and the
+micro-batch, so a run is reproducible and resumes with the same bits). That is ``1 + 4 / 256`` bytes per parameter. The rounding is
 unbiased (E[decode(encode(g))] = g), each element within one E4M3 spacing (2**-3 of its
 magnitude; for values below 2**-6 of the block's scale, 2**-9 of the scale). fp32 masters
 keep the exact buffer in their own dtype.
@@ -62,7 +62,8 @@ class CompactGradient:
     Attributes:
         codes: (numel,) uint8 FP8 E4M3 codes, on the host.
         scales: (ceil(numel / QBLOCK),) fp32 power-of-two block scales, on the host.
-        encodes: gradients written so far (the rounding key's counter).
+        step: the optimizer step (of the unit's states) whose gradient it holds, and
+            micro: the micro-batches added to it since ``encode`` (the rounding key's).
         held: it holds a gradient not stepped yet (``encode`` sets it; the step that takes
             it, or ``zero_grad``, clears it).
         scale: a clip's coefficient (an fp32 value; None: no clip since the last
@@ -74,7 +75,8 @@ class CompactGradient:
     def __init__(self, numel: int, *, seed: int) -> None:
         self.codes = torch.empty(numel, dtype=torch.uint8)
         self.scales = torch.empty(-(-numel // QBLOCK), dtype=torch.float32)
-        self.encodes = 0
+        self.step = 0
+        self.micro = 0
         self.held = False
         self.scale: float | None = None
         self._seed = (seed ^ _SALT) % 2**64
@@ -88,9 +90,10 @@ class CompactGradient:
         return compact_nbytes(self.numel)
 
     @torch.no_grad()
-    def encode(self, grad: torch.Tensor) -> None:
+    def encode(self, grad: torch.Tensor, *, step: int) -> None:
         """Write ``grad`` ((numel,) fp32, bf16 or fp16 on the host: a staging buffer) as
-        codes with stochastic rounding.
+        codes with stochastic rounding; ``step``: the unit's optimizer step count (an int
+        >= 0), part of the rounding key.
 
         Raises:
             ValueError: ``grad`` has another number of elements.
@@ -98,8 +101,8 @@ class CompactGradient:
         n = self.numel
         if grad.numel() != n:
             raise ValueError(f"a gradient of {grad.numel()} elements for a buffer of {n}")
-        key = rounding_key(self._seed, self.encodes)
-        self.encodes += 1
+        self.step, self.micro = step, 0
+        key = self._key()
         for lo in range(0, n, PIECE):
             hi = min(n, lo + PIECE)
             u16 = _sr_bits(key, lo, hi - lo) >> 16
@@ -125,8 +128,8 @@ class CompactGradient:
         # clipped before this gradient came: PyTorch scaled p.grad in place, then added
         factor = None if self.scale is None else torch.tensor(self.scale, dtype=torch.float32)
         self.scale = None
-        key = rounding_key(self._seed, self.encodes)
-        self.encodes += 1
+        self.micro += 1
+        key = self._key()
         for lo in range(0, n, PIECE):
             hi = min(n, lo + PIECE)
             blocks = slice(lo // QBLOCK, -(-hi // QBLOCK))
@@ -138,6 +141,10 @@ class CompactGradient:
             codes, scales = _quantize(total, signed=True, u16=u16)
             self.codes[lo:hi] = codes
             self.scales[blocks] = scales
+
+    def _key(self) -> int:
+        """The rounding key of (step, micro-batch): 16 bits of micro-batches per step."""
+        return rounding_key(self._seed, (self.step << 16) + min(self.micro, 0xFFFF))
 
     @torch.no_grad()
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:

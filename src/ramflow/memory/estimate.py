@@ -552,10 +552,11 @@ def estimate_memory(
             ``"auto"`` included: decided on this machine's available RAM); None: fp32. With
             formats other than fp32 the optimizer is taken to be AdamW.
         full_gradients: the loop keeps a full host gradient buffer even under a gradient
-            ring (it clips, accumulates, or steps only in ``opt.step()``): counted as a
-            deferred step's gradients, in 8-bit codes under masters that are not exact (the
-            loop's AdamW keeps no ``p.grad``, as ``ramflow train``'s), else in the master's
-            dtype (see ``HostPrecision.host_bytes``).
+            ring (it clips, accumulates, or steps only in ``opt.step()``) and keeps
+            ``p.grad`` (``ramflow train``'s AdamW does): counted in the master's dtype (see
+            ``HostPrecision.host_bytes``). The 8-bit deferred gradients of an AdamW with
+            ``keep_grads=False`` (``ramflow.formats.deferred_grad``) are the engine plan's
+            (``ramflow.get_plan``).
 
     Returns:
         A ``MemoryEstimate``; ``describe()`` prints it.
@@ -633,7 +634,11 @@ def estimate_memory(
         host_precision, lambda: units, wire_dtype=wire_dtype, default_wire=wire_dtype
     )
     parts = host.host_bytes(
-        units, wire_dtype, num_states=optimizer_states, full_gradients=full_gradients
+        units,
+        wire_dtype,
+        num_states=optimizer_states,
+        full_gradients=full_gradients,
+        kept_grads=full_gradients,
     )
     # a master that is the wire copy (or fp32 with an fp32 wire) is pinned, as a wire is
     master_pinned = cuda and host.master_format.wire_copy_bytes(wire_dtype) == 0

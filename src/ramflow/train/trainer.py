@@ -566,10 +566,7 @@ def _train(
             betas=(config.beta1, config.beta2),
             eps=config.eps,
             overlap=config.clip_grad > 0 or eager,
-            # the loop reads no p.grad (the clip folds, see loop.py) but fp16's loss scaler
-            # does: without it a deferred step under lean holds 8-bit codes
-            keep_grads=config.precision == "fp16",
-            clips=config.clip_grad > 0,
+            keep_grads=not eager,
         )
         sched = make_scheduler(
             opt,
