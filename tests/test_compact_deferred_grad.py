@@ -307,3 +307,36 @@ def test_ramflow_plans_header_is_its_tables_host_total(preset):
         assert gradients == trainable * 2 + staging
     else:
         assert gradients == trainable * (4 + 2)  # fp32 gradients and bf16 staging
+
+
+def test_a_clipped_compact_run_resumes_bit_for_bit(device):
+    """The codes' rounding is keyed by the unit's optimizer step (and micro-batch), not by
+    a count in the process: state dicts saved mid-run continue bit for bit."""
+    torch.manual_seed(0)
+    base = MLPStack()
+    data = batches(6, device)
+
+    def train(m, o, part):
+        for x, y in part:
+            loss_of(m, x, y).backward()
+            ramflow.clip_grad_norm_(m.parameters(), 0.05)
+            o.step()
+            o.zero_grad()
+
+    model = copy.deepcopy(base)
+    opt = offloaded(model, device, "lean", keep_grads=False, clips=True)
+    train(model, opt, data[:3])
+    ramflow.synchronize(model)
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = copy.deepcopy(opt.state_dict())
+    train(model, opt, data[3:])
+
+    resumed = copy.deepcopy(base)
+    ropt = offloaded(resumed, device, "lean", keep_grads=False, clips=True)
+    resumed.load_state_dict(saved_model)
+    ropt.load_state_dict(saved_opt)
+    train(resumed, ropt, data[3:])
+    ramflow.synchronize(model)
+    ramflow.synchronize(resumed)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p.detach(), q.detach())

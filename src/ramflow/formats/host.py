@@ -311,10 +311,12 @@ class HostPrecision:
             gradient accumulation, clipping and ``keep_grads``. ``"ring"``: units are
             stepped during backward and only the units in flight hold staging, a fixed
             cost that does not grow with the model (counted as 0 bytes per parameter). A
-            full buffer (in the master's dtype) is still made for the steps that need one
-            (the first, accumulation, clipping) and dropped once steps run during backward;
-            with ``AdamW(keep_grads=False)`` the first step runs during backward too, and
-            it is never made.
+            full buffer is still made for the steps that need one (the first,
+            accumulation, clipping) and dropped once steps run during backward
+            (``HostBytes.deferred_gradients``): in the master's dtype, or in 8-bit codes
+            under masters that are not exact with ``AdamW(keep_grads=False)`` (see
+            ``formats.deferred_grad``), whose first step runs during backward too unless
+            it says it clips (``clips=True``).
         seed: the seed of the stochastic rounding (an int in [0, 2**63)); unit ``i`` rounds
             with ``unit_seed(i)``, so a run is reproducible and resumes exactly.
 
