@@ -261,8 +261,9 @@ class HostBytes(NamedTuple):
             per parameter, see [Note: the compact deferred gradient] in
             ``formats.deferred_grad``) under masters that are not exact when the optimizer
             keeps no ``p.grad``, else in the master's dtype. Not in ``store`` or ``total``,
-            which are a ring's steady state (``peak`` adds them); 0 without the ring or with
-            ``host_bytes(full_gradients=True)`` (``gradients`` holds them).
+            which are a ring's steady state (the plan's ``host_bytes`` adds them); 0
+            without the ring or with ``host_bytes(full_gradients=True)`` (``gradients``
+            holds them).
     """
 
     master: int
@@ -281,13 +282,6 @@ class HostBytes(NamedTuple):
     @property
     def total(self) -> int:
         return self.store + self.states
-
-    @property
-    def peak(self) -> int:
-        """The store, the states and the deferred gradients: the host bytes of a step not
-        applied during backward, the largest of any step."""
-        return self.total + self.deferred_gradients
-
 
 @dataclass(frozen=True)
 class HostPrecision:
