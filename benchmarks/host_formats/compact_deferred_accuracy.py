@@ -19,8 +19,8 @@ vocabulary of 256). The final loss is the mean validation loss of ``--eval-batch
 held-out batches after the last step. Target: lean-compact within 1% of fp32 at every seed
 and architecture.
 
-Writes ``--out-dir/compact_accuracy.json`` and ``compact_accuracy.md``. About 10 minutes
-on 2 busy cores with the defaults:
+Writes ``--out-dir/compact_accuracy.json`` and ``compact_accuracy.md``. About 25 minutes
+on 2 busy cores with the defaults (the recorded run's settings):
 
     PYTHONPATH=src python benchmarks/host_formats/compact_deferred_accuracy.py \\
         --out-dir benchmarks/results/2026-12-07-cpu-compact-deferred-grad
@@ -127,11 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", required=True)
     p.add_argument("--archs", default="llama,qwen2")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--eval-batches", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=1.0)
     args = p.parse_args(argv)
     out = Path(args.out_dir)
