@@ -283,6 +283,7 @@ class HostBytes(NamedTuple):
     def total(self) -> int:
         return self.store + self.states
 
+
 @dataclass(frozen=True)
 class HostPrecision:
     """How each trained parameter is kept in host RAM (a policy, chosen once at set-up).
