@@ -60,8 +60,8 @@ def _hard_moments(gen: torch.Generator) -> torch.Tensor:
 def _torch_codes(m: torch.Tensor, v: torch.Tensor, key: int, counter_offset: int):
     """The PyTorch path's stochastically rounded codes of m and v, as ``_step_torch``."""
     bits = _random_bits.state_bits(key, counter_offset, m.numel(), None)
-    qm, ms = _lean_kernels._quantize(m, signed=True, u16=bits >> 16)
-    qv, vs = _lean_kernels._quantize(v, signed=False, u16=bits & 0xFFFF)
+    qm, ms = _lean_kernels.quantize_blockwise_sr(m, signed=True, u16=bits >> 16)
+    qv, vs = _lean_kernels.quantize_blockwise_sr(v, signed=False, u16=bits & 0xFFFF)
     return qm, ms, qv, vs
 
 
@@ -134,7 +134,7 @@ def test_stochastic_codes_are_unbiased(y, spacing, signed):
     errors = []
     for step in range(1, keys + 1):
         bits = _random_bits.state_bits(rounding_key(3, step), 0, x.numel(), None)
-        q, scale = _lean_kernels._quantize(
+        q, scale = _lean_kernels.quantize_blockwise_sr(
             x, signed=signed, u16=bits >> 16 if signed else bits & 0xFFFF
         )
         d = dequantize_blockwise(q, scale, signed=True).view(blocks, QBLOCK).abs()
@@ -201,8 +201,8 @@ def test_bf16_states_are_rounded_unbiased(x, spacing, signed):
 
 def _rounding_streams(n: int) -> dict[str, torch.Tensor]:
     """The 16-bit u (n,) int64 of n elements' three roundings in one step: the master's
-    (the top of ``_sr_bits``), the first moment's and the second's (``state_bits``)."""
-    h = _random_bits._sr_bits(rounding_key(11, 5), 0, n)
+    (the top of ``stochastic_rounding_bits``), the first moment's and the second's (``state_bits``)."""
+    h = _random_bits.stochastic_rounding_bits(rounding_key(11, 5), 0, n)
     w = _random_bits._state_bits_of(h)
     return {"master": h >> 16, "exp_avg": w >> 16, "exp_avg_sq": w & 0xFFFF}
 

@@ -278,7 +278,7 @@ def test_the_plan_counts_what_a_deferred_step_holds(device):
     held = sum(u.host_grad.nbytes for u in engine.units if u.host_grad is not None)
     plan = ramflow.get_plan(model)
     assert held > 0 and plan.host_deferred_bytes == held
-    assert "a step not applied during backward adds" in plan.describe()
+    assert "that a step not applied during backward holds" in plan.describe()
     opt.step()
     ramflow.synchronize(model)
     exact = MLPStack()

@@ -9,10 +9,11 @@ import pytest
 from ramflow.engine.step_policy import StepItem, StepPolicy
 
 
-def _opt(*, overlap: bool = True, keep_grads: bool = True) -> SimpleNamespace:
+def _opt(*, overlap: bool = True, keep_grads: bool = True, clips: bool = False) -> SimpleNamespace:
     return SimpleNamespace(
         overlap=overlap,
         keep_grads=keep_grads,
+        clips=clips,
         no_step_depth=0,
         hyperparameters=lambda: [{"lr": 1e-3}],
     )
@@ -38,6 +39,8 @@ def test_ring_without_kept_gradients_is_eager_from_the_start():
     opt = _opt(keep_grads=False)
     assert StepPolicy().begin_pass([opt], ring=True)
     assert not StepPolicy().begin_pass([opt], ring=False)
+    # a loop that says it clips holds the first pass's gradients for the clip
+    assert not StepPolicy().begin_pass([_opt(keep_grads=False, clips=True)], ring=True)
 
 
 def test_clipping_defers_and_a_late_clip_is_a_pattern_error():

@@ -286,7 +286,9 @@ def test_checkpointing_as_a_bool_and_impossible_shapes() -> None:
     assert on.checkpointing and on.device_activation_bytes == _profile().peak_bytes(
         checkpointing=True
     )
-    assert not estimate_memory(meta, run=RunDescription(B, 1), checkpointing=False, **common).checkpointing
+    assert not estimate_memory(
+        meta, run=RunDescription(B, 1), checkpointing=False, **common
+    ).checkpointing
     with pytest.raises(
         ValueError, match=r"^batch size and sequence length must be positive, got 0"
     ):

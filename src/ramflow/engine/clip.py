@@ -143,8 +143,23 @@ def clip_grad_norm_(
     total = None
     if fold is None:
         fold = _FOLD
+    compact = any(engine.stepper.holds_compact() for engine in engines)
+    if compact:  # p.grad is None there: the norm and the scale go through the units
+        if float(norm_type) != 2.0:
+            raise ValueError(
+                f"clip_grad_norm_ with norm_type={norm_type} while the gradients are held in "
+                "8-bit codes (an AdamW with keep_grads=False under host_precision='lean'); use "
+                "norm_type=2.0, or build the optimizer with keep_grads=True"
+            )
+        fold = True
     if engines and float(norm_type) == 2.0 and (norm_only or fold):
         total = _norm_from_device(params, engines)
+        if total is None and compact:
+            raise RuntimeError(
+                "clip_grad_norm_ ran twice on gradients held in 8-bit codes (an AdamW with "
+                "keep_grads=False under host_precision='lean'), whose norm is read from the "
+                "device gradients before the first clip; clip once per step"
+            )
         if error_if_nonfinite and total is not None and not torch.isfinite(total):
             raise RuntimeError(
                 "the total norm of order 2.0 of the gradients is non-finite, so it cannot "
@@ -195,12 +210,16 @@ def _scale(params: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> 
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # PyTorch's arithmetic
     value = float(coef)
     units: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    compact: dict[int, tuple[Any, set[int]]] = {}
     in_place: list[torch.Tensor] = []
     for p in params:
-        if p.grad is None:
-            continue
         engine = engine_of_param(p)
         u = engine.unit_of(p) if engine is not None else None
+        if u is not None and u.compact_grad is not None and u.compact_grad.held:
+            compact.setdefault(id(u), (u, set()))[1].add(id(p))
+            continue
+        if p.grad is None:
+            continue
         if u is None:
             in_place.append(p.grad)
         else:
@@ -211,6 +230,15 @@ def _scale(params: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> 
         whole = len({id(p) for p in given}) == u.num_trainable
         if not (whole and fold_grad_scale(u, value)):
             in_place.extend(p.grad for p in given)
+    for u, given in compact.values():
+        if len(given) != u.num_trainable:
+            raise ValueError(
+                f"clip_grad_norm_ was given part of unit {u.name!r}'s parameters, whose "
+                "gradients are held together in 8-bit codes (an AdamW with keep_grads=False "
+                "under host_precision='lean'): clip all of the model's trained parameters "
+                "together, or build the optimizer with keep_grads=True"
+            )
+        u.compact_grad.scale = value  # the step multiplies as it reads (fp32)
     for g in in_place:
         g.mul_(coef.to(g.device))
 

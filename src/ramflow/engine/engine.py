@@ -31,6 +31,7 @@ from ..planner.unit_plan import (
     complete_plan,
     device_optimizer_refusal,
     plan_units,
+    with_deferred_gradients,
 )
 from ..transfer.streams import CopyStreams, unpin
 from ..units.registry import live_engines, set_engine_of_model, set_engine_of_param
@@ -387,9 +388,17 @@ class Engine:
     # ------------------------------------------------------------------ the optimizer's calls
 
     def attach(self, opt: StepOptimizer) -> None:
-        """``opt`` holds parameters of this engine: the stepper steps them with it."""
+        """``opt`` holds parameters of this engine: the stepper steps them with it, and the
+        plan counts the deferred gradients it makes (``with_deferred_gradients``)."""
         self.schedule.settle()
         self.stepper.attach(opt)
+        self.plan = with_deferred_gradients(
+            self.plan,
+            self.units,
+            wire_dtype=self.wire_dtype,
+            precision=self.host.precision,
+            kept_grads=opt.keep_grads,
+        )
 
     def unit_of(self, p: torch.Tensor) -> Unit | None:
         """The unit that holds ``p`` (None: not a unit's parameter, e.g. kept on the device)."""

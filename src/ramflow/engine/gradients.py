@@ -16,6 +16,7 @@ from concurrent.futures import Future
 import torch
 from torch import nn
 
+from ..formats.deferred_grad import CompactGradient
 from ..transfer.streams import CopyStreams
 from ..units.unit import Unit
 from .device_stepper import DeviceStepper
@@ -225,7 +226,24 @@ class GradientPath:
         params = u.owned[: u.num_trainable]
         staging = u.staging
         assert staging is not None
+        held = u.compact_grad is not None and u.compact_grad.held
+        if held and (eager or not self._holds_compact(u)):
+            self._expand_compact(u)  # accumulated from here in the master's dtype
+            held = False
         fresh = all(p.grad is None for p in params)
+        if held or (fresh and not eager and self._holds_compact(u)):
+            if held:  # gradient accumulation: a second backward before the step
+                u.compact_grad.accumulate(staging)
+            else:
+                state = self._stepper.optimizers[0].state.get(params[0])
+                step = int(state["step"]) if state and "step" in state else 0
+                u.compact_grad.encode(staging, step=step)
+            u.host_grad = None  # a full buffer of earlier steps is not needed any more
+            u.host_grad_views = []
+            u.grad_versions = []
+            self._host.release_staging(u)
+            self._pass_landed.append((u, True))
+            return
         ours = (
             not fresh
             and u.host_grad is not None
@@ -296,6 +314,43 @@ class GradientPath:
                 functools.partial(self._host_steps.step_unit, u, step_items(u, optimizers)),
             )
 
+    def _holds_compact(self, u: Unit) -> bool:
+        """Worker, at the landing of fresh gradients of ``u`` in a pass that does not step
+        during backward: whether they are held in 8-bit codes until ``opt.step()``
+        (making ``u.compact_grad`` at its first use). Where the host formats allow it
+        (``HostPrecision.compact_deferred``), the one optimizer steps the whole unit flat
+        and keeps no gradients (``keep_grads=False``), for a unit this process steps on
+        the host, without data parallelism. Later passes before the step (gradient
+        accumulation, under ``no_step`` or not) add to the codes. See [Note: the compact deferred gradient] in
+        ``ramflow.formats.deferred_grad``."""
+        stepper = self._stepper
+        optimizers = stepper.optimizers
+        if not (
+            self._host.precision.compact_deferred
+            and len(optimizers) == 1
+            and not optimizers[0].keep_grads
+            and optimizers[0].flat_runs(u) is not None
+            and not u.device_stepped
+            and stepper.live_dist() is None
+        ):
+            return False
+        if u.compact_grad is None:
+            u.compact_grad = CompactGradient(u.trainable_numel, seed=u.rounding_seed)
+        return True
+
+    def _expand_compact(self, u: Unit) -> None:
+        """Worker: ``u``'s held compact gradient becomes its host gradient in the master's
+        dtype (``p.grad``), which the landing then adds to: a pass that steps during
+        backward, or a settings change since (another optimizer), cannot add to codes."""
+        compact = u.compact_grad
+        if u.host_grad is None:
+            u.host_grad = self._host.host_gradients(u, pinned=False)
+            u.host_grad_views = u.views(u.host_grad, trainable_only=True)
+        compact.decode_into(u.host_grad)
+        compact.held = False
+        for p, view in zip(u.owned[: u.num_trainable], u.host_grad_views):
+            p.grad = view
+
     # ------------------------------------------------------------------ end of a pass
 
     def finish_pass(self) -> None:
@@ -354,6 +409,8 @@ class GradientPath:
             if fresh:  # nothing was accumulated before this pass: drop what it left
                 for p in u.owned[: u.num_trainable]:
                     p.grad = None
+                if u.compact_grad is not None:
+                    u.compact_grad.held = False
             else:
                 partial_grads = True
             u.grad_versions = []

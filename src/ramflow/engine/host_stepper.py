@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from ..formats.deferred_grad import CompactGradient
 from ..units.unit import ALIGN, Unit
 from .host_store import HostStore
 from .interfaces import StepOptimizer
@@ -131,6 +132,35 @@ class HostStepper:
                     grad=u.staging,
                     accumulate=u.host_grad if accumulate else None,
                     grad_out=None if accumulate or not keep_grads else u.host_grad,
+                    wire_out=self._host.wire_prefix(u),
+                    pieces=pieces,
+                    after_piece=(functools.partial(self._window.send_piece, u) if pieces else None),
+                )
+        finally:
+            self._host.release_staging(u)
+        self._count_host_step(u.trainable_numel, start)
+        self._host.refresh_wire(u, written=True, sent=bool(pieces))
+
+    def step_compact(
+        self, u: Unit, grad: CompactGradient, opt: StepOptimizer, hyper: list[dict]
+    ) -> None:
+        """Worker: step ``u`` in one pass from its compact deferred gradient ``grad``, decoded
+        into a staging buffer of the gradient ring (a fixed cost, see [Note: the gradient
+        ring] in ``ramflow.engine.host_store``), times a clip's coefficient
+        (``grad.scale``) as the kernel reads it. See [Note: the compact deferred gradient] in
+        ``ramflow.formats.deferred_grad``."""
+        self._host.before_host_write(u)
+        staging = self._host.staging(u)
+        pieces = self._refresh_pieces(u)
+        start = time.perf_counter()
+        try:
+            with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
+                grad.decode_into(staging)
+                opt.flat_step(
+                    u,
+                    hyper,
+                    grad=staging,
+                    grad_scale=1.0 if grad.scale is None else grad.scale,
                     wire_out=self._host.wire_prefix(u),
                     pieces=pieces,
                     after_piece=(functools.partial(self._window.send_piece, u) if pieces else None),

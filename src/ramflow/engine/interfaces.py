@@ -22,6 +22,7 @@ class StepOptimizer(Protocol):
 
     overlap: bool  # may step units during backward
     keep_grads: bool  # False: a fused step need not write ``p.grad``
+    clips: bool  # the loop clips before every step: no pass is eager from the start
     no_step_depth: int  # > 0 inside ``opt.no_step()``
 
     def holds(self, p: torch.Tensor) -> bool: ...

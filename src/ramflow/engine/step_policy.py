@@ -22,7 +22,8 @@ _PROMISE = (
     ": the optimizer was built with keep_grads=False, a promise that the loop never reads "
     "or changes the gradients, so under the gradient ring of a host_precision other than "
     "fp32 every backward, the first included, steps each unit as its gradients land. To "
-    "clip or read the gradients, build it with keep_grads=True (the default) or overlap=False."
+    "clip, build it with clips=True (ramflow.optim.AdamW(..., keep_grads=False, clips=True)); "
+    "to read the gradients, with keep_grads=True (the default) or overlap=False."
 )
 
 
@@ -158,9 +159,13 @@ class StepPolicy:
             "learns the loop's pattern afresh (the optimizer's states are kept)."
         )
 
-    def begin_pass(self, optimizers: Sequence[StepOptimizer], *, ring: bool) -> bool:
+    def begin_pass(
+        self, optimizers: Sequence[StepOptimizer], *, ring: bool, holding: bool = False
+    ) -> bool:
         """The open pass's decision, made at its first dispatched unit. ``ring``: the host
-        gradients are a ring (``GradientFormat.ring``)."""
+        gradients are a ring (``GradientFormat.ring``); ``holding``: units hold gradients
+        in 8-bit codes from a pass under ``no_step``, which this pass adds to (never
+        during backward)."""
         if self.eager_now is None:
             no_step = any(opt.no_step_depth for opt in optimizers)
             if self.last_eager and not no_step:
@@ -173,6 +178,7 @@ class StepPolicy:
             self.eager_now = (
                 (self.allowed or self._eager_from_the_start(optimizers, ring=ring))
                 and not no_step
+                and not holding
                 and self.final_backwards == 0
                 and len(optimizers) == 1
             )
@@ -185,7 +191,8 @@ class StepPolicy:
         (``keep_grads=False``, a promise that the loop never reads them, so never clips),
         the first backward steps during backward too: no full host gradient buffer is ever
         made for a first, deferred step (it would be the largest host buffer of a lean
-        store). A loop that breaks the promise gets the loop-pattern errors."""
+        store). A loop that breaks the promise gets the loop-pattern errors; one that
+        clips says so (``clips=True``): its passes hold their gradients for the clip."""
         return (
             ring
             and not self.seen_step
@@ -193,6 +200,7 @@ class StepPolicy:
             and len(optimizers) == 1
             and optimizers[0].overlap
             and not optimizers[0].keep_grads
+            and not optimizers[0].clips
         )
 
     def end_pass(self, optimizers: Sequence[StepOptimizer]) -> None:

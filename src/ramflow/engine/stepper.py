@@ -121,7 +121,9 @@ class Stepper:
         first dispatched unit). See [Note: when the step runs]."""
         first = self.policy.eager_now is None
         eager = self.policy.begin_pass(
-            self.optimizers, ring=self._host.precision.gradient_format.ring
+            self.optimizers,
+            ring=self._host.precision.gradient_format.ring,
+            holding=first and self.holds_compact(),
         )
         if first:
             self.norms.begin_pass()
@@ -153,6 +155,13 @@ class Stepper:
         self.norms.invalidate()
         for u in self.units:  # dropped with the gradients
             u.grad_scale = None
+            if u.compact_grad is not None:
+                u.compact_grad.held = False
+
+    def holds_compact(self) -> bool:
+        """Whether some unit holds a gradient in 8-bit codes for its deferred step (see
+        [Note: the compact deferred gradient] in ``ramflow.formats.deferred_grad``)."""
+        return any(u.compact_grad is not None and u.compact_grad.held for u in self.units)
 
     def note_clip(self, *, norm_only: bool = False) -> None:
         """Called by ``ramflow.clip_grad_norm_`` before it reads the gradients: they are
@@ -214,6 +223,10 @@ class Stepper:
         kept = set(self.norms.units())
         for u in self.units:
             params = u.owned[: u.num_trainable]
+            if u in kept and u.compact_grad is not None and u.compact_grad.held:
+                if u.compact_grad.scale is not None:  # clipped already: the device norms are stale
+                    return None
+                continue
             if u in kept:  # the host gradients are still those that landed
                 same = len(u.grad_versions) == len(params) and all(
                     p.grad is v and v._version == version
@@ -260,6 +273,9 @@ class Stepper:
             for u in sorted(self.units, key=self.priority):
                 if not self.steps_here(u):
                     continue
+                if u.compact_grad is not None and u.compact_grad.held:
+                    self._step_compact(u, opt)
+                    continue
                 items = step_items(u, [opt])
                 if items:
                     self.step_from_host(u, items)
@@ -283,6 +299,20 @@ class Stepper:
         return False
 
     # ------------------------------------------------------------------ host or device
+
+    def _step_compact(self, u: Unit, opt: StepOptimizer) -> None:
+        """Schedule ``u``'s step from its compact gradient on the worker (the gradient
+        taken now: a ``zero_grad`` right after ``step()`` does not drop it). See [Note: the
+        compact deferred gradient] in ``ramflow.formats.deferred_grad``."""
+        grad = u.compact_grad
+        grad.held = False
+        self._device_steps.drop_state(u)
+        self._window.begin_host_write([u])
+        self.worker.submit(
+            STEP,
+            self.priority(u),
+            functools.partial(self._host_steps.step_compact, u, grad, opt, opt.hyperparameters()),
+        )
 
     def step_from_host(self, u: Unit, items: list[StepItem]) -> None:
         """Step ``u`` from its host gradients: on the device if it is stepped there and one

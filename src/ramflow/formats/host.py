@@ -23,6 +23,7 @@ import torch
 
 from ..choices import HOST_PRECISION_PRESETS
 from ..kernels.lean_kernels import QBLOCK, dequantize_blockwise, quantize_blockwise
+from .deferred_grad import compact_nbytes
 from .frozen import compressed_nbytes
 from .legacy_states import LEGACY_BLOCK, has_legacy_moments, is_legacy_name, pop_legacy_moments
 
@@ -249,15 +250,20 @@ class HostBytes(NamedTuple):
         master: master weights (a buffer a layer or another rank gave is not counted).
         wire: wire copies beside fp32 masters.
         compressed: frozen weights kept compressed (``frozen_format``).
-        gradients: full host gradients, in the master's dtype.
+        gradients: full host gradients: in the master's dtype without the ring; under the
+            ring with ``host_bytes(full_gradients=True)``, the deferred gradients (below).
         staging: D2H staging in the wire dtype (per unit, or the ring's buffers).
         states: AdamW's states and a Kahan compensation (the optimizer's).
-        deferred_gradients: under the gradient ring, the full host gradients (master
-            dtype) that a step not applied during backward makes, held until its units
-            step during backward again: the first step of an optimizer that keeps ``p.grad``, every step of a
-            loop that clips, gradient accumulation. Not in ``store`` or ``total``, which
-            are a ring's steady state; 0 without the ring or with ``host_bytes(full_gradients=True)``
-            (``gradients`` holds them).
+        deferred_gradients: under the gradient ring, the host gradients that a step not
+            applied during backward holds from its landing to ``opt.step()``: the first
+            step of an optimizer that keeps ``p.grad`` or says it clips, every step of a
+            loop that clips, gradient accumulation. In 8-bit codes (``1 + 4 / 256`` bytes
+            per parameter, see [Note: the compact deferred gradient] in
+            ``formats.deferred_grad``) under masters that are not exact when the optimizer
+            keeps no ``p.grad``, else in the master's dtype. Not in ``store`` or ``total``,
+            which are a ring's steady state (the plan's ``host_bytes`` adds them); 0
+            without the ring or with ``host_bytes(full_gradients=True)`` (``gradients``
+            holds them).
     """
 
     master: int
@@ -300,10 +306,12 @@ class HostPrecision:
             gradient accumulation, clipping and ``keep_grads``. ``"ring"``: units are
             stepped during backward and only the units in flight hold staging, a fixed
             cost that does not grow with the model (counted as 0 bytes per parameter). A
-            full buffer (in the master's dtype) is still made for the steps that need one
-            (the first, accumulation, clipping) and dropped once steps run during backward;
-            with ``AdamW(keep_grads=False)`` the first step runs during backward too, and
-            it is never made.
+            full buffer is still made for the steps that need one (the first,
+            accumulation, clipping) and dropped once steps run during backward
+            (``HostBytes.deferred_gradients``): in the master's dtype, or in 8-bit codes
+            under masters that are not exact with ``AdamW(keep_grads=False)`` (see
+            ``formats.deferred_grad``), whose first step runs during backward too unless
+            it says it clips (``clips=True``).
         seed: the seed of the stochastic rounding (an int in [0, 2**63)); unit ``i`` rounds
             with ``unit_seed(i)``, so a run is reproducible and resumes exactly.
 
@@ -493,6 +501,7 @@ class HostPrecision:
         *,
         num_states: int = len(MOMENTS),
         full_gradients: bool = False,
+        kept_grads: bool = False,
     ) -> HostBytes:
         """Host bytes of ``units`` under this policy with a wire of ``wire_dtype``, by part:
         the one byte model (the store's check, ``auto``, the plan, ``memory.estimate`` and
@@ -500,8 +509,10 @@ class HostPrecision:
         parameter in the exact formats (2 for AdamW, 1 for SGD with momentum); the lean
         formats' states are AdamW's. ``full_gradients``: the loop makes the full gradient
         buffer that a ring makes only for the steps that need one (clipping, accumulation,
-        steps kept out of backward; see ``gradients``): counted in the master's dtype
-        beside the ring's staging."""
+        steps kept out of backward; see ``gradients``): counted as ``gradients`` beside
+        the ring's staging. ``kept_grads``: the optimizer keeps ``p.grad``
+        (``keep_grads=True``), so the deferred gradients are in the master's dtype, not in
+        8-bit codes (``compact_deferred``)."""
         units = list(units)
         master = self.master_format
         wire_size = _size(wire_dtype)
@@ -509,6 +520,10 @@ class HostPrecision:
         trainable = sum(u.trainable_numel for u in units)
         largest = max((u.trainable_numel for u in units), default=0)
         ring = self.gradient_format.ring
+        if self.compact_deferred and not kept_grads:
+            deferred = sum(compact_nbytes(u.trainable_numel) for u in units)
+        else:
+            deferred = trainable * master_size
         return HostBytes(
             master=sum(u.kept_numel for u in units if u.given_master is None) * master_size,
             wire=sum(u.kept_numel for u in units) * master.wire_copy_bytes(wire_dtype),
@@ -517,10 +532,10 @@ class HostPrecision:
                 for u in units
                 for n in u.compressed_numels()
             ),
-            gradients=0 if ring and not full_gradients else trainable * master_size,
+            gradients=(deferred if full_gradients else 0) if ring else trainable * master_size,
             staging=RING_BUFFERS * largest * wire_size if ring else trainable * wire_size,
             states=self.state_bytes(trainable, num_states=num_states),
-            deferred_gradients=trainable * master_size if ring and not full_gradients else 0,
+            deferred_gradients=deferred if ring and not full_gradients else 0,
         )
 
     def state_bytes(self, numel: int, *, num_states: int = len(MOMENTS)) -> int:
@@ -579,6 +594,13 @@ class HostPrecision:
     def device_step_scratch_bytes(self) -> int:
         """Device scratch of one piece of a device step (``planner.plan``'s constants)."""
         return DEVICE_STEP_SCRATCH_BYTES if self.is_exact else LEAN_DEVICE_STEP_SCRATCH_BYTES
+
+    @property
+    def compact_deferred(self) -> bool:
+        """Whether a step not applied during backward may hold its gradients in 8-bit
+        codes (``formats.deferred_grad``): under the gradient ring with masters that are not
+        exact (bf16-sr, bf16-kahan); fp32 masters keep them in fp32."""
+        return self.gradient_format.ring and not self.master_format.exact
 
     @property
     def is_exact(self) -> bool:

@@ -186,7 +186,7 @@ def stochastic_round_bf16(
 #   code's variance, at most a quarter spacing squared (2**-8 of v in the normal range). A
 #   positive value is never code 0 (k = 0 becomes 1, as nearest even's code 0 became 1).
 #   NaN and infinity keep their code 0x7F.
-# * u: 16 random bits per state and element, from the master's rounding bits h (``_sr_bits``,
+# * u: 16 random bits per state and element, from the master's rounding bits h (``stochastic_rounding_bits``,
 #   same key and index: see [Note: counter-based stochastic rounding]) by one multiply: w =
 #   (h ^ h >> 16) * C mod 2**32 with C = 0x9E3779B9 (2**32 over the golden ratio), the
 #   first moment's u = (w >> 16) / 2**16, the second's (w & 0xFFFF) / 2**16; the result
@@ -272,7 +272,7 @@ def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, 
     rounds its states' codes stochastically instead, see [Note: stochastic rounding of the
     8-bit states]; conversions and checkpoints use this).
     """
-    return _quantize(x, signed=signed, u16=None)
+    return quantize_blockwise_sr(x, signed=signed, u16=None)
 
 
 def _fp8_stochastic(y: torch.Tensor, u16: torch.Tensor, *, second: bool) -> torch.Tensor:
@@ -290,7 +290,7 @@ def _fp8_stochastic(y: torch.Tensor, u16: torch.Tensor, *, second: bool) -> torc
     return torch.where(a >= 0x7F800000, y, r.view(torch.float32))
 
 
-def _quantize(
+def quantize_blockwise_sr(
     x: torch.Tensor, *, signed: bool, u16: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_blockwise``, the codes rounded to nearest even (``u16`` None) or
@@ -340,7 +340,7 @@ def _quantize_stochastic_native(
     """The moments ``m`` and ``v`` (n,) fp32 as a lean step's native code stores them, with
     stochastic rounding: (m codes, m scales, v codes, v scales); ``split``: by AVX2's loop in
     even and odd lanes. None where the native code is not available. For the tests, which
-    compare it with ``_quantize`` bit for bit."""
+    compare it with ``quantize_blockwise_sr`` bit for bit."""
     lib = _LEAN.get()
     if lib is None:
         return None
@@ -540,7 +540,7 @@ def _store_state(
     # of the state bits, the second's the bottom 16, for 8-bit and bf16 states alike
     u16 = (bits >> 16) if signed else (bits & 0xFFFF)
     if s.dtype == torch.uint8:
-        q, sc = _quantize(x, signed=signed, u16=u16)
+        q, sc = quantize_blockwise_sr(x, signed=signed, u16=u16)
         s.copy_(q)
         scale.copy_(sc)
     else:

@@ -62,7 +62,7 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _sr_bits(
+def stochastic_rounding_bits(
     key: int, counter_offset: int, n: int, device: torch.device | None = None
 ) -> torch.Tensor:
     """The 32 random bits (n,) int64 of elements counter_offset .. counter_offset + n - 1."""
@@ -81,12 +81,14 @@ def bf16_stochastic(x: torch.Tensor, u16: torch.Tensor) -> torch.Tensor:
 
 
 def round_bf16_torch(x: torch.Tensor, key: int, counter_offset: int) -> torch.Tensor:
-    return bf16_stochastic(x, _sr_bits(key, counter_offset, x.numel(), x.device) >> 16)
+    return bf16_stochastic(
+        x, stochastic_rounding_bits(key, counter_offset, x.numel(), x.device) >> 16
+    )
 
 
 def _state_bits_of(h: torch.Tensor) -> torch.Tensor:
     """The 8-bit states' 32 random bits (int64, in [0, 2**32)) of an element whose master
-    rounding bits (``_sr_bits``) are ``h`` (int64, in [0, 2**32), any shape): ``(h ^ h >>
+    rounding bits (``stochastic_rounding_bits``) are ``h`` (int64, in [0, 2**32), any shape): ``(h ^ h >>
     16) * _STATE_MUL`` mod 2**32, the first moment's u in the top 16, the second's in the
     bottom 16. See [Note: stochastic rounding of the 8-bit states]."""
     return _mul32(h ^ (h >> 16), _STATE_MUL)
@@ -95,4 +97,4 @@ def _state_bits_of(h: torch.Tensor) -> torch.Tensor:
 def state_bits(key: int, counter_offset: int, n: int, device: torch.device | None) -> torch.Tensor:
     """The 32 random bits (n,) int64 of the 8-bit states' rounding of elements
     counter_offset .. counter_offset + n - 1, from the master's (``_state_bits_of``)."""
-    return _state_bits_of(_sr_bits(key, counter_offset, n, device))
+    return _state_bits_of(stochastic_rounding_bits(key, counter_offset, n, device))

@@ -233,8 +233,10 @@ class MemoryEstimate:
         host_precision_reason: why ``"auto"`` chose them (None when not asked for).
         full_gradients: the loop keeps a full host gradient buffer (counted in the host
             gradients), so its host steps wait for the end of backward.
-        host_bytes_per_parameter: host bytes per trained parameter under them (AdamW's
-            states included).
+        host_bytes_per_parameter: host bytes per trained parameter: the table's host
+            total for parameters, gradients and optimizer states (a deferred step's
+            gradients and the ring's buffers included) over the trained parameters; None
+            for exact formats with other than AdamW's two states, or nothing trained.
         activation_offload: the checkpointed layers' inputs live in pinned host memory
             (``--checkpointing offload``, ``ramflow.memory.CheckpointOffload``).
         host_activation_pinned_bytes: those inputs' host bytes (0 without offload): on
@@ -615,8 +617,11 @@ def estimate_memory(
             ``"auto"`` included: decided on this machine's available RAM); None: fp32. With
             formats other than fp32 the optimizer is taken to be AdamW.
         full_gradients: the loop keeps a full host gradient buffer even under a gradient
-            ring (it clips, accumulates, or steps only in ``opt.step()``): counted in the
-            master's dtype (see ``HostPrecision.host_bytes``).
+            ring (it clips, accumulates, or steps only in ``opt.step()``) and keeps
+            ``p.grad`` (``ramflow train``'s AdamW does): counted in the master's dtype (see
+            ``HostPrecision.host_bytes``). The 8-bit deferred gradients of an AdamW with
+            ``keep_grads=False`` (``ramflow.formats.deferred_grad``) are the engine plan's
+            (``ramflow.get_plan``).
         frozen: a LoRA run's frozen base and its adapters (``FrozenBase``); None: no
             adapters, frozen weights (if any) in the wire dtype.
 
@@ -707,7 +712,11 @@ def estimate_memory(
         host_precision, lambda: units, wire_dtype=wire_dtype, default_wire=wire_dtype
     )
     parts = host.host_bytes(
-        units, wire_dtype, num_states=optimizer_states, full_gradients=full_gradients
+        units,
+        wire_dtype,
+        num_states=optimizer_states,
+        full_gradients=full_gradients,
+        kept_grads=full_gradients,
     )
     # a master that is the wire copy (or fp32 with an fp32 wire) is pinned, as a wire is
     master_pinned = cuda and host.master_format.wire_copy_bytes(wire_dtype) == 0
@@ -757,9 +766,10 @@ def estimate_memory(
         full_gradients=full_gradients,
         parameter_counts=parameter_counts(model),
         # AdamW's (two states): the figure is for it
+        # the table's host total per trained parameter, so the header says what it sums
         host_bytes_per_parameter=None
-        if host.is_exact and optimizer_states != 2
-        else host.bytes_per_parameter(trainable=True, wire_dtype=wire_dtype),
+        if (host.is_exact and optimizer_states != 2) or not num_trainable
+        else parts.total / num_trainable,
         activation_offload=offload,
         host_activation_pinned_bytes=acts.offloaded_bytes(pinned=cuda) if offload else 0,
         checkpointing_reason=ckpt_reason,

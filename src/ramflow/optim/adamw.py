@@ -47,7 +47,19 @@ class AdamW(HostOptimizer):
             gradients. Steps that are not applied during backward (the first, clipping,
             accumulation) always fill ``p.grad``. Under the gradient ring of the lean host
             formats (a ``HostPrecision`` whose gradients are a ring) steps during backward leave
-            ``p.grad`` None either way: the ring keeps no full gradient buffer.
+            ``p.grad`` None either way: the ring keeps no full gradient buffer. There, with
+            masters that are not fp32 (``lean``, ``bf16``, ``kahan``), a step not applied
+            during backward leaves ``p.grad`` None too and holds each unit's gradient in 8-bit
+            block-wise codes, about 1.02 bytes per parameter (see [Note: the compact
+            deferred gradient] in ``ramflow.formats.deferred_grad``); clip it with
+            ``ramflow.clip_grad_norm_`` (2-norm), which reads the norm from the device
+            gradients and scales the held gradients.
+        clips: the loop clips the gradients (``ramflow.clip_grad_norm_`` or
+            ``torch.nn.utils.clip_grad_norm_`` with a finite ``max_norm``) before every
+            ``step()``, the first included. With ``keep_grads=False`` under the gradient
+            ring, the first backward then holds its gradients for the clip instead of
+            stepping during backward (which a clip after it would refuse); without it, a
+            clip after the first backward raises a loop-pattern RuntimeError.
         threads: CPU threads of the step over the host masters (ramflow's native AdamW
             kernel), an int >= 1; None (the default) is ``torch.get_num_threads()``. The
             step is bound by DRAM, so leaving a core or two to a data loader costs little;
@@ -69,6 +81,7 @@ class AdamW(HostOptimizer):
         *,
         overlap: bool = True,
         keep_grads: bool = True,
+        clips: bool = False,
         threads: int | None = None,
     ) -> None:
         check_threads(threads)
@@ -82,7 +95,7 @@ class AdamW(HostOptimizer):
         if weight_decay < 0.0:
             raise ValueError(f"invalid weight_decay: {weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, overlap=overlap, keep_grads=keep_grads)
+        super().__init__(params, defaults, overlap=overlap, keep_grads=keep_grads, clips=clips)
 
     def flat_runs(self, unit: Unit) -> list[tuple[int, int, int]] | None:
         params = unit.owned[: unit.num_trainable]

@@ -34,10 +34,17 @@ class HostOptimizer(torch.optim.Optimizer):
     _ramflow_host_optimizer = True  # the engine's plain-optimizer hooks leave it alone
 
     def __init__(
-        self, params: Iterable, defaults: dict[str, Any], *, overlap: bool, keep_grads: bool = True
+        self,
+        params: Iterable,
+        defaults: dict[str, Any],
+        *,
+        overlap: bool,
+        keep_grads: bool = True,
+        clips: bool = False,
     ) -> None:
         self.overlap = overlap
         self.keep_grads = keep_grads
+        self.clips = clips
         self.no_step_depth = 0
         self._group_of: dict[int, int] = {}
         # See [Note: parameters that change hands]

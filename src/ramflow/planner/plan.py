@@ -62,10 +62,14 @@ class OffloadPlan:
         host_bytes_per_parameter: host bytes per trained parameter under them, AdamW's
             states included (the gradient ring's fixed buffers not).
         host_bytes: host bytes of the store (masters, wire copies, gradients) plus AdamW's
-            states, for the whole model (engine plans only; None for ``ramflow plan``'s
-            timed plans, which give their own host estimate).
-        host_deferred_bytes: ``HostBytes.deferred_gradients`` (a step not applied during
-            backward under the gradient ring); 0 without the ring, None as ``host_bytes``.
+            states plus ``host_deferred_bytes``, for the whole model: the host peak of a
+            step (engine plans only; None for ``ramflow plan``'s timed plans, which give
+            their own host estimate). The runtime (PyTorch, the loop's data) is not in it.
+        host_deferred_bytes: ``HostBytes.deferred_gradients`` (what a step not applied
+            during backward holds under the gradient ring: 8-bit codes in the lean formats
+            where the optimizer keeps no ``p.grad``, else the master's dtype; see
+            ``planner.unit_plan.with_deferred_gradients``); 0 without the ring, None as
+            ``host_bytes``.
         host_precision_reason: why ``host_precision="auto"`` chose it (None otherwise).
         frozen_format: how frozen matrices are kept (``"int8"``, ``"nf4"``; None: in the
             wire dtype).
@@ -160,8 +164,8 @@ class OffloadPlan:
                 host += f", {format_bytes(self.host_bytes)} with AdamW's states"
             if self.host_deferred_bytes:  # the first step while p.grad is kept, clipping...
                 host += (
-                    f"; a step not applied during backward adds "
-                    f"{format_bytes(self.host_deferred_bytes)} of host gradients"
+                    f" and the {format_bytes(self.host_deferred_bytes)} of host gradients "
+                    "that a step not applied during backward holds (clipping, accumulation)"
                 )
             if self.host_precision_reason:
                 host += f" (auto: {self.host_precision_reason})"

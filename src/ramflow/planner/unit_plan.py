@@ -131,7 +131,8 @@ def complete_plan(
 ) -> OffloadPlan:
     """``plan`` (of ``units``, from ``plan_units``) with its host figures under
     ``precision`` (with ``precision_reason``, why these formats; ``host_bytes``: the host
-    store's and the optimizer states' bytes, as the engine's host store counts them) and
+    store's and the optimizer states' bytes, as the engine's host store counts them, to
+    which the deferred gradients are added: see ``with_deferred_gradients``) and
     the units stepped on the device as ``device_optimizer`` asks, with the reason;
     ``refusal`` (``device_optimizer_refusal``) answers ``forced=None`` before any
     prediction.
@@ -157,10 +158,13 @@ def complete_plan(
             trainable=True, wire_dtype=wire_dtype
         ),
         host_bytes=host_bytes,
-        host_deferred_bytes=precision.host_bytes(units, wire_dtype).deferred_gradients,
+        host_deferred_bytes=0,
         host_precision_reason=precision_reason,
         frozen_format=frozen_format,
         unit_h2d_bytes=tuple(u.h2d_bytes(wire_dtype) for u in units),
+    )
+    plan = with_deferred_gradients(
+        plan, units, wire_dtype=wire_dtype, precision=precision, kept_grads=False
     )
     return _with_device_optimizer(
         plan,
@@ -170,6 +174,41 @@ def complete_plan(
         choice=device_optimizer,
         refusal=refusal,
     )
+
+
+def with_deferred_gradients(
+    plan: OffloadPlan,
+    units: list[Unit],
+    *,
+    wire_dtype: torch.dtype,
+    precision: HostPrecision,
+    kept_grads: bool,
+) -> OffloadPlan:
+    """``plan`` with the deferred gradients of ``units`` counted in ``host_bytes``
+    (``host_deferred_bytes``, ``HostBytes.deferred_gradients``): under the gradient ring
+    every loop may hold them (the first step of an optimizer that keeps ``p.grad`` or
+    clips, clipping, accumulation), so the plan's host bytes are a step's peak. In 8-bit
+    codes under masters that are not exact, unless the optimizer keeps ``p.grad``
+    (``kept_grads``, known once one is built: the engine re-counts then; before, the
+    plan assumes it keeps none, the lean recipe's ``keep_grads=False``), else in the
+    master's dtype; 0 without the ring (the store holds its gradients).
+
+    Args:
+        plan: an ``OffloadPlan`` of ``units`` (``make_plan``).
+        units: the model's units, whose trainable parameters the gradients are of.
+        wire_dtype: the device copies' dtype (the ring's staging is in it).
+        precision: the host formats (their master dtype, whether exact, the ring).
+        kept_grads: the optimizer keeps ``p.grad`` (``keep_grads=True``).
+
+    Returns:
+        ``plan`` with ``host_bytes`` the steady bytes plus the deferred gradients' and
+        ``host_deferred_bytes`` those (bytes); ``plan`` itself when it has no host bytes.
+    """
+    if plan.host_bytes is None:
+        return plan
+    deferred = precision.host_bytes(units, wire_dtype, kept_grads=kept_grads).deferred_gradients
+    steady = plan.host_bytes - (plan.host_deferred_bytes or 0)
+    return dataclasses.replace(plan, host_bytes=steady + deferred, host_deferred_bytes=deferred)
 
 
 def _with_device_optimizer(

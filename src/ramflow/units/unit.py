@@ -382,6 +382,9 @@ class Unit:
         # gradients (``engine.gradients``)
         self.host_grad: torch.Tensor | None = None
         self.host_grad_views: list[torch.Tensor] = []
+        # a deferred step's gradient in 8-bit codes (``formats.deferred_grad.CompactGradient``),
+        # kept for the unit's life once made; holds a gradient while ``compact_grad.held``
+        self.compact_grad: Any = None
         self.grad_versions: list[int] = []
         self.device_grad: torch.Tensor | None = None
         self.fired = 0
