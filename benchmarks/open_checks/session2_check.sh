@@ -5,6 +5,7 @@
 #       the loading rate of a 14B shape (issue 48 point 5)
 #   bash benchmarks/open_checks/session2_check.sh tests [PATHS]  the GPU suite (pytest -m gpu)
 #   bash benchmarks/open_checks/session2_check.sh moe    routed experts' decode benchmark
+#   bash benchmarks/open_checks/session2_check.sh final  the GPU suite, then the routed experts' benchmark
 # Carry [".whl"]. Each part writes under $OUT.
 set -u
 PART=${1:?usage: session2_check.sh predict|tests}
@@ -31,6 +32,11 @@ predict)
   done ;;
 moe)
   timeout 400 python3 benchmarks/moe/routed_experts.py --layers 8 --new-tokens 32 --out-dir "$OUT" > "$OUT/routed.txt" 2>&1
+  echo "rc=$? at ${SECONDS}s" >> "$OUT/routed.txt" ;;
+final)
+  timeout 330 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rs --durations=15 > "$OUT/gpu-tests.txt" 2>&1
+  echo "rc=$? at ${SECONDS}s" >> "$OUT/gpu-tests.txt"
+  timeout $((560 - SECONDS)) python3 benchmarks/moe/routed_experts.py --layers 8 --new-tokens 32 --out-dir "$OUT" > "$OUT/routed.txt" 2>&1
   echo "rc=$? at ${SECONDS}s" >> "$OUT/routed.txt" ;;
 tests)
   shift
