@@ -15,6 +15,8 @@ from ramflow.train.lr_schedule import warmup_cosine
         (dict(preset="tiny", model="some/dir"), r"^give either --preset or --model DIR, not both$"),
         (dict(save_every=-1), r"^--save-every must not be negative, got -1$"),
         (dict(decay_steps=0), r"^--decay-steps must be at least 1, got 0$"),
+        (dict(seed=2**64), r"^--seed must be from 0 to 2\*\*63 - 1, got 18446744073709551616$"),
+        (dict(seed=-1), r"^--seed must be from 0 to 2\*\*63 - 1, got -1$"),
         (dict(beta2=1.0), r"^beta2 must be in \[0, 1\), got 1\.0$"),
         (dict(eps=float("nan")), r"^eps must be a positive number, got nan$"),
         (dict(precision="fp64"), r"^--precision 'fp64': choose one of auto, "),

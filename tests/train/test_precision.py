@@ -37,8 +37,11 @@ def test_a_device_that_is_not_one_is_refused(device: str, message: str) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_a_device_says_to_use_the_cpu() -> None:
+    """The message names the device as the user wrote it (``cuda:7``, not ``cuda``)."""
     with pytest.raises(ValueError, match=r"^--device cuda: this machine has no CUDA device; use"):
         resolve_device("cuda")
+    with pytest.raises(ValueError, match=r"^--device cuda:7: this machine has no CUDA device; "):
+        resolve_device("cuda:7")
 
 
 def test_an_unknown_precision_lists_the_choices() -> None:

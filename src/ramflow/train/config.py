@@ -195,6 +195,10 @@ class TrainConfig:
                 )
         if self.decay_steps is not None and self.decay_steps < 1:
             raise ValueError(f"--decay-steps must be at least 1, got {self.decay_steps}")
+        # torch.manual_seed takes a 64-bit integer; a larger one fails after the model is
+        # built, with "Overflow when unpacking long long"
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be from 0 to 2**63 - 1, got {self.seed}")
         # Every float is checked for NaN and infinity as well: a NaN passes any `x < 0`
         # test and turns every weight into NaN at the first step.
         if not (self.lr > 0 and math.isfinite(self.lr)):
