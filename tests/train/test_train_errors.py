@@ -390,3 +390,19 @@ def test_a_misspelt_choice_is_one_line_with_the_closest_and_version_answers():
         [sys.executable, "-m", "ramflow", "--version"], capture_output=True, text=True
     )
     assert version.returncode == 0 and version.stdout.strip() == f"ramflow {ramflow.__version__}"
+
+
+def test_a_run_folder_that_cannot_be_written_is_refused_before_anything_runs(tmp_path) -> None:
+    """``--out`` under a file, or on a file system that takes no folders (``/proc``), is
+    one line naming the place, not a disk-space verdict of 0 B or an OSError later; a
+    writable place is left as it was (the probe folder is removed)."""
+    from ramflow.train.trainer import check_writable
+
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ValueError, match=r"^--out .*a-file/run: cannot write in .*a-file \("):
+        check_writable(tmp_path / "a-file" / "run")
+    if Path("/proc/self").exists():
+        with pytest.raises(ValueError, match=r"^--out /proc/run: cannot write in /proc \("):
+            check_writable(Path("/proc/run"))
+    check_writable(tmp_path / "new" / "run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

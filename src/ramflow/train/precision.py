@@ -67,7 +67,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise ValueError(f"--device {dev}: ramflow runs on a CUDA device or the CPU")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: this machine has no CUDA device; use --device cpu")
+            raise ValueError(
+                f"--device {device}: this machine has no CUDA device; use --device cpu"
+            )
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     return dev

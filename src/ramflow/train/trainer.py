@@ -31,6 +31,7 @@ import dataclasses
 import os
 import platform
 import signal
+import tempfile
 import threading
 import time
 import warnings
@@ -126,6 +127,32 @@ def _signals_stop(
     finally:
         for s, handler_before in previous.items():
             signal.signal(s, handler_before)
+
+
+def check_writable(run_dir: Path | None) -> None:
+    """Refuse a run folder this process cannot create or write in, before anything is
+    planned or built: a folder made and removed in its nearest existing parent is the test
+    (permission bits say little for root, or on a read-only or virtual file system).
+
+    Raises:
+        ValueError: the folder, or the nearest existing parent of one to be made, cannot
+            be written in; the message names it and says to give ``--out`` elsewhere.
+    """
+    if run_dir is None:
+        return
+    parent = Path(os.path.abspath(run_dir))
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        if not parent.is_dir():
+            raise NotADirectoryError(f"{parent} is a file")
+        os.rmdir(tempfile.mkdtemp(prefix=".ramflow-probe-", dir=parent))
+    except OSError as err:
+        why = err.strerror or str(err)
+        raise ValueError(
+            f"--out {run_dir}: cannot write in {parent} ({why.lower()}); give --out a "
+            "folder you can write in"
+        ) from None
 
 
 def _refuse_other_run(run_dir: Path | None, ckpt: Checkpoint | None) -> None:
@@ -307,6 +334,7 @@ def _train_ranks(
             resume_config(ckpt, **config.to_dict())  # refuses settings that change the steps
         run_dir = Path(out) if out is not None else (ckpt.run_dir if ckpt is not None else None)
         if ranks.is_main:
+            check_writable(run_dir)
             _refuse_other_run(run_dir, ckpt)
         setup = prepare_run(
             config,
