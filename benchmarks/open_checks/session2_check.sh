@@ -34,7 +34,7 @@ moe)
   timeout 400 python3 benchmarks/moe/routed_experts.py --layers 8 --new-tokens 32 --out-dir "$OUT" > "$OUT/routed.txt" 2>&1
   echo "rc=$? at ${SECONDS}s" >> "$OUT/routed.txt" ;;
 final)
-  timeout 330 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rs --durations=15 > "$OUT/gpu-tests.txt" 2>&1
+  timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rs --durations=15 > "$OUT/gpu-tests.txt" 2>&1
   echo "rc=$? at ${SECONDS}s" >> "$OUT/gpu-tests.txt"
   timeout $((560 - SECONDS)) python3 benchmarks/moe/routed_experts.py --layers 8 --new-tokens 32 --out-dir "$OUT" > "$OUT/routed.txt" 2>&1
   echo "rc=$? at ${SECONDS}s" >> "$OUT/routed.txt" ;;
