@@ -334,8 +334,8 @@ def _train_ranks(
             resume_config(ckpt, **config.to_dict())  # refuses settings that change the steps
         run_dir = Path(out) if out is not None else (ckpt.run_dir if ckpt is not None else None)
         if ranks.is_main:
-            check_writable(run_dir)
             _refuse_other_run(run_dir, ckpt)
+            check_writable(run_dir)
         setup = prepare_run(
             config,
             ckpt,
