@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Any
 
 import torch
 
@@ -122,24 +123,14 @@ class HostStepper:
         """Worker: land and step ``u`` in one pass from the staged gradients. See
         ``GradientPath.land``."""
         self._host.before_host_write(u)
-        pieces = self._refresh_pieces(u)
-        start = time.perf_counter()
-        try:
-            with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
-                opt.flat_step(
-                    u,
-                    hyper,
-                    grad=u.staging,
-                    accumulate=u.host_grad if accumulate else None,
-                    grad_out=None if accumulate or not keep_grads else u.host_grad,
-                    wire_out=self._host.wire_prefix(u),
-                    pieces=pieces,
-                    after_piece=(functools.partial(self._window.send_piece, u) if pieces else None),
-                )
-        finally:
-            self._host.release_staging(u)
-        self._count_host_step(u.trainable_numel, start)
-        self._host.refresh_wire(u, written=True, sent=bool(pieces))
+        self._flat_step(
+            u,
+            opt,
+            hyper,
+            grad=u.staging,
+            accumulate=u.host_grad if accumulate else None,
+            grad_out=None if accumulate or not keep_grads else u.host_grad,
+        )
 
     def step_compact(
         self, u: Unit, grad: CompactGradient, opt: StepOptimizer, hyper: list[dict]
@@ -151,19 +142,35 @@ class HostStepper:
         ``ramflow.formats.deferred_grad``."""
         self._host.before_host_write(u)
         staging = self._host.staging(u)
+        self._flat_step(
+            u,
+            opt,
+            hyper,
+            grad=staging,
+            decode=functools.partial(grad.decode_into, staging),
+            grad_scale=1.0 if grad.scale is None else grad.scale,
+        )
+
+    def _flat_step(
+        self, u: Unit, opt: StepOptimizer, hyper: list[dict], *, decode=None, **step: Any
+    ) -> None:
+        """Worker: ``opt.flat_step`` of ``u`` from a staging buffer of the gradient ring
+        (``step`` holds its gradient arguments), after ``decode`` fills it when given; the
+        staging buffer is released and the unit's wire copy refreshed (sent piece by piece
+        where ``_refresh_pieces`` says so)."""
         pieces = self._refresh_pieces(u)
         start = time.perf_counter()
         try:
             with torch.profiler.record_function(f"ramflow.optimizer:{u.name}"):
-                grad.decode_into(staging)
+                if decode is not None:
+                    decode()
                 opt.flat_step(
                     u,
                     hyper,
-                    grad=staging,
-                    grad_scale=1.0 if grad.scale is None else grad.scale,
                     wire_out=self._host.wire_prefix(u),
                     pieces=pieces,
                     after_piece=(functools.partial(self._window.send_piece, u) if pieces else None),
+                    **step,
                 )
         finally:
             self._host.release_staging(u)
