@@ -180,12 +180,18 @@ class StepPolicy:
         )
 
     def begin_pass(
-        self, optimizers: Sequence[StepOptimizer], *, ring: bool, holding: bool = False
+        self,
+        optimizers: Sequence[StepOptimizer],
+        *,
+        ring: bool,
+        trains_first: bool,
+        holding: bool = False,
     ) -> bool:
         """The open pass's decision, made at its first dispatched unit. ``ring``: the host
-        gradients are a ring (``GradientFormat.ring``); ``holding``: units hold gradients
-        in 8-bit codes from a pass under ``no_step``, which this pass adds to (never
-        during backward)."""
+        gradients are a ring (``GradientFormat.ring``); ``trains_first``: the one optimizer
+        trains that unit (see [Note: an optimizer of another model]); ``holding``: units
+        hold gradients in 8-bit codes from a pass under ``no_step``, which this pass adds
+        to (never during backward)."""
         if self.eager_now is None:
             no_step = any(opt.no_step_depth for opt in optimizers)
             if self.last_eager and not no_step:
@@ -201,6 +207,7 @@ class StepPolicy:
                 and not holding
                 and self.final_backwards == 0
                 and len(optimizers) == 1
+                and trains_first
             )
             self.eager_by_promise = self.eager_now and not self.allowed
             self.eager_settings = optimizers[0].hyperparameters() if self.eager_now else None
