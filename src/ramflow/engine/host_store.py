@@ -476,7 +476,7 @@ class HostStore:
         by the intra-op threads, so its pages are faulted in in parallel) and then
         page-locked, as the store's buffers are (see [Note: filling the host store]); the
         first backward finds them free. Does nothing without the ring. See [Note: states
-        made before the first step] in ``ramflow.optim.host_optimizer``."""
+        made before the first step] in ``ramflow.optim.unit_states``."""
         if not self.precision.gradient_format.ring or not self._ring_numel:
             return
         with self._ring_cond:
