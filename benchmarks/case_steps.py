@@ -113,7 +113,7 @@ def _optimizer_alone(engine, opt, repeats: int = 3) -> dict[str, Any]:
     processes: benchmarks/results/2026-11-22-nvidia-h200-refresh)."""
     from ramflow.kernels.cpu_kernels import fused_adamw_step_
 
-    units = [u for u in engine.units if u in opt._unit_state and u.staging is not None]
+    units = [u for u in engine.units if u in opt.unit_states and u.staging is not None]
     if not units:
         return {}
     params = sum(u.trainable_numel for u in units)
@@ -122,7 +122,7 @@ def _optimizer_alone(engine, opt, repeats: int = 3) -> dict[str, Any]:
         start = time.perf_counter()
         for u in units:
             n = u.trainable_numel
-            state = opt._unit_state[u]
+            state = opt.unit_states[u]
             fused_adamw_step_(
                 u.master[:n], u.staging[:n], state["exp_avg"], state["exp_avg_sq"],
                 step=1000, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,

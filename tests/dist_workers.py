@@ -449,7 +449,7 @@ def first_step_private(rank: int, world_size: int, options: dict) -> dict:
     engine = engine_of_model(model)
     owned = [u for u in engine.units if u.owner == rank and u.num_trainable]
     before = {
-        "units_with_states": sorted(u.index for u in opt._unit_state),
+        "units_with_states": sorted(u.index for u in opt.unit_states),
         "params_with_state": sum(1 for p in model.parameters() if opt.state.get(p)),
         "ring": engine.host._ring_made,
     }

@@ -238,7 +238,7 @@ def allocated_host_bytes(engine, opt) -> int:
             total += u.host_grad.nbytes
     host = engine.host
     total += host._ring_made * host._ring_numel * host.wire_dtype.itemsize
-    total += sum(t.nbytes for state in opt._unit_state.values() for t in state.values())
+    total += sum(t.nbytes for state in opt.unit_states.values() for t in state.values())
     return total
 
 

@@ -109,7 +109,7 @@ def test_a_ranks_private_memory_while_training_is_the_plans(tmp_path):
 @pytest.mark.slow
 def test_states_and_gradient_ring_are_made_before_the_first_step(tmp_path):
     """The optimizer's states and the gradient ring are made at set-up, not in the first
-    step (see [Note: states made before the first step] in ``ramflow.optim.host_optimizer``):
+    step (see [Note: states made before the first step] in ``ramflow.optim.unit_states``):
     after ``ramflow.offload`` and ``AdamW(...)`` each rank holds the flat states of exactly
     the units it steps (ZeRO-2: those it owns; ``opt.state`` stays empty, as a torch
     optimizer's before its first step) and the ring's buffers; the first step adds no more

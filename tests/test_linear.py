@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -12,19 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import ramflow
-
-
-@pytest.fixture(autouse=True)
-def _no_optimizer_of_an_earlier_test():
-    """``ramflow.Linear`` layers share one engine per process, which holds its optimizers
-    by weak reference, so an earlier test's AdamW that is garbage but not yet collected
-    (its parameter groups form reference cycles) still counts in the step policy. One
-    clean-clone run failed ``test_a_layer_copied_before_its_first_call_computes_as_nn_linear``
-    [pickle] and [assign-load] with "a second backward pass ran before opt.step()" from an
-    optimizer the test never made; the collector's timing is the suspected cause (not
-    reproduced with the collector disabled). Collect first, so each test starts with only
-    its own optimizers."""
-    gc.collect()
 
 
 def _stack(seed: int = 0) -> nn.Sequential:
@@ -227,3 +216,69 @@ def test_a_float64_layer_is_refused_when_made():
         ramflow.Linear(4, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         ramflow.Linear(4, 3).double()
+
+
+@contextlib.contextmanager
+def _collector_off():
+    """The garbage collector off: what is garbage stays until ``gc.collect()``, as it
+    does between two of the collector's runs."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _dropped_in_a_cycle(layer: ramflow.Linear) -> weakref.ref:
+    """Train ``layer`` with one backward per step (the pattern that steps during backward)
+    under an AdamW caught in a reference cycle (as test_compat_ramtorch's ``exec``
+    namespace catches its script's), then drop it; a weak reference to it."""
+    opt = ramflow.optim.AdamW(layer.parameters(), lr=1e-2)
+    opt.cycle = opt
+    x = torch.randn(2, layer.in_features)
+    for _ in range(3):
+        layer(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return weakref.ref(opt)
+
+
+def test_an_optimizer_dropped_in_a_cycle_does_not_step_another_model_s_backward():
+    """The layer engine of the process serves every model; an optimizer of another model
+    that is garbage but not yet collected made this model's backward step during backward,
+    so a second backward raised "a second backward pass ran before opt.step()" (the flake
+    of test_a_layer_copied_before_its_first_call_computes_as_nn_linear after
+    test_compat_ramtorch in one worker). See [Note: an optimizer of another model]."""
+    with _collector_off():
+        stale = _dropped_in_a_cycle(ramflow.Linear(5, 3))
+        assert stale() is not None  # garbage, not collected: the engine still sees it
+        layer = ramflow.Linear(5, 3)
+        ref = nn.Linear(5, 3)
+        ref.load_state_dict(layer.state_dict())
+        x = torch.randn(2, 5)
+        for _ in range(2):  # gradients accumulate; nothing steps
+            layer(x).sum().backward()
+            ref(x).sum().backward()
+        ramflow.synchronize(layer)
+        assert torch.equal(layer.weight, ref.weight) and torch.equal(layer.bias, ref.bias)
+        torch.testing.assert_close(layer.weight.grad, ref.weight.grad, rtol=0, atol=0)
+        torch.testing.assert_close(layer.bias.grad, ref.bias.grad, rtol=0, atol=0)
+
+
+def test_a_new_optimizer_collects_one_dropped_in_a_cycle():
+    """One dropped but not collected kept a new optimizer's passes deferred (eager needs
+    one optimizer) and its states in memory until the collector ran."""
+    with _collector_off():
+        layer = ramflow.Linear(5, 3)
+        stale = _dropped_in_a_cycle(layer)
+        assert stale() is not None
+        opt = ramflow.optim.AdamW(layer.parameters(), lr=1e-2)
+        assert stale() is None
+        x = torch.randn(2, 5)
+        for _ in range(2):
+            layer(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert layer._engine.stepper.policy.step_was_eager

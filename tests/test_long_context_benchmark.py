@@ -130,11 +130,13 @@ def test_a_lean_run_plans_with_its_own_cpu_rate() -> None:
     ``sys.path``, whose ``models`` is not the tests' own."""
     code = (
         "import sys; sys.argv = ['long_context.py']; import long_context as lc\n"
+        "from ramflow import HostPrecision\n"
         "from ramflow.planner.cpu_rates import optimizer_speed, rates_for\n"
-        "own = rates_for(lc._rates({}, None, 5e9, 'lean'), 'lean')\n"
-        "conv = rates_for(lc._rates({}, None, 5e9), 'lean')\n"
+        "lean = HostPrecision.lean()\n"
+        "own = rates_for(lc._rates({}, None, 5e9, 'lean'), lean)\n"
+        "conv = rates_for(lc._rates({}, None, 5e9), lean)\n"
         "print(own.cpu_optimizer_params_per_s, conv.cpu_optimizer_params_per_s,"
-        " 5e9 * optimizer_speed('lean'))\n"
+        " 5e9 * optimizer_speed(lean))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2] / "src")}
     proc = subprocess.run(

@@ -189,7 +189,7 @@ def test_loading_an_empty_state_dict_restarts_the_moments(offload_kwargs):
 @pytest.mark.parametrize("offload_kwargs", [FP32, LEAN], ids=["fp32", "lean"])
 def test_a_second_optimizer_takes_the_states_the_first_never_used(offload_kwargs):
     """States are made when an optimizer is built (see [Note: states made before the
-    first step] in ``ramflow.optim.host_optimizer``), with ``opt.state`` empty as PyTorch's; a
+    first step] in ``ramflow.optim.unit_states``), with ``opt.state`` empty as PyTorch's; a
     second optimizer built while the first holds states it never stepped takes those
     buffers rather than making a second set, and trains as a fresh optimizer does on a
     twin model. One that stepped keeps its own."""
@@ -199,20 +199,20 @@ def test_a_second_optimizer_takes_the_states_the_first_never_used(offload_kwargs
     ramflow.offload(model, **offload_kwargs)
     ramflow.offload(twin, **offload_kwargs)
     first = ramflow.optim.AdamW(model.parameters(), lr=LR)
-    units = list(first._unit_state)
+    units = list(first.unit_states)
     assert len(units) == len(model._ramflow_engine.units) and len(first.state) == 0
-    buffers = {n: t.data_ptr() for n, t in first._unit_state[units[0]].items()}
+    buffers = {n: t.data_ptr() for n, t in first.unit_states[units[0]].items()}
     second = ramflow.optim.AdamW(model.parameters(), lr=LR)
-    assert not first._unit_state and list(second._unit_state) == units
-    assert {n: t.data_ptr() for n, t in second._unit_state[units[0]].items()} == buffers
+    assert not first.unit_states and list(second.unit_states) == units
+    assert {n: t.data_ptr() for n, t in second.unit_states[units[0]].items()} == buffers
     data = batches(3)
     assert train(model, second, data) == train(
         twin, ramflow.optim.AdamW(twin.parameters(), lr=LR), data
     )
     assert_same(weights(model), weights(twin))
     third = ramflow.optim.AdamW(model.parameters(), lr=LR)  # ``second`` stepped: its own
-    assert list(second._unit_state) == units and list(third._unit_state) == units
-    assert second._unit_state[units[0]]["exp_avg"] is not third._unit_state[units[0]]["exp_avg"]
+    assert list(second.unit_states) == units and list(third.unit_states) == units
+    assert second.unit_states[units[0]]["exp_avg"] is not third.unit_states[units[0]]["exp_avg"]
 
 
 # ---- a plain torch.optim optimizer on lean host formats -------------------------------

@@ -147,6 +147,7 @@ def predicted_step(
     """ramflow's estimate of this run's step time on a CUDA GPU (also planned on the CPU, for
     the smoke test: then with the default H200 rates and a 24 GiB budget), or why there is
     none. ``rates``: this box's (``measured_rates``); missing ones are the defaults."""
+    from ramflow import HostPrecision
     from ramflow.planner.cpu_rates import optimizer_speed
     from ramflow.planner.predict import RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM, Rates
     from ramflow.sizes import parse_bytes
@@ -163,12 +164,13 @@ def predicted_step(
         )
     if rates.get("cpu_optimizer_params_per_s"):
         # the rate is the format's own; the copies' DRAM rate stays the fp32 kernel's
-        speed = optimizer_speed(args.host_precision)
+        formats = HostPrecision.parse(args.host_precision)
+        speed = optimizer_speed(formats)
         timing = dataclasses.replace(
             timing,
             cpu_optimizer_params_per_s=rates["cpu_optimizer_params_per_s"],
             cpu_optimizer_dram_bytes_per_param=RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM / speed,
-            host_precision=args.host_precision,
+            host_precision=formats,
         )
 
     common = dict(

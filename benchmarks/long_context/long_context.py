@@ -241,6 +241,7 @@ def _rates(
     ``planner.cpu_rates.OPTIMIZER_SPEED``), or the run's own formats' one-pass rate
     (``cpu_optimizer_runner._host_format_rates``, as ``host_formats_scale.py`` measures it),
     taken as it is."""
+    from ramflow import HostPrecision
     from ramflow.planner.cpu_rates import optimizer_speed
     from ramflow.planner.predict import RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM, Rates
 
@@ -253,11 +254,12 @@ def _rates(
     if cpu_params_per_s:
         rates = dataclasses.replace(rates, cpu_optimizer_params_per_s=cpu_params_per_s)
         if cpu_rate_format != "fp32":  # the copies' DRAM rate stays the fp32 kernel's
+            formats = HostPrecision.parse(cpu_rate_format)
             rates = dataclasses.replace(
                 rates,
                 cpu_optimizer_dram_bytes_per_param=RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM
-                / optimizer_speed(cpu_rate_format),
-                host_precision=cpu_rate_format,
+                / optimizer_speed(formats),
+                host_precision=formats,
             )
     return rates
 

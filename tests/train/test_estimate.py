@@ -50,7 +50,7 @@ def test_plan_matches_the_measured_allocation_of_the_tiny_preset() -> None:
         )
         states = sum(
             f.numel() * f.element_size()
-            for flats in opt._unit_state.values()
+            for flats in opt.unit_states.values()
             for f in flats.values()
         )
         assert ramflow.get_plan(model) == est.plan

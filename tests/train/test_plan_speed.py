@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from ramflow.planner.cpu_rates import OPTIMIZER_SPEED, rates_for
+from ramflow import HostPrecision
+from ramflow.planner.cpu_rates import OPTIMIZER_SPEED, rated_as, rates_for
 from ramflow.planner.plan import make_plan
 from ramflow.planner.predict import Rates
 from ramflow.train import TrainConfig, plan_run
@@ -125,7 +126,7 @@ def test_each_host_format_is_predicted_at_its_own_cpu_optimizer_rate() -> None:
     # rates convert back and forth, the machine's DRAM rate kept; a policy that is not a
     # preset is rated as the preset with its optimizer states
     rates = Rates()
-    lean = rates_for(rates, "lean")
+    lean = rates_for(rates, HostPrecision.lean())
     assert lean.cpu_optimizer_params_per_s == pytest.approx(
         rates.cpu_optimizer_params_per_s * speed["lean"], rel=1e-12
     )
@@ -133,9 +134,13 @@ def test_each_host_format_is_predicted_at_its_own_cpu_optimizer_rate() -> None:
     assert lean.cpu_optimizer_params_per_s * lean.cpu_optimizer_dram_bytes_per_param == (
         pytest.approx(dram, rel=1e-12)
     )
-    back = rates_for(lean, "fp32")
+    back = rates_for(lean, HostPrecision.fp32())
     assert back.cpu_optimizer_params_per_s == pytest.approx(rates.cpu_optimizer_params_per_s)
-    assert rates_for(rates, "bf16-sr/int8/full") == lean
+    odd = HostPrecision(master="bf16-sr", optimizer_states="fp8", gradients="full")
+    assert odd.name == "bf16-sr/fp8/full"  # not a preset: rated by its fields, not its name
+    assert rates_for(rates, odd) == dataclasses.replace(lean, host_precision=odd)
+    kahan = HostPrecision(master="bf16-kahan", optimizer_states="fp8", gradients="full")
+    assert rated_as(kahan) == "kahan" and rated_as(dataclasses.replace(odd, seed=3)) == "lean"
 
 
 def test_the_estimates_own_description_gives_the_fastest_plan_as_an_offload_call() -> None:

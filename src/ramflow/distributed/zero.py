@@ -230,7 +230,7 @@ class DistributedState:
         broadcasts), so that NCCL, which makes a group's communicator at its first
         collective (seconds on a host of several GPUs), makes them at ``offload`` and not
         inside the first step. See [Note: states made before the first step] in
-        ``ramflow.optim.host_optimizer``."""
+        ``ramflow.optim.unit_states``."""
         probe = torch.zeros(1, device=device)
         with self.explained("opening the process groups' communicators"):
             dist.all_reduce(probe, group=self.group)

@@ -75,7 +75,17 @@ def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
 def squared_norm(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The sum of the squares of ``t``'s elements (any shape and float dtype, any device),
     accumulated in ``dtype``: a ``dtype`` scalar on ``t``'s device. On the CPU it upcasts
-    one piece at a time (see [Note: norms in pieces on the CPU])."""
+    one piece at a time (see [Note: norms in pieces on the CPU]).
+
+    Args:
+        t: a floating-point tensor of any shape, on any device.
+        dtype: the accumulation dtype, at least as wide as ``t``'s (float64 for a
+            global norm).
+
+    Returns:
+        ``sum(t**2)`` as a 0-dim ``dtype`` tensor on ``t``'s device (PyTorch's bits for
+        ``t.to(dtype).pow(2).sum()`` when ``t`` is one piece; summed by piece otherwise).
+    """
     total = None
     for piece in _pieces(t):
         part = piece.to(dtype).pow(2).sum()
@@ -117,6 +127,17 @@ def clip_grad_norm_(
     step (see [Note: folding the clip into the step] in ``ramflow.engine.grad_scale``). The
     steps give the same bits as with the gradients scaled first.
 
+    Args:
+        parameters: a tensor or an iterable of tensors whose gradients are clipped
+            together: offloaded parameters (gradients on the host) and plain ones (any
+            device) may be mixed.
+        max_norm: the largest total norm allowed (``inf``: only read the norm).
+        norm_type: the p of the p-norm (``inf`` for the max norm), as PyTorch's.
+        error_if_nonfinite: raise when the total norm is nan or inf, as PyTorch's.
+        foreach: passed to PyTorch's function for the plain parameters' gradients.
+        fold: apply the coefficient in each unit's step instead of in place (above);
+            None: ``RAMFLOW_CLIP_FOLD``.
+
     Returns:
         the total norm of the gradients, an fp32 scalar: on the device when read from the
         device gradients, else on the CPU (from the host gradients). On the CPU the same
@@ -128,6 +149,10 @@ def clip_grad_norm_(
         RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf.
         RuntimeError: with ``fold``, a gradient was written in place after an earlier clip
             whose coefficient is still pending (call ``ramflow.synchronize`` between them).
+        RuntimeError: a second clip in one step of gradients held in 8-bit codes (an
+            AdamW with ``keep_grads=False`` under ``host_precision="lean"``).
+        ValueError: gradients held in 8-bit codes and a ``norm_type`` other than 2, or
+            only part of such a unit's parameters given.
         NotImplementedError: under ZeRO-2 (gradients sharded over the ranks, whose norms
             are combined with an all-reduce), a ``norm_type`` other than 2 or inf.
     """

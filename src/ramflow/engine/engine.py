@@ -368,7 +368,7 @@ class Engine:
         one per unit whose gradients this process lands on the host (under ZeRO-2, the
         units it owns; not those stepped on the device), up to the ring's size. Call it
         once the distributed state is set. See [Note: states made before the first step]
-        in ``ramflow.optim.host_optimizer``."""
+        in ``ramflow.optim.unit_states``."""
         dist = self.stepper.dist
         landed = sum(
             1

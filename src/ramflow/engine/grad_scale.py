@@ -30,7 +30,18 @@ from ..units.unit import Unit
 def fold_grad_scale(u: Unit, scale: float) -> bool:
     """A clip multiplies ``u``'s gradients by ``scale`` (an fp32 value): record it for the
     unit's step to apply (True), or, where ``p.grad`` is not the unit's host buffer, leave
-    it to the caller (False). See [Note: folding the clip into the step]."""
+    it to the caller (False). See [Note: folding the clip into the step].
+
+    Args:
+        u: the unit; it must have no pending coefficient (``apply_grad_scale`` first).
+        scale: the clip's coefficient ``min(max_norm / (norm + 1e-6), 1)``, a Python float
+            that is exact in fp32.
+
+    Returns:
+        True when recorded (``u.grad_scale`` and the gradients' version counters set);
+        False when some ``p.grad`` is not a view of ``u``'s host gradient buffer, which the
+        caller then scales itself.
+    """
     params = u.owned[: u.num_trainable]
     if u.host_grad is None or not all(p.grad is v for p, v in zip(params, u.host_grad_views)):
         return False
@@ -45,7 +56,20 @@ def scale_for_step(u: Unit, grads: list[torch.Tensor], *, flat: bool) -> float |
     unit's order): the clip coefficient the step applies (1.0: none), or None where the
     gradients must be scaled in place first (``apply_grad_scale``): the step is not
     ``flat`` (one flat step of the whole unit, whose kernels take a ``grad_scale``) or a
-    gradient was written since the clip."""
+    gradient was written since the clip.
+
+    Args:
+        u: the unit whose step is scheduled.
+        grads: the host gradients the step reads (fp32 or the gradient format's dtype,
+            CPU), one per trainable parameter, in the unit's order.
+        flat: the step is one flat step of the whole unit (its kernels multiply by the
+            coefficient as they read the gradients).
+
+    Returns:
+        1.0 without a pending coefficient; the coefficient (a float) when the step can
+        apply it (``flat``, and every gradient is the unit's host view, unwritten since the
+        clip); None when the caller must scale the gradients in place first.
+    """
     if u.grad_scale is None:
         return 1.0
     if flat and all(
@@ -60,6 +84,9 @@ def raise_if_written(u: Unit) -> None:
     """Before any step is scheduled: ``u``'s gradients were not written in place since a
     clip whose coefficient is pending (zeros excepted: see [Note: folding the clip into the
     step]).
+
+    Args:
+        u: the unit; nothing is checked without a pending coefficient.
 
     Raises:
         RuntimeError: a gradient was written in place since the clip, to values other
@@ -82,6 +109,11 @@ def raise_if_written(u: Unit) -> None:
 def apply_grad_scale(u: Unit) -> None:
     """Scale ``u``'s host gradients in place by a clip's pending coefficient (no step reads
     them meanwhile). See [Note: folding the clip into the step].
+
+    Args:
+        u: the unit (nothing happens without a pending coefficient). Its host gradients are
+            multiplied by the fp32 coefficient (PyTorch's bits for ``g * coef``) and the
+            coefficient is cleared; gradients the loop replaced are left alone.
 
     Raises:
         RuntimeError: a gradient was written in place since the clip, to values other than

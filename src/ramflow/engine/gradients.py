@@ -135,7 +135,7 @@ class GradientPath:
     def dispatch(self, u: Unit) -> None:
         """One D2H copy of ``u``'s gradients, then landing (and maybe the step) on the worker."""
         stepper = self._stepper
-        eager = stepper.decide_eager()
+        eager = stepper.decide_eager(u)
         if u.dispatched_this_backward and eager:
             raise stepper.policy.pattern(
                 f"unit {u.name!r} received gradients twice in one backward pass (a unit called "

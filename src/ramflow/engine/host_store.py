@@ -117,8 +117,18 @@ def choose_precision(
     """``host_precision="auto"``: fp32 where the store and AdamW's states fit in
     ``AUTO_FP32_SHARE`` of ``available`` bytes, else the leanest (``lean``) where it fits
     (it needs a bf16 wire). ``wire_dtype`` None: each candidate's wire follows its master
-    (``HostPrecision.wire_for``, ``default_wire`` for fp32 masters). Returns the policy and
-    a sentence saying why.
+    (``HostPrecision.wire_for``, ``default_wire`` for fp32 masters).
+
+    Args:
+        units: the units to keep (their trainable and frozen parameter counts size the
+            store and AdamW's states).
+        wire_dtype: the wire dtype the user asked for, or None (it follows the master).
+        available: host RAM that may be used, in bytes.
+        default_wire: the wire of fp32 masters when ``wire_dtype`` is None.
+
+    Returns:
+        (policy, why): ``HostPrecision.fp32()`` or ``HostPrecision.lean()``, and one
+        sentence with the sizes that decided it, for the log.
 
     Raises:
         MemoryError: not even the leanest fits; the message gives each preset's size.
@@ -159,8 +169,19 @@ def resolve_precision(
     """The policy and the wire dtype of a run from what the user gave: the one place
     where ``"auto"`` is decided (``choose_precision`` over ``units()``, made only then, on
     ``available`` bytes, default this machine's available RAM) and where the wire follows
-    the master when ``wire_dtype`` is None (``HostPrecision.wire_for``). Returns
-    (policy, wire dtype, why ``auto`` chose it or None).
+    the master when ``wire_dtype`` is None (``HostPrecision.wire_for``).
+
+    Args:
+        host_precision: a ``HostPrecision``, a preset's name, ``"auto"``, or None (fp32).
+        units: makes the units to size (called only for ``"auto"``).
+        wire_dtype: the wire dtype the user asked for, or None (it follows the master).
+        default_wire: the wire of fp32 masters when ``wire_dtype`` is None.
+        available: host RAM ``"auto"`` may use, in bytes; None: this machine's available
+            RAM now (``host_ram_available``).
+
+    Returns:
+        (policy, wire dtype, why): the host formats, the dtype of the device copies, and
+        the sentence saying why ``"auto"`` chose the policy (None when it was given).
 
     Raises:
         ValueError: an unknown preset, or masters that cannot serve ``wire_dtype``
@@ -455,7 +476,7 @@ class HostStore:
         by the intra-op threads, so its pages are faulted in in parallel) and then
         page-locked, as the store's buffers are (see [Note: filling the host store]); the
         first backward finds them free. Does nothing without the ring. See [Note: states
-        made before the first step] in ``ramflow.optim.host_optimizer``."""
+        made before the first step] in ``ramflow.optim.unit_states``."""
         if not self.precision.gradient_format.ring or not self._ring_numel:
             return
         with self._ring_cond:

@@ -74,7 +74,16 @@ def in_backward() -> bool:
 
 def unit_deps(units: Iterable[Unit]) -> list[Unit]:
     """The units whose device copies ``units`` read (each unit's ``deps``: itself and the
-    owners of parameters tied into it), each once, in order."""
+    owners of parameters tied into it), each once, in order.
+
+    Args:
+        units: units in the order they will run (a forward order, or its reverse for
+            backward).
+
+    Returns:
+        ``units``' dependencies, each once, in the order first met: the units the device
+        window must hold (or prefetch) for ``units`` to run.
+    """
     out: list[Unit] = []
     for u in units:
         for d in u.deps:
@@ -88,6 +97,13 @@ def swap_parameters(u: Unit, *, to_device: bool) -> None:
     a backward call of the unit is in flight (counted: they nest under checkpointing,
     whose recomputation may call submodules directly, without the unit's hooks). See
     [Note: parameters during backward].
+
+    Args:
+        u: the unit; its device parameters must be current (acquired by the window) while
+            swapped in.
+        to_device: True at the start of a call (the first of nested calls swaps the device
+            parameters in, after ``check_host_parameters``), False at its end (the last
+            swaps the host parameters back).
 
     Raises:
         RuntimeError: a slot or a parameter's data was replaced since ``offload``
@@ -105,7 +121,19 @@ def swap_parameters(u: Unit, *, to_device: bool) -> None:
 def slot_callers(roots: list[nn.Module], holders: list[nn.Module]) -> list[nn.Module]:
     """The modules under the unit's ``roots`` (not the roots themselves) that hold one of
     its parameters (``holders``) or contain a module that does, each once, in module
-    order. See [Note: parameters during backward]."""
+    order. See [Note: parameters during backward].
+
+    Args:
+        roots: the unit's root modules (a block, or the modules of the rest unit).
+        holders: the modules whose ``_parameters`` hold one of the unit's parameters
+            (its slots' modules), under the roots or, for a tied parameter, elsewhere.
+
+    Returns:
+        the modules that a recomputation under activation checkpointing may call without
+        passing through the roots' hooks (their calls must swap the unit's parameters in):
+        descendants of ``roots`` with a holder in their subtree, then every holder that is
+        not a root, each once.
+    """
     holder_ids = {id(m) for m in holders}
     root_ids = {id(r) for r in roots}
     contains: dict[int, bool] = {}  # module id -> whether its subtree holds a parameter
@@ -138,6 +166,11 @@ def check_host_parameters(u: Unit) -> None:
     ``load_state_dict(..., assign=True)`` or ``p.data = t`` after ``offload`` would
     otherwise be undone by the next swap (or ignored, the store keeping the old values),
     silently.
+
+    Args:
+        u: the unit, checked before its device parameters are swapped in. Its kept
+            parameters (``owned[:num_kept]``) must share the storage of its host master
+            buffer (``u.master``), when it has one.
 
     Raises:
         RuntimeError: a slot holds another tensor, or a parameter's data was replaced.

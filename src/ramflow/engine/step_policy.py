@@ -64,7 +64,18 @@ def step_items(u: Unit, optimizers: Sequence[StepOptimizer]) -> list[StepItem]:
     """What a step of ``u`` needs, captured now: per optimizer of ``optimizers`` that holds
     some of ``u``'s trainable parameters with gradients, its hyperparameters, those
     parameters with their gradients (the user may zero_grad before the worker gets to the
-    step) and the gradients' version counters (see ``HostStepper.step_unit``)."""
+    step) and the gradients' version counters (see ``HostStepper.step_unit``).
+
+    Args:
+        u: the unit to step; its trainable parameters are ``owned[:num_trainable]``
+            (host fp32 masters, or another host format's, with host gradients).
+        optimizers: the ramflow optimizers that may step it, in order.
+
+    Returns:
+        one ``StepItem`` per optimizer of ``optimizers`` that holds at least one of ``u``'s
+        trainable parameters with a gradient (``p.grad`` not None), in ``optimizers``'
+        order; empty when none does.
+    """
     items = []
     for opt in optimizers:
         params = [p for p in u.owned[: u.num_trainable] if p.grad is not None and opt.holds(p)]
@@ -77,7 +88,16 @@ def step_items(u: Unit, optimizers: Sequence[StepOptimizer]) -> list[StepItem]:
 
 def same_settings(a: list[dict], b: list[dict]) -> bool:
     """Whether two copies of an optimizer's param-group settings (``hyperparameters``)
-    are equal; tensors (a tensor learning rate) compare by value."""
+    are equal; tensors (a tensor learning rate) compare by value.
+
+    Args:
+        a, b: lists of per-group settings dicts (``StepOptimizer.hyperparameters()``, the
+            ``params`` left out). Tensor values may be on any device (compared on the CPU).
+
+    Returns:
+        True when both have the same groups with the same keys and equal values (tensors:
+        same shape and ``torch.equal``; a tensor never equals a number).
+    """
     if len(a) != len(b):
         return False
     for group_a, group_b in zip(a, b):
@@ -160,12 +180,18 @@ class StepPolicy:
         )
 
     def begin_pass(
-        self, optimizers: Sequence[StepOptimizer], *, ring: bool, holding: bool = False
+        self,
+        optimizers: Sequence[StepOptimizer],
+        *,
+        ring: bool,
+        trains_first: bool,
+        holding: bool = False,
     ) -> bool:
         """The open pass's decision, made at its first dispatched unit. ``ring``: the host
-        gradients are a ring (``GradientFormat.ring``); ``holding``: units hold gradients
-        in 8-bit codes from a pass under ``no_step``, which this pass adds to (never
-        during backward)."""
+        gradients are a ring (``GradientFormat.ring``); ``trains_first``: the one optimizer
+        trains that unit (see [Note: an optimizer of another model]); ``holding``: units
+        hold gradients in 8-bit codes from a pass under ``no_step``, which this pass adds
+        to (never during backward)."""
         if self.eager_now is None:
             no_step = any(opt.no_step_depth for opt in optimizers)
             if self.last_eager and not no_step:
@@ -181,6 +207,7 @@ class StepPolicy:
                 and not holding
                 and self.final_backwards == 0
                 and len(optimizers) == 1
+                and trains_first
             )
             self.eager_by_promise = self.eager_now and not self.allowed
             self.eager_settings = optimizers[0].hyperparameters() if self.eager_now else None

@@ -15,11 +15,27 @@ its gradients have landed (eager, see [Note: optimizer overlap]). A loop that ch
 pattern afterwards gets a RuntimeError, never a silently wrong step. Deferred steps run on
 the worker too: ``opt.step()`` returns at once and each unit's next forward waits for that
 unit's step only.
+
+[Note: an optimizer of another model]
+The engine holds its optimizers weakly, so one the program has dropped counts until it is
+freed, which for one caught in a reference cycle (an ``exec`` namespace, a traceback kept
+by ``pytest.raises``, a trainer that refers to itself) is when the garbage collector runs.
+The layer engines of ``ramflow.Linear`` also serve every model of the process. So a pass
+steps during backward only when the one optimizer trains its first unit: a backward of
+another model, or of one whose optimizer was dropped for a plain ``torch.optim`` one or
+none, must not become eager on an optimizer that may be garbage (its passes would then
+raise "a second backward pass ran before opt.step()", or, had the dropped optimizer held
+the model's parameters, step them). A new optimizer collects the garbage before it
+attaches, so that a dropped one neither keeps the passes deferred (eager needs one
+optimizer) nor keeps its states in memory. What is left: a dropped optimizer, not yet
+collected, whose model goes on training without a new ramflow optimizer still steps it
+during backward; drop it with ``del opt; gc.collect()``.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import weakref
 from collections.abc import Iterable
 
@@ -81,7 +97,11 @@ class Stepper:
     # ------------------------------------------------------------------ optimizers, order
 
     def attach(self, opt: StepOptimizer) -> None:
-        """Step ``opt``'s parameters of this engine (held weakly)."""
+        """Step ``opt``'s parameters of this engine (held weakly). An optimizer that is
+        garbage but not yet collected is collected first, so that it no longer counts
+        (see [Note: an optimizer of another model])."""
+        if self.optimizers and opt not in self.optimizers:
+            gc.collect()
         if opt not in self.optimizers:
             self._optimizers.append(weakref.ref(opt))
             self.policy.new_optimizer()
@@ -116,18 +136,26 @@ class Stepper:
 
     # ------------------------------------------------------------------ step policy
 
-    def decide_eager(self) -> bool:
+    def decide_eager(self, u: Unit) -> bool:
         """Whether this backward pass steps units as their gradients land (decided at its
-        first dispatched unit). See [Note: when the step runs]."""
+        first dispatched unit, ``u``). See [Note: when the step runs] and [Note: an
+        optimizer of another model]."""
         first = self.policy.eager_now is None
+        optimizers = self.optimizers
         eager = self.policy.begin_pass(
-            self.optimizers,
+            optimizers,
             ring=self._host.precision.gradient_format.ring,
+            trains_first=first and len(optimizers) == 1 and self._trains(optimizers[0], u),
             holding=first and self.holds_compact(),
         )
         if first:
             self.norms.begin_pass()
         return eager
+
+    def _trains(self, opt: StepOptimizer, u: Unit) -> bool:
+        """Whether ``opt`` trains ``u``: it holds one of ``u``'s trainable parameters, or
+        (under ZeRO) another rank's optimizer steps ``u``."""
+        return not self.steps_here(u) or any(opt.holds(p) for p in u.owned[: u.num_trainable])
 
     def end_pass(self) -> None:
         """A backward pass finished: count it for the step policy."""

@@ -27,7 +27,8 @@ from ..formats.steps import LEAN, AdamWSettings, FlatStep, adamw_for
 from ..kernels.cpu_kernels import check_threads, odd_tails
 from ..units.registry import engine_of_param
 from ..units.unit import Unit
-from .host_optimizer import HostOptimizer, format_of
+from .host_optimizer import HostOptimizer
+from .unit_states import format_of
 
 
 class AdamW(HostOptimizer):
@@ -132,7 +133,7 @@ class AdamW(HostOptimizer):
             fmt,
             unit.master,
             grad,
-            self._unit_states(unit),
+            self._flats_with_states(unit),
             FlatStep(
                 pieces=pieces or [(0, unit.trainable_numel)],
                 runs=runs,
@@ -151,15 +152,15 @@ class AdamW(HostOptimizer):
         for p in params:
             self.state[p]["step"].add_(1)
 
-    def _unit_states(self, unit: Unit) -> dict[str, torch.Tensor]:
+    def _flats_with_states(self, unit: Unit) -> dict[str, torch.Tensor]:
         """The flat host states of ``unit`` (trainable prefix, in its host format; see
         ``_state_names``), with every parameter's state made first if it has none yet."""
         names = _state_names(unit)
         for p in unit.owned[: unit.num_trainable]:
             if not self.state[p]:
                 self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
-                self.state[p].update(self._flat_state(p, names))
-        return self._unit_state[unit]
+                self.state[p].update(self.unit_states.views(p, names, self._new_flats))
+        return self.unit_states[unit]
 
     def _states_to_unit(self, p: torch.Tensor, engine: Engine) -> None:
         """``p`` joined ``engine`` with states (stepped before ``offload``, or before an
@@ -169,7 +170,11 @@ class AdamW(HostOptimizer):
         unit = engine.unit_of(p)
         if not st or unit is None or not any(q is p for q in unit.owned[: unit.num_trainable]):
             return  # no state, or a frozen parameter: never stepped by the unit
-        st.update(moments_into(format_of(unit), st, self._flat_state(p, _state_names(unit))))
+        st.update(
+            moments_into(
+                format_of(unit), st, self.unit_states.views(p, _state_names(unit), self._new_flats)
+            )
+        )
 
     def _states_to_plain(self, p: torch.Tensor) -> None:
         """``p``'s engine was removed (``ramflow.undo``): its moments become plain tensors.
@@ -185,7 +190,7 @@ class AdamW(HostOptimizer):
 
     def _unit_state_names(self, unit: Unit) -> tuple[str, ...]:
         """AdamW's states in ``unit``'s host format, made when it is built: see [Note:
-        states made before the first step] in ``ramflow.optim.host_optimizer``."""
+        states made before the first step] in ``ramflow.optim.unit_states``."""
         return _state_names(unit)
 
     def device_state(self, unit: Unit, device: torch.device) -> dict[str, torch.Tensor]:
@@ -200,7 +205,7 @@ class AdamW(HostOptimizer):
         ``"master"``: the bf16 master is the wire copy, so the unit's device copy is the
         master and is stepped in place. Lean formats step with the host kernel's arithmetic
         in PyTorch ops (the same bits; ``lean_adamw_step_``)."""
-        flats = self._unit_states(unit)
+        flats = self._flats_with_states(unit)
         n = unit.trainable_numel
         out: dict[str, torch.Tensor] = {}
         if unit.master.dtype == torch.float32:
@@ -274,8 +279,8 @@ class AdamW(HostOptimizer):
         st = self.state[p]
         if not st:
             st["step"] = torch.zeros((), dtype=torch.float32)
-            st.update(self._flat_state(p, _state_names(unit)))
-        flats = self._unit_state[unit]
+            st.update(self.unit_states.views(p, _state_names(unit), self._new_flats))
+        flats = self.unit_states[unit]
         k = next(i for i, q in enumerate(unit.owned) if q is p)
         lo = unit.offsets[k]
         g = grad.detach().reshape(-1)

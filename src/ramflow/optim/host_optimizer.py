@@ -1,7 +1,9 @@
 """The machinery every ramflow optimizer shares: param groups over offloaded and plain
-parameters, the engine's hooks (``StepOptimizer``), flat per-unit state buffers and the
-state round trip. ``ramflow.optim.AdamW``, ``SGD``, ``Lion``, ``Adafactor`` and ``Muon``
-subclass ``HostOptimizer`` and give it their arithmetic (``_update``, and for AdamW a flat step).
+parameters (which engine holds each, see [Note: parameters that change hands]), the engine's
+hooks (``StepOptimizer``) and the state round trip. The flat per-unit state buffers are a
+``UnitStates`` (``optim/unit_states.py``) that the optimizer holds. ``ramflow.optim.AdamW``,
+``SGD``, ``Lion``, ``Adafactor`` and ``Muon`` subclass ``HostOptimizer`` and give it their
+arithmetic (``_update``, and for AdamW a flat step).
 """
 
 from __future__ import annotations
@@ -15,16 +17,11 @@ import torch
 from torch.optim import adam as _adam
 
 from ..engine.engine import Engine
-from ..formats.host import (
-    FP32,
-    HostPrecision,
-    check_optimizer_formats,
-    saved_state_shape,
-    upgrade_legacy_state,
-)
+from ..formats.host import check_optimizer_formats, saved_state_shape, upgrade_legacy_state
 from ..layers.linear import attach_pending
 from ..units.registry import engine_of_param
 from ..units.unit import Unit
+from .unit_states import UnitStates, format_of
 
 
 class HostOptimizer(torch.optim.Optimizer):
@@ -51,7 +48,7 @@ class HostOptimizer(torch.optim.Optimizer):
         self._engines: list[Engine] = []
         self._probes: list[torch.Tensor] = []  # one parameter of each engine, in its order
         self._unmanaged: list[torch.Tensor] = []
-        self._unit_state: dict[Unit, dict[str, torch.Tensor]] = {}
+        self.unit_states = UnitStates()  # the offloaded units' flat optimizer states
         self._fused_ok = True
         super().__init__(params, defaults)
 
@@ -70,39 +67,22 @@ class HostOptimizer(torch.optim.Optimizer):
         for engine in self._engines:
             self._make_unit_states(engine)
 
-    # [Note: states made before the first step]
-    # A unit's flat optimizer states are made (zeros, written: their pages faulted in by
-    # the intra-op threads) when the optimizer is built, for every unit this process steps
-    # (under ZeRO, the units it owns), not by the worker inside the first step. Making them
-    # there was the largest new memory of the first step (2 bytes per parameter in lean
-    # formats, 8 in fp32: 33 GiB per rank for a 70B model on 4 ranks, beside the gradient
-    # ring's 8 GiB), paid on the worker while backward waits for its steps: the first run on
-    # a 4-GPU box took 26 s over its median there, likely a VM backing its RAM at first touch
-    # (docs/design.md, "Host memory is made before the first step"). ``self.state``
-    # stays empty until a step, as for a torch optimizer: a step, ``load_state_dict`` or a
-    # device step finds the flats made and takes views of them (``_flat_state``). An
-    # optimizer built over units whose states an older optimizer made but never used
-    # (never stepped, nothing loaded) takes those, so that building a second optimizer
-    # before dropping the first costs no second set. ``offload`` does the same for the
-    # rest of what a first step made: the gradient ring's buffers
-    # (``Engine.prepare_first_step``) and, under ``zero_stage``, NCCL's communicators
-    # (``DistributedState.open_communicators``).
-
     def _unit_state_names(self, unit: Unit) -> tuple[str, ...]:
         """Names of the flat states this optimizer keeps for ``unit`` and makes when it
-        is built (see [Note: states made before the first step]); () (the default) makes
-        them at the first step."""
+        is built (see [Note: states made before the first step] in
+        ``ramflow.optim.unit_states``); () (the default) makes them at the first step."""
         return ()
 
     def _make_unit_states(self, engine: Engine) -> None:
         """Make the flat states of ``engine``'s units that this process steps and this
-        optimizer holds parameters of, unless made already. See [Note: states made
-        before the first step]."""
+        optimizer holds parameters of, unless made already (taking those an older
+        optimizer made and never used). See [Note: states made before the first step]
+        in ``ramflow.optim.unit_states``."""
         donors = [
             o for o in engine.stepper.optimizers if o is not self and isinstance(o, HostOptimizer)
         ]
         for u in engine.units:
-            if u in self._unit_state or not u.num_trainable or not engine.stepper.steps_here(u):
+            if u in self.unit_states or not u.num_trainable or not engine.stepper.steps_here(u):
                 continue
             params = u.owned[: u.num_trainable]
             if not any(self.holds(p) for p in params):
@@ -111,22 +91,14 @@ class HostOptimizer(torch.optim.Optimizer):
             if not names:
                 continue
             flats = next(
-                (f for o in donors if (f := o._give_unused_states(u, names)) is not None), None
+                (
+                    f
+                    for o in donors
+                    if (f := o.unit_states.give_unused(u, names, o.state)) is not None
+                ),
+                None,
             )
-            self._unit_state[u] = flats if flats is not None else self._new_flats(u, names)
-
-    def _give_unused_states(
-        self, unit: Unit, names: tuple[str, ...]
-    ) -> dict[str, torch.Tensor] | None:
-        """Give up ``unit``'s flat states if they are exactly ``names`` and hold nothing:
-        made when this optimizer was built, never stepped or loaded into (no parameter of
-        the unit has a state). None otherwise."""
-        flats = self._unit_state.get(unit)
-        if flats is None or tuple(flats) != tuple(names):
-            return None
-        if any(self.state.get(p) for p in unit.owned[: unit.num_trainable]):
-            return None
-        return self._unit_state.pop(unit)
+            self.unit_states.put(u, flats if flats is not None else self._new_flats(u, names))
 
     # [Note: parameters that change hands]
     # A parameter keeps its identity through ``ramflow.offload`` and ``ramflow.undo``, so
@@ -170,8 +142,7 @@ class HostOptimizer(torch.optim.Optimizer):
             check_optimizer_formats(engine.host.precision, self)
         for engine in self._engines:
             if id(engine) not in kept_ids:  # removed by ramflow.undo
-                for u in engine.units:
-                    self._unit_state.pop(u, None)
+                self.unit_states.drop(engine.units)
         self._engines = [e for e, _ in kept] + [e for e, _ in new.values()]
         self._probes = [p for _, p in kept] + [p for _, p in new.values()]
         resorted = {id(p) for p in params}
@@ -225,7 +196,7 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def _flat_names(self, p: torch.Tensor, state: dict[str, Any]) -> tuple[str, ...]:
         """Names of the states of managed parameter ``p`` that live in its unit's flat
-        buffers (``_flat_state``), so that ``load_state_dict`` copies them there: by
+        buffers (``UnitStates.views``), so that ``load_state_dict`` copies them there: by
         default every tensor state but the step count, each of ``p``'s shape or its
         blocks'. An optimizer whose states have other shapes (Adafactor's factored
         second moment) keeps those as plain host tensors."""
@@ -351,39 +322,13 @@ class HostOptimizer(torch.optim.Optimizer):
             maximize=False,
         )
 
-    def _flat_state(self, p: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """State tensors of a managed parameter: views into one flat buffer per unit and
-        name, so that a unit's optimizer states are contiguous like its masters. A buffer
-        of ``unit.trainable_numel`` elements gives the parameter's shape; a per-block one
-        (the scales of 8-bit states) gives the parameter's blocks, 1-D (parameters start on
-        whole blocks, ``units.unit.ALIGN``): ``HostPrecision.state_view``."""
-        engine = engine_of_param(p)
-        unit = engine.unit_of(p)
-        assert unit is not None
-        flats = self._unit_state.get(unit)
-        if flats is None:
-            flats = self._unit_state[unit] = {}
-        missing = tuple(n for n in names if n not in flats)
-        if missing:
-            flats.update(self._new_flats(unit, missing))
-        k = next(i for i, q in enumerate(unit.owned) if q is p)
-        off = unit.offsets[k]
-        out = {}
-        for n in names:
-            flat = flats[n]
-            if flat.numel() == unit.trainable_numel:
-                out[n] = flat[off : off + p.numel()].view(p.shape)
-            else:
-                out[n] = format_of(unit).state_view(n, flat, off, off + p.numel())
-        return out
-
     def _new_flats(self, unit: Unit, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """New flat state buffers of ``unit`` (zeros, fp32, trainable prefix) per name."""
         return {n: torch.zeros(unit.trainable_numel, dtype=torch.float32) for n in names}
 
     def _state_buffers(self, p: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         if engine_of_param(p) is not None:
-            return self._flat_state(p, names)
+            return self.unit_states.views(p, names, self._new_flats)
         return {n: torch.zeros_like(p, memory_format=torch.preserve_format) for n in names}
 
     # ------------------------------------------------------------------ public
@@ -478,7 +423,7 @@ class HostOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         # new flat buffers: the old ones hold the states of parameters the loaded dict has
         # none for, which must start from zero (the tensors in ``given`` keep theirs alive)
-        self._unit_state.clear()
+        self.unit_states.clear()
         for p, st in self.state.items():
             if engine_of_param(p) is None:
                 continue
@@ -489,7 +434,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 st.update(upgraded)
                 raw = upgraded
             names = self._flat_names(p, st)
-            views = self._flat_state(p, names)
+            views = self.unit_states.views(p, names, self._new_flats)
             for n, view in views.items():
                 if tuple(raw[n].shape) != tuple(view.shape) or raw[n].dtype != view.dtype:
                     raise ValueError(
@@ -503,8 +448,3 @@ class HostOptimizer(torch.optim.Optimizer):
         for engine in self._engines:
             engine.drop_device_states()  # the next device step uploads the loaded states
             self._make_unit_states(engine)  # units the dict has no states for: zeros
-
-
-def format_of(unit: Unit) -> HostPrecision:
-    """``unit``'s host formats (fp32 for a unit no store has built yet)."""
-    return FP32 if unit.precision is None else unit.precision

@@ -37,7 +37,8 @@ from ..formats.host import OPTIMIZER_STATES, HostPrecision, StateFormat
 from ..kernels.lean_kernels import stochastic_round_bf16
 from ..units.registry import engine_of_param
 from ..units.unit import Unit
-from .host_optimizer import HostOptimizer, format_of
+from .host_optimizer import HostOptimizer
+from .unit_states import format_of
 
 MOMENTUM = "exp_avg"  # AdamW's first moment's name: the host formats know how to keep it
 
@@ -122,12 +123,12 @@ class Lion(HostOptimizer):
         st = self.state[p]
         if not st:
             st["step"] = torch.zeros((), dtype=torch.float32)
-            st.update(self._flat_state(p, _state_names(fmt)))
+            st.update(self.unit_states.views(p, _state_names(fmt), self._new_flats))
         step = int(st["step"]) + 1
         k = next(i for i, q in enumerate(unit.owned) if q is p)
         lo = unit.offsets[k]
         hi = lo + p.numel()
-        views = {n: fmt.state_view(n, self._unit_state[unit][n], lo, hi) for n in st if n != "step"}
+        views = {n: fmt.state_view(n, self.unit_states[unit][n], lo, hi) for n in st if n != "step"}
         g = grad.detach().reshape(-1).to(torch.float32)
         m = fmt.state_format.decode(MOMENTUM, dict(views)).to(torch.float32)
         master = unit.master[lo:hi]
@@ -165,7 +166,7 @@ class Lion(HostOptimizer):
             return
         fmt = format_of(unit)
         value = st[MOMENTUM].detach().to("cpu", torch.float32).reshape(-1)
-        views = self._flat_state(p, _state_names(fmt))
+        views = self.unit_states.views(p, _state_names(fmt), self._new_flats)
         fmt.state_format.encode(MOMENTUM, value, views)
         st.update(views)
         st.setdefault("step", torch.zeros((), dtype=torch.float32))

@@ -2,16 +2,19 @@
 
 ``rates_for`` converts a machine's measured rate (taken with one host format) to another
 format by the ratios in ``OPTIMIZER_SPEED_BY_ISA``; the planner, ``ramflow plan`` and the
-engine's timed plan all ask here.
+engine's timed plan all ask here. Formats are read from a ``HostPrecision``'s fields, never
+from its name (which is for display).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
-from ..formats.host import LEGACY_8BIT_NAME
+import torch
+
+from ..formats.host import HostPrecision
+from .predict import Rates
 
 OPTIMIZER_SPEED_BY_ISA = {
     "avx512": {"fp32": 1.0, "bf16": 2.09, "lean": 2.05, "kahan": 1.63},
@@ -46,59 +49,60 @@ OPTIMIZER_SPEED = OPTIMIZER_SPEED_BY_ISA[_cpu_lean_isa()]
 """``OPTIMIZER_SPEED_BY_ISA`` of this CPU: the predictor's (``rates_for``)."""
 
 
-def rated_as(name: str) -> str:
-    """The preset whose CPU optimizer rate stands for some host formats.
+def rated_as(precision: HostPrecision | None) -> str:
+    """The preset whose CPU optimizer rate stands for some host formats, read from their
+    fields: the optimizer states decide the step's arithmetic (8-bit states with a Kahan
+    master are ``"kahan"``'s).
 
     Args:
-        name: the host formats' name (``HostPrecision.name``: a preset, or
-            ``master/states/gradients``).
+        precision: the host formats; None: fp32 (``Rates.host_precision``'s default).
 
     Returns:
-        The preset's name: ``name`` itself, or the preset with the same optimizer states.
+        The key of ``OPTIMIZER_SPEED``: ``"fp32"``, ``"bf16"``, ``"lean"`` or ``"kahan"``.
     """
-    if name in OPTIMIZER_SPEED:
-        return name
-    master, states = ([*name.split("/"), "", ""])[:2]
-    if states in ("fp8", LEGACY_8BIT_NAME):
-        return "kahan" if master == "bf16-kahan" else "lean"
-    return "bf16" if states == "bf16" else "fp32"
+    if precision is None:
+        return "fp32"
+    states = precision.state_format
+    if states.block:  # 8-bit codes with per-block scales
+        return "kahan" if precision.master_format.compensated else "lean"
+    return "bf16" if states.dtype == torch.bfloat16 else "fp32"
 
 
-def optimizer_speed(name: str) -> float:
+def optimizer_speed(precision: HostPrecision | None) -> float:
     """The relative CPU optimizer speed of some host formats.
 
     Args:
-        name: the host formats' name (``HostPrecision.name``).
+        precision: the host formats; None: fp32.
 
     Returns:
-        ``OPTIMIZER_SPEED`` of the preset that ``name`` is rated as (``rated_as``).
+        ``OPTIMIZER_SPEED`` of the preset that ``precision`` is rated as (``rated_as``): its
+        AdamW parameter rate over the fp32 one on this CPU.
     """
-    return OPTIMIZER_SPEED[rated_as(name)]
+    return OPTIMIZER_SPEED[rated_as(precision)]
 
 
-def rates_for(rates: Any, name: str) -> Any:
-    """``rates`` (a ``planner.predict.Rates``) with the CPU optimizer's rate for the host formats
-    ``name`` (``HostPrecision.name``: a preset, or ``master/states/gradients``, rated as the
-    preset with the same optimizer states), converted from the formats the rate was measured
-    with (``rates.host_precision``) by ``OPTIMIZER_SPEED``. The host DRAM rate the PCIe
-    copies are charged at stays the machine's: the 8-bit steps are bound by their lookups,
-    not by DRAM, so it is not their parameter rate times their bytes.
+def rates_for(rates: Rates, precision: HostPrecision) -> Rates:
+    """``rates`` with the CPU optimizer's rate for the host formats ``precision`` (rated as
+    the preset with the same optimizer states, ``rated_as``), converted from the formats
+    the rate was measured with (``rates.host_precision``) by ``OPTIMIZER_SPEED``. The host
+    DRAM rate the PCIe copies are charged at stays the machine's: the 8-bit steps are bound
+    by their lookups, not by DRAM, so it is not their parameter rate times their bytes.
 
     Args:
         rates: the machine's ``planner.predict.Rates``.
-        name: the host formats' name (``HostPrecision.name``).
+        precision: the host formats the plan steps with.
 
     Returns:
-        A ``Rates``; ``rates`` itself when the formats rate alike.
+        A ``Rates`` of ``precision`` (its ``host_precision``); ``rates`` itself when the
+        formats are the same, and ``rates`` with only ``host_precision`` changed when they
+        rate alike.
     """
-    name = rated_as(name)
-    if name == rated_as(rates.host_precision):
+    if precision == rates.host_precision:
         return rates
-    rate = (
-        rates.cpu_optimizer_params_per_s
-        * optimizer_speed(name)
-        / optimizer_speed(rates.host_precision)
-    )
+    speed, measured = optimizer_speed(precision), optimizer_speed(rates.host_precision)
+    if speed == measured:
+        return dataclasses.replace(rates, host_precision=precision)
+    rate = rates.cpu_optimizer_params_per_s * speed / measured
     dram = rates.cpu_optimizer_dram_bytes_per_param
     return dataclasses.replace(
         rates,
@@ -106,5 +110,5 @@ def rates_for(rates: Any, name: str) -> Any:
         cpu_optimizer_dram_bytes_per_param=(
             dram * rates.cpu_optimizer_params_per_s / rate if dram else None
         ),
-        host_precision=name,
+        host_precision=precision,
     )

@@ -61,8 +61,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from .task_graph import RESOURCES, Task, TaskGraph, critical_path  # noqa: F401 (RESOURCES: re-exported)
+
+if TYPE_CHECKING:  # this file stays standard-library only when run
+    from ..formats.host import HostPrecision
 
 # ----------------------------------------------------------------------------- constants
 # Calibrated against a measured run on the GPU box: docs/speed.md, "Step-time model
@@ -313,7 +317,7 @@ class Rates:
             step whose rate that is (``RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM``): its DRAM rate is
             the product, and each byte the PCIe copies move to or from host memory takes
             optimizer time at that rate. None: the copies do not slow the optimizer.
-        host_precision: the host formats (a ``ramflow.HostPrecision`` preset's name) the
+        host_precision: the host formats (a ``ramflow.HostPrecision``; None: fp32) the
             optimizer's rate and bytes are of; ``planner.cpu_rates.rates_for`` converts them.
         device_optimizer_params_per_s: the optimizer's rate on the device, for units
             stepped there (``DEFAULT_DEVICE_OPTIMIZER_PARAMS_PER_S``, a floor).
@@ -324,7 +328,7 @@ class Rates:
     both_bytes_per_s: float | None = DEFAULT_BOTH_BYTES_PER_S
     cpu_optimizer_params_per_s: float = DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S
     cpu_optimizer_dram_bytes_per_param: float | None = RAMFLOW_ADAMW_DRAM_BYTES_PER_PARAM
-    host_precision: str = "fp32"
+    host_precision: HostPrecision | None = None
     device_optimizer_params_per_s: float = DEFAULT_DEVICE_OPTIMIZER_PARAMS_PER_S
 
     def copies_on_host_dram_s(self, nbytes: float) -> float:

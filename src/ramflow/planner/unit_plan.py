@@ -242,7 +242,7 @@ def _with_device_optimizer(
     # see [Note: the device optimizer's default] in ramflow.planner.plan
     if refusal is not None:
         return dataclasses.replace(plan, device_optimizer_reason=f"none: {refusal}")
-    rates = rates_for(Rates(), precision.name)
+    rates = rates_for(Rates(), precision)
     if owners is not None:
         # per rank: its own units, on its share of the host's cores (the ranks of a
         # host split them), see [Note: the device optimizer under ZeRO] in ramflow.engine.stepper

@@ -368,7 +368,7 @@ def estimate_run_memory(
         config=config,
         checkpointing=checkpointing,
         wire_dtype=wire_dtype,
-        rates=rates_for(timing_rates or Rates(), estimate.host_precision.name),
+        rates=rates_for(timing_rates or Rates(), estimate.host_precision),
         matmul_flops_per_s=matmul_flops_per_s or DEFAULT_MATMUL_FLOPS_PER_S,
         frozen_format=None if lora is None else lora.frozen_format,
     )
@@ -420,7 +420,7 @@ def predict_plan_step(
             ``micro_batches``), the whole global batch.
     """
     model = meta_model(config)
-    rates = rates_for(timing_rates or Rates(), estimate.host_precision.name)
+    rates = rates_for(timing_rates or Rates(), estimate.host_precision)
     if not with_optimizer:
         rates = dataclasses.replace(rates, cpu_optimizer_params_per_s=math.inf)
     wire_size = getattr(torch, estimate.wire_dtype).itemsize
