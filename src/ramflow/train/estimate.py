@@ -420,6 +420,10 @@ def predict_plan_step(
             ``micro_batches``), the whole global batch.
     """
     model = meta_model(config)
+    if estimate.num_adapter_parameters:
+        # a LoRA run: the base is frozen (no gradient copies, no host steps), as ``train``
+        # offloads it and as ``estimate_run_memory`` sized it
+        model.requires_grad_(False)
     rates = rates_for(timing_rates or Rates(), estimate.host_precision.name)
     if not with_optimizer:
         rates = dataclasses.replace(rates, cpu_optimizer_params_per_s=math.inf)
