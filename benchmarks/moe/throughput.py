@@ -774,11 +774,12 @@ def fmt_gib(n) -> str:
 def report(rows: list[dict], meta: dict) -> str:
     """The markdown table: one row per measured loop or peer, then the misses' causes."""
     head = (
-        "| case | system | loop | micro-batch x accum | tokens/s | MFU | step s | predicted s "
+        "| case | system | loop | micro-batch x accum | tokens/s | MFU | step s | predicted s (bound) "
         "| x pred | host peak / plan GiB | GPU peak / budget GiB (reserved) |\n"
         "|---|---|---|---|---:|---:|---:|---:|---:|---|---|\n"
     )
     lines, notes = [], []
+    rates_seen: set[str] = set()
     for r in rows:
         if r.get("case") == "floors":
             if r.get("status") == "ok" and r.get("h2d_bytes_per_s"):
@@ -800,16 +801,21 @@ def report(rows: list[dict], meta: dict) -> str:
             continue
         pred = r.get("predicted_step_s")
         ratio = "-" if not pred else f"{r['step_s'] / pred:.2f}"
+        pred_text = "-" if not pred else f"{pred:.2f} ({r.get('bound', '-')})"
+        if r.get("rates_from"):
+            rates_seen.add(r["rates_from"])
         mfu = "-" if r.get("mfu") is None else f"{r['mfu']:.1%}"
         lines.append(
             f"| {r['case']} | {r['system']} | {r['loop']} | {r['micro_batch']} x "
             f"{r['grad_accum']} | {r['tokens_per_s']:,.0f} | {mfu} | {r['step_s']:.2f} | "
-            f"{'-' if not pred else f'{pred:.2f}'} | {ratio} | {fmt_gib(r['host_peak_bytes'])} / "
+            f"{pred_text} | {ratio} | {fmt_gib(r['host_peak_bytes'])} / "
             f"{fmt_gib(r.get('host_planned_bytes'))} | {fmt_gib(r.get('gpu_peak_bytes'))} / "
             f"{fmt_gib(r.get('gpu_budget_bytes'))} ({fmt_gib(r.get('gpu_reserved_peak_bytes'))}) |"
         )
         if r.get("adapters_changed") is False:
             notes.append(f"- {r['case']}: the adapters did not change over the steps.")
+    if rates_seen:
+        notes.append("Predictions at the rates: " + "; ".join(sorted(rates_seen)) + ".")
     by_loop = {(r["case"], r.get("loop")): r for r in rows if r.get("status") == "ok"}
     for (case, loop), r in by_loop.items():
         other = by_loop.get((case, "ordinary"))
