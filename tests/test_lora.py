@@ -270,3 +270,34 @@ def test_merge_into_compressed_weights_is_refused():
     ramflow.offload(model, device="cpu", wire_dtype=torch.float32, frozen_format="int8")
     with pytest.raises(ValueError, match="compressed.*ramflow.undo"):
         model.merge_and_unload()
+
+
+def test_unit_major_accumulation_of_a_frozen_base_equals_the_ordinary_loop():
+    """``ramflow.accumulate`` on a LoRA model (the base offloaded and frozen, so no ramflow
+    optimizer holds any of its parameters; the adapters on the device under a plain torch
+    optimizer), as ``ramflow train --lora R --grad-accum M`` runs it: the adapters' gradients
+    are the resident reference's ordinary accumulation, micro-batch 0, 1, 2 in order, so the
+    steps agree bit for bit on the CPU (tolerance zero: a missed or reordered micro-batch
+    shows). Before, it refused for want of a ramflow optimizer."""
+    device = torch.device("cpu")
+    model, ref = peft_pair("after", device)
+    opt = torch.optim.AdamW(lora_params(model), lr=1e-2)
+    ref_opt = torch.optim.AdamW(lora_params(ref), lr=1e-2)
+    for step in range(2):
+        micro = batches(3, device)
+        losses = ramflow.accumulate(
+            model, micro, lambda ids: model(input_ids=ids, labels=ids).loss / 3
+        )
+        ref_losses = []
+        for ids in micro:
+            loss = ref(input_ids=ids, labels=ids).loss / 3
+            loss.backward()
+            ref_losses.append(loss.detach())
+        assert [float(x) for x in losses] == [float(x) for x in ref_losses], step
+        for p, q in zip(lora_params(model), lora_params(ref)):
+            assert torch.equal(p.grad, q.grad), step
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for p, q in zip(lora_params(model), lora_params(ref)):
+        assert torch.equal(p.detach(), q.detach())

@@ -6,9 +6,12 @@
 #   bash benchmarks/open_checks/session2_check.sh tests [PATHS]  the GPU suite (pytest -m gpu)
 #   bash benchmarks/open_checks/session2_check.sh moe    routed experts' decode benchmark
 #   bash benchmarks/open_checks/session2_check.sh final  the GPU suite, then the routed experts' benchmark
+#   bash benchmarks/open_checks/session2_check.sh moebench [ARGS]  MoE training throughput beside
+#       DeepSpeed and accelerate (issue 47 points 2 and 5; benchmarks/moe/throughput.py, its
+#       --budget-s from MOE_BUDGET_S, default 280; ARGS go to it, e.g. --only dsv2)
 # Carry [".whl"]. Each part writes under $OUT.
 set -u
-PART=${1:?usage: session2_check.sh predict|tests}
+PART=${1:?usage: session2_check.sh predict|tests|moe|final|moebench}
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=$PWD/src:/tmp/site
@@ -38,6 +41,11 @@ final)
   echo "rc=$? at ${SECONDS}s" >> "$OUT/gpu-tests.txt"
   timeout $((560 - SECONDS)) python3 benchmarks/moe/routed_experts.py --layers 8 --new-tokens 32 --out-dir "$OUT" > "$OUT/routed.txt" 2>&1
   echo "rc=$? at ${SECONDS}s" >> "$OUT/routed.txt" ;;
+moebench)
+  shift
+  RAMFLOW_BENCH_COMMIT=$commit timeout $((590 - SECONDS)) python3 benchmarks/moe/throughput.py \
+    --budget-s "${MOE_BUDGET_S:-280}" --out-dir "$OUT/moe-throughput" "$@" > "$OUT/moe-throughput.txt" 2>&1
+  echo "rc=$? at ${SECONDS}s" >> "$OUT/moe-throughput.txt" ;;
 tests)
   shift
   timeout 500 python3 -m pytest -q -m gpu ${@:-tests} -p no:cacheprovider -rs --durations=15 > "$OUT/gpu-tests.txt" 2>&1

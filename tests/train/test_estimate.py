@@ -299,3 +299,36 @@ def test_the_predicted_gpu_time_of_a_long_causal_sequence_counts_flash_attention
     # the device optimizer, norms and embedding add nothing here (no resident unit steps on
     # the device; the step model counts only products): equal up to float summation
     assert pred.busy_s["GPU compute"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_predicted_step_of_a_lora_run_steps_no_base_parameter() -> None:
+    """``predict_plan_step`` of a LoRA estimate: the frozen base sends no gradients and the
+    CPU optimizer steps nothing (the adapters train on the device), as ``train`` runs it;
+    the same shape fully trained sends 2 bytes per parameter (bf16 gradients) D2H. Before,
+    it predicted the base's host steps for a LoRA run."""
+    from transformers import LlamaConfig
+
+    from ramflow.train.estimate import (
+        LoraSizing,
+        RunDescription,
+        estimate_run_memory,
+        predict_plan_step,
+    )
+
+    cfg = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+    )  # fmt: skip
+
+    def estimate(lora):
+        return estimate_run_memory(
+            cfg, run=RunDescription(1, 32, precision="bf16"), device_type="cuda",
+            compute_dtype=torch.bfloat16, wire_dtype=torch.bfloat16, device_budget_bytes=None,
+            checkpointing="on", host_precision="lean", lora=lora,
+        )  # fmt: skip
+
+    full = predict_plan_step(cfg, estimate(None))
+    lora = predict_plan_step(cfg, estimate(LoraSizing(4)))
+    assert full.d2h_bytes > 0 and full.busy_s["CPU optimizer"] > 0
+    assert lora.d2h_bytes == 0
+    assert lora.busy_s["CPU optimizer"] == 0

@@ -162,3 +162,24 @@ def test_the_estimates_own_description_gives_the_fastest_plan_as_an_offload_call
         f"ramflow.offload(model, gpu_memory={size_string(kwargs['gpu_memory'])!r}, "
         f"prefetch_depth={kwargs['prefetch_depth']}, activation_checkpointing="
     ) in text
+
+
+def test_the_predicted_step_of_several_micro_batches_is_the_optimizer_step() -> None:
+    """``--grad-accum M``: the plan predicts the optimizer step the run times (M
+    micro-batches, run unit-major on one process: the compute M times, the weights and the
+    optimizer once), not one micro-batch's. With a GPU so slow that compute binds, the step
+    is about M times one micro-batch's; with a CPU optimizer so slow that it binds, about
+    the same as one micro-batch's (tolerances: the pipeline's other resources add a few
+    percent). Before, it printed one micro-batch's step for any M."""
+
+    def plan(accum: int, rates: Rates, matmul: float) -> float:
+        config = TrainConfig.from_options(
+            preset="tiny", device="cuda", gpu_memory="1GiB", batch_size=4, seq_len=256,
+            grad_accum=accum,
+        )  # fmt: skip
+        return plan_run(config, timing_rates=rates, matmul_flops_per_s=matmul).prediction.step_s
+
+    fast = Rates.from_pcie(1e15, cpu_optimizer_params_per_s=1e15)
+    assert plan(4, fast, 1e9) == pytest.approx(4 * plan(1, fast, 1e9), rel=0.05)
+    slow_cpu = Rates.from_pcie(1e15, cpu_optimizer_params_per_s=1e5)
+    assert plan(4, slow_cpu, 1e15) == pytest.approx(plan(1, slow_cpu, 1e15), rel=0.05)

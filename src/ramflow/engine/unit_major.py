@@ -334,12 +334,16 @@ class UnitMajorAccumulation:
         """Forward and backward of ``micro_batches`` unit-major; see ``ramflow.accumulate``.
 
         Raises:
-            TypeError: no ramflow optimizer holds the model's parameters.
+            TypeError: no ramflow optimizer holds the model's trained offloaded parameters.
             ValueError: no micro-batches; a loss that is not a scalar; gradients disabled;
                 several ranks (data parallel).
             RuntimeError: as ``UnitMajorStep.run``; inside a forward or backward pass.
         """
-        if not self._stepper.optimizers:
+        # a frozen base (LoRA adapters on the device, trained by any optimizer) has no
+        # gradient to hold or step: it only needs each unit loaded once per phase
+        if not self._stepper.optimizers and any(
+            p.requires_grad for u in self.units for p in u.owned
+        ):
             raise TypeError(
                 "ramflow.accumulate needs a ramflow optimizer (ramflow.optim.AdamW, ...) built "
                 "on the offloaded model's parameters before it is called: it steps each unit "

@@ -420,6 +420,10 @@ def predict_plan_step(
             ``micro_batches``), the whole global batch.
     """
     model = meta_model(config)
+    if estimate.num_adapter_parameters:
+        # a LoRA run: the base is frozen (no gradient copies, no host steps), as ``train``
+        # offloads it and as ``estimate_run_memory`` sized it
+        model.requires_grad_(False)
     rates = rates_for(timing_rates or Rates(), estimate.host_precision)
     if not with_optimizer:
         rates = dataclasses.replace(rates, cpu_optimizer_params_per_s=math.inf)
@@ -444,6 +448,56 @@ def predict_plan_step(
         grad_bytes_per_param=wire_size,
         deferred_steps=estimate.full_gradients,
         micro_batches=micro_batches,
+    )
+
+
+def predict_global_step(
+    config,
+    estimate: MemoryEstimate,
+    *,
+    micro_batches: int,
+    unit_major: bool,
+    timing_rates: Rates | None = None,
+    matmul_flops_per_s: float | None = None,
+) -> StepPrediction:
+    """The predicted optimizer step of ``micro_batches`` micro-batches of ``estimate``'s
+    plan, as ``train`` runs it (``setup.runs_unit_major``): unit-major, one step that loads
+    the weights once and computes ``micro_batches`` times (``predict_plan_step``'s
+    ``micro_batches``); otherwise ``micro_batches - 1`` micro-steps whose units land their
+    gradients without a step, then one that steps. The second's ``step_s``, ``busy_s``,
+    forward and backward times and bytes are those sums; the rest (``bound``,
+    ``critical_s``, the optimizer tail) are the last micro-step's.
+
+    Args:
+        config, estimate, timing_rates, matmul_flops_per_s: as for ``predict_plan_step``.
+        micro_batches: micro-batches per optimizer step (``--grad-accum``), >= 1.
+        unit_major: the micro-batches run unit-major (``ramflow.accumulate``).
+
+    Returns:
+        The ``StepPrediction`` of the whole optimizer step (seconds, bytes).
+    """
+    speed = {"timing_rates": timing_rates, "matmul_flops_per_s": matmul_flops_per_s}
+    if unit_major or micro_batches == 1:
+        return predict_plan_step(config, estimate, micro_batches=micro_batches, **speed)
+    last = predict_plan_step(config, estimate, **speed)
+    micro = predict_plan_step(config, estimate, with_optimizer=False, **speed)
+    k = micro_batches - 1
+
+    def total(name: str):
+        return k * getattr(micro, name) + getattr(last, name)
+
+    return dataclasses.replace(
+        last,
+        step_s=total("step_s"),
+        forward_s=total("forward_s"),
+        backward_s=total("backward_s"),
+        busy_s={name: k * micro.busy_s[name] + v for name, v in last.busy_s.items()},
+        h2d_bytes=total("h2d_bytes"),
+        h2d_stream_bytes=total("h2d_stream_bytes"),
+        h2d_forward_bytes=total("h2d_forward_bytes"),
+        h2d_refresh_bytes=total("h2d_refresh_bytes"),
+        d2h_bytes=total("d2h_bytes"),
+        offload_bytes=total("offload_bytes"),
     )
 
 
@@ -558,5 +612,6 @@ __all__ = [
     "estimate_run_memory",
     "size_string",
     "measure_activations",
+    "predict_global_step",
     "predict_plan_step",
 ]

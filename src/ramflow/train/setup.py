@@ -35,7 +35,7 @@ from .estimate import (
     SpeedInputs,
     default_device_budget,
     estimate_run_memory,
-    predict_plan_step,
+    predict_global_step,
 )
 from .lora import DEFAULT_TARGETS, check_lora_targets, parse_targets
 from .modeling import check_weights, meta_model, model_config, read_config
@@ -175,7 +175,21 @@ def _estimate(
                 config.lora_rank, parse_targets(config.lora_targets), config.frozen_format
             ),
         )
-        return dataclasses.replace(est, host_precision_reason=host.reason)
+        est = dataclasses.replace(est, host_precision_reason=host.reason)
+        micro_batches = config.global_batch // batch_size
+        if est.prediction is not None and micro_batches > 1:
+            # the step the user waits for is the optimizer step of all its micro-batches
+            figures = speed or SpeedInputs()
+            whole = predict_global_step(
+                mconfig,
+                est,
+                micro_batches=micro_batches,
+                unit_major=runs_unit_major(mconfig, several_ranks=several_ranks),
+                timing_rates=figures.timing_rates,
+                matmul_flops_per_s=figures.matmul_flops_per_s,
+            )
+            est = dataclasses.replace(est, prediction=whole)
+        return est
 
     if not config.auto_batch_size:
         try:
@@ -329,13 +343,9 @@ def _offload_fit(
 
     def global_batch_s(f: BatchFit, checkpointing: str) -> float:
         est = at(f.micro_batch, checkpointing)
-        if unit_major:  # one weight pass for the whole global batch
-            return predict_plan_step(mconfig, est, micro_batches=f.grad_accum, **speed_kw).step_s
-        last = predict_plan_step(mconfig, est, **speed_kw).step_s
-        if f.grad_accum == 1:
-            return last
-        micro = predict_plan_step(mconfig, est, with_optimizer=False, **speed_kw).step_s
-        return (f.grad_accum - 1) * micro + last
+        return predict_global_step(
+            mconfig, est, micro_batches=f.grad_accum, unit_major=unit_major, **speed_kw
+        ).step_s
 
     on_s, off_s = global_batch_s(fit, "on"), global_batch_s(offloaded, "offload")
     if off_s >= on_s * (1 - OFFLOAD_WINS_BY):
