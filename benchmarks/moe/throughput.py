@@ -191,10 +191,10 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def floors_rates(rows: list[dict], host_precision: str):
+def floors_rates(rows: list[dict], host_precision):
     """``planner.predict.Rates`` and the matmul rate from the floors row (defaults where
-    there is none, or on the CPU); under lean, lean's measured step rate."""
-    from ramflow.formats.host import HostPrecision
+    there is none, or on the CPU); under lean, lean's measured step rate. ``host_precision``:
+    the run's ``HostPrecision``."""
     from ramflow.planner.predict import DEFAULT_MATMUL_FLOPS_PER_S, Rates, ramflow_adamw_rate
 
     floors = next((r for r in rows if r.get("case") == "floors" and r.get("status") == "ok"), None)
@@ -206,7 +206,7 @@ def floors_rates(rows: list[dict], host_precision: str):
         both_bytes_per_s=floors["both_bytes_per_s"],
         cpu_optimizer_params_per_s=ramflow_adamw_rate(floors["cpu_adamw_fused_params_per_s"]),
     )
-    if host_precision == "lean" and floors.get("ramflow_lean_params_per_s"):
+    if host_precision.name == "lean" and floors.get("ramflow_lean_params_per_s"):
         # lean's own step rate, measured, rather than fp32's times the planner's ratio; the
         # host DRAM rate that the copies are charged at stays fp32's (``rates_for``)
         fp32, lean = rates.cpu_optimizer_params_per_s, floors["ramflow_lean_params_per_s"]
@@ -216,7 +216,7 @@ def floors_rates(rows: list[dict], host_precision: str):
             cpu_optimizer_dram_bytes_per_param=rates.cpu_optimizer_dram_bytes_per_param
             * fp32
             / lean,
-            host_precision=HostPrecision.lean(),
+            host_precision=host_precision,
         )
         return rates, floors["matmul_flops_per_s"], "measured (floors, lean's own step)"
     return rates, floors["matmul_flops_per_s"], "measured (floors)"
@@ -347,7 +347,7 @@ def run_ramflow(case: Case, args, out: Path) -> None:
         wire_dtype=compute if cuda else None,
         default_wire=compute,
     )
-    rates, matmul, rates_from = floors_rates(read_rows(out), host.name)
+    rates, matmul, rates_from = floors_rates(read_rows(out), host)
     layers = case.layers
     if layers is not None and layers < 0:
         layers = fitting_layers(args, host, wire, compute, budget)
