@@ -471,3 +471,28 @@ def test_peft_lora_matches_plain_trainer(tmp_path):
     layer_0 = "base_model.model.model.layers.0"
     assert [loads[layer_0] for loads in counter.per_step] == [2, 1], counter.per_step
     assert all(max(loads.values()) <= 2 for loads in counter.per_step), counter.per_step
+
+
+def test_trainer_activation_checkpointing_equals_plain_trainer(tmp_path):
+    """``TrainingArguments(activation_checkpointing=True)`` (Hugging Face's own
+    checkpointing in each decoder layer): each unit's recompute runs inside its backward
+    phase; the same bits as the plain Trainer with the same switch, layer 0 loaded twice
+    per step."""
+    torch.manual_seed(0)
+    model = tiny_llama(tie=False, layers=8)
+    data = lm_data(2 * 2 * 2)
+    ours, theirs, ref, counter = run_pair(
+        model,
+        tmp_path,
+        accum=2,
+        data=data,
+        gpu_memory=SMALL_WINDOW,
+        max_steps=2,
+        activation_checkpointing=True,
+        activation_checkpointing_kwargs={"use_reentrant": False},
+    )
+    assert model.is_activation_checkpointing  # the Trainer turned it on
+    assert logged(ours, "loss") == logged(theirs, "loss")
+    assert logged(ours, "grad_norm") == logged(theirs, "grad_norm")
+    assert_same_weights(model, ref)
+    assert [loads["model.layers.0"] for loads in counter.per_step] == [2, 2], counter.per_step
