@@ -496,3 +496,29 @@ def test_trainer_activation_checkpointing_equals_plain_trainer(tmp_path):
     assert logged(ours, "grad_norm") == logged(theirs, "grad_norm")
     assert_same_weights(model, ref)
     assert [loads["model.layers.0"] for loads in counter.per_step] == [2, 2], counter.per_step
+
+
+def test_a_training_step_that_skips_accelerator_backward_is_refused(tmp_path):
+    """The mixin in front of a Trainer subclass whose ``training_step`` calls
+    ``loss.backward()`` itself: the loss cannot be taken, and the error says what to do."""
+    from ramflow.train import UnitMajorTrainerMixin
+
+    class OwnBackward(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            inputs = self._prepare_inputs(inputs)
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            loss.backward()
+            return loss.detach()
+
+    class Mixed(UnitMajorTrainerMixin, OwnBackward):
+        pass
+
+    model = ramflow.offload(tiny_llama(tie=False), device="cpu")
+    trainer = Mixed(
+        model=model,
+        args=args_for(tmp_path, accum=2, max_steps=1),
+        train_dataset=lm_data(4),
+        optimizer_cls_and_kwargs=(ramflow.optim.AdamW, {"lr": LR}),
+    )
+    with pytest.raises(RuntimeError, match=r"Call it in that training_step instead of loss"):
+        trainer.train()

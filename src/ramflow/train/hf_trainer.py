@@ -152,7 +152,7 @@ class UnitMajorTrainerMixin:
                 raise RuntimeError(
                     f"{type(self).__name__}.training_step returned without calling "
                     "self.accelerator.backward(loss): UnitMajorTrainerMixin takes the loss "
-                    "there; put the mixin after the class whose training_step differs, or "
+                    "there. Call it in that training_step instead of loss.backward(), or "
                     "train with the plain Trainer"
                 )
             return kept.loss
