@@ -13,7 +13,18 @@ fp32,lean``), each run in a process of its own:
 - ``trainer-clip``: ``Trainer`` with ``max_grad_norm=1.0`` (a real clip: every step waits
   for ``optimizer.step()``);
 - ``bare-compiled``: the bare loop with each decoder block compiled (``block.compile()``,
-  inductor; ramflow's hooks run eagerly between the graphs), issue 15's point 6.
+  inductor; ramflow's hooks run eagerly between the graphs), issue 15's point 6;
+- ``trainer-accum``: ``Trainer`` with ``gradient_accumulation_steps=--accum`` (M) and
+  ``max_grad_norm=0``: micro-batch after micro-batch, each unit loaded per micro-batch
+  (``keep_grads=True``: with accumulation the plain ``Trainer`` cannot keep the promise of
+  ``keep_grads=False``);
+- ``trainer-unit-major``: the same with ``ramflow.train.UnitMajorTrainer``: the M
+  micro-batches unit-major, each unit loaded twice per optimizer step
+  (``keep_grads=False``).
+
+The accumulating variants' step is one optimizer step of M micro-batches; ``x bare`` divides
+it by M first. ``loads/step`` is the most H2D loads of one unit in a timed step
+(``DeviceWindow.num_loads``).
 
 The offload call is the one a user writes: ``ramflow.offload(model, gpu_memory=...,
 host_precision=...)``, ``device_optimizer`` left to the planner (``--device-optimizer
@@ -39,6 +50,11 @@ GPU box, from the repository root (one H100: about 8 minutes)::
 
     PYTHONUNBUFFERED=1 python3 benchmarks/trainer_step/trainer_step.py --out-dir $OUT \\
         --variants bare,trainer,trainer-clip --host-precision fp32,lean --budget-s 500
+
+The Trainer's accumulation, plain and unit-major (``--accum`` micro-batches per step)::
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/trainer_step/trainer_step.py --out-dir $OUT \\
+        --variants bare,trainer-accum,trainer-unit-major --host-precision fp32,lean --accum 2
 
 CPU smoke test (a 4-layer, 256-wide model, sequences of 128; about a minute)::
 
@@ -71,8 +87,21 @@ import measure  # noqa: E402
 import runners  # noqa: E402
 from models import loss_of, make_batch, model_shape  # noqa: E402
 
-VARIANTS = ("bare", "trainer", "trainer-clip", "bare-compiled")
-MAX_GRAD_NORM = {"trainer": 0.0, "trainer-clip": 1.0}
+VARIANTS = (
+    "bare",
+    "trainer",
+    "trainer-clip",
+    "bare-compiled",
+    "trainer-accum",
+    "trainer-unit-major",
+)
+MAX_GRAD_NORM = {
+    "trainer": 0.0,
+    "trainer-clip": 1.0,
+    "trainer-accum": 0.0,
+    "trainer-unit-major": 0.0,
+}
+ACCUMULATING = ("trainer-accum", "trainer-unit-major")  # run --accum micro-batches per step
 FORMATS = ("fp32", "bf16", "lean", "kahan")  # ramflow.offload's host_precision presets
 REFERENCE_FORMAT = "fp32"  # every other format's step is given against this one's
 # --device-optimizer -> ramflow.offload(device_optimizer=...)
@@ -93,9 +122,10 @@ def optimizer_kwargs(variant: str) -> dict[str, Any]:
     """``ramflow.optim.AdamW``'s arguments: the suite's (``keep_grads=False``), except for a
     loop that clips, which cannot promise never to read the gradients: under the gradient
     ring of the non-fp32 formats ``keep_grads=False`` steps even the first backward during
-    backward, and the clip is then refused. (fp32 is deferred there either way, so
-    ``keep_grads`` changes nothing for it.)"""
-    if MAX_GRAD_NORM.get(variant, 0.0) > 0:
+    backward, and the clip is then refused; and the plain ``Trainer`` that accumulates,
+    whose second backward would then come after a step. (fp32 is deferred there either
+    way, so ``keep_grads`` changes nothing for it.)"""
+    if MAX_GRAD_NORM.get(variant, 0.0) > 0 or variant == "trainer-accum":
         return {**runners.RAMFLOW_OPTIMIZER, "keep_grads": True}
     return dict(runners.RAMFLOW_OPTIMIZER)
 
@@ -107,10 +137,12 @@ def run_variant(
     *,
     calibrate: bool,
     device_optimizer: str,
+    accum: int = 1,
 ) -> dict[str, Any]:
     """One variant in one host format, in this process; returns its record.
 
     ``calibrate``: find the budget first (``runners._ramflow_budget``) instead of ``budget``.
+    ``accum``: micro-batches per optimizer step of the ``ACCUMULATING`` variants.
     """
     import ramflow
 
@@ -144,7 +176,17 @@ def run_variant(
             drain=lambda: ramflow.synchronize(model),
         )
     else:
-        res = _time_trainer(model, opt, ids, labels, device, case, MAX_GRAD_NORM[variant])
+        micro_batches = accum if variant in ACCUMULATING else 1
+        res = _time_trainer(
+            model,
+            opt,
+            (ids, labels),
+            device,
+            case,
+            MAX_GRAD_NORM[variant],
+            micro_batches=micro_batches,
+            unit_major=variant == "trainer-unit-major",
+        )
     return {
         "variant": variant,
         "host_precision": case["host_precision"],
@@ -160,26 +202,49 @@ def run_variant(
     }
 
 
-def _time_trainer(model, opt, ids, labels, device, case, max_grad_norm: float) -> dict[str, Any]:
+def _time_trainer(
+    model,
+    opt,
+    batch,
+    device,
+    case,
+    max_grad_norm: float,
+    *,
+    micro_batches: int = 1,
+    unit_major: bool = False,
+) -> dict[str, Any]:
+    """Time ``Trainer`` (``UnitMajorTrainer`` with ``unit_major``) steps of
+    ``micro_batches`` micro-batches, each ``batch`` (ids, labels)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from ramflow.train import UnitMajorTrainer
     from ramflow.units.registry import engine_of_model
 
-    policy = engine_of_model(model).stepper.policy  # ramflow.engine.step_policy.StepPolicy
+    ids, labels = batch
+    engine = engine_of_model(model)
+    policy = engine.stepper.policy  # ramflow.engine.step_policy.StepPolicy
     ends: list[float] = []
     in_backward: list[bool] = []
+    loads: list[int] = []  # per step: the most loads of one unit
+    before: dict[str, int] = {}
 
     class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            before.clear()
+            before.update(engine.window.num_loads)
+
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             in_backward.append(policy.last_eager)
 
         def on_step_end(self, args, state, control, **kwargs):
             measure.sync(device)
             ends.append(time.perf_counter())
+            now = engine.window.num_loads
+            loads.append(max(now[k] - before.get(k, 0) for k in now))
             if state.global_step == case["warmup"]:
                 measure.reset_peak(device)
 
-    class LossTrainer(Trainer):
+    class LossTrainer(UnitMajorTrainer if unit_major else Trainer):
         """The reference model takes (ids, labels) and returns the loss."""
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -194,6 +259,7 @@ def _time_trainer(model, opt, ids, labels, device, case, max_grad_norm: float) -
         report_to=[],
         disable_tqdm=True,
         per_device_train_batch_size=case["batch"],
+        gradient_accumulation_steps=micro_batches,
         max_grad_norm=max_grad_norm,
         max_steps=total,
         logging_steps=total,
@@ -202,7 +268,7 @@ def _time_trainer(model, opt, ids, labels, device, case, max_grad_norm: float) -
     trainer = LossTrainer(
         model=model,
         args=args,
-        train_dataset=rows * total,
+        train_dataset=rows * total * micro_batches,
         optimizers=(opt, None),
         callbacks=[Clock()],
     )
@@ -215,6 +281,8 @@ def _time_trainer(model, opt, ids, labels, device, case, max_grad_norm: float) -
         "max_grad_norm": max_grad_norm,
         "steps_in_backward": sum(in_backward[case["warmup"] :]),
         "timed_steps": len(times),
+        "micro_batches": micro_batches,
+        "max_loads_per_step": max(loads[case["warmup"] :]),
     }
 
 
@@ -271,21 +339,26 @@ def markdown(doc: dict[str, Any]) -> str:
         f"capped 4x2048 suite case, `device_optimizer` {meta['device_optimizer']} "
         f"({'the planner decides' if meta['device_optimizer'] == 'auto' else 'True'}); "
         f"`gpu_memory` {budget_text} for every run ({meta['budget_from']}); median of the "
-        "timed steps. `x fp32`: the step over fp32's in the same variant.",
+        "timed steps. `x fp32`: the step over fp32's in the same variant. The "
+        f"accumulating variants step every {meta.get('accum', 1)} micro-batches: their "
+        "`x bare` is per micro-batch; `loads/step`: the most H2D loads of one unit in a "
+        "timed step.",
         "",
         "| variant | format | step | tokens/s | x fp32 | <= 1.0x | x bare | steps during "
-        "backward | device-stepped units | peak GPU |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "backward | loads/step | device-stepped units | peak GPU |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r, cmp in zip(rows, against_reference(rows)):
         fmt = r.get("host_precision", "-")
         if "step_s" not in r:
             why = r.get("skipped") or f"failed: {r.get('error', '?')}"
-            out.append(f"| {r['variant']} | {fmt} | {_one_line(why)} | | | | | | | |")
+            out.append(f"| {r['variant']} | {fmt} | {_one_line(why)} | | | | | | | | |")
             continue
         ratio = f"{cmp['ratio']:.2f}x" if cmp["ratio"] is not None else "-"
         ok = "-" if cmp["ok"] is None else ("yes" if cmp["ok"] else "**no**")
-        xbare = f"{r['step_s'] / bare[fmt]:.2f}x" if bare.get(fmt) else "-"
+        micro = r.get("micro_batches", 1)
+        xbare = f"{r['step_s'] / micro / bare[fmt]:.2f}x" if bare.get(fmt) else "-"
+        num_loads = r.get("max_loads_per_step", "-")
         eager = (
             f"{r['steps_in_backward']} of {r['timed_steps']}" if "steps_in_backward" in r else "-"
         )
@@ -293,8 +366,8 @@ def markdown(doc: dict[str, Any]) -> str:
         peak = f"{r['peak_bytes'] / measure.GiB:.1f} GiB" if r.get("peak_bytes") else "-"
         out.append(
             f"| {r['variant']} | {fmt} | {r['step_s'] * 1e3:.0f} ms | "
-            f"{tokens / r['step_s']:.0f} | {ratio} | {ok} | {xbare} | {eager} | {stepped} | "
-            f"{peak} |"
+            f"{tokens * micro / r['step_s']:.0f} | {ratio} | {ok} | {xbare} | {eager} | "
+            f"{num_loads} | {stepped} | {peak} |"
         )
     verdicts = [c for c in against_reference(rows) if c["ok"] is not None]
     if verdicts:
@@ -322,6 +395,7 @@ def _run_child(
     cmd = [sys.executable, __file__, "--variant", variant, "--format", fmt]
     cmd += ["--device-optimizer", args.device_optimizer, "--out-dir", str(args.out_dir)]
     cmd += ["--smoke"] * args.smoke + ["--calibrate"] * calibrate
+    cmd += ["--accum", str(args.accum)]
     cmd += ["--budget", str(budget)] if budget is not None else []
     try:
         proc = subprocess.run(
@@ -369,6 +443,13 @@ def main(argv: list[str]) -> int:
         "--gpu-memory",
         help="one gpu_memory for every run (e.g. 10GiB) instead of the first run's calibration",
     )
+    p.add_argument(
+        "--accum",
+        type=int,
+        default=2,
+        help="micro-batches per optimizer step of the trainer-accum and trainer-unit-major "
+        "variants (default 2: unit-major keeps every micro-batch's unit inputs on the GPU)",
+    )
     p.add_argument("--timeout-s", type=float, default=180.0, help="per run")
     p.add_argument(
         "--budget-s",
@@ -389,6 +470,7 @@ def main(argv: list[str]) -> int:
             args.budget,
             calibrate=args.calibrate,
             device_optimizer=args.device_optimizer,
+            accum=args.accum,
         )
         print(json.dumps(record, default=str), flush=True)
         return 0
@@ -415,6 +497,7 @@ def main(argv: list[str]) -> int:
         "variants": variants,
         "host_precisions": formats,
         "device_optimizer": args.device_optimizer,
+        "accum": args.accum,
         "gpu_memory_bytes": budget,
         "budget_from": budget_from,
         "torch": torch.__version__,

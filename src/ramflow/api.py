@@ -385,8 +385,8 @@ def accumulate(
     Raises:
         ValueError: ``model`` is not offloaded; no micro-batches; a loss is not a scalar
             tensor that requires grad; gradients are disabled; data parallelism.
-        TypeError: no ramflow optimizer holds the model's parameters (a model whose
-            offloaded parameters are all frozen, a LoRA base, needs none).
+        TypeError: no ramflow optimizer holds the model's parameters (and some unit has
+            trainable ones: a frozen base under device-side LoRA adapters needs none).
         RuntimeError: a micro-batch's forward raised (named by its index; no gradient is
             left); the micro-batches made different unit calls (an MoE whose experts are
             units of their own: use an ordinary loop); inside a forward or backward.

@@ -334,16 +334,15 @@ class UnitMajorAccumulation:
         """Forward and backward of ``micro_batches`` unit-major; see ``ramflow.accumulate``.
 
         Raises:
-            TypeError: no ramflow optimizer holds the model's trained offloaded parameters.
+            TypeError: no ramflow optimizer holds the model's parameters, and a unit
+                has trainable ones.
             ValueError: no micro-batches; a loss that is not a scalar; gradients disabled;
                 several ranks (data parallel).
             RuntimeError: as ``UnitMajorStep.run``; inside a forward or backward pass.
         """
-        # a frozen base (LoRA adapters on the device, trained by any optimizer) has no
-        # gradient to hold or step: it only needs each unit loaded once per phase
-        if not self._stepper.optimizers and any(
-            p.requires_grad for u in self.units for p in u.owned
-        ):
+        # units with nothing to train (a frozen base under LoRA adapters kept on the
+        # device, which autograd accumulates as usual) need no ramflow optimizer
+        if not self._stepper.optimizers and any(u.num_trainable for u in self.units):
             raise TypeError(
                 "ramflow.accumulate needs a ramflow optimizer (ramflow.optim.AdamW, ...) built "
                 "on the offloaded model's parameters before it is called: it steps each unit "

@@ -7,7 +7,8 @@ Needs ``transformers`` (the ``hf`` extra). The modules, one concept each:
 ``estimate`` (memory plans on the meta device), ``lr_schedule``, ``run_checkpoint`` (a run's
 checkpoints: weights, optimizer states, data position),
 ``report`` (progress, log, plot), ``config`` (a run's settings), ``setup`` (the checks
-before a run), ``trainer`` (the loop), ``profile`` (``ramflow profile``) and ``generation``.
+before a run), ``trainer`` (the loop), ``profile`` (``ramflow profile``), ``generation``
+and ``hf_trainer`` (Hugging Face's ``Trainer`` on the unit-major step order).
 
 May import: the public surface (``ramflow``), ``compat`` and every folder below them.
 """
@@ -21,6 +22,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and the 
     from .config import TrainConfig, resume_config
     from .estimate import MemoryEstimate, estimate_run_memory
     from .generation import Generation, SamplingConfig, generate, load_for_generation
+    from .hf_trainer import UnitMajorTrainer, UnitMajorTrainerMixin
     from .presets import PRESETS, ModelPreset, get_preset
     from .run_checkpoint import Checkpoint, CheckpointError, open_checkpoint
     from .setup import plan_run
@@ -34,6 +36,7 @@ _WHERE = {
     **dict.fromkeys(
         ["Generation", "SamplingConfig", "generate", "load_for_generation"], "generation"
     ),
+    **dict.fromkeys(["UnitMajorTrainer", "UnitMajorTrainerMixin"], "hf_trainer"),
     **dict.fromkeys(["PRESETS", "ModelPreset", "get_preset"], "presets"),
     **dict.fromkeys(["Checkpoint", "CheckpointError", "open_checkpoint"], "run_checkpoint"),
     "plan_run": "setup",
@@ -50,6 +53,8 @@ __all__ = [
     "SamplingConfig",
     "TrainConfig",
     "TrainResult",
+    "UnitMajorTrainer",
+    "UnitMajorTrainerMixin",
     "estimate_run_memory",
     "generate",
     "get_preset",
