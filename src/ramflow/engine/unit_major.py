@@ -342,7 +342,10 @@ class UnitMajorAccumulation:
         """
         # units with nothing to train (a frozen base under LoRA adapters kept on the
         # device, which autograd accumulates as usual) need no ramflow optimizer
-        if not self._stepper.optimizers and any(u.num_trainable for u in self.units):
+        # (read now: PEFT freezes the base after ``offload`` counted its trainable ones)
+        if not self._stepper.optimizers and any(
+            p.requires_grad for u in self.units for p in u.owned
+        ):
             raise TypeError(
                 "ramflow.accumulate needs a ramflow optimizer (ramflow.optim.AdamW, ...) built "
                 "on the offloaded model's parameters before it is called: it steps each unit "
