@@ -254,19 +254,23 @@ def test_a_disk_that_holds_one_checkpoint_but_not_two_is_refused_as_plan_says(
     config = TrainConfig.from_options(seq_len=32, batch_size=2, device="cpu")
     one = plan_run(config).checkpoint_bytes
     size = f"{one * 3 // 2 // 1024}k"  # one checkpoint and a half
-    args = f"--data {corpus_file} --steps 4 --save-every 2 --eval-every 0 {' '.join(fast)}"
+    cadence = "--steps 4 --save-every 2"
+    args = f"--data {corpus_file} {cadence} --eval-every 0 {' '.join(fast)}"
     done = _in_small_tmpfs(
         size,
-        f'$PY -m ramflow plan --out "$D" --seq-len 32 --batch-size 2 --device cpu || true\n'
+        f'$PY -m ramflow plan --out "$D/run" {cadence} --seq-len 32 --batch-size 2 '
+        "--device cpu && echo plan=0 || echo plan=$?\n"
         f'$PY -m ramflow train {args} --out "$D/run" && echo rc=0 || echo rc=$?\n'
         'ls -A "$D"\n',
         tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "save only at the end (--save-every 0)" in done.stdout  # what plan says
+    assert "plan=1" in done.stdout, done.stdout[-3000:]
     assert "rc=2" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     line = _one_error_line(done.stderr)
-    assert "room for 2 more at once" in line and "--save-every 0" in line
+    said = line.split("error: ", 1)[1]
+    assert "room for 2 at once" in said and "it fits with --save-every 0" in said
+    assert f"DOES NOT FIT this machine: {said}" in done.stdout  # what plan says
     assert done.stdout.strip().endswith("rc=2")  # nothing written: the tmpfs is empty
 
 

@@ -220,6 +220,9 @@ class MemoryEstimate:
         checkpoint_bytes: one checkpoint on disk (fp32 weights and optimizer states).
         ram_available_bytes: RAM this machine has available now.
         disk_free_bytes: free bytes where checkpoints go (None when not asked).
+        disk_checkpoints: checkpoints the free disk must hold at once (default 1): a run
+            that saves more than once writes the new one beside those it keeps and deletes
+            the oldest only once it is in place (``ramflow.train`` counts its cadence).
         prediction: the predicted step time of ``plan`` as ``train`` runs it (GPU runs, when
             asked; ``ramflow.planner.predict``), from estimated inputs: ``timing_rates`` and
             ``matmul_flops_per_s``.
@@ -293,6 +296,7 @@ class MemoryEstimate:
     parameter_counts: ParameterCounts | None = None
     num_adapter_parameters: int = 0
     machine_fix: str | None = None
+    disk_checkpoints: int = 1
 
     def parameters_text(self) -> str:
         """``"30,532.12 M parameters"``, with the active ones of a mixture of experts:
@@ -366,10 +370,16 @@ class MemoryEstimate:
         return self.ram_needed_bytes <= self.ram_available_bytes
 
     @property
+    def disk_needed_bytes(self) -> int:
+        """The free disk the run's checkpoints take at once: ``disk_checkpoints`` of
+        ``checkpoint_bytes``."""
+        return self.disk_checkpoints * self.checkpoint_bytes
+
+    @property
     def fits_disk(self) -> bool:
-        """Room for one checkpoint (``describe`` warns when two, as while a new one is
-        written beside the old, do not fit)."""
-        return self.disk_free_bytes is None or self.checkpoint_bytes <= self.disk_free_bytes
+        """Room for ``disk_checkpoints`` checkpoints at once (True when the disk was not
+        asked)."""
+        return self.disk_free_bytes is None or self.disk_needed_bytes <= self.disk_free_bytes
 
     def table(self) -> str:
         """The estimate as a table for people."""
@@ -473,15 +483,10 @@ class MemoryEstimate:
         ]
         if self.disk_free_bytes is not None:
             lines.append(
-                f"disk: a checkpoint takes {format_bytes(self.checkpoint_bytes)}, two at a time while "
-                f"saving; {format_bytes(self.disk_free_bytes)} free: "
-                + (
-                    "fits"
-                    if 2 * self.checkpoint_bytes <= self.disk_free_bytes
-                    else "one fits, two do not: save only at the end (--save-every 0)"
-                    if self.fits_disk
-                    else "DOES NOT FIT"
-                )
+                f"disk: a checkpoint takes {format_bytes(self.checkpoint_bytes)}, "
+                f"{self.disk_checkpoints} at a time while saving; "
+                f"{format_bytes(self.disk_free_bytes)} free: "
+                + ("fits" if self.fits_disk else "DOES NOT FIT")
             )
         lines += self.speed_lines()
         return "\n".join(lines)

@@ -40,6 +40,7 @@ from .estimate import (
 from .lora import DEFAULT_TARGETS, check_lora_targets, parse_targets
 from .modeling import check_weights, meta_model, model_config, read_config
 from .optimizers import OPTIMIZER_DEFAULTS
+from .plan_report import disk_shortfall
 from .precision import ComputePolicy, planned_compute, resolve_compute
 from .run_checkpoint import Checkpoint, list_checkpoints
 from .scale import RanksPlan, plan_ranks
@@ -118,15 +119,17 @@ def _estimate(
     host: HostFormats,
     device_budget_bytes: int | None,
     out_dir: Path | None,
+    checkpoint: Checkpoint | None = None,
     several_ranks: bool = False,
     local_ranks: tuple[int, int | None] = (1, None),
     speed: SpeedInputs | None = None,
 ) -> tuple[MemoryEstimate, BatchFit | None]:
     """The run's estimate under the host formats ``host`` (``host_formats``: auto is
     decided there, once); with ``--batch-size auto``, at the largest micro-batch (and the
-    lightest checkpointing) whose estimate fits the budget, and that fit. ``local_ranks``:
-    the ranks on this host and their ZeRO stage, whose RAM the verdict's alternative must
-    fit (``_with_machine_fix``)."""
+    lightest checkpointing) whose estimate fits the budget, and that fit. Its disk figures
+    count the checkpoints the run (resuming ``checkpoint``, if given) holds at once in
+    ``out_dir`` (``disk_checkpoints``). ``local_ranks``: the ranks on this host and their
+    ZeRO stage, whose RAM the verdict's alternative must fit (``_with_machine_fix``)."""
     ctx = getattr(mconfig, "max_position_embeddings", None)
     if ctx is not None and config.seq_len > ctx:
         longer = (
@@ -139,6 +142,8 @@ def _estimate(
             "(max_position_embeddings, which its rotary embedding is set up for); give "
             f"--seq-len {ctx} or less, or a model whose config allows longer sequences{longer}"
         )
+
+    on_disk = disk_checkpoints(config, checkpoint, out_dir)
 
     def at(
         batch_size: int,
@@ -156,9 +161,7 @@ def _estimate(
                 model_name=config.model_name,
                 precision=precision,
                 # no checkpoint written (--keep-checkpoints 0): the disk is not asked
-                out_dir=(out_dir if out_dir is not None else Path("runs"))
-                if config.keep_checkpoints > 0
-                else None,
+                out_dir=(out_dir if out_dir is not None else Path("runs")) if on_disk else None,
             ),
             device_type=device_type,
             compute_dtype=compute_dtype,
@@ -175,7 +178,7 @@ def _estimate(
                 config.lora_rank, parse_targets(config.lora_targets), config.frozen_format
             ),
         )
-        return dataclasses.replace(est, host_precision_reason=host.reason)
+        return dataclasses.replace(est, host_precision_reason=host.reason, disk_checkpoints=on_disk)
 
     if not config.auto_batch_size:
         try:
@@ -233,9 +236,11 @@ def _estimate(
 #   micro-batch (on, then offload), else the largest smaller micro-batch, with the
 #   accumulation that keeps the global batch, under the lightest checkpointing that fits;
 # - RAM or disk: the lean host formats (bf16 masters, 8-bit states: about a fifth of fp32's
-#   host bytes, and a smaller checkpoint); where lean does not help and only the disk is
-#   short, writing no checkpoint (``--keep-checkpoints 0``). ``--host-precision auto`` took
-#   lean already, so it gets no alternative.
+#   host bytes, and a smaller checkpoint). Where only the disk is short: first saving only
+#   at the end (``--save-every 0``: one checkpoint on disk at a time instead of the new one
+#   beside the kept ones, the same training), then lean, then writing no checkpoint
+#   (``--keep-checkpoints 0``). ``--host-precision auto`` took lean already, so it gets no
+#   alternative. The disk's count is ``disk_checkpoints``, for both commands.
 
 
 def _device_fix(config: TrainConfig, at: Any, budget: int | None) -> str:
@@ -284,7 +289,11 @@ def _with_machine_fix(
     if fits_ram and est.fits_disk:
         return est
     fix = None
-    if config.host_precision != AUTO and config.host_precision.name != "lean":
+    if fits_ram and est.disk_checkpoints > 1 and est.checkpoint_bytes <= (est.disk_free_bytes or 0):
+        # only the cadence is short of disk: the same run, saved once at its end
+        one = dataclasses.replace(est, disk_checkpoints=1)
+        fix = f"--save-every 0 (save only at the end): {_checkpoints_text(one)} at a time"
+    elif config.host_precision != AUTO and config.host_precision.name != "lean":
         precision = HostPrecision.lean()
         formats = HostFormats(precision, precision.wire_for(None, default=host.wire_dtype))
         lean = at(est.batch_size, est.checkpointing_mode, host=formats)
@@ -294,11 +303,18 @@ def _with_machine_fix(
                 f"--host-precision lean: RAM {format_bytes(need)}"
                 + (f" ({num_ranks} ranks)" if num_ranks > 1 else "")
                 + f" of {format_bytes(lean.ram_available_bytes)} available"
-                + ("" if est.fits_disk else f", a checkpoint {format_bytes(lean.checkpoint_bytes)}")
+                + ("" if est.fits_disk else f", {_checkpoints_text(lean)} at a time")
             )
     if fix is None and fits_ram:
         fix = "--keep-checkpoints 0 (no checkpoint written), or --out on a larger disk"
     return dataclasses.replace(est, machine_fix=fix)
+
+
+def _checkpoints_text(est: MemoryEstimate) -> str:
+    """``"a checkpoint of 40.54 MiB"`` or ``"2 checkpoints of 40.54 MiB"``: the estimate's
+    ``disk_checkpoints``."""
+    n, size = est.disk_checkpoints, format_bytes(est.checkpoint_bytes)
+    return f"a checkpoint of {size}" if n == 1 else f"{n} checkpoints of {size}"
 
 
 def _offload_fit(
@@ -487,62 +503,39 @@ def plan_run(
     return dataclasses.replace(estimate, device_note=note)
 
 
-def _checkpoints_written(config: TrainConfig, checkpoint: Checkpoint | None) -> int:
-    """How many checkpoints the run writes: one every ``--save-every`` steps before its
-    last, and one at the end (a resumed run with nothing left to do saves its step again)."""
-    if config.keep_checkpoints == 0:
+def disk_checkpoints(
+    config: TrainConfig, checkpoint: Checkpoint | None, out_dir: Path | None
+) -> int:
+    """How many new checkpoints the free disk must hold at once for this run (0: it writes
+    none, ``--keep-checkpoints 0``): ``ramflow plan`` and ``train`` count them here, so
+    that they agree. The run writes one every ``--save-every`` steps before its last and
+    one at the end (a resumed run with nothing left to do saves its step again). A save
+    writes the new checkpoint beside the ``--keep-checkpoints`` kept ones and deletes the
+    oldest only once it is in place ([Note: atomic checkpoints]), so up to ``keep + 1``
+    are on disk at once; those of a resumed run already in ``out_dir`` take no more of
+    the free space."""
+    keep = config.keep_checkpoints
+    if keep == 0:
         return 0
     start = checkpoint.step if checkpoint is not None else 0
     every = config.save_every
-    periodic = max(0, (config.steps - 1) // every - start // every) if every else 0
-    return periodic + 1
-
-
-def _disk_problem(
-    estimate: MemoryEstimate,
-    config: TrainConfig,
-    checkpoint: Checkpoint | None,
-    out_dir: Path | None,
-) -> str | None:
-    """Why the disk cannot hold the checkpoints the run writes, or None. A save writes the
-    new checkpoint beside the ``--keep-checkpoints`` kept ones and deletes the oldest only
-    once it is in place ([Note: atomic checkpoints]), so up to ``keep + 1`` are on disk at
-    once; those of a resumed run already there take no more of the free space."""
-    written = _checkpoints_written(config, checkpoint)
-    if written == 0 or estimate.disk_free_bytes is None:
-        return None
+    written = (max(0, (config.steps - 1) // every - start // every) if every else 0) + 1
     same_folder = checkpoint is not None and (
         out_dir is None or out_dir.resolve() == checkpoint.run_dir.resolve()
     )
     present = len(list_checkpoints(checkpoint.path.parent)) if same_folder else 0
-    keep = config.keep_checkpoints
-    new = max(0, min(present + written, keep + 1) - present)
-    if new * estimate.checkpoint_bytes <= estimate.disk_free_bytes:
-        return None
-    at_once = (
-        f"{new} more at once while saving (--keep-checkpoints {keep}, and the new one written "
-        "beside them before the oldest is deleted)"
-        if new > 1
-        else "one more"
-    )
-    return (
-        f"a checkpoint of this model takes {format_bytes(estimate.checkpoint_bytes)} and this "
-        f"run needs room for {at_once}, but only {format_bytes(estimate.disk_free_bytes)} is "
-        "free where the run folder goes; give --out on a larger disk, "
-        + ("--save-every 0 (save only at the end), " if new > 1 else "")
-        + "or --keep-checkpoints 0 to write none"
-    )
+    return max(0, min(present + written, keep + 1) - present)
 
 
 def _check_machine(
     estimate: MemoryEstimate,
     *,
     corpus_bytes: int,
-    disk_problem: str | None,
     host_ranks: RanksPlan | None = None,
 ) -> None:
     """Refuse a run this machine's RAM (of every rank on this host, ``host_ranks``) or
-    disk (``disk_problem``, from ``_disk_problem``) cannot hold (MemoryError / OSError)."""
+    disk (its ``disk_checkpoints``, in ``plan``'s words: ``disk_shortfall``) cannot hold
+    (MemoryError / OSError)."""
     num_ranks = host_ranks.num_ranks if host_ranks is not None else 1
     # every rank holds the corpus's tokens
     corpus_all = corpus_bytes * num_ranks
@@ -584,8 +577,12 @@ def _check_machine(
             + " a smaller model, batch or sequence, or free memory; `ramflow plan` shows where "
             "the bytes go."
         )
-    if disk_problem is not None:
-        raise OSError(disk_problem)
+    short = disk_shortfall(estimate)
+    if short is not None:
+        fix = (
+            estimate.machine_fix or "--out on a larger disk, or --keep-checkpoints 0 to write none"
+        )
+        raise OSError(f"{short}; it fits with {fix}")
 
 
 def prepare_run(
@@ -644,6 +641,7 @@ def prepare_run(
         host=host,
         device_budget_bytes=device_budget_bytes,
         out_dir=out_dir,
+        checkpoint=checkpoint,
         several_ranks=several_ranks,
         local_ranks=(num_local_ranks, zero_stage),
     )
@@ -652,9 +650,8 @@ def prepare_run(
         if num_local_ranks > 1
         else None
     )
-    disk = _disk_problem(estimate, config, checkpoint, out_dir)
     # before reading the data: fail fast
-    _check_machine(estimate, corpus_bytes=0, disk_problem=disk, host_ranks=host_ranks)
+    _check_machine(estimate, corpus_bytes=0, host_ranks=host_ranks)
     if is_chat_data(config.data):  # conversations: see ramflow.train.chat_data
         corpus = build_chat_corpus(
             config.data, tokenizer, seq_len=config.seq_len, val_fraction=config.val_fraction
@@ -673,9 +670,7 @@ def prepare_run(
             val_fraction=config.val_fraction,
             source=source,
         )
-    _check_machine(
-        estimate, corpus_bytes=corpus.num_tokens * 4, disk_problem=disk, host_ranks=host_ranks
-    )
+    _check_machine(estimate, corpus_bytes=corpus.num_tokens * 4, host_ranks=host_ranks)
     return PreparedRun(
         policy,
         tokenizer,
