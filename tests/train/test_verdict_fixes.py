@@ -222,3 +222,50 @@ def test_plan_and_train_count_the_same_checkpoints_on_disk(
     said = err.split("ramflow train: error: ", 1)[1]
     assert first.endswith(f"DOES NOT FIT this machine: {said}"), (first, said)
     assert not out.exists()  # refused before anything is written
+
+
+def _needed(checkpointing: str, **options) -> int:
+    """The smallest device budget of a micro-batch of 1 (``BudgetTooSmall``'s figure)."""
+    from ramflow.memory.estimate import BudgetTooSmall
+
+    config = TrainConfig.from_options(
+        batch_size=1, checkpointing=checkpointing, gpu_memory="1KiB", **options
+    )
+    with pytest.raises(BudgetTooSmall) as err:
+        plan_run(config)
+    assert err.value.needed_bytes is not None
+    return err.value.needed_bytes
+
+
+@pytest.mark.parametrize("checkpointing", ["auto", "off"])
+def test_auto_batch_size_that_nothing_fits_is_a_verdict_naming_what_fits(
+    ramflow_cli, capsys, tmp_path, corpus_file, checkpointing: str
+) -> None:
+    """``--batch-size auto`` where no micro-batch fits the budget: ``plan`` says DOES NOT
+    FIT (exit 1) and ``train`` refuses (exit 2) in the same words, naming the change that
+    fits (heavier checkpointing, else a larger --gpu-memory); with it the plan fits."""
+    shape = {"preset": "tiny", "device": "cpu", "seq_len": 64}
+    if checkpointing == "auto":  # under a micro-batch of 1 with the layers' inputs offloaded
+        budget, fix = 0.8 * _needed("offload", **shape), "--gpu-memory"
+    else:  # between checkpointing on's need and off's
+        on, off = _needed("on", **shape), _needed("off", **shape)
+        assert on < off
+        budget, fix = (on + off) / 2, "--checkpointing"
+    argv = (
+        "--preset", "tiny", "--device", "cpu", "--seq-len", "64", "--batch-size", "auto",
+        "--checkpointing", checkpointing, "--gpu-memory", f"{budget / 2**20:.3f}MiB",
+    )  # fmt: skip
+    assert ramflow_cli("plan", *argv) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    m = re.search(rf"It fits with ({fix} \S+):", first)
+    assert "DOES NOT FIT this budget: --batch-size auto: no micro-batch" in first and m, first
+    out = tmp_path / "run"
+    assert ramflow_cli("train", *argv, "--data", corpus_file, "--out", out, "--no-progress") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and first.endswith(err.split("error: ", 1)[1]), err
+    assert not out.exists()
+    # the change it names fits
+    flag, value = m.group(1).split()
+    fixed = dict(zip(argv[::2], argv[1::2])) | {flag: value}
+    assert ramflow_cli("plan", *[w for kv in fixed.items() for w in kv]) == 0
+    assert "fits this machine" in capsys.readouterr().out.splitlines()[0]

@@ -67,9 +67,19 @@ weight and AdamW's two fp32 states."""
 
 
 class BudgetTooSmall(ValueError):
-    """The device budget cannot hold the smallest plan and the activations together; the
-    message gives the smallest budget that works. A ``ValueError``, so callers that treat
-    it as bad input keep doing so; ``ramflow plan`` answers it as "does not fit"."""
+    """The device budget cannot hold the smallest plan and the activations together (or,
+    from ``fit_batch``, no micro-batch fits it); the message gives the smallest budget that
+    works where it is known. A ``ValueError``, so callers that treat it as bad input keep
+    doing so; ``ramflow plan`` answers it as "does not fit".
+
+    Attributes:
+        needed_bytes: the smallest device budget that holds the run as asked, bytes (None:
+            not known, as for ``fit_batch``'s, which tried several).
+    """
+
+    def __init__(self, message: str, *, needed_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
 
 
 @dataclass(frozen=True)
@@ -701,7 +711,8 @@ def estimate_memory(
                 f"of a {batch_size} x {seq_len} micro-batch need about {format_bytes(act_bytes)} and "
                 f"ramflow's smallest plan (streaming every unit) {format_bytes(smallest)}{adapters}, together "
                 f"{format_bytes(need)}. Give --gpu-memory {format_bytes(need * 1.05)} or more, or a "
-                f"smaller --batch-size / --seq-len{hint}."
+                f"smaller --batch-size / --seq-len{hint}.",
+                needed_bytes=need,
             )
     plan = _make_plan(
         units,

@@ -23,7 +23,7 @@ from ..formats.host import HostPrecision
 from ..memory.estimate import BudgetTooSmall, offload_units
 from ..memory.fit import BatchFit, fit_batch, micro_batch_candidates
 from ..planner.predict import Rates
-from ..sizes import format_bytes
+from ..sizes import format_bytes, parse_bytes
 from .chat_data import build_chat_corpus, is_chat_data
 from .config import TrainConfig
 from .data import Corpus, build_corpus, find_documents, stdlib_root
@@ -150,9 +150,11 @@ def _estimate(
         checkpointing: str,
         host: HostFormats = host,
         speed: SpeedInputs | None = None,
+        budget: int | None = device_budget_bytes,
     ) -> MemoryEstimate:
         """The estimate at ``batch_size`` and ``checkpointing`` under ``host`` (the run's
-        host formats, or a verdict's alternative)."""
+        host formats, or a verdict's alternative) and the device budget ``budget`` (the
+        run's, or a verdict's alternative)."""
         est = estimate_run_memory(
             mconfig,
             run=RunDescription(
@@ -166,7 +168,7 @@ def _estimate(
             device_type=device_type,
             compute_dtype=compute_dtype,
             wire_dtype=host.wire_dtype,
-            device_budget_bytes=device_budget_bytes,
+            device_budget_bytes=budget,
             checkpointing=checkpointing,
             host_precision=host.precision,
             optimizer_states=OPTIMIZER_DEFAULTS[config.optimizer].num_states,
@@ -184,7 +186,10 @@ def _estimate(
         try:
             est = at(config.batch_size, config.checkpointing, speed=speed)
         except BudgetTooSmall as err:
-            raise BudgetTooSmall(f"{err}{_device_fix(config, at, device_budget_bytes)}") from None
+            raise BudgetTooSmall(
+                f"{err}{_device_fix(config, at, device_budget_bytes)}",
+                needed_bytes=err.needed_bytes,
+            ) from None
         return _with_machine_fix(config, est, at, host, local_ranks), None
     levels = {"auto": (False, True), "off": (False,), "on": (True,), "offload": (True,)}
     # checkpointing on means offload where asked for it
@@ -200,18 +205,24 @@ def _estimate(
 
     reason = None
     try:
-        fit = fit_with(on, levels[config.checkpointing])
-    except ValueError:
-        if config.checkpointing != "auto":
-            raise
-        # auto's last resort, as for a fixed micro-batch (``choose_checkpointing``): no
-        # micro-batch fits with every layer's input on the device, so offload them
-        on = "offload"
-        fit = fit_with(on, (True,))
-        reason = (
-            "no micro-batch fits with checkpointing every layer, so the layers' inputs go "
-            "to pinned host memory"
-        )
+        try:
+            fit = fit_with(on, levels[config.checkpointing])
+        except BudgetTooSmall:
+            if config.checkpointing != "auto":
+                raise
+            # auto's last resort, as for a fixed micro-batch (``choose_checkpointing``): no
+            # micro-batch fits with every layer's input on the device, so offload them
+            on = "offload"
+            fit = fit_with(on, (True,))
+            reason = (
+                "no micro-batch fits with checkpointing every layer, so the layers' inputs go "
+                "to pinned host memory"
+            )
+    except BudgetTooSmall:
+        # a verdict, as for a fixed micro-batch: see [Note: a verdict names the change that fits]
+        raise BudgetTooSmall(
+            _no_micro_batch_fits(config, at, fit_with, device_budget_bytes)
+        ) from None
     if (
         config.checkpointing == "auto"
         and on == "on"
@@ -234,7 +245,12 @@ def _estimate(
 # from the same estimate that gave the verdict (``plan`` and ``train`` print the same):
 # - the device budget (``BudgetTooSmall``): heavier activation checkpointing at the same
 #   micro-batch (on, then offload), else the largest smaller micro-batch, with the
-#   accumulation that keeps the global batch, under the lightest checkpointing that fits;
+#   accumulation that keeps the global batch, under the lightest checkpointing that fits.
+#   ``--batch-size auto`` with no micro-batch that fits: heavier checkpointing than the
+#   run allows, else the smallest ``--gpu-memory`` for a micro-batch of 1 under the
+#   heaviest it allows (checked by the estimate at that budget). Never a host format: they
+#   change RAM and disk and never lower the device's bytes (the window holds wire copies,
+#   whatever the master), so none can be the change that fits a device budget;
 # - RAM or disk: the lean host formats (bf16 masters, 8-bit states: about a fifth of fp32's
 #   host bytes, and a smaller checkpoint). Where only the disk is short: first saving only
 #   at the end (``--save-every 0``: one checkpoint on disk at a time instead of the new one
@@ -249,7 +265,12 @@ def _device_fix(config: TrainConfig, at: Any, budget: int | None) -> str:
     heavier = {"off": ["on", "offload"], "on": ["offload"]}.get(config.checkpointing, [])
     tried: list[tuple[int, str]] = [(config.batch_size, m) for m in heavier]
     modes = [config.checkpointing, *heavier]
-    for b in micro_batch_candidates(config.global_batch, max_micro_batch=config.batch_size - 1):
+    smaller = (
+        micro_batch_candidates(config.global_batch, max_micro_batch=config.batch_size - 1)
+        if config.batch_size > 1
+        else []
+    )
+    for b in smaller:
         tried += [(b, m) for m in modes]
     for b, mode in tried:
         try:
@@ -265,6 +286,54 @@ def _device_fix(config: TrainConfig, at: Any, budget: int | None) -> str:
             f"the {format_bytes(budget or 0)} budget{same}."
         )
     return ""
+
+
+def _no_micro_batch_fits(config: TrainConfig, at: Any, fit_with: Any, budget: int | None) -> str:
+    """``--batch-size auto`` where no micro-batch fits the device budget ``budget``: why,
+    and the change that fits: heavier activation checkpointing than the run allows, else
+    the smallest ``--gpu-memory`` that holds a micro-batch of 1 under the heaviest it
+    allows. See [Note: a verdict names the change that fits]."""
+    heaviest = "offload" if config.checkpointing == "auto" else config.checkpointing
+    head = (
+        f"--batch-size auto: no micro-batch of the global batch of {config.global_batch} "
+        f"fits the {format_bytes(budget or 0)} budget, not even 1 with activation "
+        f"checkpointing {heaviest}"
+    )
+    for mode in {"off": ["on", "offload"], "on": ["offload"]}.get(config.checkpointing, []):
+        try:
+            fit = fit_with(mode, (True,))
+        except BudgetTooSmall:
+            continue
+        est = at(fit.micro_batch, mode)
+        return (
+            f"{head}. It fits with --checkpointing {mode}: micro-batch {fit.micro_batch} x "
+            f"{fit.grad_accum} accumulated, GPU {format_bytes(est.device_total_bytes)} of "
+            "the budget."
+        )
+    try:
+        need = at(1, heaviest, budget=None)
+        at(1, heaviest)  # raises with the budget this micro-batch needs
+    except BudgetTooSmall as err:
+        needed = err.needed_bytes
+    else:  # within ramflow's share, yet over the budget: the whole estimate is the need
+        needed = need.device_total_bytes
+    if needed is not None:
+        larger = _size_at_least(needed * 1.05)
+        est = at(1, heaviest, budget=parse_bytes(larger))
+        if est.device_total_bytes <= parse_bytes(larger):
+            return (
+                f"{head}: that needs about {format_bytes(needed)}. It fits with "
+                f"--gpu-memory {larger}: micro-batch 1 x {config.global_batch} accumulated, "
+                f"the plan takes {format_bytes(est.device_total_bytes)} of it."
+            )
+    return f"{head}. Give a larger --gpu-memory or a shorter --seq-len."
+
+
+def _size_at_least(num_bytes: float) -> str:
+    """``num_bytes`` as a size string for ``--gpu-memory``, rounded up (``"12.35MiB"``):
+    a budget suggested by a verdict must hold what it was computed for."""
+    unit, size = ("GiB", 2**30) if num_bytes >= 2**30 else ("MiB", 2**20)
+    return f"{math.ceil(num_bytes / size * 100) / 100:.2f}{unit}"
 
 
 def _with_machine_fix(
