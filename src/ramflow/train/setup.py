@@ -310,13 +310,11 @@ def _no_micro_batch_fits(config: TrainConfig, at: Any, fit_with: Any, budget: in
             f"{fit.grad_accum} accumulated, GPU {format_bytes(est.device_total_bytes)} of "
             "the budget."
         )
+    needed = None
     try:
-        need = at(1, heaviest, budget=None)
         at(1, heaviest)  # raises with the budget this micro-batch needs
     except BudgetTooSmall as err:
         needed = err.needed_bytes
-    else:  # within ramflow's share, yet over the budget: the whole estimate is the need
-        needed = need.device_total_bytes
     if needed is not None:
         larger = _size_at_least(needed * 1.05)
         est = at(1, heaviest, budget=parse_bytes(larger))
