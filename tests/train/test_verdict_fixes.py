@@ -164,3 +164,108 @@ def test_the_lean_hint_of_several_ranks_counts_all_of_them(
     assert m, first
     assert ramflow_cli(*plan, "--host-precision", "lean") == 0
     assert f"RAM {m.group(1)} (2 ranks) of" in capsys.readouterr().out.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("cadence", "at_once"),
+    [
+        (("--steps", "4", "--save-every", "2"), 2),  # the new one beside the kept one
+        (("--steps", "10", "--save-every", "2", "--keep-checkpoints", "3"), 4),
+        (("--steps", "10", "--save-every", "0", "--keep-checkpoints", "3"), 1),
+        (("--steps", "4", "--save-every", "2", "--keep-checkpoints", "0"), 0),
+    ],
+    ids=["two", "keep 3", "only at the end", "none"],
+)
+def test_plan_and_train_count_the_same_checkpoints_on_disk(
+    ramflow_cli, capsys, monkeypatch, tmp_path, corpus_file, fast, cadence, at_once: int
+) -> None:
+    """``plan`` takes ``train``'s --steps, --save-every and --keep-checkpoints, and both
+    count the checkpoints on disk at once in one place: the same bytes, the same verdict
+    in the same words, and the same change that fits (issue 49)."""
+    import shutil
+
+    from ramflow.train.setup import prepare_run
+
+    options = {"seq_len": 32, "batch_size": 2, "device": "cpu", "data": str(corpus_file)}
+    flags = dict(zip(cadence[::2], cadence[1::2]))
+    config = TrainConfig.from_options(
+        **options,
+        steps=int(flags["--steps"]),
+        save_every=int(flags["--save-every"]),
+        keep_checkpoints=int(flags.get("--keep-checkpoints", 1)),
+    )
+    out = tmp_path / "run"
+    planned = plan_run(config, out_dir=out)
+    prepared = prepare_run(config, None, out).estimate
+    assert planned.disk_checkpoints == prepared.disk_checkpoints == at_once
+    assert planned.disk_needed_bytes == prepared.disk_needed_bytes
+    assert planned.fits_disk and prepared.fits_disk  # this machine's disk holds them
+
+    # a disk with room for one checkpoint and a half
+    one = planned.checkpoint_bytes
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage._replace(free=one * 3 // 2))
+    shape = ("--seq-len", "32", "--batch-size", "2", "--device", "cpu")
+    plan_rc = ramflow_cli("plan", *shape, *cadence, "--out", out)
+    first = capsys.readouterr().out.splitlines()[0]
+    if at_once <= 1:
+        assert plan_rc == 0 and "fits this machine" in first, first
+        return
+    assert plan_rc == 1, first
+    assert f"needs room for {at_once} at once while saving" in first, first
+    assert "it fits with --save-every 0 (save only at the end)" in first, first
+    train_rc = ramflow_cli(
+        "train", "--data", corpus_file, "--eval-every", "0", *fast, *cadence, "--out", out
+    )
+    err = capsys.readouterr().err.strip()
+    assert train_rc == 2 and len(err.splitlines()) == 1, err
+    said = err.split("ramflow train: error: ", 1)[1]
+    assert first.endswith(f"DOES NOT FIT this machine: {said}"), (first, said)
+    assert not out.exists()  # refused before anything is written
+
+
+def _needed(checkpointing: str, **options) -> int:
+    """The smallest device budget of a micro-batch of 1 (``BudgetTooSmall``'s figure)."""
+    from ramflow.memory.estimate import BudgetTooSmall
+
+    config = TrainConfig.from_options(
+        batch_size=1, checkpointing=checkpointing, gpu_memory="1KiB", **options
+    )
+    with pytest.raises(BudgetTooSmall) as err:
+        plan_run(config)
+    assert err.value.needed_bytes is not None
+    return err.value.needed_bytes
+
+
+@pytest.mark.parametrize("checkpointing", ["auto", "off"])
+def test_auto_batch_size_that_nothing_fits_is_a_verdict_naming_what_fits(
+    ramflow_cli, capsys, tmp_path, corpus_file, checkpointing: str
+) -> None:
+    """``--batch-size auto`` where no micro-batch fits the budget: ``plan`` says DOES NOT
+    FIT (exit 1) and ``train`` refuses (exit 2) in the same words, naming the change that
+    fits (heavier checkpointing, else a larger --gpu-memory); with it the plan fits."""
+    shape = {"preset": "tiny", "device": "cpu", "seq_len": 64}
+    if checkpointing == "auto":  # under a micro-batch of 1 with the layers' inputs offloaded
+        budget, fix = 0.8 * _needed("offload", **shape), "--gpu-memory"
+    else:  # between checkpointing on's need and off's
+        on, off = _needed("on", **shape), _needed("off", **shape)
+        assert on < off
+        budget, fix = (on + off) / 2, "--checkpointing"
+    argv = (
+        "--preset", "tiny", "--device", "cpu", "--seq-len", "64", "--batch-size", "auto",
+        "--checkpointing", checkpointing, "--gpu-memory", f"{budget / 2**20:.3f}MiB",
+    )  # fmt: skip
+    assert ramflow_cli("plan", *argv) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    m = re.search(rf"It fits with ({fix} \S+):", first)
+    assert "DOES NOT FIT this budget: --batch-size auto: no micro-batch" in first and m, first
+    out = tmp_path / "run"
+    assert ramflow_cli("train", *argv, "--data", corpus_file, "--out", out, "--no-progress") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and first.endswith(err.split("error: ", 1)[1]), err
+    assert not out.exists()
+    # the change it names fits
+    flag, value = m.group(1).split()
+    fixed = dict(zip(argv[::2], argv[1::2])) | {flag: value}
+    assert ramflow_cli("plan", *[w for kv in fixed.items() for w in kv]) == 0
+    assert "fits this machine" in capsys.readouterr().out.splitlines()[0]

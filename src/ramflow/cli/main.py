@@ -192,6 +192,37 @@ def _shape_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _run_length_options(p: argparse.ArgumentParser, *, resume: bool) -> None:
+    """The run's steps and checkpoint cadence: ``train``'s, and ``plan``'s for the disk
+    check, which counts the checkpoints on disk at once as ``train`` does. ``resume``:
+    the parser has ``--resume``, whose meaning of ``--steps`` the help then gives."""
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps (default: the preset's; tiny: 150)"
+        + (
+            "; with --resume, the step to stop at: the LR schedule stays the first run's "
+            "(at its floor past --decay-steps)"
+            if resume
+            else ""
+        ),
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=None,
+        help="checkpoint every N steps, 0: only at the end (default 500)",
+    )
+    p.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=None,
+        help="checkpoints kept on disk (default 1); 0 writes none (a benchmark or smoke run: "
+        "Ctrl-C then loses the run)",
+    )
+
+
 class _OneLineErrors(argparse.ArgumentParser):
     """argparse with usage errors on one line (no usage block), and the closest choice
     suggested for a misspelt one: ``--host-precision lena`` -> did you mean 'lean'?"""
@@ -239,13 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="text file, folder of text files, or JSON lines with a 'text' field (default: the stdlib sources)",
     )
-    t.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="optimizer steps (default: the preset's; tiny: 150); with --resume, the step to stop "
-        "at: the LR schedule stays the first run's (at its floor past --decay-steps)",
-    )
+    _run_length_options(t, resume=True)
     t.add_argument(
         "--grad-accum", type=int, default=None, help="micro-batches per optimizer step (default 1)"
     )
@@ -296,19 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--seed", type=int, default=None, help="seed of initialisation and data order (default 0)"
-    )
-    t.add_argument(
-        "--save-every",
-        type=int,
-        default=None,
-        help="checkpoint every N steps, 0: only at the end (default 500)",
-    )
-    t.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        default=None,
-        help="checkpoints kept on disk (default 1); 0 writes none (a benchmark or smoke run: "
-        "Ctrl-C then loses the run)",
     )
     t.add_argument(
         "--eval-every",
@@ -490,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--out", metavar="DIR", default=None, help="where checkpoints would go, for the disk check"
     )
+    _run_length_options(pl, resume=False)
     _lora_options(pl)
     _frozen_format_option(pl, "the frozen base's weights")
     pl.add_argument(
@@ -777,6 +790,9 @@ def _plan(args: argparse.Namespace) -> int:
             "lora_rank",
             "lora_targets",
             "frozen_format",
+            "steps",
+            "save_every",
+            "keep_checkpoints",
         )
     }
     from ..planner.predict import DEFAULT_CPU_OPTIMIZER_PARAMS_PER_S, Rates

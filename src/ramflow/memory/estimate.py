@@ -67,9 +67,19 @@ weight and AdamW's two fp32 states."""
 
 
 class BudgetTooSmall(ValueError):
-    """The device budget cannot hold the smallest plan and the activations together; the
-    message gives the smallest budget that works. A ``ValueError``, so callers that treat
-    it as bad input keep doing so; ``ramflow plan`` answers it as "does not fit"."""
+    """The device budget cannot hold the smallest plan and the activations together (or,
+    from ``fit_batch``, no micro-batch fits it); the message gives the smallest budget that
+    works where it is known. A ``ValueError``, so callers that treat it as bad input keep
+    doing so; ``ramflow plan`` answers it as "does not fit".
+
+    Attributes:
+        needed_bytes: the smallest device budget that holds the run as asked, bytes (None:
+            not known, as for ``fit_batch``'s, which tried several).
+    """
+
+    def __init__(self, message: str, *, needed_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
 
 
 @dataclass(frozen=True)
@@ -220,6 +230,9 @@ class MemoryEstimate:
         checkpoint_bytes: one checkpoint on disk (fp32 weights and optimizer states).
         ram_available_bytes: RAM this machine has available now.
         disk_free_bytes: free bytes where checkpoints go (None when not asked).
+        disk_checkpoints: checkpoints the free disk must hold at once (default 1): a run
+            that saves more than once writes the new one beside those it keeps and deletes
+            the oldest only once it is in place (``ramflow.train`` counts its cadence).
         prediction: the predicted step time of ``plan`` as ``train`` runs it (GPU runs, when
             asked; ``ramflow.planner.predict``), from estimated inputs: ``timing_rates`` and
             ``matmul_flops_per_s``.
@@ -293,6 +306,7 @@ class MemoryEstimate:
     parameter_counts: ParameterCounts | None = None
     num_adapter_parameters: int = 0
     machine_fix: str | None = None
+    disk_checkpoints: int = 1
 
     def parameters_text(self) -> str:
         """``"30,532.12 M parameters"``, with the active ones of a mixture of experts:
@@ -366,10 +380,16 @@ class MemoryEstimate:
         return self.ram_needed_bytes <= self.ram_available_bytes
 
     @property
+    def disk_needed_bytes(self) -> int:
+        """The free disk the run's checkpoints take at once: ``disk_checkpoints`` of
+        ``checkpoint_bytes``."""
+        return self.disk_checkpoints * self.checkpoint_bytes
+
+    @property
     def fits_disk(self) -> bool:
-        """Room for one checkpoint (``describe`` warns when two, as while a new one is
-        written beside the old, do not fit)."""
-        return self.disk_free_bytes is None or self.checkpoint_bytes <= self.disk_free_bytes
+        """Room for ``disk_checkpoints`` checkpoints at once (True when the disk was not
+        asked)."""
+        return self.disk_free_bytes is None or self.disk_needed_bytes <= self.disk_free_bytes
 
     def table(self) -> str:
         """The estimate as a table for people."""
@@ -473,15 +493,10 @@ class MemoryEstimate:
         ]
         if self.disk_free_bytes is not None:
             lines.append(
-                f"disk: a checkpoint takes {format_bytes(self.checkpoint_bytes)}, two at a time while "
-                f"saving; {format_bytes(self.disk_free_bytes)} free: "
-                + (
-                    "fits"
-                    if 2 * self.checkpoint_bytes <= self.disk_free_bytes
-                    else "one fits, two do not: save only at the end (--save-every 0)"
-                    if self.fits_disk
-                    else "DOES NOT FIT"
-                )
+                f"disk: a checkpoint takes {format_bytes(self.checkpoint_bytes)}, "
+                f"{self.disk_checkpoints} at a time while saving; "
+                f"{format_bytes(self.disk_free_bytes)} free: "
+                + ("fits" if self.fits_disk else "DOES NOT FIT")
             )
         lines += self.speed_lines()
         return "\n".join(lines)
@@ -696,7 +711,8 @@ def estimate_memory(
                 f"of a {batch_size} x {seq_len} micro-batch need about {format_bytes(act_bytes)} and "
                 f"ramflow's smallest plan (streaming every unit) {format_bytes(smallest)}{adapters}, together "
                 f"{format_bytes(need)}. Give --gpu-memory {format_bytes(need * 1.05)} or more, or a "
-                f"smaller --batch-size / --seq-len{hint}."
+                f"smaller --batch-size / --seq-len{hint}.",
+                needed_bytes=need,
             )
     plan = _make_plan(
         units,

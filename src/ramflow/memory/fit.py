@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sizes import format_bytes, parse_bytes
+from .estimate import BudgetTooSmall
 
 __all__ = ["BatchFit", "BatchTrial", "fit_batch", "micro_batch_candidates", "smaller_micro_batch"]
 
@@ -147,9 +148,9 @@ def fit_batch(
         A ``BatchFit`` with ``trials`` listing what was looked at.
 
     Raises:
-        ValueError: bad sizes (an unreadable or negative budget included), no levels, or
-            nothing fits (not even a micro-batch of 1 under the heaviest checkpointing; the
-            message lists the candidates tried).
+        BudgetTooSmall: nothing fits (not even a micro-batch of 1 under the heaviest
+            checkpointing; the message lists the candidates tried). A ``ValueError``.
+        ValueError: bad sizes (an unreadable or negative budget included), no levels.
         TypeError: ``device_budget_bytes`` is neither a number nor a string.
     """
     if device_budget_bytes is not None:
@@ -194,7 +195,7 @@ def fit_batch(
     budget = "" if device_budget_bytes is None else f" of {format_bytes(device_budget_bytes)}"
     # checkpointing is worth suggesting only where no checkpointed level was tried
     hint = "" if any(checkpointing) else ", or turn --checkpointing on"
-    raise ValueError(
+    raise BudgetTooSmall(
         f"no micro-batch of a global batch of {global_batch} fits the device budget{budget} "
         f"(tried {tried}). Give a larger --gpu-memory or a shorter --seq-len{hint}."
     )

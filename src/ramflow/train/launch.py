@@ -28,6 +28,15 @@ watches its parent (``follow_launcher``, a daemon thread): once the launcher, na
 and does what a SIGTERM to the launcher makes it do: finish the step, save, exit 143.
 Not ``prctl(PR_SET_PDEATHSIG)``: with it, each rank of a killed launcher (a process of
 several threads) got the signal twice, and a second SIGTERM aborts the save. Ranks that torchrun starts are left alone (its agent watches them).
+
+The ranks' watches poll apart, so their signals arrive up to ``_WATCH_S`` apart: the
+first rank signalled stops every rank after the same step (``Ranks.any``), and the
+others' own signals come later, during that step or the save. Each is that rank's first
+signal, a stop, not the second that aborts ([Note: stopping and resuming] in
+``trainer.py``); counted as a second, as before, it aborted the save on one rank in
+about half the runs. The launcher's death takes the rendezvous store with it, but the
+save does not need it: gloo's collectives (the loop's and the save's) run on the
+connections the ranks made to each other at set-up, and the store is read only then.
 """
 
 from __future__ import annotations

@@ -47,6 +47,24 @@ def fits(est: MemoryEstimate, ranks: HostRanks | None = None) -> bool:
     return (est.fits_ram if ranks is None else ranks.fits_ram) and est.fits_disk
 
 
+def disk_shortfall(est: MemoryEstimate) -> str | None:
+    """What the disk cannot hold, or None where it holds the run's checkpoints
+    (``est.disk_checkpoints`` at once). ``plan``'s verdict and ``train``'s refusal say it
+    in these words, from the same count (``ramflow.train.setup.disk_checkpoints``)."""
+    if est.fits_disk:
+        return None
+    free = format_bytes(est.disk_free_bytes or 0)
+    one = format_bytes(est.checkpoint_bytes)
+    if est.disk_checkpoints <= 1:
+        return f"a checkpoint takes {one} and {free} is free where the run folder goes"
+    return (
+        f"a checkpoint takes {one} and this run needs room for {est.disk_checkpoints} at "
+        f"once while saving, {format_bytes(est.disk_needed_bytes)} (the new one is written "
+        "beside the kept ones, --keep-checkpoints, before the oldest is deleted), but "
+        f"{free} is free where the run folder goes"
+    )
+
+
 def verdict(est: MemoryEstimate, ranks: HostRanks | None = None) -> str:
     """The first line: whether the run fits this machine, and why."""
     need = est.ram_needed_bytes if ranks is None else ranks.ram_needed_bytes
@@ -59,11 +77,9 @@ def verdict(est: MemoryEstimate, ranks: HostRanks | None = None) -> str:
             f"it needs about {format_bytes(need)} of RAM{who} and {format_bytes(avail)} is "
             "available"
         )
-    if not est.fits_disk:
-        problems.append(
-            f"a checkpoint takes {format_bytes(est.checkpoint_bytes)} and "
-            f"{format_bytes(est.disk_free_bytes or 0)} is free where the run folder goes"
-        )
+    short = disk_shortfall(est)
+    if short is not None:
+        problems.append(short)
     if problems:
         # See [Note: a verdict names the change that fits] in ``setup.py``
         fix = "" if est.machine_fix is None else f"; it fits with {est.machine_fix}"
@@ -242,11 +258,10 @@ def describe_plan(est: MemoryEstimate, ranks: HostRanks | None = None) -> str:
         f"{format_bytes(est.ram_available_bytes)} available",
     ]
     if est.disk_free_bytes is not None:
-        two = 2 * est.checkpoint_bytes <= est.disk_free_bytes
         lines.append(
-            f"disk: a checkpoint takes {format_bytes(est.checkpoint_bytes)}, two at a time while "
-            f"saving; {format_bytes(est.disk_free_bytes)} free"
-            + ("" if two or not est.fits_disk else ": save only at the end (--save-every 0)")
+            f"disk: a checkpoint takes {format_bytes(est.checkpoint_bytes)}, "
+            f"{est.disk_checkpoints} at a time while saving (--save-every, "
+            f"--keep-checkpoints); {format_bytes(est.disk_free_bytes)} free"
         )
     lines += _speed_lines(est)
     if ranks is not None:
@@ -258,6 +273,7 @@ __all__ = [
     "HostRanks",
     "budget_lines",
     "describe_plan",
+    "disk_shortfall",
     "fits",
     "plan_lines",
     "preamble_lines",

@@ -23,7 +23,7 @@ from ..formats.host import HostPrecision
 from ..memory.estimate import BudgetTooSmall, offload_units
 from ..memory.fit import BatchFit, fit_batch, micro_batch_candidates
 from ..planner.predict import Rates
-from ..sizes import format_bytes
+from ..sizes import format_bytes, parse_bytes
 from .chat_data import build_chat_corpus, is_chat_data
 from .config import TrainConfig
 from .data import Corpus, build_corpus, find_documents, stdlib_root
@@ -40,6 +40,7 @@ from .estimate import (
 from .lora import DEFAULT_TARGETS, check_lora_targets, parse_targets
 from .modeling import check_weights, meta_model, model_config, read_config
 from .optimizers import OPTIMIZER_DEFAULTS
+from .plan_report import disk_shortfall
 from .precision import ComputePolicy, planned_compute, resolve_compute
 from .run_checkpoint import Checkpoint, list_checkpoints
 from .scale import RanksPlan, plan_ranks
@@ -118,15 +119,17 @@ def _estimate(
     host: HostFormats,
     device_budget_bytes: int | None,
     out_dir: Path | None,
+    checkpoint: Checkpoint | None = None,
     several_ranks: bool = False,
     local_ranks: tuple[int, int | None] = (1, None),
     speed: SpeedInputs | None = None,
 ) -> tuple[MemoryEstimate, BatchFit | None]:
     """The run's estimate under the host formats ``host`` (``host_formats``: auto is
     decided there, once); with ``--batch-size auto``, at the largest micro-batch (and the
-    lightest checkpointing) whose estimate fits the budget, and that fit. ``local_ranks``:
-    the ranks on this host and their ZeRO stage, whose RAM the verdict's alternative must
-    fit (``_with_machine_fix``)."""
+    lightest checkpointing) whose estimate fits the budget, and that fit. Its disk figures
+    count the checkpoints the run (resuming ``checkpoint``, if given) holds at once in
+    ``out_dir`` (``disk_checkpoints``). ``local_ranks``: the ranks on this host and their
+    ZeRO stage, whose RAM the verdict's alternative must fit (``_with_machine_fix``)."""
     ctx = getattr(mconfig, "max_position_embeddings", None)
     if ctx is not None and config.seq_len > ctx:
         longer = (
@@ -140,14 +143,18 @@ def _estimate(
             f"--seq-len {ctx} or less, or a model whose config allows longer sequences{longer}"
         )
 
+    on_disk = disk_checkpoints(config, checkpoint, out_dir)
+
     def at(
         batch_size: int,
         checkpointing: str,
         host: HostFormats = host,
         speed: SpeedInputs | None = None,
+        budget: int | None = device_budget_bytes,
     ) -> MemoryEstimate:
         """The estimate at ``batch_size`` and ``checkpointing`` under ``host`` (the run's
-        host formats, or a verdict's alternative)."""
+        host formats, or a verdict's alternative) and the device budget ``budget`` (the
+        run's, or a verdict's alternative)."""
         est = estimate_run_memory(
             mconfig,
             run=RunDescription(
@@ -156,14 +163,12 @@ def _estimate(
                 model_name=config.model_name,
                 precision=precision,
                 # no checkpoint written (--keep-checkpoints 0): the disk is not asked
-                out_dir=(out_dir if out_dir is not None else Path("runs"))
-                if config.keep_checkpoints > 0
-                else None,
+                out_dir=(out_dir if out_dir is not None else Path("runs")) if on_disk else None,
             ),
             device_type=device_type,
             compute_dtype=compute_dtype,
             wire_dtype=host.wire_dtype,
-            device_budget_bytes=device_budget_bytes,
+            device_budget_bytes=budget,
             checkpointing=checkpointing,
             host_precision=host.precision,
             optimizer_states=OPTIMIZER_DEFAULTS[config.optimizer].num_states,
@@ -175,7 +180,9 @@ def _estimate(
                 config.lora_rank, parse_targets(config.lora_targets), config.frozen_format
             ),
         )
-        est = dataclasses.replace(est, host_precision_reason=host.reason)
+        est = dataclasses.replace(
+            est, host_precision_reason=host.reason, disk_checkpoints=on_disk
+        )
         micro_batches = config.global_batch // batch_size
         if est.prediction is not None and micro_batches > 1:
             # the step the user waits for is the optimizer step of all its micro-batches
@@ -195,7 +202,10 @@ def _estimate(
         try:
             est = at(config.batch_size, config.checkpointing, speed=speed)
         except BudgetTooSmall as err:
-            raise BudgetTooSmall(f"{err}{_device_fix(config, at, device_budget_bytes)}") from None
+            raise BudgetTooSmall(
+                f"{err}{_device_fix(config, at, device_budget_bytes)}",
+                needed_bytes=err.needed_bytes,
+            ) from None
         return _with_machine_fix(config, est, at, host, local_ranks), None
     levels = {"auto": (False, True), "off": (False,), "on": (True,), "offload": (True,)}
     # checkpointing on means offload where asked for it
@@ -211,18 +221,24 @@ def _estimate(
 
     reason = None
     try:
-        fit = fit_with(on, levels[config.checkpointing])
-    except ValueError:
-        if config.checkpointing != "auto":
-            raise
-        # auto's last resort, as for a fixed micro-batch (``choose_checkpointing``): no
-        # micro-batch fits with every layer's input on the device, so offload them
-        on = "offload"
-        fit = fit_with(on, (True,))
-        reason = (
-            "no micro-batch fits with checkpointing every layer, so the layers' inputs go "
-            "to pinned host memory"
-        )
+        try:
+            fit = fit_with(on, levels[config.checkpointing])
+        except BudgetTooSmall:
+            if config.checkpointing != "auto":
+                raise
+            # auto's last resort, as for a fixed micro-batch (``choose_checkpointing``): no
+            # micro-batch fits with every layer's input on the device, so offload them
+            on = "offload"
+            fit = fit_with(on, (True,))
+            reason = (
+                "no micro-batch fits with checkpointing every layer, so the layers' inputs go "
+                "to pinned host memory"
+            )
+    except BudgetTooSmall:
+        # a verdict, as for a fixed micro-batch: see [Note: a verdict names the change that fits]
+        raise BudgetTooSmall(
+            _no_micro_batch_fits(config, at, fit_with, device_budget_bytes)
+        ) from None
     if (
         config.checkpointing == "auto"
         and on == "on"
@@ -245,11 +261,18 @@ def _estimate(
 # from the same estimate that gave the verdict (``plan`` and ``train`` print the same):
 # - the device budget (``BudgetTooSmall``): heavier activation checkpointing at the same
 #   micro-batch (on, then offload), else the largest smaller micro-batch, with the
-#   accumulation that keeps the global batch, under the lightest checkpointing that fits;
+#   accumulation that keeps the global batch, under the lightest checkpointing that fits.
+#   ``--batch-size auto`` with no micro-batch that fits: heavier checkpointing than the
+#   run allows, else the smallest ``--gpu-memory`` for a micro-batch of 1 under the
+#   heaviest it allows (checked by the estimate at that budget). Never a host format: they
+#   change RAM and disk and never lower the device's bytes (the window holds wire copies,
+#   whatever the master), so none can be the change that fits a device budget;
 # - RAM or disk: the lean host formats (bf16 masters, 8-bit states: about a fifth of fp32's
-#   host bytes, and a smaller checkpoint); where lean does not help and only the disk is
-#   short, writing no checkpoint (``--keep-checkpoints 0``). ``--host-precision auto`` took
-#   lean already, so it gets no alternative.
+#   host bytes, and a smaller checkpoint). Where only the disk is short: first saving only
+#   at the end (``--save-every 0``: one checkpoint on disk at a time instead of the new one
+#   beside the kept ones, the same training), then lean, then writing no checkpoint
+#   (``--keep-checkpoints 0``). ``--host-precision auto`` took lean already, so it gets no
+#   alternative. The disk's count is ``disk_checkpoints``, for both commands.
 
 
 def _device_fix(config: TrainConfig, at: Any, budget: int | None) -> str:
@@ -258,7 +281,12 @@ def _device_fix(config: TrainConfig, at: Any, budget: int | None) -> str:
     heavier = {"off": ["on", "offload"], "on": ["offload"]}.get(config.checkpointing, [])
     tried: list[tuple[int, str]] = [(config.batch_size, m) for m in heavier]
     modes = [config.checkpointing, *heavier]
-    for b in micro_batch_candidates(config.global_batch, max_micro_batch=config.batch_size - 1):
+    smaller = (
+        micro_batch_candidates(config.global_batch, max_micro_batch=config.batch_size - 1)
+        if config.batch_size > 1
+        else []
+    )
+    for b in smaller:
         tried += [(b, m) for m in modes]
     for b, mode in tried:
         try:
@@ -274,6 +302,52 @@ def _device_fix(config: TrainConfig, at: Any, budget: int | None) -> str:
             f"the {format_bytes(budget or 0)} budget{same}."
         )
     return ""
+
+
+def _no_micro_batch_fits(config: TrainConfig, at: Any, fit_with: Any, budget: int | None) -> str:
+    """``--batch-size auto`` where no micro-batch fits the device budget ``budget``: why,
+    and the change that fits: heavier activation checkpointing than the run allows, else
+    the smallest ``--gpu-memory`` that holds a micro-batch of 1 under the heaviest it
+    allows. See [Note: a verdict names the change that fits]."""
+    heaviest = "offload" if config.checkpointing == "auto" else config.checkpointing
+    head = (
+        f"--batch-size auto: no micro-batch of the global batch of {config.global_batch} "
+        f"fits the {format_bytes(budget or 0)} budget, not even 1 with activation "
+        f"checkpointing {heaviest}"
+    )
+    for mode in {"off": ["on", "offload"], "on": ["offload"]}.get(config.checkpointing, []):
+        try:
+            fit = fit_with(mode, (True,))
+        except BudgetTooSmall:
+            continue
+        est = at(fit.micro_batch, mode)
+        return (
+            f"{head}. It fits with --checkpointing {mode}: micro-batch {fit.micro_batch} x "
+            f"{fit.grad_accum} accumulated, GPU {format_bytes(est.device_total_bytes)} of "
+            "the budget."
+        )
+    needed = None
+    try:
+        at(1, heaviest)  # raises with the budget this micro-batch needs
+    except BudgetTooSmall as err:
+        needed = err.needed_bytes
+    if needed is not None:
+        larger = _size_at_least(needed * 1.05)
+        est = at(1, heaviest, budget=parse_bytes(larger))
+        if est.device_total_bytes <= parse_bytes(larger):
+            return (
+                f"{head}: that needs about {format_bytes(needed)}. It fits with "
+                f"--gpu-memory {larger}: micro-batch 1 x {config.global_batch} accumulated, "
+                f"the plan takes {format_bytes(est.device_total_bytes)} of it."
+            )
+    return f"{head}. Give a larger --gpu-memory or a shorter --seq-len."
+
+
+def _size_at_least(num_bytes: float) -> str:
+    """``num_bytes`` as a size string for ``--gpu-memory``, rounded up (``"12.35MiB"``):
+    a budget suggested by a verdict must hold what it was computed for."""
+    unit, size = ("GiB", 2**30) if num_bytes >= 2**30 else ("MiB", 2**20)
+    return f"{math.ceil(num_bytes / size * 100) / 100:.2f}{unit}"
 
 
 def _with_machine_fix(
@@ -298,7 +372,11 @@ def _with_machine_fix(
     if fits_ram and est.fits_disk:
         return est
     fix = None
-    if config.host_precision != AUTO and config.host_precision.name != "lean":
+    if fits_ram and est.disk_checkpoints > 1 and est.checkpoint_bytes <= (est.disk_free_bytes or 0):
+        # only the cadence is short of disk: the same run, saved once at its end
+        one = dataclasses.replace(est, disk_checkpoints=1)
+        fix = f"--save-every 0 (save only at the end): {_checkpoints_text(one)} at a time"
+    elif config.host_precision != AUTO and config.host_precision.name != "lean":
         precision = HostPrecision.lean()
         formats = HostFormats(precision, precision.wire_for(None, default=host.wire_dtype))
         lean = at(est.batch_size, est.checkpointing_mode, host=formats)
@@ -308,11 +386,18 @@ def _with_machine_fix(
                 f"--host-precision lean: RAM {format_bytes(need)}"
                 + (f" ({num_ranks} ranks)" if num_ranks > 1 else "")
                 + f" of {format_bytes(lean.ram_available_bytes)} available"
-                + ("" if est.fits_disk else f", a checkpoint {format_bytes(lean.checkpoint_bytes)}")
+                + ("" if est.fits_disk else f", {_checkpoints_text(lean)} at a time")
             )
     if fix is None and fits_ram:
         fix = "--keep-checkpoints 0 (no checkpoint written), or --out on a larger disk"
     return dataclasses.replace(est, machine_fix=fix)
+
+
+def _checkpoints_text(est: MemoryEstimate) -> str:
+    """``"a checkpoint of 40.54 MiB"`` or ``"2 checkpoints of 40.54 MiB"``: the estimate's
+    ``disk_checkpoints``."""
+    n, size = est.disk_checkpoints, format_bytes(est.checkpoint_bytes)
+    return f"a checkpoint of {size}" if n == 1 else f"{n} checkpoints of {size}"
 
 
 def _offload_fit(
@@ -497,62 +582,39 @@ def plan_run(
     return dataclasses.replace(estimate, device_note=note)
 
 
-def _checkpoints_written(config: TrainConfig, checkpoint: Checkpoint | None) -> int:
-    """How many checkpoints the run writes: one every ``--save-every`` steps before its
-    last, and one at the end (a resumed run with nothing left to do saves its step again)."""
-    if config.keep_checkpoints == 0:
+def disk_checkpoints(
+    config: TrainConfig, checkpoint: Checkpoint | None, out_dir: Path | None
+) -> int:
+    """How many new checkpoints the free disk must hold at once for this run (0: it writes
+    none, ``--keep-checkpoints 0``): ``ramflow plan`` and ``train`` count them here, so
+    that they agree. The run writes one every ``--save-every`` steps before its last and
+    one at the end (a resumed run with nothing left to do saves its step again). A save
+    writes the new checkpoint beside the ``--keep-checkpoints`` kept ones and deletes the
+    oldest only once it is in place ([Note: atomic checkpoints]), so up to ``keep + 1``
+    are on disk at once; those of a resumed run already in ``out_dir`` take no more of
+    the free space."""
+    keep = config.keep_checkpoints
+    if keep == 0:
         return 0
     start = checkpoint.step if checkpoint is not None else 0
     every = config.save_every
-    periodic = max(0, (config.steps - 1) // every - start // every) if every else 0
-    return periodic + 1
-
-
-def _disk_problem(
-    estimate: MemoryEstimate,
-    config: TrainConfig,
-    checkpoint: Checkpoint | None,
-    out_dir: Path | None,
-) -> str | None:
-    """Why the disk cannot hold the checkpoints the run writes, or None. A save writes the
-    new checkpoint beside the ``--keep-checkpoints`` kept ones and deletes the oldest only
-    once it is in place ([Note: atomic checkpoints]), so up to ``keep + 1`` are on disk at
-    once; those of a resumed run already there take no more of the free space."""
-    written = _checkpoints_written(config, checkpoint)
-    if written == 0 or estimate.disk_free_bytes is None:
-        return None
+    written = (max(0, (config.steps - 1) // every - start // every) if every else 0) + 1
     same_folder = checkpoint is not None and (
         out_dir is None or out_dir.resolve() == checkpoint.run_dir.resolve()
     )
     present = len(list_checkpoints(checkpoint.path.parent)) if same_folder else 0
-    keep = config.keep_checkpoints
-    new = max(0, min(present + written, keep + 1) - present)
-    if new * estimate.checkpoint_bytes <= estimate.disk_free_bytes:
-        return None
-    at_once = (
-        f"{new} more at once while saving (--keep-checkpoints {keep}, and the new one written "
-        "beside them before the oldest is deleted)"
-        if new > 1
-        else "one more"
-    )
-    return (
-        f"a checkpoint of this model takes {format_bytes(estimate.checkpoint_bytes)} and this "
-        f"run needs room for {at_once}, but only {format_bytes(estimate.disk_free_bytes)} is "
-        "free where the run folder goes; give --out on a larger disk, "
-        + ("--save-every 0 (save only at the end), " if new > 1 else "")
-        + "or --keep-checkpoints 0 to write none"
-    )
+    return max(0, min(present + written, keep + 1) - present)
 
 
 def _check_machine(
     estimate: MemoryEstimate,
     *,
     corpus_bytes: int,
-    disk_problem: str | None,
     host_ranks: RanksPlan | None = None,
 ) -> None:
     """Refuse a run this machine's RAM (of every rank on this host, ``host_ranks``) or
-    disk (``disk_problem``, from ``_disk_problem``) cannot hold (MemoryError / OSError)."""
+    disk (its ``disk_checkpoints``, in ``plan``'s words: ``disk_shortfall``) cannot hold
+    (MemoryError / OSError)."""
     num_ranks = host_ranks.num_ranks if host_ranks is not None else 1
     # every rank holds the corpus's tokens
     corpus_all = corpus_bytes * num_ranks
@@ -594,8 +656,12 @@ def _check_machine(
             + " a smaller model, batch or sequence, or free memory; `ramflow plan` shows where "
             "the bytes go."
         )
-    if disk_problem is not None:
-        raise OSError(disk_problem)
+    short = disk_shortfall(estimate)
+    if short is not None:
+        fix = (
+            estimate.machine_fix or "--out on a larger disk, or --keep-checkpoints 0 to write none"
+        )
+        raise OSError(f"{short}; it fits with {fix}")
 
 
 def prepare_run(
@@ -654,6 +720,7 @@ def prepare_run(
         host=host,
         device_budget_bytes=device_budget_bytes,
         out_dir=out_dir,
+        checkpoint=checkpoint,
         several_ranks=several_ranks,
         local_ranks=(num_local_ranks, zero_stage),
     )
@@ -662,9 +729,8 @@ def prepare_run(
         if num_local_ranks > 1
         else None
     )
-    disk = _disk_problem(estimate, config, checkpoint, out_dir)
     # before reading the data: fail fast
-    _check_machine(estimate, corpus_bytes=0, disk_problem=disk, host_ranks=host_ranks)
+    _check_machine(estimate, corpus_bytes=0, host_ranks=host_ranks)
     if is_chat_data(config.data):  # conversations: see ramflow.train.chat_data
         corpus = build_chat_corpus(
             config.data, tokenizer, seq_len=config.seq_len, val_fraction=config.val_fraction
@@ -683,9 +749,7 @@ def prepare_run(
             val_fraction=config.val_fraction,
             source=source,
         )
-    _check_machine(
-        estimate, corpus_bytes=corpus.num_tokens * 4, disk_problem=disk, host_ranks=host_ranks
-    )
+    _check_machine(estimate, corpus_bytes=corpus.num_tokens * 4, host_ranks=host_ranks)
     return PreparedRun(
         policy,
         tokenizer,

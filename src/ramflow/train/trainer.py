@@ -14,7 +14,12 @@ for fp16, ``opt.no_step()`` for the non-final micro-batches of gradient accumula
 Ctrl-C (SIGINT) and SIGTERM (what schedulers and containers send) only set a flag; the loop
 finishes the step in flight (and a save in flight), writes a checkpoint unless that step is
 already saved, and returns; the command exits 130 or 143 (a second signal aborts at once,
-keeping the last checkpoint). A checkpoint
+keeping the last checkpoint). "Second" counts the signals this process received: with
+several ranks, the loop also sets the flag when another rank was signalled (all stop after
+the same step), and a rank's own signal arriving after that is still its first; were it
+taken as a second, that rank would abort the save its peers wait in (a launcher killed
+with SIGKILL signals its ranks half a second apart: see [Note: ranks die with their
+launcher] in ``launch.py``). A checkpoint
 holds everything the next step depends on: fp32 master weights, optimizer states, the LR
 schedule, the GradScaler, RNG states and the data position (see [Note: data position] in
 ``data.py``). A resumed run therefore computes the same steps as the uninterrupted one:
@@ -105,14 +110,15 @@ def _signals_stop(
     stop: threading.Event, say: Callable[[str], None], received: list[int]
 ) -> Iterator[None]:
     """While inside, the first SIGINT or SIGTERM sets ``stop`` (and is appended to
-    ``received``); a second one raises KeyboardInterrupt. See [Note: stopping and
-    resuming]. Does nothing outside the main thread."""
+    ``received``); a second one raises KeyboardInterrupt: the second this process
+    receives, not the first after ``stop`` was set otherwise (another rank's signal). See
+    [Note: stopping and resuming]. Does nothing outside the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum: int, frame: Any) -> None:
-        if stop.is_set():
+        if received:
             raise KeyboardInterrupt
         received.append(signum)
         stop.set()
