@@ -5,6 +5,7 @@ MXFP4 bytes and their order] in ``ramflow.formats.mxfp4``."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,62 @@ def test_a_packed_pair_of_another_shape_is_refused(gpt_oss_dir: Path, tmp_path: 
     with pytest.raises(ValueError, match="down_proj: MXFP4 blocks and scales"):
         ramflow.offload(model, device="cpu", weights=folder, frozen_format="mxfp4")
     assert not ramflow.is_offloaded(model)
+
+
+# ------------------------------------------------------------------ the Triton dequantize
+
+
+def mxfp4_kernel_mismatches(device: str) -> list[str]:
+    """The MXFP4 dequantize on ``device`` as one Triton launch against the PyTorch ops on
+    the CPU (the definition), for every output dtype and both block directions: every code
+    byte, every E8M0 scale but the NaN (255), and a byte count that leaves part of the
+    last program empty (returns what differed; empty: all bits equal)."""
+    from ramflow.formats import frozen as ff
+
+    g = torch.Generator().manual_seed(0)
+    m, r, c = 1, 64, 136  # 4352 code bytes: the last of 5 programs partly spare
+    n = m * r * c
+    codes = torch.randint(0, 256, (n // 2,), generator=g, dtype=torch.uint8)
+    codes[:256] = torch.arange(256, dtype=torch.uint8)
+    scales = torch.randint(0, 255, (n // 32,), generator=g, dtype=torch.uint8)
+    scales[:255] = torch.arange(255, dtype=torch.uint8)
+    out_of = []
+    for width in (1, c):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            ref = torch.empty(n, dtype=dtype)
+            mxfp4.dequantize(codes, scales, ref, table=mxfp4.pair_table(ref.device), width=width)
+            got = torch.full((n,), float("nan"), dtype=dtype, device=device)
+            ff.mxfp4_dequantize_triton(codes.to(device), scales.to(device), got, width=width)
+            if not torch.equal(ref.view(torch.uint8), got.cpu().view(torch.uint8)):
+                bad = (ref.float() != got.cpu().float()).nonzero().flatten()[:5].tolist()
+                out_of.append(f"width {width} {dtype}: differs at {bad}")
+    return out_of
+
+
+def test_interpreted_mxfp4_kernel_gives_the_pytorch_ops_bits():
+    from triton_interpreter import interpreted_mismatches
+
+    assert interpreted_mismatches("test_mxfp4", "mxfp4_kernel_mismatches") == []
+
+
+@pytest.mark.gpu
+def test_compiled_mxfp4_kernel_gives_the_pytorch_ops_bits_and_the_gpu_the_hosts():
+    """Compiled, the kernel gives the CPU's bits; an offloaded gpt-oss-shaped layer's device
+    copy is its host dequantize (the engine's path: H2D of the packed bytes, then the kernel
+    on the decompression stream)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ramflow.formats import frozen as ff
+
+    assert ff._triton_mxfp4() is not None, "Triton is not importable"
+    mismatches = mxfp4_kernel_mismatches("cuda")
+    assert mismatches == [], mismatches
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4))).requires_grad_(False)
+    plain = copy.deepcopy(model)
+    ramflow.offload(model, frozen_format="mxfp4")  # bf16 wire
+    plain.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+    plain = plain.to("cuda", torch.bfloat16)
+    for _ in range(2):
+        x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(model(x), plain(x))

@@ -170,18 +170,22 @@ def from_checkpoint_layout(
         scales_out: (M * R/32 * C,) uint8, the scales as (M, R/32, C).
     """
     *_, c, g, half = blocks.shape
-    blocks = blocks.reshape(-1, c, g * half)
+    assert c % 2 == 0, "C pairs of the checkpoint's rows make one byte of the output's"
+    blocks = blocks.reshape(-1, c // 2, 2, g * half)  # (M, C/2, 2, R/2): rows 2j and 2j + 1
     scales = scales.reshape(-1, c, g)
     m, r = blocks.shape[0], g * MX_BLOCK
-    per = r * c
-    step = max(1, _CHUNK // per)
-    for e0 in range(0, m, step):
-        e1 = min(m, e0 + step)
-        b = blocks[e0:e1]
-        codes = torch.stack([b & 15, b >> 4], dim=-1).reshape(e1 - e0, c, r)
-        codes = codes.transpose(1, 2).reshape(-1)  # (k, R, C) in order; R x C is even
-        codes_out[e0 * per // 2 : e1 * per // 2].copy_(codes[0::2] | (codes[1::2] << 4))
-    scales_out.view(m, g, c).copy_(scales.transpose(1, 2))
+    # (M, R/2, 2, C/2): output rows 2k and 2k + 1, bytes of columns 2j and 2j + 1
+    out = codes_out.view(m, r // 2, 2, c // 2)
+    for e in range(m):
+        # byte (j, k) of rows 2j, 2j + 1 holds codes (2j, 2k), (2j, 2k+1) and (2j+1, 2k),
+        # (2j+1, 2k+1): the output's row 2k takes both low nibbles, row 2k+1 both high ones
+        a0, a1 = blocks[e, :, 0], blocks[e, :, 1]  # (C/2, R/2)
+        even = (a0 & 15) | ((a1 & 15) << 4)
+        odd = (a0 >> 4) | (a1 & 0xF0)
+        # 2-D transposes (PyTorch copies those in cache-sized tiles)
+        out[e, :, 0].copy_(even.t())
+        out[e, :, 1].copy_(odd.t())
+        scales_out.view(m, g, c)[e].copy_(scales[e].t())
 
 
 __all__ = [

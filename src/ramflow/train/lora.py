@@ -112,9 +112,10 @@ def resolve_targets(model: nn.Module, targets: Sequence[str] | None) -> LoraTarg
     )
     missing = [t for t in targets if t not in modules and t not in parameters]
     if missing:
+        what = "linear module or stacked expert parameter" if short else "linear module"
         raise ValueError(
-            f"--lora-targets: the model has no linear module or stacked expert parameter "
-            f"named {', '.join(missing)}; its linear modules are {', '.join(linear)}"
+            f"--lora-targets: the model has no {what} named {', '.join(missing)}; its "
+            f"linear modules are {', '.join(linear)}"
             + (f"; its expert parameters {', '.join(short)}" if short else "")
         )
     return LoraTargets(modules, parameters)
