@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ramflow.formats import mxfp4
 from ramflow.formats.frozen import FrozenStore
 
 

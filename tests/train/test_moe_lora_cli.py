@@ -98,3 +98,34 @@ def test_lora_targets_name_expert_parameters(
     assert rc != 0
     assert "no linear module or stacked expert parameter named experts.up_proj" in err
     assert "experts.gate_up_proj" in err
+
+
+def test_full_fine_tune_of_packed_experts(
+    gpt_oss_dir: Path, tmp_path: Path, corpus_file: Path, ramflow_cli, fast
+) -> None:
+    """Without ``--lora`` the packed experts load as transformers' dequantized values into
+    trained fp32 masters: the first step's loss is the resident model's ``labels=`` loss on
+    the same batch (fp32 on the CPU, to the chunked loss's rounding, relative 1e-6: see
+    tests/train/test_loss.py), and the checkpoint, dense, drops the base's MXFP4
+    ``quantization_config`` (plain ``from_pretrained`` then reads it as it is)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ramflow.train.data import BatchStream, build_corpus, find_documents
+    from ramflow.train.modeling import load_model
+    from ramflow.train.tokenizer import load_tokenizer
+
+    run = tmp_path / "run"
+    rc = ramflow_cli("train", "--model", gpt_oss_dir, "--data", corpus_file, "--steps", "1",
+                     *fast, "--out", run)  # fmt: skip
+    assert rc == 0
+    (first,) = [r["loss"] for r in read_log(run / "log.jsonl") if r["event"] == "step"]
+    corpus = build_corpus(find_documents(corpus_file), load_tokenizer(gpt_oss_dir), seq_len=32)
+    ids = BatchStream(corpus.train_tokens, batch_size=2, seq_len=32, seed=0).next_batch()
+    with torch.no_grad():
+        want = load_model(gpt_oss_dir)(input_ids=ids, labels=ids).loss.item()
+    assert first == pytest.approx(want, rel=1e-6)
+
+    ckpt = open_checkpoint(run).path
+    assert "quantization_config" not in json.loads((ckpt / "config.json").read_text())
+    AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
