@@ -83,6 +83,38 @@ def save_moe_folder(family: str, path: Path) -> Path:
     return path
 
 
+def save_gpt_oss_mxfp4_folder(path: Path) -> Path:
+    """``save_moe_folder("gpt_oss", path)`` with its experts as a gpt-oss checkpoint ships
+    them: each stacked weight ``X`` (E, R, C) replaced by ``X_blocks`` (E, C, R/32, 16) and
+    ``X_scales`` (E, C, R/32), uint8, and ``quantization_config`` ``mxfp4`` in its config.
+    The codes are seeded random bytes; the scales 2**-9 to 2**-5 (weights up to 6 x 2**-5,
+    as an initialisation's spread)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    save_moe_folder("gpt_oss", path)
+    tensors = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(5)
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, r, c = tensors.pop(name).shape
+        tensors[name + "_blocks"] = torch.randint(
+            0, 256, (e, c, r // 32, 16), generator=g, dtype=torch.uint8
+        )
+        tensors[name + "_scales"] = torch.randint(
+            127 - 9, 127 - 4, (e, c, r // 32), generator=g, dtype=torch.uint8
+        )
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"],
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 def _hand_counts() -> dict[str, tuple[int, int]]:
     """(total, active) parameters of each family, from ``SHAPE`` and ``FAMILIES`` by hand."""
     d, v, n_layers = 64, 272, 2

@@ -70,6 +70,8 @@ def test_routing_from_the_config() -> None:
     [
         ("qwen3-30b-a3b", 30_532_122_624, 3_353_032_704),
         ("deepseek-v2-lite", 15_706_484_224, 2_661_150_208),
+        # the model card's 116.8 B and 5.1 B active, plus the 0.58 B embedding's rows read
+        ("gpt-oss-120b", 116_829_156_672, 5_711_982_912),
     ],
 )
 def test_moe_presets_are_the_public_shapes(name: str, total: int, active: int) -> None:

@@ -230,6 +230,7 @@ def offload(
                 specs,
                 options,
                 fill=None if loader is None else loader.fill,
+                packed=None if loader is None else loader.packed,
                 on_device=on_device,
             )
         except Exception as err:  # noqa: BLE001 - raised below, after the ranks agree

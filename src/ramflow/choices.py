@@ -21,7 +21,7 @@ COMPUTE_PRECISIONS = (AUTO, "bf16", "fp16", "fp32")
 CHECKPOINTING_MODES = (AUTO, "on", "off", "offload")
 """``--checkpointing``: activation checkpointing of every layer, its inputs offloaded or not."""
 
-FROZEN_FORMATS = ("int8", "nf4")
+FROZEN_FORMATS = ("int8", "nf4", "mxfp4")
 """``--frozen-format`` and ``offload(frozen_format=...)``: compressed frozen weights."""
 
 NUMA_BINDINGS = ("exclusive", "node", "socket", "core-complex", "none")

@@ -256,20 +256,30 @@ def test_plan_sizes_a_lora_run_as_train_runs_it(
 
 
 def test_plan_sizes_compressed_frozen_weights(ramflow_cli, capsys) -> None:
-    """``--frozen-format int8 | nf4`` keeps the frozen base in fewer host bytes (int8 about
-    one byte a weight, nf4 about half of it) and changes nothing on the device."""
+    """``--frozen-format int8 | nf4 | mxfp4`` keeps the frozen base in fewer host bytes
+    (int8 about one byte a weight, nf4 and mxfp4 about half of it); on the device the
+    window and the residents are the same, and the fixed part grows by the staging buffers
+    that the compressed bytes land in (two units' worth, as the engine's plan has them)."""
     shape = ("plan", "--preset", "tiny", "--device", "cuda", "--gpu-memory", "1GiB", "--lora", "4")
-    pinned, device = {}, {}
-    for fmt in (None, "int8", "nf4"):
+    pinned, device, fixed = {}, {}, {}
+    for fmt in (None, "int8", "nf4", "mxfp4"):
         assert ramflow_cli(*shape, *(("--frozen-format", fmt) if fmt else ())) == 0
-        total = next(
-            line for line in capsys.readouterr().out.splitlines() if line.startswith("total")
-        )
+        lines = capsys.readouterr().out.splitlines()
+        total = next(line for line in lines if line.startswith("total"))
         cells = total.split()[1:]  # GPU, CPU pinned, CPU pageable, disk: "1.00 MiB" each
-        device[fmt], pinned[fmt] = cells[0:2], float(cells[2])
+        pinned[fmt] = float(cells[2])
         assert cells[3] == "MiB"
-    assert device["int8"] == device["nf4"] == device[None]
+        # "window W + gradients G + fixed F + resident R = ...", each "1.00 MiB"
+        share = next(line for line in lines if line.startswith("ramflow on the device"))
+        words = share.split("=")[0].split()
+        device[fmt] = [
+            words[words.index(k) + 1 : words.index(k) + 3] for k in ("window", "resident")
+        ]
+        fixed[fmt] = words[words.index("fixed") + 1 : words.index("fixed") + 3]
+    assert device["int8"] == device["nf4"] == device["mxfp4"] == device[None]
+    assert all(fixed[fmt] != fixed[None] for fmt in ("int8", "nf4", "mxfp4"))
     assert pinned["nf4"] < pinned["int8"] < pinned[None]
+    assert pinned["mxfp4"] < pinned["int8"]
 
 
 @pytest.mark.gpu

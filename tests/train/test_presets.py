@@ -55,7 +55,7 @@ def test_tiny_takes_the_tokenizer_vocabulary() -> None:
         get_preset("qwen3-30b-a3b").num_parameters()
     assert set(PRESETS) == {
         "tiny", "llama-1b", "llama-3b", "llama-8b", "llama-70b", "anchor-2.7b", "qwen3-30b-a3b",
-        "deepseek-v2-lite",
+        "deepseek-v2-lite", "gpt-oss-120b",
     }  # fmt: skip
 
 

@@ -117,7 +117,8 @@ def _frozen_format_option(p: argparse.ArgumentParser, what: str) -> None:
         choices=FROZEN_FORMATS,
         default=None,
         help=f"keep {what} compressed in host RAM (int8: block-wise absmax, nf4: QLoRA's "
-        "4-bit) and dequantize them on the device (default: the wire dtype)",
+        "4-bit, mxfp4: OCP MX 4-bit floats, gpt-oss's experts kept as they ship) and "
+        "dequantize them on the device (default: the wire dtype)",
     )
 
 
@@ -135,8 +136,10 @@ def _lora_options(p: argparse.ArgumentParser) -> None:
         "--lora-targets",
         default=None,
         metavar="NAMES",
-        help="comma-separated linear modules that get adapters (default: q_proj,k_proj,v_proj,"
-        "o_proj,gate_proj,up_proj,down_proj)",
+        help="comma-separated linear modules (q_proj) or stacked expert parameters "
+        "(experts.gate_up_proj) that get adapters (default: those of q_proj,k_proj,v_proj,"
+        "o_proj,gate_proj,up_proj,down_proj the model has, and a mixture of experts' "
+        "stacked experts)",
     )
 
 

@@ -43,7 +43,7 @@ from .device_stepper import DeviceStepper
 from .expert_loading import RoutedExperts
 from .gradients import GradientPath
 from .host_stepper import HostStepper
-from .host_store import FillMaster, HostStore, optimizer_state_bytes
+from .host_store import FillMaster, HostStore, PackedSource, optimizer_state_bytes
 from .interfaces import StepOptimizer
 from .model_hooks import ModelHooks
 from .options import EngineOptions
@@ -91,6 +91,7 @@ class Engine:
         options: the settings (``EngineOptions``).
         fill: writes the values of parameters built on the meta device into their masters
             (``HostStore.build``); None: the parameters hold their values.
+        packed: a checkpoint's packed MXFP4 pairs of parameters (``HostStore.build``).
         on_device: parameters kept on the device, out of the units (LoRA adapters; see
             [Note: adapters on the device] in ``ramflow.engine.adapters``).
         worker: the host worker thread to share (layer engines); None: a new one, stopped
@@ -111,6 +112,7 @@ class Engine:
         options: EngineOptions,
         *,
         fill: FillMaster | None = None,
+        packed: PackedSource | None = None,
         on_device: Iterable[nn.Parameter] = (),
         worker: HostWorker | None = None,
         streams: CopyStreams | None = None,
@@ -212,7 +214,7 @@ class Engine:
             self.host.pinned_in_place,
         )
         try:
-            self.add_units(specs, fill=fill)
+            self.add_units(specs, fill=fill, packed=packed)
         except BaseException:
             self.adapters.give_back()
             raise
@@ -237,11 +239,17 @@ class Engine:
         """The root module (None for a layer engine or once the model is gone)."""
         return None if self._model_ref is None else self._model_ref()
 
-    def add_units(self, specs: list[UnitSpec], *, fill: FillMaster | None = None) -> list[Unit]:
+    def add_units(
+        self,
+        specs: list[UnitSpec],
+        *,
+        fill: FillMaster | None = None,
+        packed: PackedSource | None = None,
+    ) -> list[Unit]:
         """Build the host store, device views and hooks of new units and plan again.
 
         Called once by the constructor, and by ``ramflow.Linear`` for each layer that joins
-        a layer engine. ``fill``: see ``HostStore.build``. Raises MemoryError (host RAM) or
+        a layer engine. ``fill``, ``packed``: see ``HostStore.build``. Raises MemoryError (host RAM) or
         ValueError (GPU budget)."""
         owners = self.options.owners
         new = [
@@ -266,7 +274,7 @@ class Engine:
                 self._unit_of_param[id(p)] = u
             self.stepper.note_position(u, u.index)
         self.units.extend(new)
-        self.host.build(new, fill=fill)
+        self.host.build(new, fill=fill, packed=packed)
         self.window.build(new, specs, self._unit_of_param)
         self.gradients.install_hooks(new)
         self.window.set_capacity(plan.window_bytes)

@@ -50,6 +50,9 @@ from .window import DeviceWindow
 
 # writes a unit's parameter values into their views of its new master (``HostStore.build``)
 FillMaster = Callable[[list[torch.nn.Parameter], list[torch.Tensor]], None]
+# a checkpoint's packed MXFP4 pair (blocks, scales) of a parameter, or None where it holds
+# the values (``MetaLoader.packed``; see [Note: packed MXFP4 tensors in a checkpoint])
+PackedSource = Callable[[torch.nn.Parameter], "tuple[torch.Tensor, torch.Tensor] | None"]
 
 
 HOST_RAM_ENV = "RAMFLOW_HOST_RAM"
@@ -271,14 +274,22 @@ class HostStore:
                 f"whose RAM grows as it is used, set {HOST_RAM_ENV} (e.g. '240GiB')."
             )
 
-    def build(self, units: list[Unit], *, fill: FillMaster | None = None) -> None:
+    def build(
+        self,
+        units: list[Unit],
+        *,
+        fill: FillMaster | None = None,
+        packed: PackedSource | None = None,
+    ) -> None:
         """Make the masters and wire copies of new ``units``, one unit at a time; their host
         parameters become views into the masters.
 
         ``fill(params, views)``: writes the values of a unit's parameters (its ``owned``, in
         order) into their views of the new master; None copies each parameter's own data.
         A model built on the meta device is loaded through it unit by unit, so the host
-        never holds more than the store plus one unit's source tensors."""
+        never holds more than the store plus one unit's source tensors. ``packed(p)``:
+        the checkpoint's packed MXFP4 pair of a compressed parameter, which its frozen store
+        takes as it is (``FrozenStore.write_mxfp4``), or None: ``fill`` gives its values."""
         pin = self._pin
         lean_master = self.precision.master_is_wire
         # a given master in the master's dtype is zero_stage's shared host store (made for
@@ -303,7 +314,9 @@ class HostStore:
         locks: list[concurrent.futures.Future] = []
         try:
             for u in units:
-                self._build_unit(u, fill, serves_wire=serves_wire, locker=locker, locks=locks)
+                self._build_unit(
+                    u, fill, packed, serves_wire=serves_wire, locker=locker, locks=locks
+                )
         finally:
             if locker is not None:
                 locker.shutdown(wait=True)
@@ -314,6 +327,7 @@ class HostStore:
         self,
         u: Unit,
         fill: FillMaster | None,
+        packed: PackedSource | None,
         *,
         serves_wire: bool,
         locker: concurrent.futures.ThreadPoolExecutor | None,
@@ -364,7 +378,7 @@ class HostStore:
             if serves_wire:  # a master that is the wire copy is pinned, as a wire copy is
                 lock_later(u.master, what)
             if u.compressed:
-                self._build_compressed(u, fill)
+                self._build_compressed(u, fill, packed)
         if u.given_wire is not None:
             u.wire = u.given_wire
             if pin:
@@ -393,10 +407,12 @@ class HostStore:
         self.pinned_in_place.append(t)
         return t
 
-    def _build_compressed(self, u: Unit, fill: FillMaster | None) -> None:
-        """Compress ``u``'s frozen matrices one at a time (from their data, or read by
-        ``fill`` into a buffer of one parameter) and make their host parameters meta
-        stand-ins. See [Note: compressed frozen weights] in ``ramflow.formats.frozen``."""
+    def _build_compressed(
+        self, u: Unit, fill: FillMaster | None, packed: PackedSource | None
+    ) -> None:
+        """Compress ``u``'s frozen matrices one at a time (from their data, from a
+        checkpoint's packed MXFP4 pair, or read by ``fill`` into a buffer of one parameter)
+        and make their host parameters meta stand-ins. See [Note: compressed frozen weights] in ``ramflow.formats.frozen``."""
         params = u.compressed
         u.frozen = FrozenStore(
             u.frozen_format,
@@ -409,7 +425,11 @@ class HostStore:
         )
         with torch.no_grad():
             for i, p in enumerate(params):
-                if fill is None:
+                pair = None if packed is None else packed(p)
+                if pair is not None:
+                    u.frozen.write_mxfp4(i, *pair)
+                    del pair
+                elif fill is None:
                     u.frozen.write(i, p.detach())
                 else:
                     buf = torch.empty(p.shape, dtype=torch.float32)

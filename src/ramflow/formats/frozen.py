@@ -1,4 +1,5 @@
-"""Compressed frozen weights: int8 block-wise absmax and NF4 (``offload(frozen_format=...)``).
+"""Compressed frozen weights: int8 block-wise absmax, NF4 and MXFP4
+(``offload(frozen_format=...)``).
 
 A unit's frozen matrices (``requires_grad=False``, two or more dimensions, not an
 embedding's) can be kept on the host compressed instead of in the master's dtype; the H2D
@@ -21,6 +22,13 @@ after parameter, every component of its format, each on a 64-byte boundary:
   (B,), the scaler blocks' factors and the scalers' mean in the wire dtype. 0.52 bytes per
   element. Dequantized by torchao's own ``get_original_weight``, in chunks of whole scaler
   blocks so that its temporaries stay small.
+- ``"mxfp4"``: OCP MX v1.0's MXFP4 (``ramflow.formats.mxfp4``): E2M1 codes (n/2,) and one
+  E8M0 scale per block of 32 (n/32,), 0.53 bytes (4.25 bits) per element; dequantized by
+  PyTorch ops into the wire dtype (one fp32 product per element, rounded once). Made by
+  ``mxfp4.quantize`` from any weight (blocks along its last dimension), or kept as they
+  come from a gpt-oss checkpoint's packed experts (``write_mxfp4``: blocks along
+  dimension -2, the checkpoint's codes and scales unchanged), so a gpt-oss model computes
+  with the values transformers dequantizes, bit for bit, from 4.25 bits a weight in RAM.
 The unit's master and wire copy hold only the elements before the compressed parameters
 (``Unit.kept_numel``), so a compressed weight never exists on the host in full precision,
 not even while it is loaded from the meta device (one parameter at a time is read, then
@@ -47,6 +55,7 @@ import torch
 from torch import nn
 
 from ..choices import FROZEN_FORMATS
+from . import mxfp4
 
 INT8_BLOCK = 64
 NF4_BLOCK = 64
@@ -58,7 +67,7 @@ _NF4_CHUNK = NF4_BLOCK * NF4_SCALER_BLOCK * 64
 
 
 def parse_frozen_format(value: str | None) -> str | None:
-    """Check ``offload(frozen_format=...)``: None, ``"int8"`` or ``"nf4"``.
+    """Check ``offload(frozen_format=...)``: None, ``"int8"``, ``"nf4"`` or ``"mxfp4"``.
 
     Raises:
         ValueError: another value (the message lists the formats).
@@ -68,12 +77,13 @@ def parse_frozen_format(value: str | None) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise TypeError(f"frozen_format must be None, 'int8' or 'nf4', got {value!r}")
+        raise TypeError(f"frozen_format must be None, 'int8', 'nf4' or 'mxfp4', got {value!r}")
     if value not in FROZEN_FORMATS:
         raise ValueError(
             f"frozen_format={value!r} is not a format; use 'int8' (block-wise absmax, about "
             "1.03 bytes per frozen parameter), 'nf4' (QLoRA's 4-bit NormalFloat through "
-            "torchao, about 0.52), or None (frozen parameters in the wire dtype)"
+            "torchao, about 0.52), 'mxfp4' (OCP MX 4-bit floats, as gpt-oss ships its experts, "
+            "about 0.53), or None (frozen parameters in the wire dtype)"
         )
     if value == "nf4":
         _nf4_module()
@@ -157,6 +167,8 @@ def _components(fmt: str, n: int, wire_dtype: torch.dtype) -> list[tuple[str, to
     """(name, dtype, element count) of each component of one parameter of ``n`` elements."""
     if fmt == "int8":
         return [("codes", torch.int8, n), ("absmax", torch.bfloat16, n // INT8_BLOCK)]
+    if fmt == "mxfp4":
+        return [("codes", torch.uint8, n // 2), ("scales", torch.uint8, n // mxfp4.MX_BLOCK)]
     blocks = n // NF4_BLOCK
     return [
         ("quantized_data", torch.uint8, n // 2),
@@ -197,8 +209,12 @@ def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # absmax / 127 correctly rounded in fp32 (``tl.div_rn``), the product one fp32 multiply
 # rounded once to the output dtype, bf16 rounded to nearest even in integer bits as the
 # lean kernel does. Tests compare the two (interpreted in CI, compiled on the GPU).
+# MXFP4 likewise: as PyTorch ops (a table gather into fp32 pairs, then the scale's
+# multiply) it reads and writes about 18 bytes per weight where one kernel
+# (``mxfp4_dequantize_kernel``) reads 0.53 and writes 2; the same products, rounded once.
 # ``RAMFLOW_DISABLE_TRITON=1`` keeps the PyTorch ops.
 _TRITON_ROWS = 32  # blocks of 64 per program: 2048 elements
+_TRITON_MXFP4_BYTES = 1024  # code bytes per program: 2048 elements
 _TRITON_OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -210,6 +226,38 @@ def _triton_dequantize():
     except ImportError:
         return None
     return int8_dequantize_kernel
+
+
+@functools.cache
+def _triton_mxfp4():
+    """The jitted MXFP4 dequantize kernel, or None where Triton cannot be imported."""
+    try:
+        from ..kernels.dequant_triton_kernel import mxfp4_dequantize_kernel
+    except ImportError:
+        return None
+    return mxfp4_dequantize_kernel
+
+
+def mxfp4_dequantize_triton(
+    codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, width: int = 1
+) -> None:
+    """``mxfp4.dequantize`` (same arguments, no table) as one Triton launch, on any device
+    Triton runs on (the CPU interpreter in the tests). See [Note: one dequantize kernel]."""
+    num_bytes = codes.numel()
+    assert out.numel() == 2 * num_bytes == scales.numel() * mxfp4.MX_BLOCK
+    grid = (-(-num_bytes // _TRITON_MXFP4_BYTES),)
+    with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+        _triton_mxfp4()[grid](
+            codes,
+            scales,
+            out,
+            num_bytes,
+            width,
+            OUT=_TRITON_OUT[out.dtype],
+            BYTES=_TRITON_MXFP4_BYTES,
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
 
 
 def int8_dequantize(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor) -> None:
@@ -256,7 +304,7 @@ class FrozenStore:
     """One unit's compressed frozen parameters: a flat uint8 host buffer and its layout.
 
     Args:
-        fmt: ``"int8"`` or ``"nf4"``.
+        fmt: ``"int8"``, ``"nf4"`` or ``"mxfp4"``.
         params: the compressed parameters, in the unit's order.
         numels: their padded element counts (``units.unit.ALIGN``).
         wire_dtype: the dtype they are dequantized into (NF4 is quantized from it).
@@ -276,6 +324,8 @@ class FrozenStore:
         self.wire_dtype = wire_dtype
         self.shapes = [p.shape for p in params]
         self.numels = numels
+        # per parameter: whether its MXFP4 blocks run along dimension -2 (a checkpoint's)
+        self.columns = [False] * len(numels)
         # per parameter: {component: (byte offset, dtype, count)}
         self._layout: list[dict[str, tuple[int, torch.dtype, int]]] = []
         nbytes = 0
@@ -298,6 +348,9 @@ class FrozenStore:
         """Compress ``values`` (the shape of parameter ``i``, any float dtype, CPU) into
         the host buffer. The caller waits for a DMA that reads the buffer first."""
         n = self.numels[i]
+        if self.fmt == "mxfp4":
+            self._write_mxfp4_values(i, values)
+            return
         flat = torch.zeros(n, dtype=torch.float32 if self.fmt == "int8" else self.wire_dtype)
         flat[: values.numel()] = values.detach().reshape(-1)
         if self.fmt == "int8":
@@ -309,6 +362,47 @@ class FrozenStore:
         for name in ("quantized_data", "quantized_scalers", "quantization_factor"):
             self._part(self.host, i, name).copy_(getattr(nf4, name).reshape(-1))
         self._part(self.host, i, "scaler_mean").copy_(nf4.scaler_mean.reshape(-1))
+
+    def _write_mxfp4_values(self, i: int, values: torch.Tensor) -> None:
+        """``write`` under MXFP4: blocks along the rows, or along the columns where the
+        parameter came so from a checkpoint (``write_mxfp4``)."""
+        codes, scales = self._part(self.host, i, "codes"), self._part(self.host, i, "scales")
+        if self.columns[i]:
+            shape = self.shapes[i]
+            x = values.detach().reshape(-1, shape[-2], shape[-1])
+            numel = x.numel()
+            q_codes, q_scales = mxfp4.quantize(x, columns=True)
+            codes[: numel // 2].copy_(q_codes)
+            scales[: numel // mxfp4.MX_BLOCK].copy_(q_scales)
+            return
+        flat = torch.zeros(self.numels[i], dtype=torch.float32)
+        flat[: values.numel()] = values.detach().reshape(-1)
+        q_codes, q_scales = mxfp4.quantize(flat)
+        codes.copy_(q_codes)
+        scales.copy_(q_scales)
+
+    def write_mxfp4(self, i: int, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """Store parameter ``i`` from a checkpoint's packed MXFP4 pair (uint8, CPU; shapes
+        as ``mxfp4.checkpoint_shape`` reads them, making this parameter's shape): under
+        ``"mxfp4"`` the codes and scales as they are, only moved into the parameter's
+        order (blocks along dimension -2); under another format their exact values,
+        compressed as ``write`` does. See [Note: MXFP4 bytes and their order] in
+        ``ramflow.formats.mxfp4``."""
+        shape = self.shapes[i]
+        assert mxfp4.checkpoint_shape(tuple(blocks.shape), tuple(scales.shape)) == tuple(shape)
+        if self.fmt != "mxfp4":
+            values = torch.empty(shape, dtype=torch.float32)
+            mxfp4_to_values(blocks, scales, values)
+            self.write(i, values)
+            return
+        numel = math.prod(shape)
+        self.columns[i] = True
+        codes, scale_part = self._part(self.host, i, "codes"), self._part(self.host, i, "scales")
+        codes.zero_()
+        scale_part.zero_()
+        mxfp4.from_checkpoint_layout(
+            blocks, scales, codes[: numel // 2], scale_part[: numel // mxfp4.MX_BLOCK]
+        )
 
     def dequantize(self, src: torch.Tensor, out: torch.Tensor) -> None:
         """Dequantize every parameter from ``src`` (this store's bytes, on any device) into
@@ -322,6 +416,9 @@ class FrozenStore:
     def _dequantize_one(self, src: torch.Tensor, i: int, out: torch.Tensor) -> None:
         if self.fmt == "int8":
             int8_dequantize(self._part(src, i, "codes"), self._part(src, i, "absmax"), out)
+            return
+        if self.fmt == "mxfp4":
+            self._dequantize_mxfp4(src, i, out)
             return
         nf4_tensor = _nf4_module()
         n = self.numels[i]
@@ -350,6 +447,21 @@ class FrozenStore:
                 table,
             )
             out[lo:hi].copy_(part.get_original_weight())
+
+    def _dequantize_mxfp4(self, src: torch.Tensor, i: int, out: torch.Tensor) -> None:
+        codes, scales = self._part(src, i, "codes"), self._part(src, i, "scales")
+        numel, width = out.numel(), 1
+        if self.columns[i]:
+            numel, width = math.prod(self.shapes[i]), self.shapes[i][-1]
+            codes, scales = codes[: numel // 2], scales[: numel // mxfp4.MX_BLOCK]
+            out[numel:].zero_()
+        if out.is_cuda and _use_triton(out) and _triton_mxfp4() is not None:
+            mxfp4_dequantize_triton(codes, scales, out[:numel], width=width)
+            return
+        table = self._tables.get(src.device)
+        if table is None:
+            table = self._tables[src.device] = mxfp4.pair_table(src.device)
+        mxfp4.dequantize(codes, scales, out[:numel], table=table, width=width)
 
     def _nf4_table(self, device: torch.device) -> torch.Tensor:
         """torchao's 16 NF4 values in the wire dtype on ``device`` (it makes them inside
@@ -382,6 +494,20 @@ class FrozenStore:
         self._dequantize_one(self.host, i, out)
         shape = self.shapes[i]
         return out[: math.prod(shape)].view(shape).to(dtype, copy=True)
+
+
+def mxfp4_to_values(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """Dequantize a checkpoint's packed MXFP4 pair (``mxfp4.checkpoint_shape``; uint8, CPU)
+    into ``out``, the parameter's shape in fp32, bf16 or fp16 (transformers'
+    ``convert_moe_packed_tensors``'s values, bit for bit)."""
+    numel = out.numel()
+    codes = torch.empty(numel // 2, dtype=torch.uint8)
+    scale_cols = torch.empty(numel // mxfp4.MX_BLOCK, dtype=torch.uint8)
+    mxfp4.from_checkpoint_layout(blocks, scales, codes, scale_cols)
+    flat = out.view(-1)
+    mxfp4.dequantize(
+        codes, scale_cols, flat, table=mxfp4.pair_table(flat.device), width=out.shape[-1]
+    )
 
 
 def meta_stand_in(p: nn.Parameter, dtype: torch.dtype) -> None:

@@ -62,6 +62,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..formats import mxfp4
+from ..formats.frozen import mxfp4_to_values
+
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
@@ -320,6 +323,39 @@ def _pread_into(fd: int, offset: int, into: memoryview, path: Path) -> None:
         into, offset = into[n:], offset + n
 
 
+# [Note: packed MXFP4 tensors in a checkpoint]
+# gpt-oss checkpoints hold each expert weight ``X`` (E, R, C) as two tensors, ``X_blocks``
+# (E, C, R/32, 16) uint8 and ``X_scales`` (E, C, R/32) uint8: MXFP4 codes and E8M0 scales
+# of the weight's transpose (``ramflow.formats.mxfp4``; transformers' ``Mxfp4Dequantize``
+# turns them into ``X``). ``MetaLoader`` maps such a pair to the parameter ``X`` the model
+# lacks in the file: under ``frozen_format="mxfp4"`` the host store keeps the pair's bytes
+# as they are (``MetaLoader.packed``, ``FrozenStore.write_mxfp4``); anywhere else (a kept
+# or trained parameter, another frozen format, a resident load) it is dequantized to the
+# values transformers computes, bit for bit.
+PACKED_SUFFIXES = ("_blocks", "_scales")
+
+
+def packed_pairs(
+    shapes: dict[str, tuple[int, ...]], params: Iterable[str]
+) -> dict[str, tuple[str, str]]:
+    """The parameters of ``params`` that a checkpoint holds only as packed MXFP4 pairs.
+    See [Note: packed MXFP4 tensors in a checkpoint].
+
+    Args:
+        shapes: the checkpoint's tensors (in the model's names) and their shapes.
+        params: the model's parameter names.
+
+    Returns:
+        parameter name -> (its blocks tensor's name, its scales tensor's name).
+    """
+    blocks, scales = PACKED_SUFFIXES
+    return {
+        name: (name + blocks, name + scales)
+        for name in params
+        if name not in shapes and name + blocks in shapes and name + scales in shapes
+    }
+
+
 def _transformers_model(model: nn.Module) -> bool:
     """Whether ``model`` is a ``transformers`` ``PreTrainedModel`` (without importing it)."""
     transformers = sys.modules.get("transformers")
@@ -403,6 +439,8 @@ class MetaLoader:
         self._model = model
         self._function: WeightsFunction | None = None
         self._where: dict[str, tuple[Path, str]] = {}  # model name -> (file, checkpoint key)
+        # model name -> its packed MXFP4 pair: (file, key, shape) of the blocks, the scales
+        self._packed: dict[str, tuple[tuple[Path, str, tuple[int, ...]], ...]] = {}
         self._names: dict[int, list[str]] = {}  # id(tensor) -> its names, first one first
         for name, p in model.named_parameters(remove_duplicate=False):
             self._names.setdefault(id(p), []).append(name)
@@ -458,6 +496,11 @@ class MetaLoader:
                 )
             self._where[name] = (path, key)
             shapes[name] = shape
+        all_names = [n for names in self._names.values() for n in names]
+        for name, pair in packed_pairs(shapes, all_names).items():
+            self._packed[name] = tuple((*self._where.pop(k), shapes.pop(k)) for k in pair)
+            made = mxfp4.checkpoint_shape(*(shape for *_, shape in self._packed[name]))
+            shapes[name] = made if made is not None else tuple(s for *_, s in self._packed[name])
         if converted:
             raise ValueError(
                 f"{self._source}: tensors such as {', '.join(converted[:_SHOWN])} become the "
@@ -467,13 +510,14 @@ class MetaLoader:
             )
         problems: list[str] = []
         for names in self._names.values():
-            found = [n for n in names if n in self._where]
+            found = [n for n in names if n in self._where or n in self._packed]
             if not found:
                 problems.append(f"{names[0]}: missing")
                 continue
             shape, want = shapes[found[0]], tuple(self._model.get_parameter(names[0]).shape)
             if shape != want:
-                problems.append(f"{found[0]}: file {shape}, model {want}")
+                what = "MXFP4 blocks and scales" if found[0] in self._packed else "file"
+                problems.append(f"{found[0]}: {what} {shape}, model {want}")
         for name, buf in self._persistent.items():
             if name in self._where:
                 if shapes[name] != tuple(buf.shape):
@@ -565,7 +609,13 @@ class MetaLoader:
         if self._progress is None:
             self._progress = _progress_bar(self._num_params)
         if self._function is None:
-            self._reader.read([(*self._source_of(p), view) for p, view in zip(params, views)])
+            packed = [(p, view) for p, view in zip(params, views) if self._packed_of(p)]
+            self._reader.read(
+                [(*self._source_of(p), v) for p, v in zip(params, views) if not self._packed_of(p)]
+            )
+            for p, view in packed:
+                blocks, scales = self.packed(p)
+                mxfp4_to_values(blocks, scales, view)
         else:
             items = [(self._names[id(p)][0], view) for p, view in zip(params, views)]
             write_many = getattr(self._function, "write_many", None)
@@ -575,6 +625,24 @@ class MetaLoader:
                 for name, view in items:
                     self._function(name, view)
         self._progress.update(sum(p.numel() for p in params))
+
+    def _packed_of(self, p: torch.Tensor) -> tuple | None:
+        for name in self._names[id(p)]:
+            if name in self._packed:
+                return self._packed[name]
+        return None
+
+    def packed(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The packed MXFP4 pair that the checkpoint holds for ``p`` (blocks (..., C, R/32,
+        16) and scales (..., C, R/32), uint8, read now), or None where it holds ``p``
+        itself or the weights are a function. See [Note: packed MXFP4 tensors in a
+        checkpoint]."""
+        source = None if self._function is not None else self._packed_of(p)
+        if source is None:
+            return None
+        out = [torch.empty(shape, dtype=torch.uint8) for *_, shape in source]
+        self._reader.read([(path, key, t) for (path, key, _), t in zip(source, out)])
+        return out[0], out[1]
 
     def _source_of(self, p: torch.Tensor) -> tuple[Path, str]:
         for name in self._names[id(p)]:

@@ -14,6 +14,7 @@ device and adds a step-time prediction); this package never imports ``ramflow.tr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -28,11 +29,12 @@ from ..choices import CHECKPOINTING_MODES
 from ..engine.host_store import host_ram_available, resolve_precision
 from ..formats.host import HostPrecision
 from ..planner.costs import ParameterCounts, parameter_counts
-from ..planner.plan import OFFLOAD_BOUNDARIES_ON_DEVICE, OffloadPlan, make_plan
+from ..planner.plan import OFFLOAD_BOUNDARIES_ON_DEVICE, OffloadPlan
 from ..planner.predict import TRAIN_MATMUL_EFFICIENCY, Rates, StepPrediction
+from ..planner.unit_plan import plan_units
 from ..sizes import format_bytes, parse_bytes
 from ..transfer.streams import caching_host_block_bytes
-from ..units.unit import Unit, find_units, plan_inputs
+from ..units.unit import Unit, find_units
 
 __all__ = [
     "CUDA_RUNTIME_OVERHEAD_BYTES",
@@ -567,14 +569,18 @@ def _make_plan(
     gpu_memory_bytes: int | None,
     prefetch_depth: int,
 ) -> OffloadPlan:
-    """The plan ``Engine.__init__`` makes for these units (same arguments)."""
-    return make_plan(
-        device=device_type,
-        **plan_inputs(units, wire_dtype),
-        fixed_bytes=buffer_bytes,
+    """The plan ``Engine.__init__`` makes for these units (same arguments): on CUDA with
+    the staging buffers of compressed frozen weights, and their compressed bytes as what
+    one load moves over PCIe."""
+    plan = plan_units(
+        units,
+        device=torch.device(device_type),
+        wire_dtype=wire_dtype,
         gpu_memory_bytes=gpu_memory_bytes,
         prefetch_depth=prefetch_depth,
+        fixed_bytes=buffer_bytes,
     )
+    return dataclasses.replace(plan, unit_h2d_bytes=tuple(u.h2d_bytes(wire_dtype) for u in units))
 
 
 def offload_units(model: nn.Module, *, frozen_format: str | None = None) -> tuple[list[Unit], int]:

@@ -424,6 +424,8 @@ class PlanTiming:
             of them are on the device at once, and each (``checkpoint_bytes``) crosses PCIe
             once each way per step (``UnitCost.offload_bytes``). Default False.
         deferred_steps: host steps wait for the end of backward (see ``predict_step``).
+        h2d_bytes: per unit, bytes one load moves over PCIe where they differ from its
+            device bytes (compressed frozen weights, ``Unit.h2d_bytes``); None: the same.
     """
 
     forward_s: Sequence[float]
@@ -441,6 +443,7 @@ class PlanTiming:
     grad_bytes_per_param: int = 2
     offload: bool = False
     deferred_steps: bool = False
+    h2d_bytes: Sequence[int] | None = None
 
     def activation_peak_bytes(self, checkpointed: set[int]) -> int:
         """Activations at their peak when the units ``checkpointed`` (indices) recompute:
@@ -739,7 +742,7 @@ def _timed_plan(
             costs = [
                 UnitCost(
                     name=unit_names[i],
-                    wire_bytes=unit_bytes[i],
+                    wire_bytes=unit_bytes[i] if timing.h2d_bytes is None else timing.h2d_bytes[i],
                     trainable_params=timing.trainable_params[i],
                     forward_s=timing.forward_s[i],
                     resident=unit_names[i] in resident,

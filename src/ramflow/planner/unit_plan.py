@@ -71,18 +71,30 @@ def plan_units(
     Raises:
         ValueError: the budget is too small (the message gives the smallest that works).
     """
-    # compressed weights are staged on the device, two units' at most (ramflow.transfer.streams)
-    staging = 0
-    if device.type == "cuda":
-        largest = max((u.packed_bytes(wire_dtype) for u in units), default=0)
-        staging = StagingBuffers.COUNT * largest
     return make_plan(
         device=str(device),
         **plan_inputs(units, wire_dtype),
-        fixed_bytes=fixed_bytes + staging,
+        fixed_bytes=fixed_bytes + staging_bytes(units, device=device, wire_dtype=wire_dtype),
         gpu_memory_bytes=gpu_memory_bytes,
         prefetch_depth=prefetch_depth,
     )
+
+
+def staging_bytes(units: list[Unit], *, device: torch.device, wire_dtype: torch.dtype) -> int:
+    """Device bytes of the staging buffers that compressed frozen weights land in before
+    they are dequantized: two units' at most, on CUDA (``ramflow.transfer.streams``).
+
+    Args:
+        units: the engine's units.
+        device: the device the units run on.
+        wire_dtype: the device copies' dtype.
+
+    Returns:
+        Bytes; 0 off CUDA or without compressed weights.
+    """
+    if device.type != "cuda":
+        return 0
+    return StagingBuffers.COUNT * max((u.packed_bytes(wire_dtype) for u in units), default=0)
 
 
 def device_optimizer_refusal(

@@ -122,9 +122,10 @@ class TrainConfig:
         val_fraction: share of the corpus held out for validation, between 0 and 1.
         lora_rank: train LoRA adapters of this rank (PEFT) on a frozen base instead of
             every weight (``--lora``); None: a full fine-tune. See ``ramflow.train.lora``.
-        lora_targets: comma-separated names of the linear modules that get adapters;
-            None: attention and MLP projections (``lora.DEFAULT_TARGETS``).
-        frozen_format: ``int8`` or ``nf4``: frozen weights kept compressed in host RAM
+        lora_targets: comma-separated names of the linear modules or stacked expert
+            parameters that get adapters; None: attention and MLP projections
+            (``lora.DEFAULT_TARGETS``) and an MoE's experts (``lora.resolve_targets``).
+        frozen_format: ``int8``, ``nf4`` or ``mxfp4``: frozen weights kept compressed in host RAM
             (``ramflow.offload(..., frozen_format=...)``); None: in the wire dtype.
         fuse_lora: compute each LoRA layer as one frozen matmul with the rank-r update
             written in its epilogue (``ramflow.helpers.fuse_lora``, ``--fuse-lora``): fewer

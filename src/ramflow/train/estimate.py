@@ -50,6 +50,7 @@ from ..planner.costs import attention_width, unit_costs, unit_shapes
 from ..planner.cpu_rates import rates_for
 from ..planner.plan import PlanTiming, make_plan
 from ..planner.predict import DEFAULT_MATMUL_FLOPS_PER_S, Rates, StepPrediction, predict_step
+from ..planner.unit_plan import staging_bytes
 from ..units.unit import plan_inputs
 from .lora import count_lora_parameters
 from .loss import chunk_tokens_for
@@ -538,6 +539,10 @@ def _predict_speed(
         offload_bytes=acts.layer_input_bytes if offload else 0,
         causal=True,  # the decoder LMs that ``train`` runs
     )
+    # a load moves compressed frozen weights as they are kept (``Unit.h2d_bytes``)
+    assert [c.name for c in costs] == [u.name for u in units]
+    h2d_bytes = [u.h2d_bytes(wire_dtype) for u in units]
+    costs = [dataclasses.replace(c, wire_bytes=b) for c, b in zip(costs, h2d_bytes)]
     prediction = predict_step(
         costs,
         rates=rates,
@@ -564,12 +569,16 @@ def _predict_speed(
         grad_bytes_per_param=wire_size,
         offload=offload,
         deferred_steps=deferred_steps,
+        h2d_bytes=h2d_bytes,
     )
     try:
         timed = make_plan(
             device=estimate.device_type,
             **plan_inputs(units, wire_dtype),
-            fixed_bytes=buffer_bytes,
+            fixed_bytes=buffer_bytes
+            + staging_bytes(
+                units, device=torch.device(estimate.device_type), wire_dtype=wire_dtype
+            ),
             # auto, and offload (whose activations the timing counts with only two inputs
             # on the device): the budget covers ramflow and the activations, the planner
             # splits it
@@ -578,6 +587,7 @@ def _predict_speed(
             else estimate.gpu_memory_bytes,
             timing=timing,
         )
+        timed = dataclasses.replace(timed, unit_h2d_bytes=tuple(h2d_bytes))
     except ValueError:
         timed = None
     return {

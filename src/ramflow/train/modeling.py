@@ -25,6 +25,7 @@ from torch import nn
 
 import ramflow
 
+from ..formats.mxfp4 import checkpoint_shape
 from ..io.loading import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
@@ -32,6 +33,7 @@ from ..io.loading import (
     file_in,
     load_resident,
     open_safetensors,
+    packed_pairs,
     weight_files,
 )
 from .initialization import SeededInit
@@ -173,6 +175,10 @@ def check_weights(directory: str | os.PathLike, config) -> None:
             for key in f.keys():
                 name, converted = to_model_key(key)
                 found[name] = None if converted else tuple(f.get_slice(key).get_shape())
+    # gpt-oss's experts as MXFP4 pairs (see [Note: packed MXFP4 tensors in a checkpoint])
+    for name, (blocks, scales) in packed_pairs(found, expected).items():
+        pair = (found.pop(blocks), found.pop(scales))
+        found[name] = None if None in pair else checkpoint_shape(*pair) or pair
     wrong = [
         f"{k}: file {found[k]}, model {shape}"
         for k, shape in expected.items()
@@ -218,6 +224,7 @@ def load_model(directory: str | os.PathLike, *, config=None) -> nn.Module:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(directory),
             config=config,
+            **_dequantized_mxfp4(config),
             dtype=torch.float32,
             local_files_only=True,
             use_safetensors=True,
@@ -247,6 +254,23 @@ def load_model(directory: str | os.PathLike, *, config=None) -> nn.Module:
         )
     model.train()
     return model
+
+
+def _dequantized_mxfp4(config) -> dict[str, Any]:
+    """``from_pretrained``'s keyword that dequantizes a gpt-oss checkpoint's MXFP4 experts
+    on the CPU (transformers would fetch GPU kernels from the Hub otherwise), where the
+    config says they are MXFP4; else none."""
+    quantization = getattr(config, "quantization_config", None)
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    if str(getattr(method, "value", method)) != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def _needs_conversion(directory: str | os.PathLike, model: nn.Module) -> bool:

@@ -3,8 +3,8 @@
 Every preset is a Hugging Face config built from the numbers below, so the model is
 ``transformers``' own class: ``LlamaConfig`` for the dense presets, the family's config
 (``architecture``) for the mixtures of experts. The public shapes are those of Meta's
-Llama 3.2-1B, Llama 3.2-3B, Llama 3.1-8B and Llama 3.1-70B, Qwen's Qwen3-30B-A3B and
-DeepSeek's DeepSeek-V2-Lite ``config.json`` files; ``anchor-2.7b`` is the benchmarks'
+Llama 3.2-1B, Llama 3.2-3B, Llama 3.1-8B and Llama 3.1-70B, Qwen's Qwen3-30B-A3B,
+OpenAI's gpt-oss-120b and DeepSeek's DeepSeek-V2-Lite ``config.json`` files; ``anchor-2.7b`` is the benchmarks'
 reference model (benchmarks/reference_model.py); ``tiny`` trains on a laptop CPU in minutes.
 """
 
@@ -149,7 +149,8 @@ class ModelPreset:
 
         for key in ("attention_bias", "mlp_bias"):  # Llama's keys
             shape.pop(key)
-        return AutoConfig.for_model(self.architecture, **shape, **self.architecture_options)
+        shape.update(self.architecture_options)  # the family's own (its attention too)
+        return AutoConfig.for_model(self.architecture, **shape)
 
 
 _LLAMA3_ROPE_32 = {
@@ -277,6 +278,42 @@ PRESETS: dict[str, ModelPreset] = {
                 "norm_topk_prob": True,
                 "decoder_sparse_step": 1,
                 "mlp_only_layers": [],
+            },
+        ),
+        ModelPreset(
+            name="gpt-oss-120b",
+            description="the shape of OpenAI's gpt-oss-120b (116.8 B parameters, 5.1 B active "
+            "per token besides the embedding: 4 of 128 experts in each of 36 layers; its "
+            "experts ship as MXFP4, --frozen-format mxfp4 keeps them so under --lora)",
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_layers=36,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=64,
+            vocab_size=201088,
+            max_position_embeddings=131072,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+            batch_size=1,
+            lr=1e-5,
+            architecture="gpt_oss",
+            architecture_options={
+                "num_local_experts": 128,
+                "num_experts_per_tok": 4,
+                "sliding_window": 128,
+                "attention_bias": True,
+                "swiglu_limit": 7.0,
+                # its attention sinks: transformers' eager attention, not SDPA
+                "attn_implementation": "eager",
             },
         ),
         ModelPreset(

@@ -58,6 +58,7 @@ phase.
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import json
@@ -208,6 +209,18 @@ def _save_sharded(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
     )
     return [*sorted(set(weight_map.values())), index_name]
+
+
+def _dense_config(config: Any, *, adapters_only: bool) -> Any:
+    """The config to write beside the weights: a whole model's weights are written dense,
+    so a ``quantization_config`` its base came with (gpt-oss's MXFP4 experts) would tell
+    ``from_pretrained`` to unpack tensors the checkpoint does not hold; adapters keep the
+    base's config as it is."""
+    if adapters_only or getattr(config, "quantization_config", None) is None:
+        return config
+    dense = copy.deepcopy(config)
+    del dense.quantization_config
+    return dense
 
 
 def _weights_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -433,7 +446,7 @@ def save_checkpoint(
         shards = ranks.all_gather(own)
 
         def finish() -> None:
-            model.config.save_pretrained(str(tmp))
+            _dense_config(model.config, adapters_only=adapters_only).save_pretrained(str(tmp))
             if adapters_only:
                 model.save_pretrained(str(tmp))
             else:

@@ -37,7 +37,7 @@ from .estimate import (
     estimate_run_memory,
     predict_global_step,
 )
-from .lora import DEFAULT_TARGETS, check_lora_targets, parse_targets
+from .lora import check_lora_targets, parse_targets
 from .modeling import check_weights, meta_model, model_config, read_config
 from .optimizers import OPTIMIZER_DEFAULTS
 from .plan_report import disk_shortfall
@@ -700,9 +700,7 @@ def prepare_run(
     policy = dataclasses.replace(policy, wire_dtype=host.wire_dtype)
     weights_dir = base_weights(config, checkpoint)
     if config.lora_rank is not None:
-        check_lora_targets(
-            meta_model(mconfig), parse_targets(config.lora_targets) or DEFAULT_TARGETS
-        )
+        check_lora_targets(meta_model(mconfig), parse_targets(config.lora_targets))
     if weights_dir is not None:
         # shapes from the file headers, before anything is written
         check_weights(weights_dir, mconfig)
