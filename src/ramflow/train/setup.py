@@ -180,9 +180,7 @@ def _estimate(
                 config.lora_rank, parse_targets(config.lora_targets), config.frozen_format
             ),
         )
-        est = dataclasses.replace(
-            est, host_precision_reason=host.reason, disk_checkpoints=on_disk
-        )
+        est = dataclasses.replace(est, host_precision_reason=host.reason, disk_checkpoints=on_disk)
         micro_batches = config.global_batch // batch_size
         if est.prediction is not None and micro_batches > 1:
             # the step the user waits for is the optimizer step of all its micro-batches
