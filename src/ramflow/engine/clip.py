@@ -180,11 +180,13 @@ def clip_grad_norm_(
     if engines and float(norm_type) == 2.0 and (norm_only or fold):
         total = _norm_from_device(params, engines)
         if total is None and compact:
-            raise RuntimeError(
-                "clip_grad_norm_ ran twice on gradients held in 8-bit codes (an AdamW with "
-                "keep_grads=False under host_precision='lean'), whose norm is read from the "
-                "device gradients before the first clip; clip once per step"
-            )
+            total = _norm_from_codes(params)
+            if total is None:
+                raise RuntimeError(
+                    "clip_grad_norm_ ran twice on gradients held in 8-bit codes (an AdamW "
+                    "with keep_grads=False under host_precision='lean'), whose norm is read "
+                    "from the device gradients before the first clip; clip once per step"
+                )
         if error_if_nonfinite and total is not None and not torch.isfinite(total):
             raise RuntimeError(
                 "the total norm of order 2.0 of the gradients is non-finite, so it cannot "
@@ -266,6 +268,36 @@ def _scale(params: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> 
         u.compact_grad.scale = value  # the step multiplies as it reads (fp32)
     for g in in_place:
         g.mul_(coef.to(g.device))
+
+
+def _norm_from_codes(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The 2-norm of ``params``' gradients where some are held in 8-bit codes and the
+    device norms are not this step's (the codes accumulated several backward passes, see
+    ``CompactGradient.accumulate``): each held parameter's norm read from its codes (the
+    gradient as its step will read it: the codes' rounding, within one E4M3 spacing per
+    element and unbiased, is in it), the others' from ``p.grad``, stacked in the order of
+    ``params`` as PyTorch stacks its per-tensor norms. None: a held gradient was clipped
+    already (its norm is stale)."""
+    held: dict[int, dict[int, torch.Tensor]] = {}  # id(unit) -> id(p) -> its norm
+    norms: list[torch.Tensor] = []
+    for p in params:
+        engine = engine_of_param(p)
+        u = engine.unit_of(p) if engine is not None else None
+        if u is not None and u.compact_grad is not None and u.compact_grad.held:
+            if u.compact_grad.scale is not None:
+                return None
+            if id(u) not in held:
+                trained = u.owned[: u.num_trainable]
+                spans = [(off, off + t.numel()) for off, t in zip(u.offsets, trained)]
+                order = sorted(range(len(spans)), key=lambda k: spans[k])
+                found = u.compact_grad.span_norms([spans[k] for k in order])
+                held[id(u)] = {id(trained[k]): found[i] for i, k in enumerate(order)}
+            norms.append(held[id(u)][id(p)])
+        elif p.grad is not None:
+            norms.append(torch.linalg.vector_norm(p.grad, dtype=torch.float32).cpu())
+    if not norms:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def _norm_from_device(params: list[torch.Tensor], engines: list[Any]) -> torch.Tensor | None:

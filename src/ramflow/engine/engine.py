@@ -397,7 +397,8 @@ class Engine:
 
     def attach(self, opt: StepOptimizer) -> None:
         """``opt`` holds parameters of this engine: the stepper steps them with it, and the
-        plan counts the deferred gradients it makes (``with_deferred_gradients``)."""
+        plan counts the deferred gradients it makes (``with_deferred_gradients``): none
+        where every pass steps during backward (see ``StepPolicy._eager_from_the_start``)."""
         self.schedule.settle()
         self.stepper.attach(opt)
         self.plan = with_deferred_gradients(
@@ -406,6 +407,7 @@ class Engine:
             wire_dtype=self.wire_dtype,
             precision=self.host.precision,
             kept_grads=opt.keep_grads,
+            eager_from_start=opt.overlap and not opt.keep_grads and not opt.clips,
         )
 
     def unit_of(self, p: torch.Tensor) -> Unit | None:
@@ -433,6 +435,12 @@ class Engine:
         ``Stepper.note_clip``)."""
         self.schedule.settle()
         self.stepper.note_clip(norm_only=norm_only)
+
+    def partly_stepped(self) -> list[str]:
+        """The units that a failed backward stepped before it raised, in order (empty:
+        none, the step may run again). See [Note: a failed backward] in ``schedule.py``."""
+        self.schedule.settle()
+        return list(self.stepper.policy.partial_step)
 
     def accept_partial_step(self) -> None:
         """Go on from the weights a failed backward left partly stepped."""

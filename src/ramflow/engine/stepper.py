@@ -212,7 +212,9 @@ class Stepper:
         """Dispatch of ``u`` in a backward pass: keep the 2-norms of its parameters' flat
         device gradients ``grad`` (``PassNorms.note``); a coefficient of an earlier clip
         goes (fresh gradients) or is applied first (gradients added to)."""
-        fresh = all(p.grad is None for p in u.owned[: u.num_trainable])
+        # gradients held in 8-bit codes leave p.grad None: these add to them
+        held = u.compact_grad is not None and u.compact_grad.held
+        fresh = not held and all(p.grad is None for p in u.owned[: u.num_trainable])
         if fresh:
             u.grad_scale = None
         elif u.grad_scale is not None:

@@ -159,6 +159,34 @@ class CompactGradient:
             out[lo:hi] = dequantize_blockwise(self.codes[lo:hi], scales, signed=True)
         return out
 
+    @torch.no_grad()
+    def span_norms(self, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """The 2-norms of the held gradient's slices ``[lo, hi)`` (``spans``: element
+        offsets in the flat gradient, in increasing order, not overlapping), without the
+        clip's ``scale``: (len(spans),) fp32 on the host. Decoded piece by piece, as
+        ``decode_into``, so the temporaries stay a few MB whatever the unit's size; the
+        squares are summed in fp32 per piece, the pieces' sums in fp64."""
+        sums = torch.zeros(len(spans), dtype=torch.float64)
+        n = self.numel
+        first = 0  # the first span that may still overlap a piece
+        for lo in range(0, n, PIECE):
+            hi = min(n, lo + PIECE)
+            while first < len(spans) and spans[first][1] <= lo:
+                first += 1
+            if first == len(spans):
+                break
+            if spans[first][0] >= hi:
+                continue
+            scales = self.scales[lo // QBLOCK : -(-hi // QBLOCK)]
+            piece = dequantize_blockwise(self.codes[lo:hi], scales, signed=True)
+            for k in range(first, len(spans)):
+                a, b = spans[k]
+                if a >= hi:
+                    break
+                part = piece[max(a, lo) - lo : min(b, hi) - lo]
+                sums[k] += float(torch.dot(part, part))
+        return sums.sqrt().to(torch.float32)
+
     def values(self) -> torch.Tensor:
         """The gradient's values as its step reads them, a clip's ``scale`` applied (an
         fp32 multiply): a new (numel,) fp32 tensor (for tests and inspection)."""

@@ -252,6 +252,9 @@ class MemoryEstimate:
             total for parameters, gradients and optimizer states (a deferred step's
             gradients and the ring's buffers included) over the trained parameters; None
             for exact formats with other than AdamW's two states, or nothing trained.
+        host_ring_bytes: the gradient ring's staging buffers (``RING_BUFFERS`` of the
+            largest unit, in the wire dtype): part of the host total, a fixed cost that
+            does not grow with the number of layers (0 without the ring).
         activation_offload: the checkpointed layers' inputs live in pinned host memory
             (``--checkpointing offload``, ``ramflow.memory.CheckpointOffload``).
         host_activation_pinned_bytes: those inputs' host bytes (0 without offload): on
@@ -302,6 +305,7 @@ class MemoryEstimate:
     host_precision_reason: str | None = None
     full_gradients: bool = False
     host_bytes_per_parameter: float | None = None
+    host_ring_bytes: int = 0
     activation_offload: bool = False
     host_activation_pinned_bytes: int = 0
     checkpointing_reason: str | None = None
@@ -309,6 +313,22 @@ class MemoryEstimate:
     num_adapter_parameters: int = 0
     machine_fix: str | None = None
     disk_checkpoints: int = 1
+
+    def host_bytes_text(self) -> str:
+        """``", 4.55 bytes per trained parameter (4.03 per parameter and 3.91 GiB of
+        fixed gradient staging)"``: the table's host total over the trained parameters,
+        split into what grows with the model and the gradient ring's fixed buffers; ``""``
+        where ``host_bytes_per_parameter`` is None."""
+        if self.host_bytes_per_parameter is None or not self.num_trainable:
+            return ""
+        text = f", {self.host_bytes_per_parameter:.2f} bytes per trained parameter"
+        if self.host_ring_bytes:
+            per = self.host_bytes_per_parameter - self.host_ring_bytes / self.num_trainable
+            text += (
+                f" ({per:.2f} per parameter and {format_bytes(self.host_ring_bytes)} of fixed "
+                "gradient staging)"
+            )
+        return text
 
     def parameters_text(self) -> str:
         """``"30,532.12 M parameters"``, with the active ones of a mixture of experts:
@@ -472,11 +492,7 @@ class MemoryEstimate:
             "",
             "ramflow plan: " + self.plan.describe().replace("\n", "\n  "),
             f"host formats: {self.host_precision.name}"
-            + (
-                f", {self.host_bytes_per_parameter:.2f} bytes per trained parameter"
-                if self.host_bytes_per_parameter is not None
-                else ""
-            )
+            + self.host_bytes_text()
             + (f" (auto: {self.host_precision_reason})" if self.host_precision_reason else ""),
             "",
             f"activations: {format_bytes(act.saved_bytes(**ckpt))} saved on the device for "
@@ -603,7 +619,7 @@ def estimate_memory(
     prefetch_depth: int = 2,
     optimizer_states: int = 2,
     host_precision: HostPrecision | str | None = None,
-    full_gradients: bool = False,
+    held_gradients: str | None = None,
     frozen: FrozenBase | None = None,
 ) -> MemoryEstimate:
     """Estimate a training run's memory, per device and host, without running it.
@@ -637,12 +653,15 @@ def estimate_memory(
         host_precision: the host formats (as ``ramflow.offload``'s ``host_precision``,
             ``"auto"`` included: decided on this machine's available RAM); None: fp32. With
             formats other than fp32 the optimizer is taken to be AdamW.
-        full_gradients: the loop keeps a full host gradient buffer even under a gradient
-            ring (it clips, accumulates, or steps only in ``opt.step()``) and keeps
-            ``p.grad`` (``ramflow train``'s AdamW does): counted in the master's dtype (see
-            ``HostPrecision.host_bytes``). The 8-bit deferred gradients of an AdamW with
-            ``keep_grads=False`` (``ramflow.formats.deferred_grad``) are the engine plan's
-            (``ramflow.get_plan``).
+        held_gradients: how the loop holds its gradients for a step not applied during
+            backward (clipping, accumulation, a first step; under a gradient ring only
+            then, without one the store keeps them always). None: never (every step runs
+            during backward). ``"grads"``: in ``p.grad``, the master's dtype (an optimizer
+            that keeps them, ``keep_grads=True``). ``"codes"``: 8-bit codes where the host
+            formats allow them (``AdamW(keep_grads=False)`` under the lean formats, see
+            ``ramflow.formats.deferred_grad``), else the master's dtype. Counted in the host
+            gradients as ``HostPrecision.host_bytes`` counts them, as the engine's plan
+            (``ramflow.get_plan``) does.
         frozen: a LoRA run's frozen base and its adapters (``FrozenBase``); None: no
             adapters, frozen weights (if any) in the wire dtype.
 
@@ -667,6 +686,8 @@ def estimate_memory(
         raise ValueError(
             f"batch size and sequence length must be positive, got {batch_size} and {seq_len}"
         )
+    if held_gradients not in (None, "grads", "codes"):
+        raise ValueError(f"held_gradients must be None, 'grads' or 'codes', got {held_gradients!r}")
     if optimizer_states < 0:
         raise ValueError(f"optimizer_states must be >= 0, got {optimizer_states}")
     if device_type not in ("cuda", "cpu"):
@@ -737,8 +758,8 @@ def estimate_memory(
         units,
         wire_dtype,
         num_states=optimizer_states,
-        full_gradients=full_gradients,
-        kept_grads=full_gradients,
+        full_gradients=held_gradients is not None,
+        kept_grads=held_gradients == "grads",
     )
     # a master that is the wire copy (or fp32 with an fp32 wire) is pinned, as a wire is
     master_pinned = cuda and host.master_format.wire_copy_bytes(wire_dtype) == 0
@@ -785,13 +806,14 @@ def estimate_memory(
         disk_free_bytes=disk_free,
         host_precision=host,
         host_precision_reason=reason,
-        full_gradients=full_gradients,
+        full_gradients=held_gradients is not None,
         parameter_counts=parameter_counts(model),
         # AdamW's (two states): the figure is for it
         # the table's host total per trained parameter, so the header says what it sums
         host_bytes_per_parameter=None
         if (host.is_exact and optimizer_states != 2) or not num_trainable
         else parts.total / num_trainable,
+        host_ring_bytes=parts.staging if host.gradient_format.ring else 0,
         activation_offload=offload,
         host_activation_pinned_bytes=acts.offloaded_bytes(pinned=cuda) if offload else 0,
         checkpointing_reason=ckpt_reason,

@@ -195,6 +195,7 @@ def with_deferred_gradients(
     wire_dtype: torch.dtype,
     precision: HostPrecision,
     kept_grads: bool,
+    eager_from_start: bool = False,
 ) -> OffloadPlan:
     """``plan`` with the deferred gradients of ``units`` counted in ``host_bytes``
     (``host_deferred_bytes``, ``HostBytes.deferred_gradients``): under the gradient ring
@@ -203,7 +204,11 @@ def with_deferred_gradients(
     codes under masters that are not exact, unless the optimizer keeps ``p.grad``
     (``kept_grads``, known once one is built: the engine re-counts then; before, the
     plan assumes it keeps none, the lean recipe's ``keep_grads=False``), else in the
-    master's dtype; 0 without the ring (the store holds its gradients).
+    master's dtype; 0 without the ring (the store holds its gradients), and 0 for an
+    optimizer whose every pass steps during backward, the first included
+    (``eager_from_start``: ``overlap``, ``keep_grads=False`` and ``clips=False``, a promise
+    that the loop neither reads nor clips the gradients; it accumulates through
+    ``ramflow.accumulate``, whose passes hold none, not through ``opt.no_step()``).
 
     Args:
         plan: an ``OffloadPlan`` of ``units`` (``make_plan``).
@@ -211,6 +216,7 @@ def with_deferred_gradients(
         wire_dtype: the device copies' dtype (the ring's staging is in it).
         precision: the host formats (their master dtype, whether exact, the ring).
         kept_grads: the optimizer keeps ``p.grad`` (``keep_grads=True``).
+        eager_from_start: every pass of the optimizer steps during backward (see above).
 
     Returns:
         ``plan`` with ``host_bytes`` the steady bytes plus the deferred gradients' and
@@ -219,6 +225,8 @@ def with_deferred_gradients(
     if plan.host_bytes is None:
         return plan
     deferred = precision.host_bytes(units, wire_dtype, kept_grads=kept_grads).deferred_gradients
+    if eager_from_start:
+        deferred = 0
     steady = plan.host_bytes - (plan.host_deferred_bytes or 0)
     return dataclasses.replace(plan, host_bytes=steady + deferred, host_deferred_bytes=deferred)
 

@@ -13,9 +13,13 @@ again: the global batch, the data order and the schedule are unchanged, so the l
 that follow are those of a run that started at the smaller micro-batch (up to the order in
 which accumulation sums). A failed backward cannot be undone where ramflow had already
 stepped units during it (the eager overlap); eager steps never run when the gradients are
-clipped (the default), and without clipping one process builds the optimizer with
-``overlap=False``, so every back-off is exact (several ranks step during backward: see
-``TrainConfig.steps_during_backward``). A micro-batch of 1 that runs out of memory
+clipped (the default). Without clipping one process builds the optimizer with
+``overlap=False`` in the exact formats, so every back-off is exact; in the lean formats
+it steps during backward to keep no gradient buffer (see [Note: the gradients of a CLI
+step] in ``gradient_holding.py``), so an out-of-memory error in a backward that had already
+stepped units ends the run with what to pass (``--resume`` with a smaller micro-batch, or
+``--clip-grad``); one in forward, or before any unit stepped, backs off as always (several
+ranks step during backward: see ``TrainConfig.steps_during_backward``). A micro-batch of 1 that runs out of memory
 ends the run with the error (nothing smaller is left), and so does any micro-batch of a run
 of several ranks (see [Note: several ranks from the CLI] in ``ranks.py``). With ``--batch-size auto`` the
 micro-batch the estimate chose is first tried on the data of the first step (forward and
@@ -57,6 +61,7 @@ import ramflow
 from ..memory import CheckpointOffload
 from ..memory.fit import fit_batch, smaller_micro_batch
 from ..optim import HostOptimizer
+from ..units.registry import engine_of_model
 from .config import TrainConfig
 from .data import BatchStream
 from .loss import lm_loss
@@ -296,6 +301,20 @@ def accumulate_step(
         # out of the except block: the traceback, and the failed pass's tensors, are gone
         x = labels = loss = loss_sum = None
         opt.zero_grad(set_to_none=True)
+        engine = engine_of_model(model)
+        stepped = engine.partly_stepped() if engine is not None else []
+        if stepped:
+            # see [Note: the gradients of a CLI step] in gradient_holding.py
+            raise torch.OutOfMemoryError(
+                f"step {step + 1}: out of memory in backward at a micro-batch of "
+                f"{batches.batch_size} after ramflow had stepped {len(stepped)} unit(s) as "
+                "their gradients landed (the lean host formats without clipping keep no "
+                "gradient buffer), so the step cannot be run again at a smaller micro-batch. "
+                "Resume from the last checkpoint (ramflow train --resume RUN_DIR) with a "
+                "smaller --batch-size and a larger --grad-accum, or train with --clip-grad "
+                "(the steps then wait for the clip and can be backed off, holding 8-bit "
+                f"gradients: about 1 byte per parameter more). The error: {reason}"
+            )
         if policy.device.type == "cuda":
             torch.cuda.empty_cache()
         if smaller is None:

@@ -269,7 +269,7 @@ def estimate_run_memory(
     checkpointing: str = "auto",
     optimizer_states: int = 2,
     host_precision: HostPrecision | None = None,
-    full_gradients: bool = False,
+    held_gradients: str | None = None,
     speed: SpeedInputs | None = None,
     lora: LoraSizing | None = None,
 ) -> MemoryEstimate:
@@ -291,8 +291,8 @@ def estimate_run_memory(
             (off without a budget).
         optimizer_states: fp32 state tensors per parameter (2 for AdamW).
         host_precision: the host formats (``setup.host_formats``'s, auto decided); None: fp32.
-        full_gradients: the loop keeps a full host gradient buffer (see
-            ``ramflow.memory.estimate_memory``).
+        held_gradients: how the loop holds its gradients for a deferred step (None:
+            never; ``"grads"``, ``"codes"``: see ``ramflow.memory.estimate_memory``).
         speed: predict the step time with these figures too (CUDA runs; ``prediction``,
             ``timed_plan``); None: no prediction (``"auto"`` checkpointing still weighs
             offload with the default figures).
@@ -336,7 +336,7 @@ def estimate_run_memory(
             checkpointing=checkpointing,
             optimizer_states=optimizer_states,
             host_precision=host_precision,
-            full_gradients=full_gradients,
+            held_gradients=held_gradients,
             frozen=frozen,
         )
 

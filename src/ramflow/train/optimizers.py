@@ -67,21 +67,30 @@ def make_optimizer(
     eps: float,
     overlap: bool,
     keep_grads: bool = True,
+    clips: bool = False,
 ) -> torch.optim.Optimizer:
     """The ``ramflow.optim`` optimizer ``name`` over param ``groups`` (each with its
     ``weight_decay``) at peak ``lr``. ``betas`` and ``eps`` are AdamW's (``--beta1``,
     ``--beta2``, ``--eps``); Lion takes the paper's betas, Adafactor and SGD have none;
     Muon takes them for its AdamW groups, and its groups must say ``use_muon``
     (``ramflow.optim.muon_param_groups``: the trainer's ``_param_groups``).
-    ``overlap`` is the optimizers'; ``keep_grads`` AdamW's (``keep_grads=False``: the loop
-    never reads ``p.grad``, so steps during backward write no full gradient buffer).
+    ``overlap`` is the optimizers'; ``keep_grads`` and ``clips`` AdamW's (``keep_grads=False``:
+    the loop never reads ``p.grad``, so steps during backward write no full gradient buffer;
+    ``clips``: the loop clips, so its steps hold compact gradients, see [Note: the gradients
+    of a CLI step] in ``gradient_holding.py``).
 
     Raises:
         ValueError: ``name`` is not one of ``OPTIMIZERS``.
     """
     if name == "adamw":
         return optim.AdamW(
-            groups, lr=lr, betas=betas, eps=eps, overlap=overlap, keep_grads=keep_grads
+            groups,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            overlap=overlap,
+            keep_grads=keep_grads,
+            clips=clips,
         )
     if name == "lion":
         return optim.Lion(groups, lr=lr, betas=LION_BETAS, overlap=overlap)

@@ -114,11 +114,7 @@ def plan_lines(est: MemoryEstimate, *, trained: str | None = None) -> list[str]:
     (a LoRA run's adapters); default: from the estimate."""
     plan = est.plan
     auto = f" (auto: {est.host_precision_reason})" if est.host_precision_reason else ""
-    per_param = (
-        f", {est.host_bytes_per_parameter:.2f} bytes per trained parameter"
-        if est.host_bytes_per_parameter is not None and est.num_trainable
-        else ""
-    )
+    per_param = est.host_bytes_text()
     if trained is None and est.num_adapter_parameters:
         trained = (
             f"{est.num_adapter_parameters / 1e6:,.2f} M trained: LoRA adapters on the "

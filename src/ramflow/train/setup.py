@@ -37,6 +37,7 @@ from .estimate import (
     estimate_run_memory,
     predict_global_step,
 )
+from .gradient_holding import GradientHolding
 from .lora import check_lora_targets, parse_targets
 from .modeling import check_weights, meta_model, model_config, read_config
 from .optimizers import OPTIMIZER_DEFAULTS
@@ -154,7 +155,14 @@ def _estimate(
     ) -> MemoryEstimate:
         """The estimate at ``batch_size`` and ``checkpointing`` under ``host`` (the run's
         host formats, or a verdict's alternative) and the device budget ``budget`` (the
-        run's, or a verdict's alternative)."""
+        run's, or a verdict's alternative), with the gradients its steps hold
+        (see [Note: the gradients of a CLI step] in ``gradient_holding.py``)."""
+        holding = GradientHolding.of(
+            config,
+            host.precision,
+            several_ranks=several_ranks,
+            unit_major=runs_unit_major(mconfig, several_ranks=several_ranks),
+        )
         est = estimate_run_memory(
             mconfig,
             run=RunDescription(
@@ -172,7 +180,7 @@ def _estimate(
             checkpointing=checkpointing,
             host_precision=host.precision,
             optimizer_states=OPTIMIZER_DEFAULTS[config.optimizer].num_states,
-            full_gradients=not config.steps_during_backward(several_ranks=several_ranks),
+            held_gradients=holding.held_gradients,
             speed=speed,
             lora=None
             if config.lora_rank is None

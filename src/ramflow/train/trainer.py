@@ -55,6 +55,7 @@ from ..optim import muon_param_groups
 from .backoff import RunCheckpointing, checkpointing_policy, fit_micro_batch
 from .config import TrainConfig, resume_config
 from .data import BatchStream
+from .gradient_holding import GradientHolding
 from .loop import LoopRun, LoopState, TrainResult, evaluate, run_loop
 from .lora import (
     apply_lora,
@@ -90,7 +91,7 @@ from .run_checkpoint import (
 )
 from .run_lock import RunLock
 from .scale import choose_zero_stage
-from .setup import PreparedRun, base_weights, prepare_run
+from .setup import PreparedRun, base_weights, prepare_run, runs_unit_major
 
 
 def _new_run_dir() -> Path:
@@ -594,16 +595,23 @@ def _train(
         except ValueError as err:
             say(f"the loss is computed over the full logits: {err}")
         groups, param_names = _param_groups(model, config.weight_decay, optimizer=config.optimizer)
-        eager = config.steps_during_backward(several_ranks=ranks.several)
-        # see [Note: backing off after an out-of-memory error] in backoff.py
+        # see [Note: the gradients of a CLI step] in gradient_holding.py and [Note: backing
+        # off after an out-of-memory error] in backoff.py
+        holding = GradientHolding.of(
+            config,
+            est.host_precision,
+            several_ranks=ranks.several,
+            unit_major=runs_unit_major(setup.model_config, several_ranks=ranks.several),
+        )
         opt = make_optimizer(
             config.optimizer,
             groups,
             lr=config.lr,
             betas=(config.beta1, config.beta2),
             eps=config.eps,
-            overlap=config.clip_grad > 0 or eager,
-            keep_grads=not eager,
+            overlap=holding.overlap,
+            keep_grads=holding.keep_grads,
+            clips=holding.clips,
         )
         sched = make_scheduler(
             opt,
