@@ -377,7 +377,11 @@ def accumulate(
             device), computed by calling ``model``; scale it by 1/M for a mean over the
             micro-batches, as an ordinary accumulation loop does. Called once per
             micro-batch, each in a thread of its own (one runs at a time; the caller's
-            autocast carries over). Every micro-batch must make the same unit calls.
+            autocast carries over). Every micro-batch must make the same unit calls. An
+            MoE's router auxiliary loss (``output_router_logits``) is fine: the router
+            logits that transformers records are cut out of their layers (see [Note: the
+            router's auxiliary loss under the unit-major step] in
+            ``ramflow.engine.router_logits``).
 
     Returns:
         The M losses ``loss_fn`` returned, detached, in micro-batch order.
@@ -390,7 +394,7 @@ def accumulate(
             left); the micro-batches made different unit calls (an MoE whose experts are
             units of their own: use an ordinary loop); inside a forward or backward.
     """
-    return _engine(model).unit_major.run(loss_fn, micro_batches)
+    return _engine(model).unit_major.run(loss_fn, micro_batches, model=model)
 
 
 def accept_partial_step(model: nn.Module) -> None:

@@ -57,6 +57,7 @@ from torch import nn
 
 from ..units.unit import Unit
 from .gradients import GradientPath
+from .router_logits import RouterLogits
 from .schedule import Schedule, in_backward
 from .stepper import Stepper
 
@@ -69,6 +70,16 @@ class _Call:
     unit: nn.Module
     inputs: list[torch.Tensor] = field(default_factory=list)
     leaves: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _Cut:
+    """A tensor cut out of the graph in one micro-batch's forward (``UnitMajorStep.cut``):
+    the number of unit calls that micro-batch had entered then, the tensor and its leaf."""
+
+    calls_entered: int
+    tensor: torch.Tensor
+    leaf: torch.Tensor
 
 
 class _Stopped(Exception):
@@ -144,6 +155,9 @@ class UnitMajorStep:
             unit per ``run``.
         on_thread: called in each micro-batch's thread with its index before its forward,
             and with None after it.
+        install_cuts: called at the start of each ``run`` with ``cut``; installs the hooks
+            that cut tensors out of their unit calls (``engine.router_logits``) and returns
+            their handles, removed when the forwards end.
 
     Raises:
         ValueError: at construction, when ``units`` is empty or holds a module twice.
@@ -154,6 +168,7 @@ class UnitMajorStep:
         units: Sequence[nn.Module],
         on_unit_done: Callable[[nn.Module], None] | None = None,
         on_thread: Callable[[int | None], None] | None = None,
+        install_cuts: Callable[[Callable], list] | None = None,
     ) -> None:
         if not units:
             raise ValueError("UnitMajorStep: give at least one unit module")
@@ -162,6 +177,33 @@ class UnitMajorStep:
         self.units = list(units)
         self.on_unit_done = on_unit_done
         self.on_thread = on_thread
+        self.install_cuts = install_cuts
+        # per run: the micro-batch of this thread, each micro-batch's unit calls and cuts
+        self._local = threading.local()
+        self._calls: list[list[_Call]] = []
+        self._cuts: list[list[_Cut]] = []
+
+    def cut(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Cut ``tensor``, computed by the unit call now running on this thread, out of the
+        graph: for a tensor that reaches the loss other than through the unit's outputs (an
+        MoE's router logits, see [Note: the router's auxiliary loss under the unit-major
+        step] in ``engine.router_logits``). Use the returned leaf in its place past the
+        unit; its gradient goes back into ``tensor`` in the backward pass that runs this
+        unit call.
+
+        Args:
+            tensor: a floating tensor that requires grad, on any device.
+
+        Returns:
+            A detached leaf that requires grad and shares ``tensor``'s storage, or None
+            outside a micro-batch's forward of a ``run`` (nothing is cut).
+        """
+        m = getattr(self._local, "m", None)
+        if m is None:
+            return None
+        leaf = tensor.detach().requires_grad_(True)
+        self._cuts[m].append(_Cut(len(self._calls[m]), tensor, leaf))
+        return leaf
 
     def run(self, forward: Callable[[Any], torch.Tensor], micro_batches: Sequence[Any]) -> list:
         """Run ``forward(batch)`` for every micro-batch unit-major, then backward likewise.
@@ -185,9 +227,11 @@ class UnitMajorStep:
         num = len(micro_batches)
         turns = _TurnTaker(num)
         calls: list[list[_Call]] = [[] for _ in range(num)]
+        self._calls = calls
+        self._cuts = [[] for _ in range(num)]
         losses: list[torch.Tensor | None] = [None] * num
         errors: list[BaseException | None] = [None] * num
-        local = threading.local()
+        local = self._local
         unit_ids = {id(u) for u in self.units}
 
         def pre_hook(module, args, kwargs):
@@ -203,6 +247,8 @@ class UnitMajorStep:
             u.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
             for u in self.units
         ]
+        if self.install_cuts is not None:
+            handles += self.install_cuts(self.cut)
 
         # autocast, the current CUDA device and stream are thread-local: the caller's carry
         # into every micro-batch's thread
@@ -266,43 +312,74 @@ class UnitMajorStep:
                     "(reduce it, e.g. .mean(), and compute it with gradients enabled)"
                 )
         try:
-            self._backward(calls, losses)
+            self._backward(calls, losses, self._cuts)
         except RuntimeError as err:
             if "backward through the graph a second time" not in str(err):
                 raise
             raise RuntimeError(
                 "a tensor computed inside a unit call reaches the loss, or a later unit, "
-                "other than through the unit's outputs (an MoE's router logits recorded for "
-                "its auxiliary loss, a connection that skips a unit), so backward would run "
-                "through that unit before its turn: the unit-major order cannot run this "
-                "model. Accumulate with an ordinary loop (or turn output_router_logits off)."
+                "other than through the unit's outputs (a connection that skips a unit), so "
+                "backward would run through that unit before its turn: the unit-major order "
+                "cannot run this model. Accumulate with an ordinary loop."
             ) from err
+        finally:
+            self._calls, self._cuts = [], []
         return [loss.detach() for loss in losses]
 
-    def _backward(self, calls: list[list[_Call]], losses: list[torch.Tensor]) -> None:
+    def _backward(
+        self, calls: list[list[_Call]], losses: list[torch.Tensor], cuts: list[list[_Cut]]
+    ) -> None:
         num_rounds = len(calls[0])
         first_call: dict[int, int] = {}  # a unit's first call is the last that backward meets
         for r, c in enumerate(calls[0]):
             first_call.setdefault(id(c.unit), r)
-        for loss in losses:
-            loss.backward()
+        # the cuts of each micro-batch by the pass that runs their unit call: the one that
+        # ends at the next call's leaves (r + 1 calls entered when cut: call r's backward
+        # runs in the pass through call r + 1), the loss's pass for the last call's
+        cut_at: list[dict[int, list[_Cut]]] = []
+        for mine in cuts:
+            by_pass: dict[int, list[_Cut]] = {}
+            for c in mine:
+                by_pass.setdefault(c.calls_entered, []).append(c)
+            cut_at.append(by_pass)
+        for m, loss in enumerate(losses):
+            self._loss_backward(loss, cut_at[m].get(num_rounds, []))
         self._done(calls, num_rounds - 1, first_call)
         for r in range(num_rounds - 1, 0, -1):
             for m in range(len(losses)):
-                self._through(calls[m][r])
+                self._through(calls[m][r], cut_at[m].get(r, []))
             self._done(calls, r - 1, first_call)
         for m in range(len(losses)):  # the first call's inputs: gradients for the caller
-            self._through(calls[m][0])
+            self._through(calls[m][0], cut_at[m].get(0, []))
 
     @staticmethod
-    def _through(call: _Call) -> None:
+    def _loss_backward(loss: torch.Tensor, cuts: list[_Cut]) -> None:
+        """``loss.backward()``, and into the tensors cut in the last unit call (or after
+        it), whose leaves' gradients come from this same loss: asked for first, over the
+        part of the graph between the loss and those leaves (kept for the full pass)."""
+        if not cuts:
+            loss.backward()
+            return
+        grads = torch.autograd.grad(
+            loss, [c.leaf for c in cuts], retain_graph=True, allow_unused=True
+        )
+        pairs = [(c.tensor, g) for c, g in zip(cuts, grads) if g is not None]
+        torch.autograd.backward([loss, *(t for t, _ in pairs)], [None, *(g for _, g in pairs)])
+
+    @staticmethod
+    def _through(call: _Call, cuts: list[_Cut]) -> None:
+        """The backward pass from ``call``'s inputs (its leaves' gradients), and from the
+        tensors cut in the call before it (their leaves' gradients): it runs that call's
+        backward and ends at its leaves."""
         pairs = [
             (x, leaf.grad) for x, leaf in zip(call.inputs, call.leaves) if leaf.grad is not None
         ]
+        pairs += [(c.tensor, c.leaf.grad) for c in cuts if c.leaf.grad is not None]
         if pairs:
             torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
         call.inputs.clear()
         call.leaves.clear()
+        cuts.clear()
 
     def _done(self, calls: list[list[_Call]], r: int, first_call: dict[int, int]) -> None:
         unit = calls[0][r].unit
@@ -330,8 +407,17 @@ class UnitMajorAccumulation:
         self._gradients = gradients
         self._stepper = stepper
 
-    def run(self, loss_fn: Callable[[Any], torch.Tensor], micro_batches: Sequence[Any]) -> list:
+    def run(
+        self,
+        loss_fn: Callable[[Any], torch.Tensor],
+        micro_batches: Sequence[Any],
+        *,
+        model: nn.Module | None = None,
+    ) -> list:
         """Forward and backward of ``micro_batches`` unit-major; see ``ramflow.accumulate``.
+        ``model``: what ``loss_fn`` calls; the router logits its MoE layers record are cut
+        out of them (see [Note: the router's auxiliary loss under the unit-major step] in
+        ``engine.router_logits``).
 
         Raises:
             TypeError: no ramflow optimizer holds the model's parameters.
@@ -374,8 +460,12 @@ class UnitMajorAccumulation:
                     sent.add(u)
                     self._gradients.send_held(u)
 
+        routers = RouterLogits(model) if model is not None else None
         step = UnitMajorStep(
-            modules, on_unit_done=on_module_done, on_thread=self._schedule.enter_micro_batch
+            modules,
+            on_unit_done=on_module_done,
+            on_thread=self._schedule.enter_micro_batch,
+            install_cuts=routers.install if routers else None,
         )
         self._schedule.begin_unit_major()
         failed = True
