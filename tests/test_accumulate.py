@@ -421,3 +421,87 @@ def test_moe_router_auxiliary_loss_on_the_gpu(family):
         torch.testing.assert_close(
             p.detach().cpu(), q.detach().cpu(), rtol=0, atol=2 * LR * steps, msg=name
         )
+
+
+def _offload_run(model, policy, batches, device, monkeypatch=None):
+    """Two unit-major steps of ``model`` offloaded with checkpointing ``policy``: (losses,
+    weights after them, boundaries packed per step, peak device bytes during a step)."""
+    from ramflow.activations.boundary_offload import BoundaryOffloader
+
+    packs = [0]
+    if monkeypatch is not None:
+        real = BoundaryOffloader._pack
+
+        def counting(self, tensor):  # the real pack, counted
+            packs[0] += tensor.numel() > 0
+            return real(self, tensor)
+
+        monkeypatch.setattr(BoundaryOffloader, "_pack", counting)
+    wire = torch.float32 if device == "cpu" else torch.bfloat16
+    ramflow.offload(
+        model, device=device, wire_dtype=wire, gpu_memory=None, activation_checkpointing=policy
+    )
+    opt = ramflow.optim.AdamW(model.parameters(), lr=LR)
+    losses, per_step, peak = [], [], 0
+    for step_batches in batches:
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        before = packs[0]
+        out = ramflow.accumulate(
+            model,
+            step_batches,
+            lambda ids: model(input_ids=ids, labels=ids, use_cache=False).loss / M,
+        )
+        if device == "cuda":
+            peak = max(peak, torch.cuda.max_memory_allocated())
+        per_step.append(packs[0] - before)
+        losses += [float(x) for x in out]
+        opt.step()
+        opt.zero_grad()
+    ramflow.synchronize(model)
+    weights = [p.detach().cpu().clone() for p in model.parameters()]
+    return losses, weights, per_step, peak
+
+
+def test_boundaries_in_host_memory_with_checkpoint_offload(monkeypatch):
+    """``activation_checkpointing=CheckpointOffload()`` under the unit-major step: every
+    checkpointed layer's input of every micro-batch goes to host memory (M x layers packs
+    per step; the step itself keeps no reference to a boundary, see ``_Boundary``), and
+    comes back for its recomputation: losses and weights equal on-device checkpointing's
+    bit for bit (fp32 on the CPU, where the copies are synchronous)."""
+    torch.manual_seed(0)
+    base = tiny_llama(tie=False, layers=4).float()
+    batches = _llama_batches(2)
+    ours = _offload_run(
+        copy.deepcopy(base), ramflow.memory.CheckpointOffload(), batches, "cpu", monkeypatch
+    )
+    theirs = _offload_run(copy.deepcopy(base), True, batches, "cpu")
+    assert ours[2] == [M * 4, M * 4]
+    assert ours[0] == theirs[0]
+    for a, b in zip(ours[1], theirs[1]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_boundaries_in_pinned_host_memory_on_the_gpu():
+    """On CUDA, bf16 wire: the unit-major step with ``CheckpointOffload()`` keeps the M
+    micro-batches' layer inputs in pinned host memory (D2H on a side stream at each
+    layer's forward, H2D back before its recomputation, each copy with an event): losses
+    and weights equal on-device checkpointing's bit for bit (the same kernels on the same
+    values), and the step's peak device memory is lower by at least half of the
+    boundaries it no longer holds (M x 8 layers of (16, 64, 64) bf16, 128 KiB each; half:
+    backward brings back about M + 1 of them at a time, and the allocator rounds)."""
+    torch.manual_seed(0)
+    base = tiny_llama(tie=False, layers=8)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        [torch.randint(0, 128, (16, 64), generator=g).cuda() for _ in range(M)] for _ in range(2)
+    ]
+    ours = _offload_run(copy.deepcopy(base), ramflow.memory.CheckpointOffload(), batches, "cuda")
+    theirs = _offload_run(copy.deepcopy(base), True, batches, "cuda")
+    assert ours[0] == theirs[0]
+    for a, b in zip(ours[1], theirs[1]):
+        assert torch.equal(a, b)
+    boundary_bytes = 16 * 64 * 64 * 2
+    assert ours[3] < theirs[3] - M * 8 * boundary_bytes // 2, (ours[3], theirs[3])

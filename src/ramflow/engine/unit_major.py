@@ -64,12 +64,37 @@ from .stepper import Stepper
 
 @dataclass
 class _Call:
-    """One unit call of one micro-batch: its unit, its original inputs that require grad
-    and the leaves that stood in for them."""
+    """One unit call of one micro-batch: its unit, where its original inputs that require
+    grad sit in the graph before it (their gradient edges: the tensors themselves are not
+    kept, so nothing here holds a boundary's memory), and the gradients that reached the
+    boundaries standing in for them (None until backward reaches one)."""
 
     unit: nn.Module
-    inputs: list[torch.Tensor] = field(default_factory=list)
-    leaves: list[torch.Tensor] = field(default_factory=list)
+    edges: list[Any] = field(default_factory=list)
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+
+
+class _Boundary(torch.autograd.Function):
+    """A unit call's input, cut from the graph before it: the same values (a view, no
+    copy), whose gradient is kept in the call's ``grads`` rather than passed on, so a
+    backward pass ends here. ``anchor`` is a 0-dim leaf that requires grad, so that the
+    output does; it never gets a gradient. Unlike a detached leaf, nothing but the graph
+    (what the unit's own operations saved) holds the output's memory: autograd keeps a
+    leaf alive in its gradient accumulator."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, call: _Call, i: int):  # type: ignore[override]
+        ctx.call = call
+        ctx.i = i
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grads = ctx.call.grads
+        # reached again in a later pass (a later unit read this input too): the sum, in the
+        # order a gradient accumulator would add them
+        grads[ctx.i] = grad if grads[ctx.i] is None else grads[ctx.i] + grad
+        return None, None, None, None
 
 
 @dataclass
@@ -127,16 +152,15 @@ class _TurnTaker:
             self._pick()
 
 
-def _leafify(value: Any, call: _Call) -> Any:
+def _leafify(value: Any, call: _Call, anchor: torch.Tensor) -> Any:
     if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
-        leaf = value.detach().requires_grad_(True)
-        call.inputs.append(value)
-        call.leaves.append(leaf)
-        return leaf
+        call.edges.append(torch.autograd.graph.get_gradient_edge(value))
+        call.grads.append(None)
+        return _Boundary.apply(value.detach(), anchor, call, len(call.grads) - 1)
     if isinstance(value, tuple | list):
-        return type(value)(_leafify(v, call) for v in value)
+        return type(value)(_leafify(v, call, anchor) for v in value)
     if isinstance(value, dict):
-        return {k: _leafify(v, call) for k, v in value.items()}
+        return {k: _leafify(v, call, anchor) for k, v in value.items()}
     return value
 
 
@@ -232,6 +256,7 @@ class UnitMajorStep:
         losses: list[torch.Tensor | None] = [None] * num
         errors: list[BaseException | None] = [None] * num
         local = self._local
+        anchor = torch.zeros((), requires_grad=True)
         unit_ids = {id(u) for u in self.units}
 
         def pre_hook(module, args, kwargs):
@@ -241,7 +266,7 @@ class UnitMajorStep:
             turns.wait_turn(m, len(calls[m]))
             call = _Call(module)
             calls[m].append(call)
-            return _leafify(args, call), _leafify(kwargs, call)
+            return _leafify(args, call, anchor), _leafify(kwargs, call, anchor)
 
         handles = [
             u.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
@@ -371,14 +396,12 @@ class UnitMajorStep:
         """The backward pass from ``call``'s inputs (its leaves' gradients), and from the
         tensors cut in the call before it (their leaves' gradients): it runs that call's
         backward and ends at its leaves."""
-        pairs = [
-            (x, leaf.grad) for x, leaf in zip(call.inputs, call.leaves) if leaf.grad is not None
-        ]
+        pairs = [(e, g) for e, g in zip(call.edges, call.grads) if g is not None]
         pairs += [(c.tensor, c.leaf.grad) for c in cuts if c.leaf.grad is not None]
         if pairs:
             torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
-        call.inputs.clear()
-        call.leaves.clear()
+        call.edges.clear()
+        call.grads.clear()
         cuts.clear()
 
     def _done(self, calls: list[list[_Call]], r: int, first_call: dict[int, int]) -> None:
