@@ -16,15 +16,17 @@ block schedule, Sheng et al. 2023, applied to training):
   the threads at every unit call: all M micro-batches make their c-th unit call, in
   micro-batch order, before any makes its (c+1)-th. One thread runs at a time, so the order
   is deterministic. Each floating input of a unit call that requires grad is swapped for a
-  detached leaf, the boundary between this call's graph and the one before it. Activation
+  boundary (``_Boundary``: the same values, where backward stops and leaves the gradient
+  in the call's record), between this call's graph and the one before it; the step keeps
+  the input's gradient edge, not the tensor, so it holds no boundary's memory. Activation
   checkpointing is the model's own (the engine's, installed by ``offload``): a checkpointed
   unit keeps only its inputs, and its recomputation runs inside the unit's backward, which
   the engine loads and pins (``engine.schedule``).
 - Backward, on the caller's thread only: first ``loss_m.backward()`` for every m, which
-  ends at the last unit call's leaves; then, for each earlier call c from the last,
-  ``torch.autograd.backward(inputs of call c+1, their leaves' gradients)`` for every m, which
-  runs the code between the two calls and call c's recompute and backward, and ends at call
-  c's leaves. A unit's parameter gradients are complete once the M micro-batches have passed
+  ends at the last unit call's boundaries; then, for each earlier call c from the last,
+  ``torch.autograd.backward(edges of call c+1's inputs, their boundaries' gradients)`` for
+  every m, which runs the code between the two calls and call c's recompute and backward,
+  and ends at call c's boundaries. A unit's parameter gradients are complete once the M micro-batches have passed
   its last call: ``on_unit_done(unit)`` is called then, once per unit.
   (Threads cannot wait for each other inside backward: on CUDA the autograd engine runs every
   backward's device work on one thread per device, so such a wait would deadlock.)
@@ -152,15 +154,15 @@ class _TurnTaker:
             self._pick()
 
 
-def _leafify(value: Any, call: _Call, anchor: torch.Tensor) -> Any:
+def _boundaries(value: Any, call: _Call, anchor: torch.Tensor) -> Any:
     if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
         call.edges.append(torch.autograd.graph.get_gradient_edge(value))
         call.grads.append(None)
         return _Boundary.apply(value.detach(), anchor, call, len(call.grads) - 1)
     if isinstance(value, tuple | list):
-        return type(value)(_leafify(v, call, anchor) for v in value)
+        return type(value)(_boundaries(v, call, anchor) for v in value)
     if isinstance(value, dict):
-        return {k: _leafify(v, call, anchor) for k, v in value.items()}
+        return {k: _boundaries(v, call, anchor) for k, v in value.items()}
     return value
 
 
@@ -266,7 +268,7 @@ class UnitMajorStep:
             turns.wait_turn(m, len(calls[m]))
             call = _Call(module)
             calls[m].append(call)
-            return _leafify(args, call, anchor), _leafify(kwargs, call, anchor)
+            return _boundaries(args, call, anchor), _boundaries(kwargs, call, anchor)
 
         handles = [
             u.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
@@ -393,9 +395,9 @@ class UnitMajorStep:
 
     @staticmethod
     def _through(call: _Call, cuts: list[_Cut]) -> None:
-        """The backward pass from ``call``'s inputs (its leaves' gradients), and from the
-        tensors cut in the call before it (their leaves' gradients): it runs that call's
-        backward and ends at its leaves."""
+        """The backward pass from ``call``'s inputs (its boundaries' gradients), and from
+        the tensors cut in the call before it (their leaves' gradients): it runs that
+        call's backward and ends at its boundaries."""
         pairs = [(e, g) for e, g in zip(call.edges, call.grads) if g is not None]
         pairs += [(c.tensor, c.leaf.grad) for c in cuts if c.leaf.grad is not None]
         if pairs:
