@@ -425,9 +425,10 @@ def test_moe_router_auxiliary_loss_on_the_gpu(family):
         )
 
 
-def _offload_run(model, policy, batches, device, monkeypatch=None):
-    """Two unit-major steps of ``model`` offloaded with checkpointing ``policy``: (losses,
-    weights after them, boundaries packed per step, peak device bytes during a step)."""
+def _offload_run(model, policy, batches, device, monkeypatch=None, *, on_host=None):
+    """Two unit-major steps of ``model`` offloaded with checkpointing ``policy`` and
+    ``boundaries_on_host=on_host``: (losses, weights after them, boundaries packed per
+    step, peak device bytes during a step)."""
     from ramflow.activations.boundary_offload import BoundaryOffloader
 
     packs = [0]
@@ -454,6 +455,7 @@ def _offload_run(model, policy, batches, device, monkeypatch=None):
             model,
             step_batches,
             lambda ids: model(input_ids=ids, labels=ids, use_cache=False).loss / M,
+            boundaries_on_host=on_host,
         )
         if device == "cuda":
             peak = max(peak, torch.cuda.max_memory_allocated())
@@ -466,42 +468,51 @@ def _offload_run(model, policy, batches, device, monkeypatch=None):
     return losses, weights, per_step, peak
 
 
-def test_boundaries_in_host_memory_with_checkpoint_offload(monkeypatch):
-    """``activation_checkpointing=CheckpointOffload()`` under the unit-major step: every
-    checkpointed layer's input of every micro-batch goes to host memory (M x layers packs
-    per step; the step itself keeps no reference to a boundary, see ``_Boundary``), and
-    comes back for its recomputation: losses and weights equal on-device checkpointing's
-    bit for bit (fp32 on the CPU, where the copies are synchronous)."""
+@pytest.mark.parametrize(
+    "policy", [True, False, ramflow.memory.CheckpointOffload()], ids=["on", "off", "offload"]
+)
+def test_boundaries_in_host_memory(monkeypatch, policy):
+    """``boundaries_on_host=True`` (on the CPU the copies are synchronous and the buffers
+    plain, so this runs the CUDA path's bookkeeping): each unit call's input of every
+    micro-batch that the unit's graph saves goes to host memory (a checkpoint's input, a
+    norm's or the head's input; with ``CheckpointOffload`` its own offloader takes the
+    layers') and comes back for its backward; losses and weights
+    equal on-device boundaries' bit for bit (fp32; the tolerance is zero)."""
     torch.manual_seed(0)
     base = tiny_llama(tie=False, layers=4).float()
     batches = _llama_batches(2)
-    ours = _offload_run(
-        copy.deepcopy(base), ramflow.memory.CheckpointOffload(), batches, "cpu", monkeypatch
-    )
-    theirs = _offload_run(copy.deepcopy(base), True, batches, "cpu")
-    assert ours[2] == [M * 4, M * 4]
+    ours = _offload_run(copy.deepcopy(base), policy, batches, "cpu", monkeypatch, on_host=True)
+    theirs = _offload_run(copy.deepcopy(base), policy, batches, "cpu", on_host=False)
+    # per micro-batch: the 4 layers' inputs (twice without checkpointing: the first norm
+    # saves its fp32 input for two operations), the final norm's input twice (it is not
+    # checkpointed) and the head's input once
+    assert ours[2] == [M * (4 * (2 if policy is False else 1) + 2 + 1)] * 2
     assert ours[0] == theirs[0]
     for a, b in zip(ours[1], theirs[1]):
         assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
-def test_boundaries_in_pinned_host_memory_on_the_gpu():
-    """On CUDA, bf16 wire: the unit-major step with ``CheckpointOffload()`` keeps the M
-    micro-batches' layer inputs in pinned host memory (D2H on a side stream at each
-    layer's forward, H2D back before its recomputation, each copy with an event): losses
-    and weights equal on-device checkpointing's bit for bit (the same kernels on the same
-    values), and the step's peak device memory is lower by at least half of the
-    boundaries it no longer holds (M x 8 layers of (16, 64, 64) bf16, 128 KiB each; half:
-    backward brings back about M + 1 of them at a time, and the allocator rounds)."""
+@pytest.mark.parametrize(
+    "policy", [True, ramflow.memory.CheckpointOffload()], ids=["on", "offload"]
+)
+def test_boundaries_in_pinned_host_memory_on_the_gpu(policy):
+    """On CUDA, bf16 wire, checkpointing: the unit-major step keeps the M micro-batches'
+    layer inputs in pinned host memory (D2H on a side stream as each is saved, H2D back
+    one layer ahead of its recomputation, each copy with an event), by default or through
+    ``CheckpointOffload``: losses and weights equal the on-device boundaries' bit for bit
+    (the same kernels on the same values), and the step's peak device memory is lower by
+    at least half of the boundaries it no longer holds (M x 8 layers of (16, 64, 64) bf16,
+    128 KiB each; half: backward brings back about M + 1 of them at a time, and the
+    allocator rounds)."""
     torch.manual_seed(0)
     base = tiny_llama(tie=False, layers=8)
     g = torch.Generator().manual_seed(1)
     batches = [
         [torch.randint(0, 128, (16, 64), generator=g).cuda() for _ in range(M)] for _ in range(2)
     ]
-    ours = _offload_run(copy.deepcopy(base), ramflow.memory.CheckpointOffload(), batches, "cuda")
-    theirs = _offload_run(copy.deepcopy(base), True, batches, "cuda")
+    ours = _offload_run(copy.deepcopy(base), policy, batches, "cuda")  # the default: on host
+    theirs = _offload_run(copy.deepcopy(base), True, batches, "cuda", on_host=False)
     assert ours[0] == theirs[0]
     for a, b in zip(ours[1], theirs[1]):
         assert torch.equal(a, b)

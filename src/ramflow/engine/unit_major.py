@@ -49,6 +49,7 @@ this order in the wire dtype on the device).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..activations.boundary_offload import BoundaryOffloader
 from ..units.unit import Unit
 from .gradients import GradientPath
 from .router_logits import RouterLogits
@@ -74,6 +76,9 @@ class _Call:
     unit: nn.Module
     edges: list[Any] = field(default_factory=list)
     grads: list[torch.Tensor | None] = field(default_factory=list)
+    # the boundaries' (device type, data pointer): a tensor the call's graph saves that is
+    # one of them goes to host memory where the step offloads boundaries
+    boundary_ptrs: set[tuple[str, int]] = field(default_factory=set)
 
 
 class _Boundary(torch.autograd.Function):
@@ -158,6 +163,7 @@ def _boundaries(value: Any, call: _Call, anchor: torch.Tensor) -> Any:
     if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
         call.edges.append(torch.autograd.graph.get_gradient_edge(value))
         call.grads.append(None)
+        call.boundary_ptrs.add((value.device.type, value.data_ptr()))
         return _Boundary.apply(value.detach(), anchor, call, len(call.grads) - 1)
     if isinstance(value, tuple | list):
         return type(value)(_boundaries(v, call, anchor) for v in value)
@@ -184,6 +190,11 @@ class UnitMajorStep:
         install_cuts: called at the start of each ``run`` with ``cut``; installs the hooks
             that cut tensors out of their unit calls (``engine.router_logits``) and returns
             their handles, removed when the forwards end.
+        offloader: where given, a unit call's boundaries that its graph saves (a
+            checkpointed unit's inputs; in fp32, the first norm's input) go to host memory
+            through it (pinned on CUDA, D2H at the save and H2D before the unit's
+            backward, each with its event: see [Note: offloaded checkpoint boundaries] in
+            ``ramflow.activations.boundary_offload``); None: they stay where they are.
 
     Raises:
         ValueError: at construction, when ``units`` is empty or holds a module twice.
@@ -195,6 +206,7 @@ class UnitMajorStep:
         on_unit_done: Callable[[nn.Module], None] | None = None,
         on_thread: Callable[[int | None], None] | None = None,
         install_cuts: Callable[[Callable], list] | None = None,
+        offloader: BoundaryOffloader | None = None,
     ) -> None:
         if not units:
             raise ValueError("UnitMajorStep: give at least one unit module")
@@ -204,6 +216,7 @@ class UnitMajorStep:
         self.on_unit_done = on_unit_done
         self.on_thread = on_thread
         self.install_cuts = install_cuts
+        self.offloader = offloader
         # per run: the micro-batch of this thread, each micro-batch's unit calls and cuts
         self._local = threading.local()
         self._calls: list[list[_Call]] = []
@@ -298,6 +311,12 @@ class UnitMajorStep:
                         stack.enter_context(torch.cuda.stream(stream))
                     for device_type, dtype in autocast:
                         stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                    if self.offloader is not None:
+                        stack.enter_context(
+                            torch.autograd.graph.saved_tensors_hooks(
+                                functools.partial(self._pack, m), self._unpack
+                            )
+                        )
                     losses[m] = forward(micro_batches[m])
             except _Stopped:
                 pass  # an earlier micro-batch raised: its error is the one reported
@@ -352,6 +371,21 @@ class UnitMajorStep:
         finally:
             self._calls, self._cuts = [], []
         return [loss.detach() for loss in losses]
+
+    def _pack(self, m: int, tensor: torch.Tensor) -> Any:
+        """Micro-batch ``m``'s saved-tensor hook: a boundary of its running unit call goes
+        to host memory, any other saved tensor stays as it is."""
+        calls = self._calls[m]
+        if (
+            calls
+            and tensor.numel()
+            and (tensor.device.type, tensor.data_ptr()) in calls[-1].boundary_ptrs
+        ):
+            return self.offloader.pack(tensor)
+        return tensor
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        return packed if isinstance(packed, torch.Tensor) else self.offloader.unpack(packed)
 
     def _backward(
         self, calls: list[list[_Call]], losses: list[torch.Tensor], cuts: list[list[_Cut]]
@@ -431,6 +465,7 @@ class UnitMajorAccumulation:
         self._schedule = schedule
         self._gradients = gradients
         self._stepper = stepper
+        self._offloader: BoundaryOffloader | None = None  # made at the first use
 
     def run(
         self,
@@ -438,11 +473,13 @@ class UnitMajorAccumulation:
         micro_batches: Sequence[Any],
         *,
         model: nn.Module | None = None,
+        boundaries_on_host: bool | None = None,
     ) -> list:
         """Forward and backward of ``micro_batches`` unit-major; see ``ramflow.accumulate``.
         ``model``: what ``loss_fn`` calls; the router logits its MoE layers record are cut
         out of them (see [Note: the router's auxiliary loss under the unit-major step] in
-        ``engine.router_logits``).
+        ``engine.router_logits``). ``boundaries_on_host``: the boundaries the units' graphs
+        save go to host memory (``UnitMajorStep``'s ``offloader``); None: on CUDA only.
 
         Raises:
             TypeError: no ramflow optimizer holds the model's parameters.
@@ -486,11 +523,16 @@ class UnitMajorAccumulation:
                     self._gradients.send_held(u)
 
         routers = RouterLogits(model) if model is not None else None
+        if boundaries_on_host is None:
+            boundaries_on_host = self._schedule.device.type == "cuda"
+        if boundaries_on_host and self._offloader is None:
+            self._offloader = BoundaryOffloader()
         step = UnitMajorStep(
             modules,
             on_unit_done=on_module_done,
             on_thread=self._schedule.enter_micro_batch,
             install_cuts=routers.install if routers else None,
+            offloader=self._offloader if boundaries_on_host else None,
         )
         self._schedule.begin_unit_major()
         failed = True
