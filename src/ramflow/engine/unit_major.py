@@ -374,7 +374,10 @@ class UnitMajorStep:
 
     def _pack(self, m: int, tensor: torch.Tensor) -> Any:
         """Micro-batch ``m``'s saved-tensor hook: a boundary of its running unit call goes
-        to host memory, any other saved tensor stays as it is."""
+        to host memory, any other saved tensor stays where it is, detached (a hook that
+        returns a saved output itself makes a reference cycle through its ``grad_fn``
+        that only its backward breaks: a graph never run backward, after a forward that
+        raised, would keep its device memory)."""
         calls = self._calls[m]
         if (
             calls
@@ -382,7 +385,7 @@ class UnitMajorStep:
             and (tensor.device.type, tensor.data_ptr()) in calls[-1].boundary_ptrs
         ):
             return self.offloader.pack(tensor)
-        return tensor
+        return tensor.detach()
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         return packed if isinstance(packed, torch.Tensor) else self.offloader.unpack(packed)
