@@ -84,8 +84,8 @@ class _Call:
 class _Boundary(torch.autograd.Function):
     """A unit call's input, cut from the graph before it: the same values (a view, no
     copy), whose gradient is kept in the call's ``grads`` rather than passed on, so a
-    backward pass ends here. ``anchor`` is a 0-dim leaf that requires grad, so that the
-    output does; it never gets a gradient. Unlike a detached leaf, nothing but the graph
+    backward pass ends here. ``anchor`` is a 0-dim leaf that requires grad, on ``x``'s
+    device, so that the output does; it never gets a gradient. Unlike a detached leaf, nothing but the graph
     (what the unit's own operations saved) holds the output's memory: autograd keeps a
     leaf alive in its gradient accumulator."""
 
@@ -159,16 +159,21 @@ class _TurnTaker:
             self._pick()
 
 
-def _boundaries(value: Any, call: _Call, anchor: torch.Tensor) -> Any:
+def _boundaries(value: Any, call: _Call, anchors: dict[torch.device, torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
         call.edges.append(torch.autograd.graph.get_gradient_edge(value))
         call.grads.append(None)
         call.boundary_ptrs.add((value.device.type, value.data_ptr()))
+        anchor = anchors.get(value.device)
+        if anchor is None:
+            anchor = anchors[value.device] = torch.zeros(
+                (), device=value.device, requires_grad=True
+            )
         return _Boundary.apply(value.detach(), anchor, call, len(call.grads) - 1)
     if isinstance(value, tuple | list):
-        return type(value)(_boundaries(v, call, anchor) for v in value)
+        return type(value)(_boundaries(v, call, anchors) for v in value)
     if isinstance(value, dict):
-        return {k: _boundaries(v, call, anchor) for k, v in value.items()}
+        return {k: _boundaries(v, call, anchors) for k, v in value.items()}
     return value
 
 
@@ -271,7 +276,7 @@ class UnitMajorStep:
         losses: list[torch.Tensor | None] = [None] * num
         errors: list[BaseException | None] = [None] * num
         local = self._local
-        anchor = torch.zeros((), requires_grad=True)
+        anchors: dict[torch.device, torch.Tensor] = {}  # See _Boundary
         unit_ids = {id(u) for u in self.units}
 
         def pre_hook(module, args, kwargs):
@@ -281,7 +286,7 @@ class UnitMajorStep:
             turns.wait_turn(m, len(calls[m]))
             call = _Call(module)
             calls[m].append(call)
-            return _boundaries(args, call, anchor), _boundaries(kwargs, call, anchor)
+            return _boundaries(args, call, anchors), _boundaries(kwargs, call, anchors)
 
         handles = [
             u.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
