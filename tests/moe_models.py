@@ -54,11 +54,12 @@ FAMILIES = {
 }  # fmt: skip
 
 
-def moe_config(family: str):
-    """The tiny config of ``family`` (a key of ``FAMILIES``)."""
+def moe_config(family: str, **overrides):
+    """The tiny config of ``family`` (a key of ``FAMILIES``), with ``overrides`` of
+    ``SHAPE`` (``num_hidden_layers=6``: the config's per-layer lists follow)."""
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(family, **SHAPE, **FAMILIES[family])
+    return AutoConfig.for_model(family, **{**SHAPE, **overrides}, **FAMILIES[family])
 
 
 ROUTER_AUX_LOSS_COEF = 0.5  # large enough that the aux loss's gradient moves the routers

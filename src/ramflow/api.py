@@ -348,6 +348,8 @@ def accumulate(
     model: nn.Module,
     micro_batches: Sequence[Any],
     loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    boundaries_on_host: bool | None = None,
 ) -> list[torch.Tensor]:
     """Forward and backward of one optimizer step's micro-batches, unit by unit: each
     offloaded unit's weights cross PCIe once for forward and once for backward per step,
@@ -378,7 +380,19 @@ def accumulate(
             device), computed by calling ``model``; scale it by 1/M for a mean over the
             micro-batches, as an ordinary accumulation loop does. Called once per
             micro-batch, each in a thread of its own (one runs at a time; the caller's
-            autocast carries over). Every micro-batch must make the same unit calls.
+            autocast carries over). Every micro-batch must make the same unit calls. An
+            MoE's router auxiliary loss (``output_router_logits``) is fine: the router
+            logits that transformers records are cut out of their layers (see [Note: the
+            router's auxiliary loss under the unit-major step] in
+            ``ramflow.engine.router_logits``).
+        boundaries_on_host: keep each unit call's input (its boundary), where the unit's
+            graph saves it (a checkpointed unit's input; in fp32 the first norm's), in
+            host memory between the forwards and the backwards: pinned on CUDA, copied
+            D2H as it is saved and back H2D one layer ahead of its backward, each copy on
+            a side stream with an event (see [Note: offloaded checkpoint boundaries] in
+            ``ramflow.activations.boundary_offload``). The results are the same bit for
+            bit. None (default): on CUDA, not on the CPU (where the boundaries already
+            are in host memory).
 
     Returns:
         The M losses ``loss_fn`` returned, detached, in micro-batch order.
@@ -392,7 +406,9 @@ def accumulate(
             left); the micro-batches made different unit calls (an MoE whose experts are
             units of their own: use an ordinary loop); inside a forward or backward.
     """
-    return _engine(model).unit_major.run(loss_fn, micro_batches)
+    return _engine(model).unit_major.run(
+        loss_fn, micro_batches, model=model, boundaries_on_host=boundaries_on_host
+    )
 
 
 def accept_partial_step(model: nn.Module) -> None:

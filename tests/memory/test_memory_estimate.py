@@ -207,6 +207,50 @@ def test_offload_moves_the_layer_inputs_to_pinned_host_memory() -> None:
     assert "8.00 MiB of layer inputs in pinned host memory" in offload.describe()
 
 
+def test_a_unit_major_step_holds_every_micro_batchs_activations() -> None:
+    """``RunDescription(micro_batches=M)``: a unit-major step (``ramflow.accumulate``) ends
+    all M forwards before the first backward, so the device holds M micro-batches' saved
+    activations (one's working memory); under offload the host holds the M x 8 layer
+    inputs and the device M + 1 of them (backward brings back the next layer's input of
+    every micro-batch beside the one it recomputes). M = 1 is one micro-batch's."""
+    mib, num = 1 << 20, 3
+    with torch.device("meta"):
+        model = Net()
+
+    def at(checkpointing: str, micro_batches: int):
+        return estimate_memory(
+            model,
+            activations=_long_context_profile(),
+            run=RunDescription(1, 4096, micro_batches=micro_batches),
+            device_type="cuda",
+            checkpointing=checkpointing,
+        )
+
+    off = at("off", num)
+    assert off.device_activation_bytes == num * (8 * 16 + 2) * mib + 16 * mib
+    on = at("on", num)
+    assert on.device_activation_bytes == num * (8 + 2) * mib + 16 * mib
+    offload = at("offload", num)
+    assert offload.device_activation_bytes == num * 2 * mib + (num + 1) * mib + 16 * mib
+    assert offload.host_activation_pinned_bytes == num * 8 * mib
+    for mode in ("off", "on", "offload"):
+        one, plain = at(mode, 1), _estimate(mode)
+        assert one.device_activation_bytes == plain.device_activation_bytes
+        assert one.host_activation_pinned_bytes == plain.host_activation_pinned_bytes
+    assert "activations: " in on.describe()
+    with pytest.raises(ValueError, match="3 micro-batches of 1 x 4096"):
+        estimate_memory(
+            model,
+            activations=_long_context_profile(),
+            run=RunDescription(1, 4096, micro_batches=num),
+            device_type="cuda",
+            checkpointing="on",
+            device_budget=on.plan.min_gpu_memory_bytes + 1,
+        )
+    with pytest.raises(ValueError, match="micro_batches must be >= 1"):
+        at("on", 0)
+
+
 def test_auto_chooses_offload_only_where_checkpointing_every_layer_does_not_fit() -> None:
     smallest = _estimate("off").plan.min_gpu_memory_bytes
     acts = _long_context_profile()

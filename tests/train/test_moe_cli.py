@@ -68,36 +68,63 @@ def test_plan_train_generate(
     assert rc == 0 and "(4 new tokens)" in out
 
 
+@pytest.mark.parametrize("grad_accum", [1, 2])
 def test_first_step_loss_is_the_resident_models(
-    model_dir: Path, device: torch.device, tmp_path: Path, corpus_file: Path, ramflow_cli, fast
+    model_dir: Path,
+    device: torch.device,
+    tmp_path: Path,
+    corpus_file: Path,
+    ramflow_cli,
+    fast,
+    grad_accum: int,
+    monkeypatch,
 ) -> None:
     """The loss ``ramflow train`` logs for its first step is the resident model's
     ``labels=`` loss on the same first batch, the router's auxiliary loss included (the
     folder's config asks for it): on the CPU in fp32 to the chunked loss's fp32 rounding
     (relative 1e-6, see tests/train/test_loss.py); on CUDA the CLI trains in bf16 from a
     bf16 wire, the reference runs fp32 weights under bf16 autocast: 2e-2 relative, a few
-    bf16 epsilons (2**-8) over the two layers."""
+    bf16 epsilons (2**-8) over the two layers. With ``--grad-accum 2`` the step runs its
+    two micro-batches unit-major (``ramflow.accumulate``, the aux loss included) and logs
+    their mean loss."""
     from transformers import AutoModelForCausalLM
 
+    import ramflow
+
+    accumulated = []
+
+    def accumulate(model, micro_batches, loss_fn):  # the real one, counted
+        accumulated.append(len(micro_batches))
+        return real_accumulate(model, micro_batches, loss_fn)
+
+    real_accumulate = ramflow.accumulate
+    monkeypatch.setattr(ramflow, "accumulate", accumulate)
     fast = [device.type if a == "cpu" else a for a in fast]
     out = tmp_path / "run"
     rc = ramflow_cli("train", "--model", model_dir, "--data", corpus_file, "--steps", "1",
-                     *fast, "--keep-checkpoints", "0", "--out", out)  # fmt: skip
+                     *fast, "--grad-accum", str(grad_accum), "--keep-checkpoints", "0",
+                     "--out", out)  # fmt: skip
     assert rc == 0
+    assert accumulated == ([grad_accum] if grad_accum > 1 else [])
     (first,) = [r["loss"] for r in read_log(out / "log.jsonl") if r["event"] == "step"]
 
     corpus = build_corpus(find_documents(corpus_file), load_tokenizer(model_dir), seq_len=32)
-    ids = BatchStream(corpus.train_tokens, batch_size=2, seq_len=32, seed=0).next_batch()
+    stream = BatchStream(corpus.train_tokens, batch_size=2, seq_len=32, seed=0)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.to(device)
+    want = []
     with (
         torch.no_grad(),
         torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"),
     ):
-        ids = ids.to(device)
-        want = model(input_ids=ids, labels=ids)
-    assert want.aux_loss is not None or model.config.model_type == "deepseek_v3"
-    assert first == pytest.approx(want.loss.item(), rel=1e-6 if device.type == "cpu" else 2e-2)
+        for _ in range(grad_accum):
+            ids = stream.next_batch().to(device)
+            out = model(input_ids=ids, labels=ids)
+            assert out.aux_loss is not None or model.config.model_type == "deepseek_v3"
+            want.append(out.loss.item())
+    assert first == pytest.approx(
+        sum(want) / grad_accum, rel=1e-6 if device.type == "cpu" else 2e-2
+    )
 
 
 def _experts(model: torch.nn.Module) -> torch.nn.Module:

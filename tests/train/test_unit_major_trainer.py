@@ -12,6 +12,7 @@ device gradients] in ``ramflow.engine.grad_norms``). So every tolerance below is
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -179,7 +180,7 @@ def test_the_plain_trainer_loads_a_unit_per_micro_batch(tmp_path):
 
 
 def test_moe_equals_plain_trainer(tmp_path):
-    """A tiny Qwen3-MoE (router auxiliary loss off: see the next test), M = 3 with
+    """A tiny Qwen3-MoE (router auxiliary loss off; on in the next test), M = 3 with
     clipping: the same bits as the plain Trainer. Weight decay 0: an expert no token chose
     gets a zero gradient here and none in PyTorch, and AdamW leaves both alike."""
     cfg = moe_config("qwen3_moe")
@@ -193,21 +194,24 @@ def test_moe_equals_plain_trainer(tmp_path):
     assert all(max(loads.values()) <= 2 for loads in counter.per_step), counter.per_step
 
 
-def test_moe_router_auxiliary_loss_falls_back_with_one_warning(tmp_path):
-    """With ``output_router_logits`` (the load-balancing loss) the unit-major order cannot
-    run: the Trainer says so in one warning and trains as the plain one, the same bits
-    (aux loss included) and a load per micro-batch."""
+def test_moe_router_auxiliary_loss_runs_unit_major(tmp_path):
+    """With ``output_router_logits`` (the load-balancing loss) the step still runs
+    unit-major (the router logits are cut out of their layers, see
+    ``ramflow.engine.router_logits``): the same bits as the plain Trainer, aux loss
+    included, no warning, and no unit loaded more than twice per step."""
     cfg = moe_config("qwen3_moe")
     cfg.output_router_logits = True
     cfg.router_aux_loss_coef = 0.1
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     data = lm_data(2 * 2 * 2, vocab=256)
-    with pytest.warns(UserWarning, match="output_router_logits") as caught:
-        ours, theirs, ref, _ = run_pair(model, tmp_path, accum=2, data=data, max_steps=2)
-    assert sum("UnitMajorTrainer" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*UnitMajorTrainer.*")
+        ours, theirs, ref, counter = run_pair(model, tmp_path, accum=2, data=data, max_steps=2)
     assert logged(ours, "loss") == logged(theirs, "loss")
+    assert logged(ours, "grad_norm") == logged(theirs, "grad_norm")
     assert_same_weights(model, ref)
+    assert all(max(loads.values()) <= 2 for loads in counter.per_step), counter.per_step
 
 
 def test_falls_back_with_one_warning_where_it_cannot_run(tmp_path):

@@ -146,6 +146,16 @@ class BoundaryOffloader:
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """The pack hook on its own, for a caller that chooses which saved tensors go to
+        host memory (``engine.unit_major``): returns what ``unpack`` takes back (an empty
+        tensor as it is)."""
+        return self._pack(tensor)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """The unpack hook on its own: the device copy of what ``pack`` returned."""
+        return self._unpack(packed)
+
     def _copy_streams(self, device: torch.device) -> CopyStreams:
         streams = self._streams.get(device)
         if streams is None:

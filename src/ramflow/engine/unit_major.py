@@ -16,15 +16,17 @@ block schedule, Sheng et al. 2023, applied to training):
   the threads at every unit call: all M micro-batches make their c-th unit call, in
   micro-batch order, before any makes its (c+1)-th. One thread runs at a time, so the order
   is deterministic. Each floating input of a unit call that requires grad is swapped for a
-  detached leaf, the boundary between this call's graph and the one before it. Activation
+  boundary (``_Boundary``: the same values, where backward stops and leaves the gradient
+  in the call's record), between this call's graph and the one before it; the step keeps
+  the input's gradient edge, not the tensor, so it holds no boundary's memory. Activation
   checkpointing is the model's own (the engine's, installed by ``offload``): a checkpointed
   unit keeps only its inputs, and its recomputation runs inside the unit's backward, which
   the engine loads and pins (``engine.schedule``).
 - Backward, on the caller's thread only: first ``loss_m.backward()`` for every m, which
-  ends at the last unit call's leaves; then, for each earlier call c from the last,
-  ``torch.autograd.backward(inputs of call c+1, their leaves' gradients)`` for every m, which
-  runs the code between the two calls and call c's recompute and backward, and ends at call
-  c's leaves. A unit's parameter gradients are complete once the M micro-batches have passed
+  ends at the last unit call's boundaries; then, for each earlier call c from the last,
+  ``torch.autograd.backward(edges of call c+1's inputs, their boundaries' gradients)`` for
+  every m, which runs the code between the two calls and call c's recompute and backward,
+  and ends at call c's boundaries. A unit's parameter gradients are complete once the M micro-batches have passed
   its last call: ``on_unit_done(unit)`` is called then, once per unit.
   (Threads cannot wait for each other inside backward: on CUDA the autograd engine runs every
   backward's device work on one thread per device, so such a wait would deadlock.)
@@ -47,6 +49,7 @@ this order in the wire dtype on the device).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,20 +58,60 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..activations.boundary_offload import BoundaryOffloader
 from ..units.unit import Unit
 from .gradients import GradientPath
+from .router_logits import RouterLogits
 from .schedule import Schedule, in_backward
 from .stepper import Stepper
 
 
 @dataclass
 class _Call:
-    """One unit call of one micro-batch: its unit, its original inputs that require grad
-    and the leaves that stood in for them."""
+    """One unit call of one micro-batch: its unit, where its original inputs that require
+    grad sit in the graph before it (their gradient edges: the tensors themselves are not
+    kept, so nothing here holds a boundary's memory), and the gradients that reached the
+    boundaries standing in for them (None until backward reaches one)."""
 
     unit: nn.Module
-    inputs: list[torch.Tensor] = field(default_factory=list)
-    leaves: list[torch.Tensor] = field(default_factory=list)
+    edges: list[Any] = field(default_factory=list)
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+    # the boundaries' (device type, data pointer): a tensor the call's graph saves that is
+    # one of them goes to host memory where the step offloads boundaries
+    boundary_ptrs: set[tuple[str, int]] = field(default_factory=set)
+
+
+class _Boundary(torch.autograd.Function):
+    """A unit call's input, cut from the graph before it: the same values (a view, no
+    copy), whose gradient is kept in the call's ``grads`` rather than passed on, so a
+    backward pass ends here. ``anchor`` is a 0-dim leaf that requires grad, on ``x``'s
+    device, so that the output does; it never gets a gradient. Unlike a detached leaf, nothing but the graph
+    (what the unit's own operations saved) holds the output's memory: autograd keeps a
+    leaf alive in its gradient accumulator."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, call: _Call, i: int):  # type: ignore[override]
+        ctx.call = call
+        ctx.i = i
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grads = ctx.call.grads
+        # reached again in a later pass (a later unit read this input too): the sum, in the
+        # order a gradient accumulator would add them
+        grads[ctx.i] = grad if grads[ctx.i] is None else grads[ctx.i] + grad
+        return None, None, None, None
+
+
+@dataclass
+class _Cut:
+    """A tensor cut out of the graph in one micro-batch's forward (``UnitMajorStep.cut``):
+    the number of unit calls that micro-batch had entered then, the tensor and its leaf."""
+
+    calls_entered: int
+    tensor: torch.Tensor
+    leaf: torch.Tensor
 
 
 class _Stopped(Exception):
@@ -116,16 +159,21 @@ class _TurnTaker:
             self._pick()
 
 
-def _leafify(value: Any, call: _Call) -> Any:
+def _boundaries(value: Any, call: _Call, anchors: dict[torch.device, torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
-        leaf = value.detach().requires_grad_(True)
-        call.inputs.append(value)
-        call.leaves.append(leaf)
-        return leaf
+        call.edges.append(torch.autograd.graph.get_gradient_edge(value))
+        call.grads.append(None)
+        call.boundary_ptrs.add((value.device.type, value.data_ptr()))
+        anchor = anchors.get(value.device)
+        if anchor is None:
+            anchor = anchors[value.device] = torch.zeros(
+                (), device=value.device, requires_grad=True
+            )
+        return _Boundary.apply(value.detach(), anchor, call, len(call.grads) - 1)
     if isinstance(value, tuple | list):
-        return type(value)(_leafify(v, call) for v in value)
+        return type(value)(_boundaries(v, call, anchors) for v in value)
     if isinstance(value, dict):
-        return {k: _leafify(v, call) for k, v in value.items()}
+        return {k: _boundaries(v, call, anchors) for k, v in value.items()}
     return value
 
 
@@ -144,6 +192,14 @@ class UnitMajorStep:
             unit per ``run``.
         on_thread: called in each micro-batch's thread with its index before its forward,
             and with None after it.
+        install_cuts: called at the start of each ``run`` with ``cut``; installs the hooks
+            that cut tensors out of their unit calls (``engine.router_logits``) and returns
+            their handles, removed when the forwards end.
+        offloader: where given, a unit call's boundaries that its graph saves (a
+            checkpointed unit's inputs; in fp32, the first norm's input) go to host memory
+            through it (pinned on CUDA, D2H at the save and H2D before the unit's
+            backward, each with its event: see [Note: offloaded checkpoint boundaries] in
+            ``ramflow.activations.boundary_offload``); None: they stay where they are.
 
     Raises:
         ValueError: at construction, when ``units`` is empty or holds a module twice.
@@ -154,6 +210,8 @@ class UnitMajorStep:
         units: Sequence[nn.Module],
         on_unit_done: Callable[[nn.Module], None] | None = None,
         on_thread: Callable[[int | None], None] | None = None,
+        install_cuts: Callable[[Callable], list] | None = None,
+        offloader: BoundaryOffloader | None = None,
     ) -> None:
         if not units:
             raise ValueError("UnitMajorStep: give at least one unit module")
@@ -162,6 +220,34 @@ class UnitMajorStep:
         self.units = list(units)
         self.on_unit_done = on_unit_done
         self.on_thread = on_thread
+        self.install_cuts = install_cuts
+        self.offloader = offloader
+        # per run: the micro-batch of this thread, each micro-batch's unit calls and cuts
+        self._local = threading.local()
+        self._calls: list[list[_Call]] = []
+        self._cuts: list[list[_Cut]] = []
+
+    def cut(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Cut ``tensor``, computed by the unit call now running on this thread, out of the
+        graph: for a tensor that reaches the loss other than through the unit's outputs (an
+        MoE's router logits, see [Note: the router's auxiliary loss under the unit-major
+        step] in ``engine.router_logits``). Use the returned leaf in its place past the
+        unit; its gradient goes back into ``tensor`` in the backward pass that runs this
+        unit call.
+
+        Args:
+            tensor: a floating tensor that requires grad, on any device.
+
+        Returns:
+            A detached leaf that requires grad and shares ``tensor``'s storage, or None
+            outside a micro-batch's forward of a ``run`` (nothing is cut).
+        """
+        m = getattr(self._local, "m", None)
+        if m is None:
+            return None
+        leaf = tensor.detach().requires_grad_(True)
+        self._cuts[m].append(_Cut(len(self._calls[m]), tensor, leaf))
+        return leaf
 
     def run(self, forward: Callable[[Any], torch.Tensor], micro_batches: Sequence[Any]) -> list:
         """Run ``forward(batch)`` for every micro-batch unit-major, then backward likewise.
@@ -185,9 +271,12 @@ class UnitMajorStep:
         num = len(micro_batches)
         turns = _TurnTaker(num)
         calls: list[list[_Call]] = [[] for _ in range(num)]
+        self._calls = calls
+        self._cuts = [[] for _ in range(num)]
         losses: list[torch.Tensor | None] = [None] * num
         errors: list[BaseException | None] = [None] * num
-        local = threading.local()
+        local = self._local
+        anchors: dict[torch.device, torch.Tensor] = {}  # See _Boundary
         unit_ids = {id(u) for u in self.units}
 
         def pre_hook(module, args, kwargs):
@@ -197,12 +286,14 @@ class UnitMajorStep:
             turns.wait_turn(m, len(calls[m]))
             call = _Call(module)
             calls[m].append(call)
-            return _leafify(args, call), _leafify(kwargs, call)
+            return _boundaries(args, call, anchors), _boundaries(kwargs, call, anchors)
 
         handles = [
             u.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
             for u in self.units
         ]
+        if self.install_cuts is not None:
+            handles += self.install_cuts(self.cut)
 
         # autocast, the current CUDA device and stream are thread-local: the caller's carry
         # into every micro-batch's thread
@@ -225,6 +316,12 @@ class UnitMajorStep:
                         stack.enter_context(torch.cuda.stream(stream))
                     for device_type, dtype in autocast:
                         stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                    if self.offloader is not None:
+                        stack.enter_context(
+                            torch.autograd.graph.saved_tensors_hooks(
+                                functools.partial(self._pack, m), self._unpack
+                            )
+                        )
                     losses[m] = forward(micro_batches[m])
             except _Stopped:
                 pass  # an earlier micro-batch raised: its error is the one reported
@@ -266,43 +363,90 @@ class UnitMajorStep:
                     "(reduce it, e.g. .mean(), and compute it with gradients enabled)"
                 )
         try:
-            self._backward(calls, losses)
+            self._backward(calls, losses, self._cuts)
         except RuntimeError as err:
             if "backward through the graph a second time" not in str(err):
                 raise
             raise RuntimeError(
                 "a tensor computed inside a unit call reaches the loss, or a later unit, "
-                "other than through the unit's outputs (an MoE's router logits recorded for "
-                "its auxiliary loss, a connection that skips a unit), so backward would run "
-                "through that unit before its turn: the unit-major order cannot run this "
-                "model. Accumulate with an ordinary loop (or turn output_router_logits off)."
+                "other than through the unit's outputs (a connection that skips a unit), so "
+                "backward would run through that unit before its turn: the unit-major order "
+                "cannot run this model. Accumulate with an ordinary loop."
             ) from err
+        finally:
+            self._calls, self._cuts = [], []
         return [loss.detach() for loss in losses]
 
-    def _backward(self, calls: list[list[_Call]], losses: list[torch.Tensor]) -> None:
+    def _pack(self, m: int, tensor: torch.Tensor) -> Any:
+        """Micro-batch ``m``'s saved-tensor hook: a boundary of its running unit call goes
+        to host memory, any other saved tensor stays where it is, detached (a hook that
+        returns a saved output itself makes a reference cycle through its ``grad_fn``
+        that only its backward breaks: a graph never run backward, after a forward that
+        raised, would keep its device memory)."""
+        calls = self._calls[m]
+        if (
+            calls
+            and tensor.numel()
+            and (tensor.device.type, tensor.data_ptr()) in calls[-1].boundary_ptrs
+        ):
+            return self.offloader.pack(tensor)
+        return tensor.detach()
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        return packed if isinstance(packed, torch.Tensor) else self.offloader.unpack(packed)
+
+    def _backward(
+        self, calls: list[list[_Call]], losses: list[torch.Tensor], cuts: list[list[_Cut]]
+    ) -> None:
         num_rounds = len(calls[0])
         first_call: dict[int, int] = {}  # a unit's first call is the last that backward meets
         for r, c in enumerate(calls[0]):
             first_call.setdefault(id(c.unit), r)
-        for loss in losses:
-            loss.backward()
+        # the cuts of each micro-batch by the pass that runs their unit call: the one that
+        # ends at the next call's leaves (r + 1 calls entered when cut: call r's backward
+        # runs in the pass through call r + 1), the loss's pass for the last call's
+        cut_at: list[dict[int, list[_Cut]]] = []
+        for mine in cuts:
+            by_pass: dict[int, list[_Cut]] = {}
+            for c in mine:
+                by_pass.setdefault(c.calls_entered, []).append(c)
+            cut_at.append(by_pass)
+        for m, loss in enumerate(losses):
+            self._loss_backward(loss, cut_at[m].get(num_rounds, []))
         self._done(calls, num_rounds - 1, first_call)
         for r in range(num_rounds - 1, 0, -1):
             for m in range(len(losses)):
-                self._through(calls[m][r])
+                self._through(calls[m][r], cut_at[m].get(r, []))
             self._done(calls, r - 1, first_call)
         for m in range(len(losses)):  # the first call's inputs: gradients for the caller
-            self._through(calls[m][0])
+            self._through(calls[m][0], cut_at[m].get(0, []))
 
     @staticmethod
-    def _through(call: _Call) -> None:
-        pairs = [
-            (x, leaf.grad) for x, leaf in zip(call.inputs, call.leaves) if leaf.grad is not None
-        ]
+    def _loss_backward(loss: torch.Tensor, cuts: list[_Cut]) -> None:
+        """``loss.backward()``, and into the tensors cut in the last unit call (or after
+        it), whose leaves' gradients come from this same loss: asked for first, over the
+        part of the graph between the loss and those leaves (kept for the full pass)."""
+        if not cuts:
+            loss.backward()
+            return
+        grads = torch.autograd.grad(
+            loss, [c.leaf for c in cuts], retain_graph=True, allow_unused=True
+        )
+        pairs = [(c.tensor, g) for c, g in zip(cuts, grads) if g is not None]
+        torch.autograd.backward([loss, *(t for t, _ in pairs)], [None, *(g for _, g in pairs)])
+
+    @staticmethod
+    def _through(call: _Call, cuts: list[_Cut]) -> None:
+        """The backward pass from ``call``'s inputs (its boundaries' gradients), and from
+        the tensors cut in the call before it (their leaves' gradients): it runs that
+        call's backward and ends at its boundaries."""
+        pairs = [(e, g) for e, g in zip(call.edges, call.grads) if g is not None]
+        pairs += [(c.tensor, c.leaf.grad) for c in cuts if c.leaf.grad is not None]
         if pairs:
             torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
-        call.inputs.clear()
-        call.leaves.clear()
+        call.edges.clear()
+        call.grads.clear()
+        cuts.clear()
 
     def _done(self, calls: list[list[_Call]], r: int, first_call: dict[int, int]) -> None:
         unit = calls[0][r].unit
@@ -329,9 +473,21 @@ class UnitMajorAccumulation:
         self._schedule = schedule
         self._gradients = gradients
         self._stepper = stepper
+        self._offloader: BoundaryOffloader | None = None  # made at the first use
 
-    def run(self, loss_fn: Callable[[Any], torch.Tensor], micro_batches: Sequence[Any]) -> list:
+    def run(
+        self,
+        loss_fn: Callable[[Any], torch.Tensor],
+        micro_batches: Sequence[Any],
+        *,
+        model: nn.Module | None = None,
+        boundaries_on_host: bool | None = None,
+    ) -> list:
         """Forward and backward of ``micro_batches`` unit-major; see ``ramflow.accumulate``.
+        ``model``: what ``loss_fn`` calls; the router logits its MoE layers record are cut
+        out of them (see [Note: the router's auxiliary loss under the unit-major step] in
+        ``engine.router_logits``). ``boundaries_on_host``: the boundaries the units' graphs
+        save go to host memory (``UnitMajorStep``'s ``offloader``); None: on CUDA only.
 
         Raises:
             TypeError: no ramflow optimizer holds the model's parameters, and a unit
@@ -380,8 +536,17 @@ class UnitMajorAccumulation:
                     sent.add(u)
                     self._gradients.send_held(u)
 
+        routers = RouterLogits(model) if model is not None else None
+        if boundaries_on_host is None:
+            boundaries_on_host = self._schedule.device.type == "cuda"
+        if boundaries_on_host and self._offloader is None:
+            self._offloader = BoundaryOffloader()
         step = UnitMajorStep(
-            modules, on_unit_done=on_module_done, on_thread=self._schedule.enter_micro_batch
+            modules,
+            on_unit_done=on_module_done,
+            on_thread=self._schedule.enter_micro_batch,
+            install_cuts=routers.install if routers else None,
+            offloader=self._offloader if boundaries_on_host else None,
         )
         self._schedule.begin_unit_major()
         failed = True

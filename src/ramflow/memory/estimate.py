@@ -141,31 +141,48 @@ class ActivationProfile:
             measured=True,
         )
 
-    def saved_bytes(self, *, checkpointing: bool, offload: bool = False) -> int:
+    def saved_bytes(
+        self, *, checkpointing: bool, offload: bool = False, micro_batches: int = 1
+    ) -> int:
         """Bytes held on the device between forward and backward. With ``offload``
         (``CheckpointOffload``, checkpointing on) the layers' inputs are in host memory
-        but for the ones backward has brought back (``OFFLOAD_BOUNDARIES_ON_DEVICE``)."""
+        but for the ones backward has brought back (``OFFLOAD_BOUNDARIES_ON_DEVICE``).
+        ``micro_batches``: a unit-major step of that many micro-batches
+        (``ramflow.accumulate``), whose forwards all end before the first backward: every
+        micro-batch's saved bytes are held at once, and under offload backward brings back
+        the next layer's input of every micro-batch beside the one it recomputes (see
+        [Note: one weight pass per optimizer step] in ``ramflow.engine.unit_major``)."""
+        num_layers = len(self.layer_bytes) * micro_batches
         if checkpointing and offload:
-            kept = min(OFFLOAD_BOUNDARIES_ON_DEVICE, len(self.layer_bytes))
-            return self.other_bytes + self.layer_input_bytes * kept
+            kept = min(micro_batches * (OFFLOAD_BOUNDARIES_ON_DEVICE - 1) + 1, num_layers)
+            return self.other_bytes * micro_batches + self.layer_input_bytes * kept
         if checkpointing:
-            return self.other_bytes + self.layer_input_bytes * len(self.layer_bytes)
-        return self.other_bytes + sum(self.layer_bytes)
+            return (self.other_bytes + self.layer_input_bytes * len(self.layer_bytes)) * (
+                micro_batches
+            )
+        return (self.other_bytes + sum(self.layer_bytes)) * micro_batches
 
-    def offloaded_bytes(self, *, pinned: bool = False) -> int:
+    def offloaded_bytes(self, *, pinned: bool = False, micro_batches: int = 1) -> int:
         """Host bytes of the layers' inputs under activation offload; ``pinned``: as the
         pinned memory that holds them takes them (``BoundaryOffloader`` allocates each from
         PyTorch's caching host allocator, which rounds a block up to a power of two:
-        ``transfer.streams.caching_host_block_bytes``)."""
+        ``transfer.streams.caching_host_block_bytes``); ``micro_batches``: those of a
+        unit-major step of that many micro-batches, all held at once."""
         each = (
             caching_host_block_bytes(self.layer_input_bytes) if pinned else self.layer_input_bytes
         )
-        return each * len(self.layer_bytes)
+        return each * len(self.layer_bytes) * micro_batches
 
-    def peak_bytes(self, *, checkpointing: bool, offload: bool = False) -> int:
-        """Saved bytes plus backward working memory: the activations' share of the peak."""
+    def peak_bytes(
+        self, *, checkpointing: bool, offload: bool = False, micro_batches: int = 1
+    ) -> int:
+        """Saved bytes plus backward working memory: the activations' share of the peak
+        (``micro_batches``: as ``saved_bytes``; the working memory is one micro-batch's,
+        as their backwards run one after another)."""
         largest = max(self.layer_bytes, default=0)
-        saved = self.saved_bytes(checkpointing=checkpointing, offload=offload)
+        saved = self.saved_bytes(
+            checkpointing=checkpointing, offload=offload, micro_batches=micro_batches
+        )
         return saved + largest + self.logits_workspace_bytes
 
 
@@ -181,6 +198,9 @@ class RunDescription:
         precision: the compute precision the report names (``bf16``/``fp16``/``fp32``);
             None: the wire dtype's name.
         out_dir: where checkpoints go, to report its free disk space; None: not reported.
+        micro_batches: micro-batches per optimizer step run unit-major
+            (``ramflow.accumulate``), whose activations are all held at once (see
+            ``ActivationProfile.saved_bytes``); default 1: one micro-batch's.
     """
 
     batch_size: int
@@ -188,6 +208,7 @@ class RunDescription:
     model_name: str | None = None
     precision: str | None = None
     out_dir: str | os.PathLike | None = None
+    micro_batches: int = 1
 
 
 @dataclass(frozen=True)
@@ -271,6 +292,8 @@ class MemoryEstimate:
             fits, as a ready flag with its figures, computed by the same estimate
             (``"--host-precision lean: RAM 12.40 GiB of 22.61 GiB available"``); None
             where the run fits or no such change was found.
+        micro_batches: the micro-batches of a unit-major step whose activations the
+            figures hold at once (``RunDescription.micro_batches``); 1: one micro-batch's.
     """
 
     model_name: str
@@ -329,6 +352,8 @@ class MemoryEstimate:
                 "gradient staging)"
             )
         return text
+
+    micro_batches: int = 1
 
     def parameters_text(self) -> str:
         """``"30,532.12 M parameters"``, with the active ones of a mixture of experts:
@@ -477,7 +502,11 @@ class MemoryEstimate:
             "no cap" if self.device_budget_bytes is None else format_bytes(self.device_budget_bytes)
         )
         act = self.activations
-        ckpt = {"checkpointing": self.checkpointing, "offload": self.activation_offload}
+        ckpt = {
+            "checkpointing": self.checkpointing,
+            "offload": self.activation_offload,
+            "micro_batches": self.micro_batches,
+        }
         lines = [
             f"model {self.model_name}: {self.parameters_text()}, {len(act.layer_bytes)} layers",
             f"device {self.device_type}, precision {self.precision} (weights on the device in "
@@ -688,6 +717,9 @@ def estimate_memory(
         )
     if held_gradients not in (None, "grads", "codes"):
         raise ValueError(f"held_gradients must be None, 'grads' or 'codes', got {held_gradients!r}")
+    if run.micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {run.micro_batches}")
+    num_micro = run.micro_batches
     if optimizer_states < 0:
         raise ValueError(f"optimizer_states must be >= 0, got {optimizer_states}")
     if device_type not in ("cuda", "cpu"):
@@ -715,10 +747,10 @@ def estimate_memory(
     if checkpointing == "auto":
         # the adapters take their room before the activations and ramflow
         checkpointing, ckpt_reason = choose_checkpointing(
-            acts, smallest + adapter_bytes, device_budget_bytes
+            acts, smallest + adapter_bytes, device_budget_bytes, micro_batches=num_micro
         )
     ckpt, offload = checkpointing in ("on", "offload"), checkpointing == "offload"
-    act_bytes = acts.peak_bytes(checkpointing=ckpt, offload=offload)
+    act_bytes = acts.peak_bytes(checkpointing=ckpt, offload=offload, micro_batches=num_micro)
     # ramflow's share: what the activations and the adapters leave of the device's budget
     gpu_memory_bytes = None
     if device_budget_bytes is not None:
@@ -735,7 +767,8 @@ def estimate_memory(
             )
             raise BudgetTooSmall(
                 f"--gpu-memory {format_bytes(device_budget_bytes)} is too small for this run: activations "
-                f"of a {batch_size} x {seq_len} micro-batch need about {format_bytes(act_bytes)} and "
+                f"of {_micro_batches_text(num_micro, batch_size, seq_len)} need about "
+                f"{format_bytes(act_bytes)} and "
                 f"ramflow's smallest plan (streaming every unit) {format_bytes(smallest)}{adapters}, together "
                 f"{format_bytes(need)}. Give --gpu-memory {format_bytes(need * 1.05)} or more, or a "
                 f"smaller --batch-size / --seq-len{hint}.",
@@ -815,14 +848,28 @@ def estimate_memory(
         else parts.total / num_trainable,
         host_ring_bytes=parts.staging if host.gradient_format.ring else 0,
         activation_offload=offload,
-        host_activation_pinned_bytes=acts.offloaded_bytes(pinned=cuda) if offload else 0,
+        host_activation_pinned_bytes=acts.offloaded_bytes(pinned=cuda, micro_batches=num_micro)
+        if offload
+        else 0,
         checkpointing_reason=ckpt_reason,
         num_adapter_parameters=num_adapter_parameters,
+        micro_batches=num_micro,
     )
 
 
+def _micro_batches_text(num_micro: int, batch_size: int, seq_len: int) -> str:
+    """What the activations figure is of: one micro-batch, or a unit-major step's."""
+    if num_micro == 1:
+        return f"a {batch_size} x {seq_len} micro-batch"
+    return f"{num_micro} micro-batches of {batch_size} x {seq_len} (one unit-major step)"
+
+
 def choose_checkpointing(
-    acts: ActivationProfile, smallest_plan_bytes: int, device_budget_bytes: int | None
+    acts: ActivationProfile,
+    smallest_plan_bytes: int,
+    device_budget_bytes: int | None,
+    *,
+    micro_batches: int = 1,
 ) -> tuple[str, str | None]:
     """What ``--checkpointing auto`` runs, and why (one line for the plan, or None).
 
@@ -838,6 +885,8 @@ def choose_checkpointing(
         acts: the micro-batch's activations.
         smallest_plan_bytes: ramflow's smallest plan on the device (every unit streamed).
         device_budget_bytes: the whole device's budget (None: no cap, checkpointing off).
+        micro_batches: a unit-major step of that many micro-batches, whose activations
+            are all held at once (``ActivationProfile.saved_bytes``).
 
     Returns:
         ``("off" | "on" | "offload", reason)``; with none fitting, ``"offload"`` (the
@@ -846,13 +895,14 @@ def choose_checkpointing(
     if device_budget_bytes is None:
         return "off", None
     room = device_budget_bytes - smallest_plan_bytes
-    if acts.peak_bytes(checkpointing=False) <= room:
+    on = acts.peak_bytes(checkpointing=True, micro_batches=micro_batches)
+    if acts.peak_bytes(checkpointing=False, micro_batches=micro_batches) <= room:
         return "off", None
-    if acts.peak_bytes(checkpointing=True) <= room:
+    if on <= room:
         return "on", None
-    kept = acts.peak_bytes(checkpointing=True) - acts.peak_bytes(checkpointing=True, offload=True)
+    kept = on - acts.peak_bytes(checkpointing=True, offload=True, micro_batches=micro_batches)
     return "offload", (
-        f"checkpointing every layer leaves {format_bytes(acts.peak_bytes(checkpointing=True))} "
+        f"checkpointing every layer leaves {format_bytes(on)} "
         f"of activations on the device, over the {format_bytes(max(room, 0))} the budget leaves; "
         f"so the layers' inputs ({format_bytes(kept)}) go to pinned host memory"
     )

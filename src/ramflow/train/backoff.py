@@ -260,9 +260,7 @@ def accumulate_step(
         grad_accum = config.global_batch // batches.batch_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=policy.device)
         try:
-            unit_major = runs_unit_major(
-                getattr(model, "config", None), several_ranks=batches.num_ranks > 1
-            )
+            unit_major = runs_unit_major(several_ranks=batches.num_ranks > 1)
             if grad_accum > 1 and unit_major:
                 for loss in _unit_major(model, scaler, batches, policy, grad_accum):
                     loss_sum += loss

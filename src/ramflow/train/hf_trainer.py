@@ -49,8 +49,6 @@ from torch import nn
 import ramflow
 from ramflow.optim import HostOptimizer
 
-from .setup import runs_unit_major
-
 try:
     from transformers import Trainer
     from transformers.training_args import OptimizerNames
@@ -73,8 +71,7 @@ class UnitMajorTrainerMixin:
     equal the plain ``Trainer``'s up to the order of summation (bit for bit on the CPU in
     fp32). Where it cannot run unit-major (data parallel, DeepSpeed, FSDP, context or
     tensor parallel, fp16 with a loss scaler, LOMO, a model not offloaded by
-    ``ramflow.offload``, an optimizer not from ``ramflow.optim``, an MoE with
-    ``output_router_logits``) it warns once and trains as the plain ``Trainer`` does.
+    ``ramflow.offload``, an optimizer not from ``ramflow.optim``) it warns once and trains as the plain ``Trainer`` does.
 
     Example::
 
@@ -212,11 +209,6 @@ def _why_not(trainer: Any, model: nn.Module) -> str | None:
         return (
             f"the optimizer is {type(optimizer).__name__}, not a ramflow.optim one "
             "(pass optimizer_cls_and_kwargs=(ramflow.optim.AdamW, {...}))"
-        )
-    if not runs_unit_major(getattr(model, "config", None), several_ranks=False):
-        return (
-            "the model records MoE router logits for an auxiliary loss "
-            "(output_router_logits), which the unit-major order cannot run"
         )
     return None
 

@@ -236,7 +236,11 @@ def describe_plan(est: MemoryEstimate, ranks: HostRanks | None = None) -> str:
     """What ``ramflow plan`` prints (with ``ranks``: for several ranks on this host). See
     [Note: a plan read in five seconds]."""
     act = est.activations
-    ckpt = {"checkpointing": est.checkpointing, "offload": est.activation_offload}
+    ckpt = {
+        "checkpointing": est.checkpointing,
+        "offload": est.activation_offload,
+        "micro_batches": est.micro_batches,
+    }
     saved = act.saved_bytes(**ckpt)
     working = act.peak_bytes(**ckpt) - saved
     lines = [*preamble_lines(est, ranks=ranks), "", "details:"]

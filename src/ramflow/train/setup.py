@@ -102,12 +102,13 @@ def base_weights(config: TrainConfig, checkpoint: Checkpoint | None) -> Path | s
     return config.model
 
 
-def runs_unit_major(model_config: Any, *, several_ranks: bool) -> bool:
+def runs_unit_major(*, several_ranks: bool) -> bool:
     """Whether ``train`` runs a step's micro-batches unit-major (``ramflow.accumulate``,
     each unit's weights loaded once per phase of the step): on one rank (data parallelism
-    is not supported there yet), and without MoE router logits recorded for an auxiliary
-    loss (they leave the layers past their outputs, which it refuses)."""
-    return not several_ranks and not getattr(model_config, "output_router_logits", False)
+    is not supported there yet). An MoE's router auxiliary loss runs there too (see [Note:
+    the router's auxiliary loss under the unit-major step] in
+    ``ramflow.engine.router_logits``)."""
+    return not several_ranks
 
 
 def _estimate(
@@ -161,7 +162,7 @@ def _estimate(
             config,
             host.precision,
             several_ranks=several_ranks,
-            unit_major=runs_unit_major(mconfig, several_ranks=several_ranks),
+            unit_major=runs_unit_major(several_ranks=several_ranks),
         )
         est = estimate_run_memory(
             mconfig,
@@ -197,7 +198,7 @@ def _estimate(
                 mconfig,
                 est,
                 micro_batches=micro_batches,
-                unit_major=runs_unit_major(mconfig, several_ranks=several_ranks),
+                unit_major=runs_unit_major(several_ranks=several_ranks),
                 timing_rates=figures.timing_rates,
                 matmul_flops_per_s=figures.matmul_flops_per_s,
             )
@@ -251,7 +252,7 @@ def _estimate(
         and fit.checkpointing
         and device_type == "cuda"
     ):
-        unit_major = runs_unit_major(mconfig, several_ranks=several_ranks)
+        unit_major = runs_unit_major(several_ranks=several_ranks)
         offloaded, why = _offload_fit(config, mconfig, fit, fit_with, at, speed, unit_major)
         if offloaded is not None:
             fit, on, reason = offloaded, "offload", why

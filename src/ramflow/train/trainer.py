@@ -601,7 +601,7 @@ def _train(
             config,
             est.host_precision,
             several_ranks=ranks.several,
-            unit_major=runs_unit_major(setup.model_config, several_ranks=ranks.several),
+            unit_major=runs_unit_major(several_ranks=ranks.several),
         )
         opt = make_optimizer(
             config.optimizer,
