@@ -463,12 +463,13 @@ def test_unknown_preset_and_unsupported_combinations():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_loading_another_formats_state_is_refused():
+@pytest.mark.parametrize("saved,loaded", [("bf16", "lean"), ("lean", "lean4"), ("lean4", "lean")])
+def test_loading_another_formats_state_is_refused(saved, loaded):
     torch.manual_seed(0)
     base = MLPStack()
     a, b = copy.deepcopy(base), copy.deepcopy(base)
-    opt_a = offloaded(a, "cpu", "bf16")
-    opt_b = offloaded(b, "cpu", "lean")
+    opt_a = offloaded(a, "cpu", saved)
+    opt_b = offloaded(b, "cpu", loaded)
     for m, opt in ((a, opt_a), (b, opt_b)):
         loss_of(m, *batches(1, "cpu")[0]).backward()
         opt.step()

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     made = steps(args.numel)
     times: dict[str, list[float]] = {name: [] for name in made}
-    for name, step in made.items():
+    for step in made.values():
         step(1)
     # the formats take turns, and each keeps its fastest: on a shared machine the other
     # jobs' load comes and goes, and the fastest step is the one least disturbed

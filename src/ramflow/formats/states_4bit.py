@@ -16,13 +16,13 @@ ones used here (``torchao.optim.quant_utils``), on flat host buffers:
   0 turns ``m / sqrt(v)`` into a huge update. The paper's best second-moment scheme is
   rank-1 normalization (row and column maxima of a 2-D parameter, a tight scale per
   element); a unit's flat buffer mixes parameters of many shapes, so torchao and this
-  format use blocks of 128. With blocks, torchao's linear map on ``v`` reads every ``v``
-  under ``absmax / 32`` of its block as ``absmax / 16``, which shrinks those elements'
-  updates: on this project's accuracy runs (three seeds, an MoE and a dense model, 200
-  steps) it ended 0.3-1.9% above fp32's loss, over the 1% target in 4 of 6 runs. Coding
+  format use blocks of 128. With blocks, torchao's linear map on ``v`` raises every ``v``
+  under ``absmax / 16`` of its block to ``absmax / 16``, which shrinks those elements'
+  updates: in this project's accuracy runs it ended over the 1% target of fp32's loss
+  in most runs (docs/host-precision.md, "4-bit states"). Coding
   ``sqrt(v)`` puts that floor at ``absmax / 256`` and spaces the codes evenly in the
-  denominator the step divides by (as the 8-bit format codes ``sqrt(v)``); the results
-  are in benchmarks/results/2026-12-07-cpu-adam4bit.
+  denominator the step divides by (as the 8-bit format codes ``sqrt(v)``); docs/
+  host-precision.md ("4-bit states") links the runs.
 - codes rounded to nearest, as the paper and torchao do (no stochastic rounding), the
   codes of torchao's functions bit for bit, found faster (``quantize_4bit``);
 - two codes per byte, element ``2i`` in the high nibble (torchao's packing);

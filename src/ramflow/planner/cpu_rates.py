@@ -14,14 +14,17 @@ from typing import Any
 from ..formats.host import LEGACY_8BIT_NAME
 
 OPTIMIZER_SPEED_BY_ISA = {
-    "avx512": {"fp32": 1.0, "bf16": 2.09, "lean": 2.05, "kahan": 1.63},
-    "avx2": {"fp32": 1.0, "bf16": 2.05, "lean": 1.82, "kahan": 1.42},
+    "avx512": {"fp32": 1.0, "bf16": 2.09, "lean": 2.05, "kahan": 1.63, "lean4": 0.016},
+    "avx2": {"fp32": 1.0, "bf16": 2.05, "lean": 1.82, "kahan": 1.42, "lean4": 0.016},
 }
 """Each preset's CPU AdamW parameter rate over the fp32 one, by the instruction set its lean
 step runs (``kernels.lean_kernels.lean_isa``). Measured by ``benchmarks/cpu_optimizer_runner.py``
 on 16 threads of the GPU box, every format against ramflow's fp32 AdamW in one run; where
 and when is in docs/speed.md ("The CPU optimizer's rates"). Every step there rounds its bf16
-or 8-bit states stochastically and is bound by its arithmetic, not by DRAM."""
+or 8-bit states stochastically and is bound by its arithmetic, not by DRAM. ``lean4`` (4-bit
+states, coded by PyTorch ops around the lean kernel, no native code yet) is not from the GPU
+box: ``benchmarks/host_formats/adam4bit_rate.py`` on the 2-core development machine, the
+fastest of 40 steps of 1M parameters (docs/host-precision.md, "4-bit states")."""
 
 
 def _cpu_lean_isa() -> str:
@@ -61,6 +64,8 @@ def rated_as(name: str) -> str:
     master, states = ([*name.split("/"), "", ""])[:2]
     if states in ("fp8", LEGACY_8BIT_NAME):
         return "kahan" if master == "bf16-kahan" else "lean"
+    if states == "4bit":
+        return "lean4"
     return "bf16" if states == "bf16" else "fp32"
 
 
