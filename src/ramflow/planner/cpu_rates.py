@@ -14,8 +14,8 @@ from typing import Any
 from ..formats.host import LEGACY_8BIT_NAME
 
 OPTIMIZER_SPEED_BY_ISA = {
-    "avx512": {"fp32": 1.0, "bf16": 2.09, "lean": 2.05, "kahan": 1.63, "lean4": 0.016},
-    "avx2": {"fp32": 1.0, "bf16": 2.05, "lean": 1.82, "kahan": 1.42, "lean4": 0.016},
+    "avx512": {"fp32": 1.0, "bf16": 2.09, "lean": 2.05, "kahan": 1.63, "lean4": 0.011},
+    "avx2": {"fp32": 1.0, "bf16": 2.05, "lean": 1.82, "kahan": 1.42, "lean4": 0.011},
 }
 """Each preset's CPU AdamW parameter rate over the fp32 one, by the instruction set its lean
 step runs (``kernels.lean_kernels.lean_isa``). Measured by ``benchmarks/cpu_optimizer_runner.py``
@@ -23,8 +23,8 @@ on 16 threads of the GPU box, every format against ramflow's fp32 AdamW in one r
 and when is in docs/speed.md ("The CPU optimizer's rates"). Every step there rounds its bf16
 or 8-bit states stochastically and is bound by its arithmetic, not by DRAM. ``lean4`` (4-bit
 states, coded by PyTorch ops around the lean kernel, no native code yet) is not from the GPU
-box: ``benchmarks/host_formats/adam4bit_rate.py`` on the 2-core development machine, the
-fastest of 40 steps of 1M parameters (docs/host-precision.md, "4-bit states")."""
+box: ``benchmarks/host_formats/adam4bit_rate.py`` on 2 threads of the development machine,
+the fastest of 5 steps of 16M parameters (docs/host-precision.md, "4-bit states")."""
 
 
 def _cpu_lean_isa() -> str:
