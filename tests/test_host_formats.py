@@ -418,7 +418,7 @@ def test_policy_rejects_what_cannot_work():
         HostPrecision.lean().master = "fp32"  # frozen
 
 
-@pytest.mark.parametrize("preset", ["fp32", "bf16", "lean", "kahan"])
+@pytest.mark.parametrize("preset", ["fp32", "bf16", "lean", "kahan", "lean4"])
 def test_one_byte_model(preset):
     """``host_bytes`` (the store's, the estimate's and ``auto``'s) and
     ``bytes_per_parameter`` (the plan's) are one model: per trained parameter of a large

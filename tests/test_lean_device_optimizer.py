@@ -20,7 +20,7 @@ from ramflow.formats.host import HostPrecision
 from ramflow.planner.plan import LEAN_DEVICE_STEP_SCRATCH_BYTES
 from test_parity import mlp_batches, mse
 
-FORMATS = ["lean", "kahan", "bf16"]
+FORMATS = ["lean", "kahan", "bf16", "lean4"]
 
 
 def offload_first_two_on_device(model, device, precision: str) -> list[str]:
@@ -116,7 +116,7 @@ def decay_groups(model, lr: float) -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize("precision", ["lean", "kahan"])
+@pytest.mark.parametrize("precision", ["lean", "kahan", "lean4"])
 def test_units_in_two_param_groups_step_on_the_device(device, precision):
     """A unit whose parameters sit in two param groups (weights with decay, biases
     without) is stepped on the device run by run, not handed back to the host: the same

@@ -18,11 +18,12 @@ from torch import nn
 import ramflow
 from models import MLPStack, tiny_llama
 from ramflow.engine.host_store import RING_BUFFERS, choose_precision
+from ramflow.formats.states_4bit import dequantize_4bit, quantize_4bit
 from ramflow.kernels.lean_kernels import lean_adamw_step_, quantize_blockwise
 from ramflow.units.registry import engine_of_model
 from ramflow.units.unit import Unit, find_units
 
-PRESETS = ["bf16", "lean", "kahan"]
+PRESETS = ["bf16", "lean", "kahan", "lean4"]
 LR = 2e-3
 
 
@@ -55,7 +56,10 @@ class KernelReference:
             for k, p in enumerate(u.owned[: u.num_trainable]):
                 n = p.numel()
                 int8 = self.precision.optimizer_states == "fp8"
-                dtype = torch.bfloat16 if self.precision.optimizer_states == "bf16" else None
+                # 4-bit: the moments as fp32, coded and decoded around each step
+                dtype = {"bf16": torch.bfloat16, "4bit": torch.float32}.get(
+                    self.precision.optimizer_states
+                )
                 m = quantize_blockwise(torch.zeros(n), signed=True)[0] if int8 else None
                 v = quantize_blockwise(torch.zeros(n), signed=False)[0] if int8 else None
                 blocks = -(-n // 256)
@@ -79,6 +83,7 @@ class KernelReference:
     ) -> None:
         """One step; ``weight_decay``: one for all parameters, or each parameter's."""
         decays = weight_decay if isinstance(weight_decay, list) else [weight_decay] * len(grads)
+        four_bit = self.precision.optimizer_states == "4bit"
         for st, g, weight_decay in zip(self.params, grads, decays):
             lean_adamw_step_(
                 st["w"], g.reshape(-1).cpu(), st["m"], st["v"], step=step, lr=LR, beta1=0.9,
@@ -86,6 +91,10 @@ class KernelReference:
                 exp_avg_scale=st["am"], exp_avg_sq_scale=st["av"], seed=st["seed"],
                 counter_offset=st["offset"],
             )  # fmt: skip
+            if four_bit:  # the moments as the codes hold them
+                for k, signed in (("m", True), ("v", False)):
+                    codes, absmax = quantize_4bit(st[k], signed=signed)
+                    st[k] = dequantize_4bit(codes, absmax, st[k].numel(), signed=signed)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -194,8 +203,10 @@ def test_resume_from_state_dicts_is_exact(device, preset):
     resumed.load_state_dict(saved_model)
     ropt.load_state_dict(saved_opt)
     names = set(ropt.state[next(resumed.parameters())])
-    if preset != "bf16":
+    if preset in ("lean", "kahan"):
         assert {"exp_avg_scale", "exp_avg_sq_scale"} <= names
+    if preset == "lean4":
+        assert {"exp_avg_4bit", "exp_avg_4bit_scale", "exp_avg_sq_4bit_scale"} <= names
     train(resumed, ropt, data[4:])
     ramflow.synchronize(model)
     ramflow.synchronize(resumed)
@@ -452,12 +463,13 @@ def test_unknown_preset_and_unsupported_combinations():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_loading_another_formats_state_is_refused():
+@pytest.mark.parametrize("saved,loaded", [("bf16", "lean"), ("lean", "lean4"), ("lean4", "lean")])
+def test_loading_another_formats_state_is_refused(saved, loaded):
     torch.manual_seed(0)
     base = MLPStack()
     a, b = copy.deepcopy(base), copy.deepcopy(base)
-    opt_a = offloaded(a, "cpu", "bf16")
-    opt_b = offloaded(b, "cpu", "lean")
+    opt_a = offloaded(a, "cpu", saved)
+    opt_b = offloaded(b, "cpu", loaded)
     for m, opt in ((a, opt_a), (b, opt_b)):
         loss_of(m, *batches(1, "cpu")[0]).backward()
         opt.step()

@@ -19,6 +19,7 @@ from models import MLPStack
 
 LR = 1e-2
 LEAN = dict(device="cpu", wire_dtype=torch.bfloat16, host_precision="lean")
+LEAN4 = dict(device="cpu", wire_dtype=torch.bfloat16, host_precision="lean4")
 FP32 = dict(device="cpu")
 
 
@@ -137,12 +138,14 @@ def test_adamw_kept_after_undo_steps_as_torch(then):
     assert all(float(opt.state[p]["step"]) == 6 for p in model.parameters())
 
 
-def test_adamw_kept_after_lean_undo_steps_as_torch_from_its_states():
-    """After ``undo`` of a lean model, the optimizer's 8-bit moments become plain fp32
-    tensors (decoded), and it steps as PyTorch's AdamW loaded with its state dict."""
+@pytest.mark.parametrize("offload_kwargs", [LEAN, LEAN4], ids=["lean", "lean4"])
+def test_adamw_kept_after_lean_undo_steps_as_torch_from_its_states(offload_kwargs):
+    """After ``undo`` of a lean model, the optimizer's 8-bit (or 4-bit) moments become
+    plain fp32 tensors (decoded), and it steps as PyTorch's AdamW loaded with its state
+    dict."""
     torch.manual_seed(0)
     model = MLPStack()
-    ramflow.offload(model, **LEAN)
+    ramflow.offload(model, **offload_kwargs)
     opt = ramflow.optim.AdamW(model.parameters(), lr=LR)
     data = batches(5)
     train(model, opt, data[:2])
@@ -163,7 +166,7 @@ def test_adamw_kept_after_lean_undo_steps_as_torch_from_its_states():
 # ---- loading an empty state dict -----------------------------------------------------
 
 
-@pytest.mark.parametrize("offload_kwargs", [FP32, LEAN], ids=["fp32", "lean"])
+@pytest.mark.parametrize("offload_kwargs", [FP32, LEAN, LEAN4], ids=["fp32", "lean", "lean4"])
 def test_loading_an_empty_state_dict_restarts_the_moments(offload_kwargs):
     """Loading the state dict of an optimizer that never stepped resets it as PyTorch
     does: the next steps equal those of a new optimizer (zero moments, step 0)."""
@@ -186,7 +189,7 @@ def test_loading_an_empty_state_dict_restarts_the_moments(offload_kwargs):
 # ---- states made when the optimizer is built -----------------------------------------
 
 
-@pytest.mark.parametrize("offload_kwargs", [FP32, LEAN], ids=["fp32", "lean"])
+@pytest.mark.parametrize("offload_kwargs", [FP32, LEAN, LEAN4], ids=["fp32", "lean", "lean4"])
 def test_a_second_optimizer_takes_the_states_the_first_never_used(offload_kwargs):
     """States are made when an optimizer is built (see [Note: states made before the
     first step] in ``ramflow.optim.unit_states``), with ``opt.state`` empty as PyTorch's; a
@@ -212,7 +215,10 @@ def test_a_second_optimizer_takes_the_states_the_first_never_used(offload_kwargs
     assert_same(weights(model), weights(twin))
     third = ramflow.optim.AdamW(model.parameters(), lr=LR)  # ``second`` stepped: its own
     assert list(second.unit_states) == units and list(third.unit_states) == units
-    assert second.unit_states[units[0]]["exp_avg"] is not third.unit_states[units[0]]["exp_avg"]
+    first_moment = next(iter(second.unit_states[units[0]]))  # exp_avg, or its 4-bit codes
+    assert (
+        second.unit_states[units[0]][first_moment] is not third.unit_states[units[0]][first_moment]
+    )
 
 
 # ---- a plain torch.optim optimizer on lean host formats -------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 AUTO = "auto"
 """The choice that the run decides for itself (host formats, checkpointing, precision)."""
 
-HOST_PRECISION_PRESETS = ("fp32", "bf16", "lean", "kahan")
+HOST_PRECISION_PRESETS = ("fp32", "bf16", "lean", "kahan", "lean4")
 """``ramflow.HostPrecision``'s presets, by name (``HostPrecision.parse``)."""
 
 HOST_PRECISIONS = (*HOST_PRECISION_PRESETS, AUTO)

@@ -27,7 +27,14 @@ def _final(run: Path, name: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("name", "host_precision"),
-    [("lion", "fp32"), ("lion", "lean"), ("adafactor", "fp32"), ("sgd", "fp32"), ("muon", "fp32")],
+    [
+        ("lion", "fp32"),
+        ("lion", "lean"),
+        ("adafactor", "fp32"),
+        ("sgd", "fp32"),
+        ("muon", "fp32"),
+        ("adamw", "lean4"),
+    ],
 )
 def test_resume_equals_uninterrupted(
     tmp_path: Path, corpus_file: Path, ramflow_cli, fast, name: str, host_precision: str
@@ -71,6 +78,7 @@ def test_resume_equals_uninterrupted(
         "adafactor": ["row_var"],
         "sgd": ["momentum_buffer"],
         "muon": ["momentum_buffer", "exp_avg_sq"],  # hidden matrices; embeddings, norms
+        "adamw": ["exp_avg_4bit", "exp_avg_sq_4bit_scale"],  # lean4: the 4-bit codes
     }[name]
     for field in expected:
         assert any(field in f for f in fields), sorted(fields)[:5]
@@ -114,6 +122,7 @@ def test_make_optimizer_builds_ramflows_optimizers() -> None:
         (dict(optimizer="muon", host_precision="lean"), "--host-precision fp32"),
         (dict(optimizer="muon", device_optimizer=True), "drop --device-optimizer"),
         (dict(optimizer="lion", device_optimizer=True), "drop --device-optimizer"),
+        (dict(optimizer="lion", host_precision="lean4"), "--optimizer adamw"),
     ],
 )
 def test_combinations_refused(options: dict, match: str) -> None:

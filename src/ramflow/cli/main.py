@@ -190,7 +190,9 @@ def _shape_options(p: argparse.ArgumentParser) -> None:
         help="how master weights, AdamW states and host gradients are kept in RAM: fp32 "
         "(default; exact, about 20 bytes per parameter), bf16 (bf16 masters with stochastic "
         "rounding and bf16 states: 6), lean (bf16 masters, 8-bit states: 4), kahan (bf16 "
-        "masters with compensation, 8-bit states: 6), auto (fp32 where it fits this "
+        "masters with compensation, 8-bit states: 6), lean4 (bf16 masters, 4-bit AdamW "
+        "states, Li et al. 2023: 3.06; AdamW only, a slower CPU step), auto (fp32 where it "
+        "fits this "
         "machine's RAM with room to spare, else lean)",
     )
 

@@ -367,7 +367,7 @@ class Engine:
         warm_up_device_step(
             self.device,
             master_dtype=precision.master_format.dtype,
-            state_dtype=precision.state_format.dtype,
+            state_dtype=precision.state_format.kernel_dtype,
             compensated=precision.master_format.compensated,
         )
 

@@ -26,6 +26,7 @@ from ..kernels.lean_kernels import QBLOCK, dequantize_blockwise, quantize_blockw
 from .deferred_grad import compact_nbytes
 from .frozen import compressed_nbytes
 from .legacy_states import LEGACY_BLOCK, has_legacy_moments, is_legacy_name, pop_legacy_moments
+from .states_4bit import BLOCK_4BIT, STEP_CHUNK, dequantize_4bit, quantize_4bit, zero_code
 
 __all__ = ["HostPrecision", "check_optimizer_formats"]
 
@@ -172,6 +173,32 @@ class StateFormat:
             return dequantize_blockwise(value.reshape(-1), scale, signed=name == "exp_avg")
         return value
 
+    def moment_names(self, moment: str) -> tuple[str, ...]:
+        """The state tensors that hold ``moment`` (one of ``MOMENTS``): itself, and its
+        scale when block-wise."""
+        return (moment, moment + self.SCALE) if self.block else (moment,)
+
+    step_chunk: int | None = None
+    """Elements a step takes at once (formats whose moments the kernel reads decoded);
+    None: a piece whole."""
+
+    @property
+    def kernel_dtype(self) -> torch.dtype:
+        """The states' dtype as the lean kernel reads them (``lean_adamw_step_``)."""
+        return self.dtype
+
+    def kernel_moments(self, views: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+        """The lean kernel's state arguments (``exp_avg``, ``exp_avg_sq`` and, block-wise,
+        their scales) for ``n`` elements whose states are ``views``: the views themselves,
+        which the kernel steps in place (``store_moments`` has nothing to do)."""
+        return {name: views[name] for name in self.state_names}
+
+    def store_moments(
+        self, views: dict[str, torch.Tensor], moments: dict[str, torch.Tensor]
+    ) -> None:
+        """After the kernel stepped ``kernel_moments``' tensors: write them into ``views``
+        (nothing here: they were the views)."""
+
     def new(self, name: str, n: int) -> torch.Tensor:
         """State ``name`` for ``n`` elements, at zero: codes of zero (any scale reads them
         as zero; a step writes its own)."""
@@ -185,6 +212,80 @@ class StateFormat:
             zero, _ = quantize_blockwise(torch.zeros(self.block), signed=name == "exp_avg")
             return torch.full((n,), int(zero[0]), dtype=zero.dtype)
         return torch.zeros(n, dtype=self.dtype)
+
+
+@dataclass(frozen=True)
+class FourBitStateFormat(StateFormat):
+    """AdamW's states in 4 bits per element with one fp32 absmax per block of 128 (Li et
+    al. 2023, torchao's ``AdamW4bit``): see [Note: 4-bit AdamW states] in
+    ``formats.states_4bit``. A moment's codes are ``<moment>_4bit`` (uint8, two per byte:
+    half as many bytes as elements) and its absmax ``<moment>_4bit_scale``; names of their
+    own, so that a checkpoint's states say their format (``saved_state_shape``)."""
+
+    CODES = "_4bit"
+    SCALE = "_4bit_scale"
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return tuple(m + self.CODES for m in MOMENTS) + tuple(m + self.SCALE for m in MOMENTS)
+
+    def moment_names(self, moment: str) -> tuple[str, ...]:
+        return (moment + self.CODES, moment + self.SCALE)
+
+    def bytes_per_parameter(self, num_states: int = len(MOMENTS)) -> float:
+        """Half a byte per element of each state, plus 4 bytes per block of 128."""
+        return num_states * (0.5 + 4 / BLOCK_4BIT)
+
+    @property
+    def kernel_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def numel(self, name: str, n: int) -> int:
+        """Blocks for a scale; half a block's elements per block for codes (whole blocks:
+        see [Note: 4-bit AdamW states])."""
+        blocks = -(-n // BLOCK_4BIT)
+        return blocks if name.endswith(self.SCALE) else blocks * BLOCK_4BIT // 2
+
+    def view(self, name: str, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """The blocks that cover ``lo:hi``; ``lo`` starts a block (``STEP_ALIGN``)."""
+        blocks = slice(lo // BLOCK_4BIT, -(-hi // BLOCK_4BIT))
+        if name.endswith(self.SCALE):
+            return flat[blocks]
+        return flat[blocks.start * BLOCK_4BIT // 2 : blocks.stop * BLOCK_4BIT // 2]
+
+    def encode(self, name: str, value: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
+        codes, absmax = quantize_4bit(value, signed=name == "exp_avg")
+        views[name + self.CODES].copy_(codes.view_as(views[name + self.CODES]))
+        views[name + self.SCALE].copy_(absmax)
+
+    def decode(self, name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Moment ``name``'s values, its codes and absmax taken out of ``state``: whole
+        blocks (the caller drops what is past its parameter's end)."""
+        codes = state.pop(name + self.CODES).reshape(-1)
+        absmax = state.pop(name + self.SCALE).reshape(-1)
+        return dequantize_4bit(codes, absmax, 2 * codes.numel(), signed=name == "exp_avg")
+
+    def new(self, name: str, n: int) -> torch.Tensor:
+        """Codes of zero and zero absmax: every value reads as 0."""
+        if name.endswith(self.SCALE):
+            return torch.zeros(self.numel(name, n), dtype=torch.float32)
+        code = zero_code(signed=name.startswith(MOMENTS[0] + self.CODES))
+        return torch.full((self.numel(name, n),), code, dtype=torch.uint8)
+
+    def kernel_moments(self, views: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+        """The moments of ``n`` elements decoded to fp32, for the kernel to step."""
+        return {
+            m: dequantize_4bit(
+                views[m + self.CODES], views[m + self.SCALE], n, signed=m == "exp_avg"
+            )
+            for m in MOMENTS
+        }
+
+    def store_moments(
+        self, views: dict[str, torch.Tensor], moments: dict[str, torch.Tensor]
+    ) -> None:
+        for m in MOMENTS:
+            self.encode(m, moments[m], views)
 
 
 @dataclass(frozen=True)
@@ -222,6 +323,7 @@ OPTIMIZER_STATES = {
         StateFormat("fp32", torch.float32),
         StateFormat("bf16", torch.bfloat16),
         StateFormat("fp8", torch.uint8, block=QBLOCK),
+        FourBitStateFormat("4bit", torch.uint8, block=BLOCK_4BIT, step_chunk=STEP_CHUNK),
     )
 }
 GRADIENTS = {
@@ -368,8 +470,15 @@ class HostPrecision:
         return cls(master="bf16-kahan", optimizer_states="fp8", gradients="ring")
 
     @classmethod
+    def lean4(cls) -> HostPrecision:
+        """bf16 masters with stochastic rounding, 4-bit states (Li et al. 2023), a gradient
+        ring: 3.06 bytes per trained parameter."""
+        return cls(master="bf16-sr", optimizer_states="4bit", gradients="ring")
+
+    @classmethod
     def parse(cls, value: HostPrecision | str | None) -> HostPrecision:
-        """A policy from a preset's name (``"fp32"``, ``"bf16"``, ``"lean"``, ``"kahan"``),
+        """A policy from a preset's name (``"fp32"``, ``"bf16"``, ``"lean"``, ``"kahan"``,
+        ``"lean4"``),
         a policy (returned as is) or None (``fp32()``).
 
         Raises:
@@ -620,6 +729,14 @@ def moments_into(
     return views
 
 
+def holds_moments(state: dict) -> bool:
+    """Whether one parameter's optimizer ``state`` holds AdamW's first moment, in any
+    state format (or the 8-bit format before the FP8 code)."""
+    return any(
+        name in state for f in OPTIMIZER_STATES.values() for name in f.moment_names(MOMENTS[0])
+    )
+
+
 def moments_to_plain(state: dict, p: torch.Tensor, *, plain: bool) -> None:
     """``state``'s moments, as a unit's host format keeps them (whichever format holds
     exactly these state tensors), made plain tensors in place: block-wise ones decoded, a
@@ -632,10 +749,11 @@ def moments_to_plain(state: dict, p: torch.Tensor, *, plain: bool) -> None:
         OPTIMIZER_STATES["fp32"],
     )
     for name in MOMENTS:
-        if name not in state:
+        if name not in legacy and not set(fmt.moment_names(name)) <= state.keys():
             continue
         value = legacy[name] if name in legacy else fmt.decode(name, state)
-        value = value.detach().to(torch.float32).view(p.shape)
+        # a 4-bit moment of a parameter of odd size decodes one element more
+        value = value.detach().to(torch.float32).reshape(-1)[: p.numel()].view(p.shape)
         state[name] = value.to(p.device, p.dtype, copy=True) if plain else value.clone()
     for master in MASTERS.values():
         for name in master.state_names:
@@ -658,11 +776,12 @@ def upgrade_legacy_state(precision: HostPrecision, state: dict) -> dict:
     decoded = pop_legacy_moments(out)
     fmt = precision.state_format
     for name, value in decoded.items():
-        views = {
-            k: fmt.new(k, value.numel()) for k in (name, name + fmt.SCALE) if k in fmt.state_names
-        }
+        views = {k: fmt.new(k, value.numel()) for k in fmt.moment_names(name)}
         fmt.encode(name, value, views)
-        views[name] = views[name].view(out[name].shape)
+        if name in views:  # per element: the parameter's shape
+            views[name] = views[name].view(out[name].shape)
+        else:  # a format whose moments have names of their own (4-bit)
+            del out[name]
         out.update(views)
     return out
 
@@ -703,7 +822,14 @@ def check_optimizer_formats(precision: HostPrecision, optimizer: Any) -> None:
     else:
         name = type(optimizer).__name__
     if precision.is_exact or name.lower() in _LEAN_OPTIMIZERS:
-        return
+        if name.lower() == "adamw" or precision.state_format.step_chunk is None:
+            return
+        # Lion's step reads its one moment as the 8-bit and bf16 formats hold it
+        raise ValueError(
+            f"{name} has no CPU step for optimizer_states={precision.optimizer_states!r} "
+            f"({precision.spelled}): those states are AdamW's. Use ramflow.optim.AdamW, or "
+            "host_precision='lean' with Lion"
+        )
     raise ValueError(
         f"{name} has no CPU step for {precision.spelled} (master={precision.master!r}, "
         f"optimizer_states={precision.optimizer_states!r}). Combinations that work: any "

@@ -215,28 +215,35 @@ class LeanAdamW:
     ) -> None:
         """Step elements ``lo:hi`` of the flat ``master`` (``grad`` is theirs, multiplied
         by ``grad_scale`` as it is read); ``lo`` is a multiple of ``STEP_ALIGN``, so the
-        rounding and the 8-bit blocks are those of the whole unit."""
-        # this piece of each state (the state tensors' names are the kernel's arguments)
-        st = {name: fmt.state_view(name, states[name], lo, hi) for name in fmt.state_names}
-        lean_adamw_step_(
-            master[lo:hi],
-            grad,
-            st.pop("exp_avg"),
-            st.pop("exp_avg_sq"),
-            step=step,
-            lr=settings.lr,
-            beta1=settings.beta1,
-            beta2=settings.beta2,
-            eps=settings.eps,
-            weight_decay=settings.weight_decay,
-            grad_scale=grad_scale,
-            compensation=st.pop(MasterFormat.COMPENSATION, None),
-            **st,
-            wire_out=wire_out,
-            seed=seed,
-            counter_offset=lo,
-            num_threads=threads,
-        )
+        rounding and the 8-bit blocks are those of the whole unit. A state format whose
+        moments the kernel reads decoded (4-bit) is stepped ``step_chunk`` elements at a
+        time: the same bits, as each element's rounding counter and each block are the
+        whole unit's."""
+        states_format = fmt.state_format
+        chunk = states_format.step_chunk or max(hi - lo, 1)
+        for a in range(lo, hi, chunk):
+            b = min(hi, a + chunk)
+            # this chunk of each state (the state tensors' names are the kernel's arguments)
+            st = {name: fmt.state_view(name, states[name], a, b) for name in fmt.state_names}
+            moments = states_format.kernel_moments(st, b - a)
+            lean_adamw_step_(
+                master[a:b],
+                grad[a - lo : b - lo],
+                step=step,
+                lr=settings.lr,
+                beta1=settings.beta1,
+                beta2=settings.beta2,
+                eps=settings.eps,
+                weight_decay=settings.weight_decay,
+                grad_scale=grad_scale,
+                compensation=st.get(MasterFormat.COMPENSATION),
+                **moments,
+                wire_out=_cut(wire_out, a - lo, b - lo),
+                seed=seed,
+                counter_offset=a,
+                num_threads=threads,
+            )
+            states_format.store_moments(st, moments)
 
     def host_step(
         self,

@@ -22,7 +22,7 @@ import torch
 from torch.optim import sgd as _sgd
 
 from ..engine.engine import Engine
-from ..formats.host import moments_into, moments_to_plain
+from ..formats.host import holds_moments, moments_into, moments_to_plain
 from ..formats.steps import LEAN, AdamWSettings, FlatStep, adamw_for
 from ..kernels.cpu_kernels import check_threads, odd_tails
 from ..units.registry import engine_of_param
@@ -180,12 +180,24 @@ class AdamW(HostOptimizer):
         """``p``'s engine was removed (``ramflow.undo``): its moments become plain tensors.
         See [Note: parameters that change hands]."""
         st = self.state.get(p)
-        if st and "exp_avg" in st:
+        if st and holds_moments(st):
             moments_to_plain(st, p, plain=engine_of_param(p) is None)
 
     def _new_flats(self, unit: Unit, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """New flat states of ``unit`` in its host format (``HostPrecision.new_state``)."""
+        """New flat states of ``unit`` in its host format (``HostPrecision.new_state``).
+
+        Raises:
+            ValueError: a name the format does not keep (a state dict saved with another
+                host format, whose states have names of their own, e.g. 4-bit's).
+        """
         fmt = format_of(unit)
+        foreign = [name for name in names if name not in fmt.state_names]
+        if foreign:
+            raise ValueError(
+                f"optimizer states {foreign} are not kept by this model's host format "
+                f"({fmt.spelled}, states {list(fmt.state_names)}): load a state saved with "
+                "the same host_precision (ramflow.offload(..., host_precision=...))"
+            )
         return {name: fmt.new_state(name, unit.trainable_numel) for name in names}
 
     def _unit_state_names(self, unit: Unit) -> tuple[str, ...]:

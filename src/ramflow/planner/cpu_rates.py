@@ -17,14 +17,17 @@ from ..formats.host import HostPrecision
 from .predict import Rates
 
 OPTIMIZER_SPEED_BY_ISA = {
-    "avx512": {"fp32": 1.0, "bf16": 2.09, "lean": 2.05, "kahan": 1.63},
-    "avx2": {"fp32": 1.0, "bf16": 2.05, "lean": 1.82, "kahan": 1.42},
+    "avx512": {"fp32": 1.0, "bf16": 2.09, "lean": 2.05, "kahan": 1.63, "lean4": 0.011},
+    "avx2": {"fp32": 1.0, "bf16": 2.05, "lean": 1.82, "kahan": 1.42, "lean4": 0.011},
 }
 """Each preset's CPU AdamW parameter rate over the fp32 one, by the instruction set its lean
 step runs (``kernels.lean_kernels.lean_isa``). Measured by ``benchmarks/cpu_optimizer_runner.py``
 on 16 threads of the GPU box, every format against ramflow's fp32 AdamW in one run; where
 and when is in docs/speed.md ("The CPU optimizer's rates"). Every step there rounds its bf16
-or 8-bit states stochastically and is bound by its arithmetic, not by DRAM."""
+or 8-bit states stochastically and is bound by its arithmetic, not by DRAM. ``lean4`` (4-bit
+states, coded by PyTorch ops around the lean kernel, no native code yet) is not from the GPU
+box: ``benchmarks/host_formats/adam4bit_rate.py`` on 2 threads of the development machine,
+the fastest of 5 steps of 16M parameters (docs/host-precision.md, "4-bit states")."""
 
 
 def _cpu_lean_isa() -> str:
@@ -58,11 +61,14 @@ def rated_as(precision: HostPrecision | None) -> str:
         precision: the host formats; None: fp32 (``Rates.host_precision``'s default).
 
     Returns:
-        The key of ``OPTIMIZER_SPEED``: ``"fp32"``, ``"bf16"``, ``"lean"`` or ``"kahan"``.
+        The key of ``OPTIMIZER_SPEED``: ``"fp32"``, ``"bf16"``, ``"lean"``, ``"kahan"`` or
+        ``"lean4"``.
     """
     if precision is None:
         return "fp32"
     states = precision.state_format
+    if states.step_chunk is not None:  # 4-bit codes, decoded around the lean kernel
+        return "lean4"
     if states.block:  # 8-bit codes with per-block scales
         return "kahan" if precision.master_format.compensated else "lean"
     return "bf16" if states.dtype == torch.bfloat16 else "fp32"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..choices import AUTO, CHECKPOINTING_MODES, COMPUTE_PRECISIONS, HOST_PRECISIONS
-from ..formats.host import HostPrecision
+from ..formats.host import HostPrecision, check_optimizer_formats
 from ..sizes import parse_bytes
 from .generation import resolve_model_dir
 from .hub import resolve_hub_model
@@ -247,6 +247,15 @@ class TrainConfig:
                 "--host-precision fp32, or --optimizer adamw or lion, which step every host "
                 "format"
             )
+        if self.optimizer == "lion" and isinstance(self.host_precision, HostPrecision):
+            try:
+                check_optimizer_formats(self.host_precision, "Lion")
+            except ValueError:
+                raise ValueError(
+                    f"--optimizer lion has no step for --host-precision "
+                    f"{self.host_precision.name} (its states are AdamW's): use --optimizer "
+                    "adamw, or --host-precision lean"
+                ) from None
         if self.checkpointing not in CHECKPOINTING_MODES:
             raise ValueError(
                 f"--checkpointing {self.checkpointing!r}: choose one of {', '.join(CHECKPOINTING_MODES)}"
