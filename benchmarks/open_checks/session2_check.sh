@@ -13,6 +13,9 @@
 set -u
 PART=${1:?usage: session2_check.sh predict|tests|moe|final|moebench}
 export PYTHONUNBUFFERED=1
+# every part needs the carried wheels: the GPU suite imports diffusers at collection (a
+# session-3 call without them stopped there), the peers need DeepSpeed and RamTorch
+ls .whl/*.whl > /dev/null 2>&1 || { echo "no .whl/ here: call run with carry [\".whl\"] (fetch_wheels.sh makes it)" | tee "$OUT/NO-WHEELS.txt"; exit 3; }
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=$PWD/src:/tmp/site
 commit=$(git log -1 --format=%h 2>/dev/null || echo unknown)
@@ -21,7 +24,7 @@ commit=$(git log -1 --format=%h 2>/dev/null || echo unknown)
 case "$PART" in
 predict)
   RAMFLOW_BENCH_COMMIT=$commit timeout 260 python3 benchmarks/bench.py --floors --ramflow \
-    --only train --host-precision lean --budget-s 230 --out-dir /tmp/bench-lean > "$OUT/bench.log" 2>&1
+    --only floors --only train --host-precision lean --budget-s 230 --out-dir /tmp/bench-lean > "$OUT/bench.log" 2>&1
   cp /tmp/bench-lean/*/*.json "$OUT/" 2>/dev/null
   for i in 1 2; do
     RAMFLOW_BENCH_COMMIT=$commit timeout 80 python3 benchmarks/bench.py --ramflow \
