@@ -60,7 +60,7 @@ test-newest: $(TEST_STAMP)
 	    -c $(VENV)/torch-held.txt -e ".[hf,dev]"
 	$(BIN)/python -c "import accelerate, torch, transformers as t; \
 	    print('torch', torch.__version__, 'transformers', t.__version__, 'accelerate', accelerate.__version__)"
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 train: $(STAMP)
 	$(BIN)/ramflow train $(ARGS)

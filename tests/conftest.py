@@ -57,3 +57,20 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 def device(request) -> torch.device:
     """Each parity test runs on the CPU (CI) and, marked ``gpu``, on CUDA."""
     return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """accelerate keeps its state (mixed precision, the gradient-accumulation plugin) in
+    process-wide singletons that every ``Accelerator`` and ``Trainer`` of the process
+    shares: a ``Trainer(bf16=True)`` test left ``mixed_precision="bf16"`` for a later test's
+    ``Accelerator(cpu=True)`` in the same xdist worker (test_diffusers' accelerate test then
+    stepped another model). Reset after each test, as accelerate's own ``AccelerateTestCase``
+    does; nothing when the test never imported accelerate."""
+    yield
+    import sys
+
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(True)
+        state.GradientState._reset_state()

@@ -26,7 +26,8 @@ Every ramflow case is set up as ``ramflow train`` sets it up: the memory plan
 (``estimate_run_memory``, checkpointing ``auto``, the device budget ``--gpu-memory``), the
 model built on the meta device and drawn unit by unit into the host store in its final
 format (``build_offloaded``: no full fp32 model exists), the chunked loss, bf16 autocast,
-``ramflow.optim.AdamW`` with ``keep_grads=True``, global-norm clipping at 1.0 folded into the
+``ramflow.optim.AdamW`` as ``ramflow train`` builds it (lean: ``keep_grads=False, clips=True``,
+the compact deferred gradient), global-norm clipping at 1.0 folded into the
 step, random tokens. Per row: tokens/s; MFU on the active parameters with causal attention
 (``ramflow.train.flops.model_flops_per_token`` over the device's dense bf16 peak); host
 peak (VmHWM of the case's process, its children's included) against the plan's RAM
@@ -289,7 +290,7 @@ def fitting_layers(args, host, wire, compute, budget) -> int:
             device_budget_bytes=budget,
             checkpointing=args.checkpointing,
             host_precision=host,
-            full_gradients=True,
+            held_gradients="codes" if host.compact_deferred else "grads",
         )
         return est.ram_needed_bytes
 
@@ -361,7 +362,9 @@ def run_ramflow(case: Case, args, out: Path) -> None:
         device_budget_bytes=budget,
         checkpointing=args.checkpointing,
         host_precision=host,
-        full_gradients=True,  # the loop clips: every gradient before a step, as ramflow train
+        # the loop clips, as ramflow train: each unit's gradient held to the step, in 8-bit
+        # codes under lean formats (``train.gradient_holding``), else in the master's dtype
+        held_gradients="codes" if host.compact_deferred else "grads",
         speed=SpeedInputs(timing_rates=rates, matmul_flops_per_s=matmul) if cuda else None,
         lora=LoraSizing(args.lora_rank) if case.lora else None,
     )
@@ -384,7 +387,13 @@ def run_ramflow(case: Case, args, out: Path) -> None:
     build_s = time.perf_counter() - t0
     params = [p for p in model.parameters() if p.requires_grad]
     opt = ramflow.optim.AdamW(
-        params, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1, overlap=True, keep_grads=True
+        params,
+        lr=1e-5,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        overlap=True,
+        keep_grads=not host.compact_deferred,
+        clips=host.compact_deferred,
     )
     m = args.grad_accum
     flops_per_token = model_flops_per_token(model, seq_len=args.seq)

@@ -384,7 +384,8 @@ def test_a_module_repeated_in_a_module_list_shares_its_unit_and_trains_as_reside
     units: list[str] | None,
 ) -> None:
     """Its names (``layers.1``, ``layers.2``) are one unit, loaded by both calls; training
-    computes what the resident model computes (the same losses, bit for bit, in fp32). Given
+    computes what the resident model computes (the first loss bit for bit in fp32, the
+    later ones and the weights within the optimizers' last-bit rounding). Given
     by name, ``layers.2`` was refused as "no submodule" before."""
     torch.manual_seed(0)
     resident = _Stack()
@@ -393,7 +394,7 @@ def test_a_module_repeated_in_a_module_list_shares_its_unit_and_trains_as_reside
     opt = ramflow.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(resident.parameters(), lr=1e-2)
     x = torch.randn(8, 16)
-    for _ in range(3):
+    for step in range(3):
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
@@ -402,9 +403,15 @@ def test_a_module_repeated_in_a_module_list_shares_its_unit_and_trains_as_reside
         ref.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        assert torch.equal(loss.detach(), ref.detach())
+        if step == 0:  # the same weights: the same forward, bit for bit
+            assert torch.equal(loss.detach(), ref.detach())
+        else:  # after a step: within the optimizers' last-bit difference (below)
+            torch.testing.assert_close(loss.detach(), ref.detach())
     ramflow.undo(model)
-    # the host AdamW rounds its last bit unlike torch's, for any model: close, not equal
+    # the host AdamW rounds its last bit unlike torch's, for any model (how often depends on
+    # the CPU's instruction set: bit-equal losses after a step held on one CI machine and
+    # not on the next): close, not equal; a shared unit stepped twice, or once per call,
+    # would be off by a whole step (lr 1e-2), far outside assert_close's 1.3e-6
     for (name, p), q in zip(model.named_parameters(), resident.parameters()):
         torch.testing.assert_close(p, q, msg=name)
 

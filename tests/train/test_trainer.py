@@ -363,7 +363,7 @@ def test_keep_checkpoints_zero_writes_none_and_needs_no_disk(
     monkeypatch.setattr(memory_estimate.shutil, "disk_usage", full_disk)
     refused = tmp_path / "refused"
     assert ramflow_cli("train", "--steps", "2", "--data", corpus_file, "--out", refused, *fast)
-    assert "--keep-checkpoints 0 to write none" in capsys.readouterr().err
+    assert "it fits with --keep-checkpoints 0 (no checkpoint written)" in capsys.readouterr().err
     assert not refused.exists()
     run = tmp_path / "run"
     args = ("train", "--steps", "3", "--eval-every", "0", "--data", corpus_file, *fast)
