@@ -299,8 +299,27 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoint_before(
     )
     assert "rc=2" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     line = _one_error_line(done.stderr)
+    # the save's words, or those of a log write that met the full disk first
     assert "the disk is full" in line and "is kept" in line
     assert "ok " in done.stdout  # the checkpoint before the failed save verifies
+
+
+def test_a_full_disk_outside_a_save_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    """ENOSPC from a write that is not a checkpoint's (a log line, the loss plot) is worded
+    as the save's is, naming the file: the tmpfs test above meets it when the disk fills
+    between two saves. Any other error, and a message already worded, pass through."""
+    import errno
+
+    from ramflow.train.run_checkpoint import disk_full_error
+
+    err = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "log.jsonl"))
+    out = disk_full_error(err, tmp_path / "run" / "checkpoints")
+    assert out is not None and out.errno == errno.ENOSPC
+    text = str(out)
+    assert text.startswith("the disk is full: writing ") and "log.jsonl" in text
+    assert "no complete checkpoint was written before" in text and "--resume" in text
+    assert disk_full_error(out, tmp_path) is None  # worded once
+    assert disk_full_error(OSError(errno.EACCES, "Permission denied"), tmp_path) is None
 
 
 # ---------------------------------------------------------------- 5. RAM of every rank

@@ -546,6 +546,39 @@ def _write_failure(err: BaseException, step: int, root: Path) -> OSError | None:
     )
 
 
+def disk_full_error(err: OSError, checkpoints: Path) -> OSError | None:
+    """The one-line error of a run stopped by a full disk (ENOSPC or a quota) outside a
+    checkpoint's save (a log line, the loss plot, a tracker's file), naming the file and
+    the last complete checkpoint in ``checkpoints``; None for another error, or one that
+    ``_write_failure`` already worded.
+
+    Args:
+        err: the error that ended the run.
+        checkpoints: the run's checkpoints folder (it may not exist).
+
+    Returns:
+        An ``OSError`` with errno ENOSPC to raise from ``err``, or None.
+    """
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT) or str(err).startswith("the disk is full"):
+        return None
+    try:
+        latest = _read_latest(checkpoints) if checkpoints.is_dir() else None
+    except (CheckpointError, OSError):
+        latest = None
+    kept = (
+        f"the last complete checkpoint, {checkpoints / latest}, is kept"
+        if latest is not None
+        else "no complete checkpoint was written before"
+    )
+    where = f" writing {err.filename}" if err.filename else ""
+    out = OSError(
+        f"the disk is full:{where} no space left on device, and the run stopped; {kept}. "
+        "Free space or move the run folder to a larger disk, then --resume it"
+    )
+    out.errno = errno.ENOSPC
+    return out
+
+
 def _write_rank_files(
     tmp: Path,
     optimizer: torch.optim.Optimizer,

@@ -84,6 +84,7 @@ from .run_checkpoint import (
     Checkpoint,
     CheckpointError,
     check_num_ranks,
+    disk_full_error,
     find_checkpoint,
     open_checkpoint,
     remove_stale_temporaries,
@@ -269,8 +270,9 @@ def train(
         RunFolderInUse: another live process holds the run folder's lock (see [Note: the
             run folder's lock] in ``run_lock.py``).
         OSError: the disk cannot hold the checkpoints the run writes (two at once while
-            saving, when it saves more than once); the disk filled up during a save (the
-            earlier checkpoint is kept).
+            saving, when it saves more than once); the disk filled up during a save or
+            another write of the run (a log line, the plot): one line naming the file and
+            the checkpoint that is kept.
         LossDiverged: the training loss became NaN or infinite (the last checkpoint is kept).
         ModuleNotFoundError: ``log_to`` names TensorBoard, which is not installed.
         KeyboardInterrupt: a second Ctrl-C or SIGTERM (the last checkpoint stays).
@@ -294,6 +296,11 @@ def train(
             log_to=log_to,
             zero_stage=zero_stage,
         )
+    except OSError as err:  # a full disk outside a save: one line that says what is kept
+        full = disk_full_error(err, Path(out) / "checkpoints") if out is not None else None
+        if full is None:
+            raise
+        raise full from err
     finally:
         if own_group:
             ranks.stop()
