@@ -242,6 +242,9 @@ def _dropped_in_a_cycle(layer: ramflow.Linear) -> weakref.ref:
         layer(x).sum().backward()
         opt.step()
         opt.zero_grad()
+    # its last steps done: a step still on the engine's worker holds the optimizer (as it
+    # should), which under load outlived the next line's new optimizer (a ci12 failure)
+    ramflow.synchronize(layer)
     return weakref.ref(opt)
 
 
